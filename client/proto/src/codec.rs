@@ -1,0 +1,113 @@
+//! Encoding and validated decoding of wire messages.
+
+use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
+use rkyv::bytecheck::CheckBytes;
+use rkyv::rancor;
+use rkyv::ser::allocator::ArenaHandle;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// A message that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed message ({len} bytes): {reason}")]
+pub struct DecodeError {
+    /// Size of the rejected message.
+    pub len: usize,
+    /// What the validator found.
+    pub reason: String,
+}
+
+/// Encodes a message into an aligned byte buffer.
+pub fn encode<T>(value: &T) -> AlignedVec
+where
+    T: for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>,
+{
+    rkyv::to_bytes::<rancor::Error>(value)
+        .expect("serializing into a growable in-memory buffer cannot fail")
+}
+
+/// Validates and decodes a message from untrusted bytes. Misaligned input is copied into an
+/// aligned buffer first; any structural error is reported, never trusted.
+pub fn decode<T>(bytes: &[u8]) -> Result<T, DecodeError>
+where
+    T: Archive,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+        + Deserialize<T, HighDeserializer<rancor::Error>>,
+{
+    let fail = |e: rancor::Error| DecodeError { len: bytes.len(), reason: e.to_string() };
+    if bytes.as_ptr() as usize % 16 == 0 {
+        rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(fail)
+    } else {
+        let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::from_bytes::<T, rancor::Error>(&aligned).map_err(fail)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ChunkKey, Request, Response};
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip() {
+        let req = Request::Lookup { keys: vec![ChunkKey::new(1, [2; 32])], lease: true };
+        let bytes = encode(&req);
+        assert_eq!(decode::<Request>(&bytes).unwrap(), req);
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&bytes);
+        assert_eq!(decode::<Request>(&shifted[1..]).unwrap(), req);
+    }
+
+    #[test]
+    fn empty_and_garbage_are_rejected() {
+        assert!(decode::<Request>(&[]).is_err());
+        assert!(decode::<Request>(&[0xff; 64]).is_err());
+    }
+
+    fn arb_key() -> impl Strategy<Value = ChunkKey> {
+        (any::<u64>(), any::<[u8; 32]>()).prop_map(|(n, d)| ChunkKey::new(n, d))
+    }
+
+    fn arb_request() -> impl Strategy<Value = Request> {
+        prop_oneof![
+            Just(Request::Ping),
+            (prop::collection::vec(arb_key(), 0..20), any::<bool>())
+                .prop_map(|(keys, lease)| Request::Lookup { keys, lease }),
+            (prop::collection::vec(arb_key(), 0..20), prop::collection::vec(any::<u64>(), 0..20))
+                .prop_map(|(keys, lens)| Request::Reserve { keys, lens }),
+            prop::collection::vec(arb_key(), 0..20).prop_map(|keys| Request::Evict { keys }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn any_request_round_trips(req in arb_request()) {
+            prop_assert_eq!(decode::<Request>(&encode(&req)).unwrap(), req);
+        }
+
+        /// Mutated, truncated or random bytes decode to an error or to some valid message:
+        /// never a panic, never undefined behaviour.
+        #[test]
+        fn corrupted_requests_never_panic(
+            req in arb_request(),
+            flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut bytes = encode(&req).to_vec();
+            for (i, v) in flips {
+                let i = i.index(bytes.len());
+                bytes[i] ^= v;
+            }
+            let cut = cut.index(bytes.len() + 1);
+            let _ = decode::<Request>(&bytes[..cut]);
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<Request>(&bytes);
+            let _ = decode::<Response>(&bytes);
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! Wire types and identities shared by every OrbitKV process.
+//!
+//! This crate has no runtime dependencies so that engines can link it: it defines the chunk
+//! identity ([`ChunkKey`], chained prefix hashing), the namespace descriptor, the bootstrap and
+//! request/response messages (rkyv, validated on receipt), error codes, and the human units used
+//! by every command line.
+
+#![deny(unsafe_code)]
+
+mod codec;
+mod error;
+mod hashing;
+mod key;
+mod messages;
+mod namespace;
+mod paths;
+mod units;
+
+pub use codec::{decode, encode, DecodeError};
+pub use error::ErrorCode;
+pub use hashing::{prefix_digests, PrefixHasher, PREFIX_SEED};
+pub use key::{ChunkKey, Digest};
+pub use messages::{
+    ArchivedRequest, ArchivedResponse, Bootstrap, ChunkOutcome, Hit, Request, Response, SlotRef,
+    Tier, Welcome, PROTOCOL_VERSION,
+};
+pub use namespace::{Dtype, NamespaceDescriptor, NamespaceError, NamespaceId};
+pub use paths::{admin_socket_path, default_socket_path, SOCKET_ENV};
+pub use units::{format_bytes, parse_duration, parse_size, UnitError};

@@ -1,0 +1,248 @@
+//! Bootstrap (Unix socket) and request/response (iceoryx2) messages.
+//!
+//! Messages carry keys, arena offsets, lengths and generations, never payload bytes.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
+
+/// Version of this protocol; a client and server must agree exactly.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Messages on the bootstrap Unix socket, client to server. Framed as a u32 little-endian
+/// length followed by the rkyv bytes.
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub enum Bootstrap {
+    /// Opens a session.
+    Hello {
+        /// [`PROTOCOL_VERSION`] of the client.
+        protocol_version: u32,
+        /// Free-form client name for `ctl sessions` (at most 64 bytes are kept).
+        client_name: String,
+    },
+}
+
+/// The server's answer to [`Bootstrap::Hello`]. The arena memfd travels with it
+/// (`SCM_RIGHTS`) when the session was opened.
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub enum Welcome {
+    /// The session is open.
+    Accepted {
+        /// [`PROTOCOL_VERSION`] of the server.
+        protocol_version: u32,
+        /// Session id, unique for the server's lifetime.
+        session_id: u64,
+        /// The shard that serves this session's requests.
+        home_shard: u32,
+        /// Shard count of this server run.
+        shards: u32,
+        /// Size of the arena memfd in bytes.
+        arena_bytes: u64,
+        /// iceoryx2 root path shared by server and clients.
+        iox_root: String,
+        /// iceoryx2 request-response service of this session.
+        service_name: String,
+        /// Largest encoded request the server accepts.
+        max_request_bytes: u64,
+        /// Largest encoded response the server may send.
+        max_response_bytes: u64,
+        /// Most keys per request.
+        max_keys_per_request: u32,
+    },
+    /// The session was refused.
+    Refused {
+        /// Why, as a code.
+        code: ErrorCode,
+        /// Why, for humans.
+        message: String,
+    },
+}
+
+/// A reference to a reserved or leased slot: the key plus the generation the server issued.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct SlotRef {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Generation of the slot allocation that the caller saw.
+    pub generation: u64,
+}
+
+/// Where a hit lives.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[repr(u8)]
+pub enum Tier {
+    /// Host DRAM arena.
+    Dram = 1,
+    /// Local SSD.
+    Ssd = 2,
+    /// Another host.
+    Peer = 3,
+}
+
+impl Tier {
+    /// Stable name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Dram => "dram",
+            Tier::Ssd => "ssd",
+            Tier::Peer => "peer",
+        }
+    }
+}
+
+/// A present chunk: where its bytes are in the arena and which allocation it is.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Hit {
+    /// Byte offset in the arena memfd.
+    pub offset: u64,
+    /// Length of the chunk in bytes.
+    pub len: u64,
+    /// Generation of the allocation.
+    pub generation: u64,
+    /// xxh3-64 of the bytes, computed at commit.
+    pub checksum: u64,
+    /// Tier the chunk was found in.
+    pub tier: Tier,
+}
+
+/// The outcome of one chunk in a batched request.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ChunkOutcome {
+    /// Applied.
+    Done,
+    /// Not applied, for this reason.
+    Failed(ErrorCode),
+}
+
+/// The result of reserving one chunk.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Reservation {
+    /// A slot the client now writes and then commits.
+    Slot {
+        /// Byte offset in the arena memfd.
+        offset: u64,
+        /// Reserved length.
+        len: u64,
+        /// Generation to quote in commit/abort.
+        generation: u64,
+    },
+    /// Nothing reserved, for this reason (`AlreadyPresent` when the key exists).
+    Failed(ErrorCode),
+}
+
+/// Requests, client to server, over the session's iceoryx2 service.
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub enum Request {
+    /// Liveness check.
+    Ping,
+    /// Registers a namespace; answered with [`Response::Registered`].
+    RegisterNamespace {
+        /// The descriptor to register.
+        descriptor: NamespaceDescriptor,
+    },
+    /// Longest present prefix of `keys`, optionally leasing it.
+    Lookup {
+        /// Keys in prefix order.
+        keys: Vec<ChunkKey>,
+        /// Take a lease on every hit returned.
+        lease: bool,
+    },
+    /// Reserves slots for new chunks (`lens[i]` bytes for `keys[i]`).
+    Reserve {
+        /// Keys to write.
+        keys: Vec<ChunkKey>,
+        /// Byte length of each chunk.
+        lens: Vec<u64>,
+    },
+    /// Makes written reservations visible (atomically per chunk).
+    Commit {
+        /// Reservations to commit.
+        slots: Vec<SlotRef>,
+    },
+    /// Gives up reservations.
+    Abort {
+        /// Reservations to drop.
+        slots: Vec<SlotRef>,
+    },
+    /// Releases leases taken by a leased lookup.
+    Release {
+        /// Leases to release.
+        slots: Vec<SlotRef>,
+    },
+    /// Removes chunks (leased chunks are not removed: `Busy`).
+    Evict {
+        /// Keys to remove.
+        keys: Vec<ChunkKey>,
+    },
+}
+
+/// Responses, server to client.
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
+pub enum Response {
+    /// Answer to [`Request::Ping`].
+    Pong,
+    /// The namespace is registered.
+    Registered {
+        /// Its id.
+        namespace: u64,
+        /// Largest chunk accepted in it.
+        max_chunk_bytes: u64,
+    },
+    /// Hits of the longest present prefix, in key order.
+    Lookup {
+        /// One hit per prefix key.
+        hits: Vec<Hit>,
+    },
+    /// One reservation per requested key.
+    Reserved {
+        /// In request order.
+        slots: Vec<Reservation>,
+    },
+    /// One outcome per chunk of a commit, abort, release or evict.
+    Outcomes {
+        /// In request order.
+        outcomes: Vec<ChunkOutcome>,
+    },
+    /// The whole request failed.
+    Error {
+        /// Why, as a code.
+        code: ErrorCode,
+        /// Why, for humans.
+        message: String,
+    },
+}
+
+impl Response {
+    /// An error response.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Response::Error { code, message: message.into() }
+    }
+}
+
+impl Request {
+    /// Stable operation name (for metrics and logs).
+    pub fn op_name(&self) -> &'static str {
+        match self {
+            Request::Ping => "ping",
+            Request::RegisterNamespace { .. } => "register",
+            Request::Lookup { .. } => "lookup",
+            Request::Reserve { .. } => "reserve",
+            Request::Commit { .. } => "commit",
+            Request::Abort { .. } => "abort",
+            Request::Release { .. } => "release",
+            Request::Evict { .. } => "evict",
+        }
+    }
+
+    /// Number of keys or slots the request names.
+    pub fn key_count(&self) -> usize {
+        match self {
+            Request::Ping | Request::RegisterNamespace { .. } => 0,
+            Request::Lookup { keys, .. } | Request::Evict { keys } => keys.len(),
+            Request::Reserve { keys, lens } => keys.len().max(lens.len()),
+            Request::Commit { slots } | Request::Abort { slots } | Request::Release { slots } => {
+                slots.len()
+            }
+        }
+    }
+}
