@@ -1,1 +1,24 @@
+//! Everything one shard core owns: its slice of the DRAM arena, the allocator over it, the
+//! index of its key range, eviction, leases and reservations, and its metrics.
+//!
+//! [`ShardCore`] is plain synchronous state with no runtime underneath: the server runs one per
+//! glommio executor and feeds it [`ShardOp`]s from the shard's own sessions and, over the
+//! shard-to-shard mesh, from other shards. Nothing here is shared between threads except the
+//! arena mapping, whose slices are disjoint.
 
+#![deny(unsafe_code)]
+
+mod alloc;
+mod arena;
+mod core;
+mod entries;
+mod error;
+mod metrics;
+mod ops;
+
+pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
+pub use arena::{Arena, ArenaSlice};
+pub use core::{ShardConfig, ShardCore};
+pub use error::Error;
+pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};
+pub use ops::{SessionId, ShardOp, ShardReply};

@@ -34,8 +34,11 @@ where
     T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
         + Deserialize<T, HighDeserializer<rancor::Error>>,
 {
-    let fail = |e: rancor::Error| DecodeError { len: bytes.len(), reason: e.to_string() };
-    if bytes.as_ptr() as usize % 16 == 0 {
+    let fail = |e: rancor::Error| DecodeError {
+        len: bytes.len(),
+        reason: e.to_string(),
+    };
+    if (bytes.as_ptr() as usize).is_multiple_of(16) {
         rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(fail)
     } else {
         let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
@@ -52,7 +55,10 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let req = Request::Lookup { keys: vec![ChunkKey::new(1, [2; 32])], lease: true };
+        let req = Request::Lookup {
+            keys: vec![ChunkKey::new(1, [2; 32])],
+            lease: true,
+        };
         let bytes = encode(&req);
         assert_eq!(decode::<Request>(&bytes).unwrap(), req);
         let mut shifted = vec![0u8];
@@ -75,7 +81,10 @@ mod tests {
             Just(Request::Ping),
             (prop::collection::vec(arb_key(), 0..20), any::<bool>())
                 .prop_map(|(keys, lease)| Request::Lookup { keys, lease }),
-            (prop::collection::vec(arb_key(), 0..20), prop::collection::vec(any::<u64>(), 0..20))
+            (
+                prop::collection::vec(arb_key(), 0..20),
+                prop::collection::vec(any::<u64>(), 0..20)
+            )
                 .prop_map(|(keys, lens)| Request::Reserve { keys, lens }),
             prop::collection::vec(arb_key(), 0..20).prop_map(|keys| Request::Evict { keys }),
         ]

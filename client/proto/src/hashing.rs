@@ -7,8 +7,8 @@ use crate::key::Digest;
 
 /// The chain's starting value: BLAKE3 of the ASCII string `orbitkv.prefix.v1`.
 pub const PREFIX_SEED: Digest = [
-    186, 107, 130, 164, 232, 204, 91, 84, 2, 129, 160, 230, 253, 124, 52, 91, 20, 92, 106, 210, 168,
-    133, 35, 180, 226, 31, 206, 100, 56, 195, 186, 216,
+    186, 107, 130, 164, 232, 204, 91, 84, 2, 129, 160, 230, 253, 124, 52, 91, 20, 92, 106, 210,
+    168, 133, 35, 180, 226, 31, 206, 100, 56, 195, 186, 216,
 ];
 
 /// Incremental chained hasher: feed one full chunk of tokens at a time.
@@ -50,9 +50,15 @@ impl PrefixHasher {
 
 /// Digests of every full chunk of `tokens` (a trailing partial chunk is not hashed).
 pub fn prefix_digests(tokens: &[u32], tokens_per_chunk: usize, extra: &[u8]) -> Vec<Digest> {
-    assert!(tokens_per_chunk > 0, "tokens_per_chunk is validated to be non-zero");
+    assert!(
+        tokens_per_chunk > 0,
+        "tokens_per_chunk is validated to be non-zero"
+    );
     let mut hasher = PrefixHasher::new();
-    tokens.chunks_exact(tokens_per_chunk).map(|c| hasher.next_chunk(c, extra)).collect()
+    tokens
+        .chunks_exact(tokens_per_chunk)
+        .map(|c| hasher.next_chunk(c, extra))
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,0 +1,208 @@
+//! The DRAM arena: one memfd mapped shared, split into disjoint per-shard slices.
+//!
+//! This is the only module of the crate with `unsafe`: it owns the mapping and hands out
+//! byte views of ranges that the shard ownership protocol says nobody else writes.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+
+use crate::alloc::PAGE_SIZE;
+use crate::Error;
+
+/// The arena memfd and the server's shared mapping of it.
+///
+/// The mapping lives until the `Arena` is dropped; every [`ArenaSlice`] holds an `Arc` to it,
+/// so no slice can outlive the memory it names.
+#[derive(Debug)]
+pub struct Arena {
+    fd: OwnedFd,
+    base: NonNull<c_void>,
+    len: usize,
+    locked: bool,
+}
+
+// SAFETY: the mapping is plain shared memory; the raw pointer is only dereferenced through
+// `ArenaSlice`, whose ranges are disjoint per shard, so moving or sharing the owner between
+// threads cannot create aliasing writes by itself.
+unsafe impl Send for Arena {}
+// SAFETY: see `Send`; `&Arena` exposes no byte access at all.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Creates a memfd of `bytes` (a multiple of 4 KiB), maps it shared and read-write, and
+    /// tries to lock it in memory when `lock` is set. Locking is best effort: on failure it
+    /// logs a warning and the arena stays pageable.
+    pub fn create(bytes: u64, lock: bool) -> Result<Arena, Error> {
+        if bytes == 0 || !bytes.is_multiple_of(PAGE_SIZE) {
+            return Err(Error::ArenaSize {
+                bytes,
+                reason: "must be a positive multiple of 4 KiB",
+            });
+        }
+        let len = usize::try_from(bytes)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .ok_or(Error::ArenaSize {
+                bytes,
+                reason: "does not fit the address space",
+            })?;
+        let fd = memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC).map_err(|source| {
+            Error::Arena {
+                op: "memfd_create",
+                source,
+            }
+        })?;
+        nix::unistd::ftruncate(&fd, bytes as i64).map_err(|source| Error::Arena {
+            op: "ftruncate",
+            source,
+        })?;
+        // SAFETY: a fresh shared mapping of a memfd we just sized to `len`; no existing memory
+        // is replaced (addr is None).
+        let base = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(|source| Error::Arena { op: "mmap", source })?;
+        let mut arena = Arena {
+            fd,
+            base,
+            len: len.get(),
+            locked: false,
+        };
+        if lock {
+            // SAFETY: the range is exactly our live mapping.
+            match unsafe { nix::sys::mman::mlock(arena.base, arena.len) } {
+                Ok(()) => arena.locked = true,
+                Err(e) => tracing::warn!(
+                    bytes,
+                    error = %e,
+                    "could not lock the arena in memory (RLIMIT_MEMLOCK?); it stays pageable"
+                ),
+            }
+        }
+        Ok(arena)
+    }
+
+    /// The memfd, to pass to clients.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Never true: an arena has at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the mapping is locked in memory.
+    pub fn locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Splits the arena into `n` equal, page-aligned, disjoint slices (the remainder pages stay
+    /// unused). Call once: handing out two sets of slices would alias them.
+    pub fn split(self: &Arc<Self>, n: usize) -> Vec<ArenaSlice> {
+        assert!(n > 0, "shard count is validated to be non-zero");
+        let per = (self.len as u64 / n as u64) / PAGE_SIZE * PAGE_SIZE;
+        (0..n as u64)
+            .map(|i| ArenaSlice {
+                arena: Arc::clone(self),
+                offset: i * per,
+                len: per,
+            })
+            .collect()
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the mapping created in `create`; every slice holds an Arc to
+        // this arena, so none is alive now.
+        if let Err(e) = unsafe { munmap(self.base, self.len) } {
+            tracing::error!(error = %e, "munmap of the arena failed");
+        }
+    }
+}
+
+/// One shard's disjoint range of the arena.
+#[derive(Debug)]
+pub struct ArenaSlice {
+    arena: Arc<Arena>,
+    offset: u64,
+    len: u64,
+}
+
+impl ArenaSlice {
+    /// Offset of the slice within the arena memfd.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Size of the slice in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when the slice has no pages (more shards than pages).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes at `[offset, offset + len)` of this slice (slice-relative offsets).
+    ///
+    /// Used to checksum a chunk at commit. Clients write the same shared memory from other
+    /// processes; the protocol guarantees none writes a committed or leased range, and a
+    /// client that breaks it only corrupts its own chunk's checksum.
+    pub fn bytes(&self, offset: u64, len: u64) -> &[u8] {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "range {offset}+{len} inside the {}-byte slice",
+            self.len
+        );
+        // SAFETY: the range is inside this slice (checked above), the slice is inside the live
+        // mapping (built by `Arena::split`), and the mapping outlives `&self` via the Arc.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self.arena.base.as_ptr() as *const u8).add((self.offset + offset) as usize),
+                len as usize,
+            )
+        }
+    }
+
+    /// Overwrites `[offset, offset + data.len())` of this slice (tests and benchmarks).
+    pub fn write(&self, offset: u64, data: &[u8]) {
+        assert!(
+            offset
+                .checked_add(data.len() as u64)
+                .is_some_and(|end| end <= self.len),
+            "range inside the slice"
+        );
+        // SAFETY: in range (checked above) of the live shared mapping; the caller owns the
+        // range by the reservation protocol.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.arena.base.as_ptr() as *mut u8).add((self.offset + offset) as usize),
+                data.len(),
+            );
+        }
+    }
+}

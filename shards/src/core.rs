@@ -1,0 +1,428 @@
+//! [`ShardCore`]: the synchronous state machine of one shard.
+
+use std::collections::{HashMap, HashSet};
+
+use orbitkv_proto::{
+    ChunkKey, ChunkOutcome, ErrorCode, Hit, NamespaceDescriptor, Reservation, SlotRef, Tier,
+};
+
+use crate::alloc::ExtentAllocator;
+use crate::arena::ArenaSlice;
+use crate::entries::{Entries, EntryIdx, EntryState};
+use crate::metrics::{ShardMetrics, ShardStats};
+use crate::ops::{SessionId, ShardOp, ShardReply};
+
+/// Static parameters of one shard.
+#[derive(Clone, Debug)]
+pub struct ShardConfig {
+    /// This shard's id.
+    pub id: usize,
+    /// Largest chunk any namespace may declare (`--max-chunk-size`).
+    pub max_chunk_bytes: u64,
+    /// Most namespaces held at once (`--max-namespaces`).
+    pub max_namespaces: usize,
+}
+
+#[derive(Debug, Default)]
+struct Holdings {
+    leases: HashMap<EntryIdx, u32>,
+    reservations: HashSet<EntryIdx>,
+}
+
+#[derive(Debug)]
+struct Namespace {
+    descriptor: NamespaceDescriptor,
+    max_chunk_bytes: u64,
+}
+
+/// One shard's index, allocator, eviction, leases and reservations over its arena slice.
+///
+/// Guarantees: only committed chunks are visible; a leased or reserved chunk is never evicted
+/// or reused; a commit, abort or release quoting a stale generation or another session's slot
+/// is refused and changes nothing.
+#[derive(Debug)]
+pub struct ShardCore {
+    cfg: ShardConfig,
+    slice: ArenaSlice,
+    alloc: ExtentAllocator,
+    entries: Entries,
+    namespaces: HashMap<u64, Namespace>,
+    sessions: HashMap<SessionId, Holdings>,
+    next_generation: u64,
+    leases: u64,
+    reservations: u64,
+    /// Counters and latency recorders of this shard.
+    pub metrics: ShardMetrics,
+}
+
+impl ShardCore {
+    /// A shard over `slice` with nothing in it.
+    pub fn new(cfg: ShardConfig, slice: ArenaSlice) -> Self {
+        let pages = slice.len() / crate::PAGE_SIZE;
+        Self {
+            cfg,
+            slice,
+            alloc: ExtentAllocator::new(pages),
+            entries: Entries::default(),
+            namespaces: HashMap::new(),
+            sessions: HashMap::new(),
+            next_generation: 1,
+            leases: 0,
+            reservations: 0,
+            metrics: ShardMetrics::default(),
+        }
+    }
+
+    /// This shard's id.
+    pub fn id(&self) -> usize {
+        self.cfg.id
+    }
+
+    /// Leases held on this shard.
+    pub fn leases(&self) -> u64 {
+        self.leases
+    }
+
+    /// Reservations outstanding on this shard.
+    pub fn reservations(&self) -> u64 {
+        self.reservations
+    }
+
+    /// Executes one op.
+    pub fn apply(&mut self, op: ShardOp) -> ShardReply {
+        match op {
+            ShardOp::Register { descriptor } => ShardReply::Registered(self.register(descriptor)),
+            ShardOp::Lookup {
+                session,
+                keys,
+                lease,
+            } => ShardReply::Hits(self.lookup(session, &keys, lease)),
+            ShardOp::Reserve {
+                session,
+                keys,
+                lens,
+            } => ShardReply::Reserved(self.reserve(session, &keys, &lens)),
+            ShardOp::Commit { session, slots } => {
+                ShardReply::Outcomes(self.each(&slots, |s, slot| s.commit(session, slot)))
+            }
+            ShardOp::Abort { session, slots } => {
+                ShardReply::Outcomes(self.each(&slots, |s, slot| s.abort(session, slot)))
+            }
+            ShardOp::Release { session, slots } => {
+                ShardReply::Outcomes(self.each(&slots, |s, slot| s.release(session, slot)))
+            }
+            ShardOp::Evict { keys } => ShardReply::Outcomes(self.each(&keys, Self::evict)),
+            ShardOp::SessionClosed { session } => {
+                let (leases, reservations) = self.close_session(session);
+                ShardReply::Closed {
+                    leases,
+                    reservations,
+                }
+            }
+            ShardOp::Stats => ShardReply::Stats(Box::new(self.stats())),
+        }
+    }
+
+    fn each<T>(
+        &mut self,
+        items: &[T],
+        mut f: impl FnMut(&mut Self, &T) -> Result<(), ErrorCode>,
+    ) -> Vec<ChunkOutcome> {
+        items
+            .iter()
+            .map(|item| match f(self, item) {
+                Ok(()) => ChunkOutcome::Done,
+                Err(code) => {
+                    self.metrics.count_error(code);
+                    ChunkOutcome::Failed(code)
+                }
+            })
+            .collect()
+    }
+
+    fn register(&mut self, descriptor: NamespaceDescriptor) -> Result<u64, (ErrorCode, String)> {
+        descriptor
+            .validate()
+            .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
+        let id = descriptor.id();
+        if let Some(ns) = self.namespaces.get(&id) {
+            return if ns.descriptor == descriptor {
+                Ok(ns.max_chunk_bytes)
+            } else {
+                Err((
+                    ErrorCode::NamespaceConflict,
+                    format!("namespace id {id:#018x} is registered with a different descriptor"),
+                ))
+            };
+        }
+        let max = descriptor
+            .max_chunk_bytes()
+            .expect("validated descriptors have a chunk size");
+        if max > self.cfg.max_chunk_bytes {
+            return Err((
+                ErrorCode::TooLarge,
+                format!(
+                    "namespace chunks of {max} bytes exceed --max-chunk-size ({} bytes)",
+                    self.cfg.max_chunk_bytes
+                ),
+            ));
+        }
+        if max > self.slice.len() {
+            return Err((
+                ErrorCode::TooLarge,
+                format!(
+                    "namespace chunks of {max} bytes exceed one shard's arena slice ({} bytes): \
+                     raise --dram or lower --shards",
+                    self.slice.len()
+                ),
+            ));
+        }
+        if self.namespaces.len() >= self.cfg.max_namespaces {
+            return Err((
+                ErrorCode::NoSpace,
+                format!(
+                    "namespace table is full (--max-namespaces {})",
+                    self.cfg.max_namespaces
+                ),
+            ));
+        }
+        self.namespaces.insert(
+            id,
+            Namespace {
+                descriptor,
+                max_chunk_bytes: max,
+            },
+        );
+        Ok(max)
+    }
+
+    fn hit(&self, idx: EntryIdx) -> Hit {
+        let e = self.entries.get(idx);
+        Hit {
+            offset: self.slice.offset() + e.extent.offset(),
+            len: e.len,
+            generation: e.generation,
+            checksum: e.checksum,
+            tier: Tier::Dram,
+        }
+    }
+
+    fn lookup(&mut self, session: SessionId, keys: &[ChunkKey], lease: bool) -> Vec<Option<Hit>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let found = self
+                .entries
+                .find(key)
+                .filter(|&idx| self.entries.get(idx).state == EntryState::Ready);
+            match found {
+                Some(idx) => {
+                    self.metrics.hits += 1;
+                    self.entries.touch(idx);
+                    if lease {
+                        self.entries.get_mut(idx).leases += 1;
+                        *self
+                            .sessions
+                            .entry(session)
+                            .or_default()
+                            .leases
+                            .entry(idx)
+                            .or_default() += 1;
+                        self.leases += 1;
+                    }
+                    out.push(Some(self.hit(idx)));
+                }
+                None => {
+                    self.metrics.misses += 1;
+                    out.push(None);
+                }
+            }
+        }
+        out
+    }
+
+    fn reserve(&mut self, session: SessionId, keys: &[ChunkKey], lens: &[u64]) -> Vec<Reservation> {
+        keys.iter()
+            .zip(lens)
+            .map(|(key, &len)| match self.reserve_one(session, key, len) {
+                Ok(r) => r,
+                Err(code) => {
+                    self.metrics.count_error(code);
+                    Reservation::Failed(code)
+                }
+            })
+            .collect()
+    }
+
+    fn reserve_one(
+        &mut self,
+        session: SessionId,
+        key: &ChunkKey,
+        len: u64,
+    ) -> Result<Reservation, ErrorCode> {
+        let ns = self
+            .namespaces
+            .get(&key.namespace)
+            .ok_or(ErrorCode::UnknownNamespace)?;
+        if len == 0 {
+            return Err(ErrorCode::InvalidArgument);
+        }
+        if len > ns.max_chunk_bytes {
+            return Err(ErrorCode::TooLarge);
+        }
+        if let Some(idx) = self.entries.find(key) {
+            return Err(match self.entries.get(idx).state {
+                EntryState::Ready => ErrorCode::AlreadyPresent,
+                EntryState::Reserved { .. } => ErrorCode::Busy,
+            });
+        }
+        let pages = ExtentAllocator::pages_for(len);
+        let extent = loop {
+            if let Some(extent) = self.alloc.alloc(pages) {
+                break extent;
+            }
+            let victim = self.entries.pick_victim().ok_or(ErrorCode::NoSpace)?;
+            let evicted = self.entries.remove(victim);
+            self.alloc.free(evicted.extent);
+            self.metrics.evictions += 1;
+        };
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let idx = self
+            .entries
+            .insert_reserved(*key, session, extent, len, generation);
+        self.sessions
+            .entry(session)
+            .or_default()
+            .reservations
+            .insert(idx);
+        self.reservations += 1;
+        Ok(Reservation::Slot {
+            offset: self.slice.offset() + extent.offset(),
+            len,
+            generation,
+        })
+    }
+
+    /// Finds the reservation `slot` of `session`, or says why it is not one.
+    fn owned_reservation(&self, session: SessionId, slot: &SlotRef) -> Result<EntryIdx, ErrorCode> {
+        let idx = self.entries.find(&slot.key).ok_or(ErrorCode::NotFound)?;
+        let e = self.entries.get(idx);
+        if e.state != (EntryState::Reserved { owner: session }) {
+            return Err(ErrorCode::NotFound);
+        }
+        if e.generation != slot.generation {
+            return Err(ErrorCode::StaleGeneration);
+        }
+        Ok(idx)
+    }
+
+    fn drop_reservation(&mut self, session: SessionId, idx: EntryIdx) {
+        if let Some(h) = self.sessions.get_mut(&session) {
+            h.reservations.remove(&idx);
+        }
+        self.reservations -= 1;
+    }
+
+    fn commit(&mut self, session: SessionId, slot: &SlotRef) -> Result<(), ErrorCode> {
+        let idx = self.owned_reservation(session, slot)?;
+        let (offset, len) = {
+            let e = self.entries.get(idx);
+            (e.extent.offset(), e.len)
+        };
+        let checksum = xxhash_rust::xxh3::xxh3_64(self.slice.bytes(offset, len));
+        self.entries.make_ready(idx, checksum);
+        self.drop_reservation(session, idx);
+        self.metrics.commits += 1;
+        self.metrics.bytes_committed += len;
+        Ok(())
+    }
+
+    fn abort(&mut self, session: SessionId, slot: &SlotRef) -> Result<(), ErrorCode> {
+        let idx = self.owned_reservation(session, slot)?;
+        let e = self.entries.remove(idx);
+        self.alloc.free(e.extent);
+        self.drop_reservation(session, idx);
+        Ok(())
+    }
+
+    fn release(&mut self, session: SessionId, slot: &SlotRef) -> Result<(), ErrorCode> {
+        let idx = self.entries.find(&slot.key).ok_or(ErrorCode::NotFound)?;
+        if self.entries.get(idx).generation != slot.generation {
+            return Err(ErrorCode::StaleGeneration);
+        }
+        let holdings = self.sessions.get_mut(&session).ok_or(ErrorCode::NotFound)?;
+        let count = holdings.leases.get_mut(&idx).ok_or(ErrorCode::NotFound)?;
+        *count -= 1;
+        if *count == 0 {
+            holdings.leases.remove(&idx);
+        }
+        self.entries.get_mut(idx).leases -= 1;
+        self.leases -= 1;
+        Ok(())
+    }
+
+    fn evict(&mut self, key: &ChunkKey) -> Result<(), ErrorCode> {
+        let idx = self.entries.find(key).ok_or(ErrorCode::NotFound)?;
+        let e = self.entries.get(idx);
+        if e.state != EntryState::Ready {
+            return Err(ErrorCode::NotFound);
+        }
+        if e.leases > 0 {
+            return Err(ErrorCode::Busy);
+        }
+        let e = self.entries.remove(idx);
+        self.alloc.free(e.extent);
+        self.metrics.removals += 1;
+        Ok(())
+    }
+
+    /// Drops every lease and reservation of `session`; returns (leases, reservations) dropped.
+    fn close_session(&mut self, session: SessionId) -> (u64, u64) {
+        let Some(h) = self.sessions.remove(&session) else {
+            return (0, 0);
+        };
+        let mut leases = 0;
+        for (idx, count) in h.leases {
+            self.entries.get_mut(idx).leases -= count;
+            leases += count as u64;
+        }
+        let reservations = h.reservations.len() as u64;
+        for idx in h.reservations {
+            let e = self.entries.remove(idx);
+            self.alloc.free(e.extent);
+        }
+        self.leases -= leases;
+        self.reservations -= reservations;
+        self.metrics.sessions_reclaimed += 1;
+        (leases, reservations)
+    }
+
+    /// A snapshot for `ctl stats`.
+    pub fn stats(&self) -> ShardStats {
+        let m = &self.metrics;
+        ShardStats {
+            id: self.cfg.id,
+            dram_capacity_bytes: self.slice.len(),
+            dram_used_bytes: self.alloc.used_pages() * crate::PAGE_SIZE,
+            entries: self.entries.ready_count(),
+            reservations: self.reservations,
+            leases: self.leases,
+            namespaces: self.namespaces.len() as u64,
+            hits: m.hits,
+            misses: m.misses,
+            evictions: m.evictions,
+            removals: m.removals,
+            commits: m.commits,
+            bytes_committed: m.bytes_committed,
+            errors: ErrorCode::ALL
+                .into_iter()
+                .filter(|c| m.errors[c.index()] > 0)
+                .map(|c| (c, m.errors[c.index()]))
+                .collect(),
+            latency: m.latency_summaries(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

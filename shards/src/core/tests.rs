@@ -1,0 +1,294 @@
+use std::sync::Arc;
+
+use orbitkv_proto::{Dtype, NamespaceDescriptor};
+use proptest::prelude::*;
+
+use super::*;
+use crate::Arena;
+
+fn descriptor(tokens_per_chunk: u32) -> NamespaceDescriptor {
+    // 1 layer * 2 * 1 head * 512 * fp32 = 4 KiB per token.
+    NamespaceDescriptor {
+        model: "test-model".into(),
+        dtype: Dtype::Fp32,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 512,
+        kv_tensors: 2,
+        tokens_per_chunk,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    }
+}
+
+fn shard(pages: u64) -> (ShardCore, u64) {
+    let arena = Arc::new(Arena::create(pages * crate::PAGE_SIZE, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let mut core = ShardCore::new(
+        ShardConfig {
+            id: 0,
+            max_chunk_bytes: 1 << 30,
+            max_namespaces: 4,
+        },
+        slice,
+    );
+    let ns = descriptor(4);
+    let id = ns.id();
+    assert!(matches!(core.register(ns), Ok(16384)));
+    (core, id)
+}
+
+fn key(ns: u64, i: u32) -> ChunkKey {
+    let mut d = [0u8; 32];
+    d[..4].copy_from_slice(&i.to_le_bytes());
+    ChunkKey::new(ns, d)
+}
+
+fn fill(i: u32, len: u64) -> Vec<u8> {
+    (0..len)
+        .map(|b| (b as u32).wrapping_mul(31).wrapping_add(i) as u8)
+        .collect()
+}
+
+/// Reserve, write the key's pattern into the slot, commit.
+fn put(
+    core: &mut ShardCore,
+    session: SessionId,
+    k: ChunkKey,
+    i: u32,
+    len: u64,
+) -> Result<(), ErrorCode> {
+    match core.reserve(session, &[k], &[len])[0] {
+        Reservation::Slot {
+            offset,
+            len,
+            generation,
+        } => {
+            core.slice
+                .write(offset - core.slice.offset(), &fill(i, len));
+            match core.apply(ShardOp::Commit {
+                session,
+                slots: vec![SlotRef { key: k, generation }],
+            }) {
+                ShardReply::Outcomes(o) if o[0] == ChunkOutcome::Done => Ok(()),
+                other => panic!("commit failed: {other:?}"),
+            }
+        }
+        Reservation::Failed(code) => Err(code),
+    }
+}
+
+#[test]
+fn put_lookup_lease_release() {
+    let (mut core, ns) = shard(64);
+    put(&mut core, 1, key(ns, 1), 1, 10_000).unwrap();
+    let hits = core.lookup(2, &[key(ns, 1), key(ns, 2)], true);
+    let hit = hits[0].expect("committed key is visible");
+    assert!(hits[1].is_none());
+    assert_eq!(hit.len, 10_000);
+    assert_eq!(hit.checksum, xxhash_rust::xxh3::xxh3_64(&fill(1, 10_000)));
+    assert_eq!(core.leases(), 1);
+    let slot = SlotRef {
+        key: key(ns, 1),
+        generation: hit.generation,
+    };
+    // Another session cannot release this lease.
+    assert_eq!(core.release(3, &slot), Err(ErrorCode::NotFound));
+    assert_eq!(
+        core.release(
+            2,
+            &SlotRef {
+                generation: 99,
+                ..slot
+            }
+        ),
+        Err(ErrorCode::StaleGeneration)
+    );
+    assert_eq!(core.release(2, &slot), Ok(()));
+    assert_eq!(core.release(2, &slot), Err(ErrorCode::NotFound));
+    assert_eq!(core.leases(), 0);
+}
+
+#[test]
+fn reserved_chunks_are_invisible_and_owned() {
+    let (mut core, ns) = shard(64);
+    let k = key(ns, 1);
+    let Reservation::Slot { generation, .. } = core.reserve(1, &[k], &[4096])[0] else {
+        panic!("reserve failed")
+    };
+    assert!(core.lookup(1, &[k], false)[0].is_none());
+    assert_eq!(
+        core.reserve(2, &[k], &[4096])[0],
+        Reservation::Failed(ErrorCode::Busy)
+    );
+    let slot = SlotRef { key: k, generation };
+    assert_eq!(
+        core.commit(2, &slot),
+        Err(ErrorCode::NotFound),
+        "not the owner"
+    );
+    assert_eq!(
+        core.commit(
+            1,
+            &SlotRef {
+                generation: generation + 1,
+                ..slot
+            }
+        ),
+        Err(ErrorCode::StaleGeneration)
+    );
+    assert_eq!(core.commit(1, &slot), Ok(()));
+    assert_eq!(
+        core.reserve(2, &[k], &[4096])[0],
+        Reservation::Failed(ErrorCode::AlreadyPresent)
+    );
+    assert_eq!(core.reservations(), 0);
+}
+
+#[test]
+fn bad_reservations_name_the_reason() {
+    let (mut core, ns) = shard(64);
+    let r = core.reserve(
+        1,
+        &[key(ns + 1, 1), key(ns, 2), key(ns, 3)],
+        &[10, 0, 1 << 20],
+    );
+    assert_eq!(
+        r,
+        vec![
+            Reservation::Failed(ErrorCode::UnknownNamespace),
+            Reservation::Failed(ErrorCode::InvalidArgument),
+            Reservation::Failed(ErrorCode::TooLarge),
+        ]
+    );
+    assert_eq!(core.stats().errors.len(), 3);
+}
+
+#[test]
+fn eviction_spares_leased_and_reserved_chunks() {
+    let (mut core, ns) = shard(16); // 16 pages, chunks of 4 pages
+    for i in 0..4 {
+        put(&mut core, 1, key(ns, i), i, 16384).unwrap();
+    }
+    let leased = core.lookup(2, &[key(ns, 0)], true)[0].unwrap();
+    // A fifth chunk evicts something, never key 0.
+    for i in 4..20 {
+        put(&mut core, 1, key(ns, i), i, 16384).unwrap();
+        assert!(core.lookup(9, &[key(ns, 0)], false)[0].is_some());
+    }
+    assert!(core.metrics.evictions >= 16);
+    // Key 0's bytes are intact.
+    let bytes = core
+        .slice
+        .bytes(leased.offset - core.slice.offset(), leased.len);
+    assert_eq!(bytes, &fill(0, 16384)[..]);
+    // Fill the rest with reservations, lease everything left: then no space.
+    let r = core.reserve(3, &[key(ns, 100), key(ns, 101), key(ns, 102)], &[16384; 3]);
+    assert!(
+        r.iter().all(|r| matches!(r, Reservation::Slot { .. })),
+        "{r:?}"
+    );
+    assert_eq!(
+        core.reserve(3, &[key(ns, 103)], &[16384])[0],
+        Reservation::Failed(ErrorCode::NoSpace)
+    );
+    // Closing session 3 frees its reservations; closing 2 releases its lease.
+    assert_eq!(core.close_session(3), (0, 3));
+    assert_eq!(core.close_session(2), (1, 0));
+    assert_eq!((core.leases(), core.reservations()), (0, 0));
+    put(&mut core, 1, key(ns, 103), 103, 16384).unwrap();
+}
+
+#[test]
+fn namespace_conflicts_and_limits() {
+    let (mut core, _) = shard(64);
+    // Same descriptor again: fine.
+    assert!(core.register(descriptor(4)).is_ok());
+    // Chunk bigger than the slice.
+    let big = core.register(descriptor(1000)).unwrap_err();
+    assert_eq!(big.0, ErrorCode::TooLarge);
+    assert!(big.1.contains("--dram"), "{}", big.1);
+    for t in 1..=3 {
+        let _ = core.register(descriptor(t));
+    }
+    assert_eq!(
+        core.register(descriptor(5)).unwrap_err().0,
+        ErrorCode::NoSpace
+    );
+}
+
+#[test]
+fn explicit_evict() {
+    let (mut core, ns) = shard(64);
+    put(&mut core, 1, key(ns, 1), 1, 100).unwrap();
+    core.lookup(2, &[key(ns, 1)], true);
+    assert_eq!(core.evict(&key(ns, 1)), Err(ErrorCode::Busy));
+    core.close_session(2);
+    assert_eq!(core.evict(&key(ns, 1)), Ok(()));
+    assert_eq!(core.evict(&key(ns, 1)), Err(ErrorCode::NotFound));
+    assert_eq!(core.stats().dram_used_bytes, 0);
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Put(u32, u64),
+    Get(u32, bool),
+    ReleaseAll,
+    Reserve(u32),
+    Close,
+    Evict(u32),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0u32..40, 1u64..16384).prop_map(|(k, l)| Step::Put(k, l)),
+        4 => (0u32..40, any::<bool>()).prop_map(|(k, l)| Step::Get(k, l)),
+        1 => Just(Step::ReleaseAll),
+        1 => (0u32..40).prop_map(Step::Reserve),
+        1 => Just(Step::Close),
+        1 => (0u32..40).prop_map(Step::Evict),
+    ]
+}
+
+proptest! {
+    /// Under any sequence of puts, leased gets, releases, reservations, session closes and
+    /// evictions on a small shard: every hit returns exactly the bytes put for its key, a
+    /// leased chunk stays present until released, and the accounting returns to zero.
+    #[test]
+    fn never_a_wrong_byte(steps in prop::collection::vec(step(), 1..200)) {
+        let (mut core, ns) = shard(24);
+        let mut held: Vec<(ChunkKey, Hit)> = Vec::new();
+        for s in steps {
+            match s {
+                Step::Put(i, len) => { let _ = put(&mut core, 1, key(ns, i), i, len); }
+                Step::Get(i, lease) => {
+                    if let Some(hit) = core.lookup(2, &[key(ns, i)], lease)[0] {
+                        let bytes = core.slice.bytes(hit.offset - core.slice.offset(), hit.len);
+                        prop_assert_eq!(bytes, &fill(i, hit.len)[..]);
+                        if lease { held.push((key(ns, i), hit)); }
+                    }
+                }
+                Step::ReleaseAll => {
+                    for (k, h) in held.drain(..) {
+                        prop_assert_eq!(core.release(2, &SlotRef { key: k, generation: h.generation }), Ok(()));
+                    }
+                }
+                Step::Reserve(i) => { let _ = core.reserve(3, &[key(ns, 1000 + i)], &[4096]); }
+                Step::Close => { core.close_session(3); }
+                Step::Evict(i) => { let _ = core.evict(&key(ns, i)); }
+            }
+            for (k, h) in &held {
+                let now = core.lookup(9, &[*k], false)[0];
+                prop_assert_eq!(now.map(|n| n.generation), Some(h.generation), "leased chunk lost");
+            }
+        }
+        core.close_session(2);
+        core.close_session(3);
+        prop_assert_eq!(core.leases(), 0);
+        prop_assert_eq!(core.reservations(), 0);
+        let s = core.stats();
+        let ready_pages: u64 = s.entries; // at least one page each
+        prop_assert!(s.dram_used_bytes >= ready_pages * crate::PAGE_SIZE);
+    }
+}

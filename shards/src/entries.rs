@@ -1,0 +1,252 @@
+//! The shard's entry table: a slab of entries, the key index, and the SIEVE eviction queue.
+//!
+//! SIEVE: ready entries sit in a FIFO (newest at the head). A hit sets `visited`. To evict, a
+//! hand walks from the tail toward the head: a visited entry has its bit cleared and is kept,
+//! the first unvisited one is the victim, and the hand stays where it stopped. Leased entries
+//! are skipped without clearing anything: they can never be victims. Reserved entries are not
+//! in the queue at all.
+
+use std::collections::HashMap;
+
+use orbitkv_proto::ChunkKey;
+
+use crate::alloc::Extent;
+use crate::ops::SessionId;
+
+/// Index of an entry in the slab.
+pub(crate) type EntryIdx = u32;
+
+const NIL: EntryIdx = EntryIdx::MAX;
+
+/// Lifecycle of a slot: only `Ready` entries are visible to lookups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EntryState {
+    /// Being written by `owner`; invisible.
+    Reserved { owner: SessionId },
+    /// Committed and visible.
+    Ready,
+}
+
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub key: ChunkKey,
+    pub state: EntryState,
+    pub extent: Extent,
+    pub len: u64,
+    pub generation: u64,
+    pub checksum: u64,
+    pub leases: u32,
+    visited: bool,
+    prev: EntryIdx,
+    next: EntryIdx,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Entries {
+    slab: Vec<Option<Entry>>,
+    free_slots: Vec<EntryIdx>,
+    index: HashMap<ChunkKey, EntryIdx>,
+    head: Option<EntryIdx>,
+    tail: Option<EntryIdx>,
+    hand: Option<EntryIdx>,
+    ready: u64,
+}
+
+impl Entries {
+    pub fn find(&self, key: &ChunkKey) -> Option<EntryIdx> {
+        self.index.get(key).copied()
+    }
+
+    pub fn get(&self, idx: EntryIdx) -> &Entry {
+        self.slab[idx as usize]
+            .as_ref()
+            .expect("live index points at a live entry")
+    }
+
+    pub fn get_mut(&mut self, idx: EntryIdx) -> &mut Entry {
+        self.slab[idx as usize]
+            .as_mut()
+            .expect("live index points at a live entry")
+    }
+
+    pub fn ready_count(&self) -> u64 {
+        self.ready
+    }
+
+    /// Inserts a reserved entry (not yet evictable or visible).
+    pub fn insert_reserved(
+        &mut self,
+        key: ChunkKey,
+        owner: SessionId,
+        extent: Extent,
+        len: u64,
+        generation: u64,
+    ) -> EntryIdx {
+        let entry = Entry {
+            key,
+            state: EntryState::Reserved { owner },
+            extent,
+            len,
+            generation,
+            checksum: 0,
+            leases: 0,
+            visited: false,
+            prev: NIL,
+            next: NIL,
+        };
+        let idx = match self.free_slots.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                self.slab.push(Some(entry));
+                EntryIdx::try_from(self.slab.len() - 1).expect("fewer than 2^32 entries per shard")
+            }
+        };
+        let previous = self.index.insert(key, idx);
+        debug_assert!(previous.is_none(), "callers check the key is absent");
+        idx
+    }
+
+    /// Makes a reserved entry ready and puts it at the head of the SIEVE queue.
+    pub fn make_ready(&mut self, idx: EntryIdx, checksum: u64) {
+        let old_head = self.head;
+        {
+            let e = self.get_mut(idx);
+            debug_assert!(matches!(e.state, EntryState::Reserved { .. }));
+            e.state = EntryState::Ready;
+            e.checksum = checksum;
+            e.prev = NIL;
+            e.next = old_head.unwrap_or(NIL);
+        }
+        if let Some(h) = old_head {
+            self.get_mut(h).prev = idx;
+        }
+        self.head = Some(idx);
+        if self.tail.is_none() {
+            self.tail = Some(idx);
+        }
+        self.ready += 1;
+    }
+
+    /// Marks a hit for SIEVE.
+    pub fn touch(&mut self, idx: EntryIdx) {
+        self.get_mut(idx).visited = true;
+    }
+
+    /// Removes an entry (ready or reserved) and returns it; its extent is the caller's to free.
+    pub fn remove(&mut self, idx: EntryIdx) -> Entry {
+        let (state, prev, next, key) = {
+            let e = self.get(idx);
+            (e.state, e.prev, e.next, e.key)
+        };
+        if state == EntryState::Ready {
+            if self.hand == Some(idx) {
+                self.hand = (prev != NIL).then_some(prev);
+            }
+            if prev != NIL {
+                self.get_mut(prev).next = next;
+            } else {
+                self.head = (next != NIL).then_some(next);
+            }
+            if next != NIL {
+                self.get_mut(next).prev = prev;
+            } else {
+                self.tail = (prev != NIL).then_some(prev);
+            }
+            self.ready -= 1;
+        }
+        self.index.remove(&key);
+        self.free_slots.push(idx);
+        self.slab[idx as usize]
+            .take()
+            .expect("removing a live entry")
+    }
+
+    /// Picks the SIEVE victim: an unvisited, unleased ready entry. `None` when every ready entry
+    /// is leased (or there is none).
+    pub fn pick_victim(&mut self) -> Option<EntryIdx> {
+        // Two full passes suffice: the first clears every visited bit it passes.
+        let budget = self.ready.saturating_mul(2).saturating_add(1);
+        let mut cur = self.hand.or(self.tail)?;
+        for _ in 0..budget {
+            let (leases, visited, prev) = {
+                let e = self.get(cur);
+                (e.leases, e.visited, e.prev)
+            };
+            if leases == 0 && !visited {
+                self.hand = (prev != NIL).then_some(prev);
+                return Some(cur);
+            }
+            if leases == 0 {
+                self.get_mut(cur).visited = false;
+            }
+            cur = if prev != NIL { prev } else { self.tail? };
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u8) -> ChunkKey {
+        ChunkKey::new(1, [i; 32])
+    }
+
+    fn ready(entries: &mut Entries, i: u8) -> EntryIdx {
+        let idx = entries.insert_reserved(
+            key(i),
+            9,
+            Extent {
+                start_page: i as u64,
+                pages: 1,
+            },
+            1,
+            1,
+        );
+        entries.make_ready(idx, 0);
+        idx
+    }
+
+    #[test]
+    fn sieve_evicts_oldest_unvisited_and_spares_visited_and_leased() {
+        let mut e = Entries::default();
+        let a = ready(&mut e, 1);
+        let b = ready(&mut e, 2);
+        let c = ready(&mut e, 3);
+        e.touch(a);
+        e.get_mut(b).leases = 1;
+        // a (oldest) was visited: spared; b is leased: skipped; c is the victim.
+        assert_eq!(e.pick_victim(), Some(c));
+        e.remove(c);
+        // a lost its visited bit in the first pass; b is still leased.
+        assert_eq!(e.pick_victim(), Some(a));
+        e.remove(a);
+        assert_eq!(e.pick_victim(), None, "only a leased entry remains");
+        e.get_mut(b).leases = 0;
+        assert_eq!(e.pick_victim(), Some(b));
+        e.remove(b);
+        assert_eq!(e.pick_victim(), None);
+        assert_eq!(e.ready_count(), 0);
+    }
+
+    #[test]
+    fn reserved_entries_are_never_victims() {
+        let mut e = Entries::default();
+        e.insert_reserved(
+            key(1),
+            9,
+            Extent {
+                start_page: 0,
+                pages: 1,
+            },
+            1,
+            1,
+        );
+        assert_eq!(e.pick_victim(), None);
+        assert!(e.find(&key(1)).is_some());
+    }
+}
