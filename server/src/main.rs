@@ -1,1 +1,252 @@
-fn main() {}
+//! `orbitkv-server`: the per-host OrbitKV Manager.
+
+#![deny(unsafe_code)]
+
+mod admin;
+mod bootstrap;
+mod config;
+mod executor;
+mod ipc;
+mod router;
+mod shared;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use glommio::channels::channel_mesh::MeshBuilder;
+use orbitkv_proto::{admin_socket_path, format_bytes};
+use orbitkv_shards::{Arena, ShardConfig, ShardCore};
+
+use crate::config::{Args, ServerConfig, Settings};
+use crate::executor::ShardContext;
+use crate::ipc::IpcNames;
+use crate::shared::{ControlMsg, ServeState, Shared};
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ORBITKV_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let mut config = match &args.config {
+        Some(path) => match ServerConfig::from_file(path) {
+            Ok(c) => c,
+            Err(e) => return fail(&e.to_string()),
+        },
+        None => ServerConfig::default(),
+    };
+    config.apply_args(&args);
+    if args.print_config {
+        print!(
+            "{}",
+            toml::to_string(&config).expect("the config struct serializes to TOML")
+        );
+        return ExitCode::SUCCESS;
+    }
+    let settings = match config.validate() {
+        Ok(s) => s,
+        Err(e) => return fail(&e.to_string()),
+    };
+    match run(settings) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(message: &str) -> ExitCode {
+    eprintln!("orbitkv-server: error: {message}");
+    ExitCode::from(2)
+}
+
+/// Binds a Unix socket at `path`, refusing if a live server answers there and replacing a
+/// stale socket file left by a crash.
+fn bind(path: &Path, mode: u32) -> Result<UnixListener, String> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(format!(
+                "another server is already serving on {}",
+                path.display()
+            ));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
+    }
+    let listener =
+        UnixListener::bind(path).map_err(|e| format!("binding {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("setting permissions of {}: {e}", path.display()))?;
+    Ok(listener)
+}
+
+/// CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
+        Ok(set) => (0..nix::sched::CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .collect(),
+        Err(_) => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
+    }
+}
+
+/// io_uring memory per ring so that every executor's three rings fit RLIMIT_MEMLOCK.
+fn io_memory_per_ring(shards: usize) -> usize {
+    const MAX: u64 = 1 << 20;
+    const MIN: u64 = 64 << 10;
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
+        .map(|(soft, _)| soft)
+        .unwrap_or(8 << 20);
+    let per = (limit / (shards as u64 * 4)).clamp(MIN, MAX);
+    (per / 4096 * 4096) as usize
+}
+
+fn run(settings: Settings) -> Result<(), String> {
+    let started = Instant::now();
+    let socket = settings.socket.clone();
+    let admin = admin_socket_path(&socket);
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
+    // Refuse early if someone is serving here, before touching iceoryx2 state.
+    if UnixStream::connect(&socket).is_ok() {
+        return Err(format!(
+            "another server is already serving on {}",
+            socket.display()
+        ));
+    }
+    let shards = settings.shards;
+    let arena = Arc::new(
+        Arena::create(settings.dram_bytes, settings.config.lock_arena)
+            .map_err(|e| e.to_string())?,
+    );
+    let ipc = IpcNames::for_socket(&socket);
+    ipc::remove_leftovers(&ipc);
+    let mut txs = Vec::new();
+    let mut rxs = Vec::new();
+    for _ in 0..shards {
+        let (tx, rx) = crossbeam_channel::bounded::<ControlMsg>(1024);
+        txs.push(tx);
+        rxs.push(rx);
+    }
+    let service_prefix = format!("orbitkv/{}", std::process::id());
+    let shared = Shared::new(
+        settings.clone(),
+        txs,
+        arena.locked(),
+        ipc.root.clone(),
+        ipc.prefix.clone(),
+        service_prefix,
+    );
+    let cpus = allowed_cpus();
+    let pin = settings.config.pin && shards <= cpus.len();
+    if settings.config.pin && !pin {
+        tracing::warn!(
+            shards,
+            cpus = cpus.len(),
+            "more shards than CPUs: shards run unpinned"
+        );
+    }
+    let depth = settings.config.mesh_queue_depth;
+    let req_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
+    let rep_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
+    let io_memory = io_memory_per_ring(shards);
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded(shards);
+    let mut handles = Vec::new();
+    for (id, (slice, control)) in arena.split(shards).into_iter().zip(rxs).enumerate() {
+        let core = ShardCore::new(
+            ShardConfig {
+                id,
+                max_chunk_bytes: settings.max_chunk_bytes,
+                max_namespaces: settings.config.max_namespaces,
+            },
+            slice,
+        );
+        let ctx = ShardContext {
+            id,
+            shards,
+            cpu: pin.then(|| cpus[id]),
+            io_memory,
+            core,
+            control,
+            req_mesh: req_mesh.clone(),
+            rep_mesh: rep_mesh.clone(),
+            shared: Arc::clone(&shared),
+            ipc: ipc.clone(),
+            ready: ready_tx.clone(),
+        };
+        handles.push(executor::spawn(ctx)?);
+    }
+    for _ in 0..shards {
+        match ready_rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err("a shard did not start within 30 s".into()),
+        }
+    }
+    let listener = bind(&socket, 0o666)?;
+    let admin_listener = bind(&admin, 0o660)?;
+    {
+        let shared = Arc::clone(&shared);
+        let arena = Arc::clone(&arena);
+        std::thread::Builder::new()
+            .name("orbitkv-accept".into())
+            .spawn(move || bootstrap::serve(listener, shared, arena))
+            .map_err(|e| format!("starting the accept thread: {e}"))?;
+    }
+    {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("orbitkv-admin".into())
+            .spawn(move || admin::serve(admin_listener, shared))
+            .map_err(|e| format!("starting the admin thread: {e}"))?;
+    }
+    tracing::info!(
+        socket = %socket.display(),
+        shards,
+        arena = %format_bytes(settings.dram_bytes),
+        arena_locked = arena.locked(),
+        pinned = pin,
+        startup_ms = started.elapsed().as_millis() as u64,
+        "orbitkv-server serving"
+    );
+
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let signal = signals
+        .forever()
+        .next()
+        .unwrap_or(signal_hook::consts::SIGTERM);
+    tracing::info!(signal, "shutting down: draining");
+    shared.set_state(ServeState::Draining);
+    let deadline = Instant::now() + settings.drain_timeout;
+    while !shared.drained(Duration::from_secs(1)) {
+        if Instant::now() >= deadline {
+            tracing::warn!("drain timeout reached with reservations outstanding; exiting anyway");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Remove the sockets first so no new client finds a dying server.
+    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&admin);
+    for tx in &shared.shard_tx {
+        let _ = tx.send(ControlMsg::Stop);
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    ipc::remove_leftovers(&ipc);
+    tracing::info!("orbitkv-server stopped");
+    Ok(())
+}

@@ -47,6 +47,59 @@ where
     }
 }
 
+/// Largest bootstrap frame accepted on the Unix socket.
+pub const MAX_FRAME: usize = 64 << 10;
+
+/// Writes one bootstrap frame: u32 little-endian length, then the bytes.
+pub fn write_frame(w: &mut impl std::io::Write, bytes: &[u8]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(4 + bytes.len());
+    buf.extend_from_slice(&frame_header(bytes.len())?);
+    buf.extend_from_slice(bytes);
+    w.write_all(&buf)
+}
+
+/// The 4-byte header of a frame of `len` bytes.
+pub fn frame_header(len: usize) -> std::io::Result<[u8; 4]> {
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "frame too large",
+        ));
+    }
+    Ok((len as u32).to_le_bytes())
+}
+
+/// Reads one bootstrap frame (at most [`MAX_FRAME`] bytes); `prefix` holds bytes of it that
+/// were already received.
+pub fn read_frame(r: &mut impl std::io::Read, mut prefix: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    while prefix.len() < 4 {
+        let mut b = [0u8; 4];
+        let n = r.read(&mut b[..4 - prefix.len()])?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        prefix.extend_from_slice(&b[..n]);
+    }
+    let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit"),
+        ));
+    }
+    let mut body = prefix.split_off(4);
+    if body.len() > len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "trailing bytes after frame",
+        ));
+    }
+    let have = body.len();
+    body.resize(len, 0);
+    r.read_exact(&mut body[have..])?;
+    Ok(body)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,6 +117,20 @@ mod tests {
         let mut shifted = vec![0u8];
         shifted.extend_from_slice(&bytes);
         assert_eq!(decode::<Request>(&shifted[1..]).unwrap(), req);
+    }
+
+    #[test]
+    fn frames() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, b"hello").unwrap();
+        assert_eq!(read_frame(&mut &buf[..], Vec::new()).unwrap(), b"hello");
+        assert_eq!(
+            read_frame(&mut &buf[3..], buf[..3].to_vec()).unwrap(),
+            b"hello"
+        );
+        let huge = (MAX_FRAME as u32 + 1).to_le_bytes();
+        assert!(read_frame(&mut &huge[..], Vec::new()).is_err());
+        assert!(read_frame(&mut &buf[..6], Vec::new()).is_err(), "truncated");
     }
 
     #[test]

@@ -16,7 +16,7 @@ mod namespace;
 mod paths;
 mod units;
 
-pub use codec::{decode, encode, DecodeError};
+pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeError, MAX_FRAME};
 pub use error::ErrorCode;
 pub use hashing::{prefix_digests, PrefixHasher, PREFIX_SEED};
 pub use key::{ChunkKey, Digest};

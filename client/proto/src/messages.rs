@@ -40,6 +40,8 @@ pub enum Welcome {
         arena_bytes: u64,
         /// iceoryx2 root path shared by server and clients.
         iox_root: String,
+        /// iceoryx2 shared-memory name prefix shared by server and clients.
+        iox_prefix: String,
         /// iceoryx2 request-response service of this session.
         service_name: String,
         /// Largest encoded request the server accepts.

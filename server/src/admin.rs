@@ -1,0 +1,188 @@
+//! The admin socket (`<socket>.admin`): one JSON request line, one JSON response line.
+//!
+//! Commands: `{"cmd":"health"}`, `{"cmd":"stats"}`, `{"cmd":"drain"}`, `{"cmd":"resume"}`,
+//! `{"cmd":"sessions"}`. Unknown or malformed input gets `{"ok":false,"error":...}`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use serde_json::{json, Map, Value};
+
+use crate::shared::{ServeState, ShardSnapshot, Shared};
+
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
+const MAX_LINE: u64 = 4096;
+
+/// Serves admin connections one at a time until the listener fails.
+pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                if let Err(e) = handle(stream, &shared) {
+                    tracing::debug!(error = %e, "admin connection failed");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "admin accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut line = String::new();
+    BufReader::new((&stream).take(MAX_LINE)).read_line(&mut line)?;
+    let reply = match serde_json::from_str::<Value>(&line) {
+        Ok(v) => match v.get("cmd").and_then(Value::as_str) {
+            Some(cmd) => command(cmd, shared),
+            None => json!({"ok": false, "error": "request has no \"cmd\" string"}),
+        },
+        Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
+    };
+    let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
+    out.push(b'\n');
+    (&stream).write_all(&out)
+}
+
+/// The state name for `ctl`: `serving`, `draining`, or `drained`.
+fn state_name(shared: &Shared, snaps: &[Option<ShardSnapshot>]) -> &'static str {
+    match shared.state() {
+        ServeState::Serving => "serving",
+        ServeState::Draining => {
+            if snaps
+                .iter()
+                .all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0))
+            {
+                "drained"
+            } else {
+                "draining"
+            }
+        }
+    }
+}
+
+fn command(cmd: &str, shared: &Shared) -> Value {
+    match cmd {
+        "health" => {
+            let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
+            let all_answer = snaps.iter().all(Option::is_some);
+            let state = state_name(shared, &snaps);
+            let ready = all_answer && state == "serving";
+            let reason = if !all_answer {
+                "a shard is not answering"
+            } else if !ready {
+                "not admitting new work (draining)"
+            } else {
+                "serving"
+            };
+            json!({"ok": true, "ready": ready, "state": state, "reason": reason})
+        }
+        "stats" => stats(shared),
+        "drain" => {
+            shared.set_state(ServeState::Draining);
+            tracing::info!("draining: new sessions and writes are refused");
+            let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
+            json!({"ok": true, "state": state_name(shared, &snaps)})
+        }
+        "resume" => {
+            shared.set_state(ServeState::Serving);
+            tracing::info!("resumed serving");
+            json!({"ok": true, "state": "serving"})
+        }
+        "sessions" => {
+            let sessions = shared
+                .sessions
+                .lock()
+                .expect("session table lock is never poisoned");
+            let list: Vec<Value> = sessions
+                .values()
+                .map(|s| {
+                    json!({
+                        "id": s.id,
+                        "pid": s.pid,
+                        "uid": s.uid,
+                        "name": s.name,
+                        "home_shard": s.home_shard,
+                        "opened_unix_s": s.opened.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+                    })
+                })
+                .collect();
+            json!({"ok": true, "sessions": list})
+        }
+        other => json!({"ok": false, "error": format!("unknown command {other:?}")}),
+    }
+}
+
+fn stats(shared: &Shared) -> Value {
+    let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
+    let shards: Vec<Value> = snaps
+        .iter()
+        .enumerate()
+        .map(|(id, s)| match s {
+            None => json!({"id": id, "answering": false}),
+            Some(s) => {
+                let st = &s.stats;
+                let errors: Map<String, Value> = st
+                    .errors
+                    .iter()
+                    .map(|(c, n)| (c.as_str().to_string(), json!(n)))
+                    .collect();
+                let latency: Map<String, Value> = st
+                    .latency
+                    .iter()
+                    .filter(|(_, l)| l.count > 0)
+                    .map(|(op, l)| {
+                        (
+                            op.as_str().to_string(),
+                            json!({"count": l.count, "p50_ns": l.p50_ns, "p99_ns": l.p99_ns,
+                                   "p999_ns": l.p999_ns, "max_ns": l.max_ns}),
+                        )
+                    })
+                    .collect();
+                json!({
+                    "id": id,
+                    "answering": true,
+                    "core": s.core,
+                    "sessions": s.sessions,
+                    "dram_capacity_bytes": st.dram_capacity_bytes,
+                    "dram_used_bytes": st.dram_used_bytes,
+                    "entries": st.entries,
+                    "reservations": st.reservations,
+                    "leases": st.leases,
+                    "namespaces": st.namespaces,
+                    "hits": st.hits,
+                    "misses": st.misses,
+                    "evictions": st.evictions,
+                    "removals": st.removals,
+                    "commits": st.commits,
+                    "bytes_committed": st.bytes_committed,
+                    "rejected_requests": s.rejected_requests,
+                    "dropped_replies": s.dropped_replies,
+                    "errors": errors,
+                    "latency": latency,
+                })
+            }
+        })
+        .collect();
+    let sessions = shared
+        .sessions
+        .lock()
+        .expect("session table lock is never poisoned")
+        .len();
+    json!({
+        "ok": true,
+        "state": state_name(shared, &snaps),
+        "pid": std::process::id(),
+        "uptime_s": shared.started.elapsed().as_secs_f64(),
+        "socket": shared.settings.socket.display().to_string(),
+        "sessions": sessions,
+        "refused_sessions": shared.refused_sessions.load(std::sync::atomic::Ordering::Relaxed),
+        "arena_bytes": shared.settings.dram_bytes,
+        "arena_locked": shared.arena_locked,
+        "shards": shards,
+    })
+}

@@ -1,0 +1,230 @@
+//! The bootstrap Unix socket: peer credential check, protocol version check, session opening,
+//! arena memfd hand-over (`SCM_RIGHTS`), and watching the socket for the requester's death.
+
+use std::io::{IoSlice, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crossbeam_channel::bounded;
+use nix::sys::socket::{getsockopt, sendmsg, sockopt, ControlMessage, MsgFlags};
+use orbitkv_proto::{
+    decode, encode, frame_header, read_frame, Bootstrap, ErrorCode, Welcome, PROTOCOL_VERSION,
+};
+use orbitkv_shards::Arena;
+
+use crate::router::{max_request_bytes, max_response_bytes};
+use crate::shared::{ControlMsg, ServeState, SessionInfo, Shared};
+
+/// How long a new connection may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Accepts connections until the listener fails (it is shut down by process exit).
+pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                let shared = Arc::clone(&shared);
+                let arena = Arc::clone(&arena);
+                let spawned = std::thread::Builder::new()
+                    .name("orbitkv-session".into())
+                    .spawn(move || handle(stream, &shared, &arena));
+                if let Err(e) = spawned {
+                    tracing::error!(error = %e, "cannot start a session thread");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn refuse(stream: &UnixStream, shared: &Shared, code: ErrorCode, message: String) {
+    shared
+        .refused_sessions
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(code = %code, %message, "session refused");
+    let _ = send_welcome(stream, &Welcome::Refused { code, message }, None);
+}
+
+fn send_welcome(stream: &UnixStream, w: &Welcome, fd: Option<i32>) -> std::io::Result<()> {
+    let body = encode(w);
+    let header = frame_header(body.len())?;
+    let iov = [IoSlice::new(&header), IoSlice::new(&body)];
+    let fds = fd.map(|f| [f]);
+    let cmsgs: Vec<ControlMessage> = fds
+        .as_ref()
+        .map(|f| ControlMessage::ScmRights(f))
+        .into_iter()
+        .collect();
+    let sent = sendmsg::<()>(
+        stream.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    let total = header.len() + body.len();
+    if sent < total {
+        // The descriptor went with the first bytes; the rest is plain data.
+        let all: Vec<u8> = header.iter().chain(body.iter()).copied().collect();
+        std::io::Write::write_all(&mut &*stream, &all[sent..])?;
+    }
+    Ok(())
+}
+
+fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
+    let creds = match getsockopt(&stream, sockopt::PeerCredentials) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "SO_PEERCRED failed; dropping connection");
+            return;
+        }
+    };
+    let (uid, pid) = (creds.uid(), creds.pid());
+    let own = nix::unistd::getuid().as_raw();
+    if uid != own && uid != 0 && !shared.settings.config.allow_uid.contains(&uid) {
+        return refuse(
+            &stream,
+            shared,
+            ErrorCode::PermissionDenied,
+            format!(
+                "uid {uid} is not allowed to connect (allowed: the server's uid {own}, root, and \
+                 --allow-uid {:?})",
+                shared.settings.config.allow_uid
+            ),
+        );
+    }
+    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
+    let hello = match read_frame(&mut &stream, Vec::new()) {
+        Ok(b) => decode::<Bootstrap>(&b).map_err(|e| e.to_string()),
+        Err(e) => Err(format!("reading hello: {e}")),
+    };
+    let name = match hello {
+        Ok(Bootstrap::Hello {
+            protocol_version,
+            client_name,
+        }) => {
+            if protocol_version != PROTOCOL_VERSION {
+                return refuse(
+                    &stream,
+                    shared,
+                    ErrorCode::VersionMismatch,
+                    format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}"),
+                );
+            }
+            client_name.chars().take(64).collect::<String>()
+        }
+        Err(e) => {
+            return refuse(
+                &stream,
+                shared,
+                ErrorCode::Malformed,
+                format!("bad hello from pid {pid}: {e}"),
+            )
+        }
+    };
+    if shared.state() == ServeState::Draining {
+        return refuse(
+            &stream,
+            shared,
+            ErrorCode::Draining,
+            "server is draining: no new sessions".into(),
+        );
+    }
+    let max = shared.settings.config.max_sessions;
+    let open = shared
+        .sessions
+        .lock()
+        .expect("session table lock is never poisoned")
+        .len();
+    if open >= max {
+        return refuse(
+            &stream,
+            shared,
+            ErrorCode::TooManySessions,
+            format!("{open} sessions open (--max-sessions {max})"),
+        );
+    }
+    let session = shared.next_session_id();
+    let home = shared.pick_home_shard();
+    let service = format!("{}/s{session}", shared.service_prefix);
+    let (reply, rx) = bounded(1);
+    let opened = shared.shard_tx[home]
+        .send_timeout(
+            ControlMsg::OpenSession {
+                session,
+                service: service.clone(),
+                reply,
+            },
+            HELLO_TIMEOUT,
+        )
+        .map_err(|_| "home shard is not answering".to_string())
+        .and_then(|()| {
+            rx.recv_timeout(HELLO_TIMEOUT)
+                .map_err(|_| "home shard did not open the session".to_string())
+        })
+        .and_then(|r| r);
+    if let Err(e) = opened {
+        return refuse(&stream, shared, ErrorCode::Internal, e);
+    }
+    shared
+        .sessions
+        .lock()
+        .expect("session table lock is never poisoned")
+        .insert(
+            session,
+            SessionInfo {
+                id: session,
+                pid,
+                uid,
+                name: name.clone(),
+                home_shard: home,
+                opened: SystemTime::now(),
+            },
+        );
+    let cfg = &shared.settings.config;
+    let welcome = Welcome::Accepted {
+        protocol_version: PROTOCOL_VERSION,
+        session_id: session,
+        home_shard: home as u32,
+        shards: shared.settings.shards as u32,
+        arena_bytes: arena.len(),
+        iox_root: shared.iox_root.clone(),
+        iox_prefix: shared.iox_prefix.clone(),
+        service_name: service,
+        max_request_bytes: max_request_bytes(cfg.max_keys_per_request) as u64,
+        max_response_bytes: max_response_bytes(cfg.max_keys_per_request) as u64,
+        max_keys_per_request: cfg.max_keys_per_request,
+    };
+    tracing::info!(session, pid, uid, home, name = %name, "session opened");
+    if let Err(e) = send_welcome(&stream, &welcome, Some(arena.fd().as_raw_fd())) {
+        tracing::warn!(session, error = %e, "sending welcome failed");
+    } else {
+        // The socket stays open for the life of the session; its close (or any protocol
+        // violation on it) means the requester is gone.
+        let _ = stream.set_read_timeout(None);
+        let mut buf = [0u8; 64];
+        match (&stream).read(&mut buf) {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                session,
+                bytes = n,
+                "unexpected bytes on the bootstrap socket; closing session"
+            ),
+            Err(e) => {
+                tracing::debug!(session, error = %e, "bootstrap socket error; closing session")
+            }
+        }
+    }
+    shared
+        .sessions
+        .lock()
+        .expect("session table lock is never poisoned")
+        .remove(&session);
+    let _ = shared.shard_tx[home].send(ControlMsg::CloseSession { session });
+}

@@ -1,0 +1,377 @@
+//! Server configuration: one serde struct, loadable from TOML, overridden by flags, validated.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use orbitkv_proto::{default_socket_path, parse_duration, parse_size};
+use serde::{Deserialize, Serialize};
+
+/// A configuration that cannot be used; the message names the flag.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML for this struct.
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A value is out of range or combinations conflict.
+    #[error("invalid {flag}: {reason}")]
+    Invalid {
+        /// The flag (as on the command line).
+        flag: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+/// Everything `orbitkv-server` can be told. Sizes and durations are human strings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case", default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Bootstrap Unix socket. Default: `$ORBITKV_SOCKET`, else `/run/orbitkv/orbitkv.sock`
+    /// for root, else `/tmp/orbitkv-<uid>/orbitkv.sock`.
+    pub socket: Option<PathBuf>,
+    /// Shard executors (one pinned core each). Default: 0 = one per CPU, minus one when there
+    /// are more than two CPUs (left for control and DMA threads).
+    pub shards: usize,
+    /// DRAM arena size, split evenly over shards. Default: `1GiB`.
+    pub dram: String,
+    /// Lock the arena in memory (best effort; failure is a warning). Default: true.
+    pub lock_arena: bool,
+    /// Pin each shard to its own core (best effort; failure is a warning). Default: true.
+    pub pin: bool,
+    /// Uids allowed to open sessions (the server's own uid and root are always allowed).
+    /// Default: empty.
+    pub allow_uid: Vec<u32>,
+    /// Most concurrent sessions. Default: 256.
+    pub max_sessions: usize,
+    /// Most leases one session may hold. Default: 65536.
+    pub max_leases_per_session: u64,
+    /// Most uncommitted reservations one session may hold. Default: 16384.
+    pub max_reservations_per_session: u64,
+    /// Most keys in one request. Default: 4096.
+    pub max_keys_per_request: u32,
+    /// Largest chunk any namespace may declare. Default: `256MiB`.
+    pub max_chunk_size: String,
+    /// Most namespaces registered at once. Default: 1024.
+    pub max_namespaces: usize,
+    /// Requests a session may have in flight (iceoryx2 active requests). Default: 8.
+    pub max_inflight_per_session: usize,
+    /// Capacity of each shard-to-shard queue. Default: 1024.
+    pub mesh_queue_depth: usize,
+    /// Longest a poller sleeps when idle (adaptive polling ceiling). Default: `500us`.
+    pub idle_poll_max: String,
+    /// How long SIGTERM waits for in-flight work before exiting anyway. Default: `10s`.
+    pub drain_timeout: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            socket: None,
+            shards: 0,
+            dram: "1GiB".into(),
+            lock_arena: true,
+            pin: true,
+            allow_uid: Vec::new(),
+            max_sessions: 256,
+            max_leases_per_session: 65536,
+            max_reservations_per_session: 16384,
+            max_keys_per_request: 4096,
+            max_chunk_size: "256MiB".into(),
+            max_namespaces: 1024,
+            max_inflight_per_session: 8,
+            mesh_queue_depth: 1024,
+            idle_poll_max: "500us".into(),
+            drain_timeout: "10s".into(),
+        }
+    }
+}
+
+/// `orbitkv-server`: the per-host OrbitKV Manager.
+#[derive(Parser, Debug, Default)]
+#[command(name = "orbitkv-server", version, about)]
+pub struct Args {
+    /// TOML config file; flags override its values.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Bootstrap Unix socket (default: $ORBITKV_SOCKET, /run/orbitkv/orbitkv.sock for root,
+    /// else /tmp/orbitkv-<uid>/orbitkv.sock).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Shard executors, one pinned core each (default: cores minus one, at least 1).
+    #[arg(long, value_name = "N")]
+    pub shards: Option<usize>,
+    /// DRAM arena size (default: 1GiB).
+    #[arg(long, value_name = "SIZE")]
+    pub dram: Option<String>,
+    /// Do not lock the arena in memory.
+    #[arg(long)]
+    pub no_lock_arena: bool,
+    /// Do not pin shards to cores.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Additional uid allowed to connect (repeatable; own uid and root always are).
+    #[arg(long, value_name = "UID")]
+    pub allow_uid: Vec<u32>,
+    /// Most concurrent sessions (default: 256).
+    #[arg(long, value_name = "N")]
+    pub max_sessions: Option<usize>,
+    /// Most leases per session (default: 65536).
+    #[arg(long, value_name = "N")]
+    pub max_leases_per_session: Option<u64>,
+    /// Most uncommitted reservations per session (default: 16384).
+    #[arg(long, value_name = "N")]
+    pub max_reservations_per_session: Option<u64>,
+    /// Most keys per request (default: 4096).
+    #[arg(long, value_name = "N")]
+    pub max_keys_per_request: Option<u32>,
+    /// Largest chunk a namespace may declare (default: 256MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub max_chunk_size: Option<String>,
+    /// Most namespaces (default: 1024).
+    #[arg(long, value_name = "N")]
+    pub max_namespaces: Option<usize>,
+    /// Requests in flight per session (default: 8).
+    #[arg(long, value_name = "N")]
+    pub max_inflight_per_session: Option<usize>,
+    /// Shard-to-shard queue capacity (default: 1024).
+    #[arg(long, value_name = "N")]
+    pub mesh_queue_depth: Option<usize>,
+    /// Longest idle poll sleep (default: 500us).
+    #[arg(long, value_name = "DUR")]
+    pub idle_poll_max: Option<String>,
+    /// SIGTERM drain timeout (default: 10s).
+    #[arg(long, value_name = "DUR")]
+    pub drain_timeout: Option<String>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// A validated configuration with parsed sizes and durations.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The source configuration (as printed by `--print-config`).
+    pub config: ServerConfig,
+    /// Bootstrap socket path.
+    pub socket: PathBuf,
+    /// Shard count.
+    pub shards: usize,
+    /// Arena bytes (multiple of 4 KiB * shards).
+    pub dram_bytes: u64,
+    /// Largest chunk.
+    pub max_chunk_bytes: u64,
+    /// Idle poll ceiling.
+    pub idle_poll_max: Duration,
+    /// SIGTERM drain timeout.
+    pub drain_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Loads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Applies command-line overrides.
+    pub fn apply_args(&mut self, a: &Args) {
+        if let Some(v) = &a.socket {
+            self.socket = Some(v.clone());
+        }
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &a.$f { self.$f = v.clone(); } )* };
+        }
+        set!(
+            shards,
+            dram,
+            max_sessions,
+            max_leases_per_session,
+            max_reservations_per_session,
+            max_keys_per_request,
+            max_chunk_size,
+            max_namespaces,
+            max_inflight_per_session,
+            mesh_queue_depth,
+            idle_poll_max,
+            drain_timeout
+        );
+        if a.no_lock_arena {
+            self.lock_arena = false;
+        }
+        if a.no_pin {
+            self.pin = false;
+        }
+        self.allow_uid.extend(a.allow_uid.iter().copied());
+    }
+
+    /// Checks every value; the error names the flag.
+    pub fn validate(&self) -> Result<Settings, ConfigError> {
+        let socket = self
+            .socket
+            .clone()
+            .unwrap_or_else(|| default_socket_path(nix::unistd::getuid().as_raw()));
+        if socket.as_os_str().len() > 100 {
+            return Err(invalid(
+                "--socket",
+                format!(
+                    "{} is longer than a Unix socket path may be (100 bytes)",
+                    socket.display()
+                ),
+            ));
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let shards = if self.shards == 0 {
+            if cpus > 2 {
+                cpus - 1
+            } else {
+                cpus
+            }
+        } else {
+            self.shards
+        };
+        if shards > 256 {
+            return Err(invalid("--shards", format!("{shards} is more than 256")));
+        }
+        let dram = parse_size(&self.dram).map_err(|e| invalid("--dram", e.to_string()))?;
+        let page = orbitkv_shards::PAGE_SIZE;
+        let per_shard = dram / shards as u64 / page * page;
+        if per_shard < 16 * page {
+            return Err(invalid(
+                "--dram",
+                format!("{dram} bytes gives each of {shards} shards less than 64 KiB"),
+            ));
+        }
+        let max_chunk = parse_size(&self.max_chunk_size)
+            .map_err(|e| invalid("--max-chunk-size", e.to_string()))?;
+        if max_chunk == 0 {
+            return Err(invalid("--max-chunk-size", "must be positive"));
+        }
+        for (flag, v) in [
+            ("--max-sessions", self.max_sessions as u64),
+            ("--max-leases-per-session", self.max_leases_per_session),
+            (
+                "--max-reservations-per-session",
+                self.max_reservations_per_session,
+            ),
+            ("--max-keys-per-request", self.max_keys_per_request as u64),
+            ("--max-namespaces", self.max_namespaces as u64),
+            (
+                "--max-inflight-per-session",
+                self.max_inflight_per_session as u64,
+            ),
+            ("--mesh-queue-depth", self.mesh_queue_depth as u64),
+        ] {
+            if v == 0 {
+                return Err(invalid(flag, "must be at least 1"));
+            }
+        }
+        if self.max_keys_per_request > 65536 {
+            return Err(invalid("--max-keys-per-request", "must be at most 65536"));
+        }
+        if self.max_inflight_per_session > 64 {
+            return Err(invalid("--max-inflight-per-session", "must be at most 64"));
+        }
+        let idle_poll_max = parse_duration(&self.idle_poll_max)
+            .map_err(|e| invalid("--idle-poll-max", e.to_string()))?;
+        if idle_poll_max > Duration::from_millis(100) {
+            return Err(invalid("--idle-poll-max", "must be at most 100ms"));
+        }
+        let drain_timeout = parse_duration(&self.drain_timeout)
+            .map_err(|e| invalid("--drain-timeout", e.to_string()))?;
+        Ok(Settings {
+            config: self.clone(),
+            socket,
+            shards,
+            dram_bytes: per_shard * shards as u64,
+            max_chunk_bytes: max_chunk,
+            idle_poll_max,
+            drain_timeout,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        let s = ServerConfig::default().validate().unwrap();
+        assert!(s.shards >= 1);
+        assert_eq!(s.max_chunk_bytes, 256 << 20);
+    }
+
+    #[test]
+    fn errors_name_the_flag() {
+        let bad = |c: ServerConfig| c.validate().unwrap_err().to_string();
+        assert!(bad(ServerConfig {
+            dram: "lots".into(),
+            ..Default::default()
+        })
+        .contains("--dram"));
+        assert!(bad(ServerConfig {
+            dram: "4KiB".into(),
+            ..Default::default()
+        })
+        .contains("--dram"));
+        assert!(bad(ServerConfig {
+            max_sessions: 0,
+            ..Default::default()
+        })
+        .contains("--max-sessions"));
+        assert!(bad(ServerConfig {
+            idle_poll_max: "1s".into(),
+            ..Default::default()
+        })
+        .contains("--idle-poll-max"));
+        assert!(bad(ServerConfig {
+            shards: 1000,
+            ..Default::default()
+        })
+        .contains("--shards"));
+    }
+
+    #[test]
+    fn toml_round_trip_and_flag_override() {
+        let text = "dram = \"64MiB\"\nshards = 2\nallow-uid = [1000]\n";
+        let mut c: ServerConfig = toml::from_str(text).unwrap();
+        assert_eq!(c.dram, "64MiB");
+        let args = Args {
+            dram: Some("128MiB".into()),
+            allow_uid: vec![7],
+            ..Default::default()
+        };
+        c.apply_args(&args);
+        assert_eq!(c.dram, "128MiB");
+        assert_eq!(c.allow_uid, vec![1000, 7]);
+        assert_eq!(c.shards, 2);
+        assert!(toml::from_str::<ServerConfig>("bogus = 1").is_err());
+    }
+}

@@ -1,0 +1,437 @@
+//! One shard executor: a glommio `LocalExecutor` on its own core that owns a [`ShardCore`],
+//! the iceoryx2 services of the sessions homed on it, and its ends of the shard mesh.
+//!
+//! Polling is adaptive: after work it spins (yielding to its own tasks) for a short window,
+//! then sleeps in growing naps up to `--idle-poll-max`, so a quiet server burns no core.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use glommio::channels::channel_mesh::{Full, MeshBuilder, Senders};
+use glommio::channels::local_channel::{self, LocalSender};
+use glommio::{LocalExecutorBuilder, Placement};
+use iceoryx2::prelude::*;
+use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
+
+use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
+use crate::shared::{ControlMsg, ShardSnapshot, Shared};
+
+/// A request sent over the mesh: (request id, op).
+pub type MeshRequest = (u64, ShardOp);
+/// A reply sent over the mesh: (request id, reply).
+pub type MeshReply = (u64, ShardReply);
+
+/// Spin this long after the last piece of work before napping.
+const SPIN_WINDOW: Duration = Duration::from_micros(200);
+/// Most requests taken from one session per poll round (fairness between sessions).
+const REQUESTS_PER_ROUND: usize = 16;
+
+/// Everything a shard executor starts with.
+pub struct ShardContext {
+    /// Shard id.
+    pub id: usize,
+    /// Shard count.
+    pub shards: usize,
+    /// CPU to pin to, if pinning.
+    pub cpu: Option<usize>,
+    /// io_uring registered memory per ring (bounded by RLIMIT_MEMLOCK).
+    pub io_memory: usize,
+    /// The shard's state machine.
+    pub core: ShardCore,
+    /// Control messages from the bootstrap/admin threads.
+    pub control: Receiver<ControlMsg>,
+    /// Shard-to-shard request mesh (None with one shard).
+    pub req_mesh: Option<MeshBuilder<MeshRequest, Full>>,
+    /// Shard-to-shard reply mesh (None with one shard).
+    pub rep_mesh: Option<MeshBuilder<MeshReply, Full>>,
+    /// Control-plane state.
+    pub shared: Arc<Shared>,
+    /// iceoryx2 names.
+    pub ipc: IpcNames,
+    /// Reports start-up success or failure.
+    pub ready: Sender<Result<(), String>>,
+}
+
+/// Starts the executor thread of one shard. Pinning is best effort: a placement that fails
+/// is retried unpinned with a warning.
+pub fn spawn(ctx: ShardContext) -> Result<glommio::ExecutorJoinHandle<()>, String> {
+    let id = ctx.id;
+    let cpu = ctx.cpu;
+    let io_memory = ctx.io_memory;
+    let slot = Arc::new(Mutex::new(Some(ctx)));
+    let start = |placement: Placement, pinned: Option<usize>| {
+        let slot = Arc::clone(&slot);
+        LocalExecutorBuilder::new(placement)
+            .name(&format!("shard-{id}"))
+            .io_memory(io_memory)
+            .spawn(move || async move {
+                let ctx = slot.lock().expect("context lock is never poisoned").take();
+                if let Some(mut ctx) = ctx {
+                    ctx.cpu = pinned;
+                    run(ctx).await;
+                }
+            })
+    };
+    if let Some(cpu) = cpu {
+        match start(Placement::Fixed(cpu), Some(cpu)) {
+            Ok(h) => return Ok(h),
+            Err(e) => {
+                tracing::warn!(shard = id, cpu, error = %e, "pinning failed; running unpinned")
+            }
+        }
+    }
+    start(Placement::Unbound, None).map_err(|e| format!("starting shard {id} executor: {e}"))
+}
+
+/// Per-session state on its home shard.
+struct SessionState {
+    port: RefCell<Option<(SessionService, SessionServer)>>,
+    leases: Cell<u64>,
+    reservations: Cell<u64>,
+    inflight: Cell<usize>,
+}
+
+/// The executor's state, shared by its tasks through `Rc`.
+pub(crate) struct Exec {
+    pub(crate) id: usize,
+    pub(crate) shards: usize,
+    cpu: Option<usize>,
+    pub(crate) core: RefCell<ShardCore>,
+    sessions: RefCell<HashMap<SessionId, Rc<SessionState>>>,
+    node: Node<IpcService>,
+    pub(crate) shared: Arc<Shared>,
+    req_tx: Option<Senders<MeshRequest>>,
+    rep_tx: Option<Senders<MeshReply>>,
+    pending: RefCell<HashMap<u64, LocalSender<ShardReply>>>,
+    next_req: Cell<u64>,
+    dropped_replies: Cell<u64>,
+    pub(crate) rejected: Cell<u64>,
+}
+
+async fn run(ctx: ShardContext) {
+    let ShardContext {
+        id,
+        shards,
+        cpu,
+        core,
+        control,
+        req_mesh,
+        rep_mesh,
+        shared,
+        ipc,
+        ready,
+        ..
+    } = ctx;
+    let node = match ipc::config(&ipc).and_then(|cfg| {
+        NodeName::new(&format!("orbitkv-shard-{id}"))
+            .map_err(|e| format!("node name: {e:?}"))
+            .and_then(|name| {
+                NodeBuilder::new()
+                    .name(&name)
+                    .config(&cfg)
+                    .create::<IpcService>()
+                    .map_err(|e| format!("creating iceoryx2 node: {e:?}"))
+            })
+    }) {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            return;
+        }
+    };
+    let mut req_rx = None;
+    let mut req_tx = None;
+    if let Some(m) = req_mesh {
+        match m.join().await {
+            Ok((t, r)) => (req_tx, req_rx) = (Some(t), Some(r)),
+            Err(e) => {
+                let _ = ready.send(Err(format!("shard {id}: joining the request mesh: {e}")));
+                return;
+            }
+        }
+    }
+    let mut rep_rx = None;
+    let mut rep_tx = None;
+    if let Some(m) = rep_mesh {
+        match m.join().await {
+            Ok((t, r)) => (rep_tx, rep_rx) = (Some(t), Some(r)),
+            Err(e) => {
+                let _ = ready.send(Err(format!("shard {id}: joining the reply mesh: {e}")));
+                return;
+            }
+        }
+    }
+    let idle_poll_max = shared.settings.idle_poll_max;
+    let exec = Rc::new(Exec {
+        id,
+        shards,
+        cpu,
+        core: RefCell::new(core),
+        sessions: RefCell::new(HashMap::new()),
+        node,
+        shared,
+        req_tx,
+        rep_tx,
+        pending: RefCell::new(HashMap::new()),
+        next_req: Cell::new(1),
+        dropped_replies: Cell::new(0),
+        rejected: Cell::new(0),
+    });
+    // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
+    // so this task cannot deadlock against another shard's.
+    if let Some(mut rx) = req_rx {
+        for (peer, stream) in rx.streams() {
+            let e = Rc::clone(&exec);
+            glommio::spawn_local(async move {
+                while let Some((rid, op)) = stream.recv().await {
+                    let reply = e.core.borrow_mut().apply(op);
+                    let tx = e
+                        .rep_tx
+                        .as_ref()
+                        .expect("reply mesh exists when request mesh does");
+                    if tx.send_to(peer, (rid, reply)).await.is_err() {
+                        break;
+                    }
+                }
+            })
+            .detach();
+        }
+    }
+    if let Some(mut rx) = rep_rx {
+        for (_peer, stream) in rx.streams() {
+            let e = Rc::clone(&exec);
+            glommio::spawn_local(async move {
+                while let Some((rid, reply)) = stream.recv().await {
+                    if let Some(tx) = e.pending.borrow_mut().remove(&rid) {
+                        let _ = tx.try_send(reply);
+                    }
+                }
+            })
+            .detach();
+        }
+    }
+    let _ = ready.send(Ok(()));
+    tracing::info!(shard = id, cpu = ?cpu, "shard serving");
+
+    let mut last_work = Instant::now();
+    loop {
+        let mut work = 0usize;
+        let mut stop = false;
+        while let Ok(msg) = control.try_recv() {
+            work += 1;
+            if !exec.handle_control(msg) {
+                stop = true;
+            }
+        }
+        if stop {
+            break;
+        }
+        work += exec.poll_sessions();
+        if work > 0 {
+            last_work = Instant::now();
+            glommio::executor().yield_now().await;
+            continue;
+        }
+        let idle = last_work.elapsed();
+        if idle < SPIN_WINDOW {
+            glommio::executor().yield_now().await;
+        } else {
+            let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
+            glommio::timer::sleep(nap).await;
+        }
+    }
+    exec.sessions.borrow_mut().clear();
+    tracing::info!(shard = id, "shard stopped");
+}
+
+impl Exec {
+    /// Handles one control message; false means stop.
+    fn handle_control(self: &Rc<Self>, msg: ControlMsg) -> bool {
+        match msg {
+            ControlMsg::OpenSession {
+                session,
+                service,
+                reply,
+            } => {
+                let max_inflight = self.shared.settings.config.max_inflight_per_session;
+                let result =
+                    ipc::create_session_service(&self.node, &service, max_inflight).map(|port| {
+                        self.sessions.borrow_mut().insert(
+                            session,
+                            Rc::new(SessionState {
+                                port: RefCell::new(Some(port)),
+                                leases: Cell::new(0),
+                                reservations: Cell::new(0),
+                                inflight: Cell::new(0),
+                            }),
+                        );
+                    });
+                let _ = reply.send(result);
+            }
+            ControlMsg::CloseSession { session } => {
+                let state = self.sessions.borrow().get(&session).cloned();
+                if let Some(state) = state {
+                    // Stop new requests now; reclaim once in-flight requests of the session
+                    // are finished, so no op of it can reach a shard after the reclaim.
+                    state.port.borrow_mut().take();
+                    let e = Rc::clone(self);
+                    glommio::spawn_local(async move {
+                        while state.inflight.get() > 0 {
+                            glommio::timer::sleep(Duration::from_micros(100)).await;
+                        }
+                        let (leases, reservations) = e.close_everywhere(session).await;
+                        e.sessions.borrow_mut().remove(&session);
+                        let cleanup = e.node.try_cleanup_dead_nodes();
+                        tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
+                        tracing::info!(
+                            session,
+                            leases,
+                            reservations,
+                            "session closed and reclaimed"
+                        );
+                    })
+                    .detach();
+                }
+            }
+            ControlMsg::Stats { reply } => {
+                let stats = self.core.borrow().stats();
+                let _ = reply.send(ShardSnapshot {
+                    stats,
+                    core: self.cpu,
+                    sessions: self.sessions.borrow().len() as u64,
+                    dropped_replies: self.dropped_replies.get(),
+                    rejected_requests: self.rejected.get(),
+                });
+            }
+            ControlMsg::Stop => return false,
+        }
+        true
+    }
+
+    /// Receives and dispatches requests of every session homed here; returns how many.
+    fn poll_sessions(self: &Rc<Self>) -> usize {
+        let sessions: Vec<(SessionId, Rc<SessionState>)> = self
+            .sessions
+            .borrow()
+            .iter()
+            .map(|(k, v)| (*k, Rc::clone(v)))
+            .collect();
+        let mut n = 0;
+        for (id, state) in sessions {
+            for _ in 0..REQUESTS_PER_ROUND {
+                let received = match state.port.borrow().as_ref() {
+                    Some((_, server)) => server.receive(),
+                    None => break,
+                };
+                match received {
+                    Ok(Some(req)) => {
+                        n += 1;
+                        state.inflight.set(state.inflight.get() + 1);
+                        self.dispatch(id, &state, req);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(session = id, error = ?e, "receive failed; closing session port");
+                        state.port.borrow_mut().take();
+                        break;
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// Executes `op` on shard `shard`: here directly, elsewhere over the mesh.
+    pub(crate) async fn exec_on(&self, shard: usize, op: ShardOp) -> ShardReply {
+        if shard == self.id {
+            return self.core.borrow_mut().apply(op);
+        }
+        let rid = self.next_req.get();
+        self.next_req.set(rid + 1);
+        let (tx, rx) = local_channel::new_bounded(1);
+        self.pending.borrow_mut().insert(rid, tx);
+        let mesh = self.req_tx.as_ref().expect("several shards imply a mesh");
+        if mesh.send_to(shard, (rid, op)).await.is_err() {
+            self.pending.borrow_mut().remove(&rid);
+            return ShardReply::Outcomes(Vec::new());
+        }
+        match rx.recv().await {
+            Some(reply) => reply,
+            None => ShardReply::Outcomes(Vec::new()),
+        }
+    }
+
+    /// Broadcasts `SessionClosed` to every shard and sums what they reclaimed.
+    async fn close_everywhere(&self, session: SessionId) -> (u64, u64) {
+        let mut total = (0, 0);
+        for shard in 0..self.shards {
+            if let ShardReply::Closed {
+                leases,
+                reservations,
+            } = self
+                .exec_on(shard, ShardOp::SessionClosed { session })
+                .await
+            {
+                total.0 += leases;
+                total.1 += reservations;
+            }
+        }
+        total
+    }
+
+    /// Sends a response for `req`, counting it as dropped when the client is gone.
+    pub(crate) fn respond(&self, req: crate::ipc::ActiveRequest, bytes: &[u8]) {
+        let sent = req
+            .loan_slice_uninit(bytes.len())
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|r| {
+                r.write_from_slice(bytes)
+                    .send()
+                    .map_err(|e| format!("{e:?}"))
+            });
+        if let Err(e) = sent {
+            self.dropped_replies.set(self.dropped_replies.get() + 1);
+            tracing::debug!(shard = self.id, error = %e, "response not delivered");
+        }
+    }
+
+    fn dispatch(
+        self: &Rc<Self>,
+        session: SessionId,
+        state: &Rc<SessionState>,
+        req: crate::ipc::ActiveRequest,
+    ) {
+        crate::router::dispatch(self, session, SessionCounters(Rc::clone(state)), req);
+    }
+}
+
+/// Lease and reservation counters of one session (for the per-session bounds) plus its
+/// in-flight request count.
+pub(crate) struct SessionCounters(Rc<SessionState>);
+
+impl SessionCounters {
+    pub(crate) fn leases(&self) -> u64 {
+        self.0.leases.get()
+    }
+    pub(crate) fn reservations(&self) -> u64 {
+        self.0.reservations.get()
+    }
+    pub(crate) fn add_leases(&self, delta: i64) {
+        self.0
+            .leases
+            .set(self.0.leases.get().saturating_add_signed(delta));
+    }
+    pub(crate) fn add_reservations(&self, delta: i64) {
+        self.0
+            .reservations
+            .set(self.0.reservations.get().saturating_add_signed(delta));
+    }
+    /// Marks the request finished.
+    pub(crate) fn done(&self) {
+        self.0.inflight.set(self.0.inflight.get() - 1);
+    }
+}

@@ -1,0 +1,103 @@
+//! iceoryx2 setup: the per-server config (root path and shm prefix) and session services.
+
+use std::path::Path;
+
+use iceoryx2::port::server::Server;
+use iceoryx2::prelude::*;
+use iceoryx2::service::port_factory::request_response::PortFactory;
+
+/// The iceoryx2 service flavour: ports stay on the shard thread that made them.
+pub type IpcService = ipc::Service;
+/// A session's request-response service.
+pub type SessionService = PortFactory<IpcService, [u8], (), [u8], ()>;
+/// The server port of a session.
+pub type SessionServer = Server<IpcService, [u8], (), [u8], ()>;
+/// One received request.
+pub type ActiveRequest = iceoryx2::active_request::ActiveRequest<IpcService, [u8], (), [u8], ()>;
+
+/// Root path and shm prefix of this server's iceoryx2 resources, derived from the socket path
+/// so that servers on different sockets never see each other's services.
+#[derive(Clone, Debug)]
+pub struct IpcNames {
+    /// Directory for iceoryx2's service and node files.
+    pub root: String,
+    /// Prefix of every `/dev/shm` object.
+    pub prefix: String,
+}
+
+impl IpcNames {
+    /// Names for the server listening on `socket`.
+    pub fn for_socket(socket: &Path) -> Self {
+        let hash = blake3::hash(socket.as_os_str().as_encoded_bytes());
+        let tag: String = hash.as_bytes()[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let mut root = socket.as_os_str().to_string_lossy().into_owned();
+        root.push_str(".iox/");
+        Self {
+            root,
+            prefix: format!("okv{tag}_"),
+        }
+    }
+}
+
+/// Builds the iceoryx2 config shared by the server and its clients.
+pub fn config(names: &IpcNames) -> Result<Config, String> {
+    let mut c = Config::default();
+    let root = iceoryx2::prelude::Path::new(names.root.as_bytes())
+        .map_err(|e| format!("iceoryx2 root path {:?}: {e:?}", names.root))?;
+    c.global.set_root_path(&root);
+    c.global.prefix = FileName::new(names.prefix.as_bytes())
+        .map_err(|e| format!("iceoryx2 prefix {:?}: {e:?}", names.prefix))?;
+    Ok(c)
+}
+
+/// Creates a session's service and its server port. Lossless in both directions; one client.
+pub fn create_session_service(
+    node: &Node<IpcService>,
+    service_name: &str,
+    max_inflight: usize,
+) -> Result<(SessionService, SessionServer), String> {
+    let name = ServiceName::new(service_name)
+        .map_err(|e| format!("service name {service_name:?}: {e:?}"))?;
+    let service = node
+        .service_builder(&name)
+        .request_response::<[u8], [u8]>()
+        .enable_safe_overflow_for_requests(false)
+        .enable_safe_overflow_for_responses(false)
+        .enable_fire_and_forget_requests(false)
+        .max_servers(1)
+        .max_clients(1)
+        .max_nodes(2)
+        .max_active_requests_per_client(max_inflight)
+        .max_loaned_requests(1)
+        .max_response_buffer_size(1)
+        .max_borrowed_responses_per_pending_response(1)
+        .create()
+        .map_err(|e| format!("creating service {service_name:?}: {e:?}"))?;
+    let server = service
+        .server_builder()
+        .initial_max_slice_len(4096)
+        .allocation_strategy(AllocationStrategy::PowerOfTwo)
+        .max_loaned_responses_per_request(1)
+        .create()
+        .map_err(|e| format!("creating server port of {service_name:?}: {e:?}"))?;
+    Ok((service, server))
+}
+
+/// Removes this server's leftover iceoryx2 files (after every node is dropped).
+pub fn remove_leftovers(names: &IpcNames) {
+    let _ = std::fs::remove_dir_all(&names.root);
+    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
+        for entry in dir.flatten() {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&names.prefix)
+            {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}

@@ -1,0 +1,389 @@
+//! Request handling on a session's home shard: validate, split by owning shard, execute
+//! (locally or over the mesh), gather, answer.
+
+use std::rc::Rc;
+use std::time::Instant;
+
+use orbitkv_proto::{
+    decode, encode, ChunkKey, ChunkOutcome, ErrorCode, Hit, Request, Reservation, Response, SlotRef,
+};
+use orbitkv_shards::{OpKind, SessionId, ShardOp, ShardReply};
+
+use crate::executor::{Exec, SessionCounters};
+use crate::ipc::ActiveRequest;
+use crate::shared::ServeState;
+
+/// Fixed part of the request size bound, on top of 64 bytes per key.
+const REQUEST_OVERHEAD: usize = 4096;
+
+/// Largest encoded request accepted with `max_keys` keys per request.
+pub fn max_request_bytes(max_keys: u32) -> usize {
+    max_keys as usize * 64 + REQUEST_OVERHEAD
+}
+
+/// Largest encoded response with `max_keys` keys per request.
+pub fn max_response_bytes(max_keys: u32) -> usize {
+    max_keys as usize * 64 + REQUEST_OVERHEAD
+}
+
+fn op_kind(r: &Request) -> OpKind {
+    match r {
+        Request::Lookup { .. } => OpKind::Lookup,
+        Request::Reserve { .. } => OpKind::Reserve,
+        Request::Commit { .. } => OpKind::Commit,
+        Request::Release { .. } => OpKind::Release,
+        _ => OpKind::Other,
+    }
+}
+
+/// Takes one received request: rejects what is malformed or over a bound at once, executes
+/// the rest in a task of this executor.
+pub(crate) fn dispatch(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    counters: SessionCounters,
+    req: ActiveRequest,
+) {
+    let started = Instant::now();
+    let cfg = &exec.shared.settings.config;
+    let payload: &[u8] = req.payload();
+    let reject = |code: ErrorCode, message: String| {
+        exec.rejected.set(exec.rejected.get() + 1);
+        exec.core.borrow_mut().metrics.count_error(code);
+        Response::error(code, message)
+    };
+    let request = if payload.len() > max_request_bytes(cfg.max_keys_per_request) {
+        Err(reject(
+            ErrorCode::TooLarge,
+            format!(
+                "request of {} bytes exceeds {} bytes (--max-keys-per-request {})",
+                payload.len(),
+                max_request_bytes(cfg.max_keys_per_request),
+                cfg.max_keys_per_request
+            ),
+        ))
+    } else {
+        decode::<Request>(payload)
+            .map_err(|e| reject(ErrorCode::Malformed, e.to_string()))
+            .and_then(|r| {
+                check(exec, &counters, &r)
+                    .map(|()| r)
+                    .map_err(|(c, m)| reject(c, m))
+            })
+    };
+    match request {
+        Err(response) => {
+            exec.respond(req, &encode(&response));
+            counters.done();
+        }
+        Ok(request) => {
+            let exec = Rc::clone(exec);
+            glommio::spawn_local(async move {
+                let kind = op_kind(&request);
+                let response = execute(&exec, session, &counters, request).await;
+                if let Response::Error { code, .. } = &response {
+                    exec.core.borrow_mut().metrics.count_error(*code);
+                }
+                exec.respond(req, &encode(&response));
+                counters.done();
+                exec.core
+                    .borrow_mut()
+                    .metrics
+                    .record_latency(kind, started.elapsed().as_nanos() as u64);
+            })
+            .detach();
+        }
+    }
+}
+
+/// Bounds and state checks that need no shard.
+fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (ErrorCode, String)> {
+    let cfg = &exec.shared.settings.config;
+    let n = r.key_count() as u64;
+    if n > cfg.max_keys_per_request as u64 {
+        return Err((
+            ErrorCode::TooLarge,
+            format!(
+                "{n} keys exceed --max-keys-per-request {}",
+                cfg.max_keys_per_request
+            ),
+        ));
+    }
+    match r {
+        Request::Reserve { keys, lens } => {
+            if keys.len() != lens.len() {
+                return Err((
+                    ErrorCode::Malformed,
+                    format!("reserve has {} keys but {} lengths", keys.len(), lens.len()),
+                ));
+            }
+            if exec.shared.state() == ServeState::Draining {
+                return Err((
+                    ErrorCode::Draining,
+                    "server is draining: writes are refused".into(),
+                ));
+            }
+            if counters.reservations() + n > cfg.max_reservations_per_session {
+                return Err((
+                    ErrorCode::LeaseLimit,
+                    format!(
+                        "session holds {} reservations; {n} more exceed \
+                         --max-reservations-per-session {}",
+                        counters.reservations(),
+                        cfg.max_reservations_per_session
+                    ),
+                ));
+            }
+        }
+        Request::Lookup { lease: true, .. } => {
+            if counters.leases() + n > cfg.max_leases_per_session {
+                return Err((
+                    ErrorCode::LeaseLimit,
+                    format!(
+                        "session holds {} leases; {n} more exceed --max-leases-per-session {}",
+                        counters.leases(),
+                        cfg.max_leases_per_session
+                    ),
+                ));
+            }
+        }
+        Request::RegisterNamespace { descriptor } => {
+            descriptor
+                .validate()
+                .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+async fn execute(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    counters: &SessionCounters,
+    request: Request,
+) -> Response {
+    match request {
+        Request::Ping => Response::Pong,
+        Request::RegisterNamespace { descriptor } => {
+            let id = descriptor.id();
+            let mut max = 0;
+            for shard in 0..exec.shards {
+                let op = ShardOp::Register {
+                    descriptor: descriptor.clone(),
+                };
+                match exec.exec_on(shard, op).await {
+                    ShardReply::Registered(Ok(m)) => max = m,
+                    ShardReply::Registered(Err((code, message))) => {
+                        return Response::Error { code, message }
+                    }
+                    other => return internal(shard, &other),
+                }
+            }
+            Response::Registered {
+                namespace: id,
+                max_chunk_bytes: max,
+            }
+        }
+        Request::Lookup { keys, lease } => {
+            let hits = scatter(
+                exec,
+                &keys,
+                |k| k,
+                |keys| ShardOp::Lookup {
+                    session,
+                    keys,
+                    lease,
+                },
+                |r| match r {
+                    ShardReply::Hits(h) => Some(h),
+                    _ => None,
+                },
+                None,
+            )
+            .await;
+            let prefix = hits.iter().position(Option::is_none).unwrap_or(hits.len());
+            if lease {
+                // Hits past the first miss were leased by their shards; give them back.
+                let extra: Vec<SlotRef> = keys[prefix..]
+                    .iter()
+                    .zip(&hits[prefix..])
+                    .filter_map(|(key, h)| {
+                        h.map(|h| SlotRef {
+                            key: *key,
+                            generation: h.generation,
+                        })
+                    })
+                    .collect();
+                if !extra.is_empty() {
+                    scatter(
+                        exec,
+                        &extra,
+                        |s| &s.key,
+                        |slots| ShardOp::Release { session, slots },
+                        outcomes,
+                        ChunkOutcome::Failed(ErrorCode::Internal),
+                    )
+                    .await;
+                }
+                counters.add_leases(prefix as i64);
+            }
+            let hits: Vec<Hit> = hits
+                .into_iter()
+                .take(prefix)
+                .map(|h| h.expect("inside the prefix every key hit"))
+                .collect();
+            Response::Lookup { hits }
+        }
+        Request::Reserve { keys, lens } => {
+            let items: Vec<(ChunkKey, u64)> = keys.into_iter().zip(lens).collect();
+            let slots = scatter(
+                exec,
+                &items,
+                |(k, _)| k,
+                |items| {
+                    let (keys, lens) = items.into_iter().unzip();
+                    ShardOp::Reserve {
+                        session,
+                        keys,
+                        lens,
+                    }
+                },
+                |r| match r {
+                    ShardReply::Reserved(s) => Some(s),
+                    _ => None,
+                },
+                Reservation::Failed(ErrorCode::Internal),
+            )
+            .await;
+            let made = slots
+                .iter()
+                .filter(|s| matches!(s, Reservation::Slot { .. }))
+                .count();
+            counters.add_reservations(made as i64);
+            Response::Reserved { slots }
+        }
+        Request::Commit { slots } => {
+            let o = scatter(
+                exec,
+                &slots,
+                |s| &s.key,
+                |slots| ShardOp::Commit { session, slots },
+                outcomes,
+                ChunkOutcome::Failed(ErrorCode::Internal),
+            )
+            .await;
+            counters.add_reservations(-(done(&o) as i64));
+            Response::Outcomes { outcomes: o }
+        }
+        Request::Abort { slots } => {
+            let o = scatter(
+                exec,
+                &slots,
+                |s| &s.key,
+                |slots| ShardOp::Abort { session, slots },
+                outcomes,
+                ChunkOutcome::Failed(ErrorCode::Internal),
+            )
+            .await;
+            counters.add_reservations(-(done(&o) as i64));
+            Response::Outcomes { outcomes: o }
+        }
+        Request::Release { slots } => {
+            let o = scatter(
+                exec,
+                &slots,
+                |s| &s.key,
+                |slots| ShardOp::Release { session, slots },
+                outcomes,
+                ChunkOutcome::Failed(ErrorCode::Internal),
+            )
+            .await;
+            counters.add_leases(-(done(&o) as i64));
+            Response::Outcomes { outcomes: o }
+        }
+        Request::Evict { keys } => {
+            let o = scatter(
+                exec,
+                &keys,
+                |k| k,
+                |keys| ShardOp::Evict { keys },
+                outcomes,
+                ChunkOutcome::Failed(ErrorCode::Internal),
+            )
+            .await;
+            Response::Outcomes { outcomes: o }
+        }
+    }
+}
+
+fn outcomes(r: ShardReply) -> Option<Vec<ChunkOutcome>> {
+    match r {
+        ShardReply::Outcomes(o) => Some(o),
+        _ => None,
+    }
+}
+
+fn done(o: &[ChunkOutcome]) -> usize {
+    o.iter().filter(|o| **o == ChunkOutcome::Done).count()
+}
+
+fn internal(shard: usize, reply: &ShardReply) -> Response {
+    tracing::error!(shard, ?reply, "unexpected shard reply");
+    Response::error(
+        ErrorCode::Internal,
+        format!("shard {shard} answered unexpectedly"),
+    )
+}
+
+/// Splits `items` by owning shard, runs one op per shard (remote ones concurrently), and
+/// returns the per-item results in item order. A shard whose reply is lost or malformed
+/// yields `fallback` for its items.
+async fn scatter<T: Clone, R: Clone + 'static>(
+    exec: &Rc<Exec>,
+    items: &[T],
+    key: impl Fn(&T) -> &ChunkKey,
+    make_op: impl Fn(Vec<T>) -> ShardOp,
+    unpack: impl Fn(ShardReply) -> Option<Vec<R>>,
+    fallback: R,
+) -> Vec<R> {
+    let shards = exec.shards;
+    let mut positions: Vec<Vec<usize>> = vec![Vec::new(); shards];
+    for (i, item) in items.iter().enumerate() {
+        positions[key(item).shard(shards)].push(i);
+    }
+    let mut remote = Vec::new();
+    let mut local = None;
+    for (shard, pos) in positions.iter().enumerate() {
+        if pos.is_empty() {
+            continue;
+        }
+        let op = make_op(pos.iter().map(|&i| items[i].clone()).collect());
+        if shard == exec.id {
+            local = Some((shard, op));
+        } else {
+            let e = Rc::clone(exec);
+            remote.push((
+                shard,
+                glommio::spawn_local(async move { e.exec_on(shard, op).await }),
+            ));
+        }
+    }
+    let mut out = vec![fallback.clone(); items.len()];
+    let mut place = |shard: usize, reply: ShardReply| match unpack(reply) {
+        Some(results) if results.len() == positions[shard].len() => {
+            for (&i, r) in positions[shard].iter().zip(results) {
+                out[i] = r;
+            }
+        }
+        _ => tracing::error!(shard, "shard reply lost or of the wrong shape"),
+    };
+    if let Some((shard, op)) = local {
+        let reply = exec.exec_on(shard, op).await;
+        place(shard, reply);
+    }
+    for (shard, task) in remote {
+        place(shard, task.await);
+    }
+    out
+}

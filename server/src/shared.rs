@@ -1,0 +1,202 @@
+//! State shared by the control threads (bootstrap, admin, signals) and read by shards.
+//! Nothing here is touched on the data path except the `state` atomic.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crossbeam_channel::{bounded, Sender};
+use orbitkv_shards::{SessionId, ShardStats};
+
+use crate::config::Settings;
+
+/// Serving state of the whole server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ServeState {
+    /// Admitting sessions and writes.
+    Serving = 0,
+    /// Refusing new sessions and writes; reads and commits of open reservations continue.
+    Draining = 1,
+}
+
+/// A control message to one shard executor (polled by its loop).
+#[derive(Debug)]
+pub enum ControlMsg {
+    /// Open the session's request service on this (home) shard.
+    OpenSession {
+        /// The session.
+        session: SessionId,
+        /// Its iceoryx2 service name.
+        service: String,
+        /// Answer: Ok once the service accepts requests.
+        reply: Sender<Result<(), String>>,
+    },
+    /// The session's socket closed: reclaim everything it held, on every shard.
+    CloseSession {
+        /// The session.
+        session: SessionId,
+    },
+    /// Snapshot of the shard.
+    Stats {
+        /// Where to send it.
+        reply: Sender<ShardSnapshot>,
+    },
+    /// Leave the executor loop.
+    Stop,
+}
+
+/// A shard's stats plus what only the executor knows.
+#[derive(Debug, Clone)]
+pub struct ShardSnapshot {
+    /// The shard state machine's view.
+    pub stats: ShardStats,
+    /// The core it is pinned to, if pinned.
+    pub core: Option<usize>,
+    /// Sessions homed here.
+    pub sessions: u64,
+    /// Requests whose reply was dropped because the client vanished.
+    pub dropped_replies: u64,
+    /// Requests rejected before execution (malformed, too large, draining, limits).
+    pub rejected_requests: u64,
+}
+
+/// What `ctl sessions` shows of one session.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    /// Session id.
+    pub id: SessionId,
+    /// Peer pid (SO_PEERCRED).
+    pub pid: i32,
+    /// Peer uid.
+    pub uid: u32,
+    /// Client-provided name.
+    pub name: String,
+    /// Home shard.
+    pub home_shard: usize,
+    /// When it opened.
+    pub opened: SystemTime,
+}
+
+/// The shared control-plane state.
+#[derive(Debug)]
+pub struct Shared {
+    /// Validated settings.
+    pub settings: Settings,
+    state: AtomicU8,
+    /// Control queue of each shard.
+    pub shard_tx: Vec<Sender<ControlMsg>>,
+    /// Open sessions.
+    pub sessions: Mutex<BTreeMap<SessionId, SessionInfo>>,
+    next_session: AtomicU64,
+    /// Sessions refused (permission, version, draining, limits).
+    pub refused_sessions: AtomicU64,
+    /// Process start.
+    pub started: Instant,
+    /// Whether the arena is locked in memory.
+    pub arena_locked: bool,
+    /// iceoryx2 root path given to clients.
+    pub iox_root: String,
+    /// iceoryx2 shm prefix given to clients.
+    pub iox_prefix: String,
+    /// Prefix of session service names (unique per server run).
+    pub service_prefix: String,
+}
+
+impl Shared {
+    /// Builds the shared state.
+    pub fn new(
+        settings: Settings,
+        shard_tx: Vec<Sender<ControlMsg>>,
+        arena_locked: bool,
+        iox_root: String,
+        iox_prefix: String,
+        service_prefix: String,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            settings,
+            state: AtomicU8::new(ServeState::Serving as u8),
+            shard_tx,
+            sessions: Mutex::new(BTreeMap::new()),
+            next_session: AtomicU64::new(1),
+            refused_sessions: AtomicU64::new(0),
+            started: Instant::now(),
+            arena_locked,
+            iox_root,
+            iox_prefix,
+            service_prefix,
+        })
+    }
+
+    /// Current state.
+    pub fn state(&self) -> ServeState {
+        if self.state.load(Ordering::Acquire) == ServeState::Draining as u8 {
+            ServeState::Draining
+        } else {
+            ServeState::Serving
+        }
+    }
+
+    /// Switches state.
+    pub fn set_state(&self, s: ServeState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+
+    /// A fresh session id.
+    pub fn next_session_id(&self) -> SessionId {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The shard with the fewest sessions (lowest id on ties).
+    pub fn pick_home_shard(&self) -> usize {
+        let sessions = self
+            .sessions
+            .lock()
+            .expect("session table lock is never poisoned");
+        let mut counts = vec![0usize; self.shard_tx.len()];
+        for s in sessions.values() {
+            counts[s.home_shard] += 1;
+        }
+        counts
+            .iter()
+            .enumerate()
+            .min_by_key(|&(i, c)| (*c, i))
+            .map_or(0, |(i, _)| i)
+    }
+
+    /// Snapshots of every shard (in shard order), or `None` for a shard that did not answer
+    /// within `timeout`.
+    pub fn snapshots(&self, timeout: Duration) -> Vec<Option<ShardSnapshot>> {
+        let replies: Vec<_> = self
+            .shard_tx
+            .iter()
+            .map(|tx| {
+                let (reply, rx) = bounded(1);
+                let sent = tx
+                    .send_timeout(ControlMsg::Stats { reply }, timeout)
+                    .is_ok();
+                (sent, rx)
+            })
+            .collect();
+        let deadline = Instant::now() + timeout;
+        replies
+            .into_iter()
+            .map(|(sent, rx)| {
+                if !sent {
+                    return None;
+                }
+                rx.recv_deadline(deadline).ok()
+            })
+            .collect()
+    }
+
+    /// True when draining and no shard holds an uncommitted reservation.
+    pub fn drained(&self, timeout: Duration) -> bool {
+        self.state() == ServeState::Draining
+            && self
+                .snapshots(timeout)
+                .iter()
+                .all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0))
+    }
+}
