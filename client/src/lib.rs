@@ -1,1 +1,24 @@
+//! `orbitkv-client`: the engine-side library of OrbitKV.
+//!
+//! A [`Client`] opens a session with the local `orbitkv-server` over its Unix socket, maps the
+//! server's DRAM arena, and sends requests over the session's iceoryx2 service. Payload bytes
+//! never travel in messages: `put` writes into reserved arena slots and commits them, `get`
+//! reads leased slots (a zero-copy view, or a copy into caller buffers).
+//!
+//! One `Client` is one session and is used from one thread at a time. If the server restarts,
+//! the call that notices fails with [`Error::Disconnected`] and the next call reconnects
+//! (re-registering the namespaces this client registered).
 
+#![deny(unsafe_code)]
+
+mod client;
+mod connection;
+mod error;
+mod mapping;
+
+pub use client::{Client, ClientOptions, Lease, NamespaceInfo, PutOutcome, Reserved};
+pub use error::Error;
+pub use orbitkv_proto::{
+    prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, Hit, NamespaceDescriptor,
+    PrefixHasher, Tier,
+};

@@ -1,0 +1,458 @@
+//! The public client API.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use orbitkv_proto::{
+    default_socket_path, ChunkKey, ChunkOutcome, ErrorCode, Hit, NamespaceDescriptor, Request,
+    Reservation, Response, SlotRef,
+};
+
+use crate::connection::Connection;
+use crate::Error;
+
+/// How to reach the server.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Bootstrap socket. Default: the same default as the server (`$ORBITKV_SOCKET`, ...).
+    pub socket: PathBuf,
+    /// Name shown in `orbitkv-ctl sessions`. Default: `orbitkv-client`.
+    pub name: String,
+    /// Longest wait for one response. Default: 10 s.
+    pub request_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            socket: default_socket_path(nix::unistd::getuid().as_raw()),
+            name: "orbitkv-client".into(),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl ClientOptions {
+    /// Options for a given socket path, defaults otherwise.
+    pub fn with_socket(socket: impl Into<PathBuf>) -> Self {
+        Self {
+            socket: socket.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// A registered namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NamespaceInfo {
+    /// Its id (the `namespace` of every [`ChunkKey`] in it).
+    pub id: u64,
+    /// Largest chunk accepted.
+    pub max_chunk_bytes: u64,
+}
+
+/// A leased chunk: its bytes stay in place and unchanged until released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Where it is.
+    pub hit: Hit,
+    session: u64,
+}
+
+/// A reserved slot: write the chunk's bytes into it, then commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reserved {
+    /// The chunk being written.
+    pub key: ChunkKey,
+    /// Offset in the arena.
+    pub offset: u64,
+    /// Length to write.
+    pub len: u64,
+    /// Generation to quote on commit.
+    pub generation: u64,
+    session: u64,
+}
+
+/// What `put` did with one chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Written and committed.
+    Stored,
+    /// Already present (or being written by another session); nothing written.
+    AlreadyPresent,
+    /// Not stored, for this reason.
+    Failed(ErrorCode),
+}
+
+/// One session with the local `orbitkv-server`. See the crate docs.
+#[derive(Debug)]
+pub struct Client {
+    opts: ClientOptions,
+    conn: Option<Connection>,
+    namespaces: Vec<NamespaceDescriptor>,
+}
+
+fn unexpected(op: &str, r: Response) -> Error {
+    match r {
+        Response::Error { code, message } => Error::Server { code, message },
+        other => Error::Protocol(format!("unexpected answer to {op}: {other:?}")),
+    }
+}
+
+impl Client {
+    /// Connects now; fails if the server is not reachable or refuses.
+    pub fn connect(opts: ClientOptions) -> Result<Self, Error> {
+        let mut c = Self {
+            opts,
+            conn: None,
+            namespaces: Vec::new(),
+        };
+        c.ensure_connected()?;
+        Ok(c)
+    }
+
+    /// The current session id (None between a disconnect and the next call).
+    pub fn session_id(&self) -> Option<u64> {
+        self.conn.as_ref().map(|c| c.session_id)
+    }
+
+    fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
+        if self.conn.as_ref().is_some_and(|c| !c.alive()) {
+            tracing::info!("orbitkv-server session ended; reconnecting");
+            self.conn = None;
+        }
+        if self.conn.is_none() {
+            let mut conn = Connection::open(
+                &self.opts.socket,
+                &self.opts.name,
+                self.opts.request_timeout,
+            )?;
+            for d in &self.namespaces {
+                let req = Request::RegisterNamespace {
+                    descriptor: d.clone(),
+                };
+                match conn.call(&req, self.opts.request_timeout)? {
+                    Response::Registered { .. } => {}
+                    other => return Err(unexpected("register", other)),
+                }
+            }
+            self.conn = Some(conn);
+        }
+        Ok(self.conn.as_mut().expect("connected just above"))
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Response, Error> {
+        let timeout = self.opts.request_timeout;
+        let conn = self.ensure_connected()?;
+        match conn.call(req, timeout) {
+            Ok(r) => Ok(r),
+            Err(
+                e @ (Error::Disconnected(_)
+                | Error::Timeout { .. }
+                | Error::Ipc(_)
+                | Error::Protocol(_)),
+            ) => {
+                // The session is unusable: drop it (the server reclaims its holdings when the
+                // socket closes) and reconnect on the next call.
+                self.conn = None;
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn session(&self) -> u64 {
+        self.conn.as_ref().map_or(0, |c| c.session_id)
+    }
+
+    fn max_keys(&self) -> usize {
+        self.conn
+            .as_ref()
+            .map_or(1, |c| c.max_keys_per_request as usize)
+            .max(1)
+    }
+
+    /// Round trip to the server.
+    pub fn ping(&mut self) -> Result<(), Error> {
+        match self.call(&Request::Ping)? {
+            Response::Pong => Ok(()),
+            other => Err(unexpected("ping", other)),
+        }
+    }
+
+    /// Registers a namespace (idempotent for identical descriptors).
+    pub fn register_namespace(&mut self, d: &NamespaceDescriptor) -> Result<NamespaceInfo, Error> {
+        d.validate()
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        match self.call(&Request::RegisterNamespace {
+            descriptor: d.clone(),
+        })? {
+            Response::Registered {
+                namespace,
+                max_chunk_bytes,
+            } => {
+                if !self.namespaces.contains(d) {
+                    self.namespaces.push(d.clone());
+                }
+                Ok(NamespaceInfo {
+                    id: namespace,
+                    max_chunk_bytes,
+                })
+            }
+            other => Err(unexpected("register", other)),
+        }
+    }
+
+    fn lookup_raw(&mut self, keys: &[ChunkKey], lease: bool) -> Result<Vec<Hit>, Error> {
+        let mut all = Vec::new();
+        for batch in keys.chunks(self.max_keys()) {
+            match self.call(&Request::Lookup {
+                keys: batch.to_vec(),
+                lease,
+            })? {
+                Response::Lookup { hits } => {
+                    let complete = hits.len() == batch.len();
+                    all.extend(hits);
+                    if !complete {
+                        break;
+                    }
+                }
+                other => return Err(unexpected("lookup", other)),
+            }
+        }
+        Ok(all)
+    }
+
+    /// The longest present prefix of `keys` (no lease: the chunks may go at any time).
+    pub fn lookup(&mut self, keys: &[ChunkKey]) -> Result<Vec<Hit>, Error> {
+        self.lookup_raw(keys, false)
+    }
+
+    /// The longest present prefix of `keys`, leased: each stays readable until released.
+    pub fn lookup_leased(&mut self, keys: &[ChunkKey]) -> Result<Vec<Lease>, Error> {
+        let hits = self.lookup_raw(keys, true)?;
+        let session = self.session();
+        Ok(keys
+            .iter()
+            .zip(hits)
+            .map(|(key, hit)| Lease {
+                key: *key,
+                hit,
+                session,
+            })
+            .collect())
+    }
+
+    /// Zero-copy view of a leased chunk, valid while the lease is held.
+    pub fn chunk(&self, lease: &Lease) -> Result<&[u8], Error> {
+        let conn = self
+            .conn
+            .as_ref()
+            .filter(|c| c.session_id == lease.session)
+            .ok_or(Error::Stale)?;
+        conn.arena
+            .bytes(lease.hit.offset, lease.hit.len)
+            .map_err(Error::Protocol)
+    }
+
+    /// Releases leases; the outcome per lease is `Done` or why not.
+    pub fn release(&mut self, leases: &[Lease]) -> Result<Vec<ChunkOutcome>, Error> {
+        let session = self.session();
+        if leases.iter().any(|l| l.session != session) {
+            return Err(Error::Stale);
+        }
+        let slots: Vec<SlotRef> = leases
+            .iter()
+            .map(|l| SlotRef {
+                key: l.key,
+                generation: l.hit.generation,
+            })
+            .collect();
+        self.outcomes("release", &slots, |slots| Request::Release { slots })
+    }
+
+    fn outcomes<T: Clone>(
+        &mut self,
+        op: &str,
+        items: &[T],
+        make: impl Fn(Vec<T>) -> Request,
+    ) -> Result<Vec<ChunkOutcome>, Error> {
+        let mut all = Vec::with_capacity(items.len());
+        for batch in items.chunks(self.max_keys()) {
+            match self.call(&make(batch.to_vec()))? {
+                Response::Outcomes { outcomes } if outcomes.len() == batch.len() => {
+                    all.extend(outcomes)
+                }
+                other => return Err(unexpected(op, other)),
+            }
+        }
+        Ok(all)
+    }
+
+    /// Copies the longest present prefix of `keys` into `bufs` (one buffer per key) and
+    /// returns the length of each chunk copied. Chunks are leased during the copy.
+    pub fn get_into(
+        &mut self,
+        keys: &[ChunkKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<usize>, Error> {
+        if bufs.len() < keys.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                bufs.len()
+            )));
+        }
+        let leases = self.lookup_leased(keys)?;
+        let mut lens = Vec::with_capacity(leases.len());
+        let mut failure = None;
+        for (lease, buf) in leases.iter().zip(bufs.iter_mut()) {
+            let bytes = match self.chunk(lease) {
+                Ok(b) => b,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            if buf.len() < bytes.len() {
+                failure = Some(Error::BufferTooSmall {
+                    needed: lease.hit.len,
+                    got: buf.len(),
+                });
+                break;
+            }
+            buf[..bytes.len()].copy_from_slice(bytes);
+            lens.push(bytes.len());
+        }
+        self.release(&leases)?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(lens),
+        }
+    }
+
+    /// Reserves slots for new chunks; one result per key (`AlreadyPresent`, `NoSpace`, ...).
+    pub fn reserve(
+        &mut self,
+        keys: &[ChunkKey],
+        lens: &[u64],
+    ) -> Result<Vec<Result<Reserved, ErrorCode>>, Error> {
+        if keys.len() != lens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} lengths",
+                keys.len(),
+                lens.len()
+            )));
+        }
+        let mut all = Vec::with_capacity(keys.len());
+        let max = self.max_keys();
+        for (kb, lb) in keys.chunks(max).zip(lens.chunks(max)) {
+            let session = self.session_for_next_call()?;
+            match self.call(&Request::Reserve {
+                keys: kb.to_vec(),
+                lens: lb.to_vec(),
+            })? {
+                Response::Reserved { slots } if slots.len() == kb.len() => {
+                    all.extend(kb.iter().zip(slots).map(|(key, s)| match s {
+                        Reservation::Slot {
+                            offset,
+                            len,
+                            generation,
+                        } => Ok(Reserved {
+                            key: *key,
+                            offset,
+                            len,
+                            generation,
+                            session,
+                        }),
+                        Reservation::Failed(code) => Err(code),
+                    }))
+                }
+                other => return Err(unexpected("reserve", other)),
+            }
+        }
+        Ok(all)
+    }
+
+    fn session_for_next_call(&mut self) -> Result<u64, Error> {
+        Ok(self.ensure_connected()?.session_id)
+    }
+
+    /// The writable bytes of a reservation.
+    pub fn slot_mut(&mut self, r: &Reserved) -> Result<&mut [u8], Error> {
+        let conn = self
+            .conn
+            .as_mut()
+            .filter(|c| c.session_id == r.session)
+            .ok_or(Error::Stale)?;
+        conn.arena
+            .bytes_mut(r.offset, r.len)
+            .map_err(Error::Protocol)
+    }
+
+    fn slot_refs(&self, slots: &[Reserved]) -> Result<Vec<SlotRef>, Error> {
+        let session = self.session();
+        if slots.iter().any(|s| s.session != session) {
+            return Err(Error::Stale);
+        }
+        Ok(slots
+            .iter()
+            .map(|s| SlotRef {
+                key: s.key,
+                generation: s.generation,
+            })
+            .collect())
+    }
+
+    /// Makes written reservations visible.
+    pub fn commit(&mut self, slots: &[Reserved]) -> Result<Vec<ChunkOutcome>, Error> {
+        let refs = self.slot_refs(slots)?;
+        self.outcomes("commit", &refs, |slots| Request::Commit { slots })
+    }
+
+    /// Gives reservations back unwritten.
+    pub fn abort(&mut self, slots: &[Reserved]) -> Result<Vec<ChunkOutcome>, Error> {
+        let refs = self.slot_refs(slots)?;
+        self.outcomes("abort", &refs, |slots| Request::Abort { slots })
+    }
+
+    /// Stores chunks: reserve, copy each into its slot, commit.
+    pub fn put(&mut self, items: &[(ChunkKey, &[u8])]) -> Result<Vec<PutOutcome>, Error> {
+        let keys: Vec<ChunkKey> = items.iter().map(|(k, _)| *k).collect();
+        let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
+        let reserved = self.reserve(&keys, &lens)?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut to_commit = Vec::new();
+        let mut positions = Vec::new();
+        for (i, r) in reserved.into_iter().enumerate() {
+            match r {
+                Ok(slot) => {
+                    self.slot_mut(&slot)?.copy_from_slice(items[i].1);
+                    to_commit.push(slot);
+                    positions.push(i);
+                    out.push(PutOutcome::Stored);
+                }
+                Err(ErrorCode::AlreadyPresent | ErrorCode::Busy) => {
+                    out.push(PutOutcome::AlreadyPresent)
+                }
+                Err(code) => out.push(PutOutcome::Failed(code)),
+            }
+        }
+        if !to_commit.is_empty() {
+            let outcomes = self.commit(&to_commit)?;
+            for (i, o) in positions.into_iter().zip(outcomes) {
+                if let ChunkOutcome::Failed(code) = o {
+                    out[i] = PutOutcome::Failed(code);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes chunks that nobody leases.
+    pub fn evict(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkOutcome>, Error> {
+        self.outcomes("evict", keys, |keys| Request::Evict { keys })
+    }
+}

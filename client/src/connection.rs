@@ -1,0 +1,253 @@
+//! One session: the bootstrap socket, the mapped arena, and the iceoryx2 client port.
+
+use std::io::IoSliceMut;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use iceoryx2::port::client::Client as IoxClient;
+use iceoryx2::prelude::*;
+use iceoryx2::service::port_factory::request_response::PortFactory;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use orbitkv_proto::{
+    decode, encode, read_frame, write_frame, Bootstrap, Request, Response, Welcome,
+    PROTOCOL_VERSION,
+};
+
+use crate::mapping::ArenaMap;
+use crate::Error;
+
+type Svc = ipc::Service;
+
+/// How often a waiting call checks that the server is still there.
+const LIVENESS_CHECK: Duration = Duration::from_millis(1);
+/// Spin this long on a pending response before napping.
+const SPIN: Duration = Duration::from_micros(50);
+
+pub(crate) struct Connection {
+    stream: UnixStream,
+    pub(crate) session_id: u64,
+    pub(crate) max_keys_per_request: u32,
+    pub(crate) max_request_bytes: u64,
+    pub(crate) arena: ArenaMap,
+    // Field order matters on drop: port before service before node.
+    port: IoxClient<Svc, [u8], (), [u8], ()>,
+    _service: PortFactory<Svc, [u8], (), [u8], ()>,
+    _node: Node<Svc>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("session_id", &self.session_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ipc_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Ipc(format!("{what}: {e:?}"))
+}
+
+impl Connection {
+    pub(crate) fn open(socket: &Path, name: &str, timeout: Duration) -> Result<Self, Error> {
+        let stream = UnixStream::connect(socket).map_err(|source| Error::Connect {
+            socket: socket.to_owned(),
+            source,
+        })?;
+        let connect_err = |source: std::io::Error| Error::Connect {
+            socket: socket.to_owned(),
+            source,
+        };
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(connect_err)?;
+        let hello = Bootstrap::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            client_name: name.into(),
+        };
+        write_frame(&mut &stream, &encode(&hello)).map_err(connect_err)?;
+
+        // The welcome carries the arena memfd on its first bytes.
+        let mut buf = vec![0u8; 4096];
+        let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let (got, fd) = {
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let msg = recvmsg::<()>(
+                stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(|e| connect_err(e.into()))?;
+            let mut fd = None;
+            for c in msg.cmsgs().map_err(|e| connect_err(e.into()))? {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    for raw in fds {
+                        // Own every received descriptor so none leaks; keep the first.
+                        let owned = crate::mapping::adopt_received_fd(raw);
+                        fd.get_or_insert(owned);
+                    }
+                }
+            }
+            (msg.bytes, fd)
+        };
+        if got == 0 {
+            return Err(Error::Disconnected(
+                "server closed the socket during bootstrap".into(),
+            ));
+        }
+        buf.truncate(got);
+        let body = read_frame(&mut &stream, buf).map_err(connect_err)?;
+        let welcome = decode::<Welcome>(&body).map_err(|e| Error::Protocol(e.to_string()))?;
+        let (
+            session_id,
+            arena_bytes,
+            iox_root,
+            iox_prefix,
+            service_name,
+            max_request_bytes,
+            max_keys,
+        ) = match welcome {
+            Welcome::Refused { code, message } => return Err(Error::Refused { code, message }),
+            Welcome::Accepted {
+                protocol_version,
+                session_id,
+                arena_bytes,
+                iox_root,
+                iox_prefix,
+                service_name,
+                max_request_bytes,
+                max_keys_per_request,
+                ..
+            } => {
+                if protocol_version != PROTOCOL_VERSION {
+                    return Err(Error::Protocol(format!(
+                        "server speaks protocol {protocol_version}, client {PROTOCOL_VERSION}"
+                    )));
+                }
+                (
+                    session_id,
+                    arena_bytes,
+                    iox_root,
+                    iox_prefix,
+                    service_name,
+                    max_request_bytes,
+                    max_keys_per_request,
+                )
+            }
+        };
+        let fd = fd.ok_or_else(|| Error::Protocol("welcome carried no arena descriptor".into()))?;
+        let arena = ArenaMap::new(fd, arena_bytes).map_err(Error::Protocol)?;
+        stream.set_read_timeout(None).map_err(connect_err)?;
+
+        let mut cfg = Config::default();
+        let root = iceoryx2::prelude::Path::new(iox_root.as_bytes())
+            .map_err(|e| ipc_err("root path", e))?;
+        cfg.global.set_root_path(&root);
+        cfg.global.prefix =
+            FileName::new(iox_prefix.as_bytes()).map_err(|e| ipc_err("prefix", e))?;
+        let node_name = NodeName::new(&format!("orbitkv-client-{}", std::process::id()))
+            .map_err(|e| ipc_err("node name", e))?;
+        let node = NodeBuilder::new()
+            .name(&node_name)
+            .config(&cfg)
+            .create::<Svc>()
+            .map_err(|e| ipc_err("node", e))?;
+        let svc_name = ServiceName::new(&service_name).map_err(|e| ipc_err("service name", e))?;
+        let service = node
+            .service_builder(&svc_name)
+            .request_response::<[u8], [u8]>()
+            .open()
+            .map_err(|e| ipc_err("opening session service", e))?;
+        let port = service
+            .client_builder()
+            .initial_max_slice_len(4096)
+            .allocation_strategy(AllocationStrategy::PowerOfTwo)
+            .create()
+            .map_err(|e| ipc_err("client port", e))?;
+        Ok(Self {
+            stream,
+            session_id,
+            max_keys_per_request: max_keys,
+            max_request_bytes,
+            arena,
+            port,
+            _service: service,
+            _node: node,
+        })
+    }
+
+    /// True while the server holds the session open (no EOF or error on the socket).
+    pub(crate) fn alive(&self) -> bool {
+        let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) => true,
+            Ok(_) => {
+                // Readable means EOF or an error: the server never sends after the welcome.
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Sends one request and waits for its response.
+    pub(crate) fn call(&mut self, req: &Request, timeout: Duration) -> Result<Response, Error> {
+        if !self.alive() {
+            return Err(Error::Disconnected("server closed the session".into()));
+        }
+        let bytes = encode(req);
+        if bytes.len() as u64 > self.max_request_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{} request of {} bytes exceeds the server's {}-byte limit",
+                req.op_name(),
+                bytes.len(),
+                self.max_request_bytes
+            )));
+        }
+        let pending = self
+            .port
+            .loan_slice_uninit(bytes.len())
+            .map_err(|e| ipc_err("loan", e))?
+            .write_from_slice(&bytes)
+            .send()
+            .map_err(|e| ipc_err("send", e))?;
+        let start = Instant::now();
+        let mut last_check = start;
+        loop {
+            match pending.receive() {
+                Ok(Some(resp)) => {
+                    return decode::<Response>(resp.payload())
+                        .map_err(|e| Error::Protocol(e.to_string()));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(ipc_err("receive", e)),
+            }
+            let now = Instant::now();
+            if now.duration_since(last_check) >= LIVENESS_CHECK {
+                last_check = now;
+                if !self.alive() {
+                    return Err(Error::Disconnected(format!(
+                        "server went away during {}",
+                        req.op_name()
+                    )));
+                }
+                if now.duration_since(start) >= timeout {
+                    return Err(Error::Timeout {
+                        op: req.op_name(),
+                        after: timeout,
+                    });
+                }
+            }
+            let waited = now.duration_since(start);
+            if waited < SPIN {
+                std::hint::spin_loop();
+            } else if waited < LIVENESS_CHECK {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+}

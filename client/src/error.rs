@@ -1,0 +1,76 @@
+use std::path::PathBuf;
+use std::time::Duration;
+
+use orbitkv_proto::ErrorCode;
+
+/// Errors of the client library. Server-side failures keep their wire [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The server socket could not be reached.
+    #[error("cannot connect to orbitkv-server at {socket}: {source}")]
+    Connect {
+        /// The socket path tried.
+        socket: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The server refused to open a session.
+    #[error("orbitkv-server refused the session ({code}): {message}")]
+    Refused {
+        /// Why, as a code.
+        code: ErrorCode,
+        /// Why, for humans.
+        message: String,
+    },
+    /// The server answered the whole request with an error.
+    #[error("orbitkv-server error ({code}): {message}")]
+    Server {
+        /// Why, as a code.
+        code: ErrorCode,
+        /// Why, for humans.
+        message: String,
+    },
+    /// The session ended (server stopped or restarted) while a call was in flight. The next
+    /// call reconnects.
+    #[error("disconnected from orbitkv-server: {0}")]
+    Disconnected(String),
+    /// No response in time. The session is dropped (the server reclaims what it held) and the
+    /// next call reconnects.
+    #[error("{op} got no response within {after:?}; session dropped")]
+    Timeout {
+        /// The request.
+        op: &'static str,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The server broke the protocol (undecodable or unexpected message).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// Shared-memory transport failure.
+    #[error("iceoryx2: {0}")]
+    Ipc(String),
+    /// The lease or reservation belongs to an earlier session (before a reconnect).
+    #[error("lease or reservation is from an earlier session; look the key up again")]
+    Stale,
+    /// A caller buffer is too small for the chunk.
+    #[error("buffer of {got} bytes is too small for a chunk of {needed} bytes")]
+    BufferTooSmall {
+        /// Chunk length.
+        needed: u64,
+        /// Buffer length.
+        got: usize,
+    },
+    /// Arguments that cannot be sent (mismatched lengths, too many keys).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    /// The wire code, when the server produced this error.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Refused { code, .. } | Error::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}

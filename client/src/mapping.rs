@@ -1,0 +1,107 @@
+//! The client's shared mapping of the server's arena memfd. The only `unsafe` of this crate.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+
+/// A read-write shared mapping of the whole arena, unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct ArenaMap {
+    base: NonNull<c_void>,
+    len: usize,
+    _fd: OwnedFd,
+}
+
+impl ArenaMap {
+    /// Maps `len` bytes of `fd`; checks the memfd is at least that large first.
+    pub(crate) fn new(fd: OwnedFd, len: u64) -> Result<Self, String> {
+        let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| format!("fstat arena: {e}"))?;
+        if (stat.st_size as u64) < len {
+            return Err(format!(
+                "arena memfd has {} bytes, server announced {len}",
+                stat.st_size
+            ));
+        }
+        let size = usize::try_from(len)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .ok_or_else(|| format!("arena size {len} is not mappable"))?;
+        // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long, checked
+        // above; nothing existing is replaced.
+        let base = unsafe {
+            mmap(
+                None,
+                size,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(|e| format!("mmap arena: {e}"))?;
+        Ok(Self {
+            base,
+            len: size.get(),
+            _fd: fd,
+        })
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), String> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(format!(
+                "range {offset}+{len} outside the {}-byte arena",
+                self.len
+            )),
+        }
+    }
+
+    /// The bytes of a leased slot.
+    ///
+    /// The server guarantees a leased slot is neither reused nor written until released; the
+    /// bytes are stable for as long as the caller keeps the lease.
+    pub(crate) fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], String> {
+        self.check(offset, len)?;
+        // SAFETY: the range lies inside the live mapping (checked), which lives as long as
+        // `&self`; by the lease protocol nobody writes it while leased.
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                (self.base.as_ptr() as *const u8).add(offset as usize),
+                len as usize,
+            )
+        })
+    }
+
+    /// The bytes of a reserved slot, for the owner of the reservation to write.
+    pub(crate) fn bytes_mut(&mut self, offset: u64, len: u64) -> Result<&mut [u8], String> {
+        self.check(offset, len)?;
+        // SAFETY: inside the live mapping (checked); the server hands a reserved slot to
+        // exactly one session and `&mut self` excludes other views through this mapping.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(
+                (self.base.as_ptr() as *mut u8).add(offset as usize),
+                len as usize,
+            )
+        })
+    }
+}
+
+impl Drop for ArenaMap {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are exactly the mapping made in `new`; views borrow `self`, so
+        // none outlives it.
+        let _ = unsafe { munmap(self.base, self.len) };
+    }
+}
+
+/// Takes ownership of a descriptor that `recvmsg` just installed from `SCM_RIGHTS`.
+pub(crate) fn adopt_received_fd(raw: RawFd) -> OwnedFd {
+    // SAFETY: the kernel installed `raw` into this process for this message only; nothing else
+    // refers to it, so the new OwnedFd is its sole owner.
+    unsafe { OwnedFd::from_raw_fd(raw) }
+}

@@ -1,0 +1,197 @@
+//! Helpers for scenario tests: start the real `orbitkv-server` on a temporary socket.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use orbitkv_client::{ChunkKey, Client, ClientOptions, Dtype, NamespaceDescriptor};
+use serde_json::Value;
+
+pub struct TestServer {
+    pub child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+}
+
+impl TestServer {
+    /// Starts the server with `args` (plus `--socket`) and waits until it serves.
+    pub fn start(args: &[&str]) -> TestServer {
+        let dir = tempfile::Builder::new()
+            .prefix("okv")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let socket = dir.path().join("s.sock");
+        let mut s = TestServer {
+            child: None,
+            dir,
+            socket,
+        };
+        s.spawn(args);
+        s
+    }
+
+    pub fn spawn(&mut self, args: &[&str]) {
+        let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(["--no-lock-arena"])
+            .args(args)
+            .env("ORBITKV_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(v) = self.try_admin("health") {
+                if v["ready"] == true {
+                    return;
+                }
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("server exited early with {status}: {}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server did not become ready: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    pub fn admin_path(&self) -> PathBuf {
+        orbitkv_proto::admin_socket_path(&self.socket)
+    }
+
+    pub fn try_admin(&self, cmd: &str) -> std::io::Result<Value> {
+        let mut s = UnixStream::connect(self.admin_path())?;
+        s.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line)?;
+        serde_json::from_str(&line).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    pub fn admin(&self, cmd: &str) -> Value {
+        self.try_admin(cmd).unwrap()
+    }
+
+    /// Sum of a per-shard stats field.
+    pub fn shard_sum(&self, field: &str) -> u64 {
+        let v = self.admin("stats");
+        v["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s[field].as_u64().unwrap())
+            .sum()
+    }
+
+    /// Polls until `f` holds or 10 s pass.
+    pub fn wait_for(&self, what: &str, mut f: impl FnMut(&TestServer) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f(self) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {}",
+                self.admin("stats")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn client(&self, name: &str) -> Client {
+        Client::connect(ClientOptions {
+            name: name.into(),
+            ..ClientOptions::with_socket(&self.socket)
+        })
+        .unwrap()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server did not exit: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A namespace whose chunks are `tokens * 4 KiB` bytes at most.
+pub fn namespace(tokens_per_chunk: u32) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model: "test/model".into(),
+        dtype: Dtype::Fp32,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 512,
+        kv_tensors: 2,
+        tokens_per_chunk,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    }
+}
+
+/// The `i`-th chunk key of a chain of `n` chunks of 16 tokens starting at token `seed`.
+pub fn chain(ns: u64, seed: u32, n: usize) -> Vec<ChunkKey> {
+    let tokens: Vec<u32> = (0..n as u32 * 16)
+        .map(|t| t.wrapping_mul(2654435761).wrapping_add(seed))
+        .collect();
+    orbitkv_client::prefix_digests(&tokens, 16, b"")
+        .into_iter()
+        .map(|d| ChunkKey::new(ns, d))
+        .collect()
+}
+
+/// Deterministic bytes for a key.
+pub fn value_for(key: &ChunkKey, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    let mut x = u64::from_le_bytes(key.digest[..8].try_into().unwrap()) | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}

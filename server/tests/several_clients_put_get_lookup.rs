@@ -1,0 +1,112 @@
+//! Several clients put, get and look up chunks across shards; every byte matches.
+
+mod common;
+
+use common::{chain, namespace, value_for, TestServer};
+use orbitkv_client::{ChunkOutcome, PutOutcome, Tier};
+
+#[test]
+fn several_clients_share_chunks_byte_exact() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "64MiB"]);
+    let ns = server
+        .client("probe")
+        .register_namespace(&namespace(16))
+        .unwrap();
+    assert_eq!(ns.max_chunk_bytes, 16 * 4096);
+
+    let writers: Vec<_> = (0..3u32)
+        .map(|w| {
+            let socket = server.socket.clone();
+            std::thread::spawn(move || {
+                let mut c = orbitkv_client::Client::connect(
+                    orbitkv_client::ClientOptions::with_socket(socket),
+                )
+                .unwrap();
+                let info = c.register_namespace(&namespace(16)).unwrap();
+                let keys = chain(info.id, w, 24);
+                let values: Vec<Vec<u8>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| value_for(k, 1000 + i * 2000))
+                    .collect();
+                let items: Vec<_> = keys
+                    .iter()
+                    .zip(&values)
+                    .map(|(k, v)| (*k, v.as_slice()))
+                    .collect();
+                let out = c.put(&items).unwrap();
+                assert!(out.iter().all(|o| *o == PutOutcome::Stored), "{out:?}");
+                // A second put of the same chunks stores nothing.
+                assert!(c
+                    .put(&items)
+                    .unwrap()
+                    .iter()
+                    .all(|o| *o == PutOutcome::AlreadyPresent));
+                keys
+            })
+        })
+        .collect();
+    let chains: Vec<_> = writers.into_iter().map(|t| t.join().unwrap()).collect();
+
+    // Each reader checks every writer's chain.
+    let mut reader = server.client("reader");
+    reader.register_namespace(&namespace(16)).unwrap();
+    for keys in &chains {
+        let hits = reader.lookup(keys).unwrap();
+        assert_eq!(hits.len(), keys.len());
+        assert!(hits.iter().all(|h| h.tier == Tier::Dram));
+        let leases = reader.lookup_leased(keys).unwrap();
+        for (i, lease) in leases.iter().enumerate() {
+            let expected = value_for(&keys[i], 1000 + i * 2000);
+            assert_eq!(reader.chunk(lease).unwrap(), &expected[..], "chunk {i}");
+            assert_eq!(lease.hit.checksum, xxhash_rust::xxh3::xxh3_64(&expected));
+        }
+        assert!(reader
+            .release(&leases)
+            .unwrap()
+            .iter()
+            .all(|o| *o == ChunkOutcome::Done));
+        let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 64 << 10]; keys.len()];
+        let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        let lens = reader.get_into(keys, &mut refs).unwrap();
+        for (i, len) in lens.iter().enumerate() {
+            assert_eq!(&bufs[i][..*len], &value_for(&keys[i], 1000 + i * 2000)[..]);
+        }
+    }
+    // Both shards hold chunks, so lookups really crossed shards.
+    let stats = server.admin("stats");
+    for s in stats["shards"].as_array().unwrap() {
+        assert!(s["entries"].as_u64().unwrap() > 0, "{stats}");
+    }
+    assert_eq!(server.shard_sum("leases"), 0);
+}
+
+#[test]
+fn lookup_returns_the_longest_prefix_across_shards() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "64MiB"]);
+    let mut c = server.client("prefix");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 7, 40);
+    // Store all but chunk 25.
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 4096)).collect();
+    let items: Vec<_> = keys
+        .iter()
+        .zip(&values)
+        .enumerate()
+        .filter(|(i, _)| *i != 25)
+        .map(|(_, (k, v))| (*k, v.as_slice()))
+        .collect();
+    c.put(&items).unwrap();
+    assert_eq!(c.lookup(&keys).unwrap().len(), 25);
+    // A leased lookup leases exactly the prefix: hits after the hole are given back.
+    let leases = c.lookup_leased(&keys).unwrap();
+    assert_eq!(leases.len(), 25);
+    assert_eq!(server.shard_sum("leases"), 25);
+    c.release(&leases).unwrap();
+    assert_eq!(server.shard_sum("leases"), 0);
+    // A key of an unknown namespace is simply a miss.
+    assert_eq!(c.lookup(&chain(ns ^ 1, 7, 3)).unwrap().len(), 0);
+    // Explicit evict makes a chunk disappear and shortens the prefix.
+    assert_eq!(c.evict(&keys[3..4]).unwrap(), vec![ChunkOutcome::Done]);
+    assert_eq!(c.lookup(&keys).unwrap().len(), 3);
+}
