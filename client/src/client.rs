@@ -174,6 +174,15 @@ impl Client {
             .max(1)
     }
 
+    /// Sends arbitrary bytes as a request and returns the server's answer. For protocol
+    /// conformance tests and fuzzing: the server must answer anything with an error, never
+    /// crash.
+    #[doc(hidden)]
+    pub fn call_raw(&mut self, bytes: &[u8]) -> Result<Response, Error> {
+        let timeout = self.opts.request_timeout;
+        self.ensure_connected()?.call_bytes(bytes, "raw", timeout)
+    }
+
     /// Round trip to the server.
     pub fn ping(&mut self) -> Result<(), Error> {
         match self.call(&Request::Ping)? {

@@ -194,9 +194,6 @@ impl Connection {
 
     /// Sends one request and waits for its response.
     pub(crate) fn call(&mut self, req: &Request, timeout: Duration) -> Result<Response, Error> {
-        if !self.alive() {
-            return Err(Error::Disconnected("server closed the session".into()));
-        }
         let bytes = encode(req);
         if bytes.len() as u64 > self.max_request_bytes {
             return Err(Error::InvalidArgument(format!(
@@ -206,11 +203,24 @@ impl Connection {
                 self.max_request_bytes
             )));
         }
+        self.call_bytes(&bytes, req.op_name(), timeout)
+    }
+
+    /// Sends already-encoded request bytes (any bytes) and waits for the response.
+    pub(crate) fn call_bytes(
+        &mut self,
+        bytes: &[u8],
+        op: &'static str,
+        timeout: Duration,
+    ) -> Result<Response, Error> {
+        if !self.alive() {
+            return Err(Error::Disconnected("server closed the session".into()));
+        }
         let pending = self
             .port
             .loan_slice_uninit(bytes.len())
             .map_err(|e| ipc_err("loan", e))?
-            .write_from_slice(&bytes)
+            .write_from_slice(bytes)
             .send()
             .map_err(|e| ipc_err("send", e))?;
         let start = Instant::now();
@@ -228,16 +238,10 @@ impl Connection {
             if now.duration_since(last_check) >= LIVENESS_CHECK {
                 last_check = now;
                 if !self.alive() {
-                    return Err(Error::Disconnected(format!(
-                        "server went away during {}",
-                        req.op_name()
-                    )));
+                    return Err(Error::Disconnected(format!("server went away during {op}")));
                 }
                 if now.duration_since(start) >= timeout {
-                    return Err(Error::Timeout {
-                        op: req.op_name(),
-                        after: timeout,
-                    });
+                    return Err(Error::Timeout { op, after: timeout });
                 }
             }
             let waited = now.duration_since(start);

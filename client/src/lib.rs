@@ -20,5 +20,5 @@ pub use client::{Client, ClientOptions, Lease, NamespaceInfo, PutOutcome, Reserv
 pub use error::Error;
 pub use orbitkv_proto::{
     prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, Hit, NamespaceDescriptor,
-    PrefixHasher, Tier,
+    PrefixHasher, Request, Response, Tier,
 };

@@ -1,1 +1,166 @@
-fn main() {}
+//! `orbitkv-ctl`: operator CLI for a running `orbitkv-server` (through its admin socket).
+
+#![deny(unsafe_code)]
+
+mod admin;
+mod table;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use orbitkv_proto::{admin_socket_path, default_socket_path, parse_duration};
+use serde_json::Value;
+
+use crate::admin::AdminClient;
+
+/// Operate a running orbitkv-server.
+#[derive(Parser, Debug)]
+#[command(name = "orbitkv-ctl", version, about)]
+struct Cli {
+    /// Server socket (default: $ORBITKV_SOCKET, /run/orbitkv/orbitkv.sock for root, else
+    /// /tmp/orbitkv-<uid>/orbitkv.sock). The admin socket is `<socket>.admin`.
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Exit 0 only when the server is serving (admitting sessions and writes).
+    Health {
+        /// Print the answer as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-shard state and counters.
+    Stats {
+        /// Print the server's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop admitting new sessions and writes, wait until in-flight writes finish.
+    Drain {
+        /// Give up (exit 1) if not drained by then.
+        #[arg(long, default_value = "30s", value_name = "DUR")]
+        timeout: String,
+    },
+    /// Admit sessions and writes again.
+    Resume,
+    /// Open sessions.
+    Sessions {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let socket = cli
+        .socket
+        .unwrap_or_else(|| default_socket_path(nix::unistd::getuid().as_raw()));
+    let admin = AdminClient::new(admin_socket_path(&socket));
+    match run(&admin, cli.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("orbitkv-ctl: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
+    match command {
+        Command::Health { json } => {
+            let v = match admin.call("health") {
+                Ok(v) => v,
+                Err(e) => {
+                    if json {
+                        println!("{}", serde_json::json!({"ready": false, "reason": e}));
+                    } else {
+                        println!("not ready: {e}");
+                    }
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            let ready = v["ready"] == true;
+            if json {
+                println!("{v}");
+            } else if ready {
+                println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
+            } else {
+                println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
+            }
+            Ok(if ready {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Stats { json } => {
+            let v = admin.call("stats")?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&v).expect("JSON values serialize")
+                );
+            } else {
+                print!("{}", table::stats(&v));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Drain { timeout } => {
+            let timeout = parse_duration(&timeout).map_err(|e| format!("--timeout: {e}"))?;
+            let deadline = Instant::now() + timeout;
+            let mut v = admin.call("drain")?;
+            loop {
+                let state = v["state"].as_str().unwrap_or("").to_string();
+                if state == "drained" {
+                    println!("drained");
+                    return Ok(ExitCode::SUCCESS);
+                }
+                if state == "serving" {
+                    println!("not drained: the server was resumed");
+                    return Ok(ExitCode::from(1));
+                }
+                if Instant::now() >= deadline {
+                    let reservations: u64 = v["shards"]
+                        .as_array()
+                        .map(|s| s.iter().filter_map(|s| s["reservations"].as_u64()).sum())
+                        .unwrap_or(0);
+                    println!(
+                        "not drained after {timeout:?}: {reservations} uncommitted reservations remain"
+                    );
+                    return Ok(ExitCode::from(1));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                v = admin.call("stats")?;
+            }
+        }
+        Command::Resume => {
+            let v = admin.call("resume")?;
+            println!("{}", v["state"].as_str().unwrap_or("serving"));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Sessions { json } => {
+            let v = admin.call("sessions")?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&v["sessions"]).expect("JSON values serialize")
+                );
+            } else {
+                print!("{}", table::sessions(&v));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Reads a u64 field, 0 when absent.
+fn u64_of(v: &Value, field: &str) -> u64 {
+    v[field].as_u64().unwrap_or(0)
+}

@@ -1,0 +1,146 @@
+//! Human tables for `stats` and `sessions`.
+
+use std::fmt::Write;
+
+use orbitkv_proto::format_bytes;
+use serde_json::Value;
+
+use crate::u64_of;
+
+/// The `stats` table: a header line, then one row per shard and a total row.
+pub fn stats(v: &Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "state {}  sessions {}  arena {}{}  uptime {:.0}s  pid {}",
+        v["state"].as_str().unwrap_or("?"),
+        u64_of(v, "sessions"),
+        format_bytes(u64_of(v, "arena_bytes")),
+        if v["arena_locked"] == true {
+            " (locked)"
+        } else {
+            ""
+        },
+        v["uptime_s"].as_f64().unwrap_or(0.0),
+        u64_of(v, "pid"),
+    );
+    let cols = [
+        "shard",
+        "core",
+        "used",
+        "capacity",
+        "entries",
+        "hits",
+        "misses",
+        "evictions",
+        "leases",
+        "reserved",
+        "sessions",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![cols.iter().map(|c| c.to_string()).collect()];
+    let mut totals = [0u64; 9];
+    for s in v["shards"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        if s["answering"] != true {
+            rows.push(vec![
+                u64_of(s, "id").to_string(),
+                "-".into(),
+                "not answering".into(),
+            ]);
+            continue;
+        }
+        let nums = [
+            u64_of(s, "dram_used_bytes"),
+            u64_of(s, "dram_capacity_bytes"),
+            u64_of(s, "entries"),
+            u64_of(s, "hits"),
+            u64_of(s, "misses"),
+            u64_of(s, "evictions"),
+            u64_of(s, "leases"),
+            u64_of(s, "reservations"),
+            u64_of(s, "sessions"),
+        ];
+        for (t, n) in totals.iter_mut().zip(nums) {
+            *t += n;
+        }
+        rows.push(row(
+            u64_of(s, "id").to_string(),
+            s["core"].as_u64().map_or("-".into(), |c| c.to_string()),
+            &nums,
+        ));
+    }
+    rows.push(row("total".into(), String::new(), &totals));
+    render(&mut out, &rows);
+    out
+}
+
+fn row(first: String, core: String, n: &[u64; 9]) -> Vec<String> {
+    let mut r = vec![first, core, format_bytes(n[0]), format_bytes(n[1])];
+    r.extend(n[2..].iter().map(u64::to_string));
+    r
+}
+
+/// The `sessions` table.
+pub fn sessions(v: &Value) -> String {
+    let mut rows = vec![["id", "pid", "uid", "shard", "name"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()];
+    for s in v["sessions"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        rows.push(vec![
+            u64_of(s, "id").to_string(),
+            s["pid"].to_string(),
+            u64_of(s, "uid").to_string(),
+            u64_of(s, "home_shard").to_string(),
+            s["name"].as_str().unwrap_or("").to_string(),
+        ]);
+    }
+    let mut out = String::new();
+    render(&mut out, &rows);
+    out
+}
+
+fn render(out: &mut String, rows: &[Vec<String>]) {
+    let ncols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..ncols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(String::len)
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| format!("{cell:>w$}", w = widths[i]))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_table_has_a_row_per_shard_and_a_total() {
+        let v = serde_json::json!({
+            "state": "serving", "sessions": 1, "arena_bytes": 1u64 << 30, "arena_locked": true,
+            "uptime_s": 3.0, "pid": 42,
+            "shards": [
+                {"id": 0, "answering": true, "core": 0, "dram_used_bytes": 4096, "dram_capacity_bytes": 1u64 << 29,
+                 "entries": 1, "hits": 5, "misses": 2, "evictions": 0, "leases": 0, "reservations": 0, "sessions": 1},
+                {"id": 1, "answering": false}
+            ]
+        });
+        let t = stats(&v);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("state serving"), "{t}");
+        assert_eq!(lines.len(), 5, "{t}");
+        assert!(lines[3].contains("not answering"));
+        assert!(lines[4].trim_start().starts_with("total"));
+        assert!(lines[4].contains(" 5 "), "{t}");
+    }
+}

@@ -1,0 +1,97 @@
+//! A client killed with SIGKILL while holding leases and reservations: its session, leases and
+//! reserved bytes go back to zero, and other clients are unaffected.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::{chain, namespace, value_for, TestServer};
+use orbitkv_client::{Client, ClientOptions};
+
+const CHILD_ENV: &str = "ORBITKV_TEST_HOLDER_SOCKET";
+
+/// Runs only as the child process of `sigkill_reclaims_everything` (it is ignored otherwise):
+/// takes leases and reservations, says so, then waits to be killed.
+#[test]
+#[ignore = "helper process for sigkill_reclaims_everything"]
+fn holder_process() {
+    let socket = std::env::var(CHILD_ENV).expect("run by sigkill_reclaims_everything");
+    let mut c = Client::connect(ClientOptions::with_socket(socket)).unwrap();
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 1, 10);
+    let leases = c.lookup_leased(&keys).unwrap();
+    assert_eq!(leases.len(), 10);
+    let fresh = chain(ns, 2, 5);
+    let reserved = c.reserve(&fresh, &[60_000; 5]).unwrap();
+    assert!(reserved.iter().all(Result::is_ok));
+    println!("HOLDING");
+    std::thread::sleep(std::time::Duration::from_secs(600));
+}
+
+#[test]
+fn sigkill_reclaims_everything() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "16MiB"]);
+    let mut other = server.client("bystander");
+    let ns = other.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 1, 10);
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 50_000)).collect();
+    let items: Vec<_> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (*k, v.as_slice()))
+        .collect();
+    other.put(&items).unwrap();
+    let mine = other.lookup_leased(&keys[..3]).unwrap();
+    let used_before = server.shard_sum("dram_used_bytes");
+
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "holder_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD_ENV, &server.socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.any(|l| l.unwrap().contains("HOLDING")),
+        "child never took its holdings"
+    );
+    assert_eq!(server.shard_sum("leases"), 13);
+    assert_eq!(server.shard_sum("reservations"), 5);
+    assert_eq!(server.admin("stats")["sessions"], 2);
+    assert!(server.shard_sum("dram_used_bytes") > used_before);
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+    server.wait_for("reclaim", |s| {
+        s.shard_sum("leases") == 3 && s.shard_sum("reservations") == 0
+    });
+    assert_eq!(server.admin("stats")["sessions"], 1);
+    assert_eq!(
+        server.shard_sum("dram_used_bytes"),
+        used_before,
+        "reserved bytes returned"
+    );
+
+    // The bystander's leases and data are untouched, and it keeps working.
+    for (lease, v) in mine.iter().zip(&values) {
+        assert_eq!(other.chunk(lease).unwrap(), &v[..]);
+    }
+    other.release(&mine).unwrap();
+    assert_eq!(other.lookup(&keys).unwrap().len(), 10);
+    assert_eq!(server.shard_sum("leases"), 0);
+    drop(other);
+    server.wait_for("all sessions closed", |s| s.admin("stats")["sessions"] == 0);
+}
