@@ -35,10 +35,7 @@ impl Default for ClientOptions {
 impl ClientOptions {
     /// Options for a given socket path, defaults otherwise.
     pub fn with_socket(socket: impl Into<PathBuf>) -> Self {
-        Self {
-            socket: socket.into(),
-            ..Self::default()
-        }
+        Self { socket: socket.into(), ..Self::default() }
     }
 }
 
@@ -58,7 +55,7 @@ pub struct Lease {
     pub key: ChunkKey,
     /// Where it is.
     pub hit: Hit,
-    session: u64,
+    epoch: u64,
 }
 
 /// A reserved slot: write the chunk's bytes into it, then commit.
@@ -72,7 +69,7 @@ pub struct Reserved {
     pub len: u64,
     /// Generation to quote on commit.
     pub generation: u64,
-    session: u64,
+    epoch: u64,
 }
 
 /// What `put` did with one chunk.
@@ -91,6 +88,9 @@ pub enum PutOutcome {
 pub struct Client {
     opts: ClientOptions,
     conn: Option<Connection>,
+    /// Incremented on every new connection; leases and reservations carry the epoch they
+    /// were made in, so nothing from an earlier session is used against a new one.
+    epoch: u64,
     namespaces: Vec<NamespaceDescriptor>,
 }
 
@@ -104,11 +104,7 @@ fn unexpected(op: &str, r: Response) -> Error {
 impl Client {
     /// Connects now; fails if the server is not reachable or refuses.
     pub fn connect(opts: ClientOptions) -> Result<Self, Error> {
-        let mut c = Self {
-            opts,
-            conn: None,
-            namespaces: Vec::new(),
-        };
+        let mut c = Self { opts, conn: None, epoch: 0, namespaces: Vec::new() };
         c.ensure_connected()?;
         Ok(c)
     }
@@ -124,21 +120,17 @@ impl Client {
             self.conn = None;
         }
         if self.conn.is_none() {
-            let mut conn = Connection::open(
-                &self.opts.socket,
-                &self.opts.name,
-                self.opts.request_timeout,
-            )?;
+            let mut conn =
+                Connection::open(&self.opts.socket, &self.opts.name, self.opts.request_timeout)?;
             for d in &self.namespaces {
-                let req = Request::RegisterNamespace {
-                    descriptor: d.clone(),
-                };
+                let req = Request::RegisterNamespace { descriptor: d.clone() };
                 match conn.call(&req, self.opts.request_timeout)? {
                     Response::Registered { .. } => {}
                     other => return Err(unexpected("register", other)),
                 }
             }
             self.conn = Some(conn);
+            self.epoch += 1;
         }
         Ok(self.conn.as_mut().expect("connected just above"))
     }
@@ -163,15 +155,17 @@ impl Client {
         }
     }
 
-    fn session(&self) -> u64 {
-        self.conn.as_ref().map_or(0, |c| c.session_id)
+    /// The epoch of the live connection (0 when disconnected: matches nothing).
+    fn live_epoch(&self) -> u64 {
+        if self.conn.is_some() {
+            self.epoch
+        } else {
+            0
+        }
     }
 
     fn max_keys(&self) -> usize {
-        self.conn
-            .as_ref()
-            .map_or(1, |c| c.max_keys_per_request as usize)
-            .max(1)
+        self.conn.as_ref().map_or(1, |c| c.max_keys_per_request as usize).max(1)
     }
 
     /// Sends arbitrary bytes as a request and returns the server's answer. For protocol
@@ -193,22 +187,13 @@ impl Client {
 
     /// Registers a namespace (idempotent for identical descriptors).
     pub fn register_namespace(&mut self, d: &NamespaceDescriptor) -> Result<NamespaceInfo, Error> {
-        d.validate()
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        match self.call(&Request::RegisterNamespace {
-            descriptor: d.clone(),
-        })? {
-            Response::Registered {
-                namespace,
-                max_chunk_bytes,
-            } => {
+        d.validate().map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        match self.call(&Request::RegisterNamespace { descriptor: d.clone() })? {
+            Response::Registered { namespace, max_chunk_bytes } => {
                 if !self.namespaces.contains(d) {
                     self.namespaces.push(d.clone());
                 }
-                Ok(NamespaceInfo {
-                    id: namespace,
-                    max_chunk_bytes,
-                })
+                Ok(NamespaceInfo { id: namespace, max_chunk_bytes })
             }
             other => Err(unexpected("register", other)),
         }
@@ -217,10 +202,7 @@ impl Client {
     fn lookup_raw(&mut self, keys: &[ChunkKey], lease: bool) -> Result<Vec<Hit>, Error> {
         let mut all = Vec::new();
         for batch in keys.chunks(self.max_keys()) {
-            match self.call(&Request::Lookup {
-                keys: batch.to_vec(),
-                lease,
-            })? {
+            match self.call(&Request::Lookup { keys: batch.to_vec(), lease })? {
                 Response::Lookup { hits } => {
                     let complete = hits.len() == batch.len();
                     all.extend(hits);
@@ -242,43 +224,25 @@ impl Client {
     /// The longest present prefix of `keys`, leased: each stays readable until released.
     pub fn lookup_leased(&mut self, keys: &[ChunkKey]) -> Result<Vec<Lease>, Error> {
         let hits = self.lookup_raw(keys, true)?;
-        let session = self.session();
-        Ok(keys
-            .iter()
-            .zip(hits)
-            .map(|(key, hit)| Lease {
-                key: *key,
-                hit,
-                session,
-            })
-            .collect())
+        let epoch = self.live_epoch();
+        Ok(keys.iter().zip(hits).map(|(key, hit)| Lease { key: *key, hit, epoch }).collect())
     }
 
     /// Zero-copy view of a leased chunk, valid while the lease is held.
     pub fn chunk(&self, lease: &Lease) -> Result<&[u8], Error> {
-        let conn = self
-            .conn
-            .as_ref()
-            .filter(|c| c.session_id == lease.session)
-            .ok_or(Error::Stale)?;
-        conn.arena
-            .bytes(lease.hit.offset, lease.hit.len)
-            .map_err(Error::Protocol)
+        let conn =
+            self.conn.as_ref().filter(|_| lease.epoch == self.live_epoch()).ok_or(Error::Stale)?;
+        conn.arena.bytes(lease.hit.offset, lease.hit.len).map_err(Error::Protocol)
     }
 
     /// Releases leases; the outcome per lease is `Done` or why not.
     pub fn release(&mut self, leases: &[Lease]) -> Result<Vec<ChunkOutcome>, Error> {
-        let session = self.session();
-        if leases.iter().any(|l| l.session != session) {
+        let epoch = self.live_epoch();
+        if leases.iter().any(|l| l.epoch != epoch) {
             return Err(Error::Stale);
         }
-        let slots: Vec<SlotRef> = leases
-            .iter()
-            .map(|l| SlotRef {
-                key: l.key,
-                generation: l.hit.generation,
-            })
-            .collect();
+        let slots: Vec<SlotRef> =
+            leases.iter().map(|l| SlotRef { key: l.key, generation: l.hit.generation }).collect();
         self.outcomes("release", &slots, |slots| Request::Release { slots })
     }
 
@@ -326,10 +290,7 @@ impl Client {
                 }
             };
             if buf.len() < bytes.len() {
-                failure = Some(Error::BufferTooSmall {
-                    needed: lease.hit.len,
-                    got: buf.len(),
-                });
+                failure = Some(Error::BufferTooSmall { needed: lease.hit.len, got: buf.len() });
                 break;
             }
             buf[..bytes.len()].copy_from_slice(bytes);
@@ -358,24 +319,14 @@ impl Client {
         let mut all = Vec::with_capacity(keys.len());
         let max = self.max_keys();
         for (kb, lb) in keys.chunks(max).zip(lens.chunks(max)) {
-            let session = self.session_for_next_call()?;
-            match self.call(&Request::Reserve {
-                keys: kb.to_vec(),
-                lens: lb.to_vec(),
-            })? {
+            self.ensure_connected()?;
+            let epoch = self.epoch;
+            match self.call(&Request::Reserve { keys: kb.to_vec(), lens: lb.to_vec() })? {
                 Response::Reserved { slots } if slots.len() == kb.len() => {
                     all.extend(kb.iter().zip(slots).map(|(key, s)| match s {
-                        Reservation::Slot {
-                            offset,
-                            len,
-                            generation,
-                        } => Ok(Reserved {
-                            key: *key,
-                            offset,
-                            len,
-                            generation,
-                            session,
-                        }),
+                        Reservation::Slot { offset, len, generation } => {
+                            Ok(Reserved { key: *key, offset, len, generation, epoch })
+                        }
                         Reservation::Failed(code) => Err(code),
                     }))
                 }
@@ -385,34 +336,19 @@ impl Client {
         Ok(all)
     }
 
-    fn session_for_next_call(&mut self) -> Result<u64, Error> {
-        Ok(self.ensure_connected()?.session_id)
-    }
-
     /// The writable bytes of a reservation.
     pub fn slot_mut(&mut self, r: &Reserved) -> Result<&mut [u8], Error> {
-        let conn = self
-            .conn
-            .as_mut()
-            .filter(|c| c.session_id == r.session)
-            .ok_or(Error::Stale)?;
-        conn.arena
-            .bytes_mut(r.offset, r.len)
-            .map_err(Error::Protocol)
+        let epoch = self.live_epoch();
+        let conn = self.conn.as_mut().filter(|_| r.epoch == epoch).ok_or(Error::Stale)?;
+        conn.arena.bytes_mut(r.offset, r.len).map_err(Error::Protocol)
     }
 
     fn slot_refs(&self, slots: &[Reserved]) -> Result<Vec<SlotRef>, Error> {
-        let session = self.session();
-        if slots.iter().any(|s| s.session != session) {
+        let epoch = self.live_epoch();
+        if slots.iter().any(|s| s.epoch != epoch) {
             return Err(Error::Stale);
         }
-        Ok(slots
-            .iter()
-            .map(|s| SlotRef {
-                key: s.key,
-                generation: s.generation,
-            })
-            .collect())
+        Ok(slots.iter().map(|s| SlotRef { key: s.key, generation: s.generation }).collect())
     }
 
     /// Makes written reservations visible.

@@ -40,9 +40,7 @@ pub(crate) struct Connection {
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection")
-            .field("session_id", &self.session_id)
-            .finish_non_exhaustive()
+        f.debug_struct("Connection").field("session_id", &self.session_id).finish_non_exhaustive()
     }
 }
 
@@ -52,21 +50,13 @@ fn ipc_err(what: &str, e: impl std::fmt::Debug) -> Error {
 
 impl Connection {
     pub(crate) fn open(socket: &Path, name: &str, timeout: Duration) -> Result<Self, Error> {
-        let stream = UnixStream::connect(socket).map_err(|source| Error::Connect {
-            socket: socket.to_owned(),
-            source,
-        })?;
-        let connect_err = |source: std::io::Error| Error::Connect {
-            socket: socket.to_owned(),
-            source,
-        };
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(connect_err)?;
-        let hello = Bootstrap::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            client_name: name.into(),
-        };
+        let stream = UnixStream::connect(socket)
+            .map_err(|source| Error::Connect { socket: socket.to_owned(), source })?;
+        let connect_err =
+            |source: std::io::Error| Error::Connect { socket: socket.to_owned(), source };
+        stream.set_read_timeout(Some(timeout)).map_err(connect_err)?;
+        let hello =
+            Bootstrap::Hello { protocol_version: PROTOCOL_VERSION, client_name: name.into() };
         write_frame(&mut &stream, &encode(&hello)).map_err(connect_err)?;
 
         // The welcome carries the arena memfd on its first bytes.
@@ -94,9 +84,7 @@ impl Connection {
             (msg.bytes, fd)
         };
         if got == 0 {
-            return Err(Error::Disconnected(
-                "server closed the socket during bootstrap".into(),
-            ));
+            return Err(Error::Disconnected("server closed the socket during bootstrap".into()));
         }
         buf.truncate(got);
         let body = read_frame(&mut &stream, buf).map_err(connect_err)?;
@@ -142,6 +130,9 @@ impl Connection {
         let arena = ArenaMap::new(fd, arena_bytes).map_err(Error::Protocol)?;
         stream.set_read_timeout(None).map_err(connect_err)?;
 
+        // iceoryx2 logs through its own logger; keep it to errors unless IOX2_LOG_LEVEL says
+        // otherwise, so that an engine's stderr is not flooded when the server goes away.
+        set_log_level_from_env_or(LogLevel::Error);
         let mut cfg = Config::default();
         let root = iceoryx2::prelude::Path::new(iox_root.as_bytes())
             .map_err(|e| ipc_err("root path", e))?;

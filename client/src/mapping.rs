@@ -22,10 +22,7 @@ impl ArenaMap {
     pub(crate) fn new(fd: OwnedFd, len: u64) -> Result<Self, String> {
         let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| format!("fstat arena: {e}"))?;
         if (stat.st_size as u64) < len {
-            return Err(format!(
-                "arena memfd has {} bytes, server announced {len}",
-                stat.st_size
-            ));
+            return Err(format!("arena memfd has {} bytes, server announced {len}", stat.st_size));
         }
         let size = usize::try_from(len)
             .ok()
@@ -44,20 +41,13 @@ impl ArenaMap {
             )
         }
         .map_err(|e| format!("mmap arena: {e}"))?;
-        Ok(Self {
-            base,
-            len: size.get(),
-            _fd: fd,
-        })
+        Ok(Self { base, len: size.get(), _fd: fd })
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), String> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(format!(
-                "range {offset}+{len} outside the {}-byte arena",
-                self.len
-            )),
+            _ => Err(format!("range {offset}+{len} outside the {}-byte arena", self.len)),
         }
     }
 

@@ -53,10 +53,7 @@ fn state_name(shared: &Shared, snaps: &[Option<ShardSnapshot>]) -> &'static str 
     match shared.state() {
         ServeState::Serving => "serving",
         ServeState::Draining => {
-            if snaps
-                .iter()
-                .all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0))
-            {
+            if snaps.iter().all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0)) {
                 "drained"
             } else {
                 "draining"
@@ -94,10 +91,7 @@ fn command(cmd: &str, shared: &Shared) -> Value {
             json!({"ok": true, "state": "serving"})
         }
         "sessions" => {
-            let sessions = shared
-                .sessions
-                .lock()
-                .expect("session table lock is never poisoned");
+            let sessions = shared.sessions.lock().expect("session table lock is never poisoned");
             let list: Vec<Value> = sessions
                 .values()
                 .map(|s| {
@@ -126,11 +120,8 @@ fn stats(shared: &Shared) -> Value {
             None => json!({"id": id, "answering": false}),
             Some(s) => {
                 let st = &s.stats;
-                let errors: Map<String, Value> = st
-                    .errors
-                    .iter()
-                    .map(|(c, n)| (c.as_str().to_string(), json!(n)))
-                    .collect();
+                let errors: Map<String, Value> =
+                    st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();
                 let latency: Map<String, Value> = st
                     .latency
                     .iter()
@@ -168,11 +159,7 @@ fn stats(shared: &Shared) -> Value {
             }
         })
         .collect();
-    let sessions = shared
-        .sessions
-        .lock()
-        .expect("session table lock is never poisoned")
-        .len();
+    let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
     json!({
         "ok": true,
         "state": state_name(shared, &snaps),

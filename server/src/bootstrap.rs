@@ -43,9 +43,7 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
 }
 
 fn refuse(stream: &UnixStream, shared: &Shared, code: ErrorCode, message: String) {
-    shared
-        .refused_sessions
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    shared.refused_sessions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tracing::warn!(code = %code, %message, "session refused");
     let _ = send_welcome(stream, &Welcome::Refused { code, message }, None);
 }
@@ -55,19 +53,10 @@ fn send_welcome(stream: &UnixStream, w: &Welcome, fd: Option<i32>) -> std::io::R
     let header = frame_header(body.len())?;
     let iov = [IoSlice::new(&header), IoSlice::new(&body)];
     let fds = fd.map(|f| [f]);
-    let cmsgs: Vec<ControlMessage> = fds
-        .as_ref()
-        .map(|f| ControlMessage::ScmRights(f))
-        .into_iter()
-        .collect();
-    let sent = sendmsg::<()>(
-        stream.as_raw_fd(),
-        &iov,
-        &cmsgs,
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )
-    .map_err(std::io::Error::from)?;
+    let cmsgs: Vec<ControlMessage> =
+        fds.as_ref().map(|f| ControlMessage::ScmRights(f)).into_iter().collect();
+    let sent = sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+        .map_err(std::io::Error::from)?;
     let total = header.len() + body.len();
     if sent < total {
         // The descriptor went with the first bytes; the rest is plain data.
@@ -105,10 +94,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         Err(e) => Err(format!("reading hello: {e}")),
     };
     let name = match hello {
-        Ok(Bootstrap::Hello {
-            protocol_version,
-            client_name,
-        }) => {
+        Ok(Bootstrap::Hello { protocol_version, client_name }) => {
             if protocol_version != PROTOCOL_VERSION {
                 return refuse(
                     &stream,
@@ -137,11 +123,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         );
     }
     let max = shared.settings.config.max_sessions;
-    let open = shared
-        .sessions
-        .lock()
-        .expect("session table lock is never poisoned")
-        .len();
+    let open = shared.sessions.lock().expect("session table lock is never poisoned").len();
     if open >= max {
         return refuse(
             &stream,
@@ -156,11 +138,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
     let (reply, rx) = bounded(1);
     let opened = shared.shard_tx[home]
         .send_timeout(
-            ControlMsg::OpenSession {
-                session,
-                service: service.clone(),
-                reply,
-            },
+            ControlMsg::OpenSession { session, service: service.clone(), reply },
             HELLO_TIMEOUT,
         )
         .map_err(|_| "home shard is not answering".to_string())
@@ -172,21 +150,17 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
     if let Err(e) = opened {
         return refuse(&stream, shared, ErrorCode::Internal, e);
     }
-    shared
-        .sessions
-        .lock()
-        .expect("session table lock is never poisoned")
-        .insert(
-            session,
-            SessionInfo {
-                id: session,
-                pid,
-                uid,
-                name: name.clone(),
-                home_shard: home,
-                opened: SystemTime::now(),
-            },
-        );
+    shared.sessions.lock().expect("session table lock is never poisoned").insert(
+        session,
+        SessionInfo {
+            id: session,
+            pid,
+            uid,
+            name: name.clone(),
+            home_shard: home,
+            opened: SystemTime::now(),
+        },
+    );
     let cfg = &shared.settings.config;
     let welcome = Welcome::Accepted {
         protocol_version: PROTOCOL_VERSION,
@@ -221,10 +195,6 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
             }
         }
     }
-    shared
-        .sessions
-        .lock()
-        .expect("session table lock is never poisoned")
-        .remove(&session);
+    shared.sessions.lock().expect("session table lock is never poisoned").remove(&session);
     let _ = shared.shard_tx[home].send(ControlMsg::CloseSession { session });
 }

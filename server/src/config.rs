@@ -37,10 +37,7 @@ pub enum ConfigError {
 }
 
 fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        flag,
-        reason: reason.into(),
-    }
+    ConfigError::Invalid { flag, reason: reason.into() }
 }
 
 /// Everything `orbitkv-server` can be told. Sizes and durations are human strings.
@@ -190,14 +187,10 @@ pub struct Settings {
 impl ServerConfig {
     /// Loads a TOML file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            message: e.to_string(),
-        })
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })
     }
 
     /// Applies command-line overrides.
@@ -276,16 +269,10 @@ impl ServerConfig {
         for (flag, v) in [
             ("--max-sessions", self.max_sessions as u64),
             ("--max-leases-per-session", self.max_leases_per_session),
-            (
-                "--max-reservations-per-session",
-                self.max_reservations_per_session,
-            ),
+            ("--max-reservations-per-session", self.max_reservations_per_session),
             ("--max-keys-per-request", self.max_keys_per_request as u64),
             ("--max-namespaces", self.max_namespaces as u64),
-            (
-                "--max-inflight-per-session",
-                self.max_inflight_per_session as u64,
-            ),
+            ("--max-inflight-per-session", self.max_inflight_per_session as u64),
             ("--mesh-queue-depth", self.mesh_queue_depth as u64),
         ] {
             if v == 0 {
@@ -331,31 +318,14 @@ mod tests {
     #[test]
     fn errors_name_the_flag() {
         let bad = |c: ServerConfig| c.validate().unwrap_err().to_string();
-        assert!(bad(ServerConfig {
-            dram: "lots".into(),
-            ..Default::default()
-        })
-        .contains("--dram"));
-        assert!(bad(ServerConfig {
-            dram: "4KiB".into(),
-            ..Default::default()
-        })
-        .contains("--dram"));
-        assert!(bad(ServerConfig {
-            max_sessions: 0,
-            ..Default::default()
-        })
-        .contains("--max-sessions"));
-        assert!(bad(ServerConfig {
-            idle_poll_max: "1s".into(),
-            ..Default::default()
-        })
-        .contains("--idle-poll-max"));
-        assert!(bad(ServerConfig {
-            shards: 1000,
-            ..Default::default()
-        })
-        .contains("--shards"));
+        assert!(bad(ServerConfig { dram: "lots".into(), ..Default::default() }).contains("--dram"));
+        assert!(bad(ServerConfig { dram: "4KiB".into(), ..Default::default() }).contains("--dram"));
+        assert!(
+            bad(ServerConfig { max_sessions: 0, ..Default::default() }).contains("--max-sessions")
+        );
+        assert!(bad(ServerConfig { idle_poll_max: "1s".into(), ..Default::default() })
+            .contains("--idle-poll-max"));
+        assert!(bad(ServerConfig { shards: 1000, ..Default::default() }).contains("--shards"));
     }
 
     #[test]
@@ -363,11 +333,7 @@ mod tests {
         let text = "dram = \"64MiB\"\nshards = 2\nallow-uid = [1000]\n";
         let mut c: ServerConfig = toml::from_str(text).unwrap();
         assert_eq!(c.dram, "64MiB");
-        let args = Args {
-            dram: Some("128MiB".into()),
-            allow_uid: vec![7],
-            ..Default::default()
-        };
+        let args = Args { dram: Some("128MiB".into()), allow_uid: vec![7], ..Default::default() };
         c.apply_args(&args);
         assert_eq!(c.dram, "128MiB");
         assert_eq!(c.allow_uid, vec![1000, 7]);

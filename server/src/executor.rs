@@ -114,17 +114,7 @@ pub(crate) struct Exec {
 
 async fn run(ctx: ShardContext) {
     let ShardContext {
-        id,
-        shards,
-        cpu,
-        core,
-        control,
-        req_mesh,
-        rep_mesh,
-        shared,
-        ipc,
-        ready,
-        ..
+        id, shards, cpu, core, control, req_mesh, rep_mesh, shared, ipc, ready, ..
     } = ctx;
     let node = match ipc::config(&ipc).and_then(|cfg| {
         NodeName::new(&format!("orbitkv-shard-{id}"))
@@ -189,10 +179,7 @@ async fn run(ctx: ShardContext) {
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
                     let reply = e.core.borrow_mut().apply(op);
-                    let tx = e
-                        .rep_tx
-                        .as_ref()
-                        .expect("reply mesh exists when request mesh does");
+                    let tx = e.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
                     if tx.send_to(peer, (rid, reply)).await.is_err() {
                         break;
                     }
@@ -252,11 +239,7 @@ impl Exec {
     /// Handles one control message; false means stop.
     fn handle_control(self: &Rc<Self>, msg: ControlMsg) -> bool {
         match msg {
-            ControlMsg::OpenSession {
-                session,
-                service,
-                reply,
-            } => {
+            ControlMsg::OpenSession { session, service, reply } => {
                 let max_inflight = self.shared.settings.config.max_inflight_per_session;
                 let result =
                     ipc::create_session_service(&self.node, &service, max_inflight).map(|port| {
@@ -314,12 +297,8 @@ impl Exec {
 
     /// Receives and dispatches requests of every session homed here; returns how many.
     fn poll_sessions(self: &Rc<Self>) -> usize {
-        let sessions: Vec<(SessionId, Rc<SessionState>)> = self
-            .sessions
-            .borrow()
-            .iter()
-            .map(|(k, v)| (*k, Rc::clone(v)))
-            .collect();
+        let sessions: Vec<(SessionId, Rc<SessionState>)> =
+            self.sessions.borrow().iter().map(|(k, v)| (*k, Rc::clone(v))).collect();
         let mut n = 0;
         for (id, state) in sessions {
             for _ in 0..REQUESTS_PER_ROUND {
@@ -369,12 +348,8 @@ impl Exec {
     async fn close_everywhere(&self, session: SessionId) -> (u64, u64) {
         let mut total = (0, 0);
         for shard in 0..self.shards {
-            if let ShardReply::Closed {
-                leases,
-                reservations,
-            } = self
-                .exec_on(shard, ShardOp::SessionClosed { session })
-                .await
+            if let ShardReply::Closed { leases, reservations } =
+                self.exec_on(shard, ShardOp::SessionClosed { session }).await
             {
                 total.0 += leases;
                 total.1 += reservations;
@@ -388,11 +363,7 @@ impl Exec {
         let sent = req
             .loan_slice_uninit(bytes.len())
             .map_err(|e| format!("{e:?}"))
-            .and_then(|r| {
-                r.write_from_slice(bytes)
-                    .send()
-                    .map_err(|e| format!("{e:?}"))
-            });
+            .and_then(|r| r.write_from_slice(bytes).send().map_err(|e| format!("{e:?}")));
         if let Err(e) = sent {
             self.dropped_replies.set(self.dropped_replies.get() + 1);
             tracing::debug!(shard = self.id, error = %e, "response not delivered");
@@ -421,14 +392,10 @@ impl SessionCounters {
         self.0.reservations.get()
     }
     pub(crate) fn add_leases(&self, delta: i64) {
-        self.0
-            .leases
-            .set(self.0.leases.get().saturating_add_signed(delta));
+        self.0.leases.set(self.0.leases.get().saturating_add_signed(delta));
     }
     pub(crate) fn add_reservations(&self, delta: i64) {
-        self.0
-            .reservations
-            .set(self.0.reservations.get().saturating_add_signed(delta));
+        self.0.reservations.set(self.0.reservations.get().saturating_add_signed(delta));
     }
     /// Marks the request finished.
     pub(crate) fn done(&self) {

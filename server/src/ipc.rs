@@ -29,16 +29,10 @@ impl IpcNames {
     /// Names for the server listening on `socket`.
     pub fn for_socket(socket: &Path) -> Self {
         let hash = blake3::hash(socket.as_os_str().as_encoded_bytes());
-        let tag: String = hash.as_bytes()[..6]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let tag: String = hash.as_bytes()[..6].iter().map(|b| format!("{b:02x}")).collect();
         let mut root = socket.as_os_str().to_string_lossy().into_owned();
         root.push_str(".iox/");
-        Self {
-            root,
-            prefix: format!("okv{tag}_"),
-        }
+        Self { root, prefix: format!("okv{tag}_") }
     }
 }
 
@@ -91,11 +85,7 @@ pub fn remove_leftovers(names: &IpcNames) {
     let _ = std::fs::remove_dir_all(&names.root);
     if let Ok(dir) = std::fs::read_dir("/dev/shm") {
         for entry in dir.flatten() {
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(&names.prefix)
-            {
+            if entry.file_name().to_string_lossy().starts_with(&names.prefix) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

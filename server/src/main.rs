@@ -37,6 +37,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    iceoryx2::prelude::set_log_level_from_env_or(iceoryx2::prelude::LogLevel::Warn);
     let mut config = match &args.config {
         Some(path) => match ServerConfig::from_file(path) {
             Ok(c) => c,
@@ -46,10 +47,7 @@ fn main() -> ExitCode {
     };
     config.apply_args(&args);
     if args.print_config {
-        print!(
-            "{}",
-            toml::to_string(&config).expect("the config struct serializes to TOML")
-        );
+        print!("{}", toml::to_string(&config).expect("the config struct serializes to TOML"));
         return ExitCode::SUCCESS;
     }
     let settings = match config.validate() {
@@ -72,10 +70,7 @@ fn fail(message: &str) -> ExitCode {
 fn bind(path: &Path, mode: u32) -> Result<UnixListener, String> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
-            return Err(format!(
-                "another server is already serving on {}",
-                path.display()
-            ));
+            return Err(format!("another server is already serving on {}", path.display()));
         }
         std::fs::remove_file(path)
             .map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
@@ -90,9 +85,9 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, String> {
 /// CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
-        Ok(set) => (0..nix::sched::CpuSet::count())
-            .filter(|&c| set.is_set(c).unwrap_or(false))
-            .collect(),
+        Ok(set) => {
+            (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
+        }
         Err(_) => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
     }
 }
@@ -117,10 +112,7 @@ fn run(settings: Settings) -> Result<(), String> {
     }
     // Refuse early if someone is serving here, before touching iceoryx2 state.
     if UnixStream::connect(&socket).is_ok() {
-        return Err(format!(
-            "another server is already serving on {}",
-            socket.display()
-        ));
+        return Err(format!("another server is already serving on {}", socket.display()));
     }
     let shards = settings.shards;
     let arena = Arc::new(
@@ -148,11 +140,7 @@ fn run(settings: Settings) -> Result<(), String> {
     let cpus = allowed_cpus();
     let pin = settings.config.pin && shards <= cpus.len();
     if settings.config.pin && !pin {
-        tracing::warn!(
-            shards,
-            cpus = cpus.len(),
-            "more shards than CPUs: shards run unpinned"
-        );
+        tracing::warn!(shards, cpus = cpus.len(), "more shards than CPUs: shards run unpinned");
     }
     let depth = settings.config.mesh_queue_depth;
     let req_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
@@ -223,10 +211,7 @@ fn run(settings: Settings) -> Result<(), String> {
         signal_hook::consts::SIGINT,
     ])
     .map_err(|e| format!("installing signal handlers: {e}"))?;
-    let signal = signals
-        .forever()
-        .next()
-        .unwrap_or(signal_hook::consts::SIGTERM);
+    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
     tracing::info!(signal, "shutting down: draining");
     shared.set_state(ServeState::Draining);
     let deadline = Instant::now() + settings.drain_timeout;

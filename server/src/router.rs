@@ -65,11 +65,7 @@ pub(crate) fn dispatch(
     } else {
         decode::<Request>(payload)
             .map_err(|e| reject(ErrorCode::Malformed, e.to_string()))
-            .and_then(|r| {
-                check(exec, &counters, &r)
-                    .map(|()| r)
-                    .map_err(|(c, m)| reject(c, m))
-            })
+            .and_then(|r| check(exec, &counters, &r).map(|()| r).map_err(|(c, m)| reject(c, m)))
     };
     match request {
         Err(response) => {
@@ -103,10 +99,7 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
     if n > cfg.max_keys_per_request as u64 {
         return Err((
             ErrorCode::TooLarge,
-            format!(
-                "{n} keys exceed --max-keys-per-request {}",
-                cfg.max_keys_per_request
-            ),
+            format!("{n} keys exceed --max-keys-per-request {}", cfg.max_keys_per_request),
         ));
     }
     match r {
@@ -118,10 +111,7 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
                 ));
             }
             if exec.shared.state() == ServeState::Draining {
-                return Err((
-                    ErrorCode::Draining,
-                    "server is draining: writes are refused".into(),
-                ));
+                return Err((ErrorCode::Draining, "server is draining: writes are refused".into()));
             }
             if counters.reservations() + n > cfg.max_reservations_per_session {
                 return Err((
@@ -148,9 +138,7 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
             }
         }
         Request::RegisterNamespace { descriptor } => {
-            descriptor
-                .validate()
-                .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
+            descriptor.validate().map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
         }
         _ => {}
     }
@@ -169,9 +157,7 @@ async fn execute(
             let id = descriptor.id();
             let mut max = 0;
             for shard in 0..exec.shards {
-                let op = ShardOp::Register {
-                    descriptor: descriptor.clone(),
-                };
+                let op = ShardOp::Register { descriptor: descriptor.clone() };
                 match exec.exec_on(shard, op).await {
                     ShardReply::Registered(Ok(m)) => max = m,
                     ShardReply::Registered(Err((code, message))) => {
@@ -180,21 +166,14 @@ async fn execute(
                     other => return internal(shard, &other),
                 }
             }
-            Response::Registered {
-                namespace: id,
-                max_chunk_bytes: max,
-            }
+            Response::Registered { namespace: id, max_chunk_bytes: max }
         }
         Request::Lookup { keys, lease } => {
             let hits = scatter(
                 exec,
                 &keys,
                 |k| k,
-                |keys| ShardOp::Lookup {
-                    session,
-                    keys,
-                    lease,
-                },
+                |keys| ShardOp::Lookup { session, keys, lease },
                 |r| match r {
                     ShardReply::Hits(h) => Some(h),
                     _ => None,
@@ -209,10 +188,7 @@ async fn execute(
                     .iter()
                     .zip(&hits[prefix..])
                     .filter_map(|(key, h)| {
-                        h.map(|h| SlotRef {
-                            key: *key,
-                            generation: h.generation,
-                        })
+                        h.map(|h| SlotRef { key: *key, generation: h.generation })
                     })
                     .collect();
                 if !extra.is_empty() {
@@ -243,11 +219,7 @@ async fn execute(
                 |(k, _)| k,
                 |items| {
                     let (keys, lens) = items.into_iter().unzip();
-                    ShardOp::Reserve {
-                        session,
-                        keys,
-                        lens,
-                    }
+                    ShardOp::Reserve { session, keys, lens }
                 },
                 |r| match r {
                     ShardReply::Reserved(s) => Some(s),
@@ -256,10 +228,7 @@ async fn execute(
                 Reservation::Failed(ErrorCode::Internal),
             )
             .await;
-            let made = slots
-                .iter()
-                .filter(|s| matches!(s, Reservation::Slot { .. }))
-                .count();
+            let made = slots.iter().filter(|s| matches!(s, Reservation::Slot { .. })).count();
             counters.add_reservations(made as i64);
             Response::Reserved { slots }
         }
@@ -330,10 +299,7 @@ fn done(o: &[ChunkOutcome]) -> usize {
 
 fn internal(shard: usize, reply: &ShardReply) -> Response {
     tracing::error!(shard, ?reply, "unexpected shard reply");
-    Response::error(
-        ErrorCode::Internal,
-        format!("shard {shard} answered unexpectedly"),
-    )
+    Response::error(ErrorCode::Internal, format!("shard {shard} answered unexpectedly"))
 }
 
 /// Splits `items` by owning shard, runs one op per shard (remote ones concurrently), and
@@ -363,10 +329,7 @@ async fn scatter<T: Clone, R: Clone + 'static>(
             local = Some((shard, op));
         } else {
             let e = Rc::clone(exec);
-            remote.push((
-                shard,
-                glommio::spawn_local(async move { e.exec_on(shard, op).await }),
-            ));
+            remote.push((shard, glommio::spawn_local(async move { e.exec_on(shard, op).await })));
         }
     }
     let mut out = vec![fallback.clone(); items.len()];

@@ -150,19 +150,12 @@ impl Shared {
 
     /// The shard with the fewest sessions (lowest id on ties).
     pub fn pick_home_shard(&self) -> usize {
-        let sessions = self
-            .sessions
-            .lock()
-            .expect("session table lock is never poisoned");
+        let sessions = self.sessions.lock().expect("session table lock is never poisoned");
         let mut counts = vec![0usize; self.shard_tx.len()];
         for s in sessions.values() {
             counts[s.home_shard] += 1;
         }
-        counts
-            .iter()
-            .enumerate()
-            .min_by_key(|&(i, c)| (*c, i))
-            .map_or(0, |(i, _)| i)
+        counts.iter().enumerate().min_by_key(|&(i, c)| (*c, i)).map_or(0, |(i, _)| i)
     }
 
     /// Snapshots of every shard (in shard order), or `None` for a shard that did not answer
@@ -173,9 +166,7 @@ impl Shared {
             .iter()
             .map(|tx| {
                 let (reply, rx) = bounded(1);
-                let sent = tx
-                    .send_timeout(ControlMsg::Stats { reply }, timeout)
-                    .is_ok();
+                let sent = tx.send_timeout(ControlMsg::Stats { reply }, timeout).is_ok();
                 (sent, rx)
             })
             .collect();

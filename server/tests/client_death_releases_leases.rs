@@ -36,34 +36,20 @@ fn sigkill_reclaims_everything() {
     let ns = other.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 1, 10);
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 50_000)).collect();
-    let items: Vec<_> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (*k, v.as_slice()))
-        .collect();
+    let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
     other.put(&items).unwrap();
     let mine = other.lookup_leased(&keys[..3]).unwrap();
     let used_before = server.shard_sum("dram_used_bytes");
 
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "holder_process",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+        .args(["--ignored", "--exact", "holder_process", "--nocapture", "--test-threads", "1"])
         .env(CHILD_ENV, &server.socket)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(
-        lines.any(|l| l.unwrap().contains("HOLDING")),
-        "child never took its holdings"
-    );
+    assert!(lines.any(|l| l.unwrap().contains("HOLDING")), "child never took its holdings");
     assert_eq!(server.shard_sum("leases"), 13);
     assert_eq!(server.shard_sum("reservations"), 5);
     assert_eq!(server.admin("stats")["sessions"], 2);
@@ -75,15 +61,9 @@ fn sigkill_reclaims_everything() {
     )
     .unwrap();
     child.wait().unwrap();
-    server.wait_for("reclaim", |s| {
-        s.shard_sum("leases") == 3 && s.shard_sum("reservations") == 0
-    });
+    server.wait_for("reclaim", |s| s.shard_sum("leases") == 3 && s.shard_sum("reservations") == 0);
     assert_eq!(server.admin("stats")["sessions"], 1);
-    assert_eq!(
-        server.shard_sum("dram_used_bytes"),
-        used_before,
-        "reserved bytes returned"
-    );
+    assert_eq!(server.shard_sum("dram_used_bytes"), used_before, "reserved bytes returned");
 
     // The bystander's leases and data are untouched, and it keeps working.
     for (lease, v) in mine.iter().zip(&values) {

@@ -19,10 +19,7 @@ fn working_set_four_times_the_arena() {
 
     // Store the first 8 chunks and lease them from another session.
     for k in &keys[..8] {
-        assert_eq!(
-            writer.put(&[(*k, &value_for(k, len))]).unwrap(),
-            vec![PutOutcome::Stored]
-        );
+        assert_eq!(writer.put(&[(*k, &value_for(k, len))]).unwrap(), vec![PutOutcome::Stored]);
     }
     let leases = holder.lookup_leased(&keys[..8]).unwrap();
     assert_eq!(leases.len(), 8);
@@ -32,20 +29,13 @@ fn working_set_four_times_the_arena() {
     for pass in 0..3 {
         for (i, k) in keys.iter().enumerate().skip(8) {
             let out = writer.put(&[(*k, &value_for(k, len))]).unwrap();
-            assert!(
-                matches!(out[0], PutOutcome::Stored | PutOutcome::AlreadyPresent),
-                "{out:?}"
-            );
+            assert!(matches!(out[0], PutOutcome::Stored | PutOutcome::AlreadyPresent), "{out:?}");
             if i % 7 == pass {
                 let probe = &keys[(i * 31) % keys.len()..][..1];
                 let mut buf = vec![0u8; len];
                 let got = writer.get_into(probe, &mut [&mut buf[..]]).unwrap();
                 if let Some(n) = got.first() {
-                    assert_eq!(
-                        &buf[..*n],
-                        &value_for(&probe[0], len)[..],
-                        "wrong bytes for a hit"
-                    );
+                    assert_eq!(&buf[..*n], &value_for(&probe[0], len)[..], "wrong bytes for a hit");
                     verified += 1;
                 }
             }
@@ -60,11 +50,7 @@ fn working_set_four_times_the_arena() {
         assert_eq!(holder.chunk(lease).unwrap(), &value_for(k, len)[..]);
     }
     assert_eq!(holder.lookup(&keys[..8]).unwrap().len(), 8);
-    assert!(holder
-        .release(&leases)
-        .unwrap()
-        .iter()
-        .all(|o| *o == ChunkOutcome::Done));
+    assert!(holder.release(&leases).unwrap().iter().all(|o| *o == ChunkOutcome::Done));
     assert_eq!(server.shard_sum("leases"), 0);
     assert!(server.shard_sum("dram_used_bytes") <= 8 << 20);
 }

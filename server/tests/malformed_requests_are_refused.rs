@@ -57,29 +57,16 @@ fn garbage_on_the_bootstrap_socket() {
 
 #[test]
 fn malformed_and_out_of_range_requests_get_error_replies() {
-    let server = TestServer::start(&[
-        "--shards",
-        "2",
-        "--dram",
-        "16MiB",
-        "--max-keys-per-request",
-        "64",
-    ]);
+    let server =
+        TestServer::start(&["--shards", "2", "--dram", "16MiB", "--max-keys-per-request", "64"]);
     let mut c = server.client("fuzzer");
     let ns = c.register_namespace(&namespace(4)).unwrap().id;
     let keys = chain(ns, 3, 4);
 
     // Garbage, truncated and mutated encodings.
     assert_eq!(error_code(c.call_raw(&[]).unwrap()), ErrorCode::Malformed);
-    assert_eq!(
-        error_code(c.call_raw(&[0xff; 100]).unwrap()),
-        ErrorCode::Malformed
-    );
-    let good = encode(&Request::Lookup {
-        keys: keys.clone(),
-        lease: true,
-    })
-    .to_vec();
+    assert_eq!(error_code(c.call_raw(&[0xff; 100]).unwrap()), ErrorCode::Malformed);
+    let good = encode(&Request::Lookup { keys: keys.clone(), lease: true }).to_vec();
     for cut in [1, good.len() / 2, good.len() - 1] {
         assert_eq!(
             error_code(c.call_raw(&good[..cut]).unwrap()),
@@ -99,30 +86,14 @@ fn malformed_and_out_of_range_requests_get_error_replies() {
     }
     // Oversized: more keys than allowed, and more bytes than allowed.
     let many = chain(ns, 4, 65);
-    let r = c
-        .call_raw(&encode(&Request::Lookup {
-            keys: many,
-            lease: false,
-        }))
-        .unwrap();
+    let r = c.call_raw(&encode(&Request::Lookup { keys: many, lease: false })).unwrap();
     assert_eq!(error_code(r), ErrorCode::TooLarge);
-    assert_eq!(
-        error_code(c.call_raw(&vec![0u8; 1 << 20]).unwrap()),
-        ErrorCode::TooLarge
-    );
+    assert_eq!(error_code(c.call_raw(&vec![0u8; 1 << 20]).unwrap()), ErrorCode::TooLarge);
     // Out of range values.
-    let r = c
-        .call_raw(&encode(&Request::Reserve {
-            keys: keys.clone(),
-            lens: vec![1],
-        }))
-        .unwrap();
+    let r = c.call_raw(&encode(&Request::Reserve { keys: keys.clone(), lens: vec![1] })).unwrap();
     assert_eq!(error_code(r), ErrorCode::Malformed);
     let r = c
-        .call_raw(&encode(&Request::Reserve {
-            keys: keys[..2].to_vec(),
-            lens: vec![0, 1 << 40],
-        }))
+        .call_raw(&encode(&Request::Reserve { keys: keys[..2].to_vec(), lens: vec![0, 1 << 40] }))
         .unwrap();
     assert_eq!(
         r,
@@ -133,34 +104,21 @@ fn malformed_and_out_of_range_requests_get_error_replies() {
             ]
         }
     );
-    let bogus = vec![SlotRef {
-        key: keys[0],
-        generation: 12345,
-    }];
+    let bogus = vec![SlotRef { key: keys[0], generation: 12345 }];
     for req in [
-        Request::Commit {
-            slots: bogus.clone(),
-        },
-        Request::Abort {
-            slots: bogus.clone(),
-        },
-        Request::Release {
-            slots: bogus.clone(),
-        },
+        Request::Commit { slots: bogus.clone() },
+        Request::Abort { slots: bogus.clone() },
+        Request::Release { slots: bogus.clone() },
     ] {
         let r = c.call_raw(&encode(&req)).unwrap();
         assert_eq!(
             r,
-            Response::Outcomes {
-                outcomes: vec![ChunkOutcome::Failed(ErrorCode::NotFound)]
-            },
+            Response::Outcomes { outcomes: vec![ChunkOutcome::Failed(ErrorCode::NotFound)] },
             "{req:?}"
         );
     }
     let bad_ns = namespace(0);
-    let r = c
-        .call_raw(&encode(&Request::RegisterNamespace { descriptor: bad_ns }))
-        .unwrap();
+    let r = c.call_raw(&encode(&Request::RegisterNamespace { descriptor: bad_ns })).unwrap();
     assert_eq!(error_code(r), ErrorCode::InvalidArgument);
     let r = c
         .call_raw(&encode(&Request::Reserve {
@@ -171,9 +129,7 @@ fn malformed_and_out_of_range_requests_get_error_replies() {
     assert_eq!(
         r,
         Response::Reserved {
-            slots: vec![orbitkv_proto::Reservation::Failed(
-                ErrorCode::UnknownNamespace
-            )]
+            slots: vec![orbitkv_proto::Reservation::Failed(ErrorCode::UnknownNamespace)]
         }
     );
 

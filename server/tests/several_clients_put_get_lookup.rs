@@ -8,10 +8,7 @@ use orbitkv_client::{ChunkOutcome, PutOutcome, Tier};
 #[test]
 fn several_clients_share_chunks_byte_exact() {
     let server = TestServer::start(&["--shards", "2", "--dram", "64MiB"]);
-    let ns = server
-        .client("probe")
-        .register_namespace(&namespace(16))
-        .unwrap();
+    let ns = server.client("probe").register_namespace(&namespace(16)).unwrap();
     assert_eq!(ns.max_chunk_bytes, 16 * 4096);
 
     let writers: Vec<_> = (0..3u32)
@@ -24,24 +21,14 @@ fn several_clients_share_chunks_byte_exact() {
                 .unwrap();
                 let info = c.register_namespace(&namespace(16)).unwrap();
                 let keys = chain(info.id, w, 24);
-                let values: Vec<Vec<u8>> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, k)| value_for(k, 1000 + i * 2000))
-                    .collect();
-                let items: Vec<_> = keys
-                    .iter()
-                    .zip(&values)
-                    .map(|(k, v)| (*k, v.as_slice()))
-                    .collect();
+                let values: Vec<Vec<u8>> =
+                    keys.iter().enumerate().map(|(i, k)| value_for(k, 1000 + i * 2000)).collect();
+                let items: Vec<_> =
+                    keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
                 let out = c.put(&items).unwrap();
                 assert!(out.iter().all(|o| *o == PutOutcome::Stored), "{out:?}");
                 // A second put of the same chunks stores nothing.
-                assert!(c
-                    .put(&items)
-                    .unwrap()
-                    .iter()
-                    .all(|o| *o == PutOutcome::AlreadyPresent));
+                assert!(c.put(&items).unwrap().iter().all(|o| *o == PutOutcome::AlreadyPresent));
                 keys
             })
         })
@@ -61,11 +48,7 @@ fn several_clients_share_chunks_byte_exact() {
             assert_eq!(reader.chunk(lease).unwrap(), &expected[..], "chunk {i}");
             assert_eq!(lease.hit.checksum, xxhash_rust::xxh3::xxh3_64(&expected));
         }
-        assert!(reader
-            .release(&leases)
-            .unwrap()
-            .iter()
-            .all(|o| *o == ChunkOutcome::Done));
+        assert!(reader.release(&leases).unwrap().iter().all(|o| *o == ChunkOutcome::Done));
         let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 64 << 10]; keys.len()];
         let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
         let lens = reader.get_into(keys, &mut refs).unwrap();

@@ -30,14 +30,7 @@ fn connect_as_nobody(server: &TestServer) -> Option<String> {
     }
     std::fs::set_permissions(server.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "connect_as_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+        .args(["--ignored", "--exact", "connect_as_child", "--nocapture", "--test-threads", "1"])
         .env(CHILD_ENV, &server.socket)
         .env("HOME", "/tmp")
         .uid(NOBODY)
@@ -50,10 +43,7 @@ fn connect_as_nobody(server: &TestServer) -> Option<String> {
             .lines()
             .find_map(|l| l.find("RESULT").map(|i| &l[i..]))
             .unwrap_or_else(|| {
-                panic!(
-                    "child printed no result: {stdout} {}",
-                    String::from_utf8_lossy(&out.stderr)
-                )
+                panic!("child printed no result: {stdout} {}", String::from_utf8_lossy(&out.stderr))
             })
             .to_string(),
     )
@@ -65,14 +55,8 @@ fn uid_outside_the_allow_list_is_refused() {
     let Some(result) = connect_as_nobody(&server) else {
         return;
     };
-    assert!(
-        result.contains(&format!("{:?}", Some(ErrorCode::PermissionDenied))),
-        "{result}"
-    );
-    assert!(
-        result.contains(&format!("uid {NOBODY} is not allowed")),
-        "{result}"
-    );
+    assert!(result.contains(&format!("{:?}", Some(ErrorCode::PermissionDenied))), "{result}");
+    assert!(result.contains(&format!("uid {NOBODY} is not allowed")), "{result}");
     assert!(result.contains("--allow-uid"), "{result}");
     assert_eq!(server.admin("stats")["refused_sessions"], 1);
     assert_eq!(server.admin("stats")["sessions"], 0);
@@ -91,9 +75,5 @@ fn allowed_uid_passes_the_bootstrap_check() {
     assert!(!result.contains("PermissionDenied"), "{result}");
     assert_eq!(server.admin("stats")["refused_sessions"], 0);
     let log = server.log();
-    assert!(
-        log.lines()
-            .any(|l| l.contains("session opened") && l.contains("uid=65534")),
-        "{log}"
-    );
+    assert!(log.lines().any(|l| l.contains("session opened") && l.contains("uid=65534")), "{log}");
 }

@@ -34,10 +34,7 @@ where
     T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
         + Deserialize<T, HighDeserializer<rancor::Error>>,
 {
-    let fail = |e: rancor::Error| DecodeError {
-        len: bytes.len(),
-        reason: e.to_string(),
-    };
+    let fail = |e: rancor::Error| DecodeError { len: bytes.len(), reason: e.to_string() };
     if (bytes.as_ptr() as usize).is_multiple_of(16) {
         rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(fail)
     } else {
@@ -61,10 +58,7 @@ pub fn write_frame(w: &mut impl std::io::Write, bytes: &[u8]) -> std::io::Result
 /// The 4-byte header of a frame of `len` bytes.
 pub fn frame_header(len: usize) -> std::io::Result<[u8; 4]> {
     if len > MAX_FRAME {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "frame too large",
-        ));
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "frame too large"));
     }
     Ok((len as u32).to_le_bytes())
 }
@@ -108,10 +102,7 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let req = Request::Lookup {
-            keys: vec![ChunkKey::new(1, [2; 32])],
-            lease: true,
-        };
+        let req = Request::Lookup { keys: vec![ChunkKey::new(1, [2; 32])], lease: true };
         let bytes = encode(&req);
         assert_eq!(decode::<Request>(&bytes).unwrap(), req);
         let mut shifted = vec![0u8];
@@ -124,10 +115,7 @@ mod tests {
         let mut buf = Vec::new();
         write_frame(&mut buf, b"hello").unwrap();
         assert_eq!(read_frame(&mut &buf[..], Vec::new()).unwrap(), b"hello");
-        assert_eq!(
-            read_frame(&mut &buf[3..], buf[..3].to_vec()).unwrap(),
-            b"hello"
-        );
+        assert_eq!(read_frame(&mut &buf[3..], buf[..3].to_vec()).unwrap(), b"hello");
         let huge = (MAX_FRAME as u32 + 1).to_le_bytes();
         assert!(read_frame(&mut &huge[..], Vec::new()).is_err());
         assert!(read_frame(&mut &buf[..6], Vec::new()).is_err(), "truncated");
@@ -148,10 +136,7 @@ mod tests {
             Just(Request::Ping),
             (prop::collection::vec(arb_key(), 0..20), any::<bool>())
                 .prop_map(|(keys, lease)| Request::Lookup { keys, lease }),
-            (
-                prop::collection::vec(arb_key(), 0..20),
-                prop::collection::vec(any::<u64>(), 0..20)
-            )
+            (prop::collection::vec(arb_key(), 0..20), prop::collection::vec(any::<u64>(), 0..20))
                 .prop_map(|(keys, lens)| Request::Reserve { keys, lens }),
             prop::collection::vec(arb_key(), 0..20).prop_map(|keys| Request::Evict { keys }),
         ]

@@ -50,15 +50,9 @@ impl PrefixHasher {
 
 /// Digests of every full chunk of `tokens` (a trailing partial chunk is not hashed).
 pub fn prefix_digests(tokens: &[u32], tokens_per_chunk: usize, extra: &[u8]) -> Vec<Digest> {
-    assert!(
-        tokens_per_chunk > 0,
-        "tokens_per_chunk is validated to be non-zero"
-    );
+    assert!(tokens_per_chunk > 0, "tokens_per_chunk is validated to be non-zero");
     let mut hasher = PrefixHasher::new();
-    tokens
-        .chunks_exact(tokens_per_chunk)
-        .map(|c| hasher.next_chunk(c, extra))
-        .collect()
+    tokens.chunks_exact(tokens_per_chunk).map(|c| hasher.next_chunk(c, extra)).collect()
 }
 
 #[cfg(test)]

@@ -24,10 +24,7 @@ impl ChunkKey {
     ///
     /// `shard = u64::from_le_bytes(digest[0..8]) % shards`, identical in every process.
     pub fn shard(&self, shards: usize) -> usize {
-        debug_assert!(
-            shards > 0,
-            "shard count is validated to be non-zero at start"
-        );
+        debug_assert!(shards > 0, "shard count is validated to be non-zero at start");
         let mut head = [0u8; 8];
         head.copy_from_slice(&self.digest[..8]);
         (u64::from_le_bytes(head) % shards.max(1) as u64) as usize

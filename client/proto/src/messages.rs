@@ -217,10 +217,7 @@ pub enum Response {
 impl Response {
     /// An error response.
     pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
-        Response::Error {
-            code,
-            message: message.into(),
-        }
+        Response::Error { code, message: message.into() }
     }
 }
 

@@ -170,8 +170,7 @@ impl NamespaceDescriptor {
 
     /// The largest chunk this namespace can hold: `tokens_per_chunk * bytes_per_token`.
     pub fn max_chunk_bytes(&self) -> Option<u64> {
-        self.bytes_per_token()?
-            .checked_mul(self.tokens_per_chunk as u64)
+        self.bytes_per_token()?.checked_mul(self.tokens_per_chunk as u64)
     }
 }
 
@@ -205,47 +204,16 @@ mod tests {
     fn every_field_changes_the_id() {
         let base = llama_8b();
         let variants = [
-            NamespaceDescriptor {
-                model: "other".into(),
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                dtype: Dtype::Fp16,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                num_layers: 31,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                num_kv_heads: 4,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                head_dim: 64,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                kv_tensors: 1,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                tokens_per_chunk: 16,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                layout_version: 2,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                tp_rank: 1,
-                tp_world_size: 2,
-                ..base.clone()
-            },
-            NamespaceDescriptor {
-                tp_world_size: 2,
-                ..base.clone()
-            },
+            NamespaceDescriptor { model: "other".into(), ..base.clone() },
+            NamespaceDescriptor { dtype: Dtype::Fp16, ..base.clone() },
+            NamespaceDescriptor { num_layers: 31, ..base.clone() },
+            NamespaceDescriptor { num_kv_heads: 4, ..base.clone() },
+            NamespaceDescriptor { head_dim: 64, ..base.clone() },
+            NamespaceDescriptor { kv_tensors: 1, ..base.clone() },
+            NamespaceDescriptor { tokens_per_chunk: 16, ..base.clone() },
+            NamespaceDescriptor { layout_version: 2, ..base.clone() },
+            NamespaceDescriptor { tp_rank: 1, tp_world_size: 2, ..base.clone() },
+            NamespaceDescriptor { tp_world_size: 2, ..base.clone() },
         ];
         let mut ids = std::collections::HashSet::new();
         ids.insert(base.id());
@@ -264,41 +232,18 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        let e = NamespaceDescriptor {
-            head_dim: 0,
-            ..llama_8b()
-        }
-        .validate()
-        .unwrap_err();
+        let e = NamespaceDescriptor { head_dim: 0, ..llama_8b() }.validate().unwrap_err();
         assert_eq!(e.field, "head_dim");
-        let e = NamespaceDescriptor {
-            tp_rank: 1,
-            ..llama_8b()
-        }
-        .validate()
-        .unwrap_err();
+        let e = NamespaceDescriptor { tp_rank: 1, ..llama_8b() }.validate().unwrap_err();
         assert_eq!(e.field, "tp_rank");
-        let e = NamespaceDescriptor {
-            kv_tensors: 3,
-            ..llama_8b()
-        }
-        .validate()
-        .unwrap_err();
+        let e = NamespaceDescriptor { kv_tensors: 3, ..llama_8b() }.validate().unwrap_err();
         assert_eq!(e.field, "kv_tensors");
-        let e = NamespaceDescriptor {
-            model: String::new(),
-            ..llama_8b()
-        }
-        .validate()
-        .unwrap_err();
+        let e = NamespaceDescriptor { model: String::new(), ..llama_8b() }.validate().unwrap_err();
         assert_eq!(e.field, "model");
-        let e = NamespaceDescriptor {
-            tokens_per_chunk: u32::MAX,
-            num_layers: u32::MAX,
-            ..llama_8b()
-        }
-        .validate()
-        .unwrap_err();
+        let e =
+            NamespaceDescriptor { tokens_per_chunk: u32::MAX, num_layers: u32::MAX, ..llama_8b() }
+                .validate()
+                .unwrap_err();
         assert_eq!(e.field, "tokens_per_chunk");
         assert!(llama_8b().validate().is_ok());
     }

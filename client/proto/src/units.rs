@@ -12,17 +12,11 @@ pub struct UnitError {
 }
 
 fn unit_error(what: &'static str, input: &str, reason: &'static str) -> UnitError {
-    UnitError {
-        what,
-        input: input.to_string(),
-        reason,
-    }
+    UnitError { what, input: input.to_string(), reason }
 }
 
 fn split_number(s: &str) -> (&str, &str) {
-    let end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
+    let end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     (&s[..end], s[end..].trim())
 }
 
@@ -33,11 +27,7 @@ pub fn parse_size(input: &str) -> Result<u64, UnitError> {
     let s = input.trim();
     let (num, unit) = split_number(s);
     if num.is_empty() {
-        return Err(unit_error(
-            "size",
-            input,
-            "expected a number such as 512MiB",
-        ));
+        return Err(unit_error("size", input, "expected a number such as 512MiB"));
     }
     let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
@@ -49,22 +39,12 @@ pub fn parse_size(input: &str) -> Result<u64, UnitError> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        _ => {
-            return Err(unit_error(
-                "size",
-                input,
-                "unknown unit (use B, KiB, MiB, GiB, TiB)",
-            ))
-        }
+        _ => return Err(unit_error("size", input, "unknown unit (use B, KiB, MiB, GiB, TiB)")),
     };
     if let Ok(n) = num.parse::<u64>() {
-        return n
-            .checked_mul(mult)
-            .ok_or_else(|| unit_error("size", input, "too large"));
+        return n.checked_mul(mult).ok_or_else(|| unit_error("size", input, "too large"));
     }
-    let f: f64 = num
-        .parse()
-        .map_err(|_| unit_error("size", input, "not a number"))?;
+    let f: f64 = num.parse().map_err(|_| unit_error("size", input, "not a number"))?;
     let bytes = f * mult as f64;
     if !bytes.is_finite() || bytes >= u64::MAX as f64 {
         return Err(unit_error("size", input, "too large"));
@@ -78,15 +58,9 @@ pub fn parse_duration(input: &str) -> Result<Duration, UnitError> {
     let s = input.trim();
     let (num, unit) = split_number(s);
     if num.is_empty() {
-        return Err(unit_error(
-            "duration",
-            input,
-            "expected a number such as 250ms",
-        ));
+        return Err(unit_error("duration", input, "expected a number such as 250ms"));
     }
-    let f: f64 = num
-        .parse()
-        .map_err(|_| unit_error("duration", input, "not a number"))?;
+    let f: f64 = num.parse().map_err(|_| unit_error("duration", input, "not a number"))?;
     let secs = match unit {
         "ns" => f / 1e9,
         "us" | "µs" => f / 1e6,
@@ -94,13 +68,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, UnitError> {
         "" | "s" => f,
         "m" | "min" => f * 60.0,
         "h" => f * 3600.0,
-        _ => {
-            return Err(unit_error(
-                "duration",
-                input,
-                "unknown unit (use ns, us, ms, s, m, h)",
-            ))
-        }
+        _ => return Err(unit_error("duration", input, "unknown unit (use ns, us, ms, s, m, h)")),
     };
     Duration::try_from_secs_f64(secs).map_err(|_| unit_error("duration", input, "out of range"))
 }

@@ -19,16 +19,9 @@ pub struct TestServer {
 impl TestServer {
     /// Starts the server with `args` (plus `--socket`) and waits until it serves.
     pub fn start(args: &[&str]) -> TestServer {
-        let dir = tempfile::Builder::new()
-            .prefix("okv")
-            .tempdir_in("/tmp")
-            .unwrap();
+        let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
         let socket = dir.path().join("s.sock");
-        let mut s = TestServer {
-            child: None,
-            dir,
-            socket,
-        };
+        let mut s = TestServer { child: None, dir, socket };
         s.spawn(args);
         s
     }
@@ -56,11 +49,7 @@ impl TestServer {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("server exited early with {status}: {}", self.log());
             }
-            assert!(
-                Instant::now() < deadline,
-                "server did not become ready: {}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "server did not become ready: {}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -88,12 +77,7 @@ impl TestServer {
     /// Sum of a per-shard stats field.
     pub fn shard_sum(&self, field: &str) -> u64 {
         let v = self.admin("stats");
-        v["shards"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s[field].as_u64().unwrap())
-            .sum()
+        v["shards"].as_array().unwrap().iter().map(|s| s[field].as_u64().unwrap()).sum()
     }
 
     /// Polls until `f` holds or 10 s pass.
@@ -132,11 +116,7 @@ impl TestServer {
                 self.child = None;
                 return s;
             }
-            assert!(
-                Instant::now() < deadline,
-                "server did not exit: {}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "server did not exit: {}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -173,9 +153,8 @@ pub fn namespace(tokens_per_chunk: u32) -> NamespaceDescriptor {
 
 /// The `i`-th chunk key of a chain of `n` chunks of 16 tokens starting at token `seed`.
 pub fn chain(ns: u64, seed: u32, n: usize) -> Vec<ChunkKey> {
-    let tokens: Vec<u32> = (0..n as u32 * 16)
-        .map(|t| t.wrapping_mul(2654435761).wrapping_add(seed))
-        .collect();
+    let tokens: Vec<u32> =
+        (0..n as u32 * 16).map(|t| t.wrapping_mul(2654435761).wrapping_add(seed)).collect();
     orbitkv_client::prefix_digests(&tokens, 16, b"")
         .into_iter()
         .map(|d| ChunkKey::new(ns, d))
