@@ -1,0 +1,142 @@
+//! Every bound answers with a typed error and a message, is counted, and leaves the server
+//! serving: leases and reservations per session, sessions, chunk size, arena space.
+
+mod common;
+
+use common::{chain, namespace, value_for, TestServer};
+use orbitkv_client::{Client, ClientOptions, ErrorCode, PutOutcome};
+
+#[test]
+fn per_session_lease_and_reservation_limits() {
+    let server = TestServer::start(&[
+        "--shards",
+        "2",
+        "--dram",
+        "16MiB",
+        "--max-leases-per-session",
+        "4",
+        "--max-reservations-per-session",
+        "3",
+    ]);
+    let mut c = server.client("greedy");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 1, 8);
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 4096)).collect();
+    for (k, v) in keys.iter().zip(&vals) {
+        assert_eq!(c.put(&[(*k, v)]).unwrap(), vec![PutOutcome::Stored]);
+    }
+    let held = c.lookup_leased(&keys[..3]).unwrap();
+    let err = c.lookup_leased(&keys[3..5]).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::LeaseLimit), "{err}");
+    assert!(err.to_string().contains("--max-leases-per-session"), "{err}");
+    // Unleased lookups are not limited.
+    assert_eq!(c.lookup(&keys).unwrap().len(), 8);
+    c.release(&held).unwrap();
+    assert_eq!(c.lookup_leased(&keys[..4]).unwrap().len(), 4);
+
+    let fresh = chain(ns, 2, 4);
+    let r = c.reserve(&fresh[..3], &[100; 3]).unwrap();
+    assert!(r.iter().all(Result::is_ok));
+    let err = c.reserve(&fresh[3..], &[100]).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::LeaseLimit), "{err}");
+    assert!(err.to_string().contains("--max-reservations-per-session"), "{err}");
+    let stats = server.admin("stats");
+    let counted: u64 = stats["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["errors"]["lease_limit"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(counted, 2, "{stats}");
+}
+
+#[test]
+fn session_limit() {
+    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB", "--max-sessions", "1"]);
+    let _first = server.client("first");
+    let err = Client::connect(ClientOptions::with_socket(&server.socket)).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TooManySessions), "{err}");
+    assert!(err.to_string().contains("--max-sessions"), "{err}");
+}
+
+#[test]
+fn chunk_size_and_space() {
+    // One shard of 256 KiB: four 64 KiB chunks.
+    let server =
+        TestServer::start(&["--shards", "1", "--dram", "256KiB", "--max-chunk-size", "64KiB"]);
+    let mut c = server.client("filler");
+    // A namespace whose chunks exceed --max-chunk-size is refused, naming the flag.
+    let err = c.register_namespace(&namespace(32)).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TooLarge));
+    assert!(err.to_string().contains("--max-chunk-size"), "{err}");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 3, 6);
+    // A chunk longer than the namespace allows.
+    assert_eq!(
+        c.put(&[(keys[0], &vec![1u8; 65 << 10])]).unwrap(),
+        vec![PutOutcome::Failed(ErrorCode::TooLarge)]
+    );
+    for k in &keys[..4] {
+        assert_eq!(c.put(&[(*k, &value_for(k, 64 << 10))]).unwrap(), vec![PutOutcome::Stored]);
+    }
+    // Everything leased: nothing can be evicted, so a fifth chunk gets NoSpace.
+    let leases = c.lookup_leased(&keys[..4]).unwrap();
+    assert_eq!(
+        c.put(&[(keys[4], &value_for(&keys[4], 64 << 10))]).unwrap(),
+        vec![PutOutcome::Failed(ErrorCode::NoSpace)]
+    );
+    c.release(&leases).unwrap();
+    assert_eq!(
+        c.put(&[(keys[4], &value_for(&keys[4], 64 << 10))]).unwrap(),
+        vec![PutOutcome::Stored]
+    );
+    assert_eq!(server.shard_sum("evictions"), 1);
+}
+
+#[test]
+fn bad_flags_are_refused_naming_the_flag() {
+    for (args, flag) in [
+        (&["--dram", "lots"][..], "--dram"),
+        (&["--max-sessions", "0"][..], "--max-sessions"),
+        (&["--shards", "1", "--dram", "4KiB"][..], "--dram"),
+        (&["--idle-poll-max", "5s"][..], "--idle-poll-max"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+            .args(["--socket", "/tmp/orbitkv-bad-flags-test.sock"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn config_file_with_flag_override() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("orbitkv.toml");
+    std::fs::write(&cfg, "shards = 2\ndram = \"32MiB\"\nmax-sessions = 7\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--max-sessions", "9", "--print-config"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("dram = \"32MiB\""), "{text}");
+    assert!(text.contains("max-sessions = 9"), "{text}");
+    std::fs::write(&cfg, "dram = 5\nunknown-key = 1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("invalid config file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
