@@ -59,9 +59,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let socket = cli
-        .socket
-        .unwrap_or_else(|| default_socket_path(nix::unistd::getuid().as_raw()));
+    let socket = cli.socket.unwrap_or_else(|| default_socket_path(nix::unistd::getuid().as_raw()));
     let admin = AdminClient::new(admin_socket_path(&socket));
     match run(&admin, cli.command) {
         Ok(code) => code,
@@ -94,19 +92,12 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             } else {
                 println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
             }
-            Ok(if ready {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            Ok(if ready { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Stats { json } => {
             let v = admin.call("stats")?;
             if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&v).expect("JSON values serialize")
-                );
+                println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
             } else {
                 print!("{}", table::stats(&v));
             }

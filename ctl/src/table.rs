@@ -16,11 +16,7 @@ pub fn stats(v: &Value) -> String {
         v["state"].as_str().unwrap_or("?"),
         u64_of(v, "sessions"),
         format_bytes(u64_of(v, "arena_bytes")),
-        if v["arena_locked"] == true {
-            " (locked)"
-        } else {
-            ""
-        },
+        if v["arena_locked"] == true { " (locked)" } else { "" },
         v["uptime_s"].as_f64().unwrap_or(0.0),
         u64_of(v, "pid"),
     );
@@ -41,11 +37,7 @@ pub fn stats(v: &Value) -> String {
     let mut totals = [0u64; 9];
     for s in v["shards"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
         if s["answering"] != true {
-            rows.push(vec![
-                u64_of(s, "id").to_string(),
-                "-".into(),
-                "not answering".into(),
-            ]);
+            rows.push(vec![u64_of(s, "id").to_string(), "-".into(), "not answering".into()]);
             continue;
         }
         let nums = [
@@ -102,20 +94,11 @@ pub fn sessions(v: &Value) -> String {
 fn render(out: &mut String, rows: &[Vec<String>]) {
     let ncols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..ncols)
-        .map(|c| {
-            rows.iter()
-                .filter_map(|r| r.get(c))
-                .map(String::len)
-                .max()
-                .unwrap_or(0)
-        })
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(String::len).max().unwrap_or(0))
         .collect();
     for r in rows {
-        let line: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(i, cell)| format!("{cell:>w$}", w = widths[i]))
-            .collect();
+        let line: Vec<String> =
+            r.iter().enumerate().map(|(i, cell)| format!("{cell:>w$}", w = widths[i])).collect();
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
 }

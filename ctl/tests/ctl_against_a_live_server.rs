@@ -1,0 +1,156 @@
+//! `orbitkv-ctl` against a real `orbitkv-server`: health exit status, stats table and JSON,
+//! drain with an in-flight write, resume, sessions.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use orbitkv_client::{Client, ClientOptions, Dtype, NamespaceDescriptor};
+use serde_json::Value;
+
+/// The server binary next to this test's target directory (built by `cargo test --workspace`).
+fn server_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let bin = dir.join("orbitkv-server");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build -p orbitkv-server` (or `cargo test --workspace`)",
+        bin.display()
+    );
+    bin
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn ctl(socket: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_orbitkv-ctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[test]
+fn health_stats_drain_resume_sessions() {
+    let dir = tempfile::Builder::new().prefix("okvctl").tempdir_in("/tmp").unwrap();
+    let socket = dir.path().join("s.sock");
+
+    // No server: health fails with exit 1 and says why.
+    let out = ctl(&socket, &["health"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cannot reach"), "{out:?}");
+    // Other commands exit 2 with an error naming the socket.
+    let out = ctl(&socket, &["stats"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("s.sock.admin"), "{out:?}");
+
+    let _server = Server(
+        Command::new(server_binary())
+            .args(["--no-lock-arena", "--shards", "2", "--dram", "16MiB", "--socket"])
+            .arg(&socket)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ctl(&socket, &["health"]).status.success() {
+        assert!(Instant::now() < deadline, "server never became healthy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let stats = json(&ctl(&socket, &["stats", "--json"]));
+    assert_eq!(stats["state"], "serving");
+    assert_eq!(stats["sessions"], 0);
+    let shards = stats["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2);
+    for (i, s) in shards.iter().enumerate() {
+        assert_eq!(s["id"], i);
+        for field in [
+            "core",
+            "dram_capacity_bytes",
+            "dram_used_bytes",
+            "entries",
+            "hits",
+            "misses",
+            "evictions",
+            "leases",
+        ] {
+            assert!(s.get(field).is_some(), "shard field {field} missing: {s}");
+        }
+        assert_eq!(s["dram_capacity_bytes"], 8 << 20);
+    }
+    let table = String::from_utf8(ctl(&socket, &["stats"]).stdout).unwrap();
+    assert!(table.starts_with("state serving"), "{table}");
+    assert_eq!(table.lines().count(), 5, "{table}");
+
+    // A session with an in-flight (reserved, uncommitted) write.
+    let mut c = Client::connect(ClientOptions {
+        name: "ctl-test".into(),
+        ..ClientOptions::with_socket(&socket)
+    })
+    .unwrap();
+    let ns = c
+        .register_namespace(&NamespaceDescriptor {
+            model: "ctl".into(),
+            dtype: Dtype::Bf16,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 64,
+            kv_tensors: 2,
+            tokens_per_chunk: 16,
+            layout_version: 1,
+            tp_rank: 0,
+            tp_world_size: 1,
+        })
+        .unwrap();
+    let key = orbitkv_client::ChunkKey::new(ns.id, [7; 32]);
+    let slot = c.reserve(&[key], &[1000]).unwrap().pop().unwrap().unwrap();
+
+    let sessions = json(&ctl(&socket, &["sessions", "--json"]));
+    assert_eq!(sessions.as_array().unwrap().len(), 1);
+    assert_eq!(sessions[0]["name"], "ctl-test");
+    assert_eq!(sessions[0]["pid"], std::process::id());
+    assert!(String::from_utf8_lossy(&ctl(&socket, &["sessions"]).stdout).contains("ctl-test"));
+
+    // Drain cannot finish while the write is in flight.
+    let out = ctl(&socket, &["drain", "--timeout", "300ms"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 uncommitted reservations"), "{out:?}");
+    let out = ctl(&socket, &["health"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("draining"), "{out:?}");
+    // Completing the write lets drain finish.
+    c.commit(&[slot]).unwrap();
+    let out = ctl(&socket, &["drain", "--timeout", "5s"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "drained");
+    assert_eq!(json(&ctl(&socket, &["stats", "--json"]))["state"], "drained");
+
+    let out = ctl(&socket, &["resume"]);
+    assert!(out.status.success());
+    assert!(ctl(&socket, &["health"]).status.success());
+    assert_eq!(json(&ctl(&socket, &["health", "--json"]))["ready"], true);
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    let out = ctl(Path::new("/tmp/nowhere.sock"), &["drain", "--timeout", "soon"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--timeout"), "{out:?}");
+    let out = ctl(Path::new("/tmp/nowhere.sock"), &["frobnicate"]);
+    assert_eq!(out.status.code(), Some(2));
+}
