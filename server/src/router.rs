@@ -125,17 +125,17 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
                 ));
             }
         }
-        Request::Lookup { lease: true, .. } => {
-            if counters.leases() + n > cfg.max_leases_per_session {
-                return Err((
-                    ErrorCode::LeaseLimit,
-                    format!(
-                        "session holds {} leases; {n} more exceed --max-leases-per-session {}",
-                        counters.leases(),
-                        cfg.max_leases_per_session
-                    ),
-                ));
-            }
+        Request::Lookup { lease: true, .. }
+            if counters.leases() + n > cfg.max_leases_per_session =>
+        {
+            return Err((
+                ErrorCode::LeaseLimit,
+                format!(
+                    "session holds {} leases; {n} more exceed --max-leases-per-session {}",
+                    counters.leases(),
+                    cfg.max_leases_per_session
+                ),
+            ));
         }
         Request::RegisterNamespace { descriptor } => {
             descriptor.validate().map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
