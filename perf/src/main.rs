@@ -1,1 +1,59 @@
-fn main() {}
+//! `orbitkv-perf`: OrbitKV benchmarks (see `orbitkv-perf --help`).
+//!
+//! Exit status: 0 when the run completed and every byte read back was right, 1 when some read
+//! did not verify, 2 when the benchmark could not run (bad flags, server unreachable, ...).
+
+#![deny(unsafe_code)]
+
+mod admin;
+mod args;
+mod baseline;
+mod embedded;
+mod error;
+mod gate;
+mod idle;
+mod progress;
+mod report;
+mod sampler;
+mod serve;
+mod stats;
+mod worker;
+mod workload;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::args::{Cli, Command};
+use crate::report::Report;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (name, outcome) = match cli.command {
+        Command::Serve(a) => ("serve", serve::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Idle(a) => ("idle", idle::run(&a).and_then(|r| emit(&r, a.json))),
+    };
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("orbitkv-perf {name}: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn emit(report: &impl Report, json: bool) -> Result<bool, error::Error> {
+    let stdout_err =
+        |source| error::Error::Io { op: "writing the report to", path: "stdout".into(), source };
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer(&mut out, report).map_err(|e| stdout_err(e.into()))?;
+        writeln!(out).map_err(stdout_err)?;
+    } else {
+        report.write_table(&mut out).map_err(stdout_err)?;
+    }
+    out.flush().map_err(stdout_err)?;
+    Ok(report.passed())
+}

@@ -1,0 +1,301 @@
+//! One benchmark client: its own thread and session, the read-through main phase and the
+//! batched-lookup phase.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use orbitkv_client::{ChunkKey, Client, ClientOptions, ErrorCode, NamespaceDescriptor, PutOutcome};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::Error;
+use crate::gate::Gate;
+use crate::progress::Progress;
+use crate::sampler::KeyPicker;
+use crate::stats::{ClientStats, ErrorCounts};
+use crate::workload::{fill_value, first_mismatch, KeySpace};
+
+/// Lookup-set keys stored per put request during setup.
+const SETUP_PUT_GROUP: usize = 64;
+/// Rounds of re-putting lookup-set keys that went missing during setup.
+const SETUP_ROUNDS: usize = 3;
+/// Mismatches reported on stderr per client (all are counted).
+const MISMATCH_REPORTS: u64 = 3;
+/// Separates the lookup phase's random stream from the main phase's.
+const LOOKUP_RNG_SALT: u64 = 0x6c6f_6f6b_7570;
+
+/// What every client does; shared read-only.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    /// Bootstrap socket.
+    pub socket: PathBuf,
+    /// The benchmark namespace.
+    pub namespace: NamespaceDescriptor,
+    /// The run's seed.
+    pub seed: u64,
+    /// Bytes per value.
+    pub value_size: usize,
+    /// Key choice over the main keys.
+    pub picker: KeyPicker,
+    /// The lookup phase, if any.
+    pub lookup: Option<LookupPlan>,
+}
+
+/// The batched-lookup phase.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LookupPlan {
+    /// Keys per lookup.
+    pub batch: usize,
+    /// Keys in each client's lookup set.
+    pub set_len: usize,
+    /// Bytes per lookup-set value.
+    pub value_len: usize,
+}
+
+/// The start lines of the two phases.
+pub(crate) struct Gates {
+    /// Start of the main phase.
+    pub main: Gate,
+    /// Start of the lookup phase (present when it runs).
+    pub lookup: Option<Gate>,
+}
+
+/// Runs client `id` through both phases; returns what it counted.
+pub(crate) fn run(id: usize, plan: &Plan, gates: &Gates, progress: &Progress) -> ClientStats {
+    let (client, space) = match connect(id, plan) {
+        Ok(c) => c,
+        Err(e) => {
+            gates.main.arrive(Err(e));
+            return ClientStats::default();
+        }
+    };
+    let mut w = Worker { id, client, space, plan, progress, stats: ClientStats::default() };
+    let Some(end) = gates.main.arrive(Ok(())) else {
+        return w.stats;
+    };
+    w.main_phase(end);
+    if let (Some(lp), Some(gate)) = (plan.lookup, &gates.lookup) {
+        let keys = w.lookup_setup(lp);
+        if let Some(end) = gate.arrive(Ok(())) {
+            w.lookup_phase(lp, &keys, end);
+        }
+    }
+    w.stats
+}
+
+/// One client's session and counts.
+struct Worker<'a> {
+    id: usize,
+    client: Client,
+    space: KeySpace,
+    plan: &'a Plan,
+    progress: &'a Progress,
+    stats: ClientStats,
+}
+
+fn connect(id: usize, plan: &Plan) -> Result<(Client, KeySpace), Error> {
+    let client_err = |source| Error::Client { client: id, source };
+    let mut client = Client::connect(ClientOptions {
+        name: format!("orbitkv-perf-{id}"),
+        ..ClientOptions::with_socket(&plan.socket)
+    })
+    .map_err(client_err)?;
+    let info = client.register_namespace(&plan.namespace).map_err(client_err)?;
+    if info.max_chunk_bytes < plan.value_size as u64 {
+        return Err(Error::Setup(format!(
+            "the server accepts chunks of at most {} bytes in the benchmark namespace, \
+             values are {} bytes",
+            info.max_chunk_bytes, plan.value_size
+        )));
+    }
+    let space = KeySpace { namespace: info.id, seed: plan.seed };
+    Ok((client, space))
+}
+
+impl Worker<'_> {
+    /// Read-through cache: get (lookup with lease, copy, release) and put on a miss.
+    fn main_phase(&mut self, end: Instant) {
+        let (client, id, plan, space, progress) =
+            (&mut self.client, self.id, self.plan, self.space, self.progress);
+        let stats = &mut self.stats;
+        let mut rng = SmallRng::seed_from_u64(plan.seed.wrapping_add(id as u64));
+        let mut buf = vec![0u8; plan.value_size];
+        let mut value = vec![0u8; plan.value_size];
+        let s = &mut stats.main;
+        let errors = &mut stats.errors;
+        while Instant::now() < end {
+            let i = plan.picker.pick(&mut rng);
+            let key = space.key(i);
+            let started = Instant::now();
+            let leases = match client.lookup_leased(std::slice::from_ref(&key)) {
+                Ok(l) => l,
+                Err(e) => {
+                    errors.client("lookup", &e);
+                    continue;
+                }
+            };
+            let Some(lease) = leases.first() else {
+                s.misses += 1;
+                progress.op(false);
+                fill_value(&key.digest, &mut value);
+                let started = Instant::now();
+                let outcome = client.put(&[(key, value.as_slice())]);
+                let took = started.elapsed();
+                match outcome {
+                    Ok(outcomes) => {
+                        s.put.record(took);
+                        for o in outcomes {
+                            match o {
+                                PutOutcome::Stored => s.put_stored += 1,
+                                PutOutcome::AlreadyPresent => s.put_already_present += 1,
+                                PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
+                                    s.put_rejected += 1
+                                }
+                                PutOutcome::Failed(code) => errors.code("put", code),
+                            }
+                        }
+                    }
+                    Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
+                        s.put_rejected += 1
+                    }
+                    Err(e) => errors.client("put", &e),
+                }
+                continue;
+            };
+            s.hits += 1;
+            progress.op(true);
+            // Copy while leased; a chunk of the wrong length is not copied and fails verification.
+            let copied = match client.chunk(lease) {
+                Ok(bytes) if bytes.len() == buf.len() => {
+                    buf.copy_from_slice(bytes);
+                    Ok(true)
+                }
+                Ok(_) => Ok(false),
+                Err(e) => Err(e),
+            };
+            let released = client.release(std::slice::from_ref(lease));
+            let took = started.elapsed();
+            match copied {
+                Err(e) => {
+                    // The release of a lease that cannot be read fails for the same reason.
+                    errors.client("chunk", &e);
+                    continue;
+                }
+                Ok(copied) => {
+                    count_release(released, errors);
+                    s.get.record(took);
+                    s.get_time += took;
+                    let mismatch = if copied {
+                        s.get_bytes += buf.len() as u64;
+                        first_mismatch(&key.digest, &buf).map(|at| format!("byte {at} differs"))
+                    } else {
+                        Some(format!("{} bytes instead of {}", lease.hit.len, buf.len()))
+                    };
+                    if let Some(what) = mismatch {
+                        s.verify_failures += 1;
+                        if s.verify_failures <= MISMATCH_REPORTS {
+                            eprintln!("orbitkv-perf: client {id}: key {i} read back wrong: {what}");
+                        }
+                    }
+                }
+            }
+        }
+        s.ended = Some(Instant::now());
+    }
+}
+
+fn count_release(
+    released: Result<Vec<orbitkv_client::ChunkOutcome>, orbitkv_client::Error>,
+    errors: &mut ErrorCounts,
+) {
+    match released {
+        Ok(outcomes) => {
+            for o in outcomes {
+                if let orbitkv_client::ChunkOutcome::Failed(code) = o {
+                    errors.code("release", code);
+                }
+            }
+        }
+        Err(e) => errors.client("release", &e),
+    }
+}
+
+impl Worker<'_> {
+    /// Puts this client's lookup set (small values, own key domain) until it is all present or
+    /// the rounds run out; returns its keys.
+    fn lookup_setup(&mut self, lp: LookupPlan) -> Vec<ChunkKey> {
+        let (client, id, space, stats) = (&mut self.client, self.id, self.space, &mut self.stats);
+        let keys: Vec<ChunkKey> =
+            (0..lp.set_len as u64).map(|j| space.lookup_key(id as u64, j)).collect();
+        let mut values = vec![vec![0u8; lp.value_len]; SETUP_PUT_GROUP];
+        let mut present = 0;
+        for round in 0..=SETUP_ROUNDS {
+            present = match client.lookup(&keys) {
+                Ok(hits) => hits.len(),
+                Err(e) => {
+                    stats.errors.client("lookup", &e);
+                    0
+                }
+            };
+            if present == keys.len() || round == SETUP_ROUNDS {
+                break;
+            }
+            for group in keys[present..].chunks(SETUP_PUT_GROUP) {
+                for (k, v) in group.iter().zip(values.iter_mut()) {
+                    fill_value(&k.digest, v);
+                }
+                let items: Vec<(ChunkKey, &[u8])> =
+                    group.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+                match client.put(&items) {
+                    Ok(outcomes) => {
+                        for o in outcomes {
+                            match o {
+                                PutOutcome::Stored | PutOutcome::AlreadyPresent => {}
+                                PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
+                                    stats.main.put_rejected += 1
+                                }
+                                PutOutcome::Failed(code) => stats.errors.code("put", code),
+                            }
+                        }
+                    }
+                    Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
+                        stats.main.put_rejected += 1
+                    }
+                    Err(e) => stats.errors.client("put", &e),
+                }
+            }
+        }
+        stats.lookup.setup_missing = (keys.len() - present) as u64;
+        keys
+    }
+
+    /// Unleased lookups of `batch` consecutive keys of the lookup set (a present prefix).
+    fn lookup_phase(&mut self, lp: LookupPlan, keys: &[ChunkKey], end: Instant) {
+        let (client, id, progress, stats) =
+            (&mut self.client, self.id, self.progress, &mut self.stats);
+        let mut rng =
+            SmallRng::seed_from_u64(self.plan.seed ^ LOOKUP_RNG_SALT.wrapping_add(id as u64));
+        // The plan guarantees 1 <= batch <= set_len.
+        let windows = keys.len() - lp.batch + 1;
+        let s = &mut stats.lookup;
+        while Instant::now() < end {
+            let first = rng.gen_range(0..windows);
+            let batch = &keys[first..first + lp.batch];
+            let started = Instant::now();
+            let result = client.lookup(batch);
+            let took = started.elapsed();
+            progress.batch();
+            match result {
+                Ok(hits) => {
+                    s.batch.record(took);
+                    s.keys += batch.len() as u64;
+                    if hits.len() != batch.len() {
+                        s.short += 1;
+                    }
+                }
+                Err(e) => stats.errors.client("lookup", &e),
+            }
+        }
+        s.ended = Some(Instant::now());
+    }
+}
