@@ -1,9 +1,10 @@
 //! One session: the bootstrap socket, the mapped arena, and the iceoryx2 client port.
 
 use std::io::IoSliceMut;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use iceoryx2::port::client::Client as IoxClient;
@@ -32,6 +33,9 @@ pub(crate) struct Connection {
     pub(crate) max_keys_per_request: u32,
     pub(crate) max_request_bytes: u64,
     pub(crate) arena: ArenaMap,
+    home_shard: u32,
+    /// The home shard's eventfd.
+    doorbell: OwnedFd,
     // Field order matters on drop: port before service before node.
     port: IoxClient<Svc, [u8], (), [u8], ()>,
     _service: PortFactory<Svc, [u8], (), [u8], ()>,
@@ -61,8 +65,8 @@ impl Connection {
 
         // The welcome carries the arena memfd on its first bytes.
         let mut buf = vec![0u8; 4096];
-        let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let (got, fd) = {
+        let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+        let (got, fds) = {
             let mut iov = [IoSliceMut::new(&mut buf)];
             let msg = recvmsg::<()>(
                 stream.as_raw_fd(),
@@ -71,17 +75,14 @@ impl Connection {
                 MsgFlags::MSG_CMSG_CLOEXEC,
             )
             .map_err(|e| connect_err(e.into()))?;
-            let mut fd = None;
+            let mut fds = Vec::new();
             for c in msg.cmsgs().map_err(|e| connect_err(e.into()))? {
-                if let ControlMessageOwned::ScmRights(fds) = c {
-                    for raw in fds {
-                        // Own every received descriptor so none leaks; keep the first.
-                        let owned = crate::mapping::adopt_received_fd(raw);
-                        fd.get_or_insert(owned);
-                    }
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    // Own every received descriptor so none leaks.
+                    fds.extend(raw.into_iter().map(crate::mapping::adopt_received_fd));
                 }
             }
-            (msg.bytes, fd)
+            (msg.bytes, fds)
         };
         if got == 0 {
             return Err(Error::Disconnected("server closed the socket during bootstrap".into()));
@@ -89,45 +90,43 @@ impl Connection {
         buf.truncate(got);
         let body = read_frame(&mut &stream, buf).map_err(connect_err)?;
         let welcome = decode::<Welcome>(&body).map_err(|e| Error::Protocol(e.to_string()))?;
-        let (
-            session_id,
-            arena_bytes,
-            iox_root,
-            iox_prefix,
-            service_name,
-            max_request_bytes,
-            max_keys,
-        ) = match welcome {
-            Welcome::Refused { code, message } => return Err(Error::Refused { code, message }),
-            Welcome::Accepted {
-                protocol_version,
-                session_id,
-                arena_bytes,
-                iox_root,
-                iox_prefix,
-                service_name,
-                max_request_bytes,
-                max_keys_per_request,
-                ..
-            } => {
-                if protocol_version != PROTOCOL_VERSION {
+        let max_request_bytes;
+        let max_keys;
+        let (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name) =
+            match welcome {
+                Welcome::Refused { code, message } => return Err(Error::Refused { code, message }),
+                Welcome::Accepted { protocol_version, .. }
+                    if protocol_version != PROTOCOL_VERSION =>
+                {
                     return Err(Error::Protocol(format!(
                         "server speaks protocol {protocol_version}, client {PROTOCOL_VERSION}"
                     )));
                 }
-                (
+                Welcome::Accepted {
                     session_id,
+                    home_shard,
                     arena_bytes,
                     iox_root,
                     iox_prefix,
                     service_name,
-                    max_request_bytes,
+                    max_request_bytes: limit,
                     max_keys_per_request,
-                )
-            }
+                    ..
+                } => {
+                    max_request_bytes = limit;
+                    max_keys = max_keys_per_request;
+                    (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name)
+                }
+            };
+        let mut fds = fds.into_iter();
+        let (Some(arena_fd), Some(doorbell_fd)) = (fds.next(), fds.next()) else {
+            return Err(Error::Protocol(
+                "welcome carried no arena and doorbell descriptors".into(),
+            ));
         };
-        let fd = fd.ok_or_else(|| Error::Protocol("welcome carried no arena descriptor".into()))?;
-        let arena = ArenaMap::new(fd, arena_bytes).map_err(Error::Protocol)?;
+        let arena = ArenaMap::new(arena_fd, arena_bytes).map_err(Error::Protocol)?;
+        arena.doorbell(home_shard).map_err(Error::Protocol)?;
+        let doorbell = doorbell_fd;
         stream.set_read_timeout(None).map_err(connect_err)?;
 
         // iceoryx2 logs through its own logger; keep it to errors unless IOX2_LOG_LEVEL says
@@ -164,6 +163,8 @@ impl Connection {
             max_keys_per_request: max_keys,
             max_request_bytes,
             arena,
+            home_shard,
+            doorbell,
             port,
             _service: service,
             _node: node,
@@ -214,6 +215,13 @@ impl Connection {
             .write_from_slice(bytes)
             .send()
             .map_err(|e| ipc_err("send", e))?;
+        // Wake the home shard if it sleeps (see orbitkv_proto::DOORBELL_STRIDE): publish, fence,
+        // then read its doorbell word.
+        fence(Ordering::SeqCst);
+        let asleep = self.arena.doorbell(self.home_shard).map_err(Error::Protocol)?;
+        if asleep.load(Ordering::SeqCst) != 0 {
+            let _ = nix::unistd::write(&self.doorbell, &1u64.to_ne_bytes());
+        }
         let start = Instant::now();
         let mut last_check = start;
         loop {

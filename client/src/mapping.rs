@@ -7,7 +7,10 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 
+use std::sync::atomic::AtomicU32;
+
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 /// A read-write shared mapping of the whole arena, unmapped on drop.
 #[derive(Debug)]
@@ -49,6 +52,19 @@ impl ArenaMap {
             Some(end) if end <= self.len as u64 => Ok(()),
             _ => Err(format!("range {offset}+{len} outside the {}-byte arena", self.len)),
         }
+    }
+
+    /// The doorbell word of `shard` in the arena header (see `orbitkv_proto::DOORBELL_STRIDE`).
+    pub(crate) fn doorbell(&self, shard: u32) -> Result<&AtomicU32, String> {
+        let offset = shard as u64 * DOORBELL_STRIDE;
+        if offset + 4 > ARENA_HEADER_BYTES.min(self.len as u64) {
+            return Err(format!("shard {shard} has no doorbell word in the arena header"));
+        }
+        // SAFETY: inside the header of the live mapping (checked), 64-byte aligned (page-aligned
+        // mapping, 64-byte stride), and only ever accessed atomically by every process.
+        Ok(unsafe {
+            &*((self.base.as_ptr() as *const u8).add(offset as usize) as *const AtomicU32)
+        })
     }
 
     /// The bytes of a leased slot.

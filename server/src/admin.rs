@@ -153,6 +153,8 @@ fn stats(shared: &Shared) -> Value {
                     "bytes_committed": st.bytes_committed,
                     "rejected_requests": s.rejected_requests,
                     "dropped_replies": s.dropped_replies,
+                    "deep_sleeps": s.deep_sleeps,
+                    "doorbell_wakeups": s.doorbell_wakeups,
                     "errors": errors,
                     "latency": latency,
                 })

@@ -45,17 +45,16 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
 fn refuse(stream: &UnixStream, shared: &Shared, code: ErrorCode, message: String) {
     shared.refused_sessions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tracing::warn!(code = %code, %message, "session refused");
-    let _ = send_welcome(stream, &Welcome::Refused { code, message }, None);
+    let _ = send_welcome(stream, &Welcome::Refused { code, message }, &[]);
 }
 
-fn send_welcome(stream: &UnixStream, w: &Welcome, fd: Option<i32>) -> std::io::Result<()> {
+fn send_welcome(stream: &UnixStream, w: &Welcome, fds: &[i32]) -> std::io::Result<()> {
     let body = encode(w);
     let header = frame_header(body.len())?;
     let iov = [IoSlice::new(&header), IoSlice::new(&body)];
-    let fds = fd.map(|f| [f]);
-    let cmsgs: Vec<ControlMessage> =
-        fds.as_ref().map(|f| ControlMessage::ScmRights(f)).into_iter().collect();
-    let sent = sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
+    let sent = sendmsg::<()>(stream.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)
         .map_err(std::io::Error::from)?;
     let total = header.len() + body.len();
     if sent < total {
@@ -136,12 +135,10 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
     let home = shared.pick_home_shard();
     let service = format!("{}/s{session}", shared.service_prefix);
     let (reply, rx) = bounded(1);
-    let opened = shared.shard_tx[home]
-        .send_timeout(
-            ControlMsg::OpenSession { session, service: service.clone(), reply },
-            HELLO_TIMEOUT,
-        )
-        .map_err(|_| "home shard is not answering".to_string())
+    let msg = ControlMsg::OpenSession { session, service: service.clone(), reply };
+    let opened = Some(())
+        .filter(|()| shared.send_control(home, msg, HELLO_TIMEOUT))
+        .ok_or_else(|| "home shard is not answering".to_string())
         .and_then(|()| {
             rx.recv_timeout(HELLO_TIMEOUT)
                 .map_err(|_| "home shard did not open the session".to_string())
@@ -176,7 +173,11 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         max_keys_per_request: cfg.max_keys_per_request,
     };
     tracing::info!(session, pid, uid, home, name = %name, "session opened");
-    if let Err(e) = send_welcome(&stream, &welcome, Some(arena.fd().as_raw_fd())) {
+    if let Err(e) = send_welcome(
+        &stream,
+        &welcome,
+        &[arena.fd().as_raw_fd(), shared.doorbells.fd(home).as_raw_fd()],
+    ) {
         tracing::warn!(session, error = %e, "sending welcome failed");
     } else {
         // The socket stays open for the life of the session; its close (or any protocol
@@ -196,5 +197,5 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         }
     }
     shared.sessions.lock().expect("session table lock is never poisoned").remove(&session);
-    let _ = shared.shard_tx[home].send(ControlMsg::CloseSession { session });
+    shared.send_control(home, ControlMsg::CloseSession { session }, Duration::from_secs(3600));
 }

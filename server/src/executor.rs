@@ -29,6 +29,10 @@ pub type MeshReply = (u64, ShardReply);
 const SPIN_WINDOW: Duration = Duration::from_micros(200);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
+/// After this long without work (and no task in flight) a shard sleeps on its doorbell.
+const DEEP_IDLE: Duration = Duration::from_millis(20);
+/// Longest doorbell sleep before looking around anyway.
+const DEEP_SLEEP: Duration = Duration::from_millis(250);
 
 /// Everything a shard executor starts with.
 pub struct ShardContext {
@@ -110,6 +114,10 @@ pub(crate) struct Exec {
     next_req: Cell<u64>,
     dropped_replies: Cell<u64>,
     pub(crate) rejected: Cell<u64>,
+    /// Request and session-close tasks in flight (a shard only sleeps deeply at zero).
+    pub(crate) active: Cell<usize>,
+    deep_sleeps: Cell<u64>,
+    doorbell_wakeups: Cell<u64>,
 }
 
 async fn run(ctx: ShardContext) {
@@ -170,6 +178,9 @@ async fn run(ctx: ShardContext) {
         next_req: Cell::new(1),
         dropped_replies: Cell::new(0),
         rejected: Cell::new(0),
+        active: Cell::new(0),
+        deep_sleeps: Cell::new(0),
+        doorbell_wakeups: Cell::new(0),
     });
     // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
     // so this task cannot deadlock against another shard's.
@@ -178,9 +189,14 @@ async fn run(ctx: ShardContext) {
             let e = Rc::clone(&exec);
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
+                    e.shared.doorbells.mesh_received(e.id);
                     let reply = e.core.borrow_mut().apply(op);
                     let tx = e.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
-                    if tx.send_to(peer, (rid, reply)).await.is_err() {
+                    e.shared.doorbells.mesh_sending(peer);
+                    let sent = tx.send_to(peer, (rid, reply)).await.is_ok();
+                    e.shared.doorbells.ring(peer);
+                    if !sent {
+                        e.shared.doorbells.mesh_received(peer);
                         break;
                     }
                 }
@@ -193,6 +209,7 @@ async fn run(ctx: ShardContext) {
             let e = Rc::clone(&exec);
             glommio::spawn_local(async move {
                 while let Some((rid, reply)) = stream.recv().await {
+                    e.shared.doorbells.mesh_received(e.id);
                     if let Some(tx) = e.pending.borrow_mut().remove(&rid) {
                         let _ = tx.try_send(reply);
                     }
@@ -225,6 +242,14 @@ async fn run(ctx: ShardContext) {
         }
         let idle = last_work.elapsed();
         if idle < SPIN_WINDOW {
+            glommio::executor().yield_now().await;
+        } else if idle >= DEEP_IDLE && exec.active.get() == 0 {
+            let e = &exec;
+            e.deep_sleeps.set(e.deep_sleeps.get() + 1);
+            if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(&control)) {
+                e.doorbell_wakeups.set(e.doorbell_wakeups.get() + 1);
+                last_work = Instant::now();
+            }
             glommio::executor().yield_now().await;
         } else {
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
@@ -262,6 +287,7 @@ impl Exec {
                     // are finished, so no op of it can reach a shard after the reclaim.
                     state.port.borrow_mut().take();
                     let e = Rc::clone(self);
+                    e.active.set(e.active.get() + 1);
                     glommio::spawn_local(async move {
                         while state.inflight.get() > 0 {
                             glommio::timer::sleep(Duration::from_micros(100)).await;
@@ -276,6 +302,7 @@ impl Exec {
                             reservations,
                             "session closed and reclaimed"
                         );
+                        e.active.set(e.active.get() - 1);
                     })
                     .detach();
                 }
@@ -288,11 +315,25 @@ impl Exec {
                     sessions: self.sessions.borrow().len() as u64,
                     dropped_replies: self.dropped_replies.get(),
                     rejected_requests: self.rejected.get(),
+                    deep_sleeps: self.deep_sleeps.get(),
+                    doorbell_wakeups: self.doorbell_wakeups.get(),
                 });
             }
             ControlMsg::Stop => return false,
         }
         true
+    }
+
+    /// True when something is queued for this shard (checked after its doorbell word is set).
+    fn has_work(&self, control: &Receiver<ControlMsg>) -> bool {
+        !control.is_empty()
+            || self.shared.doorbells.mesh_pending(self.id) > 0
+            || self.sessions.borrow().values().any(|s| {
+                s.port
+                    .borrow()
+                    .as_ref()
+                    .is_some_and(|(_, server)| server.has_requests().unwrap_or(true))
+            })
     }
 
     /// Receives and dispatches requests of every session homed here; returns how many.
@@ -334,7 +375,11 @@ impl Exec {
         let (tx, rx) = local_channel::new_bounded(1);
         self.pending.borrow_mut().insert(rid, tx);
         let mesh = self.req_tx.as_ref().expect("several shards imply a mesh");
-        if mesh.send_to(shard, (rid, op)).await.is_err() {
+        self.shared.doorbells.mesh_sending(shard);
+        let sent = mesh.send_to(shard, (rid, op)).await.is_ok();
+        self.shared.doorbells.ring(shard);
+        if !sent {
+            self.shared.doorbells.mesh_received(shard);
             self.pending.borrow_mut().remove(&rid);
             return ShardReply::Outcomes(Vec::new());
         }

@@ -5,6 +5,7 @@
 mod admin;
 mod bootstrap;
 mod config;
+mod doorbell;
 mod executor;
 mod ipc;
 mod router;
@@ -129,9 +130,11 @@ fn run(settings: Settings) -> Result<(), String> {
         rxs.push(rx);
     }
     let service_prefix = format!("orbitkv/{}", std::process::id());
+    let doorbells = doorbell::Doorbells::new(Arc::clone(&arena), shards)?;
     let shared = Shared::new(
         settings.clone(),
         txs,
+        doorbells,
         arena.locked(),
         ipc.root.clone(),
         ipc.prefix.clone(),
@@ -225,8 +228,8 @@ fn run(settings: Settings) -> Result<(), String> {
     // Remove the sockets first so no new client finds a dying server.
     let _ = std::fs::remove_file(&socket);
     let _ = std::fs::remove_file(&admin);
-    for tx in &shared.shard_tx {
-        let _ = tx.send(ControlMsg::Stop);
+    for shard in 0..shards {
+        shared.send_control(shard, ControlMsg::Stop, Duration::from_secs(5));
     }
     for h in handles {
         let _ = h.join();

@@ -74,6 +74,7 @@ pub(crate) fn dispatch(
         }
         Ok(request) => {
             let exec = Rc::clone(exec);
+            exec.active.set(exec.active.get() + 1);
             glommio::spawn_local(async move {
                 let kind = op_kind(&request);
                 let response = execute(&exec, session, &counters, request).await;
@@ -82,6 +83,7 @@ pub(crate) fn dispatch(
                 }
                 exec.respond(req, &encode(&response));
                 counters.done();
+                exec.active.set(exec.active.get() - 1);
                 exec.core
                     .borrow_mut()
                     .metrics

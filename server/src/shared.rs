@@ -10,6 +10,7 @@ use crossbeam_channel::{bounded, Sender};
 use orbitkv_shards::{SessionId, ShardStats};
 
 use crate::config::Settings;
+use crate::doorbell::Doorbells;
 
 /// Serving state of the whole server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +61,10 @@ pub struct ShardSnapshot {
     pub dropped_replies: u64,
     /// Requests rejected before execution (malformed, too large, draining, limits).
     pub rejected_requests: u64,
+    /// Times the shard slept on its doorbell.
+    pub deep_sleeps: u64,
+    /// Doorbell sleeps ended by a ring (work arrived) rather than the timeout.
+    pub doorbell_wakeups: u64,
 }
 
 /// What `ctl sessions` shows of one session.
@@ -85,8 +90,10 @@ pub struct Shared {
     /// Validated settings.
     pub settings: Settings,
     state: AtomicU8,
-    /// Control queue of each shard.
-    pub shard_tx: Vec<Sender<ControlMsg>>,
+    /// Control queue of each shard (send with [`Shared::send_control`], which rings).
+    shard_tx: Vec<Sender<ControlMsg>>,
+    /// Shard doorbells.
+    pub doorbells: Doorbells,
     /// Open sessions.
     pub sessions: Mutex<BTreeMap<SessionId, SessionInfo>>,
     next_session: AtomicU64,
@@ -109,6 +116,7 @@ impl Shared {
     pub fn new(
         settings: Settings,
         shard_tx: Vec<Sender<ControlMsg>>,
+        doorbells: Doorbells,
         arena_locked: bool,
         iox_root: String,
         iox_prefix: String,
@@ -118,6 +126,7 @@ impl Shared {
             settings,
             state: AtomicU8::new(ServeState::Serving as u8),
             shard_tx,
+            doorbells,
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             refused_sessions: AtomicU64::new(0),
@@ -143,6 +152,19 @@ impl Shared {
         self.state.store(s as u8, Ordering::Release);
     }
 
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.shard_tx.len()
+    }
+
+    /// Queues a control message for `shard` and wakes it; false if the queue stayed full for
+    /// `timeout` or the shard is gone.
+    pub fn send_control(&self, shard: usize, msg: ControlMsg, timeout: Duration) -> bool {
+        let sent = self.shard_tx[shard].send_timeout(msg, timeout).is_ok();
+        self.doorbells.ring(shard);
+        sent
+    }
+
     /// A fresh session id.
     pub fn next_session_id(&self) -> SessionId {
         self.next_session.fetch_add(1, Ordering::Relaxed)
@@ -151,7 +173,7 @@ impl Shared {
     /// The shard with the fewest sessions (lowest id on ties).
     pub fn pick_home_shard(&self) -> usize {
         let sessions = self.sessions.lock().expect("session table lock is never poisoned");
-        let mut counts = vec![0usize; self.shard_tx.len()];
+        let mut counts = vec![0usize; self.shards()];
         for s in sessions.values() {
             counts[s.home_shard] += 1;
         }
@@ -161,12 +183,10 @@ impl Shared {
     /// Snapshots of every shard (in shard order), or `None` for a shard that did not answer
     /// within `timeout`.
     pub fn snapshots(&self, timeout: Duration) -> Vec<Option<ShardSnapshot>> {
-        let replies: Vec<_> = self
-            .shard_tx
-            .iter()
-            .map(|tx| {
+        let replies: Vec<_> = (0..self.shards())
+            .map(|shard| {
                 let (reply, rx) = bounded(1);
-                let sent = tx.send_timeout(ControlMsg::Stats { reply }, timeout).is_ok();
+                let sent = self.send_control(shard, ControlMsg::Stats { reply }, timeout);
                 (sent, rx)
             })
             .collect();

@@ -86,28 +86,16 @@ impl ExtentAllocator {
             self.insert_free(start + pages, len - pages);
         }
         self.used_pages += pages;
-        Some(Extent {
-            start_page: start,
-            pages,
-        })
+        Some(Extent { start_page: start, pages })
     }
 
     /// Returns an extent; it is merged with free neighbours.
     pub fn free(&mut self, extent: Extent) {
-        let Extent {
-            mut start_page,
-            mut pages,
-        } = extent;
-        debug_assert!(
-            start_page + pages <= self.capacity_pages,
-            "extent inside the slice"
-        );
+        let Extent { mut start_page, mut pages } = extent;
+        debug_assert!(start_page + pages <= self.capacity_pages, "extent inside the slice");
         self.used_pages -= pages;
         if let Some((&prev_start, &prev_len)) = self.by_start.range(..start_page).next_back() {
-            debug_assert!(
-                prev_start + prev_len <= start_page,
-                "double free of {extent:?}"
-            );
+            debug_assert!(prev_start + prev_len <= start_page, "double free of {extent:?}");
             if prev_start + prev_len == start_page {
                 self.remove_free(prev_start, prev_len);
                 start_page = prev_start;

@@ -1,5 +1,9 @@
 //! The DRAM arena: one memfd mapped shared, split into disjoint per-shard slices.
 //!
+//! The memfd starts with a [`HEADER_BYTES`] header holding one doorbell word per shard (see
+//! `server`'s executor: a shard that sleeps deeply sets its word, and whoever queues work for
+//! it rings its eventfd). Chunk data follows the header.
+//!
 //! This is the only module of the crate with `unsafe`: it owns the mapping and hands out
 //! byte views of ranges that the shard ownership protocol says nobody else writes.
 
@@ -9,6 +13,7 @@ use std::ffi::c_void;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use nix::sys::memfd::{memfd_create, MFdFlags};
@@ -16,6 +21,8 @@ use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
 use crate::alloc::PAGE_SIZE;
 use crate::Error;
+
+pub use orbitkv_proto::{ARENA_HEADER_BYTES as HEADER_BYTES, DOORBELL_STRIDE};
 
 /// The arena memfd and the server's shared mapping of it.
 ///
@@ -37,33 +44,27 @@ unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    /// Creates a memfd of `bytes` (a multiple of 4 KiB), maps it shared and read-write, and
-    /// tries to lock it in memory when `lock` is set. Locking is best effort: on failure it
-    /// logs a warning and the arena stays pageable.
-    pub fn create(bytes: u64, lock: bool) -> Result<Arena, Error> {
-        if bytes == 0 || !bytes.is_multiple_of(PAGE_SIZE) {
+    /// Creates a memfd of [`HEADER_BYTES`] plus `bytes` of chunk data (a multiple of 4 KiB),
+    /// maps it shared and read-write, and tries to lock it in memory when `lock` is set.
+    /// Locking is best effort: on failure it logs a warning and the arena stays pageable.
+    pub fn create(data_bytes: u64, lock: bool) -> Result<Arena, Error> {
+        if data_bytes == 0 || !data_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(Error::ArenaSize {
-                bytes,
+                bytes: data_bytes,
                 reason: "must be a positive multiple of 4 KiB",
             });
         }
+        let bytes = data_bytes
+            .checked_add(HEADER_BYTES)
+            .ok_or(Error::ArenaSize { bytes: data_bytes, reason: "too large" })?;
         let len = usize::try_from(bytes)
             .ok()
             .and_then(NonZeroUsize::new)
-            .ok_or(Error::ArenaSize {
-                bytes,
-                reason: "does not fit the address space",
-            })?;
-        let fd = memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC).map_err(|source| {
-            Error::Arena {
-                op: "memfd_create",
-                source,
-            }
-        })?;
-        nix::unistd::ftruncate(&fd, bytes as i64).map_err(|source| Error::Arena {
-            op: "ftruncate",
-            source,
-        })?;
+            .ok_or(Error::ArenaSize { bytes, reason: "does not fit the address space" })?;
+        let fd = memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC)
+            .map_err(|source| Error::Arena { op: "memfd_create", source })?;
+        nix::unistd::ftruncate(&fd, bytes as i64)
+            .map_err(|source| Error::Arena { op: "ftruncate", source })?;
         // SAFETY: a fresh shared mapping of a memfd we just sized to `len`; no existing memory
         // is replaced (addr is None).
         let base = unsafe {
@@ -77,12 +78,7 @@ impl Arena {
             )
         }
         .map_err(|source| Error::Arena { op: "mmap", source })?;
-        let mut arena = Arena {
-            fd,
-            base,
-            len: len.get(),
-            locked: false,
-        };
+        let mut arena = Arena { fd, base, len: len.get(), locked: false };
         if lock {
             // SAFETY: the range is exactly our live mapping.
             match unsafe { nix::sys::mman::mlock(arena.base, arena.len) } {
@@ -102,9 +98,26 @@ impl Arena {
         self.fd.as_fd()
     }
 
-    /// Size in bytes.
+    /// Size of the whole memfd in bytes (header and data).
     pub fn len(&self) -> u64 {
         self.len as u64
+    }
+
+    /// Bytes of chunk data (without the header).
+    pub fn data_len(&self) -> u64 {
+        self.len as u64 - HEADER_BYTES
+    }
+
+    /// The doorbell word of `shard`: non-zero while that shard sleeps waiting for its eventfd.
+    pub fn doorbell(&self, shard: usize) -> &AtomicU32 {
+        assert!((shard as u64) < HEADER_BYTES / DOORBELL_STRIDE, "at most 256 shards");
+        // SAFETY: the word lies in the header of the live mapping (checked above), is 64-byte
+        // aligned (page-aligned mapping, 64-byte stride), and is only ever accessed atomically,
+        // by this process and by clients mapping the same memfd.
+        unsafe {
+            &*((self.base.as_ptr() as *const u8).add(shard * DOORBELL_STRIDE as usize)
+                as *const AtomicU32)
+        }
     }
 
     /// Never true: an arena has at least one page.
@@ -121,11 +134,11 @@ impl Arena {
     /// unused). Call once: handing out two sets of slices would alias them.
     pub fn split(self: &Arc<Self>, n: usize) -> Vec<ArenaSlice> {
         assert!(n > 0, "shard count is validated to be non-zero");
-        let per = (self.len as u64 / n as u64) / PAGE_SIZE * PAGE_SIZE;
+        let per = (self.data_len() / n as u64) / PAGE_SIZE * PAGE_SIZE;
         (0..n as u64)
             .map(|i| ArenaSlice {
                 arena: Arc::clone(self),
-                offset: i * per,
+                offset: HEADER_BYTES + i * per,
                 len: per,
             })
             .collect()
@@ -190,9 +203,7 @@ impl ArenaSlice {
     /// Overwrites `[offset, offset + data.len())` of this slice (tests and benchmarks).
     pub fn write(&self, offset: u64, data: &[u8]) {
         assert!(
-            offset
-                .checked_add(data.len() as u64)
-                .is_some_and(|end| end <= self.len),
+            offset.checked_add(data.len() as u64).is_some_and(|end| end <= self.len),
             "range inside the slice"
         );
         // SAFETY: in range (checked above) of the live shared mapping; the caller owns the

@@ -92,16 +92,12 @@ impl ShardCore {
     pub fn apply(&mut self, op: ShardOp) -> ShardReply {
         match op {
             ShardOp::Register { descriptor } => ShardReply::Registered(self.register(descriptor)),
-            ShardOp::Lookup {
-                session,
-                keys,
-                lease,
-            } => ShardReply::Hits(self.lookup(session, &keys, lease)),
-            ShardOp::Reserve {
-                session,
-                keys,
-                lens,
-            } => ShardReply::Reserved(self.reserve(session, &keys, &lens)),
+            ShardOp::Lookup { session, keys, lease } => {
+                ShardReply::Hits(self.lookup(session, &keys, lease))
+            }
+            ShardOp::Reserve { session, keys, lens } => {
+                ShardReply::Reserved(self.reserve(session, &keys, &lens))
+            }
             ShardOp::Commit { session, slots } => {
                 ShardReply::Outcomes(self.each(&slots, |s, slot| s.commit(session, slot)))
             }
@@ -114,10 +110,7 @@ impl ShardCore {
             ShardOp::Evict { keys } => ShardReply::Outcomes(self.each(&keys, Self::evict)),
             ShardOp::SessionClosed { session } => {
                 let (leases, reservations) = self.close_session(session);
-                ShardReply::Closed {
-                    leases,
-                    reservations,
-                }
+                ShardReply::Closed { leases, reservations }
             }
             ShardOp::Stats => ShardReply::Stats(Box::new(self.stats())),
         }
@@ -141,9 +134,7 @@ impl ShardCore {
     }
 
     fn register(&mut self, descriptor: NamespaceDescriptor) -> Result<u64, (ErrorCode, String)> {
-        descriptor
-            .validate()
-            .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
+        descriptor.validate().map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
         let id = descriptor.id();
         if let Some(ns) = self.namespaces.get(&id) {
             return if ns.descriptor == descriptor {
@@ -155,9 +146,7 @@ impl ShardCore {
                 ))
             };
         }
-        let max = descriptor
-            .max_chunk_bytes()
-            .expect("validated descriptors have a chunk size");
+        let max = descriptor.max_chunk_bytes().expect("validated descriptors have a chunk size");
         if max > self.cfg.max_chunk_bytes {
             return Err((
                 ErrorCode::TooLarge,
@@ -180,19 +169,10 @@ impl ShardCore {
         if self.namespaces.len() >= self.cfg.max_namespaces {
             return Err((
                 ErrorCode::NoSpace,
-                format!(
-                    "namespace table is full (--max-namespaces {})",
-                    self.cfg.max_namespaces
-                ),
+                format!("namespace table is full (--max-namespaces {})", self.cfg.max_namespaces),
             ));
         }
-        self.namespaces.insert(
-            id,
-            Namespace {
-                descriptor,
-                max_chunk_bytes: max,
-            },
-        );
+        self.namespaces.insert(id, Namespace { descriptor, max_chunk_bytes: max });
         Ok(max)
     }
 
@@ -259,10 +239,7 @@ impl ShardCore {
         key: &ChunkKey,
         len: u64,
     ) -> Result<Reservation, ErrorCode> {
-        let ns = self
-            .namespaces
-            .get(&key.namespace)
-            .ok_or(ErrorCode::UnknownNamespace)?;
+        let ns = self.namespaces.get(&key.namespace).ok_or(ErrorCode::UnknownNamespace)?;
         if len == 0 {
             return Err(ErrorCode::InvalidArgument);
         }
@@ -287,20 +264,10 @@ impl ShardCore {
         };
         let generation = self.next_generation;
         self.next_generation += 1;
-        let idx = self
-            .entries
-            .insert_reserved(*key, session, extent, len, generation);
-        self.sessions
-            .entry(session)
-            .or_default()
-            .reservations
-            .insert(idx);
+        let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
+        self.sessions.entry(session).or_default().reservations.insert(idx);
         self.reservations += 1;
-        Ok(Reservation::Slot {
-            offset: self.slice.offset() + extent.offset(),
-            len,
-            generation,
-        })
+        Ok(Reservation::Slot { offset: self.slice.offset() + extent.offset(), len, generation })
     }
 
     /// Finds the reservation `slot` of `session`, or says why it is not one.

@@ -58,15 +58,11 @@ impl Entries {
     }
 
     pub fn get(&self, idx: EntryIdx) -> &Entry {
-        self.slab[idx as usize]
-            .as_ref()
-            .expect("live index points at a live entry")
+        self.slab[idx as usize].as_ref().expect("live index points at a live entry")
     }
 
     pub fn get_mut(&mut self, idx: EntryIdx) -> &mut Entry {
-        self.slab[idx as usize]
-            .as_mut()
-            .expect("live index points at a live entry")
+        self.slab[idx as usize].as_mut().expect("live index points at a live entry")
     }
 
     pub fn ready_count(&self) -> u64 {
@@ -159,9 +155,7 @@ impl Entries {
         }
         self.index.remove(&key);
         self.free_slots.push(idx);
-        self.slab[idx as usize]
-            .take()
-            .expect("removing a live entry")
+        self.slab[idx as usize].take().expect("removing a live entry")
     }
 
     /// Picks the SIEVE victim: an unvisited, unleased ready entry. `None` when every ready entry
@@ -197,16 +191,8 @@ mod tests {
     }
 
     fn ready(entries: &mut Entries, i: u8) -> EntryIdx {
-        let idx = entries.insert_reserved(
-            key(i),
-            9,
-            Extent {
-                start_page: i as u64,
-                pages: 1,
-            },
-            1,
-            1,
-        );
+        let idx =
+            entries.insert_reserved(key(i), 9, Extent { start_page: i as u64, pages: 1 }, 1, 1);
         entries.make_ready(idx, 0);
         idx
     }
@@ -236,16 +222,7 @@ mod tests {
     #[test]
     fn reserved_entries_are_never_victims() {
         let mut e = Entries::default();
-        e.insert_reserved(
-            key(1),
-            9,
-            Extent {
-                start_page: 0,
-                pages: 1,
-            },
-            1,
-            1,
-        );
+        e.insert_reserved(key(1), 9, Extent { start_page: 0, pages: 1 }, 1, 1);
         assert_eq!(e.pick_victim(), None);
         assert!(e.find(&key(1)).is_some());
     }

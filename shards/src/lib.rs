@@ -17,7 +17,7 @@ mod metrics;
 mod ops;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
-pub use arena::{Arena, ArenaSlice};
+pub use arena::{Arena, ArenaSlice, DOORBELL_STRIDE, HEADER_BYTES};
 pub use core::{ShardConfig, ShardCore};
 pub use error::Error;
 pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};

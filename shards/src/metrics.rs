@@ -20,13 +20,8 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every kind.
-    pub const ALL: [OpKind; 5] = [
-        OpKind::Lookup,
-        OpKind::Reserve,
-        OpKind::Commit,
-        OpKind::Release,
-        OpKind::Other,
-    ];
+    pub const ALL: [OpKind; 5] =
+        [OpKind::Lookup, OpKind::Reserve, OpKind::Commit, OpKind::Release, OpKind::Other];
 
     /// Stable label.
     pub fn as_str(self) -> &'static str {

@@ -9,6 +9,15 @@ use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
 /// Version of this protocol; a client and server must agree exactly.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// Bytes at the start of the arena memfd before chunk data: one doorbell word per shard.
+pub const ARENA_HEADER_BYTES: u64 = 256 * DOORBELL_STRIDE;
+/// Distance between two shards' doorbell words in the arena header (one cache line).
+///
+/// A shard that sleeps waiting for work stores a non-zero u32 at `shard * DOORBELL_STRIDE`;
+/// a client that has just sent a request to that shard and reads non-zero writes 1 to the
+/// shard's eventfd (passed at bootstrap after the arena memfd).
+pub const DOORBELL_STRIDE: u64 = 64;
+
 /// Messages on the bootstrap Unix socket, client to server. Framed as a u32 little-endian
 /// length followed by the rkyv bytes.
 #[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]

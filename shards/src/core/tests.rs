@@ -25,14 +25,8 @@ fn descriptor(tokens_per_chunk: u32) -> NamespaceDescriptor {
 fn shard(pages: u64) -> (ShardCore, u64) {
     let arena = Arc::new(Arena::create(pages * crate::PAGE_SIZE, false).unwrap());
     let slice = arena.split(1).pop().unwrap();
-    let mut core = ShardCore::new(
-        ShardConfig {
-            id: 0,
-            max_chunk_bytes: 1 << 30,
-            max_namespaces: 4,
-        },
-        slice,
-    );
+    let mut core =
+        ShardCore::new(ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4 }, slice);
     let ns = descriptor(4);
     let id = ns.id();
     assert!(matches!(core.register(ns), Ok(16384)));
@@ -46,9 +40,7 @@ fn key(ns: u64, i: u32) -> ChunkKey {
 }
 
 fn fill(i: u32, len: u64) -> Vec<u8> {
-    (0..len)
-        .map(|b| (b as u32).wrapping_mul(31).wrapping_add(i) as u8)
-        .collect()
+    (0..len).map(|b| (b as u32).wrapping_mul(31).wrapping_add(i) as u8).collect()
 }
 
 /// Reserve, write the key's pattern into the slot, commit.
@@ -60,17 +52,11 @@ fn put(
     len: u64,
 ) -> Result<(), ErrorCode> {
     match core.reserve(session, &[k], &[len])[0] {
-        Reservation::Slot {
-            offset,
-            len,
-            generation,
-        } => {
-            core.slice
-                .write(offset - core.slice.offset(), &fill(i, len));
-            match core.apply(ShardOp::Commit {
-                session,
-                slots: vec![SlotRef { key: k, generation }],
-            }) {
+        Reservation::Slot { offset, len, generation } => {
+            core.slice.write(offset - core.slice.offset(), &fill(i, len));
+            match core
+                .apply(ShardOp::Commit { session, slots: vec![SlotRef { key: k, generation }] })
+            {
                 ShardReply::Outcomes(o) if o[0] == ChunkOutcome::Done => Ok(()),
                 other => panic!("commit failed: {other:?}"),
             }
@@ -89,20 +75,11 @@ fn put_lookup_lease_release() {
     assert_eq!(hit.len, 10_000);
     assert_eq!(hit.checksum, xxhash_rust::xxh3::xxh3_64(&fill(1, 10_000)));
     assert_eq!(core.leases(), 1);
-    let slot = SlotRef {
-        key: key(ns, 1),
-        generation: hit.generation,
-    };
+    let slot = SlotRef { key: key(ns, 1), generation: hit.generation };
     // Another session cannot release this lease.
     assert_eq!(core.release(3, &slot), Err(ErrorCode::NotFound));
     assert_eq!(
-        core.release(
-            2,
-            &SlotRef {
-                generation: 99,
-                ..slot
-            }
-        ),
+        core.release(2, &SlotRef { generation: 99, ..slot }),
         Err(ErrorCode::StaleGeneration)
     );
     assert_eq!(core.release(2, &slot), Ok(()));
@@ -118,42 +95,22 @@ fn reserved_chunks_are_invisible_and_owned() {
         panic!("reserve failed")
     };
     assert!(core.lookup(1, &[k], false)[0].is_none());
-    assert_eq!(
-        core.reserve(2, &[k], &[4096])[0],
-        Reservation::Failed(ErrorCode::Busy)
-    );
+    assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::Busy));
     let slot = SlotRef { key: k, generation };
+    assert_eq!(core.commit(2, &slot), Err(ErrorCode::NotFound), "not the owner");
     assert_eq!(
-        core.commit(2, &slot),
-        Err(ErrorCode::NotFound),
-        "not the owner"
-    );
-    assert_eq!(
-        core.commit(
-            1,
-            &SlotRef {
-                generation: generation + 1,
-                ..slot
-            }
-        ),
+        core.commit(1, &SlotRef { generation: generation + 1, ..slot }),
         Err(ErrorCode::StaleGeneration)
     );
     assert_eq!(core.commit(1, &slot), Ok(()));
-    assert_eq!(
-        core.reserve(2, &[k], &[4096])[0],
-        Reservation::Failed(ErrorCode::AlreadyPresent)
-    );
+    assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::AlreadyPresent));
     assert_eq!(core.reservations(), 0);
 }
 
 #[test]
 fn bad_reservations_name_the_reason() {
     let (mut core, ns) = shard(64);
-    let r = core.reserve(
-        1,
-        &[key(ns + 1, 1), key(ns, 2), key(ns, 3)],
-        &[10, 0, 1 << 20],
-    );
+    let r = core.reserve(1, &[key(ns + 1, 1), key(ns, 2), key(ns, 3)], &[10, 0, 1 << 20]);
     assert_eq!(
         r,
         vec![
@@ -179,16 +136,11 @@ fn eviction_spares_leased_and_reserved_chunks() {
     }
     assert!(core.metrics.evictions >= 16);
     // Key 0's bytes are intact.
-    let bytes = core
-        .slice
-        .bytes(leased.offset - core.slice.offset(), leased.len);
+    let bytes = core.slice.bytes(leased.offset - core.slice.offset(), leased.len);
     assert_eq!(bytes, &fill(0, 16384)[..]);
     // Fill the rest with reservations, lease everything left: then no space.
     let r = core.reserve(3, &[key(ns, 100), key(ns, 101), key(ns, 102)], &[16384; 3]);
-    assert!(
-        r.iter().all(|r| matches!(r, Reservation::Slot { .. })),
-        "{r:?}"
-    );
+    assert!(r.iter().all(|r| matches!(r, Reservation::Slot { .. })), "{r:?}");
     assert_eq!(
         core.reserve(3, &[key(ns, 103)], &[16384])[0],
         Reservation::Failed(ErrorCode::NoSpace)
@@ -212,10 +164,7 @@ fn namespace_conflicts_and_limits() {
     for t in 1..=3 {
         let _ = core.register(descriptor(t));
     }
-    assert_eq!(
-        core.register(descriptor(5)).unwrap_err().0,
-        ErrorCode::NoSpace
-    );
+    assert_eq!(core.register(descriptor(5)).unwrap_err().0, ErrorCode::NoSpace);
 }
 
 #[test]

@@ -1,0 +1,39 @@
+//! An idle shard sleeps on its doorbell instead of polling, and work wakes it: a request sent
+//! to a sleeping shard (directly, or across the mesh) is served.
+
+mod common;
+
+use common::{chain, namespace, value_for, TestServer};
+
+#[test]
+fn sleeping_shards_are_woken_by_requests() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "16MiB"]);
+    let mut c = server.client("sleepy");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 11, 16);
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 8192)).collect();
+    for round in 0..3 {
+        // Let every shard fall asleep on its doorbell.
+        server.wait_for("both shards asleep", |s| {
+            let v = s.admin("stats");
+            v["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|sh| sh["deep_sleeps"].as_u64().unwrap() > round)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        // Keys span both shards: the home shard is woken by the client, the other by the mesh.
+        let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
+        c.put(&items).unwrap();
+        assert_eq!(c.lookup(&keys).unwrap().len(), keys.len());
+    }
+    let v = server.admin("stats");
+    let wakeups: u64 = v["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["doorbell_wakeups"].as_u64().unwrap())
+        .sum();
+    assert!(wakeups >= 3, "{v}");
+}
