@@ -122,6 +122,9 @@ pub(crate) struct ServeReport {
     pub memcpy_gbps: f64,
     /// Get bytes / time spent inside gets (per-thread throughput), GB/s.
     pub get_gbps: f64,
+    /// Get bytes / time spent copying out of leased chunks (the get minus its round trips),
+    /// GB/s.
+    pub get_copy_gbps: f64,
     /// Get bytes / wall time of the main phase, GB/s.
     pub get_gbps_aggregate: f64,
     /// get_gbps / memcpy_gbps.
@@ -189,6 +192,11 @@ impl Report for ServeReport {
             out,
             "get throughput {:.2} GB/s per thread ({:.2} x memcpy {:.2} GB/s), {:.2} GB/s aggregate",
             self.get_gbps, self.ratio_get_vs_memcpy, self.memcpy_gbps, self.get_gbps_aggregate
+        )?;
+        writeln!(
+            out,
+            "{:<14} {:.2} GB/s copying out of leased chunks alone",
+            "", self.get_copy_gbps
         )?;
         writeln!(
             out,

@@ -255,8 +255,15 @@ fn measure(
     let m = &total.main;
     let main_wall =
         m.ended.map_or(a.duration, |e| e.saturating_duration_since(main_start)).as_secs_f64();
-    let gets_s = m.get_time.as_secs_f64();
-    let get_gbps = if gets_s > 0.0 { m.get_bytes as f64 / gets_s / 1e9 } else { 0.0 };
+    let gbps = |bytes: u64, time: Duration| {
+        let secs = time.as_secs_f64();
+        if secs > 0.0 {
+            bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        }
+    };
+    let get_gbps = gbps(m.get_bytes, m.get_time);
     let lookup_batch = plan.lookup.zip(lookup_start).map(|(lp, start)| {
         let l = &total.lookup;
         let wall = l.ended.map_or(a.duration, |e| e.saturating_duration_since(start)).as_secs_f64();
@@ -307,6 +314,7 @@ fn measure(
         lookup_batch,
         memcpy_gbps,
         get_gbps,
+        get_copy_gbps: gbps(m.get_bytes, m.copy_time),
         get_gbps_aggregate: m.get_bytes as f64 / main_wall / 1e9,
         ratio_get_vs_memcpy: if memcpy_gbps > 0.0 { get_gbps / memcpy_gbps } else { 0.0 },
         main_wall_s: main_wall,

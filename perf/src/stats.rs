@@ -130,6 +130,8 @@ pub(crate) struct MainStats {
     pub get_bytes: u64,
     /// Time spent inside gets.
     pub get_time: Duration,
+    /// Of which copying out of leased chunks.
+    pub copy_time: Duration,
     /// Lookups that found the key.
     pub hits: u64,
     /// Lookups that did not.
@@ -153,6 +155,7 @@ impl MainStats {
         self.put.merge(&o.put);
         self.get_bytes += o.get_bytes;
         self.get_time += o.get_time;
+        self.copy_time += o.copy_time;
         self.hits += o.hits;
         self.misses += o.misses;
         self.verify_failures += o.verify_failures;

@@ -165,9 +165,11 @@ impl Worker<'_> {
             s.hits += 1;
             progress.op(true);
             // Copy while leased; a chunk of the wrong length is not copied and fails verification.
+            let copy_started = Instant::now();
             let copied = match client.chunk(lease) {
                 Ok(bytes) if bytes.len() == buf.len() => {
                     buf.copy_from_slice(bytes);
+                    s.copy_time += copy_started.elapsed();
                     Ok(true)
                 }
                 Ok(_) => Ok(false),

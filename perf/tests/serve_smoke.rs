@@ -1,0 +1,87 @@
+//! `orbitkv-perf serve --embedded` runs end to end against the real server: every byte read
+//! back verifies, with the working set inside the arena and with one four times larger
+//! (evicting). No timing is asserted.
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::{num, require_server, run, run_json};
+
+/// The cases share the CPUs with their servers; running them one at a time keeps each close
+/// to what it would do alone.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serve(working_set: &str, duration: &str) -> serde_json::Value {
+    require_server();
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    run_json(&[
+        "serve",
+        "--embedded",
+        "--embedded-dram",
+        "64MiB",
+        "--embedded-shards",
+        "2",
+        "--no-lock-arena",
+        "--clients",
+        "2",
+        "--duration",
+        duration,
+        "--value-size",
+        "64KiB",
+        "--working-set",
+        working_set,
+        "--lookup-batch",
+        "16",
+        "--json",
+    ])
+}
+
+fn assert_clean(v: &serde_json::Value) {
+    assert_eq!(num(v, &["verify_failures"]), 0.0, "{v}");
+    assert_eq!(num(v, &["errors"]), 0.0, "{v}");
+    assert!(num(v, &["get", "count"]) > 0.0, "{v}");
+    assert!(num(v, &["hits"]) > 0.0, "{v}");
+    // Every hit is one timed, verified get.
+    assert_eq!(num(v, &["hits"]), num(v, &["get", "count"]), "{v}");
+    assert_eq!(num(v, &["shards"]), 2.0, "{v}");
+    assert!(num(v, &["lookup_batch", "count"]) > 0.0, "{v}");
+    assert!(num(v, &["memcpy_gbps"]) > 0.0, "{v}");
+}
+
+#[test]
+fn working_set_inside_the_arena_verifies_without_evictions() {
+    let v = serve("16MiB", "1s");
+    assert_clean(&v);
+    assert_eq!(num(&v, &["nkeys"]), 256.0, "{v}");
+    // 16 MiB of values and 2 MiB of lookup sets fit 2 shards of 32 MiB.
+    assert_eq!(num(&v, &["evictions"]), 0.0, "{v}");
+    assert_eq!(num(&v, &["lookup_batch", "lookup_short"]), 0.0, "{v}");
+    assert_eq!(num(&v, &["put_rejected"]), 0.0, "{v}");
+}
+
+#[test]
+fn working_set_larger_than_the_arena_evicts_and_still_verifies() {
+    // 3 s rather than 1 s: an unoptimised build must store more than the 64 MiB arena holds.
+    let v = serve("256MiB", "3s");
+    assert_clean(&v);
+    let stored = num(&v, &["put_stored"]) * num(&v, &["value_size"]);
+    assert!(
+        stored > (64u64 << 20) as f64,
+        "the run stored only {stored} bytes, not more than the arena: too slow to test eviction: {v}"
+    );
+    assert!(num(&v, &["evictions"]) > 0.0, "{v}");
+}
+
+#[test]
+fn an_unreachable_server_is_a_setup_error() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let socket = dir.path().join("nobody.sock");
+    let socket = socket.to_str().expect("temporary paths are UTF-8");
+    let out =
+        run(&["serve", "--socket", socket, "--duration", "1s", "--working-set", "1MiB", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(socket), "{stderr}");
+    assert!(out.stdout.is_empty());
+}
