@@ -104,7 +104,8 @@ pub(crate) struct ServeReport {
     pub errors: u64,
     /// Failed calls by kind.
     pub errors_by_kind: BTreeMap<String, u64>,
-    /// Gets whose bytes were not the value that was put.
+    /// Gets whose bytes were not the value that was put, or not what the lease's checksum
+    /// says.
     pub verify_failures: u64,
     /// Puts refused with `NoSpace` or `Busy`.
     pub put_rejected: u64,

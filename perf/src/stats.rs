@@ -136,7 +136,8 @@ pub(crate) struct MainStats {
     pub hits: u64,
     /// Lookups that did not.
     pub misses: u64,
-    /// Gets whose bytes were not the expected value.
+    /// Gets whose bytes were not the expected value (or whose lease carried a checksum
+    /// that does not match them).
     pub verify_failures: u64,
     /// Puts stored.
     pub put_stored: u64,

@@ -7,6 +7,7 @@ use std::time::Instant;
 use orbitkv_client::{ChunkKey, Client, ClientOptions, ErrorCode, NamespaceDescriptor, PutOutcome};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
 use crate::gate::Gate;
@@ -189,7 +190,18 @@ impl Worker<'_> {
                     s.get_time += took;
                     let mismatch = if copied {
                         s.get_bytes += buf.len() as u64;
-                        first_mismatch(&key.digest, &buf).map(|at| format!("byte {at} differs"))
+                        first_mismatch(&key.digest, &buf)
+                            .map(|at| format!("byte {at} differs"))
+                            .or_else(|| {
+                                // The bytes are right; the checksum that travels with them
+                                // (to SSD and peers) must describe them too.
+                                (xxh3_64(&buf) != lease.hit.checksum).then(|| {
+                                    format!(
+                                        "checksum {:#x} in the lease is wrong",
+                                        lease.hit.checksum
+                                    )
+                                })
+                            })
                     } else {
                         Some(format!("{} bytes instead of {}", lease.hit.len, buf.len()))
                     };
