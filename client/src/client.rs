@@ -83,7 +83,8 @@ pub enum PutOutcome {
     Failed(ErrorCode),
 }
 
-/// One session with the local `orbitkv-server`. See the crate docs.
+/// One session with the local `orbitkv-server`. See the crate docs. `Send`: a session may
+/// move between threads, but is used by one at a time (`&mut self`).
 #[derive(Debug)]
 pub struct Client {
     opts: ClientOptions,
@@ -399,5 +400,14 @@ impl Client {
     /// Removes chunks that nobody leases.
     pub fn evict(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkOutcome>, Error> {
         self.outcomes("evict", keys, |keys| Request::Evict { keys })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn client_is_send() {
+        fn assert_send<T: Send>() {}
+        assert_send::<super::Client>();
     }
 }

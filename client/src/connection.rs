@@ -20,7 +20,9 @@ use orbitkv_proto::{
 use crate::mapping::ArenaMap;
 use crate::Error;
 
-type Svc = ipc::Service;
+/// Thread-safe flavour so that a `Client` can move between threads (engines hand sessions to
+/// worker threads); the server side of the same service uses the single-threaded flavour.
+type Svc = ipc_threadsafe::Service;
 
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);

@@ -66,6 +66,22 @@ pub enum Error {
 }
 
 impl Error {
+    /// A stable snake_case name of the variant (for counters and logs); server errors give
+    /// their wire code's name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Connect { .. } => "connect",
+            Error::Refused { code, .. } | Error::Server { code, .. } => code.as_str(),
+            Error::Disconnected(_) => "disconnected",
+            Error::Timeout { .. } => "timeout",
+            Error::Protocol(_) => "protocol",
+            Error::Ipc(_) => "ipc",
+            Error::Stale => "stale",
+            Error::BufferTooSmall { .. } => "buffer_too_small",
+            Error::InvalidArgument(_) => "invalid_argument",
+        }
+    }
+
     /// The wire code, when the server produced this error.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {

@@ -20,6 +20,11 @@ pub(crate) struct ArenaMap {
     _fd: OwnedFd,
 }
 
+// SAFETY: the mapping is process-wide shared memory; moving its owner to another thread does
+// not change who may touch which bytes (that is governed by leases and reservations), and
+// `&`/`&mut` views still borrow the owner.
+unsafe impl Send for ArenaMap {}
+
 impl ArenaMap {
     /// Maps `len` bytes of `fd`; checks the memfd is at least that large first.
     pub(crate) fn new(fd: OwnedFd, len: u64) -> Result<Self, String> {
@@ -38,7 +43,7 @@ impl ArenaMap {
                 None,
                 size,
                 ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
+                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
                 fd.as_fd(),
                 0,
             )

@@ -242,6 +242,8 @@ async fn run(ctx: ShardContext) {
         }
         let idle = last_work.elapsed();
         if idle < SPIN_WINDOW {
+            // Let other threads of this core run (clients, on machines without spare cores).
+            std::thread::yield_now();
             glommio::executor().yield_now().await;
         } else if idle >= DEEP_IDLE && exec.active.get() == 0 {
             let e = &exec;

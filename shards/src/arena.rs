@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use nix::sys::memfd::{memfd_create, MFdFlags};
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
 
 use crate::alloc::PAGE_SIZE;
 use crate::Error;
@@ -72,12 +72,18 @@ impl Arena {
                 None,
                 len,
                 ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
+                // Populate now: a cache arena is allocated up front, and first-touch faults
+                // would otherwise land on the data path.
+                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
                 fd.as_fd(),
                 0,
             )
         }
         .map_err(|source| Error::Arena { op: "mmap", source })?;
+        // SAFETY: advice on exactly our live mapping; it changes no contents.
+        if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_HUGEPAGE) } {
+            tracing::debug!(error = %e, "MADV_HUGEPAGE not applied to the arena");
+        }
         let mut arena = Arena { fd, base, len: len.get(), locked: false };
         if lock {
             // SAFETY: the range is exactly our live mapping.
