@@ -4,6 +4,7 @@
 use std::io::{IoSlice, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -19,18 +20,43 @@ use crate::shared::{ControlMsg, ServeState, SessionInfo, Shared};
 
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections beyond `--max-sessions` allowed to be in their handshake at once.
+pub const HANDSHAKE_HEADROOM: usize = 64;
+/// Stack of a connection thread (it only reads, decodes a hello and waits).
+const CONNECTION_STACK: usize = 256 << 10;
 
-/// Accepts connections until the listener fails (it is shut down by process exit).
+/// Accepts connections until the listener fails (it is shut down by process exit). At most
+/// `--max-sessions` + [`HANDSHAKE_HEADROOM`] connections are served at once; beyond that a
+/// connection is refused with `TooManySessions` before any thread is started for it.
 pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
+    let live = Arc::new(AtomicUsize::new(0));
+    let limit = shared.settings.config.max_sessions + HANDSHAKE_HEADROOM;
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
+                if live.load(Ordering::Acquire) >= limit {
+                    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                    refuse(
+                        &stream,
+                        &shared,
+                        ErrorCode::TooManySessions,
+                        format!("{limit} connections open (--max-sessions + {HANDSHAKE_HEADROOM} handshakes)"),
+                    );
+                    continue;
+                }
+                live.fetch_add(1, Ordering::AcqRel);
                 let shared = Arc::clone(&shared);
                 let arena = Arc::clone(&arena);
+                let done = Arc::clone(&live);
                 let spawned = std::thread::Builder::new()
                     .name("orbitkv-session".into())
-                    .spawn(move || handle(stream, &shared, &arena));
+                    .stack_size(CONNECTION_STACK)
+                    .spawn(move || {
+                        handle(stream, &shared, &arena);
+                        done.fetch_sub(1, Ordering::AcqRel);
+                    });
                 if let Err(e) = spawned {
+                    live.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!(error = %e, "cannot start a session thread");
                 }
             }
@@ -43,7 +69,7 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
 }
 
 fn refuse(stream: &UnixStream, shared: &Shared, code: ErrorCode, message: String) {
-    shared.refused_sessions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    shared.refused_sessions.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(code = %code, %message, "session refused");
     let _ = send_welcome(stream, &Welcome::Refused { code, message }, &[]);
 }

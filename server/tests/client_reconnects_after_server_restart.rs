@@ -38,3 +38,47 @@ fn next_call_reconnects() {
     assert!(matches!(c.chunk(&lease[0]), Err(Error::Stale)));
     assert!(matches!(c.release(&lease), Err(Error::Stale)));
 }
+
+#[test]
+fn a_call_in_flight_fails_clearly_when_the_server_dies() {
+    let mut server = TestServer::start(&["--shards", "1", "--dram", "8MiB"]);
+    let mut c = server.client("in-flight");
+    c.ping().unwrap();
+    // Freeze the server so the next request stays in flight, then kill it.
+    server.signal(Signal::SIGSTOP);
+    let caller = std::thread::spawn(move || (c.ping(), c));
+    std::thread::sleep(Duration::from_millis(100));
+    server.signal(Signal::SIGKILL);
+    server.wait_exit(Duration::from_secs(10));
+    let (result, mut c) = caller.join().unwrap();
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Disconnected(_)), "{err}");
+    assert_eq!(err.kind(), "disconnected");
+    // And the next call after a restart reconnects.
+    server.spawn(&["--shards", "1", "--dram", "8MiB"]);
+    c.ping().unwrap();
+}
+
+#[test]
+fn a_timed_out_call_drops_the_session_and_the_next_call_reconnects() {
+    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB"]);
+    let mut c = orbitkv_client::Client::connect(orbitkv_client::ClientOptions {
+        request_timeout: Duration::from_millis(200),
+        ..orbitkv_client::ClientOptions::with_socket(&server.socket)
+    })
+    .unwrap();
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 4, 1);
+    c.put(&[(keys[0], &value_for(&keys[0], 4096))]).unwrap();
+    let held = c.lookup_leased(&keys).unwrap();
+    server.signal(Signal::SIGSTOP);
+    let err = c.ping().unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    server.signal(Signal::SIGCONT);
+    // The dropped session's lease is reclaimed by the server; the client reconnects.
+    c.ping().unwrap();
+    server.wait_for("old session reclaimed", |s| s.shard_sum("leases") == 0);
+    assert_eq!(server.admin("stats")["sessions"], 1);
+    assert!(matches!(c.release(&held), Err(Error::Stale)));
+    assert_eq!(c.lookup(&keys).unwrap().len(), 1);
+}

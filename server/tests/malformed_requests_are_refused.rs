@@ -149,3 +149,23 @@ fn malformed_and_out_of_range_requests_get_error_replies() {
         s.shard_sum("leases") == 0 && s.shard_sum("reservations") == 0
     });
 }
+
+#[test]
+fn silent_connections_are_bounded_and_time_out() {
+    // max-sessions 2 + 64 handshakes: the 67th silent connection is refused at once.
+    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB", "--max-sessions", "2"]);
+    let silent: Vec<UnixStream> =
+        (0..66).map(|_| UnixStream::connect(&server.socket).unwrap()).collect();
+    let mut extra = UnixStream::connect(&server.socket).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut answer = Vec::new();
+    extra.read_to_end(&mut answer).unwrap();
+    let welcome: orbitkv_proto::Welcome = orbitkv_proto::decode(&answer[4..]).unwrap();
+    assert!(
+        matches!(welcome, orbitkv_proto::Welcome::Refused { code: ErrorCode::TooManySessions, .. }),
+        "{welcome:?}"
+    );
+    // Silent connections are dropped after the hello timeout; then sessions open again.
+    drop(silent);
+    server.wait_for("handshakes released", |s| s.client_try().is_ok());
+}

@@ -101,6 +101,10 @@ impl TestServer {
         .unwrap()
     }
 
+    pub fn client_try(&self) -> Result<Client, orbitkv_client::Error> {
+        Client::connect(ClientOptions::with_socket(&self.socket))
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.as_ref().unwrap().id() as i32
     }
