@@ -20,6 +20,9 @@ pub struct ClientOptions {
     pub name: String,
     /// Longest wait for one response. Default: 10 s.
     pub request_timeout: Duration,
+    /// Build the page tables of the whole arena mapping at connect (no first-touch faults on
+    /// the data path, at the cost of a slower connect on very large arenas). Default: true.
+    pub prefault_arena: bool,
 }
 
 impl Default for ClientOptions {
@@ -28,6 +31,7 @@ impl Default for ClientOptions {
             socket: default_socket_path(nix::unistd::getuid().as_raw()),
             name: "orbitkv-client".into(),
             request_timeout: Duration::from_secs(10),
+            prefault_arena: true,
         }
     }
 }
@@ -121,8 +125,7 @@ impl Client {
             self.conn = None;
         }
         if self.conn.is_none() {
-            let mut conn =
-                Connection::open(&self.opts.socket, &self.opts.name, self.opts.request_timeout)?;
+            let mut conn = Connection::open(&self.opts)?;
             for d in &self.namespaces {
                 let req = Request::RegisterNamespace { descriptor: d.clone() };
                 match conn.call(&req, self.opts.request_timeout)? {
@@ -200,32 +203,53 @@ impl Client {
         }
     }
 
-    fn lookup_raw(&mut self, keys: &[ChunkKey], lease: bool) -> Result<Vec<Hit>, Error> {
-        let mut all = Vec::new();
+    /// Looks `keys` up in batches of at most the server's per-request key count; returns the
+    /// hits and the epoch they belong to. A failure (or a reconnect) after the first batch
+    /// gives back the leases earlier batches took, so nothing stays held behind the caller's
+    /// back.
+    fn lookup_raw(&mut self, keys: &[ChunkKey], lease: bool) -> Result<(Vec<Hit>, u64), Error> {
+        self.ensure_connected()?;
+        let epoch = self.epoch;
+        let mut all: Vec<Hit> = Vec::new();
         for batch in keys.chunks(self.max_keys()) {
-            match self.call(&Request::Lookup { keys: batch.to_vec(), lease })? {
-                Response::Lookup { hits } => {
+            let answer = match self.call(&Request::Lookup { keys: batch.to_vec(), lease }) {
+                Ok(_) if self.live_epoch() != epoch => Err(Error::Stale),
+                Ok(Response::Lookup { hits }) if hits.len() <= batch.len() => Ok(hits),
+                Ok(other) => Err(unexpected("lookup", other)),
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(hits) => {
                     let complete = hits.len() == batch.len();
                     all.extend(hits);
                     if !complete {
                         break;
                     }
                 }
-                other => return Err(unexpected("lookup", other)),
+                Err(e) => {
+                    if lease && !all.is_empty() && self.live_epoch() == epoch {
+                        let held: Vec<Lease> = keys
+                            .iter()
+                            .zip(&all)
+                            .map(|(key, hit)| Lease { key: *key, hit: *hit, epoch })
+                            .collect();
+                        let _ = self.release(&held);
+                    }
+                    return Err(e);
+                }
             }
         }
-        Ok(all)
+        Ok((all, epoch))
     }
 
     /// The longest present prefix of `keys` (no lease: the chunks may go at any time).
     pub fn lookup(&mut self, keys: &[ChunkKey]) -> Result<Vec<Hit>, Error> {
-        self.lookup_raw(keys, false)
+        Ok(self.lookup_raw(keys, false)?.0)
     }
 
     /// The longest present prefix of `keys`, leased: each stays readable until released.
     pub fn lookup_leased(&mut self, keys: &[ChunkKey]) -> Result<Vec<Lease>, Error> {
-        let hits = self.lookup_raw(keys, true)?;
-        let epoch = self.live_epoch();
+        let (hits, epoch) = self.lookup_raw(keys, true)?;
         Ok(keys.iter().zip(hits).map(|(key, hit)| Lease { key: *key, hit, epoch }).collect())
     }
 
@@ -317,21 +341,33 @@ impl Client {
                 lens.len()
             )));
         }
-        let mut all = Vec::with_capacity(keys.len());
+        let mut all: Vec<Result<Reserved, ErrorCode>> = Vec::with_capacity(keys.len());
         let max = self.max_keys();
+        self.ensure_connected()?;
+        let epoch = self.epoch;
         for (kb, lb) in keys.chunks(max).zip(lens.chunks(max)) {
-            self.ensure_connected()?;
-            let epoch = self.epoch;
-            match self.call(&Request::Reserve { keys: kb.to_vec(), lens: lb.to_vec() })? {
-                Response::Reserved { slots } if slots.len() == kb.len() => {
-                    all.extend(kb.iter().zip(slots).map(|(key, s)| match s {
-                        Reservation::Slot { offset, len, generation } => {
-                            Ok(Reserved { key: *key, offset, len, generation, epoch })
-                        }
-                        Reservation::Failed(code) => Err(code),
-                    }))
+            let answer = match self.call(&Request::Reserve { keys: kb.to_vec(), lens: lb.to_vec() })
+            {
+                Ok(_) if self.live_epoch() != epoch => Err(Error::Stale),
+                Ok(Response::Reserved { slots }) if slots.len() == kb.len() => Ok(slots),
+                Ok(other) => Err(unexpected("reserve", other)),
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(slots) => all.extend(kb.iter().zip(slots).map(|(key, s)| match s {
+                    Reservation::Slot { offset, len, generation } => {
+                        Ok(Reserved { key: *key, offset, len, generation, epoch })
+                    }
+                    Reservation::Failed(code) => Err(code),
+                })),
+                Err(e) => {
+                    // Give back what earlier batches reserved.
+                    let made: Vec<Reserved> = all.into_iter().filter_map(Result::ok).collect();
+                    if !made.is_empty() && self.live_epoch() == epoch {
+                        let _ = self.abort(&made);
+                    }
+                    return Err(e);
                 }
-                other => return Err(unexpected("reserve", other)),
             }
         }
         Ok(all)
@@ -372,10 +408,16 @@ impl Client {
         let mut out = Vec::with_capacity(items.len());
         let mut to_commit = Vec::new();
         let mut positions = Vec::new();
+        let mut failure = None;
         for (i, r) in reserved.into_iter().enumerate() {
             match r {
                 Ok(slot) => {
-                    self.slot_mut(&slot)?.copy_from_slice(items[i].1);
+                    if failure.is_none() {
+                        match self.slot_mut(&slot) {
+                            Ok(bytes) => bytes.copy_from_slice(items[i].1),
+                            Err(e) => failure = Some(e),
+                        }
+                    }
                     to_commit.push(slot);
                     positions.push(i);
                     out.push(PutOutcome::Stored);
@@ -386,8 +428,19 @@ impl Client {
                 Err(code) => out.push(PutOutcome::Failed(code)),
             }
         }
+        if let Some(e) = failure {
+            let _ = self.abort(&to_commit);
+            return Err(e);
+        }
         if !to_commit.is_empty() {
-            let outcomes = self.commit(&to_commit)?;
+            let outcomes = match self.commit(&to_commit) {
+                Ok(o) => o,
+                Err(e) => {
+                    // Best effort: if the session is still up, do not leave slots reserved.
+                    let _ = self.abort(&to_commit);
+                    return Err(e);
+                }
+            };
             for (i, o) in positions.into_iter().zip(outcomes) {
                 if let ChunkOutcome::Failed(code) = o {
                     out[i] = PutOutcome::Failed(code);

@@ -3,7 +3,6 @@
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
@@ -18,7 +17,7 @@ use orbitkv_proto::{
 };
 
 use crate::mapping::ArenaMap;
-use crate::Error;
+use crate::{ClientOptions, Error};
 
 /// Thread-safe flavour so that a `Client` can move between threads (engines hand sessions to
 /// worker threads); the server side of the same service uses the single-threaded flavour.
@@ -55,7 +54,9 @@ fn ipc_err(what: &str, e: impl std::fmt::Debug) -> Error {
 }
 
 impl Connection {
-    pub(crate) fn open(socket: &Path, name: &str, timeout: Duration) -> Result<Self, Error> {
+    pub(crate) fn open(opts: &ClientOptions) -> Result<Self, Error> {
+        let (socket, name, timeout) =
+            (opts.socket.as_path(), opts.name.as_str(), opts.request_timeout);
         let stream = UnixStream::connect(socket)
             .map_err(|source| Error::Connect { socket: socket.to_owned(), source })?;
         let connect_err =
@@ -63,7 +64,9 @@ impl Connection {
         stream.set_read_timeout(Some(timeout)).map_err(connect_err)?;
         let hello =
             Bootstrap::Hello { protocol_version: PROTOCOL_VERSION, client_name: name.into() };
-        write_frame(&mut &stream, &encode(&hello)).map_err(connect_err)?;
+        // A server that refuses early may close before our write lands; its refusal is still
+        // waiting to be read, so a failed write is only reported if there is nothing to read.
+        let wrote = write_frame(&mut &stream, &encode(&hello));
 
         // The welcome carries the arena memfd on its first bytes.
         let mut buf = vec![0u8; 4096];
@@ -87,7 +90,10 @@ impl Connection {
             (msg.bytes, fds)
         };
         if got == 0 {
-            return Err(Error::Disconnected("server closed the socket during bootstrap".into()));
+            return Err(match wrote {
+                Err(e) => connect_err(e),
+                Ok(()) => Error::Disconnected("server closed the socket during bootstrap".into()),
+            });
         }
         buf.truncate(got);
         let body = read_frame(&mut &stream, buf).map_err(connect_err)?;
@@ -126,7 +132,8 @@ impl Connection {
                 "welcome carried no arena and doorbell descriptors".into(),
             ));
         };
-        let arena = ArenaMap::new(arena_fd, arena_bytes).map_err(Error::Protocol)?;
+        let arena =
+            ArenaMap::new(arena_fd, arena_bytes, opts.prefault_arena).map_err(Error::Protocol)?;
         arena.doorbell(home_shard).map_err(Error::Protocol)?;
         let doorbell = doorbell_fd;
         stream.set_read_timeout(None).map_err(connect_err)?;

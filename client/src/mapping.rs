@@ -26,8 +26,9 @@ pub(crate) struct ArenaMap {
 unsafe impl Send for ArenaMap {}
 
 impl ArenaMap {
-    /// Maps `len` bytes of `fd`; checks the memfd is at least that large first.
-    pub(crate) fn new(fd: OwnedFd, len: u64) -> Result<Self, String> {
+    /// Maps `len` bytes of `fd` (populating the page tables when `prefault`); checks the
+    /// memfd is at least that large first.
+    pub(crate) fn new(fd: OwnedFd, len: u64, prefault: bool) -> Result<Self, String> {
         let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| format!("fstat arena: {e}"))?;
         if (stat.st_size as u64) < len {
             return Err(format!("arena memfd has {} bytes, server announced {len}", stat.st_size));
@@ -36,17 +37,15 @@ impl ArenaMap {
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or_else(|| format!("arena size {len} is not mappable"))?;
+        let flags = if prefault {
+            MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE
+        } else {
+            MapFlags::MAP_SHARED
+        };
         // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long, checked
         // above; nothing existing is replaced.
         let base = unsafe {
-            mmap(
-                None,
-                size,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
-                fd.as_fd(),
-                0,
-            )
+            mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, flags, fd.as_fd(), 0)
         }
         .map_err(|e| format!("mmap arena: {e}"))?;
         Ok(Self { base, len: size.get(), _fd: fd })

@@ -5,23 +5,48 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
+use crate::deadline::DeadlineReader;
 use crate::shared::{ServeState, ShardSnapshot, Shared};
 
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_LINE: u64 = 4096;
 
-/// Serves admin connections one at a time until the listener fails.
+/// Admin connections served at once; more wait in the listen backlog.
+const MAX_ADMIN_CONNECTIONS: usize = 16;
+/// Time a client has to send its request line.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Serves admin connections, each on its own thread (at most [`MAX_ADMIN_CONNECTIONS`]),
+/// until the listener fails. A slow client only holds its own thread, for at most
+/// [`REQUEST_DEADLINE`].
 pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
+    let live = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
-                if let Err(e) = handle(stream, &shared) {
-                    tracing::debug!(error = %e, "admin connection failed");
+                while live.load(Ordering::Acquire) >= MAX_ADMIN_CONNECTIONS {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                live.fetch_add(1, Ordering::AcqRel);
+                let shared = Arc::clone(&shared);
+                let done = Arc::clone(&live);
+                let spawned = std::thread::Builder::new().name("orbitkv-admin-conn".into()).spawn(
+                    move || {
+                        if let Err(e) = handle(stream, &shared) {
+                            tracing::debug!(error = %e, "admin connection failed");
+                        }
+                        done.fetch_sub(1, Ordering::AcqRel);
+                    },
+                );
+                if let Err(e) = spawned {
+                    live.fetch_sub(1, Ordering::AcqRel);
+                    tracing::error!(error = %e, "cannot start an admin thread");
                 }
             }
             Err(e) => {
@@ -33,9 +58,9 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
 }
 
 fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut line = String::new();
-    BufReader::new((&stream).take(MAX_LINE)).read_line(&mut line)?;
+    BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
+        .read_line(&mut line)?;
     let reply = match serde_json::from_str::<Value>(&line) {
         Ok(v) => match v.get("cmd").and_then(Value::as_str) {
             Some(cmd) => command(cmd, shared),

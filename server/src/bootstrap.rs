@@ -15,6 +15,7 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::Arena;
 
+use crate::deadline::DeadlineReader;
 use crate::router::{max_request_bytes, max_response_bytes};
 use crate::shared::{ControlMsg, ServeState, SessionInfo, Shared};
 
@@ -100,21 +101,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         }
     };
     let (uid, pid) = (creds.uid(), creds.pid());
-    let own = nix::unistd::getuid().as_raw();
-    if uid != own && uid != 0 && !shared.settings.config.allow_uid.contains(&uid) {
-        return refuse(
-            &stream,
-            shared,
-            ErrorCode::PermissionDenied,
-            format!(
-                "uid {uid} is not allowed to connect (allowed: the server's uid {own}, root, and \
-                 --allow-uid {:?})",
-                shared.settings.config.allow_uid
-            ),
-        );
-    }
-    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
-    let hello = match read_frame(&mut &stream, Vec::new()) {
+    let hello = match read_frame(&mut DeadlineReader::new(&stream, HELLO_TIMEOUT), Vec::new()) {
         Ok(b) => decode::<Bootstrap>(&b).map_err(|e| e.to_string()),
         Err(e) => Err(format!("reading hello: {e}")),
     };
@@ -139,6 +126,21 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
             )
         }
     };
+    // The uid is checked after the hello is read, so that a refused client can finish its
+    // write and read the refusal instead of a broken pipe.
+    let own = nix::unistd::getuid().as_raw();
+    if uid != own && uid != 0 && !shared.settings.config.allow_uid.contains(&uid) {
+        return refuse(
+            &stream,
+            shared,
+            ErrorCode::PermissionDenied,
+            format!(
+                "uid {uid} is not allowed to connect (allowed: the server's uid {own}, root, and \
+                 --allow-uid {:?})",
+                shared.settings.config.allow_uid
+            ),
+        );
+    }
     if shared.state() == ServeState::Draining {
         return refuse(
             &stream,
@@ -148,42 +150,53 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         );
     }
     let max = shared.settings.config.max_sessions;
-    let open = shared.sessions.lock().expect("session table lock is never poisoned").len();
-    if open >= max {
-        return refuse(
-            &stream,
-            shared,
-            ErrorCode::TooManySessions,
-            format!("{open} sessions open (--max-sessions {max})"),
-        );
-    }
     let session = shared.next_session_id();
     let home = shared.pick_home_shard();
+    {
+        // Count the session in the same critical section as the check, so concurrent
+        // handshakes cannot overshoot --max-sessions.
+        let mut sessions = shared.sessions.lock().expect("session table lock is never poisoned");
+        let open = sessions.len();
+        if open >= max {
+            drop(sessions);
+            return refuse(
+                &stream,
+                shared,
+                ErrorCode::TooManySessions,
+                format!("{open} sessions open (--max-sessions {max})"),
+            );
+        }
+        sessions.insert(
+            session,
+            SessionInfo {
+                id: session,
+                pid,
+                uid,
+                name: name.clone(),
+                home_shard: home,
+                opened: SystemTime::now(),
+            },
+        );
+    }
     let service = format!("{}/s{session}", shared.service_prefix);
     let (reply, rx) = bounded(1);
     let msg = ControlMsg::OpenSession { session, service: service.clone(), reply };
-    let opened = Some(())
-        .filter(|()| shared.send_control(home, msg, HELLO_TIMEOUT))
-        .ok_or_else(|| "home shard is not answering".to_string())
-        .and_then(|()| {
-            rx.recv_timeout(HELLO_TIMEOUT)
-                .map_err(|_| "home shard did not open the session".to_string())
-        })
-        .and_then(|r| r);
+    let queued = shared.send_control(home, msg, HELLO_TIMEOUT);
+    let opened = if queued {
+        rx.recv_timeout(HELLO_TIMEOUT)
+            .map_err(|_| "home shard did not open the session in time".to_string())
+            .and_then(|r| r)
+    } else {
+        Err("home shard is not answering".to_string())
+    };
     if let Err(e) = opened {
+        shared.sessions.lock().expect("session table lock is never poisoned").remove(&session);
+        if queued {
+            // The shard may still open it later: the close follows in the same queue.
+            shared.send_control(home, ControlMsg::CloseSession { session }, HELLO_TIMEOUT);
+        }
         return refuse(&stream, shared, ErrorCode::Internal, e);
     }
-    shared.sessions.lock().expect("session table lock is never poisoned").insert(
-        session,
-        SessionInfo {
-            id: session,
-            pid,
-            uid,
-            name: name.clone(),
-            home_shard: home,
-            opened: SystemTime::now(),
-        },
-    );
     let cfg = &shared.settings.config;
     let welcome = Welcome::Accepted {
         protocol_version: PROTOCOL_VERSION,

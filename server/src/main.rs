@@ -5,6 +5,7 @@
 mod admin;
 mod bootstrap;
 mod config;
+mod deadline;
 mod doorbell;
 mod executor;
 mod ipc;

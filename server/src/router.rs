@@ -104,6 +104,26 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
             format!("{n} keys exceed --max-keys-per-request {}", cfg.max_keys_per_request),
         ));
     }
+    let result = check_bounds(exec, counters, r, n);
+    // Take the budget now, before any await: concurrent requests of the session then see it.
+    // `execute` hands back what was not used.
+    if result.is_ok() {
+        match r {
+            Request::Reserve { .. } => counters.add_reservations(n as i64),
+            Request::Lookup { lease: true, .. } => counters.add_leases(n as i64),
+            _ => {}
+        }
+    }
+    result
+}
+
+fn check_bounds(
+    exec: &Exec,
+    counters: &SessionCounters,
+    r: &Request,
+    n: u64,
+) -> Result<(), (ErrorCode, String)> {
+    let cfg = &exec.shared.settings.config;
     match r {
         Request::Reserve { keys, lens } => {
             if keys.len() != lens.len() {
@@ -204,7 +224,8 @@ async fn execute(
                     )
                     .await;
                 }
-                counters.add_leases(prefix as i64);
+                // The whole key count was charged at dispatch; keep only the leased prefix.
+                counters.add_leases(prefix as i64 - keys.len() as i64);
             }
             let hits: Vec<Hit> = hits
                 .into_iter()
@@ -231,7 +252,7 @@ async fn execute(
             )
             .await;
             let made = slots.iter().filter(|s| matches!(s, Reservation::Slot { .. })).count();
-            counters.add_reservations(made as i64);
+            counters.add_reservations(made as i64 - slots.len() as i64);
             Response::Reserved { slots }
         }
         Request::Commit { slots } => {

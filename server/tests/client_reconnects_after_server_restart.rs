@@ -45,7 +45,7 @@ fn a_call_in_flight_fails_clearly_when_the_server_dies() {
     let mut c = server.client("in-flight");
     c.ping().unwrap();
     // Freeze the server so the next request stays in flight, then kill it.
-    server.signal(Signal::SIGSTOP);
+    server.freeze();
     let caller = std::thread::spawn(move || (c.ping(), c));
     std::thread::sleep(Duration::from_millis(100));
     server.signal(Signal::SIGKILL);
@@ -71,7 +71,7 @@ fn a_timed_out_call_drops_the_session_and_the_next_call_reconnects() {
     let keys = chain(ns, 4, 1);
     c.put(&[(keys[0], &value_for(&keys[0], 4096))]).unwrap();
     let held = c.lookup_leased(&keys).unwrap();
-    server.signal(Signal::SIGSTOP);
+    server.freeze();
     let err = c.ping().unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     server.signal(Signal::SIGCONT);

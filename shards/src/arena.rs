@@ -16,6 +16,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
 
@@ -61,10 +62,16 @@ impl Arena {
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or(Error::ArenaSize { bytes, reason: "does not fit the address space" })?;
-        let fd = memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC)
-            .map_err(|source| Error::Arena { op: "memfd_create", source })?;
+        let fd =
+            memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+                .map_err(|source| Error::Arena { op: "memfd_create", source })?;
         nix::unistd::ftruncate(&fd, bytes as i64)
             .map_err(|source| Error::Arena { op: "ftruncate", source })?;
+        // Clients get this fd: seal its size so that none can shrink it under the server
+        // (which would turn the server's next access into SIGBUS).
+        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
+            .map_err(|source| Error::Arena { op: "fcntl(F_ADD_SEALS)", source })?;
         // SAFETY: a fresh shared mapping of a memfd we just sized to `len`; no existing memory
         // is replaced (addr is None).
         let base = unsafe {
@@ -188,8 +195,9 @@ impl ArenaSlice {
     /// The bytes at `[offset, offset + len)` of this slice (slice-relative offsets).
     ///
     /// Used to checksum a chunk at commit. Clients write the same shared memory from other
-    /// processes; the protocol guarantees none writes a committed or leased range, and a
-    /// client that breaks it only corrupts its own chunk's checksum.
+    /// processes; the protocol says none writes a committed or leased range, and a client
+    /// that breaks it only changes bytes (the memfd's size is sealed, so the range stays
+    /// mapped and readable).
     pub fn bytes(&self, offset: u64, len: u64) -> &[u8] {
         assert!(
             offset.checked_add(len).is_some_and(|end| end <= self.len),

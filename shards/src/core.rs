@@ -23,6 +23,9 @@ pub struct ShardConfig {
     pub max_namespaces: usize,
 }
 
+/// Most victims one reservation may evict (more when the chunk spans more pages).
+const MAX_EVICTIONS_PER_RESERVATION: u64 = 64;
+
 #[derive(Debug, Default)]
 struct Holdings {
     leases: HashMap<EntryIdx, u32>,
@@ -195,6 +198,11 @@ impl ShardCore {
                 .find(key)
                 .filter(|&idx| self.entries.get(idx).state == EntryState::Ready);
             match found {
+                Some(idx) if lease && self.entries.get(idx).leases == u32::MAX => {
+                    // The per-entry lease counter is full: report a miss rather than wrap.
+                    self.metrics.count_error(ErrorCode::LeaseLimit);
+                    out.push(None);
+                }
                 Some(idx) => {
                     self.metrics.hits += 1;
                     self.entries.touch(idx);
@@ -253,10 +261,21 @@ impl ShardCore {
             });
         }
         let pages = ExtentAllocator::pages_for(len);
+        if pages > self.alloc.capacity_pages() {
+            return Err(ErrorCode::NoSpace);
+        }
+        // Evict until a fitting extent appears, but never more than a bounded number of
+        // victims per reservation: when leased entries fragment the slice, emptying the whole
+        // cache could still not make room.
+        let mut budget = MAX_EVICTIONS_PER_RESERVATION.max(2 * pages);
         let extent = loop {
             if let Some(extent) = self.alloc.alloc(pages) {
                 break extent;
             }
+            if budget == 0 {
+                return Err(ErrorCode::NoSpace);
+            }
+            budget -= 1;
             let victim = self.entries.pick_victim().ok_or(ErrorCode::NoSpace)?;
             let evicted = self.entries.remove(victim);
             self.alloc.free(evicted.extent);

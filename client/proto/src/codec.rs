@@ -26,8 +26,10 @@ where
         .expect("serializing into a growable in-memory buffer cannot fail")
 }
 
-/// Validates and decodes a message from untrusted bytes. Misaligned input is copied into an
-/// aligned buffer first; any structural error is reported, never trusted.
+/// Validates and decodes a message from untrusted bytes. The input is always copied into an
+/// aligned private buffer first: it may live in memory another process can still write, and
+/// validation must see the same bytes as deserialization. Any structural error is reported,
+/// never trusted.
 pub fn decode<T>(bytes: &[u8]) -> Result<T, DecodeError>
 where
     T: Archive,
@@ -35,13 +37,9 @@ where
         + Deserialize<T, HighDeserializer<rancor::Error>>,
 {
     let fail = |e: rancor::Error| DecodeError { len: bytes.len(), reason: e.to_string() };
-    if (bytes.as_ptr() as usize).is_multiple_of(16) {
-        rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(fail)
-    } else {
-        let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
-        aligned.extend_from_slice(bytes);
-        rkyv::from_bytes::<T, rancor::Error>(&aligned).map_err(fail)
-    }
+    let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
+    aligned.extend_from_slice(bytes);
+    rkyv::from_bytes::<T, rancor::Error>(&aligned).map_err(fail)
 }
 
 /// Largest bootstrap frame accepted on the Unix socket.

@@ -113,6 +113,25 @@ impl TestServer {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
     }
 
+    /// SIGSTOP, then wait until every thread of the server is stopped.
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let task_dir = format!("/proc/{}/task", self.pid());
+        loop {
+            let all_stopped = std::fs::read_dir(&task_dir).unwrap().flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesised command name.
+                stat.rsplit(") ").next().is_some_and(|rest| rest.starts_with('T'))
+            });
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "server did not stop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
@@ -131,8 +150,19 @@ impl TestServer {
 }
 
 impl Drop for TestServer {
+    /// SIGTERM first (the server removes its shared-memory files), SIGKILL after 5 s.
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
             let _ = c.kill();
             let _ = c.wait();
         }
