@@ -25,12 +25,23 @@ pub type MeshRequest = (u64, ShardOp);
 /// A reply sent over the mesh: (request id, reply).
 pub type MeshReply = (u64, ShardReply);
 
-/// Spin this long after the last piece of work before napping.
+/// Spin this long after the last piece of work before napping (when cores are spare).
 const SPIN_WINDOW: Duration = Duration::from_micros(200);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
-/// After this long without work (and no task in flight) a shard sleeps on its doorbell.
+/// After this long without work (and no task in flight) a shard sleeps on its doorbell (when
+/// cores are spare; without spare cores it sleeps at once, see [`IdlePolicy`]).
 const DEEP_IDLE: Duration = Duration::from_millis(20);
+
+/// How a shard waits for work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdlePolicy {
+    /// Spare cores exist: spin briefly after work, nap, then sleep on the doorbell.
+    Poll,
+    /// Every core runs a shard: spinning would steal the core from clients, so a shard
+    /// sleeps on its doorbell as soon as it has nothing to do.
+    Sleep,
+}
 /// Longest doorbell sleep before looking around anyway.
 const DEEP_SLEEP: Duration = Duration::from_millis(250);
 
@@ -58,6 +69,8 @@ pub struct ShardContext {
     pub ipc: IpcNames,
     /// Reports start-up success or failure.
     pub ready: Sender<Result<(), String>>,
+    /// How to wait for work.
+    pub idle: IdlePolicy,
 }
 
 /// Starts the executor thread of one shard. Pinning is best effort: a placement that fails
@@ -122,8 +135,23 @@ pub(crate) struct Exec {
 
 async fn run(ctx: ShardContext) {
     let ShardContext {
-        id, shards, cpu, core, control, req_mesh, rep_mesh, shared, ipc, ready, ..
+        id,
+        shards,
+        cpu,
+        core,
+        control,
+        req_mesh,
+        rep_mesh,
+        shared,
+        ipc,
+        ready,
+        idle: policy,
+        ..
     } = ctx;
+    let (spin_window, deep_idle) = match policy {
+        IdlePolicy::Poll => (SPIN_WINDOW, DEEP_IDLE),
+        IdlePolicy::Sleep => (Duration::ZERO, Duration::ZERO),
+    };
     let node = match ipc::config(&ipc).and_then(|cfg| {
         NodeName::new(&format!("orbitkv-shard-{id}"))
             .map_err(|e| format!("node name: {e:?}"))
@@ -241,18 +269,20 @@ async fn run(ctx: ShardContext) {
             continue;
         }
         let idle = last_work.elapsed();
-        if idle < SPIN_WINDOW {
+        if idle < spin_window {
             // Let other threads of this core run (clients, on machines without spare cores).
             std::thread::yield_now();
             glommio::executor().yield_now().await;
-        } else if idle >= DEEP_IDLE && exec.active.get() == 0 {
+        } else if idle >= deep_idle && exec.active.get() == 0 {
             let e = &exec;
             e.deep_sleeps.set(e.deep_sleeps.get() + 1);
             if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(&control)) {
                 e.doorbell_wakeups.set(e.doorbell_wakeups.get() + 1);
                 last_work = Instant::now();
             }
-            glommio::executor().yield_now().await;
+            // Go through glommio's reactor (a plain yield may not poll it): mesh messages that
+            // arrived while this thread was blocked are only seen there.
+            glommio::timer::sleep(Duration::from_micros(1)).await;
         } else {
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
             glommio::timer::sleep(nap).await;

@@ -25,7 +25,7 @@ use orbitkv_proto::{admin_socket_path, format_bytes};
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
 
 use crate::config::{Args, ServerConfig, Settings};
-use crate::executor::ShardContext;
+use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
 use crate::shared::{ControlMsg, ServeState, Shared};
 
@@ -146,6 +146,10 @@ fn run(settings: Settings) -> Result<(), String> {
     if settings.config.pin && !pin {
         tracing::warn!(shards, cpus = cpus.len(), "more shards than CPUs: shards run unpinned");
     }
+    // With a core to spare for clients, shards poll briefly after work; when every core runs a
+    // shard, polling would starve the clients, so shards sleep on their doorbells at once.
+    let idle = if shards < cpus.len() { IdlePolicy::Poll } else { IdlePolicy::Sleep };
+    tracing::info!(?idle, shards, cpus = cpus.len(), "idle policy");
     let depth = settings.config.mesh_queue_depth;
     let req_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
     let rep_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
@@ -173,6 +177,7 @@ fn run(settings: Settings) -> Result<(), String> {
             shared: Arc::clone(&shared),
             ipc: ipc.clone(),
             ready: ready_tx.clone(),
+            idle,
         };
         handles.push(executor::spawn(ctx)?);
     }
