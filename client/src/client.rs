@@ -271,6 +271,47 @@ impl Client {
         self.outcomes("release", &slots, |slots| Request::Release { slots })
     }
 
+    /// Releases leases without waiting for the server's answer: the release travels while
+    /// the caller goes on, and its answer is collected by a later call. A release that fails
+    /// (it cannot, for leases this session holds) is logged and counted in
+    /// [`Client::deferred_failures`].
+    pub fn release_deferred(&mut self, leases: &[Lease]) -> Result<(), Error> {
+        let epoch = self.live_epoch();
+        if leases.iter().any(|l| l.epoch != epoch) {
+            return Err(Error::Stale);
+        }
+        let timeout = self.opts.request_timeout;
+        let max = self.max_keys();
+        for batch in leases.chunks(max) {
+            let slots: Vec<SlotRef> = batch
+                .iter()
+                .map(|l| SlotRef { key: l.key, generation: l.hit.generation })
+                .collect();
+            let conn = self.conn.as_mut().ok_or(Error::Stale)?;
+            if let Err(e) = conn.send_deferred(&Request::Release { slots }, timeout) {
+                self.conn = None;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every deferred request (release) of this session has been answered.
+    pub fn flush(&mut self) -> Result<(), Error> {
+        let timeout = self.opts.request_timeout;
+        let Some(conn) = self.conn.as_mut() else { return Ok(()) };
+        let flushed = conn.flush_deferred(timeout);
+        if flushed.is_err() {
+            self.conn = None;
+        }
+        flushed
+    }
+
+    /// Deferred requests of the current session that failed (each is also logged).
+    pub fn deferred_failures(&self) -> u64 {
+        self.conn.as_ref().map_or(0, |c| c.deferred_failures)
+    }
+
     fn outcomes<T: Clone>(
         &mut self,
         op: &str,
@@ -290,7 +331,8 @@ impl Client {
     }
 
     /// Copies the longest present prefix of `keys` into `bufs` (one buffer per key) and
-    /// returns the length of each chunk copied. Chunks are leased during the copy.
+    /// returns the length of each chunk copied. Chunks are leased during the copy; the
+    /// release is deferred (see [`Client::release_deferred`]), so a get costs one round trip.
     pub fn get_into(
         &mut self,
         keys: &[ChunkKey],
@@ -321,7 +363,7 @@ impl Client {
             buf[..bytes.len()].copy_from_slice(bytes);
             lens.push(bytes.len());
         }
-        self.release(&leases)?;
+        self.release_deferred(&leases)?;
         match failure {
             Some(e) => Err(e),
             None => Ok(lens),

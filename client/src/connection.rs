@@ -1,18 +1,20 @@
 //! One session: the bootstrap socket, the mapped arena, and the iceoryx2 client port.
 
+use std::collections::VecDeque;
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
+use iceoryx2::pending_response::PendingResponse;
 use iceoryx2::port::client::Client as IoxClient;
 use iceoryx2::prelude::*;
 use iceoryx2::service::port_factory::request_response::PortFactory;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use orbitkv_proto::{
-    decode, encode, read_frame, write_frame, Bootstrap, Request, Response, Welcome,
+    decode, encode, read_frame, write_frame, Bootstrap, ChunkOutcome, Request, Response, Welcome,
     PROTOCOL_VERSION,
 };
 
@@ -22,6 +24,8 @@ use crate::{ClientOptions, Error};
 /// Thread-safe flavour so that a `Client` can move between threads (engines hand sessions to
 /// worker threads); the server side of the same service uses the single-threaded flavour.
 type Svc = ipc_threadsafe::Service;
+/// A request in flight.
+type Pending = PendingResponse<Svc, [u8], (), [u8], ()>;
 
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
@@ -34,6 +38,11 @@ pub(crate) struct Connection {
     pub(crate) max_keys_per_request: u32,
     pub(crate) max_request_bytes: u64,
     pub(crate) arena: ArenaMap,
+    /// Requests sent without waiting (releases), oldest first.
+    deferred: VecDeque<(Pending, &'static str)>,
+    max_deferred: usize,
+    /// Deferred requests that failed (a counter for the caller; each is also logged).
+    pub(crate) deferred_failures: u64,
     home_shard: u32,
     /// The home shard's eventfd.
     doorbell: OwnedFd,
@@ -100,6 +109,7 @@ impl Connection {
         let welcome = decode::<Welcome>(&body).map_err(|e| Error::Protocol(e.to_string()))?;
         let max_request_bytes;
         let max_keys;
+        let max_deferred;
         let (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name) =
             match welcome {
                 Welcome::Refused { code, message } => return Err(Error::Refused { code, message }),
@@ -119,10 +129,12 @@ impl Connection {
                     service_name,
                     max_request_bytes: limit,
                     max_keys_per_request,
+                    max_inflight,
                     ..
                 } => {
                     max_request_bytes = limit;
                     max_keys = max_keys_per_request;
+                    max_deferred = (max_inflight as usize).saturating_sub(1);
                     (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name)
                 }
             };
@@ -172,6 +184,9 @@ impl Connection {
             max_keys_per_request: max_keys,
             max_request_bytes,
             arena,
+            deferred: VecDeque::new(),
+            max_deferred,
+            deferred_failures: 0,
             home_shard,
             doorbell,
             port,
@@ -214,6 +229,82 @@ impl Connection {
         op: &'static str,
         timeout: Duration,
     ) -> Result<Response, Error> {
+        self.reap_deferred();
+        let pending = self.send(bytes)?;
+        self.wait(&pending, op, timeout)
+    }
+
+    /// Sends a request whose answer nobody waits for now (a release). Its answer is collected
+    /// by later calls; a failure is logged and counted, never lost silently. At most
+    /// `max_inflight - 1` are outstanding: beyond that the oldest is awaited first.
+    pub(crate) fn send_deferred(&mut self, req: &Request, timeout: Duration) -> Result<(), Error> {
+        if self.max_deferred == 0 {
+            // One request in flight allowed: nothing can be deferred.
+            let answer = self.call(req, timeout)?;
+            self.check_deferred(req.op_name(), answer);
+            return Ok(());
+        }
+        self.reap_deferred();
+        while self.deferred.len() >= self.max_deferred {
+            let oldest = self.deferred.pop_front().expect("non-empty: len >= max_deferred >= 1");
+            let answer = self.wait(&oldest.0, oldest.1, timeout)?;
+            self.check_deferred(oldest.1, answer);
+        }
+        let bytes = encode(req);
+        let pending = self.send(&bytes)?;
+        self.deferred.push_back((pending, req.op_name()));
+        Ok(())
+    }
+
+    /// Waits for the answers of every deferred request.
+    pub(crate) fn flush_deferred(&mut self, timeout: Duration) -> Result<(), Error> {
+        while let Some((pending, op)) = self.deferred.pop_front() {
+            let answer = self.wait(&pending, op, timeout)?;
+            self.check_deferred(op, answer);
+        }
+        Ok(())
+    }
+
+    /// Collects answers of deferred requests that have arrived, oldest first.
+    fn reap_deferred(&mut self) {
+        while let Some((pending, op)) = self.deferred.front() {
+            let op = *op;
+            let answer = match pending.receive() {
+                Ok(Some(resp)) => {
+                    decode::<Response>(resp.payload()).map_err(|e| Error::Protocol(e.to_string()))
+                }
+                Ok(None) => return,
+                Err(e) => Err(ipc_err("receive", e)),
+            };
+            self.deferred.pop_front();
+            match answer {
+                Ok(r) => self.check_deferred(op, r),
+                Err(e) => self.deferred_failure(op, &e.to_string()),
+            }
+        }
+    }
+
+    fn check_deferred(&mut self, op: &'static str, answer: Response) {
+        match answer {
+            Response::Outcomes { outcomes } => {
+                let failed = outcomes.iter().filter(|o| **o != ChunkOutcome::Done).count();
+                if failed > 0 {
+                    self.deferred_failure(
+                        op,
+                        &format!("{failed} of {} chunks failed", outcomes.len()),
+                    );
+                }
+            }
+            other => self.deferred_failure(op, &format!("unexpected answer {other:?}")),
+        }
+    }
+
+    fn deferred_failure(&mut self, op: &'static str, what: &str) {
+        self.deferred_failures += 1;
+        tracing::warn!(op, what, "deferred request failed");
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<Pending, Error> {
         if !self.alive() {
             return Err(Error::Disconnected("server closed the session".into()));
         }
@@ -231,6 +322,15 @@ impl Connection {
         if asleep.load(Ordering::SeqCst) != 0 {
             let _ = nix::unistd::write(&self.doorbell, &1u64.to_ne_bytes());
         }
+        Ok(pending)
+    }
+
+    fn wait(
+        &self,
+        pending: &Pending,
+        op: &'static str,
+        timeout: Duration,
+    ) -> Result<Response, Error> {
         let start = Instant::now();
         let mut last_check = start;
         loop {

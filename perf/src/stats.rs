@@ -70,6 +70,17 @@ impl ErrorCounts {
         self.add(code.as_str().to_string(), || format!("{op}: {code}"));
     }
 
+    /// Counts `n` failures of deferred requests of `op`.
+    pub fn count(&mut self, op: &str, n: u64) {
+        if n > 0 {
+            let kind = format!("{op}_deferred");
+            self.first
+                .entry(kind.clone())
+                .or_insert_with(|| format!("{op}: {n} deferred requests failed"));
+            *self.counts.entry(kind).or_default() += n;
+        }
+    }
+
     fn add(&mut self, kind: String, message: impl FnOnce() -> String) {
         if !self.first.contains_key(&kind) {
             self.first.insert(kind.clone(), message());

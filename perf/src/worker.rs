@@ -176,7 +176,8 @@ impl Worker<'_> {
                 Ok(_) => Ok(false),
                 Err(e) => Err(e),
             };
-            let released = client.release(std::slice::from_ref(lease));
+            // One round trip per get: the release travels while the client verifies.
+            let released = client.release_deferred(std::slice::from_ref(lease));
             let took = started.elapsed();
             match copied {
                 Err(e) => {
@@ -214,23 +215,18 @@ impl Worker<'_> {
                 }
             }
         }
+        // Deferred releases answer later; any that failed are errors of this run.
+        if let Err(e) = client.flush() {
+            errors.client("release", &e);
+        }
+        errors.count("release", client.deferred_failures());
         s.ended = Some(Instant::now());
     }
 }
 
-fn count_release(
-    released: Result<Vec<orbitkv_client::ChunkOutcome>, orbitkv_client::Error>,
-    errors: &mut ErrorCounts,
-) {
-    match released {
-        Ok(outcomes) => {
-            for o in outcomes {
-                if let orbitkv_client::ChunkOutcome::Failed(code) = o {
-                    errors.code("release", code);
-                }
-            }
-        }
-        Err(e) => errors.client("release", &e),
+fn count_release(released: Result<(), orbitkv_client::Error>, errors: &mut ErrorCounts) {
+    if let Err(e) = released {
+        errors.client("release", &e);
     }
 }
 

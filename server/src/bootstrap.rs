@@ -210,6 +210,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         max_request_bytes: max_request_bytes(cfg.max_keys_per_request) as u64,
         max_response_bytes: max_response_bytes(cfg.max_keys_per_request) as u64,
         max_keys_per_request: cfg.max_keys_per_request,
+        max_inflight: cfg.max_inflight_per_session as u32,
     };
     tracing::info!(session, pid, uid, home, name = %name, "session opened");
     if let Err(e) = send_welcome(

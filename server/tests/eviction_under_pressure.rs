@@ -51,6 +51,8 @@ fn working_set_four_times_the_arena() {
     }
     assert_eq!(holder.lookup(&keys[..8]).unwrap().len(), 8);
     assert!(holder.release(&leases).unwrap().iter().all(|o| *o == ChunkOutcome::Done));
+    writer.flush().unwrap();
+    assert_eq!(writer.deferred_failures(), 0);
     assert_eq!(server.shard_sum("leases"), 0);
     assert!(server.shard_sum("dram_used_bytes") <= 8 << 20);
 }

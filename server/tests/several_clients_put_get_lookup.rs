@@ -61,6 +61,8 @@ fn several_clients_share_chunks_byte_exact() {
     for s in stats["shards"].as_array().unwrap() {
         assert!(s["entries"].as_u64().unwrap() > 0, "{stats}");
     }
+    reader.flush().unwrap();
+    assert_eq!(reader.deferred_failures(), 0);
     assert_eq!(server.shard_sum("leases"), 0);
 }
 
@@ -92,4 +94,30 @@ fn lookup_returns_the_longest_prefix_across_shards() {
     // Explicit evict makes a chunk disappear and shortens the prefix.
     assert_eq!(c.evict(&keys[3..4]).unwrap(), vec![ChunkOutcome::Done]);
     assert_eq!(c.lookup(&keys).unwrap().len(), 3);
+}
+
+#[test]
+fn deferred_releases_land_and_failures_are_counted() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "16MiB"]);
+    let mut c = server.client("deferred");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 21, 12);
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 3000)).collect();
+    let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
+    c.put(&items).unwrap();
+    // More deferred releases than may be in flight at once: the oldest are awaited in turn.
+    let mut all = Vec::new();
+    for k in &keys {
+        let lease = c.lookup_leased(std::slice::from_ref(k)).unwrap();
+        c.release_deferred(&lease).unwrap();
+        all.extend(lease);
+    }
+    c.flush().unwrap();
+    assert_eq!(c.deferred_failures(), 0);
+    assert_eq!(server.shard_sum("leases"), 0);
+    // Releasing the same leases again fails on the server: counted, not lost.
+    c.release_deferred(&all).unwrap();
+    c.flush().unwrap();
+    assert_eq!(c.deferred_failures(), 1, "one failed release request (12 chunks)");
+    assert_eq!(server.shard_sum("leases"), 0);
 }

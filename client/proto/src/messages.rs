@@ -59,6 +59,8 @@ pub enum Welcome {
         max_response_bytes: u64,
         /// Most keys per request.
         max_keys_per_request: u32,
+        /// Requests the session may have in flight at once.
+        max_inflight: u32,
     },
     /// The session was refused.
     Refused {
