@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use glommio::channels::channel_mesh::{Full, MeshBuilder, Senders};
+use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::{LocalExecutorBuilder, Placement};
 use iceoryx2::prelude::*;
@@ -133,6 +133,20 @@ pub(crate) struct Exec {
     doorbell_wakeups: Cell<u64>,
 }
 
+/// This shard's ends of a mesh, or none with one shard.
+async fn join_mesh<T: Send + 'static>(
+    mesh: Option<MeshBuilder<T, Full>>,
+    what: &str,
+) -> Result<(Option<Senders<T>>, Option<Receivers<T>>), String> {
+    match mesh {
+        None => Ok((None, None)),
+        Some(m) => match m.join().await {
+            Ok((tx, rx)) => Ok((Some(tx), Some(rx))),
+            Err(e) => Err(format!("joining the {what} mesh: {e}")),
+        },
+    }
+}
+
 async fn run(ctx: ShardContext) {
     let ShardContext {
         id,
@@ -169,28 +183,20 @@ async fn run(ctx: ShardContext) {
             return;
         }
     };
-    let mut req_rx = None;
-    let mut req_tx = None;
-    if let Some(m) = req_mesh {
-        match m.join().await {
-            Ok((t, r)) => (req_tx, req_rx) = (Some(t), Some(r)),
-            Err(e) => {
-                let _ = ready.send(Err(format!("shard {id}: joining the request mesh: {e}")));
-                return;
-            }
+    let (req_tx, req_rx) = match join_mesh(req_mesh, "request").await {
+        Ok(ends) => ends,
+        Err(e) => {
+            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            return;
         }
-    }
-    let mut rep_rx = None;
-    let mut rep_tx = None;
-    if let Some(m) = rep_mesh {
-        match m.join().await {
-            Ok((t, r)) => (rep_tx, rep_rx) = (Some(t), Some(r)),
-            Err(e) => {
-                let _ = ready.send(Err(format!("shard {id}: joining the reply mesh: {e}")));
-                return;
-            }
+    };
+    let (rep_tx, rep_rx) = match join_mesh(rep_mesh, "reply").await {
+        Ok(ends) => ends,
+        Err(e) => {
+            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            return;
         }
-    }
+    };
     let idle_poll_max = shared.settings.idle_poll_max;
     let exec = Rc::new(Exec {
         id,

@@ -256,57 +256,38 @@ async fn execute(
             Response::Reserved { slots }
         }
         Request::Commit { slots } => {
-            let o = scatter(
-                exec,
-                &slots,
-                |s| &s.key,
-                |slots| ShardOp::Commit { session, slots },
-                outcomes,
-                ChunkOutcome::Failed(ErrorCode::Internal),
-            )
-            .await;
+            let o = per_slot(exec, &slots, |slots| ShardOp::Commit { session, slots }).await;
             counters.add_reservations(-(done(&o) as i64));
             Response::Outcomes { outcomes: o }
         }
         Request::Abort { slots } => {
-            let o = scatter(
-                exec,
-                &slots,
-                |s| &s.key,
-                |slots| ShardOp::Abort { session, slots },
-                outcomes,
-                ChunkOutcome::Failed(ErrorCode::Internal),
-            )
-            .await;
+            let o = per_slot(exec, &slots, |slots| ShardOp::Abort { session, slots }).await;
             counters.add_reservations(-(done(&o) as i64));
             Response::Outcomes { outcomes: o }
         }
         Request::Release { slots } => {
-            let o = scatter(
-                exec,
-                &slots,
-                |s| &s.key,
-                |slots| ShardOp::Release { session, slots },
-                outcomes,
-                ChunkOutcome::Failed(ErrorCode::Internal),
-            )
-            .await;
+            let o = per_slot(exec, &slots, |slots| ShardOp::Release { session, slots }).await;
             counters.add_leases(-(done(&o) as i64));
             Response::Outcomes { outcomes: o }
         }
         Request::Evict { keys } => {
-            let o = scatter(
-                exec,
-                &keys,
-                |k| k,
-                |keys| ShardOp::Evict { keys },
-                outcomes,
-                ChunkOutcome::Failed(ErrorCode::Internal),
-            )
-            .await;
+            let o =
+                scatter(exec, &keys, |k| k, |keys| ShardOp::Evict { keys }, outcomes, FAILED).await;
             Response::Outcomes { outcomes: o }
         }
     }
+}
+
+/// The outcome of an item whose shard reply was lost.
+const FAILED: ChunkOutcome = ChunkOutcome::Failed(ErrorCode::Internal);
+
+/// Runs a per-slot op (commit, abort, release) on the slots' shards.
+async fn per_slot(
+    exec: &Rc<Exec>,
+    slots: &[SlotRef],
+    make_op: impl Fn(Vec<SlotRef>) -> ShardOp,
+) -> Vec<ChunkOutcome> {
+    scatter(exec, slots, |s| &s.key, make_op, outcomes, FAILED).await
 }
 
 fn outcomes(r: ShardReply) -> Option<Vec<ChunkOutcome>> {
