@@ -214,15 +214,7 @@ async fn execute(
                     })
                     .collect();
                 if !extra.is_empty() {
-                    scatter(
-                        exec,
-                        &extra,
-                        |s| &s.key,
-                        |slots| ShardOp::Release { session, slots },
-                        outcomes,
-                        ChunkOutcome::Failed(ErrorCode::Internal),
-                    )
-                    .await;
+                    per_slot(exec, &extra, |slots| ShardOp::Release { session, slots }).await;
                 }
                 // The whole key count was charged at dispatch; keep only the leased prefix.
                 counters.add_leases(prefix as i64 - keys.len() as i64);
