@@ -15,6 +15,7 @@ mod entries;
 mod error;
 mod metrics;
 mod ops;
+pub mod ssd;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
 pub use arena::{Arena, ArenaSlice, DOORBELL_STRIDE, HEADER_BYTES};

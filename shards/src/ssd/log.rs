@@ -1,0 +1,324 @@
+//! The region log of one shard's SSD file: where records go, which are live, what recovery
+//! finds. Pure bookkeeping; the I/O is done by the caller (the shard's io_uring ring).
+//!
+//! Regions are written one at a time, front to back. When the active region is full the next
+//! free region becomes active; when none is free the oldest sealed region is reclaimed whole
+//! (its records leave the index) unless a read is still using it. Every (re)use of a region
+//! gets a new generation, stamped into each record, so leftovers of an earlier use are never
+//! mistaken for current records.
+
+use std::collections::{HashMap, VecDeque};
+
+use orbitkv_proto::ChunkKey;
+
+use super::format::{FormatError, RecordHeader, Superblock, RECORD_HEADER_BYTES};
+use crate::alloc::PAGE_SIZE;
+
+/// Where a live record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SsdEntry {
+    /// Region index.
+    pub region: u32,
+    /// File offset of the record's header block; the payload follows it.
+    pub offset: u64,
+    /// Payload bytes.
+    pub len: u64,
+    /// xxh3-64 of the payload.
+    pub checksum: u64,
+    /// Write order.
+    pub sequence: u64,
+}
+
+impl SsdEntry {
+    /// File offset of the payload.
+    pub fn payload_offset(&self) -> u64 {
+        self.offset + RECORD_HEADER_BYTES
+    }
+}
+
+/// A place handed out for one record, not visible until [`RegionLog::complete_write`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The header to write (already filled in).
+    pub header: RecordHeader,
+    /// Region index.
+    pub region: u32,
+    /// File offset of the header block.
+    pub offset: u64,
+}
+
+/// Why a record could not be placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceError {
+    /// The record is larger than a region.
+    #[error("record larger than a region")]
+    TooLarge,
+    /// Every region is in use by reads or writes in flight.
+    #[error("no region can be reclaimed now")]
+    Busy,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Region {
+    generation: u64,
+    /// Bytes handed out from the region's start.
+    used: u64,
+    /// Keys whose live record is here (for reclaim).
+    keys: Vec<ChunkKey>,
+    /// Reads and writes in flight.
+    pins: u32,
+}
+
+/// What recovery found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Records now in the index.
+    pub kept: u64,
+    /// Records superseded by a newer record of the same key.
+    pub superseded: u64,
+    /// Header blocks that failed validation where a record was expected.
+    pub dropped: u64,
+}
+
+/// The region log; see the module docs.
+#[derive(Debug)]
+pub struct RegionLog {
+    sb: Superblock,
+    regions: Vec<Region>,
+    active: Option<u32>,
+    sealed: VecDeque<u32>,
+    free: VecDeque<u32>,
+    index: HashMap<ChunkKey, SsdEntry>,
+    next_sequence: u64,
+    next_generation: u64,
+    used_bytes: u64,
+}
+
+impl RegionLog {
+    /// An empty log over the file described by `sb`.
+    pub fn new(sb: Superblock) -> Self {
+        Self {
+            sb,
+            regions: vec![Region::default(); sb.region_count as usize],
+            active: None,
+            sealed: VecDeque::new(),
+            free: (0..sb.region_count as u32).collect(),
+            index: HashMap::new(),
+            next_sequence: 1,
+            next_generation: 1,
+            used_bytes: 0,
+        }
+    }
+
+    /// The file's superblock.
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    /// Live records.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// True when no record is live.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Bytes of regions in use (never more than the file's region area).
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    /// The live record of `key`.
+    pub fn get(&self, key: &ChunkKey) -> Option<SsdEntry> {
+        self.index.get(key).copied()
+    }
+
+    /// Keeps the region of `entry` from being reclaimed while a read uses it.
+    pub fn pin(&mut self, region: u32) {
+        self.regions[region as usize].pins += 1;
+    }
+
+    /// Ends a [`RegionLog::pin`].
+    pub fn unpin(&mut self, region: u32) {
+        let r = &mut self.regions[region as usize];
+        debug_assert!(r.pins > 0, "unpin without pin");
+        r.pins -= 1;
+    }
+
+    /// Forgets a record (its payload failed its checksum, or it was promoted and removed).
+    pub fn remove(&mut self, key: &ChunkKey) -> Option<SsdEntry> {
+        let e = self.index.remove(key)?;
+        self.regions[e.region as usize].keys.retain(|k| k != key);
+        Some(e)
+    }
+
+    /// Finds room for a record of `len` bytes and pins its region until
+    /// [`RegionLog::complete_write`] or [`RegionLog::abort_write`]. May reclaim the oldest
+    /// region: the keys it drops are returned so the caller can count them.
+    pub fn place(
+        &mut self,
+        key: ChunkKey,
+        len: u64,
+        checksum: u64,
+    ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
+        let mut header = RecordHeader { key, len, checksum, sequence: 0, region_generation: 0 };
+        let bytes = header.disk_bytes();
+        if bytes > self.sb.region_bytes {
+            return Err(PlaceError::TooLarge);
+        }
+        let mut dropped = Vec::new();
+        let fits = |log: &Self, r: u32| log.regions[r as usize].used + bytes <= log.sb.region_bytes;
+        let region = match self.active {
+            Some(r) if fits(self, r) => r,
+            _ => {
+                let next = match self.free.pop_front() {
+                    Some(r) => r,
+                    None => {
+                        let oldest = *self.sealed.front().ok_or(PlaceError::Busy)?;
+                        if self.regions[oldest as usize].pins > 0 {
+                            return Err(PlaceError::Busy);
+                        }
+                        self.sealed.pop_front();
+                        dropped = self.reclaim(oldest);
+                        oldest
+                    }
+                };
+                if let Some(old) = self.active.replace(next) {
+                    self.sealed.push_back(old);
+                }
+                let r = &mut self.regions[next as usize];
+                r.generation = self.next_generation;
+                self.next_generation += 1;
+                r.used = 0;
+                next
+            }
+        };
+        let r = &mut self.regions[region as usize];
+        header.sequence = self.next_sequence;
+        self.next_sequence += 1;
+        header.region_generation = r.generation;
+        let offset = self.sb.region_offset(region as u64) + r.used;
+        r.used += bytes;
+        r.pins += 1;
+        self.used_bytes += bytes;
+        Ok((Placement { header, region, offset }, dropped))
+    }
+
+    fn reclaim(&mut self, region: u32) -> Vec<ChunkKey> {
+        let r = &mut self.regions[region as usize];
+        let keys = std::mem::take(&mut r.keys);
+        self.used_bytes -= r.used;
+        r.used = 0;
+        for k in &keys {
+            self.index.remove(k);
+        }
+        keys
+    }
+
+    /// The record at `p` is on disk: make it the key's live record.
+    pub fn complete_write(&mut self, p: &Placement) {
+        self.unpin(p.region);
+        if self.regions[p.region as usize].generation != p.header.region_generation {
+            return; // reclaimed meanwhile (cannot happen while pinned; kept for safety)
+        }
+        let entry = SsdEntry {
+            region: p.region,
+            offset: p.offset,
+            len: p.header.len,
+            checksum: p.header.checksum,
+            sequence: p.header.sequence,
+        };
+        if let Some(old) = self.index.insert(p.header.key, entry) {
+            self.regions[old.region as usize].keys.retain(|k| *k != p.header.key);
+        }
+        self.regions[p.region as usize].keys.push(p.header.key);
+    }
+
+    /// The write at `p` failed: its space stays used until the region is reclaimed.
+    pub fn abort_write(&mut self, p: &Placement) {
+        self.unpin(p.region);
+    }
+
+    /// Rebuilds the log from the file. `read` reads `len` bytes at a file offset (the caller
+    /// does the I/O). Each region is scanned from its start; the records of its newest
+    /// generation are kept, a newer record of a key supersedes an older one, and a block
+    /// that fails validation is skipped (a torn record: the scan probes the following blocks
+    /// for further records of the same generation).
+    pub fn recover(
+        sb: Superblock,
+        mut read: impl FnMut(u64, &mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<(Self, RecoveryReport)> {
+        let mut log = Self::new(sb);
+        let mut report = RecoveryReport::default();
+        let mut block = vec![0u8; RECORD_HEADER_BYTES as usize];
+        let mut found: Vec<(u32, u64, Vec<Placement>)> = Vec::new();
+        for region in 0..sb.region_count as u32 {
+            let base = sb.region_offset(region as u64);
+            let mut at = 0u64;
+            let mut generation = None;
+            let mut last_seq = 0u64;
+            let mut records = Vec::new();
+            let mut end = 0u64;
+            while at + RECORD_HEADER_BYTES <= sb.region_bytes {
+                read(base + at, &mut block)?;
+                match RecordHeader::decode(&block) {
+                    Ok(h)
+                        if generation.is_none_or(|g| g == h.region_generation)
+                            && h.sequence > last_seq
+                            && at + h.disk_bytes() <= sb.region_bytes =>
+                    {
+                        generation = Some(h.region_generation);
+                        last_seq = h.sequence;
+                        records.push(Placement { header: h, region, offset: base + at });
+                        at += h.disk_bytes();
+                        end = at;
+                    }
+                    Ok(_) => break, // an earlier use of the region: the current log ends here
+                    Err(FormatError::BadMagic) if generation.is_none() => break, // never written
+                    // Unwritten space, or a payload block: look further for records that
+                    // completed after a torn one.
+                    Err(FormatError::BadMagic) => at += PAGE_SIZE,
+                    Err(_) => {
+                        // One of our header blocks, torn or corrupted.
+                        report.dropped += 1;
+                        at += PAGE_SIZE;
+                    }
+                }
+            }
+            if let Some(g) = generation {
+                found.push((region, g, records));
+                log.regions[region as usize].used = end;
+                log.used_bytes += end;
+            }
+        }
+        // Oldest generation first: sealed order, and later records win.
+        found.sort_by_key(|(_, g, _)| *g);
+        let mut all: Vec<Placement> = Vec::new();
+        for (region, g, records) in &found {
+            let r = &mut log.regions[*region as usize];
+            r.generation = *g;
+            log.free.retain(|f| f != region);
+            log.sealed.push_back(*region);
+            log.next_generation = log.next_generation.max(g + 1);
+            all.extend(records.iter().copied());
+        }
+        all.sort_by_key(|p| p.header.sequence);
+        for p in &all {
+            log.next_sequence = log.next_sequence.max(p.header.sequence + 1);
+            log.regions[p.region as usize].pins += 1; // complete_write unpins
+            if log.index.contains_key(&p.header.key) {
+                report.superseded += 1;
+            }
+            log.complete_write(p);
+        }
+        // The newest region stays active so that appends continue where they stopped.
+        log.active = log.sealed.pop_back();
+        report.kept = log.index.len() as u64;
+        Ok((log, report))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,4 @@
+//! The SSD tier of one shard: its file format and region log.
+
+pub mod format;
+pub mod log;
