@@ -2,3 +2,4 @@
 
 pub mod format;
 pub mod log;
+pub mod ring;

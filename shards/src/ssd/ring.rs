@@ -1,0 +1,301 @@
+//! The shard's own io_uring ring for its SSD file: O_DIRECT reads and writes that move bytes
+//! between arena slots and the file with no bounce copy (the 4 KiB record header is the only
+//! buffer of its own).
+//!
+//! Ownership: every operation in flight owns what the kernel may touch (its header block, its
+//! iovec array, an `Arc` of the arena mapping). The caller keeps the arena slot reserved or
+//! pinned until the completion is returned. Dropping the ring waits for every operation in
+//! flight: memory handed to the kernel is never freed early.
+
+#![allow(unsafe_code)]
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::alloc::PAGE_SIZE;
+use crate::arena::{Arena, ArenaSlice};
+
+/// A 4 KiB-aligned, 4 KiB block owned by an operation (O_DIRECT needs aligned memory).
+#[derive(Debug)]
+pub struct AlignedBlock {
+    ptr: std::ptr::NonNull<u8>,
+}
+
+// SAFETY: an exclusively owned heap block; no aliasing exists to share across threads.
+unsafe impl Send for AlignedBlock {}
+
+impl AlignedBlock {
+    const LAYOUT: Layout = match Layout::from_size_align(PAGE_SIZE as usize, PAGE_SIZE as usize) {
+        Ok(l) => l,
+        Err(_) => panic!("4 KiB is a valid size and alignment"),
+    };
+
+    /// A zeroed block.
+    pub fn new() -> Self {
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc_zeroed(Self::LAYOUT) };
+        let ptr = std::ptr::NonNull::new(raw)
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(Self::LAYOUT));
+        Self { ptr }
+    }
+
+    /// The block's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation is PAGE_SIZE bytes, initialised (zeroed), owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), PAGE_SIZE as usize) }
+    }
+
+    /// The block's bytes, writable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes the view exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), PAGE_SIZE as usize) }
+    }
+}
+
+impl Default for AlignedBlock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for AlignedBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with the same layout, freed once.
+        unsafe { dealloc(self.ptr.as_ptr(), Self::LAYOUT) }
+    }
+}
+
+/// What an operation in flight keeps alive (its header block is kept in `SsdRing::blocks`).
+struct InFlight {
+    _iov: Box<[libc::iovec; 2]>,
+    _arena: Option<Arc<Arena>>,
+}
+
+/// A finished operation.
+#[derive(Debug)]
+pub struct Completion {
+    /// The id [`SsdRing`] returned at submission.
+    pub id: u64,
+    /// Bytes transferred, or the OS error.
+    pub result: std::io::Result<u64>,
+    /// The header block of a write, or the block read by a header read.
+    pub header: Option<AlignedBlock>,
+}
+
+/// One shard's io_uring ring over its SSD file.
+pub struct SsdRing {
+    ring: IoUring,
+    inflight: HashMap<u64, InFlight>,
+    blocks: HashMap<u64, AlignedBlock>,
+    next_id: u64,
+    depth: u32,
+}
+
+impl std::fmt::Debug for SsdRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsdRing").field("inflight", &self.inflight.len()).finish_non_exhaustive()
+    }
+}
+
+impl SsdRing {
+    /// A ring of `depth` entries (at most `depth` operations in flight).
+    pub fn new(depth: u32) -> std::io::Result<Self> {
+        Ok(Self {
+            ring: IoUring::new(depth)?,
+            inflight: HashMap::new(),
+            blocks: HashMap::new(),
+            next_id: 1,
+            depth,
+        })
+    }
+
+    /// Operations in flight.
+    pub fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// True when another operation can be submitted.
+    pub fn has_room(&self) -> bool {
+        (self.inflight.len() as u32) < self.depth
+    }
+
+    fn push(&mut self, entry: io_uring::squeue::Entry, op: InFlight) -> std::io::Result<u64> {
+        if !self.has_room() {
+            return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "ring full"));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let entry = entry.user_data(id);
+        // SAFETY: every buffer the entry points at is owned by `op`, which stays in
+        // `self.inflight` until its completion is reaped (or the ring is dropped, which waits).
+        unsafe {
+            self.ring
+                .submission()
+                .push(&entry)
+                .map_err(|_| std::io::Error::other("submission queue full"))?;
+        }
+        self.inflight.insert(id, op);
+        self.ring.submit()?;
+        Ok(id)
+    }
+
+    /// Writes a record: `header` (its 4 KiB block) then `slot_len` bytes of the arena slot at
+    /// `slot_offset` of `slice` (a multiple of 4 KiB), at file offset `at`. The slot must stay
+    /// reserved or pinned, unmodified, until the completion.
+    pub fn write_record(
+        &mut self,
+        file: &File,
+        at: u64,
+        header: AlignedBlock,
+        slice: &ArenaSlice,
+        slot_offset: u64,
+        slot_len: u64,
+    ) -> std::io::Result<u64> {
+        debug_assert!(slot_len.is_multiple_of(PAGE_SIZE) && at.is_multiple_of(PAGE_SIZE));
+        let iov = Box::new([
+            libc::iovec { iov_base: header.ptr.as_ptr().cast(), iov_len: PAGE_SIZE as usize },
+            libc::iovec {
+                iov_base: slice.raw_range(slot_offset, slot_len).cast(),
+                iov_len: slot_len as usize,
+            },
+        ]);
+        let entry =
+            opcode::Writev::new(types::Fd(file.as_raw_fd()), iov.as_ptr(), 2).offset(at).build();
+        let id = self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()) })?;
+        self.blocks.insert(id, header);
+        Ok(id)
+    }
+
+    /// Reads `len` bytes (a multiple of 4 KiB) at file offset `at` into the arena slot at
+    /// `slot_offset` of `slice`. The slot must stay reserved until the completion.
+    pub fn read_into_slot(
+        &mut self,
+        file: &File,
+        at: u64,
+        slice: &ArenaSlice,
+        slot_offset: u64,
+        len: u64,
+    ) -> std::io::Result<u64> {
+        debug_assert!(len.is_multiple_of(PAGE_SIZE) && at.is_multiple_of(PAGE_SIZE));
+        let iov = Box::new([
+            libc::iovec {
+                iov_base: slice.raw_range(slot_offset, len).cast(),
+                iov_len: len as usize,
+            },
+            libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
+        ]);
+        let entry =
+            opcode::Readv::new(types::Fd(file.as_raw_fd()), iov.as_ptr(), 1).offset(at).build();
+        self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()) })
+    }
+
+    /// Writes one 4 KiB block (a superblock) at file offset `at`.
+    pub fn write_block(
+        &mut self,
+        file: &File,
+        at: u64,
+        block: AlignedBlock,
+    ) -> std::io::Result<u64> {
+        self.block_op(file, at, block, true)
+    }
+
+    /// Reads one 4 KiB block at file offset `at`; the completion carries it.
+    pub fn read_block(&mut self, file: &File, at: u64) -> std::io::Result<u64> {
+        self.block_op(file, at, AlignedBlock::new(), false)
+    }
+
+    fn block_op(
+        &mut self,
+        file: &File,
+        at: u64,
+        block: AlignedBlock,
+        write: bool,
+    ) -> std::io::Result<u64> {
+        let iov = Box::new([
+            libc::iovec { iov_base: block.ptr.as_ptr().cast(), iov_len: PAGE_SIZE as usize },
+            libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
+        ]);
+        let fd = types::Fd(file.as_raw_fd());
+        let entry = if write {
+            opcode::Writev::new(fd, iov.as_ptr(), 1).offset(at).build()
+        } else {
+            opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
+        };
+        let id = self.push(entry, InFlight { _iov: iov, _arena: None })?;
+        self.blocks.insert(id, block);
+        Ok(id)
+    }
+
+    /// Reads the block at `at` into `out`, waiting for it (start-up and recovery only).
+    pub fn read_block_sync(&mut self, file: &File, at: u64, out: &mut [u8]) -> std::io::Result<()> {
+        let id = self.read_block(file, at)?;
+        loop {
+            for c in self.wait()? {
+                if c.id == id {
+                    let n = c.result?;
+                    if n != PAGE_SIZE {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!("short read of {n} bytes at {at}"),
+                        ));
+                    }
+                    let block = c.header.expect("a block read returns its block");
+                    out.copy_from_slice(&block.bytes()[..out.len()]);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Collects finished operations without blocking.
+    pub fn poll(&mut self) -> Vec<Completion> {
+        let mut done = Vec::new();
+        for cqe in self.ring.completion() {
+            let id = cqe.user_data();
+            self.inflight.remove(&id);
+            let result = if cqe.result() < 0 {
+                Err(std::io::Error::from_raw_os_error(-cqe.result()))
+            } else {
+                Ok(cqe.result() as u64)
+            };
+            done.push(Completion { id, result, header: self.blocks.remove(&id) });
+        }
+        done
+    }
+
+    /// Blocks until at least one operation finishes (start-up, recovery and tests only: a
+    /// serving shard polls).
+    pub fn wait(&mut self) -> std::io::Result<Vec<Completion>> {
+        loop {
+            let done = self.poll();
+            if !done.is_empty() || self.inflight.is_empty() {
+                return Ok(done);
+            }
+            self.ring.submit_and_wait(1)?;
+        }
+    }
+}
+
+impl Drop for SsdRing {
+    fn drop(&mut self) {
+        // Buffers of operations in flight belong to the kernel until they complete.
+        while !self.inflight.is_empty() {
+            let _ = self.poll();
+            if !self.inflight.is_empty() && self.ring.submit_and_wait(1).is_err() {
+                // The ring is unusable; leak the buffers rather than free memory the kernel
+                // might still write.
+                std::mem::forget(std::mem::take(&mut self.inflight));
+                std::mem::forget(std::mem::take(&mut self.blocks));
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
