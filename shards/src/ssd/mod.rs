@@ -3,3 +3,4 @@
 pub mod format;
 pub mod log;
 pub mod ring;
+pub mod store;

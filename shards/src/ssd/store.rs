@@ -1,0 +1,389 @@
+//! One shard's SSD store: its file (opened O_DIRECT, preallocated to its share of the cap),
+//! its region log and its io_uring ring; demotions (arena slot -> file) and promotions
+//! (file -> arena slot, checksum verified) as asynchronous operations.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use orbitkv_proto::ChunkKey;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::format::{Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES};
+use super::log::{Placement, RecoveryReport, RegionLog, SsdEntry};
+use super::ring::{AlignedBlock, SsdRing};
+use crate::alloc::PAGE_SIZE;
+use crate::arena::ArenaSlice;
+
+/// Where and how big one shard's SSD store is.
+#[derive(Clone, Debug)]
+pub struct SsdConfig {
+    /// Directory of the per-shard files.
+    pub dir: PathBuf,
+    /// This shard.
+    pub shard_id: u32,
+    /// Shards of this server run.
+    pub shard_count: u32,
+    /// This shard's share of the cap, in bytes (the file never exceeds it).
+    pub capacity_bytes: u64,
+    /// Region size (reclaim granularity).
+    pub region_bytes: u64,
+    /// io_uring depth.
+    pub ring_depth: u32,
+}
+
+/// Errors opening the store.
+#[derive(Debug, thiserror::Error)]
+pub enum SsdError {
+    /// A file operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// The operation.
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The configuration cannot work.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// What opening found.
+#[derive(Clone, Debug)]
+pub struct OpenReport {
+    /// Records kept, superseded and dropped by recovery.
+    pub recovery: RecoveryReport,
+    /// Why the file was started afresh (another shard count, format or geometry), if it was.
+    pub rebuilt: Option<String>,
+    /// How long opening and recovery took.
+    pub elapsed: Duration,
+}
+
+/// Counters of the SSD tier of one shard.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SsdStats {
+    /// Bytes of the file's region area (the cap actually used).
+    pub capacity_bytes: u64,
+    /// Bytes of regions holding records.
+    pub used_bytes: u64,
+    /// Records live.
+    pub records: u64,
+    /// Payload reads completed.
+    pub reads: u64,
+    /// Record writes completed.
+    pub writes: u64,
+    /// Reads or writes that failed with an I/O error.
+    pub io_errors: u64,
+    /// Reads whose payload did not match its checksum (dropped, never served).
+    pub checksum_failures: u64,
+    /// Records dropped by region reclaim.
+    pub reclaimed: u64,
+}
+
+/// A finished SSD operation, for the shard to act on.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SsdEvent {
+    /// A demotion finished: the arena slot may be freed; `stored` says whether the record is
+    /// on SSD now.
+    Demoted {
+        /// The chunk.
+        key: ChunkKey,
+        /// Whether the write succeeded.
+        stored: bool,
+    },
+    /// A promotion finished: on `verified`, the arena slot holds the chunk's exact bytes;
+    /// otherwise its contents are garbage and the record was dropped.
+    Promoted {
+        /// The chunk.
+        key: ChunkKey,
+        /// Whether the bytes passed their checksum.
+        verified: bool,
+    },
+}
+
+enum Pending {
+    Demote(Placement),
+    Promote { key: ChunkKey, entry: SsdEntry, slot_offset: u64 },
+}
+
+/// One shard's SSD store.
+pub struct SsdStore {
+    path: PathBuf,
+    file: File,
+    log: RegionLog,
+    ring: SsdRing,
+    pending: HashMap<u64, Pending>,
+    stats: SsdStats,
+}
+
+impl std::fmt::Debug for SsdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsdStore").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SsdError + 'a {
+    move |source| SsdError::Io { op, path: path.to_owned(), source }
+}
+
+impl SsdStore {
+    /// The geometry `cfg` gives: regions that fit the shard's share after the superblock.
+    pub fn superblock(cfg: &SsdConfig) -> Result<Superblock, SsdError> {
+        if cfg.region_bytes == 0 || !cfg.region_bytes.is_multiple_of(PAGE_SIZE) {
+            return Err(SsdError::Config(format!(
+                "--ssd-region-size {} is not a positive multiple of 4 KiB",
+                cfg.region_bytes
+            )));
+        }
+        let regions = cfg.capacity_bytes.saturating_sub(SUPERBLOCK_BYTES) / cfg.region_bytes;
+        if regions < 2 {
+            return Err(SsdError::Config(format!(
+                "each shard's share of --ssd ({} bytes) holds fewer than two regions of \
+                 --ssd-region-size {} bytes",
+                cfg.capacity_bytes, cfg.region_bytes
+            )));
+        }
+        Ok(Superblock {
+            format_version: FORMAT_VERSION,
+            shard_id: cfg.shard_id,
+            shard_count: cfg.shard_count,
+            region_bytes: cfg.region_bytes,
+            region_count: regions,
+        })
+    }
+
+    /// Opens (or creates) this shard's file and rebuilds its index from it. A file written
+    /// with another shard count, format or geometry is started afresh (never misread).
+    pub fn open(cfg: &SsdConfig) -> Result<(Self, OpenReport), SsdError> {
+        let started = Instant::now();
+        let sb = Self::superblock(cfg)?;
+        let path = cfg.dir.join(format!("shard-{}.okv", cfg.shard_id));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .map_err(io_err("opening", &path))?;
+        let mut ring =
+            SsdRing::new(cfg.ring_depth.max(2)).map_err(io_err("io_uring for", &path))?;
+        let existing_len = file.metadata().map_err(io_err("stat", &path))?.len();
+        let mut rebuilt = None;
+        let mut fresh = existing_len < SUPERBLOCK_BYTES;
+        if !fresh {
+            let mut block = vec![0u8; SUPERBLOCK_BYTES as usize];
+            ring.read_block_sync(&file, 0, &mut block).map_err(io_err("reading", &path))?;
+            match Superblock::decode(&block) {
+                Ok(found) if found == sb && existing_len >= sb.file_bytes() => {}
+                Ok(found) => {
+                    rebuilt = Some(format!(
+                        "written with {} shards, regions of {} x {} bytes; now {} shards, {} x {}",
+                        found.shard_count,
+                        found.region_count,
+                        found.region_bytes,
+                        sb.shard_count,
+                        sb.region_count,
+                        sb.region_bytes
+                    ));
+                    fresh = true;
+                }
+                Err(e) => {
+                    rebuilt = Some(format!("superblock unreadable ({e})"));
+                    fresh = true;
+                }
+            }
+        }
+        if fresh {
+            // Drop every old byte (so no old record can ever be read as current), then
+            // preallocate the new geometry and write the superblock.
+            file.set_len(0).map_err(io_err("truncating", &path))?;
+            nix::fcntl::fallocate(
+                &file,
+                nix::fcntl::FallocateFlags::empty(),
+                0,
+                sb.file_bytes() as libc::off_t,
+            )
+            .map_err(|e| io_err("preallocating", &path)(e.into()))?;
+            let mut block = AlignedBlock::new();
+            block.bytes_mut().copy_from_slice(&sb.encode());
+            let id = ring.write_block(&file, 0, block).map_err(io_err("writing", &path))?;
+            wait_for(&mut ring, id).map_err(io_err("writing superblock of", &path))?;
+        }
+        let (log, recovery) = if fresh {
+            (RegionLog::new(sb), RecoveryReport::default())
+        } else {
+            RegionLog::recover(sb, |at, buf| ring.read_block_sync(&file, at, buf))
+                .map_err(io_err("recovering", &path))?
+        };
+        let stats = SsdStats {
+            capacity_bytes: sb.region_count * sb.region_bytes,
+            used_bytes: log.used_bytes(),
+            records: log.len() as u64,
+            ..SsdStats::default()
+        };
+        let store = Self { path, file, log, ring, pending: HashMap::new(), stats };
+        Ok((store, OpenReport { recovery, rebuilt, elapsed: started.elapsed() }))
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SsdStats {
+        SsdStats { used_bytes: self.log.used_bytes(), records: self.log.len() as u64, ..self.stats }
+    }
+
+    /// The SSD record of `key`, if any.
+    pub fn get(&self, key: &ChunkKey) -> Option<SsdEntry> {
+        self.log.get(key)
+    }
+
+    /// True when another operation can start now.
+    pub fn has_room(&self) -> bool {
+        self.ring.has_room()
+    }
+
+    /// Operations in flight.
+    pub fn inflight(&self) -> usize {
+        self.ring.inflight()
+    }
+
+    /// Starts writing the chunk in the arena slot at `slot_offset` of `slice` (page-rounded
+    /// length) to SSD. The slot must stay allocated and unmodified until
+    /// [`SsdEvent::Demoted`] for this key. Returns false when it cannot start now.
+    pub fn demote(
+        &mut self,
+        key: ChunkKey,
+        len: u64,
+        checksum: u64,
+        slice: &ArenaSlice,
+        slot_offset: u64,
+    ) -> bool {
+        if !self.ring.has_room() {
+            return false;
+        }
+        let Ok((placement, dropped)) = self.log.place(key, len, checksum) else {
+            return false;
+        };
+        self.stats.reclaimed += dropped.len() as u64;
+        let mut header = AlignedBlock::new();
+        placement.header.encode_into(header.bytes_mut());
+        let rounded = len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        match self.ring.write_record(
+            &self.file,
+            placement.offset,
+            header,
+            slice,
+            slot_offset,
+            rounded,
+        ) {
+            Ok(id) => {
+                self.pending.insert(id, Pending::Demote(placement));
+                true
+            }
+            Err(e) => {
+                self.log.abort_write(&placement);
+                self.stats.io_errors += 1;
+                tracing::warn!(path = %self.path.display(), error = %e, "SSD write not submitted");
+                false
+            }
+        }
+    }
+
+    /// Starts reading `key`'s record into the arena slot at `slot_offset` of `slice` (at least
+    /// the record's length, page-rounded). The slot must stay reserved until
+    /// [`SsdEvent::Promoted`]. Returns false when the key is not on SSD or the ring is full.
+    pub fn promote(&mut self, key: ChunkKey, slice: &ArenaSlice, slot_offset: u64) -> bool {
+        let Some(entry) = self.log.get(&key) else { return false };
+        if !self.ring.has_room() {
+            return false;
+        }
+        let rounded = entry.len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        match self.ring.read_into_slot(
+            &self.file,
+            entry.payload_offset(),
+            slice,
+            slot_offset,
+            rounded,
+        ) {
+            Ok(id) => {
+                self.log.pin(entry.region);
+                self.pending.insert(id, Pending::Promote { key, entry, slot_offset });
+                true
+            }
+            Err(e) => {
+                self.stats.io_errors += 1;
+                tracing::warn!(path = %self.path.display(), error = %e, "SSD read not submitted");
+                false
+            }
+        }
+    }
+
+    /// Collects finished operations (never blocks). Promoted bytes are checksum-verified here;
+    /// a bad record is dropped and reported unverified.
+    pub fn poll(&mut self, slice: &ArenaSlice) -> Vec<SsdEvent> {
+        let mut events = Vec::new();
+        for c in self.ring.poll() {
+            let Some(op) = self.pending.remove(&c.id) else { continue };
+            match op {
+                Pending::Demote(p) => {
+                    let ok = matches!(c.result, Ok(n) if n == RECORD_HEADER_BYTES + p.header.len.div_ceil(PAGE_SIZE) * PAGE_SIZE);
+                    if ok {
+                        self.log.complete_write(&p);
+                        self.stats.writes += 1;
+                    } else {
+                        self.log.abort_write(&p);
+                        self.stats.io_errors += 1;
+                        tracing::warn!(path = %self.path.display(), result = ?c.result, "SSD write failed");
+                    }
+                    events.push(SsdEvent::Demoted { key: p.header.key, stored: ok });
+                }
+                Pending::Promote { key, entry, slot_offset } => {
+                    self.log.unpin(entry.region);
+                    let read_ok = matches!(c.result, Ok(n) if n >= entry.len);
+                    let verified =
+                        read_ok && xxh3_64(slice.bytes(slot_offset, entry.len)) == entry.checksum;
+                    if read_ok {
+                        self.stats.reads += 1;
+                    } else {
+                        self.stats.io_errors += 1;
+                    }
+                    if read_ok && !verified {
+                        self.stats.checksum_failures += 1;
+                        tracing::warn!(path = %self.path.display(), offset = entry.offset, "SSD record failed its checksum; dropped");
+                    }
+                    if !verified && self.log.get(&key) == Some(entry) {
+                        self.log.remove(&key);
+                    }
+                    events.push(SsdEvent::Promoted { key, verified });
+                }
+            }
+        }
+        events
+    }
+
+    /// Forgets `key`'s record (it was promoted into DRAM and will be demoted again if evicted).
+    pub fn remove(&mut self, key: &ChunkKey) {
+        self.log.remove(key);
+    }
+}
+
+fn wait_for(ring: &mut SsdRing, id: u64) -> std::io::Result<()> {
+    loop {
+        for c in ring.wait()? {
+            if c.id == id {
+                return c.result.map(drop);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,131 @@
+use std::sync::Arc;
+
+use super::*;
+use crate::arena::Arena;
+
+fn cfg(dir: &Path, shard_count: u32) -> SsdConfig {
+    SsdConfig {
+        dir: dir.to_owned(),
+        shard_id: 0,
+        shard_count,
+        capacity_bytes: 4 << 20,
+        region_bytes: 512 << 10,
+        ring_depth: 8,
+    }
+}
+
+fn key(i: u32) -> ChunkKey {
+    ChunkKey::new(3, [i as u8; 32])
+}
+
+fn value(i: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|b| (b as u32 ^ (i << 3)).wrapping_mul(31) as u8).collect()
+}
+
+fn events(store: &mut SsdStore, slice: &ArenaSlice, want: usize) -> Vec<SsdEvent> {
+    let mut all = Vec::new();
+    while all.len() < want {
+        all.extend(store.poll(slice));
+        std::thread::yield_now();
+    }
+    all
+}
+
+fn demote_all(store: &mut SsdStore, slice: &ArenaSlice, n: u32, len: usize) {
+    for i in 0..n {
+        let v = value(i, len);
+        let slot = i as u64 * (64 << 10);
+        slice.write(slot, &v);
+        assert!(store.demote(key(i), len as u64, xxh3_64(&v), slice, slot));
+        for e in events(store, slice, 1) {
+            assert_eq!(e, SsdEvent::Demoted { key: key(i), stored: true });
+        }
+    }
+}
+
+#[test]
+fn records_survive_reopening_and_come_back_exact() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let (mut store, report) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
+    assert!(report.rebuilt.is_none());
+    demote_all(&mut store, &slice, 10, 40_000);
+    assert_eq!(store.stats().writes, 10);
+    assert!(std::fs::metadata(store.path()).unwrap().len() <= 4 << 20, "file within its cap");
+    drop(store);
+
+    let (mut store, report) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
+    assert_eq!(report.recovery.kept, 10);
+    assert!(report.rebuilt.is_none());
+    for i in 0..10 {
+        let target = 2 << 20;
+        assert!(store.promote(key(i), &slice, target));
+        assert_eq!(
+            events(&mut store, &slice, 1),
+            vec![SsdEvent::Promoted { key: key(i), verified: true }]
+        );
+        assert_eq!(slice.bytes(target, 40_000), &value(i, 40_000)[..]);
+    }
+    assert_eq!(store.stats().reads, 10);
+}
+
+#[test]
+fn a_flipped_byte_is_a_checksum_failure_never_served() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let (mut store, _) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
+    demote_all(&mut store, &slice, 3, 10_000);
+    let entry = store.get(&key(1)).unwrap();
+    let path = store.path().to_owned();
+    drop(store);
+    // Flip one payload byte behind the store's back.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, entry.payload_offset() + 777).unwrap();
+    b[0] ^= 0x40;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, entry.payload_offset() + 777).unwrap();
+    drop(f);
+
+    let (mut store, report) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
+    assert_eq!(report.recovery.kept, 3, "headers are intact; the payload is checked on read");
+    assert!(store.promote(key(1), &slice, 2 << 20));
+    assert_eq!(
+        events(&mut store, &slice, 1),
+        vec![SsdEvent::Promoted { key: key(1), verified: false }]
+    );
+    assert_eq!(store.stats().checksum_failures, 1);
+    assert!(store.get(&key(1)).is_none(), "dropped");
+    assert!(store.promote(key(0), &slice, 2 << 20));
+    assert_eq!(
+        events(&mut store, &slice, 1),
+        vec![SsdEvent::Promoted { key: key(0), verified: true }]
+    );
+}
+
+#[test]
+fn another_shard_count_starts_afresh() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let (mut store, _) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
+    demote_all(&mut store, &slice, 4, 8000);
+    drop(store);
+    let (store, report) = SsdStore::open(&cfg(dir.path(), 2)).unwrap();
+    let why = report.rebuilt.expect("a different shard count is not read");
+    assert!(why.contains("1 shards") && why.contains("now 2 shards"), "{why}");
+    assert_eq!(store.stats().records, 0);
+    assert!(store.get(&key(0)).is_none());
+}
+
+#[test]
+fn bad_configurations_name_the_problem() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let small = SsdConfig { capacity_bytes: 600 << 10, ..cfg(dir.path(), 1) };
+    let e = SsdStore::open(&small).unwrap_err().to_string();
+    assert!(e.contains("--ssd") && e.contains("--ssd-region-size"), "{e}");
+    let missing = SsdConfig { dir: dir.path().join("nope/deeper"), ..cfg(dir.path(), 1) };
+    let e = SsdStore::open(&missing).unwrap_err().to_string();
+    assert!(e.contains("opening") && e.contains("nope/deeper"), "{e}");
+}
