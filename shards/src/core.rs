@@ -46,14 +46,18 @@ struct Namespace {
 #[derive(Debug)]
 pub struct ShardCore {
     cfg: ShardConfig,
-    slice: ArenaSlice,
-    alloc: ExtentAllocator,
-    entries: Entries,
+    pub(crate) slice: ArenaSlice,
+    pub(crate) alloc: ExtentAllocator,
+    pub(crate) entries: Entries,
     namespaces: HashMap<u64, Namespace>,
     sessions: HashMap<SessionId, Holdings>,
     next_generation: u64,
     leases: u64,
     reservations: u64,
+    /// The SSD tier, when configured.
+    pub(crate) ssd: Option<crate::ssd::store::SsdStore>,
+    /// Entries being written to SSD.
+    pub(crate) demoting: u64,
     /// Counters and latency recorders of this shard.
     pub metrics: ShardMetrics,
 }
@@ -72,6 +76,8 @@ impl ShardCore {
             next_generation: 1,
             leases: 0,
             reservations: 0,
+            ssd: None,
+            demoting: 0,
             metrics: ShardMetrics::default(),
         }
     }
@@ -190,13 +196,15 @@ impl ShardCore {
         }
     }
 
-    fn lookup(&mut self, session: SessionId, keys: &[ChunkKey], lease: bool) -> Vec<Option<Hit>> {
+    pub(crate) fn lookup(
+        &mut self,
+        session: SessionId,
+        keys: &[ChunkKey],
+        lease: bool,
+    ) -> Vec<Option<Hit>> {
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
-            let found = self
-                .entries
-                .find(key)
-                .filter(|&idx| self.entries.get(idx).state == EntryState::Ready);
+            let found = self.entries.find(key).filter(|&idx| self.entries.get(idx).state.visible());
             match found {
                 Some(idx) if lease && self.entries.get(idx).leases == u32::MAX => {
                     // The per-entry lease counter is full: report a miss rather than wrap.
@@ -256,21 +264,33 @@ impl ShardCore {
         }
         if let Some(idx) = self.entries.find(key) {
             return Err(match self.entries.get(idx).state {
-                EntryState::Ready => ErrorCode::AlreadyPresent,
+                EntryState::Ready | EntryState::Demoting => ErrorCode::AlreadyPresent,
                 EntryState::Reserved { .. } => ErrorCode::Busy,
             });
         }
+        if self.ssd.as_ref().is_some_and(|ssd| ssd.get(key).is_some()) {
+            return Err(ErrorCode::AlreadyPresent);
+        }
+        let extent = self.allocate(len)?;
+        let generation = self.next_generation();
+        let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
+        self.sessions.entry(session).or_default().reservations.insert(idx);
+        self.reservations += 1;
+        Ok(Reservation::Slot { offset: self.slice.offset() + extent.offset(), len, generation })
+    }
+
+    /// Allocates an extent for `len` bytes, evicting SIEVE victims if needed (a bounded number
+    /// per call: when leased entries fragment the slice, emptying the cache could still not
+    /// make room).
+    pub(crate) fn allocate(&mut self, len: u64) -> Result<crate::alloc::Extent, ErrorCode> {
         let pages = ExtentAllocator::pages_for(len);
         if pages > self.alloc.capacity_pages() {
             return Err(ErrorCode::NoSpace);
         }
-        // Evict until a fitting extent appears, but never more than a bounded number of
-        // victims per reservation: when leased entries fragment the slice, emptying the whole
-        // cache could still not make room.
         let mut budget = MAX_EVICTIONS_PER_RESERVATION.max(2 * pages);
-        let extent = loop {
+        loop {
             if let Some(extent) = self.alloc.alloc(pages) {
-                break extent;
+                return Ok(extent);
             }
             if budget == 0 {
                 return Err(ErrorCode::NoSpace);
@@ -280,13 +300,14 @@ impl ShardCore {
             let evicted = self.entries.remove(victim);
             self.alloc.free(evicted.extent);
             self.metrics.evictions += 1;
-        };
-        let generation = self.next_generation;
+        }
+    }
+
+    /// A fresh slot generation.
+    pub(crate) fn next_generation(&mut self) -> u64 {
+        let g = self.next_generation;
         self.next_generation += 1;
-        let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
-        self.sessions.entry(session).or_default().reservations.insert(idx);
-        self.reservations += 1;
-        Ok(Reservation::Slot { offset: self.slice.offset() + extent.offset(), len, generation })
+        g
     }
 
     /// Finds the reservation `slot` of `session`, or says why it is not one.
@@ -347,17 +368,25 @@ impl ShardCore {
         Ok(())
     }
 
+    /// Removes a chunk from every tier; leased or demoting chunks answer `Busy`.
     fn evict(&mut self, key: &ChunkKey) -> Result<(), ErrorCode> {
-        let idx = self.entries.find(key).ok_or(ErrorCode::NotFound)?;
-        let e = self.entries.get(idx);
-        if e.state != EntryState::Ready {
-            return Err(ErrorCode::NotFound);
+        let on_ssd = self.ssd.as_ref().is_some_and(|ssd| ssd.get(key).is_some());
+        match self.entries.find(key).map(|idx| (idx, self.entries.get(idx))) {
+            Some((_, e))
+                if e.state == EntryState::Demoting || (e.state.visible() && e.leases > 0) =>
+            {
+                return Err(ErrorCode::Busy)
+            }
+            Some((idx, e)) if e.state == EntryState::Ready => {
+                let e = self.entries.remove(idx);
+                self.alloc.free(e.extent);
+            }
+            _ if !on_ssd => return Err(ErrorCode::NotFound),
+            _ => {}
         }
-        if e.leases > 0 {
-            return Err(ErrorCode::Busy);
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.remove(key);
         }
-        let e = self.entries.remove(idx);
-        self.alloc.free(e.extent);
         self.metrics.removals += 1;
         Ok(())
     }
@@ -390,7 +419,12 @@ impl ShardCore {
             id: self.cfg.id,
             dram_capacity_bytes: self.slice.len(),
             dram_used_bytes: self.alloc.used_pages() * crate::PAGE_SIZE,
-            entries: self.entries.ready_count(),
+            entries: self.entries.ready_count() + self.demoting,
+            ssd: self.ssd.as_ref().map(|s| s.stats()),
+            ssd_hits: m.ssd_hits,
+            demotions: m.demotions,
+            promotions: m.promotions,
+            admission_rejections: m.admission_rejections,
             reservations: self.reservations,
             leases: self.leases,
             namespaces: self.namespaces.len() as u64,

@@ -25,6 +25,15 @@ pub(crate) enum EntryState {
     Reserved { owner: SessionId },
     /// Committed and visible.
     Ready,
+    /// Visible, being written to SSD: out of the SIEVE queue until the write completes.
+    Demoting,
+}
+
+impl EntryState {
+    /// Whether lookups see the entry.
+    pub fn visible(self) -> bool {
+        matches!(self, EntryState::Ready | EntryState::Demoting)
+    }
 }
 
 #[derive(Debug)]
@@ -36,6 +45,8 @@ pub(crate) struct Entry {
     pub generation: u64,
     pub checksum: u64,
     pub leases: u32,
+    /// Lookups that hit this entry (saturating): reuse evidence for SSD admission.
+    pub reads: u32,
     visited: bool,
     prev: EntryIdx,
     next: EntryIdx,
@@ -86,6 +97,7 @@ impl Entries {
             generation,
             checksum: 0,
             leases: 0,
+            reads: 0,
             visited: false,
             prev: NIL,
             next: NIL,
@@ -128,30 +140,58 @@ impl Entries {
 
     /// Marks a hit for SIEVE.
     pub fn touch(&mut self, idx: EntryIdx) {
-        self.get_mut(idx).visited = true;
+        let e = self.get_mut(idx);
+        e.visited = true;
+        e.reads = e.reads.saturating_add(1);
+    }
+
+    /// Takes a ready entry out of the SIEVE queue while it is written to SSD.
+    pub fn start_demotion(&mut self, idx: EntryIdx) {
+        debug_assert_eq!(self.get(idx).state, EntryState::Ready);
+        self.unlink(idx);
+        self.get_mut(idx).state = EntryState::Demoting;
+    }
+
+    /// Puts a demoting entry back in the queue (it stays in DRAM).
+    pub fn end_demotion(&mut self, idx: EntryIdx) {
+        debug_assert_eq!(self.get(idx).state, EntryState::Demoting);
+        let checksum = self.get(idx).checksum;
+        self.get_mut(idx).state = EntryState::Reserved { owner: SessionId::MAX };
+        self.make_ready(idx, checksum);
+    }
+
+    fn unlink(&mut self, idx: EntryIdx) {
+        let (prev, next) = {
+            let e = self.get(idx);
+            (e.prev, e.next)
+        };
+        if self.hand == Some(idx) {
+            self.hand = (prev != NIL).then_some(prev);
+        }
+        if prev != NIL {
+            self.get_mut(prev).next = next;
+        } else {
+            self.head = (next != NIL).then_some(next);
+        }
+        if next != NIL {
+            self.get_mut(next).prev = prev;
+        } else {
+            self.tail = (prev != NIL).then_some(prev);
+        }
+        let e = self.get_mut(idx);
+        e.prev = NIL;
+        e.next = NIL;
+        self.ready -= 1;
     }
 
     /// Removes an entry (ready or reserved) and returns it; its extent is the caller's to free.
     pub fn remove(&mut self, idx: EntryIdx) -> Entry {
-        let (state, prev, next, key) = {
+        let (state, key) = {
             let e = self.get(idx);
-            (e.state, e.prev, e.next, e.key)
+            (e.state, e.key)
         };
         if state == EntryState::Ready {
-            if self.hand == Some(idx) {
-                self.hand = (prev != NIL).then_some(prev);
-            }
-            if prev != NIL {
-                self.get_mut(prev).next = next;
-            } else {
-                self.head = (next != NIL).then_some(next);
-            }
-            if next != NIL {
-                self.get_mut(next).prev = prev;
-            } else {
-                self.tail = (prev != NIL).then_some(prev);
-            }
-            self.ready -= 1;
+            self.unlink(idx);
         }
         self.index.remove(&key);
         self.free_slots.push(idx);

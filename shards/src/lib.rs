@@ -16,6 +16,7 @@ mod error;
 mod metrics;
 mod ops;
 pub mod ssd;
+mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
 pub use arena::{Arena, ArenaSlice, DOORBELL_STRIDE, HEADER_BYTES};
@@ -23,3 +24,4 @@ pub use core::{ShardConfig, ShardCore};
 pub use error::Error;
 pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
+pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

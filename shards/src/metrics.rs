@@ -67,6 +67,14 @@ pub struct ShardMetrics {
     pub bytes_committed: u64,
     /// Sessions whose holdings were reclaimed on close.
     pub sessions_reclaimed: u64,
+    /// Lookups that found a chunk on SSD (and promoted it).
+    pub ssd_hits: u64,
+    /// Chunks written to SSD and dropped from DRAM.
+    pub demotions: u64,
+    /// Chunks read back from SSD into DRAM.
+    pub promotions: u64,
+    /// DRAM victims the SSD admission filter turned away.
+    pub admission_rejections: u64,
     /// Errors returned, by code.
     pub errors: [u64; ErrorCode::ALL.len()],
     latency: Vec<Histogram<u64>>,
@@ -82,6 +90,10 @@ impl Default for ShardMetrics {
             commits: 0,
             bytes_committed: 0,
             sessions_reclaimed: 0,
+            ssd_hits: 0,
+            demotions: 0,
+            promotions: 0,
+            admission_rejections: 0,
             errors: [0; ErrorCode::ALL.len()],
             latency: OpKind::ALL
                 .iter()
@@ -158,6 +170,16 @@ pub struct ShardStats {
     pub commits: u64,
     /// Bytes committed.
     pub bytes_committed: u64,
+    /// The SSD tier's counters, when configured.
+    pub ssd: Option<crate::ssd::store::SsdStats>,
+    /// Lookups served from SSD.
+    pub ssd_hits: u64,
+    /// Demotions to SSD.
+    pub demotions: u64,
+    /// Promotions from SSD.
+    pub promotions: u64,
+    /// SSD admission rejections.
+    pub admission_rejections: u64,
     /// Errors by code, only non-zero ones.
     pub errors: Vec<(ErrorCode, u64)>,
     /// Request latency by op, for requests whose home is this shard.

@@ -1,0 +1,202 @@
+//! DRAM <-> SSD movement of one shard: demotion of SIEVE victims through an admission filter,
+//! promotion of SSD hits back into DRAM, and the completions of both.
+//!
+//! Admission policy: a DRAM victim is written to SSD if it was read at least once since it was
+//! stored (reuse evidence), or while the SSD tier is less than half full. Victims already on
+//! SSD are dropped from DRAM without a write. Everything else is dropped and counted in
+//! `admission_rejections`.
+//!
+//! Demotion runs ahead of need: whenever less than [`FREE_TARGET_PERCENT`] of the shard's
+//! slice is free, victims are written out (their DRAM slot stays allocated until the write
+//! completes). A reservation that still finds no room evicts without demotion.
+
+use orbitkv_proto::{ChunkKey, Hit, Tier};
+
+use crate::core::ShardCore;
+use crate::entries::EntryState;
+use crate::ops::SessionId;
+use crate::ssd::store::{SsdEvent, SsdStore};
+
+/// Demote while less than this share of the slice is free.
+pub const FREE_TARGET_PERCENT: u64 = 10;
+/// Owner of a reservation that a promotion fills (never a session id).
+const PROMOTER: SessionId = SessionId::MAX;
+
+/// The first pass of a lookup on a tiered shard.
+#[derive(Debug)]
+pub struct TieredLookup {
+    /// DRAM hits, in key order (promoted keys are filled in by [`ShardCore::finish_lookup`]).
+    pub hits: Vec<Option<Hit>>,
+    /// Positions whose chunk is being promoted from SSD.
+    pub pending: Vec<usize>,
+}
+
+impl ShardCore {
+    /// Gives the shard its SSD store.
+    pub fn attach_ssd(&mut self, store: SsdStore) {
+        self.ssd = Some(store);
+    }
+
+    /// True when the shard has an SSD tier.
+    pub fn has_ssd(&self) -> bool {
+        self.ssd.is_some()
+    }
+
+    /// SSD operations in flight.
+    pub fn ssd_inflight(&self) -> usize {
+        self.ssd.as_ref().map_or(0, SsdStore::inflight)
+    }
+
+    /// Looks keys up in DRAM; a key found only on SSD starts (or joins) its promotion and is
+    /// listed in `pending`.
+    pub fn lookup_start(
+        &mut self,
+        session: SessionId,
+        keys: &[ChunkKey],
+        lease: bool,
+    ) -> TieredLookup {
+        let hits = self.lookup(session, keys, lease);
+        let mut pending = Vec::new();
+        if self.ssd.is_none() {
+            return TieredLookup { hits, pending };
+        }
+        for (i, key) in keys.iter().enumerate() {
+            if hits[i].is_some() {
+                continue;
+            }
+            if self.promotion_pending(key) || self.start_promotion(key) {
+                self.metrics.misses -= 1; // counted as an SSD hit instead
+                self.metrics.ssd_hits += 1;
+                pending.push(i);
+            }
+        }
+        TieredLookup { hits, pending }
+    }
+
+    /// True while `key` is being read from SSD into DRAM.
+    pub fn promotion_pending(&self, key: &ChunkKey) -> bool {
+        self.entries.find(key).is_some_and(|idx| {
+            self.entries.get(idx).state == EntryState::Reserved { owner: PROMOTER }
+        })
+    }
+
+    /// Second pass: the promoted keys of `first` are looked up again in DRAM (leased if asked)
+    /// and reported with tier `Ssd`. A promotion that failed its checksum is a miss.
+    pub fn finish_lookup(
+        &mut self,
+        session: SessionId,
+        keys: &[ChunkKey],
+        lease: bool,
+        mut first: TieredLookup,
+    ) -> Vec<Option<Hit>> {
+        let again: Vec<ChunkKey> = first.pending.iter().map(|&i| keys[i]).collect();
+        let (hits, misses) = (self.metrics.hits, self.metrics.misses);
+        let found = self.lookup(session, &again, lease);
+        // The first pass already counted these keys.
+        self.metrics.hits = hits;
+        self.metrics.misses = misses;
+        for (&i, hit) in first.pending.iter().zip(found) {
+            first.hits[i] = hit.map(|h| Hit { tier: Tier::Ssd, ..h });
+        }
+        first.hits
+    }
+
+    fn start_promotion(&mut self, key: &ChunkKey) -> bool {
+        let Some(entry) = self.ssd.as_ref().and_then(|s| s.get(key)) else { return false };
+        if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
+            return false;
+        }
+        let Ok(extent) = self.allocate(entry.len) else { return false };
+        let generation = self.next_generation();
+        let idx = self.entries.insert_reserved(*key, PROMOTER, extent, entry.len, generation);
+        self.entries.get_mut(idx).checksum = entry.checksum;
+        let started =
+            self.ssd.as_mut().is_some_and(|ssd| ssd.promote(*key, &self.slice, extent.offset()));
+        if !started {
+            let e = self.entries.remove(idx);
+            self.alloc.free(e.extent);
+        }
+        started
+    }
+
+    /// Applies finished SSD operations; returns how many.
+    pub fn poll_ssd(&mut self) -> usize {
+        let Some(ssd) = self.ssd.as_mut() else { return 0 };
+        let events = ssd.poll(&self.slice);
+        let n = events.len();
+        for event in events {
+            match event {
+                SsdEvent::Demoted { key, stored } => {
+                    let Some(idx) = self.entries.find(&key) else { continue };
+                    self.demoting -= 1;
+                    if stored && self.entries.get(idx).leases == 0 {
+                        let e = self.entries.remove(idx);
+                        self.alloc.free(e.extent);
+                        self.metrics.demotions += 1;
+                    } else {
+                        // Leased meanwhile, or the write failed: it stays in DRAM.
+                        self.entries.end_demotion(idx);
+                    }
+                }
+                SsdEvent::Promoted { key, verified } => {
+                    let Some(idx) = self.entries.find(&key) else { continue };
+                    if verified {
+                        let checksum = self.entries.get(idx).checksum;
+                        self.entries.make_ready(idx, checksum);
+                        self.metrics.promotions += 1;
+                    } else {
+                        let e = self.entries.remove(idx);
+                        self.alloc.free(e.extent);
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// Starts demotions while free DRAM is below target; returns how many started.
+    pub fn maintain(&mut self) -> usize {
+        let Some(ssd) = self.ssd.as_ref() else { return 0 };
+        let target = self.alloc.capacity_pages() * FREE_TARGET_PERCENT / 100;
+        let half_full = ssd.stats().used_bytes * 2 >= ssd.stats().capacity_bytes;
+        let mut started = 0;
+        while self.alloc.capacity_pages() - self.alloc.used_pages() < target {
+            if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
+                break;
+            }
+            let Some(victim) = self.entries.pick_victim() else { break };
+            let (key, len, checksum, extent, reads) = {
+                let e = self.entries.get(victim);
+                (e.key, e.len, e.checksum, e.extent, e.reads)
+            };
+            let on_ssd = self
+                .ssd
+                .as_ref()
+                .is_some_and(|s| s.get(&key).is_some_and(|r| r.checksum == checksum));
+            if on_ssd || (reads == 0 && half_full) {
+                if !on_ssd {
+                    self.metrics.admission_rejections += 1;
+                }
+                let e = self.entries.remove(victim);
+                self.alloc.free(e.extent);
+                self.metrics.evictions += 1;
+                continue;
+            }
+            self.entries.start_demotion(victim);
+            let submitted = self
+                .ssd
+                .as_mut()
+                .is_some_and(|ssd| ssd.demote(key, len, checksum, &self.slice, extent.offset()));
+            if !submitted {
+                self.entries.end_demotion(victim);
+                break;
+            }
+            self.demoting += 1;
+            started += 1;
+        }
+        started
+    }
+}
+
+#[cfg(test)]
+mod tests;
