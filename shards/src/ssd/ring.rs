@@ -76,6 +76,10 @@ struct InFlight {
     _arena: Option<Arc<Arena>>,
 }
 
+// SAFETY: the iovecs point at memory owned by the same operation (its block) or kept alive by
+// its `Arc<Arena>`; nothing about them is tied to the creating thread.
+unsafe impl Send for InFlight {}
+
 /// A finished operation.
 #[derive(Debug)]
 pub struct Completion {
