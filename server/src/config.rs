@@ -79,6 +79,14 @@ pub struct ServerConfig {
     pub idle_poll_max: String,
     /// How long SIGTERM waits for in-flight work before exiting anyway. Default: `10s`.
     pub drain_timeout: String,
+    /// Directory of the SSD tier's per-shard files (must exist). Default: none (DRAM only).
+    pub ssd_dir: Option<PathBuf>,
+    /// SSD tier capacity over all shards; the files never exceed it. Default: `0` (off).
+    pub ssd: String,
+    /// SSD region size: the unit of reclaim. Default: `64MiB`.
+    pub ssd_region_size: String,
+    /// io_uring depth of each shard's SSD ring. Default: 64.
+    pub ssd_queue_depth: u32,
 }
 
 impl Default for ServerConfig {
@@ -100,6 +108,10 @@ impl Default for ServerConfig {
             mesh_queue_depth: 1024,
             idle_poll_max: "500us".into(),
             drain_timeout: "10s".into(),
+            ssd_dir: None,
+            ssd: "0".into(),
+            ssd_region_size: "64MiB".into(),
+            ssd_queue_depth: 64,
         }
     }
 }
@@ -160,6 +172,18 @@ pub struct Args {
     /// SIGTERM drain timeout (default: 10s).
     #[arg(long, value_name = "DUR")]
     pub drain_timeout: Option<String>,
+    /// Directory of the SSD tier's per-shard files (must exist; default: none, DRAM only).
+    #[arg(long, value_name = "DIR")]
+    pub ssd_dir: Option<PathBuf>,
+    /// SSD tier capacity over all shards (hard cap; default: 0, off).
+    #[arg(long, value_name = "SIZE")]
+    pub ssd: Option<String>,
+    /// SSD region size, the unit of reclaim (default: 64MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub ssd_region_size: Option<String>,
+    /// io_uring depth of each shard's SSD ring (default: 64).
+    #[arg(long, value_name = "N")]
+    pub ssd_queue_depth: Option<u32>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -182,9 +206,70 @@ pub struct Settings {
     pub idle_poll_max: Duration,
     /// SIGTERM drain timeout.
     pub drain_timeout: Duration,
+    /// The SSD tier, when configured.
+    pub ssd: Option<SsdSettings>,
+}
+
+/// Validated SSD tier settings.
+#[derive(Clone, Debug)]
+pub struct SsdSettings {
+    /// Directory of the per-shard files.
+    pub dir: PathBuf,
+    /// Capacity of each shard's file.
+    pub per_shard_bytes: u64,
+    /// Region size.
+    pub region_bytes: u64,
+    /// Ring depth.
+    pub queue_depth: u32,
 }
 
 impl ServerConfig {
+    fn validate_ssd(&self, shards: usize) -> Result<Option<SsdSettings>, ConfigError> {
+        let total = parse_size(&self.ssd).map_err(|e| invalid("--ssd", e.to_string()))?;
+        let Some(dir) = &self.ssd_dir else {
+            if total > 0 {
+                return Err(invalid("--ssd", "needs --ssd-dir"));
+            }
+            return Ok(None);
+        };
+        if total == 0 {
+            return Err(invalid("--ssd-dir", "needs --ssd SIZE (the tier's capacity)"));
+        }
+        if !dir.is_dir() {
+            return Err(invalid(
+                "--ssd-dir",
+                format!("{} is not an existing directory", dir.display()),
+            ));
+        }
+        let region_bytes = parse_size(&self.ssd_region_size)
+            .map_err(|e| invalid("--ssd-region-size", e.to_string()))?;
+        if region_bytes < 64 << 10 || !region_bytes.is_multiple_of(orbitkv_shards::PAGE_SIZE) {
+            return Err(invalid(
+                "--ssd-region-size",
+                "must be a multiple of 4 KiB, at least 64 KiB",
+            ));
+        }
+        let per_shard_bytes = total / shards as u64;
+        if per_shard_bytes < 2 * region_bytes + orbitkv_shards::PAGE_SIZE {
+            return Err(invalid(
+                "--ssd",
+                format!(
+                    "{total} bytes give each of {shards} shards less than two regions of \
+                     --ssd-region-size {region_bytes} bytes"
+                ),
+            ));
+        }
+        if self.ssd_queue_depth == 0 || self.ssd_queue_depth > 4096 {
+            return Err(invalid("--ssd-queue-depth", "must be between 1 and 4096"));
+        }
+        Ok(Some(SsdSettings {
+            dir: dir.clone(),
+            per_shard_bytes,
+            region_bytes,
+            queue_depth: self.ssd_queue_depth,
+        }))
+    }
+
     /// Loads a TOML file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
@@ -197,6 +282,9 @@ impl ServerConfig {
     pub fn apply_args(&mut self, a: &Args) {
         if let Some(v) = &a.socket {
             self.socket = Some(v.clone());
+        }
+        if let Some(v) = &a.ssd_dir {
+            self.ssd_dir = Some(v.clone());
         }
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = &a.$f { self.$f = v.clone(); } )* };
@@ -213,7 +301,10 @@ impl ServerConfig {
             max_inflight_per_session,
             mesh_queue_depth,
             idle_poll_max,
-            drain_timeout
+            drain_timeout,
+            ssd,
+            ssd_region_size,
+            ssd_queue_depth
         );
         if a.no_lock_arena {
             self.lock_arena = false;
@@ -292,7 +383,9 @@ impl ServerConfig {
         }
         let drain_timeout = parse_duration(&self.drain_timeout)
             .map_err(|e| invalid("--drain-timeout", e.to_string()))?;
+        let ssd = self.validate_ssd(shards)?;
         Ok(Settings {
+            ssd,
             config: self.clone(),
             socket,
             shards,

@@ -15,6 +15,7 @@ use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::{LocalExecutorBuilder, Placement};
 use iceoryx2::prelude::*;
+use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
 
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
@@ -71,6 +72,8 @@ pub struct ShardContext {
     pub ready: Sender<Result<(), String>>,
     /// How to wait for work.
     pub idle: IdlePolicy,
+    /// This shard's SSD store, when the tier is configured.
+    pub ssd: Option<SsdConfig>,
 }
 
 /// Starts the executor thread of one shard. Pinning is best effort: a placement that fails
@@ -160,6 +163,7 @@ async fn run(ctx: ShardContext) {
         ipc,
         ready,
         idle: policy,
+        ssd,
         ..
     } = ctx;
     let (spin_window, deep_idle) = match policy {
@@ -224,7 +228,7 @@ async fn run(ctx: ShardContext) {
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
                     e.shared.doorbells.mesh_received(e.id);
-                    let reply = e.core.borrow_mut().apply(op);
+                    let reply = e.apply_local(op).await;
                     let tx = e.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
                     e.shared.doorbells.mesh_sending(peer);
                     let sent = tx.send_to(peer, (rid, reply)).await.is_ok();
@@ -252,6 +256,29 @@ async fn run(ctx: ShardContext) {
             .detach();
         }
     }
+    if let Some(cfg) = ssd {
+        match SsdStore::open(&cfg) {
+            Ok((store, report)) => {
+                if let Some(why) = &report.rebuilt {
+                    tracing::warn!(shard = id, path = %store.path().display(), reason = %why, "SSD file started afresh");
+                }
+                tracing::info!(
+                    shard = id,
+                    path = %store.path().display(),
+                    kept = report.recovery.kept,
+                    superseded = report.recovery.superseded,
+                    dropped = report.recovery.dropped,
+                    recovery_ms = report.elapsed.as_millis() as u64,
+                    "SSD tier recovered"
+                );
+                exec.core.borrow_mut().attach_ssd(store);
+            }
+            Err(e) => {
+                let _ = ready.send(Err(format!("shard {id}: SSD tier (--ssd-dir): {e}")));
+                return;
+            }
+        }
+    }
     let _ = ready.send(Ok(()));
     tracing::info!(shard = id, cpu = ?cpu, "shard serving");
 
@@ -269,6 +296,11 @@ async fn run(ctx: ShardContext) {
             break;
         }
         work += exec.poll_sessions();
+        {
+            let mut core = exec.core.borrow_mut();
+            work += core.poll_ssd();
+            work += core.maintain();
+        }
         if work > 0 {
             last_work = Instant::now();
             glommio::executor().yield_now().await;
@@ -279,7 +311,10 @@ async fn run(ctx: ShardContext) {
             // Let other threads of this core run (clients, on machines without spare cores).
             std::thread::yield_now();
             glommio::executor().yield_now().await;
-        } else if idle >= deep_idle && exec.active.get() == 0 {
+        } else if idle >= deep_idle
+            && exec.active.get() == 0
+            && exec.core.borrow().ssd_inflight() == 0
+        {
             let e = &exec;
             e.deep_sleeps.set(e.deep_sleeps.get() + 1);
             if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(&control)) {
@@ -403,10 +438,33 @@ impl Exec {
         n
     }
 
+    /// Executes an op on this shard. A lookup that finds chunks only on SSD waits here until
+    /// their promotion into DRAM completes (the main loop drives the SSD ring).
+    pub(crate) async fn apply_local(&self, op: ShardOp) -> ShardReply {
+        match op {
+            ShardOp::Lookup { session, keys, lease } if self.core.borrow().has_ssd() => {
+                let first = self.core.borrow_mut().lookup_start(session, &keys, lease);
+                if !first.pending.is_empty() {
+                    self.active.set(self.active.get() + 1);
+                    while first
+                        .pending
+                        .iter()
+                        .any(|&i| self.core.borrow().promotion_pending(&keys[i]))
+                    {
+                        glommio::timer::sleep(Duration::from_micros(20)).await;
+                    }
+                    self.active.set(self.active.get() - 1);
+                }
+                ShardReply::Hits(self.core.borrow_mut().finish_lookup(session, &keys, lease, first))
+            }
+            op => self.core.borrow_mut().apply(op),
+        }
+    }
+
     /// Executes `op` on shard `shard`: here directly, elsewhere over the mesh.
     pub(crate) async fn exec_on(&self, shard: usize, op: ShardOp) -> ShardReply {
         if shard == self.id {
-            return self.core.borrow_mut().apply(op);
+            return self.apply_local(op).await;
         }
         let rid = self.next_req.get();
         self.next_req.set(rid + 1);

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use glommio::channels::channel_mesh::MeshBuilder;
 use orbitkv_proto::{admin_socket_path, format_bytes};
+use orbitkv_shards::ssd::store::SsdConfig;
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
 
 use crate::config::{Args, ServerConfig, Settings};
@@ -178,6 +179,14 @@ fn run(settings: Settings) -> Result<(), String> {
             ipc: ipc.clone(),
             ready: ready_tx.clone(),
             idle,
+            ssd: settings.ssd.as_ref().map(|s| SsdConfig {
+                dir: s.dir.clone(),
+                shard_id: id as u32,
+                shard_count: shards as u32,
+                capacity_bytes: s.per_shard_bytes,
+                region_bytes: s.region_bytes,
+                ring_depth: s.queue_depth,
+            }),
         };
         handles.push(executor::spawn(ctx)?);
     }

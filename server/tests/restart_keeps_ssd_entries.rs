@@ -1,0 +1,159 @@
+//! The SSD tier: chunks evicted from DRAM are demoted to SSD and served from there, survive a
+//! restart (clean or SIGKILL), never exceed the cap, and a corrupted record is never served.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{chain, namespace, value_for, TestServer};
+use nix::sys::signal::Signal;
+use orbitkv_client::{ChunkKey, Client, Tier};
+
+const LEN: usize = 16 << 10;
+
+fn ssd_args(dir: &std::path::Path) -> Vec<String> {
+    ["--shards", "2", "--dram", "2MiB", "--ssd", "24MiB", "--ssd-region-size", "1MiB", "--ssd-dir"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([dir.display().to_string()])
+        .collect()
+}
+
+fn start(dir: &std::path::Path) -> TestServer {
+    let args = ssd_args(dir);
+    TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// Puts every key, reading each once right away (reuse evidence for SSD admission), and
+/// waits until the shards have written their victims out.
+fn fill(server: &TestServer, c: &mut Client, keys: &[ChunkKey]) {
+    for k in keys {
+        c.put(&[(*k, &value_for(k, LEN))]).unwrap();
+        assert_eq!(c.lookup(std::slice::from_ref(k)).unwrap().len(), 1);
+    }
+    server.wait_for("demotions", |s| s.shard_sum("demotions") > 0);
+}
+
+/// Gets every key; returns how many came back (each byte-exact) and how many from SSD.
+fn read_all(c: &mut Client, keys: &[ChunkKey]) -> (usize, usize) {
+    let (mut found, mut from_ssd) = (0, 0);
+    for k in keys {
+        let leases = c.lookup_leased(std::slice::from_ref(k)).unwrap();
+        if let Some(l) = leases.first() {
+            assert_eq!(c.chunk(l).unwrap(), &value_for(k, LEN)[..], "wrong bytes");
+            found += 1;
+            if l.hit.tier == Tier::Ssd {
+                from_ssd += 1;
+            }
+        }
+        c.release(&leases).unwrap();
+    }
+    (found, from_ssd)
+}
+
+#[test]
+fn demoted_chunks_are_served_from_ssd_and_survive_restarts() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let mut server = start(dir.path());
+    let mut c = server.client("tiered");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 77, 400); // 6.4 MiB over 2 MiB of DRAM
+    fill(&server, &mut c, &keys);
+    let (found, from_ssd) = read_all(&mut c, &keys);
+    assert!(from_ssd > 100, "found {found}, from SSD {from_ssd}: {}", server.admin("stats"));
+    let stats = server.admin("stats");
+    for s in stats["shards"].as_array().unwrap() {
+        assert!(s["ssd_capacity_bytes"].as_u64().unwrap() > 0);
+        assert!(s["ssd_used_bytes"].as_u64().unwrap() <= s["ssd_capacity_bytes"].as_u64().unwrap());
+        assert_eq!(s["checksum_failures"], 0);
+    }
+    let on_ssd_before = server.shard_sum("ssd_records");
+
+    // Clean restart: everything that was on SSD is served again.
+    drop(c);
+    server.signal(Signal::SIGTERM);
+    assert!(server.wait_exit(Duration::from_secs(20)).success());
+    let args = ssd_args(dir.path());
+    server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(server.log().contains("SSD tier recovered"), "{}", server.log());
+    let mut c = server.client("after-restart");
+    let (found, from_ssd) = read_all(&mut c, &keys);
+    assert!(found as u64 >= on_ssd_before, "found {found} of {on_ssd_before} SSD records");
+    assert_eq!(found, from_ssd, "DRAM starts empty: every hit comes from SSD");
+
+    // SIGKILL at an arbitrary moment while writing: every byte served afterwards is right.
+    for round in 0..3u32 {
+        let more = chain(ns, 1000 + round, 150);
+        let mut c = server.client("writer");
+        c.register_namespace(&namespace(16)).unwrap();
+        for k in &more {
+            c.put(&[(*k, &value_for(k, LEN))]).unwrap();
+            c.lookup(std::slice::from_ref(k)).unwrap();
+        }
+        server.signal(Signal::SIGKILL);
+        server.wait_exit(Duration::from_secs(10));
+        server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let mut c = server.client("checker");
+        let (found_old, _) = read_all(&mut c, &keys);
+        let (found_new, _) = read_all(&mut c, &more);
+        assert!(found_old + found_new > 0, "round {round}: nothing survived");
+        assert_eq!(server.shard_sum("checksum_failures"), 0);
+    }
+    // The files never exceed the cap.
+    let total: u64 =
+        std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.metadata().unwrap().len()).sum();
+    assert!(total <= 24 << 20, "{total} bytes on disk");
+}
+
+#[test]
+fn a_corrupted_record_is_never_served() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let mut server = start(dir.path());
+    let mut c = server.client("w");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 5, 300);
+    fill(&server, &mut c, &keys);
+    drop(c);
+    server.signal(Signal::SIGTERM);
+    server.wait_exit(Duration::from_secs(20));
+    // Flip one payload byte of every record in shard 0's file.
+    let path = dir.path().join("shard-0.okv");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mut flipped = 0;
+    let mut at = 4096;
+    while at + 8192 <= bytes.len() {
+        if &bytes[at..at + 8] == b"OKVREC\0\x01" {
+            bytes[at + 4096 + 100] ^= 0x5a;
+            flipped += 1;
+        }
+        at += 4096;
+    }
+    assert!(flipped > 0);
+    std::fs::write(&path, &bytes).unwrap();
+    let args = ssd_args(dir.path());
+    server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut c = server.client("r");
+    let (found, _) = read_all(&mut c, &keys); // asserts every served byte is right
+    assert!(found > 0, "shard 1's records are intact");
+    assert!(server.shard_sum("checksum_failures") > 0);
+}
+
+#[test]
+fn bad_ssd_settings_are_refused_naming_the_flag() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    for (args, flag) in [
+        (vec!["--ssd-dir", "/nonexistent/okv", "--ssd", "64MiB"], "--ssd-dir"),
+        (vec!["--ssd-dir", dir.path().to_str().unwrap()], "--ssd"),
+        (vec!["--ssd-dir", dir.path().to_str().unwrap(), "--ssd", "1MiB"], "--ssd"),
+        (vec!["--ssd", "1GiB"], "--ssd-dir"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+            .args(["--socket", "/tmp/orbitkv-bad-ssd.sock", "--shards", "1", "--dram", "8MiB"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
