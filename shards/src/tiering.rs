@@ -29,6 +29,9 @@ pub struct TieredLookup {
     pub hits: Vec<Option<Hit>>,
     /// Positions whose chunk is being promoted from SSD.
     pub pending: Vec<usize>,
+    /// Generation of each pending position's promotion entry, which this lookup pins so the
+    /// promoted chunk cannot be evicted before [`ShardCore::finish_lookup`] takes it.
+    pins: Vec<u64>,
 }
 
 impl ShardCore {
@@ -57,8 +60,9 @@ impl ShardCore {
     ) -> TieredLookup {
         let hits = self.lookup(session, keys, lease);
         let mut pending = Vec::new();
+        let mut pins = Vec::new();
         if self.ssd.is_none() {
-            return TieredLookup { hits, pending };
+            return TieredLookup { hits, pending, pins };
         }
         for (i, key) in keys.iter().enumerate() {
             if hits[i].is_some() {
@@ -67,10 +71,14 @@ impl ShardCore {
             if self.promotion_pending(key) || self.start_promotion(key) {
                 self.metrics.misses -= 1; // counted as an SSD hit instead
                 self.metrics.ssd_hits += 1;
+                let idx = self.entries.find(key).expect("a pending promotion has its entry");
+                let e = self.entries.get_mut(idx);
+                e.leases += 1;
+                pins.push(e.generation);
                 pending.push(i);
             }
         }
-        TieredLookup { hits, pending }
+        TieredLookup { hits, pending, pins }
     }
 
     /// True while `key` is being read from SSD into DRAM.
@@ -97,6 +105,15 @@ impl ShardCore {
         self.metrics.misses = misses;
         for (&i, hit) in first.pending.iter().zip(found) {
             first.hits[i] = hit.map(|h| Hit { tier: Tier::Ssd, ..h });
+        }
+        // Drop this lookup's pins (a failed promotion's entry is already gone).
+        for (&i, &generation) in first.pending.iter().zip(&first.pins) {
+            if let Some(idx) = self.entries.find(&keys[i]) {
+                let e = self.entries.get_mut(idx);
+                if e.generation == generation {
+                    e.leases -= 1;
+                }
+            }
         }
         first.hits
     }
