@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 mod admin;
+mod ssd;
 mod table;
 
 use std::path::PathBuf;
@@ -52,6 +53,33 @@ enum Command {
     /// Open sessions.
     Sessions {
         /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Offline tools for the SSD tier's files (run on a stopped server's --ssd-dir).
+    Ssd {
+        #[command(subcommand)]
+        command: SsdCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SsdCommand {
+    /// Verify every record header and payload checksum; exit 1 on any corruption.
+    Check {
+        /// The server's --ssd-dir.
+        #[arg(long, value_name = "DIR")]
+        dir: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List every live record.
+    Dump {
+        /// The server's --ssd-dir.
+        #[arg(long, value_name = "DIR")]
+        dir: PathBuf,
+        /// One JSON object per line.
         #[arg(long)]
         json: bool,
     },
@@ -134,6 +162,13 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
         Command::Resume => {
             let v = admin.call("resume")?;
             println!("{}", v["state"].as_str().unwrap_or("serving"));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Ssd { command: SsdCommand::Check { dir, json } } => {
+            Ok(if ssd::check(&dir, json)? { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Ssd { command: SsdCommand::Dump { dir, json } } => {
+            ssd::dump(&dir, json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Sessions { json } => {

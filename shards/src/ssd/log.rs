@@ -130,6 +130,11 @@ impl RegionLog {
         self.used_bytes
     }
 
+    /// Every live record (in no particular order).
+    pub fn iter(&self) -> impl Iterator<Item = (&ChunkKey, &SsdEntry)> {
+        self.index.iter()
+    }
+
     /// The live record of `key`.
     pub fn get(&self, key: &ChunkKey) -> Option<SsdEntry> {
         self.index.get(key).copied()
