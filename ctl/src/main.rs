@@ -116,7 +116,15 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             if json {
                 println!("{v}");
             } else if ready {
-                println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
+                let degraded: Vec<&str> = v["degraded"]
+                    .as_array()
+                    .map(|d| d.iter().filter_map(|x| x.as_str()).collect())
+                    .unwrap_or_default();
+                if degraded.is_empty() {
+                    println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
+                } else {
+                    println!("ready (degraded: {})", degraded.join("; "));
+                }
             } else {
                 println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
             }

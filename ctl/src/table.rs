@@ -34,7 +34,7 @@ pub fn stats(v: &Value) -> String {
         "sessions",
     ];
     let mut rows: Vec<Vec<String>> = vec![cols.iter().map(|c| c.to_string()).collect()];
-    let mut totals = [0u64; 9];
+    let mut totals = [0u64; COLS];
     for s in v["shards"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
         if s["answering"] != true {
             rows.push(vec![u64_of(s, "id").to_string(), "-".into(), "not answering".into()]);
@@ -50,6 +50,10 @@ pub fn stats(v: &Value) -> String {
             u64_of(s, "leases"),
             u64_of(s, "reservations"),
             u64_of(s, "sessions"),
+            u64_of(s, "ssd_used_bytes"),
+            u64_of(s, "ssd_hits"),
+            u64_of(s, "demotions"),
+            u64_of(s, "promotions"),
         ];
         for (t, n) in totals.iter_mut().zip(nums) {
             *t += n;
@@ -65,9 +69,14 @@ pub fn stats(v: &Value) -> String {
     out
 }
 
-fn row(first: String, core: String, n: &[u64; 9]) -> Vec<String> {
+/// Numeric columns of a shard row.
+const COLS: usize = 13;
+
+fn row(first: String, core: String, n: &[u64; COLS]) -> Vec<String> {
     let mut r = vec![first, core, format_bytes(n[0]), format_bytes(n[1])];
-    r.extend(n[2..].iter().map(u64::to_string));
+    r.extend(n[2..9].iter().map(u64::to_string));
+    r.push(format_bytes(n[9]));
+    r.extend(n[10..].iter().map(u64::to_string));
     r
 }
 

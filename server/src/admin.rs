@@ -101,7 +101,16 @@ fn command(cmd: &str, shared: &Shared) -> Value {
             } else {
                 "serving"
             };
-            json!({"ok": true, "ready": ready, "state": state, "reason": reason})
+            // Serving but impaired: reported, not fatal (DRAM keeps serving).
+            let degraded: Vec<String> = snaps
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| {
+                    let errors = s.as_ref()?.stats.ssd.map_or(0, |x| x.io_errors);
+                    (errors > 0).then(|| format!("shard {i}: {errors} SSD I/O errors"))
+                })
+                .collect();
+            json!({"ok": true, "ready": ready, "state": state, "reason": reason, "degraded": degraded})
         }
         "stats" => stats(shared),
         "drain" => {

@@ -85,6 +85,30 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, String> {
     Ok(listener)
 }
 
+/// Removes SSD files of shards this run does not have (an earlier run with more shards), so
+/// that the directory never holds more than the configured cap.
+fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), String> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("--ssd-dir {}: {e}", dir.display()))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(id) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("shard-"))
+            .and_then(|n| n.strip_suffix(".okv"))
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if id >= shards {
+            tracing::warn!(path = %entry.path().display(), shards, "removing the SSD file of a shard this run does not have");
+            std::fs::remove_file(entry.path())
+                .map_err(|e| format!("removing {}: {e}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
@@ -142,6 +166,9 @@ fn run(settings: Settings) -> Result<(), String> {
         ipc.prefix.clone(),
         service_prefix,
     );
+    if let Some(ssd) = &settings.ssd {
+        remove_orphan_shard_files(&ssd.dir, shards)?;
+    }
     let cpus = allowed_cpus();
     let pin = settings.config.pin && shards <= cpus.len();
     if settings.config.pin && !pin {
