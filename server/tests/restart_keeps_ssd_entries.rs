@@ -228,3 +228,80 @@ fn another_shard_count_starts_cold_and_removes_orphan_files() {
     let mut c = server.client("r");
     assert_eq!(read_all(&mut c, &keys), (0, 0), "nothing is read through the wrong placement");
 }
+
+/// A small loop-mounted ext4 filesystem, unmounted on drop.
+struct TinyFs {
+    dir: tempfile::TempDir,
+    mounted: bool,
+}
+
+impl TinyFs {
+    /// None (with the reason printed) where loop mounts are not available.
+    fn new(bytes: u64) -> Option<TinyFs> {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let img = dir.path().join("fs.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
+        let ok = |cmd: &mut std::process::Command| {
+            cmd.output().map(|o| o.status.success()).unwrap_or(false)
+        };
+        if !ok(std::process::Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img)) {
+            println!("skipped: mkfs.ext4 is not available");
+            return None;
+        }
+        if !ok(std::process::Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt)) {
+            println!("skipped: cannot loop-mount a filesystem here (needs root and loop devices)");
+            return None;
+        }
+        Some(TinyFs { dir, mounted: true })
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("mnt")
+    }
+}
+
+impl Drop for TinyFs {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = std::process::Command::new("umount").arg(self.path()).output();
+        }
+    }
+}
+
+#[test]
+fn a_full_filesystem_is_reported_at_start() {
+    let Some(fs) = TinyFs::new(16 << 20) else { return };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+        .args([
+            "--socket",
+            "/tmp/orbitkv-enospc-test.sock",
+            "--no-lock-arena",
+            "--shards",
+            "1",
+            "--dram",
+            "8MiB",
+        ])
+        .args(["--ssd", "64MiB", "--ssd-region-size", "1MiB", "--ssd-dir"])
+        .arg(fs.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("preallocating") && err.contains("No space left"), "{err}");
+    // With a cap that fits, the same filesystem serves.
+    let server = TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "1MiB",
+        "--ssd",
+        "8MiB",
+        "--ssd-region-size",
+        "1MiB",
+        "--ssd-dir",
+        fs.path().to_str().unwrap(),
+    ]);
+    server.client("fits").ping().unwrap();
+}
