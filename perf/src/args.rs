@@ -18,8 +18,9 @@ pub(crate) struct Cli {
 #[derive(Subcommand, Debug)]
 pub(crate) enum Command {
     /// End to end through the client library: a read-through cache workload (lookup with
-    /// lease, copy, release; put on miss), optionally followed by batched lookups; compared
-    /// with a single-thread memcpy measured in the same run.
+    /// lease, copy, release; put on miss, or with `--verify-only` no put at all), optionally
+    /// followed by batched lookups; compared with a single-thread memcpy measured in the same
+    /// run.
     Serve(ServeArgs),
     /// The CPU use of an idle server, as percent of one core.
     Idle(IdleArgs),
@@ -89,6 +90,13 @@ pub(crate) struct ServeArgs {
     /// Keys per batched lookup in a second phase; 0 skips that phase (default: 0).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup_batch: usize,
+    /// Write nothing: every operation is a get of a main key, a hit is verified byte for byte
+    /// against the value derived from `--seed` and `--value-size`, a miss is only counted.
+    /// Checks what an earlier run with the same `--seed`, `--value-size` and `--working-set`
+    /// left in a server (so not with `--embedded`, which starts empty, nor with
+    /// `--lookup-batch`, whose setup writes) (default: off).
+    #[arg(long, conflicts_with_all = ["embedded", "lookup_batch"])]
+    pub verify_only: bool,
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,

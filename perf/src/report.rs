@@ -74,6 +74,8 @@ pub(crate) struct ServeReport {
     pub socket: String,
     /// Whether the server was started by this run.
     pub embedded: bool,
+    /// Whether the run only read (`--verify-only`): misses were not put.
+    pub verify_only: bool,
     /// Clients (threads and sessions).
     pub clients: usize,
     /// Requested length of each phase.
@@ -96,7 +98,7 @@ pub(crate) struct ServeReport {
     pub evictions: Option<u64>,
     /// Gets that found their key.
     pub hits: u64,
-    /// Gets that did not (each followed by a put).
+    /// Gets that did not (each followed by a put, unless `verify_only`).
     pub misses: u64,
     /// hits / (hits + misses).
     pub hit_ratio: f64,
@@ -154,7 +156,8 @@ impl Report for ServeReport {
         };
         writeln!(
             out,
-            "orbitkv-perf serve: {} client(s), {:.1} s, values {}, working set {} ({} keys, {keys}), seed {}",
+            "orbitkv-perf serve{}: {} client(s), {:.1} s, values {}, working set {} ({} keys, {keys}), seed {}",
+            if self.verify_only { " (verify only, no puts)" } else { "" },
             self.clients,
             self.duration_s,
             format_bytes(self.value_size),

@@ -65,6 +65,7 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
         seed: a.seed,
         value_size: checked.value_size,
         picker: checked.picker,
+        verify_only: a.verify_only,
         lookup,
     });
     let report = measure(a, &plan, &socket, facts, checked.nkeys)?;
@@ -287,9 +288,17 @@ fn measure(
         );
     }
     let lookups = m.hits + m.misses;
+    if a.verify_only && m.hits == 0 {
+        eprintln!(
+            "orbitkv-perf: note: --verify-only found none of the {nkeys} keys of seed {}: \
+             nothing was verified",
+            a.seed
+        );
+    }
     Ok(ServeReport {
         socket: socket.display().to_string(),
         embedded: a.embedded,
+        verify_only: a.verify_only,
         clients: a.clients,
         duration_s: a.duration.as_secs_f64(),
         value_size: a.value_size,

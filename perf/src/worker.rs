@@ -38,6 +38,8 @@ pub(crate) struct Plan {
     pub value_size: usize,
     /// Key choice over the main keys.
     pub picker: KeyPicker,
+    /// Never put: misses are only counted.
+    pub verify_only: bool,
     /// The lookup phase, if any.
     pub lookup: Option<LookupPlan>,
 }
@@ -114,7 +116,8 @@ fn connect(id: usize, plan: &Plan) -> Result<(Client, KeySpace), Error> {
 }
 
 impl Worker<'_> {
-    /// Read-through cache: get (lookup with lease, copy, release) and put on a miss.
+    /// Read-through cache: get (lookup with lease, copy, release) and put on a miss (unless
+    /// the plan is verify-only).
     fn main_phase(&mut self, end: Instant) {
         let (client, id, plan, space, progress) =
             (&mut self.client, self.id, self.plan, self.space, self.progress);
@@ -138,6 +141,9 @@ impl Worker<'_> {
             let Some(lease) = leases.first() else {
                 s.misses += 1;
                 progress.op(false);
+                if plan.verify_only {
+                    continue;
+                }
                 fill_value(&key.digest, &mut value);
                 let started = Instant::now();
                 let outcome = client.put(&[(key, value.as_slice())]);

@@ -59,3 +59,103 @@ pub fn num(v: &Value, path: &[&str]) -> f64 {
     }
     at.as_f64().unwrap_or_else(|| panic!("{path:?} is not a number in {v}"))
 }
+
+/// A real `orbitkv-server` on a temporary socket, stopped (SIGTERM, then SIGKILL) when dropped.
+pub struct TestServer {
+    child: Option<std::process::Child>,
+    socket: PathBuf,
+    log: PathBuf,
+    // Last: removed after the server stopped.
+    _dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    /// Starts the server next to `orbitkv-perf` with `--socket <tmp>/s.sock --no-lock-arena`
+    /// and `args`, and waits until `<socket>.admin` reports it ready.
+    pub fn start(args: &[&str]) -> TestServer {
+        use std::time::{Duration, Instant};
+        let bin = require_server();
+        let dir = tempfile::Builder::new()
+            .prefix("okvperf")
+            .tempdir_in("/tmp")
+            .expect("a temporary directory in /tmp");
+        let socket = dir.path().join("s.sock");
+        let log = dir.path().join("server.log");
+        let log_file = std::fs::File::create(&log).expect("a log file in the temporary directory");
+        let child = Command::new(bin)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--no-lock-arena")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("orbitkv-server starts");
+        let mut server = TestServer { child: Some(child), socket, log, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if server.admin("health").is_some_and(|v| v["ready"] == true) {
+                return server;
+            }
+            let child = server.child.as_mut().expect("the child is kept until drop");
+            if let Some(status) = child.try_wait().expect("wait on the server") {
+                panic!("server exited early with {status}: {}", server.log());
+            }
+            assert!(Instant::now() < deadline, "server did not become ready: {}", server.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The bootstrap socket, as a string for command lines.
+    pub fn socket(&self) -> &str {
+        self.socket.to_str().expect("temporary paths are UTF-8")
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// One admin command's answer, or `None` when the admin socket does not answer.
+    pub fn admin(&self, cmd: &str) -> Option<Value> {
+        use std::io::{BufRead, BufReader, Write};
+        let path = orbitkv_proto::admin_socket_path(&self.socket);
+        let mut s = std::os::unix::net::UnixStream::connect(path).ok()?;
+        s.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes()).ok()?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).ok()?;
+        serde_json::from_str(&line).ok()
+    }
+
+    /// Sum over the shards of one numeric `stats` field.
+    pub fn shard_sum(&self, field: &str) -> u64 {
+        let v = self.admin("stats").expect("the server answers stats");
+        v["shards"]
+            .as_array()
+            .unwrap_or_else(|| panic!("stats has a shards list: {v}"))
+            .iter()
+            .map(|s| s[field].as_u64().unwrap_or_else(|| panic!("shard {field} in {v}")))
+            .sum()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        use std::time::{Duration, Instant};
+        let Some(mut child) = self.child.take() else { return };
+        if let Ok(pid) = i32::try_from(child.id()) {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
