@@ -228,13 +228,21 @@ async fn run(ctx: ShardContext) {
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
                     e.shared.doorbells.mesh_received(e.id);
+                    // A lookup may wait for SSD promotions: run it in its own task so that
+                    // later ops from the same peer are not queued behind it.
+                    if matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().has_ssd() {
+                        let e = Rc::clone(&e);
+                        e.active.set(e.active.get() + 1);
+                        glommio::spawn_local(async move {
+                            let reply = e.apply_local(op).await;
+                            e.reply_to(peer, rid, reply).await;
+                            e.active.set(e.active.get() - 1);
+                        })
+                        .detach();
+                        continue;
+                    }
                     let reply = e.apply_local(op).await;
-                    let tx = e.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
-                    e.shared.doorbells.mesh_sending(peer);
-                    let sent = tx.send_to(peer, (rid, reply)).await.is_ok();
-                    e.shared.doorbells.ring(peer);
-                    if !sent {
-                        e.shared.doorbells.mesh_received(peer);
+                    if !e.reply_to(peer, rid, reply).await {
                         break;
                     }
                 }
@@ -436,6 +444,18 @@ impl Exec {
             }
         }
         n
+    }
+
+    /// Sends a reply to `peer` over the reply mesh; false when the mesh is gone.
+    async fn reply_to(&self, peer: usize, rid: u64, reply: ShardReply) -> bool {
+        let tx = self.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
+        self.shared.doorbells.mesh_sending(peer);
+        let sent = tx.send_to(peer, (rid, reply)).await.is_ok();
+        self.shared.doorbells.ring(peer);
+        if !sent {
+            self.shared.doorbells.mesh_received(peer);
+        }
+        sent
     }
 
     /// Executes an op on this shard. A lookup that finds chunks only on SSD waits here until
