@@ -1,4 +1,4 @@
-//! The command line: `serve` and `idle`.
+//! The command line: `serve`, `idle` and `ssd`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -24,6 +24,49 @@ pub(crate) enum Command {
     Serve(ServeArgs),
     /// The CPU use of an idle server, as percent of one core.
     Idle(IdleArgs),
+    /// The SSD tier's I/O path alone: O_DIRECT reads or writes between arena slots and a file
+    /// through the shard's io_uring ring (`SsdRing`), compared with fio run on the same file
+    /// with the same parameters in the same run (when fio is on PATH).
+    Ssd(SsdArgs),
+}
+
+/// The access pattern of `ssd` (fio's `--rw` of the same name).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SsdMode {
+    /// Sequential reads.
+    #[value(name = "read")]
+    Read,
+    /// Sequential writes.
+    #[value(name = "write")]
+    Write,
+    /// Reads at random block-aligned offsets.
+    #[value(name = "randread")]
+    RandRead,
+    /// Writes at random aligned offsets.
+    #[value(name = "randwrite")]
+    RandWrite,
+}
+
+impl SsdMode {
+    /// Stable name for reports, and fio's `--rw` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SsdMode::Read => "read",
+            SsdMode::Write => "write",
+            SsdMode::RandRead => "randread",
+            SsdMode::RandWrite => "randwrite",
+        }
+    }
+
+    /// True for the write modes.
+    pub fn writes(self) -> bool {
+        matches!(self, SsdMode::Write | SsdMode::RandWrite)
+    }
+
+    /// True for the random modes.
+    pub fn random(self) -> bool {
+        matches!(self, SsdMode::RandRead | SsdMode::RandWrite)
+    }
 }
 
 /// How keys are picked.
@@ -113,6 +156,39 @@ pub(crate) struct IdleArgs {
     #[arg(long, value_name = "DUR", value_parser = duration, default_value = "10s")]
     pub duration: Duration,
     /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `orbitkv-perf ssd`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct SsdArgs {
+    /// Directory of the test file `orbitkv-perf-ssd.dat` (created, preallocated and filled on
+    /// first use; reused after). It must be on a file system that supports O_DIRECT.
+    #[arg(long, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Bytes of the test file that the run (and fio) use (default: 1GiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "1GiB")]
+    pub file_size: u64,
+    /// Bytes per operation, a multiple of 4 KiB (default: 1MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "1MiB")]
+    pub block_size: u64,
+    /// Operations in flight (default: 32).
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub qd: u32,
+    /// Access pattern.
+    #[arg(long, value_enum)]
+    pub mode: SsdMode,
+    /// Length of the run, and of fio's run (default: 10s).
+    #[arg(long, value_name = "DUR", value_parser = duration, default_value = "10s")]
+    pub duration: Duration,
+    /// Seed of the random offsets (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Do not run fio even when it is on PATH (default: off).
+    #[arg(long)]
+    pub no_fio: bool,
+    /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -1,7 +1,8 @@
 //! `orbitkv-perf`: OrbitKV benchmarks (see `orbitkv-perf --help`).
 //!
 //! Exit status: 0 when the run completed and every byte read back was right, 1 when some read
-//! did not verify, 2 when the benchmark could not run (bad flags, server unreachable, ...).
+//! did not verify (`serve`) or some I/O failed (`ssd`), 2 when the benchmark could not run (bad
+//! flags, server unreachable, unusable directory, ...).
 
 #![deny(unsafe_code)]
 
@@ -16,6 +17,7 @@ mod progress;
 mod report;
 mod sampler;
 mod serve;
+mod ssd;
 mod stats;
 mod worker;
 mod workload;
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
     let (name, outcome) = match cli.command {
         Command::Serve(a) => ("serve", serve::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Idle(a) => ("idle", idle::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Ssd(a) => ("ssd", ssd::run(&a).and_then(|r| emit(&r, a.json))),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
