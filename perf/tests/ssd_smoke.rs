@@ -40,8 +40,6 @@ fn assert_clean(v: &Value, mode: &str) {
     assert_eq!(num(v, &["latency", "count"]), num(v, &["ops"]), "{v}");
     assert_eq!(num(v, &["bytes"]), num(v, &["ops"]) * 65536.0, "{v}");
     assert!(num(v, &["gbps"]) > 0.0 && num(v, &["iops"]) > 0.0, "{v}");
-    let header = if mode.contains("write") { 4096.0 } else { 0.0 };
-    assert_eq!(num(v, &["header_bytes_per_op"]), header, "{v}");
     // fio is optional: when it ran, its numbers are there and the ratio is computed.
     if v["fio"].is_null() {
         assert!(v["fio_gbps"].is_null() && v["ratio_vs_fio"].is_null(), "{v}");

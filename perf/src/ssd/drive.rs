@@ -8,8 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv_shards::ssd::format::RECORD_HEADER_BYTES;
-use orbitkv_shards::ssd::ring::{AlignedBlock, SsdRing};
+use orbitkv_shards::ssd::ring::SsdRing;
 use orbitkv_shards::Arena;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -36,19 +35,9 @@ pub(crate) struct DriveConfig {
 }
 
 impl DriveConfig {
-    /// Bytes each operation adds to its payload in the file: `SsdRing` writes only records,
-    /// a 4 KiB header block followed by the slot's bytes. Reads move the payload alone.
-    pub fn header_bytes_per_op(&self) -> u64 {
-        if self.mode.writes() {
-            RECORD_HEADER_BYTES
-        } else {
-            0
-        }
-    }
-
     /// Bytes of the file one operation covers.
     pub fn extent(&self) -> u64 {
-        self.block + self.header_bytes_per_op()
+        self.block
     }
 }
 
@@ -59,8 +48,6 @@ pub(crate) struct DriveResult {
     pub ops: u64,
     /// Payload bytes of those operations.
     pub payload_bytes: u64,
-    /// Bytes they moved to or from the file, record headers included.
-    pub file_bytes: u64,
     /// From the first submission to the last completion.
     pub wall: Duration,
     /// Submission to completion of every successful operation.
@@ -141,7 +128,6 @@ pub(crate) fn drive(file: &File, path: &Path, cfg: &DriveConfig) -> Result<Drive
     }
     let mut ring = SsdRing::new(cfg.qd).map_err(io("creating an io_uring for"))?;
     let mut free: Vec<u64> = (0..u64::from(cfg.qd)).rev().collect();
-    let mut headers: Vec<AlignedBlock> = Vec::new();
     let mut inflight: HashMap<u64, Op> = HashMap::with_capacity(cfg.qd as usize);
     let mut r = DriveResult::default();
     let start = Instant::now();
@@ -154,9 +140,7 @@ pub(crate) fn drive(file: &File, path: &Path, cfg: &DriveConfig) -> Result<Drive
                 let submitted = Instant::now();
                 let from = slot * cfg.block;
                 let id = if writes {
-                    // Header blocks come back with their completions and are used again.
-                    let header = headers.pop().unwrap_or_default();
-                    ring.write_record(file, at, header, &slice, from, cfg.block)
+                    ring.write_from_slot(file, at, &slice, from, cfg.block)
                 } else {
                     ring.read_into_slot(file, at, &slice, from, cfg.block)
                 };
@@ -173,14 +157,12 @@ pub(crate) fn drive(file: &File, path: &Path, cfg: &DriveConfig) -> Result<Drive
         let now = Instant::now();
         last = now;
         for c in done {
-            headers.extend(c.header);
             let Some(op) = inflight.remove(&c.id) else { continue };
             free.push(op.slot);
             match c.result {
                 Ok(n) if n == extent => {
                     r.ops += 1;
                     r.payload_bytes += cfg.block;
-                    r.file_bytes += extent;
                     r.latency.record(now - op.submitted);
                 }
                 Ok(n) => r.error(|| format!("moved {n} of {extent} bytes at offset {}", op.at)),
@@ -230,10 +212,7 @@ mod tests {
             duration: Duration::from_secs(1),
             seed: 1,
         };
-        assert_eq!(cfg.extent(), (1 << 20) + 4096);
-        let read = DriveConfig { mode: SsdMode::Read, ..cfg };
-        assert_eq!(read.extent(), 1 << 20);
-        assert_eq!(read.header_bytes_per_op(), 0);
+        assert_eq!(cfg.extent(), 1 << 20);
     }
 
     #[test]
@@ -254,7 +233,6 @@ mod tests {
             assert_eq!(r.errors, 0, "{mode:?}: {:?}", r.first_error);
             assert_eq!(r.latency.count(), r.ops);
             assert_eq!(r.payload_bytes, r.ops * cfg.block);
-            assert_eq!(r.file_bytes, r.ops * cfg.extent());
         }
     }
 }

@@ -30,9 +30,6 @@ pub(crate) struct SsdReport {
     pub duration_s: f64,
     /// Seed of random offsets.
     pub seed: u64,
-    /// Bytes each operation moves beyond its payload: the 4 KiB record header of every
-    /// write (`SsdRing` writes records only), 0 for reads.
-    pub header_bytes_per_op: u64,
     /// Operations that moved all their bytes.
     pub ops: u64,
     /// Their payload bytes.
@@ -41,8 +38,6 @@ pub(crate) struct SsdReport {
     pub wall_s: f64,
     /// Payload GB/s (10^9 bytes/s).
     pub gbps: f64,
-    /// GB/s moved to or from the file, record headers included.
-    pub gbps_with_headers: f64,
     /// Operations per second.
     pub iops: f64,
     /// Submission-to-completion latency of every successful operation.
@@ -92,13 +87,6 @@ impl Report for SsdReport {
             self.latency.p99_us,
             self.latency.p999_us
         )?;
-        if self.header_bytes_per_op > 0 {
-            writeln!(
-                out,
-                "{:<8} {:>14} {:>8.3} GB/s with the {} B record header of every write",
-                "", "", self.gbps_with_headers, self.header_bytes_per_op
-            )?;
-        }
         match (&self.fio, &self.fio_error) {
             (Some(f), _) => writeln!(
                 out,

@@ -185,6 +185,32 @@ impl SsdRing {
         slot_offset: u64,
         len: u64,
     ) -> std::io::Result<u64> {
+        self.slot_op(file, at, slice, slot_offset, len, false)
+    }
+
+    /// Writes `len` bytes (a multiple of 4 KiB) of the arena slot at `slot_offset` of `slice`
+    /// at file offset `at`, with no record header. The slot must stay reserved or pinned,
+    /// unmodified, until the completion.
+    pub fn write_from_slot(
+        &mut self,
+        file: &File,
+        at: u64,
+        slice: &ArenaSlice,
+        slot_offset: u64,
+        len: u64,
+    ) -> std::io::Result<u64> {
+        self.slot_op(file, at, slice, slot_offset, len, true)
+    }
+
+    fn slot_op(
+        &mut self,
+        file: &File,
+        at: u64,
+        slice: &ArenaSlice,
+        slot_offset: u64,
+        len: u64,
+        write: bool,
+    ) -> std::io::Result<u64> {
         debug_assert!(len.is_multiple_of(PAGE_SIZE) && at.is_multiple_of(PAGE_SIZE));
         let iov = Box::new([
             libc::iovec {
@@ -193,8 +219,12 @@ impl SsdRing {
             },
             libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
         ]);
-        let entry =
-            opcode::Readv::new(types::Fd(file.as_raw_fd()), iov.as_ptr(), 1).offset(at).build();
+        let fd = types::Fd(file.as_raw_fd());
+        let entry = if write {
+            opcode::Writev::new(fd, iov.as_ptr(), 1).offset(at).build()
+        } else {
+            opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
+        };
         self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()) })
     }
 
