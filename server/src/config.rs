@@ -87,6 +87,9 @@ pub struct ServerConfig {
     pub ssd_region_size: String,
     /// io_uring depth of each shard's SSD ring. Default: 64.
     pub ssd_queue_depth: u32,
+    /// Fault injection for tests and drills: every SSD I/O waits this long in the kernel
+    /// before it starts (a slow disk). Default: `0` (none).
+    pub ssd_inject_latency: String,
 }
 
 impl Default for ServerConfig {
@@ -112,6 +115,7 @@ impl Default for ServerConfig {
             ssd: "0".into(),
             ssd_region_size: "64MiB".into(),
             ssd_queue_depth: 64,
+            ssd_inject_latency: "0".into(),
         }
     }
 }
@@ -184,6 +188,9 @@ pub struct Args {
     /// io_uring depth of each shard's SSD ring (default: 64).
     #[arg(long, value_name = "N")]
     pub ssd_queue_depth: Option<u32>,
+    /// Fault injection: delay every SSD I/O by DUR, as a slow disk would (default: 0).
+    #[arg(long, value_name = "DUR")]
+    pub ssd_inject_latency: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -221,6 +228,8 @@ pub struct SsdSettings {
     pub region_bytes: u64,
     /// Ring depth.
     pub queue_depth: u32,
+    /// Injected latency per I/O.
+    pub inject_latency: Duration,
 }
 
 impl ServerConfig {
@@ -262,11 +271,14 @@ impl ServerConfig {
         if self.ssd_queue_depth == 0 || self.ssd_queue_depth > 4096 {
             return Err(invalid("--ssd-queue-depth", "must be between 1 and 4096"));
         }
+        let inject_latency = parse_duration(&self.ssd_inject_latency)
+            .map_err(|e| invalid("--ssd-inject-latency", e.to_string()))?;
         Ok(Some(SsdSettings {
             dir: dir.clone(),
             per_shard_bytes,
             region_bytes,
             queue_depth: self.ssd_queue_depth,
+            inject_latency,
         }))
     }
 
@@ -304,7 +316,8 @@ impl ServerConfig {
             drain_timeout,
             ssd,
             ssd_region_size,
-            ssd_queue_depth
+            ssd_queue_depth,
+            ssd_inject_latency
         );
         if a.no_lock_arena {
             self.lock_arena = false;

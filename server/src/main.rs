@@ -213,6 +213,7 @@ fn run(settings: Settings) -> Result<(), String> {
                 capacity_bytes: s.per_shard_bytes,
                 region_bytes: s.region_bytes,
                 ring_depth: s.queue_depth,
+                inject_delay: s.inject_latency,
             }),
         };
         handles.push(executor::spawn(ctx)?);

@@ -305,3 +305,51 @@ fn a_full_filesystem_is_reported_at_start() {
     ]);
     server.client("fits").ping().unwrap();
 }
+
+#[test]
+fn a_slow_disk_does_not_hold_up_dram_hits() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let base = ["--shards", "1", "--dram", "2MiB", "--ssd", "24MiB", "--ssd-region-size", "1MiB"];
+    let dir_arg = dir.path().to_str().unwrap().to_string();
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--ssd-dir", &dir_arg]);
+    let mut server = TestServer::start(&args);
+    let mut c = server.client("w");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let cold = chain(ns, 41, 200);
+    fill(&server, &mut c, &cold);
+    drop(c);
+    server.signal(Signal::SIGTERM);
+    server.wait_exit(Duration::from_secs(20));
+    // Restart on a disk where every I/O takes 2 s; DRAM starts empty.
+    args.extend(["--ssd-inject-latency", "2s"]);
+    server.spawn(&args);
+    let mut c = server.client("dram");
+    c.register_namespace(&namespace(16)).unwrap();
+    let hot = chain(ns, 42, 20);
+    for k in &hot {
+        c.put(&[(*k, &value_for(k, LEN))]).unwrap();
+    }
+    // One client waits on the slow disk...
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let socket = server.socket.clone();
+    let (slow_key, flag) = (cold[0], done.clone());
+    let slow = std::thread::spawn(move || {
+        let mut s = Client::connect(orbitkv_client::ClientOptions::with_socket(socket)).unwrap();
+        let leases = s.lookup_leased(&[slow_key]).unwrap();
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        let got = leases.first().map(|l| (l.hit.tier, s.chunk(l).unwrap().to_vec()));
+        s.release(&leases).unwrap();
+        got
+    });
+    server.wait_for("the slow lookup to reach the disk", |s| s.shard_sum("ssd_hits") >= 1);
+    // ...while another keeps getting DRAM hits, all done before the disk answers.
+    for _ in 0..5 {
+        let (found, from_ssd) = read_all(&mut c, &hot);
+        assert_eq!((found, from_ssd), (hot.len(), 0));
+    }
+    assert!(!done.load(std::sync::atomic::Ordering::SeqCst), "DRAM hits waited for the slow disk");
+    let (tier, bytes) = slow.join().unwrap().expect("the chunk comes back from SSD");
+    assert_eq!(tier, Tier::Ssd);
+    assert_eq!(bytes, value_for(&slow_key, LEN));
+}

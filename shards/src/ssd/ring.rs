@@ -74,7 +74,12 @@ impl Drop for AlignedBlock {
 struct InFlight {
     _iov: Box<[libc::iovec; 2]>,
     _arena: Option<Arc<Arena>>,
+    /// The injected delay's timespec, read by the kernel when the linked timeout starts.
+    _delay: Option<Box<types::Timespec>>,
 }
+
+/// `user_data` of injected-delay timeouts (their completions are not operations).
+const DELAY_MARK: u64 = u64::MAX;
 
 // SAFETY: the iovecs point at memory owned by the same operation (its block) or kept alive by
 // its `Arc<Arena>`; nothing about them is tied to the creating thread.
@@ -98,6 +103,8 @@ pub struct SsdRing {
     blocks: HashMap<u64, AlignedBlock>,
     next_id: u64,
     depth: u32,
+    /// Fault injection: every operation starts this long after its submission.
+    delay: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for SsdRing {
@@ -110,12 +117,20 @@ impl SsdRing {
     /// A ring of `depth` entries (at most `depth` operations in flight).
     pub fn new(depth: u32) -> std::io::Result<Self> {
         Ok(Self {
-            ring: IoUring::new(depth)?,
+            // Two entries per operation: an injected delay is a linked timeout before it.
+            ring: IoUring::new(depth.saturating_mul(2).max(2))?,
             inflight: HashMap::new(),
             blocks: HashMap::new(),
             next_id: 1,
             depth,
+            delay: None,
         })
+    }
+
+    /// Fault injection for tests and drills: every later operation waits `delay` in the
+    /// kernel (a linked io_uring timeout) before it starts. Nothing in the process blocks.
+    pub fn inject_delay(&mut self, delay: std::time::Duration) {
+        self.delay = (!delay.is_zero()).then_some(delay);
     }
 
     /// Operations in flight.
@@ -128,20 +143,32 @@ impl SsdRing {
         (self.inflight.len() as u32) < self.depth
     }
 
-    fn push(&mut self, entry: io_uring::squeue::Entry, op: InFlight) -> std::io::Result<u64> {
+    fn push(&mut self, entry: io_uring::squeue::Entry, mut op: InFlight) -> std::io::Result<u64> {
         if !self.has_room() {
             return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "ring full"));
         }
         let id = self.next_id;
         self.next_id += 1;
         let entry = entry.user_data(id);
-        // SAFETY: every buffer the entry points at is owned by `op`, which stays in
-        // `self.inflight` until its completion is reaped (or the ring is dropped, which waits).
+        let delay = self.delay.map(|d| {
+            let ts = Box::new(types::Timespec::new().sec(d.as_secs()).nsec(d.subsec_nanos()));
+            let timeout = opcode::Timeout::new(&*ts)
+                .flags(types::TimeoutFlags::ETIME_SUCCESS)
+                .build()
+                .flags(io_uring::squeue::Flags::IO_LINK)
+                .user_data(DELAY_MARK);
+            (ts, timeout)
+        });
+        // SAFETY: every buffer the entries point at (iovecs, blocks, the timespec) is owned by
+        // `op`, which stays in `self.inflight` until its completion is reaped (or the ring is
+        // dropped, which waits).
         unsafe {
-            self.ring
-                .submission()
-                .push(&entry)
-                .map_err(|_| std::io::Error::other("submission queue full"))?;
+            let mut sq = self.ring.submission();
+            if let Some((ts, timeout)) = delay {
+                sq.push(&timeout).map_err(|_| std::io::Error::other("submission queue full"))?;
+                op._delay = Some(ts);
+            }
+            sq.push(&entry).map_err(|_| std::io::Error::other("submission queue full"))?;
         }
         self.inflight.insert(id, op);
         self.ring.submit()?;
@@ -170,7 +197,8 @@ impl SsdRing {
         ]);
         let entry =
             opcode::Writev::new(types::Fd(file.as_raw_fd()), iov.as_ptr(), 2).offset(at).build();
-        let id = self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()) })?;
+        let id =
+            self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })?;
         self.blocks.insert(id, header);
         Ok(id)
     }
@@ -225,7 +253,7 @@ impl SsdRing {
         } else {
             opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
         };
-        self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()) })
+        self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })
     }
 
     /// Writes one 4 KiB block (a superblock) at file offset `at`.
@@ -260,7 +288,7 @@ impl SsdRing {
         } else {
             opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
         };
-        let id = self.push(entry, InFlight { _iov: iov, _arena: None })?;
+        let id = self.push(entry, InFlight { _iov: iov, _arena: None, _delay: None })?;
         self.blocks.insert(id, block);
         Ok(id)
     }
@@ -291,6 +319,9 @@ impl SsdRing {
         let mut done = Vec::new();
         for cqe in self.ring.completion() {
             let id = cqe.user_data();
+            if id == DELAY_MARK {
+                continue;
+            }
             self.inflight.remove(&id);
             let result = if cqe.result() < 0 {
                 Err(std::io::Error::from_raw_os_error(-cqe.result()))

@@ -32,6 +32,8 @@ pub struct SsdConfig {
     pub region_bytes: u64,
     /// io_uring depth.
     pub ring_depth: u32,
+    /// Fault injection: delay before every I/O after recovery (zero: none).
+    pub inject_delay: Duration,
 }
 
 /// Errors opening the store.
@@ -220,6 +222,7 @@ impl SsdStore {
             RegionLog::recover(sb, |at, buf| ring.read_block_sync(&file, at, buf))
                 .map_err(io_err("recovering", &path))?
         };
+        ring.inject_delay(cfg.inject_delay);
         let stats = SsdStats {
             capacity_bytes: sb.region_count * sb.region_bytes,
             used_bytes: log.used_bytes(),

@@ -37,6 +37,7 @@ fn core_with_ssd(dram_pages: u64, dir: &std::path::Path) -> (ShardCore, u64) {
         capacity_bytes: 8 << 20,
         region_bytes: 256 << 10,
         ring_depth: 8,
+        inject_delay: std::time::Duration::ZERO,
     })
     .unwrap();
     core.attach_ssd(store);

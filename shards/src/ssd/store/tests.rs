@@ -11,6 +11,7 @@ fn cfg(dir: &Path, shard_count: u32) -> SsdConfig {
         capacity_bytes: 4 << 20,
         region_bytes: 512 << 10,
         ring_depth: 8,
+        inject_delay: std::time::Duration::ZERO,
     }
 }
 
