@@ -90,6 +90,8 @@ pub struct ServerConfig {
     /// Fault injection for tests and drills: every SSD I/O waits this long in the kernel
     /// before it starts (a slow disk). Default: `0` (none).
     pub ssd_inject_latency: String,
+    /// Fault injection for tests and drills: every N-th SSD I/O fails. Default: 0 (none).
+    pub ssd_inject_errors_every: u64,
 }
 
 impl Default for ServerConfig {
@@ -116,6 +118,7 @@ impl Default for ServerConfig {
             ssd_region_size: "64MiB".into(),
             ssd_queue_depth: 64,
             ssd_inject_latency: "0".into(),
+            ssd_inject_errors_every: 0,
         }
     }
 }
@@ -191,6 +194,9 @@ pub struct Args {
     /// Fault injection: delay every SSD I/O by DUR, as a slow disk would (default: 0).
     #[arg(long, value_name = "DUR")]
     pub ssd_inject_latency: Option<String>,
+    /// Fault injection: fail every N-th SSD I/O (default: 0, none).
+    #[arg(long, value_name = "N")]
+    pub ssd_inject_errors_every: Option<u64>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -230,6 +236,8 @@ pub struct SsdSettings {
     pub queue_depth: u32,
     /// Injected latency per I/O.
     pub inject_latency: Duration,
+    /// Every n-th I/O fails (0: none).
+    pub inject_errors_every: u64,
 }
 
 impl ServerConfig {
@@ -279,6 +287,7 @@ impl ServerConfig {
             region_bytes,
             queue_depth: self.ssd_queue_depth,
             inject_latency,
+            inject_errors_every: self.ssd_inject_errors_every,
         }))
     }
 
@@ -317,7 +326,8 @@ impl ServerConfig {
             ssd,
             ssd_region_size,
             ssd_queue_depth,
-            ssd_inject_latency
+            ssd_inject_latency,
+            ssd_inject_errors_every
         );
         if a.no_lock_arena {
             self.lock_arena = false;

@@ -214,6 +214,7 @@ fn run(settings: Settings) -> Result<(), String> {
                 region_bytes: s.region_bytes,
                 ring_depth: s.queue_depth,
                 inject_delay: s.inject_latency,
+                inject_errors_every: s.inject_errors_every,
             }),
         };
         handles.push(executor::spawn(ctx)?);

@@ -353,3 +353,35 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
     assert_eq!(tier, Tier::Ssd);
     assert_eq!(bytes, value_for(&slow_key, LEN));
 }
+
+#[test]
+fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let server = TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "2MiB",
+        "--ssd",
+        "24MiB",
+        "--ssd-region-size",
+        "1MiB",
+        "--ssd-inject-errors-every",
+        "3",
+        "--ssd-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let mut c = server.client("faulty-disk");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 61, 300);
+    fill(&server, &mut c, &keys);
+    // Every byte that is served is right; failed writes kept their chunk in DRAM or lost it.
+    let (found, from_ssd) = read_all(&mut c, &keys);
+    assert!(found > 0 && from_ssd > 0, "found {found}, from SSD {from_ssd}");
+    assert!(server.shard_sum("ssd_io_errors") > 0, "{}", server.admin("stats"));
+    let health = server.admin("health");
+    assert_eq!(health["ready"], true, "{health}");
+    let degraded = health["degraded"].as_array().unwrap();
+    assert!(degraded[0].as_str().unwrap().contains("SSD I/O errors"), "{health}");
+    c.ping().unwrap();
+}

@@ -105,6 +105,9 @@ pub struct SsdRing {
     depth: u32,
     /// Fault injection: every operation starts this long after its submission.
     delay: Option<std::time::Duration>,
+    /// Fault injection: every n-th operation fails (submitted against an invalid descriptor).
+    fail_every: Option<u64>,
+    submitted: u64,
 }
 
 impl std::fmt::Debug for SsdRing {
@@ -124,6 +127,8 @@ impl SsdRing {
             next_id: 1,
             depth,
             delay: None,
+            fail_every: None,
+            submitted: 0,
         })
     }
 
@@ -131,6 +136,21 @@ impl SsdRing {
     /// kernel (a linked io_uring timeout) before it starts. Nothing in the process blocks.
     pub fn inject_delay(&mut self, delay: std::time::Duration) {
         self.delay = (!delay.is_zero()).then_some(delay);
+    }
+
+    /// Fault injection for tests and drills: every `n`-th later operation fails with an
+    /// I/O error from the kernel (`EBADF`), exercising every error path for real.
+    pub fn inject_errors_every(&mut self, n: u64) {
+        self.fail_every = (n > 0).then_some(n);
+    }
+
+    /// The descriptor the next operation uses (an invalid one when a fault is due).
+    fn target(&mut self, file: &File) -> types::Fd {
+        self.submitted += 1;
+        match self.fail_every {
+            Some(n) if self.submitted.is_multiple_of(n) => types::Fd(-1),
+            _ => types::Fd(file.as_raw_fd()),
+        }
     }
 
     /// Operations in flight.
@@ -247,7 +267,7 @@ impl SsdRing {
             },
             libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
         ]);
-        let fd = types::Fd(file.as_raw_fd());
+        let fd = self.target(file);
         let entry = if write {
             opcode::Writev::new(fd, iov.as_ptr(), 1).offset(at).build()
         } else {

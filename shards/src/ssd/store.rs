@@ -34,6 +34,8 @@ pub struct SsdConfig {
     pub ring_depth: u32,
     /// Fault injection: delay before every I/O after recovery (zero: none).
     pub inject_delay: Duration,
+    /// Fault injection: every n-th I/O after recovery fails (zero: none).
+    pub inject_errors_every: u64,
 }
 
 /// Errors opening the store.
@@ -223,6 +225,7 @@ impl SsdStore {
                 .map_err(io_err("recovering", &path))?
         };
         ring.inject_delay(cfg.inject_delay);
+        ring.inject_errors_every(cfg.inject_errors_every);
         let stats = SsdStats {
             capacity_bytes: sb.region_count * sb.region_bytes,
             used_bytes: log.used_bytes(),

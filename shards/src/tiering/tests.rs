@@ -38,6 +38,7 @@ fn core_with_ssd(dram_pages: u64, dir: &std::path::Path) -> (ShardCore, u64) {
         region_bytes: 256 << 10,
         ring_depth: 8,
         inject_delay: std::time::Duration::ZERO,
+        inject_errors_every: 0,
     })
     .unwrap();
     core.attach_ssd(store);

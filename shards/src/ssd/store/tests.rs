@@ -12,6 +12,7 @@ fn cfg(dir: &Path, shard_count: u32) -> SsdConfig {
         region_bytes: 512 << 10,
         ring_depth: 8,
         inject_delay: std::time::Duration::ZERO,
+        inject_errors_every: 0,
     }
 }
 
