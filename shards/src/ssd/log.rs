@@ -258,6 +258,7 @@ impl RegionLog {
         let mut log = Self::new(sb);
         let mut report = RecoveryReport::default();
         let mut block = vec![0u8; RECORD_HEADER_BYTES as usize];
+        let mut reader = BlockReader::new(&mut read);
         let mut found: Vec<(u32, u64, Vec<Placement>)> = Vec::new();
         for region in 0..sb.region_count as u32 {
             let base = sb.region_offset(region as u64);
@@ -266,8 +267,11 @@ impl RegionLog {
             let mut last_seq = 0u64;
             let mut records = Vec::new();
             let mut end = 0u64;
+            let mut scanning = false;
             while at + RECORD_HEADER_BYTES <= sb.region_bytes {
-                read(base + at, &mut block)?;
+                reader.block(base + at, base + sb.region_bytes, scanning, &mut block)?;
+                scanning = true; // until a record is found below
+
                 match RecordHeader::decode(&block) {
                     Ok(h)
                         if generation.is_none_or(|g| g == h.region_generation)
@@ -279,6 +283,7 @@ impl RegionLog {
                         records.push(Placement { header: h, region, offset: base + at });
                         at += h.disk_bytes();
                         end = at;
+                        scanning = false;
                     }
                     Ok(_) => break, // an earlier use of the region: the current log ends here
                     Err(FormatError::BadMagic) if generation.is_none() => break, // never written
@@ -322,6 +327,49 @@ impl RegionLog {
         log.active = log.sealed.pop_back();
         report.kept = log.index.len() as u64;
         Ok((log, report))
+    }
+}
+
+/// Bytes read at once while recovery scans block by block past a gap.
+const SCAN_WINDOW: u64 = 1 << 20;
+
+/// Reads header blocks for recovery: one block where a record is expected, a window of
+/// [`SCAN_WINDOW`] bytes while scanning block by block (unwritten space, or past a torn
+/// record), so a scan costs one read per window rather than one per block.
+struct BlockReader<'a, F> {
+    read: &'a mut F,
+    window: Vec<u8>,
+    window_at: u64,
+}
+
+impl<'a, F: FnMut(u64, &mut [u8]) -> std::io::Result<()>> BlockReader<'a, F> {
+    fn new(read: &'a mut F) -> Self {
+        Self { read, window: Vec::new(), window_at: 0 }
+    }
+
+    /// Fills `out` (one block) with the bytes at `at`; `limit` is where the region ends.
+    fn block(
+        &mut self,
+        at: u64,
+        limit: u64,
+        scanning: bool,
+        out: &mut [u8],
+    ) -> std::io::Result<()> {
+        let n = out.len() as u64;
+        if at >= self.window_at && at + n <= self.window_at + self.window.len() as u64 {
+            let from = (at - self.window_at) as usize;
+            out.copy_from_slice(&self.window[from..from + out.len()]);
+            return Ok(());
+        }
+        if !scanning {
+            return (self.read)(at, out);
+        }
+        let len = SCAN_WINDOW.min(limit - at).max(n) / n * n;
+        self.window.resize(len as usize, 0);
+        (self.read)(at, &mut self.window)?;
+        self.window_at = at;
+        out.copy_from_slice(&self.window[..out.len()]);
+        Ok(())
     }
 }
 

@@ -313,12 +313,16 @@ impl SsdRing {
         Ok(id)
     }
 
-    /// Reads the block at `at` into `out`, waiting for it (start-up and recovery only).
+    /// Reads `out.len()` bytes at `at` into `out`, one 4 KiB block at a time, waiting for
+    /// each (start-up, tools and tests only: a serving shard polls). Nothing else may be in
+    /// flight: other completions would be consumed here.
     pub fn read_block_sync(&mut self, file: &File, at: u64, out: &mut [u8]) -> std::io::Result<()> {
-        let id = self.read_block(file, at)?;
-        loop {
-            for c in self.wait()? {
-                if c.id == id {
+        assert_eq!(self.inflight(), 0, "read_block_sync runs alone on the ring");
+        for (i, chunk) in out.chunks_mut(PAGE_SIZE as usize).enumerate() {
+            let at = at + i as u64 * PAGE_SIZE;
+            let id = self.read_block(file, at)?;
+            let block = loop {
+                if let Some(c) = self.wait()?.into_iter().find(|c| c.id == id) {
                     let n = c.result?;
                     if n != PAGE_SIZE {
                         return Err(std::io::Error::new(
@@ -326,12 +330,12 @@ impl SsdRing {
                             format!("short read of {n} bytes at {at}"),
                         ));
                     }
-                    let block = c.header.expect("a block read returns its block");
-                    out.copy_from_slice(&block.bytes()[..out.len()]);
-                    return Ok(());
+                    break c.header.expect("a block read returns its block");
                 }
-            }
+            };
+            chunk.copy_from_slice(&block.bytes()[..chunk.len()]);
         }
+        Ok(())
     }
 
     /// Collects finished operations without blocking.

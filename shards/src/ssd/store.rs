@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -221,8 +221,18 @@ impl SsdStore {
         let (log, recovery) = if fresh {
             (RegionLog::new(sb), RecoveryReport::default())
         } else {
-            RegionLog::recover(sb, |at, buf| ring.read_block_sync(&file, at, buf))
-                .map_err(io_err("recovering", &path))?
+            // Recovery runs before the shard serves: plain positioned reads of any length
+            // (scans read 1 MiB windows), and the page cache is dropped afterwards.
+            let plain = File::open(&path).map_err(io_err("opening", &path))?;
+            let recovered = RegionLog::recover(sb, |at, buf| plain.read_exact_at(buf, at))
+                .map_err(io_err("recovering", &path))?;
+            let _ = nix::fcntl::posix_fadvise(
+                &plain,
+                0,
+                0,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+            );
+            recovered
         };
         ring.inject_delay(cfg.inject_delay);
         ring.inject_errors_every(cfg.inject_errors_every);
