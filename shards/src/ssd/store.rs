@@ -224,6 +224,13 @@ impl SsdStore {
             // Recovery runs before the shard serves: plain positioned reads of any length
             // (scans read 1 MiB windows), and the page cache is dropped afterwards.
             let plain = File::open(&path).map_err(io_err("opening", &path))?;
+            // Headers are read one by one far apart: readahead would only read payloads.
+            let _ = nix::fcntl::posix_fadvise(
+                &plain,
+                0,
+                0,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
+            );
             let recovered = RegionLog::recover(sb, |at, buf| plain.read_exact_at(buf, at))
                 .map_err(io_err("recovering", &path))?;
             let _ = nix::fcntl::posix_fadvise(
