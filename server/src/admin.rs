@@ -218,6 +218,8 @@ fn stats(shared: &Shared) -> Value {
         "refused_sessions": shared.refused_sessions.load(std::sync::atomic::Ordering::Relaxed),
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
+        "gpu_mode": shared.settings.config.gpu.as_str(),
+        "gpu": shared.gpu,
         "shards": shards,
     })
 }

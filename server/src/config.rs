@@ -92,6 +92,9 @@ pub struct ServerConfig {
     pub ssd_inject_latency: String,
     /// Fault injection for tests and drills: every N-th SSD I/O fails. Default: 0 (none).
     pub ssd_inject_errors_every: u64,
+    /// Use CUDA: `auto` (when a device exists), `off`, or `required` (refuse to start without
+    /// one). Default: `auto`.
+    pub gpu: orbitkv_gpu::GpuMode,
 }
 
 impl Default for ServerConfig {
@@ -119,6 +122,7 @@ impl Default for ServerConfig {
             ssd_queue_depth: 64,
             ssd_inject_latency: "0".into(),
             ssd_inject_errors_every: 0,
+            gpu: orbitkv_gpu::GpuMode::Auto,
         }
     }
 }
@@ -197,9 +201,16 @@ pub struct Args {
     /// Fault injection: fail every N-th SSD I/O (default: 0, none).
     #[arg(long, value_name = "N")]
     pub ssd_inject_errors_every: Option<u64>,
+    /// Use CUDA: auto (when a device exists), off, or required (default: auto).
+    #[arg(long, value_name = "MODE", value_parser = parse_gpu_mode)]
+    pub gpu: Option<orbitkv_gpu::GpuMode>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+}
+
+fn parse_gpu_mode(s: &str) -> Result<orbitkv_gpu::GpuMode, String> {
+    orbitkv_gpu::GpuMode::parse(s).ok_or_else(|| format!("{s:?} is not auto, off or required"))
 }
 
 /// A validated configuration with parsed sizes and durations.
@@ -327,7 +338,8 @@ impl ServerConfig {
             ssd_region_size,
             ssd_queue_depth,
             ssd_inject_latency,
-            ssd_inject_errors_every
+            ssd_inject_errors_every,
+            gpu
         );
         if a.no_lock_arena {
             self.lock_arena = false;

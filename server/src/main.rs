@@ -142,6 +142,18 @@ fn run(settings: Settings) -> Result<(), String> {
         return Err(format!("another server is already serving on {}", socket.display()));
     }
     let shards = settings.shards;
+    let gpu = orbitkv_gpu::resolve(settings.config.gpu).map_err(|e| e.to_string())?;
+    match &gpu {
+        None => tracing::info!("GPU off (--gpu off)"),
+        Some(orbitkv_gpu::Probe::Absent { reason }) => {
+            tracing::info!(%reason, "no CUDA device: serving DRAM/SSD only (--gpu auto)")
+        }
+        Some(orbitkv_gpu::Probe::Present { devices }) => {
+            for d in devices {
+                tracing::info!(ordinal = d.ordinal, name = %d.name, uuid = %d.uuid, "CUDA device");
+            }
+        }
+    }
     let arena = Arc::new(
         Arena::create(settings.dram_bytes, settings.config.lock_arena)
             .map_err(|e| e.to_string())?,
@@ -161,6 +173,7 @@ fn run(settings: Settings) -> Result<(), String> {
         settings.clone(),
         txs,
         doorbells,
+        gpu,
         arena.locked(),
         ipc.root.clone(),
         ipc.prefix.clone(),

@@ -94,6 +94,8 @@ pub struct Shared {
     shard_tx: Vec<Sender<ControlMsg>>,
     /// Shard doorbells.
     pub doorbells: Doorbells,
+    /// What `--gpu` found (None with `--gpu off`).
+    pub gpu: Option<orbitkv_gpu::Probe>,
     /// Open sessions.
     pub sessions: Mutex<BTreeMap<SessionId, SessionInfo>>,
     next_session: AtomicU64,
@@ -117,6 +119,7 @@ impl Shared {
         settings: Settings,
         shard_tx: Vec<Sender<ControlMsg>>,
         doorbells: Doorbells,
+        gpu: Option<orbitkv_gpu::Probe>,
         arena_locked: bool,
         iox_root: String,
         iox_prefix: String,
@@ -127,6 +130,7 @@ impl Shared {
             state: AtomicU8::new(ServeState::Serving as u8),
             shard_tx,
             doorbells,
+            gpu,
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             refused_sessions: AtomicU64::new(0),

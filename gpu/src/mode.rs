@@ -1,0 +1,85 @@
+//! `--gpu auto|off|required`.
+
+use crate::detect::{probe, Probe};
+
+/// Whether the server uses CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuMode {
+    /// Use CUDA when a device is present; otherwise serve DRAM/SSD only.
+    #[default]
+    Auto,
+    /// Never touch CUDA.
+    Off,
+    /// Refuse to start without a usable CUDA device.
+    Required,
+}
+
+impl GpuMode {
+    /// Parses `auto`, `off` or `required`.
+    pub fn parse(s: &str) -> Option<GpuMode> {
+        match s {
+            "auto" => Some(GpuMode::Auto),
+            "off" => Some(GpuMode::Off),
+            "required" => Some(GpuMode::Required),
+            _ => None,
+        }
+    }
+
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuMode::Auto => "auto",
+            GpuMode::Off => "off",
+            GpuMode::Required => "required",
+        }
+    }
+}
+
+/// Why the GPU side cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// `--gpu required` and no usable device.
+    #[error("--gpu required, but no CUDA device can be used: {0}")]
+    Unavailable(String),
+}
+
+/// Applies `mode` to what [`probe`] finds: `Ok(None)` means serve without a GPU.
+pub fn resolve(mode: GpuMode) -> Result<Option<Probe>, GpuError> {
+    if mode == GpuMode::Off {
+        return Ok(None);
+    }
+    let found = probe();
+    match (&found, mode) {
+        (Probe::Absent { .. }, GpuMode::Auto) => Ok(Some(found)),
+        (Probe::Absent { reason }, _) => Err(GpuError::Unavailable(reason.clone())),
+        (Probe::Present { .. }, _) => Ok(Some(found)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_names() {
+        for m in [GpuMode::Auto, GpuMode::Off, GpuMode::Required] {
+            assert_eq!(GpuMode::parse(m.as_str()), Some(m));
+        }
+        assert_eq!(GpuMode::parse("maybe"), None);
+    }
+
+    #[test]
+    fn off_never_probes_and_auto_never_fails() {
+        assert!(resolve(GpuMode::Off).unwrap().is_none());
+        assert!(resolve(GpuMode::Auto).is_ok());
+        // `required` fails exactly when the probe finds nothing usable.
+        match probe() {
+            Probe::Absent { reason } => {
+                let e = resolve(GpuMode::Required).unwrap_err().to_string();
+                assert!(e.contains("--gpu required") && e.contains(&reason), "{e}");
+            }
+            Probe::Present { .. } => assert!(resolve(GpuMode::Required).is_ok()),
+        }
+    }
+}
