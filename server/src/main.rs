@@ -175,8 +175,7 @@ fn run(settings: Settings) -> Result<(), String> {
         doorbells,
         gpu,
         arena.locked(),
-        ipc.root.clone(),
-        ipc.prefix.clone(),
+        ipc.clone(),
         service_prefix,
     );
     if let Some(ssd) = &settings.ssd {

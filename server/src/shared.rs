@@ -11,6 +11,7 @@ use orbitkv_shards::{SessionId, ShardStats};
 
 use crate::config::Settings;
 use crate::doorbell::Doorbells;
+use crate::ipc::IpcNames;
 
 /// Serving state of the whole server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,10 +106,8 @@ pub struct Shared {
     pub started: Instant,
     /// Whether the arena is locked in memory.
     pub arena_locked: bool,
-    /// iceoryx2 root path given to clients.
-    pub iox_root: String,
-    /// iceoryx2 shm prefix given to clients.
-    pub iox_prefix: String,
+    /// iceoryx2 root path and shm prefix given to clients.
+    pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
     pub service_prefix: String,
 }
@@ -121,8 +120,7 @@ impl Shared {
         doorbells: Doorbells,
         gpu: Option<orbitkv_gpu::Probe>,
         arena_locked: bool,
-        iox_root: String,
-        iox_prefix: String,
+        ipc: IpcNames,
         service_prefix: String,
     ) -> Arc<Self> {
         Arc::new(Self {
@@ -136,8 +134,7 @@ impl Shared {
             refused_sessions: AtomicU64::new(0),
             started: Instant::now(),
             arena_locked,
-            iox_root,
-            iox_prefix,
+            ipc,
             service_prefix,
         })
     }
