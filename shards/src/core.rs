@@ -372,8 +372,11 @@ impl ShardCore {
     fn evict(&mut self, key: &ChunkKey) -> Result<(), ErrorCode> {
         let on_ssd = self.ssd.as_ref().is_some_and(|ssd| ssd.get(key).is_some());
         match self.entries.find(key).map(|idx| (idx, self.entries.get(idx))) {
+            // Demoting (a write reads the slot), promoting (a read fills it) or leased.
             Some((_, e))
-                if e.state == EntryState::Demoting || (e.state.visible() && e.leases > 0) =>
+                if e.state == EntryState::Demoting
+                    || e.state == (EntryState::Reserved { owner: SessionId::MAX })
+                    || (e.state.visible() && e.leases > 0) =>
             {
                 return Err(ErrorCode::Busy)
             }

@@ -119,6 +119,9 @@ impl ShardCore {
     }
 
     fn start_promotion(&mut self, key: &ChunkKey) -> bool {
+        if self.entries.find(key).is_some() {
+            return false; // already in DRAM in some state: never two entries for one key
+        }
         let Some(entry) = self.ssd.as_ref().and_then(|s| s.get(key)) else { return false };
         if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
             return false;
@@ -144,8 +147,8 @@ impl ShardCore {
         for event in events {
             match event {
                 SsdEvent::Demoted { key, stored } => {
-                    let Some(idx) = self.entries.find(&key) else { continue };
                     self.demoting -= 1;
+                    let Some(idx) = self.entries.find(&key) else { continue };
                     if stored && self.entries.get(idx).leases == 0 {
                         let e = self.entries.remove(idx);
                         self.alloc.free(e.extent);

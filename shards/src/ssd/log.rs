@@ -259,6 +259,9 @@ impl RegionLog {
         let mut report = RecoveryReport::default();
         let mut block = vec![0u8; RECORD_HEADER_BYTES as usize];
         let mut reader = BlockReader::new(&mut read);
+        // Highest sequence and generation of any valid header, kept or not: new writes must
+        // never reuse them, or a leftover could later pass for a current record.
+        let (mut max_sequence, mut max_generation) = (0u64, 0u64);
         let mut found: Vec<(u32, u64, Vec<Placement>)> = Vec::new();
         for region in 0..sb.region_count as u32 {
             let base = sb.region_offset(region as u64);
@@ -323,8 +326,11 @@ impl RegionLog {
             }
             log.complete_write(p);
         }
-        // The newest region stays active so that appends continue where they stopped.
-        log.active = log.sealed.pop_back();
+        // Every recovered region stays sealed: new records go to a fresh region (a new
+        // generation), never after possible leftovers of the crashed run.
+        log.active = None;
+        log.next_sequence = log.next_sequence.max(max_sequence + 1);
+        log.next_generation = log.next_generation.max(max_generation + 1);
         report.kept = log.index.len() as u64;
         Ok((log, report))
     }

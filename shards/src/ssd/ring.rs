@@ -179,19 +179,37 @@ impl SsdRing {
                 .user_data(DELAY_MARK);
             (ts, timeout)
         });
+        let needed = if delay.is_some() { 2 } else { 1 };
+        {
+            let sq = self.ring.submission();
+            if sq.capacity() - sq.len() < needed {
+                return Err(std::io::Error::other("submission queue full"));
+            }
+        }
+        // From here on the request is the kernel's: it is recorded as in flight before it is
+        // queued, and queueing cannot fail (room was checked above).
+        let entries: Vec<io_uring::squeue::Entry> = match delay {
+            Some((ts, timeout)) => {
+                op._delay = Some(ts);
+                vec![timeout, entry]
+            }
+            None => vec![entry],
+        };
+        self.inflight.insert(id, op);
         // SAFETY: every buffer the entries point at (iovecs, blocks, the timespec) is owned by
-        // `op`, which stays in `self.inflight` until its completion is reaped (or the ring is
-        // dropped, which waits).
+        // the operation now in `self.inflight`, where it stays until its completion is reaped
+        // (or the ring is dropped, which waits).
         unsafe {
             let mut sq = self.ring.submission();
-            if let Some((ts, timeout)) = delay {
-                sq.push(&timeout).map_err(|_| std::io::Error::other("submission queue full"))?;
-                op._delay = Some(ts);
+            for e in &entries {
+                sq.push(e).expect("room for the entries was checked above");
             }
-            sq.push(&entry).map_err(|_| std::io::Error::other("submission queue full"))?;
         }
-        self.inflight.insert(id, op);
-        self.ring.submit()?;
+        // A failed submit (EAGAIN, ENOMEM) leaves the entries queued: they go out with the next
+        // submit (every poll submits), so the operation stays in flight and its id is valid.
+        if let Err(e) = self.ring.submit() {
+            tracing::warn!(error = %e, "io_uring submit failed; retried on the next poll");
+        }
         Ok(id)
     }
 
@@ -338,8 +356,11 @@ impl SsdRing {
         Ok(())
     }
 
-    /// Collects finished operations without blocking.
+    /// Collects finished operations without blocking (and submits anything still queued).
     pub fn poll(&mut self) -> Vec<Completion> {
+        if !self.ring.submission().is_empty() {
+            let _ = self.ring.submit();
+        }
         let mut done = Vec::new();
         for cqe in self.ring.completion() {
             let id = cqe.user_data();

@@ -156,3 +156,29 @@ fn a_leased_chunk_is_never_demoted_away() {
     }
     assert_eq!(get(&mut core, key(ns, 0), false).map(|h| h.tier), Some(Tier::Dram));
 }
+
+#[test]
+fn evict_during_a_promotion_is_busy_and_the_chunk_stays_consistent() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut core, ns) = core_with_ssd(64, dir.path());
+    for i in 0..200 {
+        put(&mut core, key(ns, i), i, 4000).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+        settle(&mut core);
+    }
+    // Find a chunk that lives only on SSD and start its promotion.
+    let k = (0..200).map(|i| key(ns, i)).find(|k| core.entries.find(k).is_none()).unwrap();
+    let first = core.lookup_start(3, &[k], false);
+    assert_eq!(first.pending, vec![0]);
+    let ShardReply::Outcomes(o) = core.apply(ShardOp::Evict { keys: vec![k] }) else { panic!() };
+    assert_eq!(o, vec![ChunkOutcome::Failed(ErrorCode::Busy)]);
+    while core.promotion_pending(&k) {
+        core.poll_ssd();
+        std::thread::yield_now();
+    }
+    assert!(core.finish_lookup(3, &[k], false, first)[0].is_some());
+    // Once promoted and unpinned, evict removes it from both tiers.
+    let ShardReply::Outcomes(o) = core.apply(ShardOp::Evict { keys: vec![k] }) else { panic!() };
+    assert_eq!(o, vec![ChunkOutcome::Done]);
+    assert!(get(&mut core, k, false).is_none());
+}
