@@ -274,8 +274,12 @@ impl RegionLog {
             while at + RECORD_HEADER_BYTES <= sb.region_bytes {
                 reader.block(base + at, base + sb.region_bytes, scanning, &mut block)?;
                 scanning = true; // until a record is found below
-
-                match RecordHeader::decode(&block) {
+                let decoded = RecordHeader::decode(&block);
+                if let Ok(h) = &decoded {
+                    max_sequence = max_sequence.max(h.sequence);
+                    max_generation = max_generation.max(h.region_generation);
+                }
+                match decoded {
                     Ok(h)
                         if generation.is_none_or(|g| g == h.region_generation)
                             && h.sequence > last_seq
