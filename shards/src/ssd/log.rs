@@ -67,6 +67,10 @@ struct Region {
     keys: Vec<ChunkKey>,
     /// Reads and writes in flight.
     pins: u32,
+    /// The region's first record of this generation is not on disk yet: until it is, no
+    /// other record goes into the region (recovery reads a region's generation from its
+    /// first block, so nothing may land behind a first block still holding old data).
+    opening: bool,
 }
 
 /// What recovery found.
@@ -176,6 +180,7 @@ impl RegionLog {
         let mut dropped = Vec::new();
         let fits = |log: &Self, r: u32| log.regions[r as usize].used + bytes <= log.sb.region_bytes;
         let region = match self.active {
+            Some(r) if self.regions[r as usize].opening => return Err(PlaceError::Busy),
             Some(r) if fits(self, r) => r,
             _ => {
                 let next = match self.free.pop_front() {
@@ -197,6 +202,7 @@ impl RegionLog {
                 r.generation = self.next_generation;
                 self.next_generation += 1;
                 r.used = 0;
+                r.opening = true;
                 next
             }
         };
@@ -225,6 +231,9 @@ impl RegionLog {
     /// The record at `p` is on disk: make it the key's live record.
     pub fn complete_write(&mut self, p: &Placement) {
         self.unpin(p.region);
+        if p.offset == self.sb.region_offset(p.region as u64) {
+            self.regions[p.region as usize].opening = false;
+        }
         if self.regions[p.region as usize].generation != p.header.region_generation {
             return; // reclaimed meanwhile (cannot happen while pinned; kept for safety)
         }
@@ -244,6 +253,14 @@ impl RegionLog {
     /// The write at `p` failed: its space stays used until the region is reclaimed.
     pub fn abort_write(&mut self, p: &Placement) {
         self.unpin(p.region);
+        if p.offset == self.sb.region_offset(p.region as u64) {
+            // The region's first block may still hold an earlier generation: write nothing
+            // more into it; the next record opens another region.
+            let r = &mut self.regions[p.region as usize];
+            r.opening = false;
+            self.used_bytes += self.sb.region_bytes - r.used;
+            r.used = self.sb.region_bytes;
+        }
     }
 
     /// Rebuilds the log from the file. `read` reads `len` bytes at a file offset (the caller

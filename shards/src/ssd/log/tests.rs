@@ -218,3 +218,38 @@ fn a_leftover_never_beats_a_newer_record_after_a_second_crash() {
     let e = again.get(&key(102)).unwrap();
     assert_eq!(e.checksum, xxhash_rust::xxh3::xxh3_64(&vnew), "a stale leftover won");
 }
+
+/// While a reused region's first record is in flight nothing else goes into it, so a crash
+/// can never leave a completed record behind a first block of an earlier generation.
+#[test]
+fn nothing_lands_behind_an_unwritten_first_record() {
+    let sb = sb(2, 64 << 10);
+    let mut log = RegionLog::new(sb);
+    let mut disk = Disk::new(&sb);
+    for i in 0..8 {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+    }
+    let v = value(100, 12 << 10);
+    let (first, dropped) =
+        log.place(key(100), v.len() as u64, xxhash_rust::xxh3::xxh3_64(&v)).unwrap();
+    assert_eq!(dropped.len(), 4);
+    assert_eq!(log.place(key(101), 100, 0).unwrap_err(), PlaceError::Busy, "region still opening");
+    disk.write(&first, &v);
+    log.complete_write(&first);
+    put(&mut log, &mut disk, 101, 12 << 10).unwrap();
+    let (back, _) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    assert!(back.get(&key(100)).is_some() && back.get(&key(101)).is_some());
+    assert!((0..4).all(|i| back.get(&key(i)).is_none()), "reclaimed keys stay gone");
+}
+
+/// A failed first write closes the region: later records go to another region.
+#[test]
+fn a_failed_first_write_closes_its_region() {
+    let sb = sb(3, 64 << 10);
+    let mut log = RegionLog::new(sb);
+    let (first, _) = log.place(key(1), 100, 0).unwrap();
+    log.abort_write(&first);
+    let (next, _) = log.place(key(2), 100, 0).unwrap();
+    assert_ne!(next.region, first.region);
+    assert!(log.used_bytes() <= sb.region_count * sb.region_bytes);
+}
