@@ -71,8 +71,7 @@ fn demoted_chunks_are_served_from_ssd_and_survive_restarts() {
 
     // Clean restart: everything that was on SSD is served again.
     drop(c);
-    server.signal(Signal::SIGTERM);
-    assert!(server.wait_exit(Duration::from_secs(20)).success());
+    assert!(server.stop().success());
     let args = ssd_args(dir.path());
     server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(server.log().contains("SSD tier recovered"), "{}", server.log());
@@ -114,8 +113,7 @@ fn a_corrupted_record_is_never_served() {
     let keys = chain(ns, 5, 300);
     fill(&server, &mut c, &keys);
     drop(c);
-    server.signal(Signal::SIGTERM);
-    server.wait_exit(Duration::from_secs(20));
+    assert!(server.stop().success());
     // Flip one payload byte of every record in shard 0's file.
     let path = dir.path().join("shard-0.okv");
     let mut bytes = std::fs::read(&path).unwrap();
@@ -208,8 +206,7 @@ fn another_shard_count_starts_cold_and_removes_orphan_files() {
     let keys = chain(ns, 8, 300);
     fill(&server, &mut c, &keys);
     drop(c);
-    server.signal(Signal::SIGTERM);
-    server.wait_exit(Duration::from_secs(20));
+    assert!(server.stop().success());
     assert!(dir.path().join("shard-1.okv").exists());
     server.spawn(&[
         "--shards",
@@ -319,8 +316,7 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
     let cold = chain(ns, 41, 200);
     fill(&server, &mut c, &cold);
     drop(c);
-    server.signal(Signal::SIGTERM);
-    server.wait_exit(Duration::from_secs(20));
+    assert!(server.stop().success());
     // Restart on a disk where every I/O takes 2 s; DRAM starts empty.
     args.extend(["--ssd-inject-latency", "2s"]);
     server.spawn(&args);

@@ -113,6 +113,12 @@ impl TestServer {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig).unwrap();
     }
 
+    /// SIGTERM, then wait (up to 20 s) for the exit.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.wait_exit(Duration::from_secs(20))
+    }
+
     /// SIGSTOP, then wait until every thread of the server is stopped.
     pub fn freeze(&self) {
         self.signal(nix::sys::signal::Signal::SIGSTOP);
