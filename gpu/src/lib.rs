@@ -1,14 +1,16 @@
 //! `orbitkv-gpu`: CUDA for OrbitKV through cudarc with dynamic loading. Builds and runs on
 //! machines without CUDA and says so clearly.
 //!
-//! This first part decides whether the server uses a GPU (`--gpu auto|off|required`) and
-//! describes the devices (identified by UUID). Registration of the arena, imported engine
-//! allocations and the copy engines come next (see the issue on GPU save/load).
+//! So far: whether the server uses a GPU (`--gpu auto|off|required`), the devices (identified
+//! by UUID), and the engine KV layouts (where a block's bytes lie). Registration of the arena,
+//! imported engine allocations and the copy engines come next.
 
 #![deny(unsafe_code)]
 
 mod detect;
+mod layout;
 mod mode;
 
 pub use detect::{probe, DeviceInfo, Probe};
+pub use layout::{KvLayout, LayoutDesc, LayoutError, Segment};
 pub use mode::{resolve, GpuError, GpuMode};

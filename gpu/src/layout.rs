@@ -1,0 +1,178 @@
+//! Engine KV layouts: where one block's bytes lie in the engine's GPU allocations, in the
+//! order they are packed into an arena chunk (layer by layer, K before V).
+//!
+//! Supported:
+//! - vLLM FlashAttention, one tensor per layer `[2, num_blocks, block_size, kv_heads, head_dim]`
+//!   (NHD) or `[2, num_blocks, kv_heads, block_size, head_dim]` (HND);
+//! - vLLM cross-layer, one tensor `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`;
+//! - MLA, one tensor per layer `[num_blocks, block_size, latent_dim]`;
+//! - SGLang, K and V tensors per layer `[tokens, kv_heads, head_dim]` (page size 1: a block is
+//!   one token slot).
+//!
+//! All tensors are dense row-major. A block's data for one (layer, K/V) is contiguous in every
+//! one of these layouts, so a block is a short list of segments.
+
+/// Which layout the engine uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvLayout {
+    /// vLLM FlashAttention, per layer, `[2, blocks, block_size, heads, dim]`.
+    FlashAttnNhd,
+    /// vLLM FlashAttention, per layer, `[2, blocks, heads, block_size, dim]`.
+    FlashAttnHnd,
+    /// vLLM cross-layer, one tensor `[blocks, layers, 2, block_size, heads, dim]`.
+    CrossLayer,
+    /// MLA, per layer, `[blocks, block_size, latent_dim]` (`head_dim` is the latent width).
+    MlaPerLayer,
+    /// SGLang, K and V per layer, `[tokens, heads, dim]`, page size 1.
+    SglangPerLayer,
+}
+
+/// The shape of an engine's KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayoutDesc {
+    /// Layout.
+    pub layout: KvLayout,
+    /// Attention layers.
+    pub num_layers: u32,
+    /// Blocks (token slots for SGLang) per tensor.
+    pub num_blocks: u64,
+    /// Tokens per block (1 for SGLang).
+    pub block_size: u32,
+    /// KV heads (1 for MLA).
+    pub kv_heads: u32,
+    /// Elements per head (latent width for MLA).
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub elem_bytes: u32,
+}
+
+/// A layout field that is out of range.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid KV layout: {field} {reason}")]
+pub struct LayoutError {
+    /// The offending field.
+    pub field: &'static str,
+    /// What is wrong.
+    pub reason: &'static str,
+}
+
+/// A run of bytes in one engine tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Which tensor (see [`LayoutDesc::tensor_count`] for the numbering).
+    pub tensor: u32,
+    /// Byte offset in the tensor.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl LayoutDesc {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        let bad = |field, reason| Err(LayoutError { field, reason });
+        for (field, v) in [
+            ("num_layers", self.num_layers as u64),
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size as u64),
+            ("kv_heads", self.kv_heads as u64),
+            ("head_dim", self.head_dim as u64),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1");
+            }
+        }
+        if ![1, 2, 4].contains(&self.elem_bytes) {
+            return bad("elem_bytes", "must be 1, 2 or 4");
+        }
+        if self.layout == KvLayout::SglangPerLayer && self.block_size != 1 {
+            return bad("block_size", "must be 1 for SGLang (page size 1)");
+        }
+        if self.layout == KvLayout::MlaPerLayer && self.kv_heads != 1 {
+            return bad("kv_heads", "must be 1 for MLA (head_dim is the latent width)");
+        }
+        if self.tensor_bytes().is_none() {
+            return bad("num_blocks", "makes a tensor larger than 2^64 bytes");
+        }
+        Ok(())
+    }
+
+    /// K/V tensors per layer and token: 1 for MLA, else 2.
+    fn kv(&self) -> u64 {
+        if self.layout == KvLayout::MlaPerLayer {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Bytes of one (layer, K/V) slice of one block.
+    fn part_bytes(&self) -> u64 {
+        self.block_size as u64
+            * self.kv_heads as u64
+            * self.head_dim as u64
+            * self.elem_bytes as u64
+    }
+
+    /// Engine tensors: per-layer layouts number them `layer` (FlashAttention, MLA) or
+    /// `2 * layer + kv` (SGLang: K then V); cross-layer has one tensor, 0.
+    pub fn tensor_count(&self) -> u32 {
+        match self.layout {
+            KvLayout::CrossLayer => 1,
+            KvLayout::SglangPerLayer => 2 * self.num_layers,
+            _ => self.num_layers,
+        }
+    }
+
+    /// Bytes of each engine tensor.
+    pub fn tensor_bytes(&self) -> Option<u64> {
+        let per_block = self.part_bytes().checked_mul(self.kv())?;
+        let blocks = per_block.checked_mul(self.num_blocks)?;
+        match self.layout {
+            KvLayout::CrossLayer => blocks.checked_mul(self.num_layers as u64),
+            KvLayout::SglangPerLayer => self.part_bytes().checked_mul(self.num_blocks),
+            _ => Some(blocks),
+        }
+    }
+
+    /// Bytes of one block across all layers: the size of its arena chunk.
+    pub fn block_bytes(&self) -> u64 {
+        self.part_bytes() * self.kv() * self.num_layers as u64
+    }
+
+    /// Where block `block`'s bytes are, in chunk order (layer-major, K before V). Adjacent
+    /// segments of one tensor are merged.
+    pub fn block_segments(&self, block: u64) -> Vec<Segment> {
+        assert!(block < self.num_blocks, "block {block} of {}", self.num_blocks);
+        let part = self.part_bytes();
+        let kv = self.kv();
+        let mut out: Vec<Segment> = Vec::with_capacity((self.num_layers as u64 * kv) as usize);
+        for layer in 0..self.num_layers as u64 {
+            for t in 0..kv {
+                let (tensor, offset) = match self.layout {
+                    // [2, blocks, ...]: K/V outermost, then the block.
+                    KvLayout::FlashAttnNhd | KvLayout::FlashAttnHnd => {
+                        (layer as u32, (t * self.num_blocks + block) * part)
+                    }
+                    // [blocks, layers, 2, ...]: the block outermost.
+                    KvLayout::CrossLayer => {
+                        (0, ((block * self.num_layers as u64 + layer) * 2 + t) * part)
+                    }
+                    KvLayout::MlaPerLayer => (layer as u32, block * part),
+                    KvLayout::SglangPerLayer => ((2 * layer + t) as u32, block * part),
+                };
+                match out.last_mut() {
+                    Some(last) if last.tensor == tensor && last.offset + last.len == offset => {
+                        last.len += part
+                    }
+                    _ => out.push(Segment { tensor, offset, len: part }),
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,164 @@
+//! The segment math against a reference: the byte offset of every element of a block computed
+//! from the full tensor shape and row-major strides.
+
+use super::*;
+
+/// Row-major byte offset of `index` in a tensor of `shape`.
+fn offset_of(shape: &[u64], index: &[u64], elem: u64) -> u64 {
+    let mut off = 0;
+    for (d, &i) in shape.iter().zip(index) {
+        assert!(i < *d);
+        off = off * d + i;
+    }
+    off * elem
+}
+
+/// Reference: (tensor, byte offset) of every element of `block`, in chunk order (layer, K/V,
+/// then the layout's own order inside the block).
+fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
+    let (l, bs, h, dim, e) = (
+        d.num_layers as u64,
+        d.block_size as u64,
+        d.kv_heads as u64,
+        d.head_dim as u64,
+        d.elem_bytes as u64,
+    );
+    let n = d.num_blocks;
+    let mut out = Vec::new();
+    for layer in 0..l {
+        let kvs = if d.layout == KvLayout::MlaPerLayer { 1 } else { 2 };
+        for t in 0..kvs {
+            match d.layout {
+                KvLayout::FlashAttnNhd => {
+                    for s in 0..bs {
+                        for hh in 0..h {
+                            for x in 0..dim {
+                                out.push((
+                                    layer as u32,
+                                    offset_of(&[2, n, bs, h, dim], &[t, block, s, hh, x], e),
+                                ));
+                            }
+                        }
+                    }
+                }
+                KvLayout::FlashAttnHnd => {
+                    for hh in 0..h {
+                        for s in 0..bs {
+                            for x in 0..dim {
+                                out.push((
+                                    layer as u32,
+                                    offset_of(&[2, n, h, bs, dim], &[t, block, hh, s, x], e),
+                                ));
+                            }
+                        }
+                    }
+                }
+                KvLayout::CrossLayer => {
+                    for s in 0..bs {
+                        for hh in 0..h {
+                            for x in 0..dim {
+                                out.push((
+                                    0,
+                                    offset_of(
+                                        &[n, l, 2, bs, h, dim],
+                                        &[block, layer, t, s, hh, x],
+                                        e,
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                }
+                KvLayout::MlaPerLayer => {
+                    for s in 0..bs {
+                        for x in 0..dim {
+                            out.push((layer as u32, offset_of(&[n, bs, dim], &[block, s, x], e)));
+                        }
+                    }
+                }
+                KvLayout::SglangPerLayer => {
+                    for hh in 0..h {
+                        for x in 0..dim {
+                            out.push((
+                                (2 * layer + t) as u32,
+                                offset_of(&[n, h, dim], &[block, hh, x], e),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Expands segments into per-element (tensor, offset), in order.
+fn expand(segs: &[Segment], elem: u64) -> Vec<(u32, u64)> {
+    segs.iter()
+        .flat_map(|s| (0..s.len / elem).map(move |i| (s.tensor, s.offset + i * elem)))
+        .collect()
+}
+
+fn desc(layout: KvLayout) -> LayoutDesc {
+    let (block_size, kv_heads) = match layout {
+        KvLayout::SglangPerLayer => (1, 3),
+        KvLayout::MlaPerLayer => (4, 1),
+        _ => (4, 3),
+    };
+    LayoutDesc {
+        layout,
+        num_layers: 3,
+        num_blocks: 5,
+        block_size,
+        kv_heads,
+        head_dim: 8,
+        elem_bytes: 2,
+    }
+}
+
+#[test]
+fn every_layout_matches_the_reference() {
+    for layout in [
+        KvLayout::FlashAttnNhd,
+        KvLayout::FlashAttnHnd,
+        KvLayout::CrossLayer,
+        KvLayout::MlaPerLayer,
+        KvLayout::SglangPerLayer,
+    ] {
+        let d = desc(layout);
+        d.validate().unwrap();
+        let tensor_bytes = d.tensor_bytes().unwrap();
+        for block in 0..d.num_blocks {
+            let segs = d.block_segments(block);
+            assert_eq!(expand(&segs, 2), reference(&d, block), "{layout:?} block {block}");
+            assert_eq!(segs.iter().map(|s| s.len).sum::<u64>(), d.block_bytes());
+            for s in &segs {
+                assert!(
+                    s.tensor < d.tensor_count() && s.offset + s.len <= tensor_bytes,
+                    "{layout:?} {s:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cross_layer_blocks_are_one_segment() {
+    let d = desc(KvLayout::CrossLayer);
+    assert_eq!(d.block_segments(2).len(), 1);
+    // FlashAttention: one segment per layer and K/V.
+    assert_eq!(desc(KvLayout::FlashAttnNhd).block_segments(2).len(), 6);
+}
+
+#[test]
+fn validation_names_the_field() {
+    let d = desc(KvLayout::FlashAttnNhd);
+    assert_eq!(LayoutDesc { head_dim: 0, ..d }.validate().unwrap_err().field, "head_dim");
+    assert_eq!(LayoutDesc { elem_bytes: 3, ..d }.validate().unwrap_err().field, "elem_bytes");
+    let s = desc(KvLayout::SglangPerLayer);
+    assert_eq!(LayoutDesc { block_size: 16, ..s }.validate().unwrap_err().field, "block_size");
+    let m = desc(KvLayout::MlaPerLayer);
+    assert_eq!(LayoutDesc { kv_heads: 8, ..m }.validate().unwrap_err().field, "kv_heads");
+    let huge = LayoutDesc { num_blocks: u64::MAX, ..d };
+    assert_eq!(huge.validate().unwrap_err().field, "num_blocks");
+}
