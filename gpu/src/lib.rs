@@ -10,7 +10,9 @@
 mod detect;
 mod layout;
 mod mode;
+mod register;
 
 pub use detect::{probe, DeviceInfo, Probe};
 pub use layout::{KvLayout, LayoutDesc, LayoutError, Segment};
 pub use mode::{resolve, GpuError, GpuMode};
+pub use register::{register_arena, HostRegistration};

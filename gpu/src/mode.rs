@@ -42,6 +42,9 @@ pub enum GpuError {
     /// `--gpu required` and no usable device.
     #[error("--gpu required, but no CUDA device can be used: {0}")]
     Unavailable(String),
+    /// A CUDA call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 /// Applies `mode` to what [`probe`] finds: `Ok(None)` means serve without a GPU.

@@ -158,6 +158,32 @@ fn run(settings: Settings) -> Result<(), String> {
         Arena::create(settings.dram_bytes, settings.config.lock_arena)
             .map_err(|e| e.to_string())?,
     );
+    // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) before
+    // the arena at shutdown.
+    let _registration = match &gpu {
+        Some(orbitkv_gpu::Probe::Present { devices }) => {
+            let first = &devices[0];
+            match orbitkv_gpu::register_arena(first.ordinal as usize, &arena) {
+                Ok(r) => {
+                    tracing::info!(
+                        uuid = %first.uuid,
+                        bytes = arena.len(),
+                        ms = r.elapsed.as_millis() as u64,
+                        "arena registered with CUDA"
+                    );
+                    Some(r)
+                }
+                Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => {
+                    return Err(e.to_string())
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "arena not registered with CUDA: serving without GPU");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let ipc = IpcNames::for_socket(&socket);
     ipc::remove_leftovers(&ipc);
     let mut txs = Vec::new();

@@ -111,6 +111,12 @@ impl Arena {
         self.fd.as_fd()
     }
 
+    /// Start of the mapping (for registering it with a DMA engine; the mapping lives as long as
+    /// the arena).
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.base.as_ptr() as *mut u8
+    }
+
     /// Size of the whole memfd in bytes (header and data).
     pub fn len(&self) -> u64 {
         self.len as u64
