@@ -316,9 +316,13 @@ async fn run(ctx: ShardContext) {
         }
         let idle = last_work.elapsed();
         if idle < spin_window {
-            // Let other threads of this core run (clients, on machines without spare cores).
-            std::thread::yield_now();
-            glommio::executor().yield_now().await;
+            if shards > 1 {
+                // Spin through glommio's reactor: requests and replies from other shards are
+                // only seen when it is polled, which a plain yield does not do.
+                glommio::timer::sleep(Duration::from_micros(1)).await;
+            } else {
+                glommio::executor().yield_now().await;
+            }
         } else if idle >= deep_idle
             && exec.active.get() == 0
             && exec.core.borrow().ssd_inflight() == 0
