@@ -34,6 +34,19 @@ fn fill(server: &TestServer, c: &mut Client, keys: &[ChunkKey]) {
     server.wait_for("demotions", |s| s.shard_sum("demotions") > 0);
 }
 
+/// Starts a tiered server in `dir`, stores 300 chunks (so that some are demoted), stops it
+/// cleanly; returns the stopped server (restart it with `spawn`) and the keys.
+fn filled_then_stopped(dir: &std::path::Path, seed: u32) -> (TestServer, Vec<ChunkKey>) {
+    let mut server = start(dir);
+    let mut c = server.client("w");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, seed, 300);
+    fill(&server, &mut c, &keys);
+    drop(c);
+    assert!(server.stop().success());
+    (server, keys)
+}
+
 /// Gets every key; returns how many came back (each byte-exact) and how many from SSD.
 fn read_all(c: &mut Client, keys: &[ChunkKey]) -> (usize, usize) {
     let (mut found, mut from_ssd) = (0, 0);
@@ -107,13 +120,7 @@ fn demoted_chunks_are_served_from_ssd_and_survive_restarts() {
 #[test]
 fn a_corrupted_record_is_never_served() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let mut server = start(dir.path());
-    let mut c = server.client("w");
-    let ns = c.register_namespace(&namespace(16)).unwrap().id;
-    let keys = chain(ns, 5, 300);
-    fill(&server, &mut c, &keys);
-    drop(c);
-    assert!(server.stop().success());
+    let (mut server, keys) = filled_then_stopped(dir.path(), 5);
     // Flip one payload byte of every record in shard 0's file.
     let path = dir.path().join("shard-0.okv");
     let mut bytes = std::fs::read(&path).unwrap();
@@ -200,13 +207,7 @@ fn the_cap_holds_under_a_working_set_ten_times_larger() {
 #[test]
 fn another_shard_count_starts_cold_and_removes_orphan_files() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let mut server = start(dir.path());
-    let mut c = server.client("w");
-    let ns = c.register_namespace(&namespace(16)).unwrap().id;
-    let keys = chain(ns, 8, 300);
-    fill(&server, &mut c, &keys);
-    drop(c);
-    assert!(server.stop().success());
+    let (mut server, keys) = filled_then_stopped(dir.path(), 8);
     assert!(dir.path().join("shard-1.okv").exists());
     server.spawn(&[
         "--shards",

@@ -121,7 +121,6 @@ impl ShardCore {
                 let (leases, reservations) = self.close_session(session);
                 ShardReply::Closed { leases, reservations }
             }
-            ShardOp::Stats => ShardReply::Stats(Box::new(self.stats())),
         }
     }
 

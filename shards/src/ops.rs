@@ -4,8 +4,6 @@ use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, Hit, NamespaceDescriptor, Reservation, SlotRef,
 };
 
-use crate::metrics::ShardStats;
-
 /// Server-wide session id.
 pub type SessionId = u64;
 
@@ -66,8 +64,6 @@ pub enum ShardOp {
         /// The session.
         session: SessionId,
     },
-    /// Snapshot of this shard's state and counters.
-    Stats,
 }
 
 /// The reply to a [`ShardOp`], in the op's key order.
@@ -88,6 +84,4 @@ pub enum ShardReply {
         /// Reservations freed.
         reservations: u64,
     },
-    /// Reply to `Stats`.
-    Stats(Box<ShardStats>),
 }
