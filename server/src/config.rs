@@ -75,6 +75,9 @@ pub struct ServerConfig {
     pub max_inflight_per_session: usize,
     /// Capacity of each shard-to-shard queue. Default: 1024.
     pub mesh_queue_depth: usize,
+    /// How long a shard keeps spinning after its last piece of work when cores are spare
+    /// (requests arriving within it are seen at once; `0` sleeps right away). Default: `2ms`.
+    pub spin_window: String,
     /// Longest a poller sleeps when idle (adaptive polling ceiling). Default: `500us`.
     pub idle_poll_max: String,
     /// How long SIGTERM waits for in-flight work before exiting anyway. Default: `10s`.
@@ -114,6 +117,7 @@ impl Default for ServerConfig {
             max_namespaces: 1024,
             max_inflight_per_session: 8,
             mesh_queue_depth: 1024,
+            spin_window: "2ms".into(),
             idle_poll_max: "500us".into(),
             drain_timeout: "10s".into(),
             ssd_dir: None,
@@ -177,6 +181,9 @@ pub struct Args {
     /// Shard-to-shard queue capacity (default: 1024).
     #[arg(long, value_name = "N")]
     pub mesh_queue_depth: Option<usize>,
+    /// Spin this long after the last work before napping, when cores are spare (default: 2ms).
+    #[arg(long, value_name = "DUR")]
+    pub spin_window: Option<String>,
     /// Longest idle poll sleep (default: 500us).
     #[arg(long, value_name = "DUR")]
     pub idle_poll_max: Option<String>,
@@ -226,6 +233,8 @@ pub struct Settings {
     pub dram_bytes: u64,
     /// Largest chunk.
     pub max_chunk_bytes: u64,
+    /// Spin window after work.
+    pub spin_window: Duration,
     /// Idle poll ceiling.
     pub idle_poll_max: Duration,
     /// SIGTERM drain timeout.
@@ -332,6 +341,7 @@ impl ServerConfig {
             max_namespaces,
             max_inflight_per_session,
             mesh_queue_depth,
+            spin_window,
             idle_poll_max,
             drain_timeout,
             ssd,
@@ -416,6 +426,11 @@ impl ServerConfig {
         if idle_poll_max > Duration::from_millis(100) {
             return Err(invalid("--idle-poll-max", "must be at most 100ms"));
         }
+        let spin_window = parse_duration(&self.spin_window)
+            .map_err(|e| invalid("--spin-window", e.to_string()))?;
+        if spin_window > Duration::from_millis(100) {
+            return Err(invalid("--spin-window", "must be at most 100ms"));
+        }
         let drain_timeout = parse_duration(&self.drain_timeout)
             .map_err(|e| invalid("--drain-timeout", e.to_string()))?;
         let ssd = self.validate_ssd(shards)?;
@@ -426,6 +441,7 @@ impl ServerConfig {
             shards,
             dram_bytes: per_shard * shards as u64,
             max_chunk_bytes: max_chunk,
+            spin_window,
             idle_poll_max,
             drain_timeout,
         })
@@ -453,6 +469,10 @@ mod tests {
         );
         assert!(bad(ServerConfig { idle_poll_max: "1s".into(), ..Default::default() })
             .contains("--idle-poll-max"));
+        assert!(bad(ServerConfig { spin_window: "1s".into(), ..Default::default() })
+            .contains("--spin-window"));
+        assert!(bad(ServerConfig { spin_window: "fast".into(), ..Default::default() })
+            .contains("--spin-window"));
         assert!(bad(ServerConfig { shards: 1000, ..Default::default() }).contains("--shards"));
     }
 

@@ -1,7 +1,7 @@
 //! One shard executor: a glommio `LocalExecutor` on its own core that owns a [`ShardCore`],
 //! the iceoryx2 services of the sessions homed on it, and its ends of the shard mesh.
 //!
-//! Polling is adaptive: after work it spins (yielding to its own tasks) for a short window,
+//! Polling is adaptive: after work it spins (yielding to its own tasks) for `--spin-window`,
 //! then sleeps in growing naps up to `--idle-poll-max`, so a quiet server burns no core.
 
 use std::cell::{Cell, RefCell};
@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
-use glommio::channels::local_channel::{self, LocalSender};
-use glommio::{LocalExecutorBuilder, Placement};
+use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
@@ -26,8 +26,6 @@ pub type MeshRequest = (u64, ShardOp);
 /// A reply sent over the mesh: (request id, reply).
 pub type MeshReply = (u64, ShardReply);
 
-/// Spin this long after the last piece of work before napping (when cores are spare).
-const SPIN_WINDOW: Duration = Duration::from_micros(200);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
 /// After this long without work (and no task in flight) a shard sleeps on its doorbell (when
@@ -167,7 +165,9 @@ async fn run(ctx: ShardContext) {
         ..
     } = ctx;
     let (spin_window, deep_idle) = match policy {
-        IdlePolicy::Poll => (SPIN_WINDOW, DEEP_IDLE),
+        IdlePolicy::Poll => {
+            (shared.settings.spin_window, DEEP_IDLE.max(shared.settings.spin_window))
+        }
         IdlePolicy::Sleep => (Duration::ZERO, Duration::ZERO),
     };
     let node = match ipc::config(&ipc).and_then(|cfg| {
@@ -490,21 +490,46 @@ impl Exec {
         if shard == self.id {
             return self.apply_local(op).await;
         }
+        let sent = self.send_remote(shard, op).await;
+        Self::remote_reply(sent).await
+    }
+
+    /// Sends `op` to another shard over the mesh and returns where its reply will arrive
+    /// (none when the mesh is gone). Waits only when that shard's queue is full.
+    pub(crate) async fn send_remote(
+        &self,
+        shard: usize,
+        op: ShardOp,
+    ) -> Option<LocalReceiver<ShardReply>> {
+        debug_assert_ne!(shard, self.id, "local ops do not travel over the mesh");
         let rid = self.next_req.get();
         self.next_req.set(rid + 1);
         let (tx, rx) = local_channel::new_bounded(1);
         self.pending.borrow_mut().insert(rid, tx);
         let mesh = self.req_tx.as_ref().expect("several shards imply a mesh");
         self.shared.doorbells.mesh_sending(shard);
-        let sent = mesh.send_to(shard, (rid, op)).await.is_ok();
+        let sent = match mesh.try_send_to(shard, (rid, op)) {
+            Ok(()) => true,
+            // Full: wait for room.
+            Err(GlommioError::WouldBlock(ResourceType::Channel(msg))) => {
+                mesh.send_to(shard, msg).await.is_ok()
+            }
+            Err(_) => false,
+        };
         self.shared.doorbells.ring(shard);
         if !sent {
             self.shared.doorbells.mesh_received(shard);
             self.pending.borrow_mut().remove(&rid);
-            return ShardReply::Outcomes(Vec::new());
+            return None;
         }
-        match rx.recv().await {
-            Some(reply) => reply,
+        Some(rx)
+    }
+
+    /// Waits for the reply of an op sent by [`Exec::send_remote`]; a lost one reads as an
+    /// empty outcome list, which callers treat as a failed shard.
+    pub(crate) async fn remote_reply(sent: Option<LocalReceiver<ShardReply>>) -> ShardReply {
+        match sent {
+            Some(rx) => rx.recv().await.unwrap_or(ShardReply::Outcomes(Vec::new())),
             None => ShardReply::Outcomes(Vec::new()),
         }
     }

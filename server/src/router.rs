@@ -314,6 +314,8 @@ async fn scatter<T: Clone, R: Clone + 'static>(
     for (i, item) in items.iter().enumerate() {
         positions[key(item).shard(shards)].push(i);
     }
+    // Remote ops leave first, so the other shards work while this one does its own part;
+    // no task per shard: the replies are awaited in place below.
     let mut remote = Vec::new();
     let mut local = None;
     for (shard, pos) in positions.iter().enumerate() {
@@ -324,8 +326,7 @@ async fn scatter<T: Clone, R: Clone + 'static>(
         if shard == exec.id {
             local = Some((shard, op));
         } else {
-            let e = Rc::clone(exec);
-            remote.push((shard, glommio::spawn_local(async move { e.exec_on(shard, op).await })));
+            remote.push((shard, exec.send_remote(shard, op).await));
         }
     }
     let mut out = vec![fallback.clone(); items.len()];
@@ -341,8 +342,8 @@ async fn scatter<T: Clone, R: Clone + 'static>(
         let reply = exec.exec_on(shard, op).await;
         place(shard, reply);
     }
-    for (shard, task) in remote {
-        place(shard, task.await);
+    for (shard, sent) in remote {
+        place(shard, Exec::remote_reply(sent).await);
     }
     out
 }
