@@ -26,6 +26,8 @@ pub type MeshRequest = (u64, ShardOp);
 /// A reply sent over the mesh: (request id, reply).
 pub type MeshReply = (u64, ShardReply);
 
+/// How long an executor with a core of its own polls glommio's reactor before parking.
+const SPIN_BEFORE_PARK: Duration = Duration::from_micros(100);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
 /// After this long without work (and no task in flight) a shard sleeps on its doorbell (when
@@ -80,12 +82,20 @@ pub fn spawn(ctx: ShardContext) -> Result<glommio::ExecutorJoinHandle<()>, Strin
     let id = ctx.id;
     let cpu = ctx.cpu;
     let io_memory = ctx.io_memory;
+    // With a core of its own, glommio polls its reactor (timers, mesh messages) for a while
+    // before blocking in the kernel, so a message from another shard or a short timer is seen
+    // within a microsecond instead of after a kernel wake-up.
+    let spin_before_park = match ctx.idle {
+        IdlePolicy::Poll => SPIN_BEFORE_PARK,
+        IdlePolicy::Sleep => Duration::ZERO,
+    };
     let slot = Arc::new(Mutex::new(Some(ctx)));
     let start = |placement: Placement, pinned: Option<usize>| {
         let slot = Arc::clone(&slot);
         LocalExecutorBuilder::new(placement)
             .name(&format!("shard-{id}"))
             .io_memory(io_memory)
+            .spin_before_park(spin_before_park)
             .spawn(move || async move {
                 let ctx = slot.lock().expect("context lock is never poisoned").take();
                 if let Some(mut ctx) = ctx {
@@ -311,7 +321,14 @@ async fn run(ctx: ShardContext) {
         }
         if work > 0 {
             last_work = Instant::now();
-            glommio::executor().yield_now().await;
+            if shards > 1 {
+                // Through the reactor: a plain yield keeps running this executor's tasks and
+                // polls the reactor only when glommio's preemption timer fires (100 ms), so
+                // mesh messages would wait behind a busy shard.
+                glommio::timer::sleep(Duration::from_micros(1)).await;
+            } else {
+                glommio::executor().yield_now().await;
+            }
             continue;
         }
         let idle = last_work.elapsed();
