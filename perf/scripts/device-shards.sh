@@ -12,7 +12,7 @@ $SERVER --socket $S --shards $shards --dram 8GiB --gpu off > $OUT/server$TAG$sha
 P=$!
 for i in $(seq 150); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 $B/orbitkv-perf serve --socket $S --clients 1 --duration 5s --value-size 64KiB --working-set 64MiB --seed 3 --lookup-batch 256 --json > $OUT/lookup$TAG$shards.json 2>>$OUT/err.txt
-$B/orbitkv-perf serve --socket $S --clients $shards --duration 5s --value-size 64KiB --working-set 64MiB --seed 4 --lookup-batch 256 --json > $OUT/lookup${TAG}${shards}x$TAG$shards.json 2>>$OUT/err.txt
+$B/orbitkv-perf serve --socket $S --clients $shards --duration 5s --value-size 64KiB --working-set 64MiB --seed 4 --lookup-batch 256 --json > $OUT/lookup${TAG}${shards}x$shards.json 2>>$OUT/err.txt
 for run in 1 2 3; do
 $B/orbitkv-perf serve --socket $S --clients 1 --duration 8s --value-size 1MiB --working-set 2GiB --seed 1$run --json > $OUT/serve$TAG$shards-$run.json 2>>$OUT/err.txt
 done
