@@ -1,13 +1,14 @@
 //! `orbitkv-gpu`: CUDA for OrbitKV through cudarc with dynamic loading. Builds and runs on
 //! machines without CUDA and says so clearly.
 //!
-//! So far: whether the server uses a GPU (`--gpu auto|off|required`), the devices (identified
-//! by UUID), and the engine KV layouts (where a block's bytes lie). Registration of the arena,
-//! imported engine allocations and the copy engines come next.
+//! Whether the server uses a GPU (`--gpu auto|off|required`), the devices (identified by
+//! UUID), the engine KV layouts (where a block's bytes lie), registration of the arena, and
+//! the copy engines that move pages between engine GPU memory and arena slots ([`dma`]).
 
 #![deny(unsafe_code)]
 
 mod detect;
+pub mod dma;
 mod layout;
 mod mode;
 mod register;

@@ -28,6 +28,102 @@ pub(crate) enum Command {
     /// through the shard's io_uring ring (`SsdRing`), compared with fio run on the same file
     /// with the same parameters in the same run (when fio is on PATH).
     Ssd(SsdArgs),
+    /// GPU save/load of engine KV pages: gathers blocks of a KV layout from GPU memory into a
+    /// CUDA-registered arena and scatters them back, compared with one contiguous copy of the
+    /// same bytes in the same run (the PCIe ceiling). Every byte is verified both ways.
+    /// Exits 2 on a machine without CUDA.
+    Dma(DmaArgs),
+}
+
+/// Engine KV layouts (see `orbitkv_gpu::KvLayout`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LayoutArg {
+    /// vLLM FlashAttention per layer, `[2, blocks, block_tokens, heads, dim]`.
+    #[value(name = "flash-nhd")]
+    FlashNhd,
+    /// vLLM FlashAttention per layer, `[2, blocks, heads, block_tokens, dim]`.
+    #[value(name = "flash-hnd")]
+    FlashHnd,
+    /// vLLM cross-layer, `[blocks, layers, 2, block_tokens, heads, dim]`.
+    #[value(name = "cross-layer")]
+    CrossLayer,
+    /// MLA per layer, `[blocks, block_tokens, head_dim]` (kv-heads must be 1).
+    #[value(name = "mla")]
+    Mla,
+    /// SGLang K and V per layer, `[tokens, heads, dim]` (block-tokens must be 1).
+    #[value(name = "sglang")]
+    Sglang,
+}
+
+/// Element types.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DtypeArg {
+    /// bfloat16 (2 bytes).
+    Bf16,
+    /// float16 (2 bytes).
+    Fp16,
+    /// float8 (1 byte).
+    Fp8,
+}
+
+/// Copy strategies to measure.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StrategyArg {
+    /// What the server would pick for this page size.
+    Auto,
+    /// Gather/scatter kernel through a staging buffer.
+    Staged,
+    /// cuMemcpyBatchAsync per page.
+    Batched,
+    /// Each of the above.
+    All,
+}
+
+/// Flags of `orbitkv-perf dma`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct DmaArgs {
+    /// KV layout of the stand-in engine.
+    #[arg(long, value_enum, default_value = "flash-nhd")]
+    pub layout: LayoutArg,
+    /// Attention layers (default: 32).
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub layers: u32,
+    /// Tokens per block (default: 16; 1 for sglang).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub block_tokens: u32,
+    /// KV heads (default: 8; 1 for mla).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub kv_heads: u32,
+    /// Elements per head, or the latent width for mla (default: 128).
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub head_dim: u32,
+    /// Element type (default: bf16).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DtypeArg,
+    /// Blocks in the engine's cache; all of them are saved and loaded (default: 1024).
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub blocks: u64,
+    /// Blocks per chunk (arena slot) (default: 1; 16 or more for sglang).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub blocks_per_chunk: u64,
+    /// Strategies to measure (default: all).
+    #[arg(long, value_enum, default_value = "all")]
+    pub strategy: StrategyArg,
+    /// GPU staging buffer, both halves (default: 64MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "64MiB")]
+    pub staging: u64,
+    /// Timed repetitions of each measurement (default: 5).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub iterations: u32,
+    /// CUDA device ordinal (default: 0).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub device: usize,
+    /// Seed of the block order, slot order and tensor contents (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The access pattern of `ssd` (fio's `--rw` of the same name).

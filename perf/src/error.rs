@@ -32,6 +32,9 @@ pub(crate) enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// CUDA is missing or a CUDA call failed.
+    #[error("{0}")]
+    Gpu(String),
     /// The embedded server could not be started.
     #[error("embedded orbitkv-server: {0}")]
     Embedded(String),

@@ -9,6 +9,7 @@
 mod admin;
 mod args;
 mod baseline;
+mod dma;
 mod embedded;
 mod error;
 mod gate;
@@ -36,6 +37,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => ("serve", serve::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Idle(a) => ("idle", idle::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Ssd(a) => ("ssd", ssd::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Dma(a) => ("dma", dma::run(&a).and_then(|r| emit(&r, a.json))),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,

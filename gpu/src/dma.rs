@@ -1,0 +1,51 @@
+//! Moving engine KV pages between GPU memory and the arena: copy plans ([`plan`]), the copy
+//! engine of one device ([`CopyEngine`]) and the CUDA calls behind it.
+
+mod engine;
+mod ffi;
+mod memory;
+pub mod plan;
+
+pub use engine::{CopyEngine, Direction, JobShape};
+pub use ffi::DeviceBuffer;
+pub use memory::{EngineMemory, TensorExport};
+
+/// How pieces cross the bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Gather/scatter kernel into a GPU staging buffer, contiguous DMA.
+    Staged,
+    /// `cuMemcpyBatchAsync` per piece (copy engines only).
+    Batched,
+    /// Staged for small pieces, batched for large ones.
+    Auto,
+}
+
+impl Strategy {
+    /// Parses `staged`, `batched` or `auto`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "staged" => Some(Self::Staged),
+            "batched" => Some(Self::Batched),
+            "auto" => Some(Self::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// Failures of the DMA path.
+#[derive(Debug, thiserror::Error)]
+pub enum DmaError {
+    /// A CUDA driver call failed.
+    #[error("CUDA {op} failed: {detail}")]
+    Cuda {
+        /// The call.
+        op: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
+    /// A request that cannot be carried out as given.
+    #[error("invalid DMA request: {0}")]
+    Invalid(String),
+}

@@ -1,0 +1,326 @@
+//! A copy engine on one device: a kernel stream and a copy stream, two staging halves, and
+//! the pipelines that move pieces between engine GPU memory and the registered arena.
+//!
+//! Staged (save): the kernel gathers a batch of pieces into a staging half, then the copy
+//! stream moves that half to the arena in host-contiguous runs, while the kernel fills the
+//! other half. Load runs the same pipeline backwards. Batched: `cuMemcpyBatchAsync` straight
+//! between engine pages and arena slots (copy engines only, no SM). Every submission ends in
+//! an event; until it completes, the caller keeps the engine memory and the arena slots.
+
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, Way};
+use super::plan::{stage, KernelDesc, Piece};
+use super::{DmaError, Strategy};
+
+/// Threads per block of the segment copy kernel.
+const THREADS: u32 = 256;
+/// Most thread blocks per launch (the kernel strides over the descriptors).
+const MAX_GRID: u32 = 2048;
+/// Most copies per `cuMemcpyBatchAsync` call.
+const BATCH_CALL: usize = 4096;
+
+/// Direction of a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Direction {
+    /// GPU pages -> arena (save).
+    Save,
+    /// Arena -> GPU pages (load).
+    Load,
+}
+
+struct Half {
+    staging: DeviceBuffer,
+    descs_dev: DeviceBuffer,
+    descs_host: PinnedHost,
+    /// The descriptor table was uploaded (host copy reusable).
+    uploaded: CudaEvent,
+    /// The staging half is filled (gather done / host data arrived).
+    filled: CudaEvent,
+    /// The staging half is no longer used (reusable).
+    free: CudaEvent,
+}
+
+/// What one submission did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JobShape {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Contiguous pieces.
+    pub pieces: usize,
+    /// Staging batches (0 when batched).
+    pub batches: usize,
+    /// The strategy used.
+    pub staged: bool,
+}
+
+/// Copy engine of one device and direction-agnostic pipelines (one per thread).
+pub struct CopyEngine {
+    ctx: Arc<CudaContext>,
+    kernel: CopyKernel,
+    kernel_stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
+    halves: [Half; 2],
+    next: usize,
+    max_descs: usize,
+    /// Pieces at least this long are copied batched when the strategy is `Auto`.
+    batched_from: u64,
+    scratch: Vec<u8>,
+}
+
+impl CopyEngine {
+    /// An engine on `ctx` with `staging_bytes` of GPU staging (two halves).
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        staging_bytes: usize,
+        batched_from: u64,
+    ) -> Result<Self, DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        let half_bytes = (staging_bytes / 2).max(1 << 16) / 16 * 16;
+        // One descriptor per 2 KiB of staging on average, at least 4096.
+        let max_descs = (half_bytes / 2048).max(4096);
+        let kernel = CopyKernel::load(ctx)?;
+        let mut halves = Vec::with_capacity(2);
+        for _ in 0..2 {
+            halves.push(Half {
+                staging: DeviceBuffer::new(ctx, half_bytes)?,
+                descs_dev: DeviceBuffer::new(ctx, max_descs * KernelDesc::BYTES)?,
+                descs_host: PinnedHost::new(ctx, max_descs * KernelDesc::BYTES)?,
+                uploaded: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+                filled: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+                free: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+            });
+        }
+        let halves: [Half; 2] =
+            halves.try_into().map_err(|_| DmaError::Invalid("two halves".into()))?;
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            kernel,
+            kernel_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
+            copy_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
+            halves,
+            next: 0,
+            max_descs,
+            batched_from,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Bytes of one staging half.
+    pub fn staging_half(&self) -> usize {
+        self.halves[0].staging.len()
+    }
+
+    /// Which strategy `strategy` means for these pieces.
+    pub fn staged_for(&self, strategy: Strategy, pieces: &[Piece]) -> bool {
+        match strategy {
+            Strategy::Staged => true,
+            Strategy::Batched => false,
+            Strategy::Auto => {
+                let bytes: u64 = pieces.iter().map(|p| p.len).sum();
+                // The typical piece decides: below the threshold the copy engines are slow
+                // per descriptor, above it they reach the bus limit on their own.
+                !pieces.is_empty() && bytes / (pieces.len() as u64) < self.batched_from
+            }
+        }
+    }
+
+    /// Enqueues the copy of `pieces` and returns the event that completes when every byte has
+    /// landed. May block briefly when both staging halves are busy with earlier work.
+    ///
+    /// # Safety
+    /// Every piece must name device memory of this engine's device and host memory
+    /// registered with CUDA (the arena), both valid and not written by anyone else until the
+    /// returned event completes.
+    pub unsafe fn submit(
+        &mut self,
+        direction: Direction,
+        pieces: &[Piece],
+        strategy: Strategy,
+    ) -> Result<(CudaEvent, JobShape), DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        let bytes = pieces.iter().map(|p| p.len).sum();
+        let staged = self.staged_for(strategy, pieces);
+        let mut shape = JobShape { bytes, pieces: pieces.len(), batches: 0, staged };
+        let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        if staged {
+            let half = self.staging_half() as u64;
+            let batches = stage(pieces, half, self.max_descs);
+            shape.batches = batches.len();
+            for b in &batches {
+                let h = &mut self.halves[self.next];
+                self.next ^= 1;
+                let gather = direction == Direction::Save;
+                self.scratch.clear();
+                for d in b.descs(h.staging.ptr(), gather) {
+                    d.encode(&mut self.scratch);
+                }
+                // The host table is rewritten only after its previous upload finished.
+                h.uploaded.synchronize().map_err(drv("cuEventSynchronize"))?;
+                h.descs_host.write(&self.scratch);
+                let n = b.segments.len() as u32;
+                let grid = n.min(MAX_GRID);
+                match direction {
+                    Direction::Save => {
+                        self.kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                        // SAFETY: the pinned table and the device table are owned by the half;
+                        // `uploaded` marks the end of the read.
+                        unsafe {
+                            ffi::copy_async(
+                                Way::HostToDevice,
+                                h.descs_dev.ptr(),
+                                h.descs_host.addr(),
+                                self.scratch.len(),
+                                &self.kernel_stream,
+                            )?;
+                        }
+                        h.uploaded.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                        // SAFETY: descriptors name engine pieces (caller's contract) and this
+                        // half's staging, free since `free` was waited on.
+                        unsafe {
+                            self.kernel.launch(
+                                &self.kernel_stream,
+                                h.descs_dev.ptr(),
+                                n,
+                                grid,
+                                THREADS,
+                            )?
+                        };
+                        h.filled.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                        self.copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                        for r in &b.runs {
+                            // SAFETY: staging filled (waited on `filled`); host range is the
+                            // caller's registered arena slot.
+                            unsafe {
+                                ffi::copy_async(
+                                    Way::DeviceToHost,
+                                    h.staging.ptr() + r.staging,
+                                    r.host,
+                                    r.len as usize,
+                                    &self.copy_stream,
+                                )?;
+                            }
+                        }
+                        h.free.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
+                    }
+                    Direction::Load => {
+                        self.copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                        for r in &b.runs {
+                            // SAFETY: the half is free (waited); host range per the contract.
+                            unsafe {
+                                ffi::copy_async(
+                                    Way::HostToDevice,
+                                    h.staging.ptr() + r.staging,
+                                    r.host,
+                                    r.len as usize,
+                                    &self.copy_stream,
+                                )?;
+                            }
+                        }
+                        h.filled.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
+                        self.kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                        // SAFETY: as for save.
+                        unsafe {
+                            ffi::copy_async(
+                                Way::HostToDevice,
+                                h.descs_dev.ptr(),
+                                h.descs_host.addr(),
+                                self.scratch.len(),
+                                &self.kernel_stream,
+                            )?;
+                        }
+                        h.uploaded.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                        // SAFETY: staging filled (waited); destinations are engine pieces.
+                        unsafe {
+                            self.kernel.launch(
+                                &self.kernel_stream,
+                                h.descs_dev.ptr(),
+                                n,
+                                grid,
+                                THREADS,
+                            )?
+                        };
+                        h.free.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                    }
+                }
+            }
+            // The job is done when both streams have passed its last batch.
+            let last = match direction {
+                Direction::Save => &self.copy_stream,
+                Direction::Load => &self.kernel_stream,
+            };
+            done.record(last).map_err(drv("cuEventRecord"))?;
+        } else {
+            for group in pieces.chunks(BATCH_CALL) {
+                let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = match direction {
+                    Direction::Save => group.iter().map(|p| (p.host, p.device)).unzip(),
+                    Direction::Load => group.iter().map(|p| (p.device, p.host)).unzip(),
+                };
+                let mut sizes: Vec<usize> = group.iter().map(|p| p.len as usize).collect();
+                // SAFETY: per the caller's contract on every piece.
+                unsafe {
+                    ffi::copy_batch_async(&mut dsts, &mut srcs, &mut sizes, &self.copy_stream)?
+                };
+            }
+            done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
+        }
+        Ok((done, shape))
+    }
+
+    /// One contiguous copy on the copy stream (the ceiling every ratio is measured against).
+    ///
+    /// # Safety
+    /// As [`CopyEngine::submit`] for the one range.
+    pub unsafe fn contiguous(
+        &mut self,
+        direction: Direction,
+        device: u64,
+        host: u64,
+        len: usize,
+    ) -> Result<CudaEvent, DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        let way = match direction {
+            Direction::Save => Way::DeviceToHost,
+            Direction::Load => Way::HostToDevice,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { ffi::copy_async(way, device, host, len, &self.copy_stream)? };
+        let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
+        Ok(done)
+    }
+
+    /// Waits for everything submitted so far.
+    pub fn synchronize(&self) -> Result<(), DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        self.kernel_stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
+        self.copy_stream.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+}
+
+impl Drop for CopyEngine {
+    fn drop(&mut self) {
+        // Staging and descriptor tables are freed after this: nothing may still use them.
+        if let Err(e) = self.synchronize() {
+            tracing::warn!(error = %e, "copy engine: synchronizing before teardown failed");
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! The CUDA driver calls behind the copy engines, each wrapped so that memory handed to the
+//! GPU is owned by a type whose drop cannot free it early. All `unsafe` of the DMA path lives
+//! here.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+
+use crate::dma::DmaError;
+
+fn check(what: &'static str, status: sys::CUresult) -> Result<(), DmaError> {
+    if status == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(DmaError::Cuda { op: what, detail: format!("{status:?}") })
+    }
+}
+
+fn driver(what: &'static str, e: result::DriverError) -> DmaError {
+    DmaError::Cuda { op: what, detail: e.to_string() }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop (after the context has finished with it:
+/// owners drop buffers only after synchronizing the streams that use them).
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `ctx`'s device.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DmaError> {
+        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: allocates `len` bytes in the bound context; the pointer is owned by the
+        // returned value and freed once, in drop.
+        let ptr =
+            unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| driver("cuMemAlloc", e))?;
+        Ok(Self { ptr, len, ctx: Arc::clone(ctx) })
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-byte request (one byte is allocated anyway).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by cuMemAlloc in `new`, freed exactly once here; owners synchronize
+        // every stream that used it before dropping it.
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            tracing::warn!(error = %e, "cuMemFree failed");
+        }
+    }
+}
+
+// SAFETY: a device address is usable from any thread that binds the context.
+unsafe impl Send for DeviceBuffer {}
+
+/// Page-locked host memory from `cuMemHostAlloc` (descriptor tables), freed on drop.
+pub(crate) struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl PinnedHost {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DmaError> {
+        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: allocates `len` bytes of pinned host memory, owned by the returned value.
+        let ptr = unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| driver("cuMemHostAlloc", e))?;
+        Ok(Self { ptr: ptr.cast(), len, ctx: Arc::clone(ctx) })
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Writes `bytes` at the start (the caller has waited for the GPU to finish reading it).
+    pub(crate) fn write(&mut self, bytes: &[u8]) {
+        assert!(
+            bytes.len() <= self.len,
+            "descriptor table overflow: {} > {}",
+            bytes.len(),
+            self.len
+        );
+        // SAFETY: in bounds (checked above); exclusive access through &mut self; the GPU no
+        // longer reads this buffer (callers wait on the event that follows its last use).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr, bytes.len()) };
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
+            tracing::warn!(error = %e, "cuMemFreeHost failed");
+        }
+    }
+}
+
+// SAFETY: plain pinned memory owned by this value.
+unsafe impl Send for PinnedHost {}
+
+/// The segment copy kernel, loaded from its embedded PTX.
+pub(crate) struct CopyKernel {
+    module: sys::CUmodule,
+    func: sys::CUfunction,
+    ctx: Arc<CudaContext>,
+}
+
+/// The PTX of `gpu/kernels/copy_segments.cu` (built by `gpu/kernels/build-ptx.sh`).
+const COPY_SEGMENTS_PTX: &str = include_str!("../../kernels/copy_segments.ptx");
+
+impl CopyKernel {
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let image = CString::new(COPY_SEGMENTS_PTX).expect("the embedded PTX has no NUL byte");
+        // SAFETY: `image` is a NUL-terminated PTX text that lives through the call.
+        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| driver("cuModuleLoadData (segment copy kernel PTX)", e))?;
+        let name = CString::new("orbitkv_copy_segments").expect("no NUL");
+        // SAFETY: `module` was just loaded and is unloaded only in drop.
+        let func = match unsafe { result::module::get_function(module, name) } {
+            Ok(f) => f,
+            Err(e) => {
+                // SAFETY: unloading the module loaded above, once.
+                unsafe {
+                    let _ = result::module::unload(module);
+                }
+                return Err(driver("cuModuleGetFunction", e));
+            }
+        };
+        Ok(Self { module, func, ctx: Arc::clone(ctx) })
+    }
+
+    /// Launches the kernel on `stream` over `count` descriptors at device address `descs`.
+    ///
+    /// # Safety
+    /// `descs` must hold `count` valid descriptors on this context's device when the kernel
+    /// runs, and every range they name must be device memory that nothing else writes until
+    /// the stream passes this launch.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        descs: u64,
+        count: u32,
+        grid: u32,
+        threads: u32,
+    ) -> Result<(), DmaError> {
+        let mut descs = descs;
+        let mut count = count;
+        let mut params: [*mut c_void; 2] =
+            [(&raw mut descs).cast::<c_void>(), (&raw mut count).cast::<c_void>()];
+        // SAFETY: parameters match the kernel's signature (u64 pointer, u32 count); the caller
+        // guarantees the memory they name.
+        unsafe {
+            result::launch_kernel(
+                self.func,
+                (grid.max(1), 1, 1),
+                (threads, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver("cuLaunchKernel (segment copy)", e))
+    }
+}
+
+impl Drop for CopyKernel {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the module loaded in `load`, unloaded once; no launch is pending (owners
+        // synchronize their streams before dropping the kernel).
+        unsafe {
+            let _ = result::module::unload(self.module);
+        }
+    }
+}
+
+// SAFETY: module and function handles are usable from any thread bound to the context.
+unsafe impl Send for CopyKernel {}
+
+/// Which way bytes cross the bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Way {
+    /// GPU -> host.
+    DeviceToHost,
+    /// Host -> GPU.
+    HostToDevice,
+}
+
+/// One asynchronous contiguous copy.
+///
+/// # Safety
+/// Both ranges must stay valid (device memory of this context, registered or pinned host
+/// memory) and untouched by anything else until `stream` passes the copy.
+pub(crate) unsafe fn copy_async(
+    way: Way,
+    device: u64,
+    host: u64,
+    len: usize,
+    stream: &CudaStream,
+) -> Result<(), DmaError> {
+    // SAFETY: forwarded from the caller.
+    let status = unsafe {
+        match way {
+            Way::DeviceToHost => {
+                sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, device, len, stream.cu_stream())
+            }
+            Way::HostToDevice => {
+                sys::cuMemcpyHtoDAsync_v2(device, host as *const c_void, len, stream.cu_stream())
+            }
+        }
+    };
+    check(if way == Way::DeviceToHost { "cuMemcpyDtoHAsync" } else { "cuMemcpyHtoDAsync" }, status)
+}
+
+/// A synchronous copy between device memory and any host memory (filling and reading back
+/// tensors in benchmarks and tests; not on the data path).
+pub(crate) fn copy_sync_to_device(
+    device: &DeviceBuffer,
+    offset: usize,
+    data: &[u8],
+) -> Result<(), DmaError> {
+    assert!(offset + data.len() <= device.len, "copy inside the buffer");
+    device.ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+    // SAFETY: the destination range lies inside the live buffer (checked); the source is a
+    // borrowed slice that outlives this synchronous call.
+    check("cuMemcpyHtoD", unsafe {
+        sys::cuMemcpyHtoD_v2(device.ptr + offset as u64, data.as_ptr().cast(), data.len())
+    })
+}
+
+/// Reads device memory into `out` synchronously (see [`copy_sync_to_device`]).
+pub(crate) fn copy_sync_from_device(
+    device: &DeviceBuffer,
+    offset: usize,
+    out: &mut [u8],
+) -> Result<(), DmaError> {
+    assert!(offset + out.len() <= device.len, "copy inside the buffer");
+    device.ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+    // SAFETY: the source range lies inside the live buffer (checked); `out` is exclusively
+    // borrowed for this synchronous call.
+    check("cuMemcpyDtoH", unsafe {
+        sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), device.ptr + offset as u64, out.len())
+    })
+}
+
+/// Many copies in one call (`cuMemcpyBatchAsync`): the copy engines walk the list, no SM is
+/// used. `dsts`, `srcs` and `sizes` have one entry per copy.
+///
+/// # Safety
+/// As [`copy_async`] for every range.
+pub(crate) unsafe fn copy_batch_async(
+    dsts: &mut [u64],
+    srcs: &mut [u64],
+    sizes: &mut [usize],
+    stream: &CudaStream,
+) -> Result<(), DmaError> {
+    assert!(dsts.len() == srcs.len() && srcs.len() == sizes.len(), "one entry per copy");
+    if dsts.is_empty() {
+        return Ok(());
+    }
+    let mut attrs = sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+            id: 0,
+        },
+        dstLocHint: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+            id: 0,
+        },
+        flags: 0,
+    };
+    let mut attr_idx: usize = 0;
+    let mut fail_idx: usize = usize::MAX;
+    // SAFETY: the arrays have `dsts.len()` entries each and outlive the call (the driver
+    // copies the descriptors before returning); one attribute applies to every copy.
+    let status = unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            dsts.len(),
+            &raw mut attrs,
+            &raw mut attr_idx,
+            1,
+            &raw mut fail_idx,
+            stream.cu_stream(),
+        )
+    };
+    check("cuMemcpyBatchAsync", status)
+}
+
+/// An engine allocation opened from its CUDA IPC handle; closed on drop.
+pub(crate) struct IpcMapping {
+    base: u64,
+    ctx: Arc<CudaContext>,
+}
+
+impl IpcMapping {
+    pub(crate) fn open(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Self, DmaError> {
+        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (d, s) in raw.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `raw` is a 64-byte handle by value; the driver validates it and fails on
+        // garbage; the mapping is owned by the returned value and closed once in drop.
+        let status = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &raw mut base,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        check("cuIpcOpenMemHandle", status)?;
+        Ok(Self { base, ctx: Arc::clone(ctx) })
+    }
+
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Size of the allocation the handle names.
+    pub(crate) fn allocation_len(&self) -> Result<u64, DmaError> {
+        let mut start: sys::CUdeviceptr = 0;
+        let mut len: usize = 0;
+        // SAFETY: queries the range of a live mapping owned by self.
+        let status =
+            unsafe { sys::cuMemGetAddressRange_v2(&raw mut start, &raw mut len, self.base) };
+        check("cuMemGetAddressRange", status)?;
+        Ok(len as u64 - (self.base - start))
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: closes the mapping opened in `open`, once; owners drop it only after every
+        // copy that touched it has completed.
+        let status = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?status, "cuIpcCloseMemHandle failed");
+        }
+    }
+}
+
+// SAFETY: a device address usable from any thread bound to the context.
+unsafe impl Send for IpcMapping {}
+// SAFETY: shared use only reads the address.
+unsafe impl Sync for IpcMapping {}

@@ -1,0 +1,160 @@
+//! An engine's KV memory as the copy engines see it: one device address per tensor of its
+//! layout, either imported from the engine process by CUDA IPC handles, or allocated here
+//! (benchmarks and tests acting as the engine).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use super::ffi::{self, DeviceBuffer, IpcMapping};
+use super::plan::{chunk_pieces, Piece};
+use super::DmaError;
+use crate::layout::LayoutDesc;
+
+/// One engine tensor exported with CUDA IPC: the allocation's handle, where the tensor
+/// starts in that allocation, and its length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorExport {
+    /// `cuIpcGetMemHandle` of the allocation holding the tensor.
+    pub handle: [u8; 64],
+    /// Byte offset of the tensor in that allocation.
+    pub offset: u64,
+    /// Bytes of the tensor.
+    pub len: u64,
+}
+
+enum Backing {
+    /// Opened IPC mappings (one per distinct allocation), closed when the last user is gone.
+    Imported(#[allow(dead_code)] Vec<Arc<IpcMapping>>),
+    /// Allocated here, one buffer per tensor.
+    Owned(Vec<DeviceBuffer>),
+}
+
+/// The tensors of one engine rank on one device.
+pub struct EngineMemory {
+    layout: LayoutDesc,
+    tensors: Vec<u64>,
+    backing: Backing,
+}
+
+impl std::fmt::Debug for EngineMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineMemory")
+            .field("layout", &self.layout)
+            .field("tensors", &self.tensors.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn invalid(msg: String) -> DmaError {
+    DmaError::Invalid(msg)
+}
+
+impl EngineMemory {
+    /// Opens an engine's tensors from their IPC exports after checking them against `layout`:
+    /// one export per tensor, each at least the layout's tensor size and inside its
+    /// allocation. Errors name the field.
+    pub fn import(
+        ctx: &Arc<CudaContext>,
+        layout: LayoutDesc,
+        exports: &[TensorExport],
+    ) -> Result<Self, DmaError> {
+        layout.validate().map_err(|e| invalid(e.to_string()))?;
+        let want = layout.tensor_count() as usize;
+        if exports.len() != want {
+            return Err(invalid(format!(
+                "tensors: the {:?} layout with {} layers has {want} tensors, {} were given",
+                layout.layout,
+                layout.num_layers,
+                exports.len()
+            )));
+        }
+        let need = layout.tensor_bytes().expect("validated: the size fits u64");
+        let mut open: HashMap<[u8; 64], Arc<IpcMapping>> = HashMap::new();
+        let mut tensors = Vec::with_capacity(want);
+        for (i, e) in exports.iter().enumerate() {
+            if e.len < need {
+                return Err(invalid(format!(
+                    "tensors[{i}].len: {} bytes, the layout needs {need}",
+                    e.len
+                )));
+            }
+            let mapping = match open.get(&e.handle) {
+                Some(m) => Arc::clone(m),
+                None => {
+                    let m = Arc::new(IpcMapping::open(ctx, &e.handle).map_err(|err| {
+                        invalid(format!(
+                            "tensors[{i}].handle: cannot be opened on this device ({err})"
+                        ))
+                    })?);
+                    open.insert(e.handle, Arc::clone(&m));
+                    m
+                }
+            };
+            let alloc = mapping.allocation_len()?;
+            if e.offset.checked_add(need).is_none_or(|end| end > alloc) {
+                return Err(invalid(format!(
+                    "tensors[{i}].offset: {} + {need} bytes exceeds the {alloc}-byte allocation",
+                    e.offset
+                )));
+            }
+            tensors.push(mapping.base() + e.offset);
+        }
+        Ok(Self { layout, tensors, backing: Backing::Imported(open.into_values().collect()) })
+    }
+
+    /// Allocates the layout's tensors on `ctx`'s device (a stand-in engine).
+    pub fn allocate(ctx: &Arc<CudaContext>, layout: LayoutDesc) -> Result<Self, DmaError> {
+        layout.validate().map_err(|e| invalid(e.to_string()))?;
+        let bytes = layout.tensor_bytes().expect("validated") as usize;
+        let bufs = (0..layout.tensor_count())
+            .map(|_| DeviceBuffer::new(ctx, bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tensors = bufs.iter().map(DeviceBuffer::ptr).collect();
+        Ok(Self { layout, tensors, backing: Backing::Owned(bufs) })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &LayoutDesc {
+        &self.layout
+    }
+
+    /// Device address of each tensor.
+    pub fn tensor_addrs(&self) -> &[u64] {
+        &self.tensors
+    }
+
+    /// Appends the pieces that move `blocks` (one chunk, packed block after block) to or from
+    /// host memory at `host`; returns the chunk length. Block ids are checked.
+    pub fn chunk_pieces(
+        &self,
+        blocks: &[u64],
+        host: u64,
+        out: &mut Vec<Piece>,
+    ) -> Result<u64, DmaError> {
+        if let Some(b) = blocks.iter().find(|&&b| b >= self.layout.num_blocks) {
+            return Err(invalid(format!(
+                "block_ids: {b} is out of range (the engine has {} blocks)",
+                self.layout.num_blocks
+            )));
+        }
+        Ok(chunk_pieces(&self.layout, &self.tensors, blocks, host, out))
+    }
+
+    /// Overwrites tensor `i` of an allocated engine with `data` from offset 0.
+    pub fn write_tensor(&self, i: usize, data: &[u8]) -> Result<(), DmaError> {
+        match &self.backing {
+            Backing::Owned(b) => ffi::copy_sync_to_device(&b[i], 0, data),
+            Backing::Imported(_) => Err(invalid("imported tensors belong to the engine".into())),
+        }
+    }
+
+    /// Reads tensor `i` of an allocated engine from offset 0 into `out`.
+    pub fn read_tensor(&self, i: usize, out: &mut [u8]) -> Result<(), DmaError> {
+        match &self.backing {
+            Backing::Owned(b) => ffi::copy_sync_from_device(&b[i], 0, out),
+            Backing::Imported(_) => Err(invalid("imported tensors belong to the engine".into())),
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! What to copy: an engine block list turned into contiguous pieces between GPU memory and
+//! arena slots, and those pieces packed into staging batches. Pure arithmetic: tested without
+//! a GPU against a CPU simulation of the copies.
+
+use crate::layout::LayoutDesc;
+
+/// One contiguous run of bytes between GPU memory and host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Device address.
+    pub device: u64,
+    /// Host address (in the registered arena).
+    pub host: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Appends the pieces of one chunk: the blocks `blocks` of an engine whose tensors start at
+/// `tensors` (device addresses, numbered as [`LayoutDesc::tensor_count`]), packed block after
+/// block, each block layer by layer (K before V), into host memory at `host`. Pieces that
+/// are contiguous on both sides are merged. Returns the chunk's length.
+///
+/// Panics if a block id is out of range or `tensors` is short: callers validate first.
+pub fn chunk_pieces(
+    layout: &LayoutDesc,
+    tensors: &[u64],
+    blocks: &[u64],
+    host: u64,
+    out: &mut Vec<Piece>,
+) -> u64 {
+    assert!(tensors.len() >= layout.tensor_count() as usize, "one address per tensor");
+    let mut at = host;
+    let first = out.len();
+    for &block in blocks {
+        for seg in layout.block_segments(block) {
+            let p =
+                Piece { device: tensors[seg.tensor as usize] + seg.offset, host: at, len: seg.len };
+            at += seg.len;
+            let own = out.len() > first;
+            match out.last_mut() {
+                Some(last)
+                    if own
+                        && last.device + last.len == p.device
+                        && last.host + last.len == p.host =>
+                {
+                    last.len += p.len
+                }
+                _ => out.push(p),
+            }
+        }
+    }
+    at - host
+}
+
+/// A kernel descriptor: copy `len` bytes from `src` to `dst` (both on the GPU). Its byte image
+/// is the `CopyDesc` struct of `copy_segments.cu`: three little-endian u64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelDesc {
+    /// Source device address.
+    pub src: u64,
+    /// Destination device address.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl KernelDesc {
+    /// Bytes of one descriptor in the kernel's table.
+    pub const BYTES: usize = 24;
+
+    /// Appends the descriptor's image.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.src.to_le_bytes());
+        out.extend_from_slice(&self.dst.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+    }
+}
+
+/// A contiguous piece of a staging buffer and the host range it moves to or from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRun {
+    /// Offset in the staging buffer.
+    pub staging: u64,
+    /// Host address.
+    pub host: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The pieces that fit one staging buffer: kernel work on one side, DMA on the other.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StagedBatch {
+    /// Engine-side pieces: device address, staging offset, length.
+    pub segments: Vec<(u64, u64, u64)>,
+    /// Host-side runs (staging-contiguous and host-contiguous pieces merged).
+    pub runs: Vec<HostRun>,
+    /// Bytes staged.
+    pub bytes: u64,
+}
+
+impl StagedBatch {
+    /// Kernel descriptors for this batch with the staging buffer at `staging`: gathering
+    /// (engine -> staging) when `gather`, else scattering (staging -> engine).
+    pub fn descs(&self, staging: u64, gather: bool) -> impl Iterator<Item = KernelDesc> + '_ {
+        self.segments.iter().map(move |&(device, off, len)| {
+            if gather {
+                KernelDesc { src: device, dst: staging + off, len }
+            } else {
+                KernelDesc { src: staging + off, dst: device, len }
+            }
+        })
+    }
+}
+
+/// Packs `pieces` in order into batches of at most `capacity` staged bytes and `max_segments`
+/// kernel descriptors; pieces longer than `capacity` are split.
+pub fn stage(pieces: &[Piece], capacity: u64, max_segments: usize) -> Vec<StagedBatch> {
+    assert!(capacity > 0 && max_segments > 0, "a staging buffer holds something");
+    let mut out = Vec::new();
+    let mut cur = StagedBatch::default();
+    for p in pieces {
+        let mut done = 0;
+        while done < p.len {
+            if cur.bytes == capacity || cur.segments.len() == max_segments {
+                out.push(std::mem::take(&mut cur));
+            }
+            let len = (p.len - done).min(capacity - cur.bytes);
+            let (device, host, off) = (p.device + done, p.host + done, cur.bytes);
+            cur.segments.push((device, off, len));
+            match cur.runs.last_mut() {
+                Some(r) if r.staging + r.len == off && r.host + r.len == host => r.len += len,
+                _ => cur.runs.push(HostRun { staging: off, host, len }),
+            }
+            cur.bytes += len;
+            done += len;
+        }
+    }
+    if cur.bytes > 0 {
+        out.push(cur);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

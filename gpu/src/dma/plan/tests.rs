@@ -1,0 +1,150 @@
+use super::*;
+use crate::layout::{KvLayout, LayoutDesc};
+
+/// A flat "address space": GPU tensors and the host region side by side, so that copies
+/// described by addresses can be executed on the CPU.
+struct Memory {
+    bytes: Vec<u8>,
+}
+
+impl Memory {
+    fn copy(&mut self, src: u64, dst: u64, len: u64) {
+        let (s, d, n) = (src as usize, dst as usize, len as usize);
+        self.bytes.copy_within(s..s + n, d);
+    }
+}
+
+fn layouts() -> Vec<LayoutDesc> {
+    let base = LayoutDesc {
+        layout: KvLayout::FlashAttnNhd,
+        num_layers: 3,
+        num_blocks: 7,
+        block_size: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        elem_bytes: 2,
+    };
+    vec![
+        base,
+        LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
+        LayoutDesc { layout: KvLayout::CrossLayer, ..base },
+        LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 24, ..base },
+        LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, num_blocks: 29, ..base },
+    ]
+}
+
+/// Saves blocks through staging batches, checks the host bytes against the layout's segment
+/// list, scribbles the engine, loads back, checks the engine bytes.
+fn round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, max_segments: usize) {
+    let tensor_bytes = l.tensor_bytes().unwrap();
+    let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
+    let engine_end = tensor_bytes * l.tensor_count() as u64;
+    let chunks: Vec<Vec<u64>> = (0..l.num_blocks)
+        .rev()
+        .collect::<Vec<_>>()
+        .chunks(blocks_per_chunk)
+        .map(|c| c.to_vec())
+        .collect();
+    let chunk_len = l.block_bytes() * blocks_per_chunk as u64;
+    // Host slots with a gap between them, in reverse order of the chunks.
+    let host_base = engine_end;
+    let slot = |i: usize| host_base + (chunks.len() - 1 - i) as u64 * (chunk_len + 48);
+    let staging = host_base + chunks.len() as u64 * (chunk_len + 48);
+    let mut mem = Memory { bytes: vec![0; (staging + capacity) as usize] };
+    for (i, b) in mem.bytes[..engine_end as usize].iter_mut().enumerate() {
+        *b = (i * 7 + i / 251) as u8;
+    }
+    let original = mem.bytes[..engine_end as usize].to_vec();
+    let mut pieces = Vec::new();
+    for (i, c) in chunks.iter().enumerate() {
+        let len = chunk_pieces(l, &tensors, c, slot(i), &mut pieces);
+        assert_eq!(len, l.block_bytes() * c.len() as u64);
+    }
+    assert_eq!(pieces.iter().map(|p| p.len).sum::<u64>(), l.block_bytes() * l.num_blocks);
+    let batches = stage(&pieces, capacity, max_segments);
+    for b in &batches {
+        assert!(b.bytes <= capacity && b.segments.len() <= max_segments);
+        for d in b.descs(staging, true) {
+            mem.copy(d.src, d.dst, d.len);
+        }
+        for r in &b.runs {
+            mem.copy(staging + r.staging, r.host, r.len);
+        }
+    }
+    // Every chunk holds its blocks' segments in order.
+    for (i, c) in chunks.iter().enumerate() {
+        let mut want = Vec::new();
+        for &block in c {
+            for s in l.block_segments(block) {
+                let at = (tensors[s.tensor as usize] + s.offset) as usize;
+                want.extend_from_slice(&original[at..at + s.len as usize]);
+            }
+        }
+        let at = slot(i) as usize;
+        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk {i}", l.layout);
+    }
+    mem.bytes[..engine_end as usize].fill(0xee);
+    for b in &batches {
+        for r in &b.runs {
+            mem.copy(r.host, staging + r.staging, r.len);
+        }
+        for d in b.descs(staging, false) {
+            mem.copy(d.src, d.dst, d.len);
+        }
+    }
+    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.layout);
+}
+
+#[test]
+fn every_layout_round_trips_through_staging() {
+    for l in layouts() {
+        for (per_chunk, capacity, max_segments) in
+            [(1, 1 << 20, 1 << 16), (1, 100, 3), (7, 96, 1 << 16), (1, 16, 1), (7, 1 << 20, 5)]
+        {
+            if l.num_blocks % per_chunk as u64 == 0 {
+                round_trip(&l, per_chunk, capacity, max_segments);
+            }
+        }
+    }
+}
+
+#[test]
+fn contiguous_pieces_merge_on_both_sides() {
+    let l = LayoutDesc {
+        layout: KvLayout::CrossLayer,
+        num_layers: 4,
+        num_blocks: 8,
+        block_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+    };
+    let mut pieces = Vec::new();
+    // Blocks 2, 3, 4 are adjacent in the cross-layer tensor: one piece.
+    chunk_pieces(&l, &[1 << 40], &[2, 3, 4], 4096, &mut pieces);
+    assert_eq!(pieces.len(), 1);
+    assert_eq!(pieces[0].len, 3 * l.block_bytes());
+    // A second chunk never merges into the first one's pieces.
+    chunk_pieces(&l, &[1 << 40], &[5], 4096 + 3 * l.block_bytes(), &mut pieces);
+    assert_eq!(pieces.len(), 2);
+}
+
+#[test]
+fn staging_runs_follow_host_contiguity() {
+    let pieces = [
+        Piece { device: 0, host: 1000, len: 10 },
+        Piece { device: 50, host: 1010, len: 10 },
+        Piece { device: 100, host: 5000, len: 10 },
+    ];
+    let b = stage(&pieces, 1 << 20, 1 << 16);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].runs.len(), 2);
+    assert_eq!(b[0].runs[0], HostRun { staging: 0, host: 1000, len: 20 });
+    assert_eq!(b[0].segments.len(), 3);
+    let descs: Vec<_> = b[0].descs(1 << 30, true).collect();
+    assert_eq!(descs[1], KernelDesc { src: 50, dst: (1 << 30) + 10, len: 10 });
+    let mut img = Vec::new();
+    descs[1].encode(&mut img);
+    assert_eq!(img.len(), KernelDesc::BYTES);
+    assert_eq!(&img[8..16], &((1u64 << 30) + 10).to_le_bytes());
+}

@@ -1,0 +1,504 @@
+//! `orbitkv-perf dma`: GPU save/load of engine KV pages through the copy engine, against one
+//! contiguous copy of the same bytes measured in the same run.
+//!
+//! A stand-in engine allocates the layout's tensors on the GPU and fills them with seeded
+//! random bytes. Save gathers every block (in a shuffled block order, into shuffled arena
+//! slots, one chunk per slot) into the CUDA-registered arena; load scatters them back. Before
+//! each measured series the destination is scribbled over, after it every byte is compared.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaEvent};
+use orbitkv_gpu::dma::{plan::Piece, CopyEngine, DeviceBuffer, Direction, EngineMemory, Strategy};
+use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
+use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use crate::args::{DmaArgs, DtypeArg, LayoutArg, StrategyArg};
+use crate::error::Error;
+use crate::report::Report;
+
+/// Pieces at least this long go batched under `auto` (copy engines alone reach the bus limit
+/// there; see docs/performance.md).
+pub(crate) const BATCHED_FROM: u64 = 32 << 10;
+
+/// One strategy's series in one direction.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct StrategyResult {
+    /// `auto`, `staged` or `batched`.
+    pub strategy: &'static str,
+    /// Whether the staging kernel was used.
+    pub staged: bool,
+    /// Median GB/s (10^9 bytes/s) over the timed iterations.
+    pub gbps: f64,
+    /// Best iteration.
+    pub best_gbps: f64,
+    /// Median / the direction's ceiling.
+    pub ratio: f64,
+    /// Staging batches per operation (0 when batched).
+    pub batches: usize,
+    /// Bytes that differed after the series (0 = byte-exact).
+    pub mismatched_bytes: u64,
+}
+
+/// One direction.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct DirectionResult {
+    /// `save` (GPU -> arena) or `load` (arena -> GPU).
+    pub direction: Direction,
+    /// Contiguous copy of the same byte count, median GB/s (measured before and after the
+    /// strategies; the better median of the two).
+    pub ceiling_gbps: f64,
+    /// The strategies.
+    pub strategies: Vec<StrategyResult>,
+}
+
+/// The result of `dma`.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct DmaReport {
+    /// The GPU.
+    pub device: String,
+    /// Its UUID.
+    pub device_uuid: String,
+    /// Layout name.
+    pub layout: &'static str,
+    /// The layout's shape.
+    pub layers: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub elem_bytes: u32,
+    /// Blocks moved per operation.
+    pub blocks: u64,
+    /// Blocks per chunk.
+    pub blocks_per_chunk: u64,
+    /// Bytes of one page (one block's slice of one layer's K or V).
+    pub page_bytes: u64,
+    /// Contiguous pieces per operation.
+    pub pieces: usize,
+    /// Bytes per operation.
+    pub bytes: u64,
+    /// GPU staging bytes.
+    pub staging_bytes: u64,
+    /// Timed iterations per series.
+    pub iterations: u32,
+    /// Milliseconds to register the arena with CUDA.
+    pub register_ms: f64,
+    /// Save, then load.
+    pub results: Vec<DirectionResult>,
+    /// Sum of mismatched bytes over every series.
+    pub mismatched_bytes: u64,
+}
+
+impl Report for DmaReport {
+    fn write_table(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        writeln!(
+            out,
+            "{} ({}), {} layout, {} layers x {} tokens x {} heads x {} dim x {} B: {} blocks, page {} B, {} pieces, {:.1} MiB per op",
+            self.device,
+            self.device_uuid,
+            self.layout,
+            self.layers,
+            self.block_tokens,
+            self.kv_heads,
+            self.head_dim,
+            self.elem_bytes,
+            self.blocks,
+            self.page_bytes,
+            self.pieces,
+            self.bytes as f64 / (1u64 << 20) as f64
+        )?;
+        writeln!(
+            out,
+            "{:<6} {:<9} {:>10} {:>10} {:>7} {:>8} {:>10}",
+            "dir", "strategy", "GB/s", "best", "ratio", "batches", "mismatch"
+        )?;
+        for d in &self.results {
+            let dir = if d.direction == Direction::Save { "save" } else { "load" };
+            writeln!(
+                out,
+                "{dir:<6} {:<9} {:>10.2} {:>10} {:>7} {:>8} {:>10}",
+                "ceiling", d.ceiling_gbps, "", "1.000", "", ""
+            )?;
+            for s in &d.strategies {
+                let name = if s.strategy == "auto" {
+                    if s.staged {
+                        "auto:stg"
+                    } else {
+                        "auto:bat"
+                    }
+                } else {
+                    s.strategy
+                };
+                writeln!(
+                    out,
+                    "{dir:<6} {name:<9} {:>10.2} {:>10.2} {:>7.3} {:>8} {:>10}",
+                    s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn passed(&self) -> bool {
+        self.mismatched_bytes == 0
+    }
+}
+
+fn cuda(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Gpu(format!("{op}: {e}"))
+}
+
+fn dma(e: orbitkv_gpu::dma::DmaError) -> Error {
+    Error::Gpu(e.to_string())
+}
+
+fn layout_of(a: &DmaArgs) -> Result<(LayoutDesc, &'static str), Error> {
+    let (layout, name) = match a.layout {
+        LayoutArg::FlashNhd => (KvLayout::FlashAttnNhd, "flash-nhd"),
+        LayoutArg::FlashHnd => (KvLayout::FlashAttnHnd, "flash-hnd"),
+        LayoutArg::CrossLayer => (KvLayout::CrossLayer, "cross-layer"),
+        LayoutArg::Mla => (KvLayout::MlaPerLayer, "mla"),
+        LayoutArg::Sglang => (KvLayout::SglangPerLayer, "sglang"),
+    };
+    let elem_bytes = match a.dtype {
+        DtypeArg::Bf16 | DtypeArg::Fp16 => 2,
+        DtypeArg::Fp8 => 1,
+    };
+    let desc = LayoutDesc {
+        layout,
+        num_layers: a.layers,
+        num_blocks: a.blocks,
+        block_size: a.block_tokens,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        elem_bytes,
+    };
+    desc.validate().map_err(|e| {
+        let flag = match e.field {
+            "num_layers" => "--layers",
+            "num_blocks" => "--blocks",
+            "block_size" => "--block-tokens",
+            "kv_heads" => "--kv-heads",
+            "head_dim" => "--head-dim",
+            _ => "--dtype",
+        };
+        Error::InvalidArgument { flag, reason: e.to_string() }
+    })?;
+    Ok((desc, name))
+}
+
+/// Seeded bytes, 8 at a time (xorshift64*).
+fn fill_random(seed: u64, out: &mut [u8]) {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for w in out.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        w.copy_from_slice(&v[..w.len()]);
+    }
+}
+
+fn count_mismatch(got: &[u8], want: &[u8]) -> u64 {
+    got.iter().zip(want).filter(|(a, b)| a != b).count() as u64
+}
+
+fn gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Bench {
+    engine: CopyEngine,
+    memory: EngineMemory,
+    arena_slice: ArenaSlice,
+    contiguous: DeviceBuffer,
+    pieces: Vec<Piece>,
+    /// (slot offset in the slice, block ids) per chunk.
+    chunks: Vec<(u64, Vec<u64>)>,
+    chunk_len: u64,
+    bytes: u64,
+    originals: Vec<Vec<u8>>,
+    iterations: u32,
+}
+
+impl Bench {
+    /// Times `iterations` runs of `op` after one warm-up; returns GB/s per run.
+    fn time(
+        &mut self,
+        mut op: impl FnMut(&mut Self) -> Result<CudaEvent, Error>,
+    ) -> Result<Vec<f64>, Error> {
+        op(self)?.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        let mut out = Vec::new();
+        for _ in 0..self.iterations {
+            let t = Instant::now();
+            let done = op(self)?;
+            done.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            out.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
+        }
+        Ok(out)
+    }
+
+    fn ceiling(&mut self, direction: Direction) -> Result<f64, Error> {
+        let host = self.arena_slice.raw_range(0, self.bytes) as u64;
+        let device = self.contiguous.ptr();
+        let len = self.bytes as usize;
+        let runs = self.time(|b| {
+            // SAFETY (upheld here): the buffer is ours and the range lies in the registered
+            // arena; nothing else touches either while the event is awaited in `time`.
+            unsafe_contiguous(&mut b.engine, direction, device, host, len)
+        })?;
+        Ok(median(runs))
+    }
+
+    fn scribble(&self, direction: Direction) -> Result<(), Error> {
+        match direction {
+            Direction::Save => {
+                let junk = vec![0xeeu8; self.chunk_len as usize];
+                for (slot, _) in &self.chunks {
+                    self.arena_slice.write(*slot, &junk);
+                }
+            }
+            Direction::Load => {
+                let junk = vec![0x11u8; self.originals[0].len()];
+                for i in 0..self.originals.len() {
+                    self.memory.write_tensor(i, &junk).map_err(dma)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn verify(&self, direction: Direction) -> Result<u64, Error> {
+        let layout = *self.memory.layout();
+        let mut bad = 0;
+        match direction {
+            Direction::Save => {
+                let mut want = Vec::with_capacity(self.chunk_len as usize);
+                for (slot, blocks) in &self.chunks {
+                    want.clear();
+                    for &block in blocks {
+                        for s in layout.block_segments(block) {
+                            let t = &self.originals[s.tensor as usize];
+                            want.extend_from_slice(
+                                &t[s.offset as usize..(s.offset + s.len) as usize],
+                            );
+                        }
+                    }
+                    bad += count_mismatch(self.arena_slice.bytes(*slot, self.chunk_len), &want);
+                }
+            }
+            Direction::Load => {
+                let mut got = vec![0u8; self.originals[0].len()];
+                for (i, want) in self.originals.iter().enumerate() {
+                    self.memory.read_tensor(i, &mut got).map_err(dma)?;
+                    bad += count_mismatch(&got, want);
+                }
+            }
+        }
+        Ok(bad)
+    }
+
+    fn series(
+        &mut self,
+        direction: Direction,
+        name: &'static str,
+        strategy: Strategy,
+    ) -> Result<StrategyResult, Error> {
+        self.scribble(direction)?;
+        let mut shape = None;
+        let runs = self.time(|b| {
+            let pieces = std::mem::take(&mut b.pieces);
+            let r = unsafe_submit(&mut b.engine, direction, &pieces, strategy);
+            b.pieces = pieces;
+            let (event, s) = r?;
+            shape = Some(s);
+            Ok(event)
+        })?;
+        let shape = shape.expect("at least the warm-up ran");
+        let mismatched_bytes = self.verify(direction)?;
+        let best = runs.iter().copied().fold(0.0, f64::max);
+        Ok(StrategyResult {
+            strategy: name,
+            staged: shape.staged,
+            gbps: median(runs),
+            best_gbps: best,
+            ratio: 0.0,
+            batches: shape.batches,
+            mismatched_bytes,
+        })
+    }
+}
+
+// The two calls below hand raw ranges to the GPU. Both are owned by the benchmark for its
+// whole run (tensors, contiguous buffer, arena slots), and every event is awaited before the
+// next use of the same memory.
+#[allow(unsafe_code)]
+fn unsafe_contiguous(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    device: u64,
+    host: u64,
+    len: usize,
+) -> Result<CudaEvent, Error> {
+    // SAFETY: see above.
+    unsafe { engine.contiguous(direction, device, host, len) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_submit(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    pieces: &[Piece],
+    strategy: Strategy,
+) -> Result<(CudaEvent, orbitkv_gpu::dma::JobShape), Error> {
+    // SAFETY: see above.
+    unsafe { engine.submit(direction, pieces, strategy) }.map_err(dma)
+}
+
+/// Runs `dma`.
+pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
+    let (layout, layout_name) = layout_of(a)?;
+    if a.blocks_per_chunk == 0 || !a.blocks.is_multiple_of(a.blocks_per_chunk) {
+        return Err(Error::InvalidArgument {
+            flag: "--blocks-per-chunk",
+            reason: format!("must divide --blocks {}", a.blocks),
+        });
+    }
+    if a.iterations == 0 {
+        return Err(Error::InvalidArgument {
+            flag: "--iterations",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let devices = match orbitkv_gpu::probe() {
+        Probe::Absent { reason } => return Err(Error::Gpu(format!("no CUDA device: {reason}"))),
+        Probe::Present { devices } => devices,
+    };
+    let info =
+        devices.iter().find(|d| d.ordinal as usize == a.device).cloned().ok_or_else(|| {
+            Error::InvalidArgument {
+                flag: "--device",
+                reason: format!("no device {} ({} found)", a.device, devices.len()),
+            }
+        })?;
+    let ctx: Arc<CudaContext> =
+        CudaContext::new(a.device).map_err(cuda("creating the CUDA context"))?;
+    let memory = EngineMemory::allocate(&ctx, layout).map_err(dma)?;
+    let tensor_bytes = layout.tensor_bytes().expect("validated") as usize;
+    let mut originals = Vec::with_capacity(layout.tensor_count() as usize);
+    for i in 0..layout.tensor_count() as usize {
+        let mut t = vec![0u8; tensor_bytes];
+        fill_random(a.seed.wrapping_mul(1_000_003).wrapping_add(i as u64), &mut t);
+        memory.write_tensor(i, &t).map_err(dma)?;
+        originals.push(t);
+    }
+    let nchunks = a.blocks / a.blocks_per_chunk;
+    let chunk_len = layout.block_bytes() * a.blocks_per_chunk;
+    let slot_len = chunk_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let arena = Arc::new(
+        Arena::create(slot_len * nchunks, true).map_err(|e| Error::Gpu(format!("arena: {e}")))?,
+    );
+    let registration =
+        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?;
+    let register_ms = registration.elapsed.as_secs_f64() * 1e3;
+    let arena_slice = arena.split(1).pop().expect("one slice");
+    let mut rng = SmallRng::seed_from_u64(a.seed);
+    let mut blocks: Vec<u64> = (0..a.blocks).collect();
+    blocks.shuffle(&mut rng);
+    let mut slots: Vec<u64> = (0..nchunks).map(|i| i * slot_len).collect();
+    slots.shuffle(&mut rng);
+    let mut pieces = Vec::new();
+    let mut chunks = Vec::with_capacity(nchunks as usize);
+    for (i, slot) in slots.iter().enumerate() {
+        let ids =
+            blocks[i * a.blocks_per_chunk as usize..(i + 1) * a.blocks_per_chunk as usize].to_vec();
+        let host = arena_slice.raw_range(*slot, chunk_len) as u64;
+        memory.chunk_pieces(&ids, host, &mut pieces).map_err(dma)?;
+        chunks.push((*slot, ids));
+    }
+    let bytes = chunk_len * nchunks;
+    let engine = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+    let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
+    let mut bench = Bench {
+        engine,
+        memory,
+        arena_slice,
+        contiguous,
+        pieces,
+        chunks,
+        chunk_len,
+        bytes,
+        originals,
+        iterations: a.iterations,
+    };
+    let strategies: Vec<(&'static str, Strategy)> = match a.strategy {
+        StrategyArg::Auto => vec![("auto", Strategy::Auto)],
+        StrategyArg::Staged => vec![("staged", Strategy::Staged)],
+        StrategyArg::Batched => vec![("batched", Strategy::Batched)],
+        StrategyArg::All => vec![
+            ("auto", Strategy::Auto),
+            ("staged", Strategy::Staged),
+            ("batched", Strategy::Batched),
+        ],
+    };
+    let mut results = Vec::new();
+    let mut mismatched = 0;
+    // Save first: the load series then starts from arena slots that hold the right bytes.
+    for direction in [Direction::Save, Direction::Load] {
+        let before = bench.ceiling(direction)?;
+        let mut rows = Vec::new();
+        for &(name, s) in &strategies {
+            rows.push(bench.series(direction, name, s)?);
+        }
+        let after = bench.ceiling(direction)?;
+        let ceiling = before.max(after);
+        for r in &mut rows {
+            r.ratio = if ceiling > 0.0 { r.gbps / ceiling } else { 0.0 };
+            mismatched += r.mismatched_bytes;
+        }
+        results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
+    }
+    let pieces = bench.pieces.len();
+    drop(bench);
+    drop(registration);
+    Ok(DmaReport {
+        device: info.name,
+        device_uuid: info.uuid,
+        layout: layout_name,
+        layers: a.layers,
+        block_tokens: a.block_tokens,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        elem_bytes: layout.elem_bytes,
+        blocks: a.blocks,
+        blocks_per_chunk: a.blocks_per_chunk,
+        page_bytes: layout.block_bytes()
+            / layout.num_layers as u64
+            / if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
+        pieces,
+        bytes,
+        staging_bytes: a.staging,
+        iterations: a.iterations,
+        register_ms,
+        results,
+        mismatched_bytes: mismatched,
+    })
+}

@@ -1,0 +1,46 @@
+//! `orbitkv-perf dma` on a machine without CUDA exits 2 and says why; bad layout flags are
+//! refused naming the flag before any GPU work. On a CUDA machine the first check is skipped
+//! with a printed reason (the device runs in docs/performance.md cover it there).
+
+mod common;
+
+use common::run;
+
+fn dma(args: &[&str]) -> (Option<i32>, String) {
+    let mut all = vec!["dma"];
+    all.extend_from_slice(args);
+    let out = run(&all);
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn without_cuda_it_exits_2_saying_so() {
+    if cuda_device_node_present() {
+        eprintln!("skipped: this machine has CUDA");
+        return;
+    }
+    let (code, err) = dma(&["--blocks", "16"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no CUDA device"), "{err}");
+}
+
+#[test]
+fn bad_layout_flags_are_named() {
+    let (code, err) = dma(&["--layout", "sglang", "--block-tokens", "16"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--block-tokens"), "{err}");
+    let (code, err) = dma(&["--layout", "mla", "--kv-heads", "8"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--kv-heads"), "{err}");
+    let (code, err) = dma(&["--blocks", "10", "--blocks-per-chunk", "3"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--blocks-per-chunk"), "{err}");
+    let (code, err) = dma(&["--layers", "0"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--layers"), "{err}");
+}
+
+/// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
+fn cuda_device_node_present() -> bool {
+    std::path::Path::new("/dev/nvidiactl").exists()
+}
