@@ -12,37 +12,39 @@ struct CopyDesc {
     unsigned long long len;  // bytes
 };
 
-// Each thread block takes descriptors blockIdx.x, blockIdx.x + gridDim.x, ...; its threads
-// copy one descriptor together, 16 bytes per thread per step when every address and the
-// length are 16-byte aligned (the common case: KV pages are), byte by byte otherwise.
+// One warp per descriptor: warp w of the grid takes descriptors w, w + warps, ... Its 32 lanes
+// copy 16 bytes each per step when every address and the length are 16-byte aligned (the
+// common case: KV pages are), byte by byte otherwise. A warp per descriptor keeps thousands
+// of small pages (2 KiB: 4 steps per lane) in flight at once; large ones loop.
 extern "C" __global__ void orbitkv_copy_segments(const CopyDesc* __restrict__ descs,
                                                  unsigned int count) {
-    for (unsigned int d = blockIdx.x; d < count; d += gridDim.x) {
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warps = (gridDim.x * blockDim.x) >> 5;
+    for (unsigned int d = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; d < count; d += warps) {
         const CopyDesc c = descs[d];
         if (((c.src | c.dst | c.len) & 15ull) == 0) {
             const uint4* __restrict__ s = reinterpret_cast<const uint4*>(c.src);
             uint4* __restrict__ t = reinterpret_cast<uint4*>(c.dst);
             const unsigned long long n = c.len >> 4;
-            const unsigned long long step = blockDim.x;
-            unsigned long long i = threadIdx.x;
-            // Four loads in flight per thread before their stores.
-            for (; i + 3 * step < n; i += 4 * step) {
+            unsigned long long i = lane;
+            // Four loads in flight per lane before their stores.
+            for (; i + 96 < n; i += 128) {
                 const uint4 a = s[i];
-                const uint4 b = s[i + step];
-                const uint4 e = s[i + 2 * step];
-                const uint4 f = s[i + 3 * step];
+                const uint4 b = s[i + 32];
+                const uint4 e = s[i + 64];
+                const uint4 f = s[i + 96];
                 t[i] = a;
-                t[i + step] = b;
-                t[i + 2 * step] = e;
-                t[i + 3 * step] = f;
+                t[i + 32] = b;
+                t[i + 64] = e;
+                t[i + 96] = f;
             }
-            for (; i < n; i += step) {
+            for (; i < n; i += 32) {
                 t[i] = s[i];
             }
         } else {
             const unsigned char* s = reinterpret_cast<const unsigned char*>(c.src);
             unsigned char* t = reinterpret_cast<unsigned char*>(c.dst);
-            for (unsigned long long i = threadIdx.x; i < c.len; i += blockDim.x) {
+            for (unsigned long long i = lane; i < c.len; i += 32) {
                 t[i] = s[i];
             }
         }

@@ -235,6 +235,8 @@ struct Bench {
     chunks: Vec<(u64, Vec<u64>)>,
     chunk_len: u64,
     bytes: u64,
+    /// Offset of the ceiling region in the arena slice.
+    ceiling_at: u64,
     originals: Vec<Vec<u8>>,
     iterations: u32,
 }
@@ -257,7 +259,7 @@ impl Bench {
     }
 
     fn ceiling(&mut self, direction: Direction) -> Result<f64, Error> {
-        let host = self.arena_slice.raw_range(0, self.bytes) as u64;
+        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
         let device = self.contiguous.ptr();
         let len = self.bytes as usize;
         let runs = self.time(|b| {
@@ -413,8 +415,13 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let nchunks = a.blocks / a.blocks_per_chunk;
     let chunk_len = layout.block_bytes() * a.blocks_per_chunk;
     let slot_len = chunk_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    // Chunk slots, then a separate region for the contiguous ceiling copies (which must not
+    // overwrite what a save just stored).
+    let ceiling_at = slot_len * nchunks;
+    let ceiling_len = (chunk_len * nchunks).div_ceil(PAGE_SIZE) * PAGE_SIZE;
     let arena = Arc::new(
-        Arena::create(slot_len * nchunks, true).map_err(|e| Error::Gpu(format!("arena: {e}")))?,
+        Arena::create(ceiling_at + ceiling_len, true)
+            .map_err(|e| Error::Gpu(format!("arena: {e}")))?,
     );
     let registration =
         orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?;
@@ -446,6 +453,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         chunks,
         chunk_len,
         bytes,
+        ceiling_at,
         originals,
         iterations: a.iterations,
     };

@@ -14,13 +14,13 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, Way};
-use super::plan::{stage, KernelDesc, Piece};
+use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch};
 use super::{DmaError, Strategy};
 
 /// Threads per block of the segment copy kernel.
 const THREADS: u32 = 256;
 /// Most thread blocks per launch (the kernel strides over the descriptors).
-const MAX_GRID: u32 = 2048;
+const MAX_GRID: u32 = 4096;
 /// Most copies per `cuMemcpyBatchAsync` call.
 const BATCH_CALL: usize = 4096;
 
@@ -70,7 +70,25 @@ pub struct CopyEngine {
     max_descs: usize,
     /// Pieces at least this long are copied batched when the strategy is `Auto`.
     batched_from: u64,
-    scratch: Vec<u8>,
+    batch: StagedBatch,
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+/// Copies host-side runs: one call for one run, a batched call for several (each
+/// `cuMemcpyAsync` costs a few microseconds of copy-engine setup; a batch pays it once).
+///
+/// # Safety
+/// As [`ffi::copy_async`] for every range.
+unsafe fn copy_runs(
+    dsts: &mut [u64],
+    srcs: &mut [u64],
+    sizes: &mut [usize],
+    stream: &CudaStream,
+) -> Result<(), DmaError> {
+    // SAFETY: forwarded from the caller.
+    unsafe { ffi::copy_batch_async(dsts, srcs, sizes, stream) }
 }
 
 impl CopyEngine {
@@ -109,7 +127,10 @@ impl CopyEngine {
             next: 0,
             max_descs,
             batched_from,
-            scratch: Vec::new(),
+            batch: StagedBatch::default(),
+            dsts: Vec::new(),
+            srcs: Vec::new(),
+            sizes: Vec::new(),
         })
     }
 
@@ -159,106 +180,18 @@ impl CopyEngine {
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         if staged {
             let half = self.staging_half() as u64;
-            let batches = stage(pieces, half, self.max_descs);
-            shape.batches = batches.len();
-            for b in &batches {
-                let h = &mut self.halves[self.next];
-                self.next ^= 1;
-                let gather = direction == Direction::Save;
-                self.scratch.clear();
-                for d in b.descs(h.staging.ptr(), gather) {
-                    d.encode(&mut self.scratch);
+            let mut at = StageCursor::default();
+            let mut batch = std::mem::take(&mut self.batch);
+            let result = (|| {
+                while next_batch(pieces, &mut at, half, self.max_descs, &mut batch) {
+                    shape.batches += 1;
+                    self.enqueue_batch(direction, &batch)?;
                 }
-                // The host table is rewritten only after its previous upload finished.
-                h.uploaded.synchronize().map_err(drv("cuEventSynchronize"))?;
-                h.descs_host.write(&self.scratch);
-                let n = b.segments.len() as u32;
-                let grid = n.min(MAX_GRID);
-                match direction {
-                    Direction::Save => {
-                        self.kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
-                        // SAFETY: the pinned table and the device table are owned by the half;
-                        // `uploaded` marks the end of the read.
-                        unsafe {
-                            ffi::copy_async(
-                                Way::HostToDevice,
-                                h.descs_dev.ptr(),
-                                h.descs_host.addr(),
-                                self.scratch.len(),
-                                &self.kernel_stream,
-                            )?;
-                        }
-                        h.uploaded.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-                        // SAFETY: descriptors name engine pieces (caller's contract) and this
-                        // half's staging, free since `free` was waited on.
-                        unsafe {
-                            self.kernel.launch(
-                                &self.kernel_stream,
-                                h.descs_dev.ptr(),
-                                n,
-                                grid,
-                                THREADS,
-                            )?
-                        };
-                        h.filled.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-                        self.copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                        for r in &b.runs {
-                            // SAFETY: staging filled (waited on `filled`); host range is the
-                            // caller's registered arena slot.
-                            unsafe {
-                                ffi::copy_async(
-                                    Way::DeviceToHost,
-                                    h.staging.ptr() + r.staging,
-                                    r.host,
-                                    r.len as usize,
-                                    &self.copy_stream,
-                                )?;
-                            }
-                        }
-                        h.free.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
-                    }
-                    Direction::Load => {
-                        self.copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
-                        for r in &b.runs {
-                            // SAFETY: the half is free (waited); host range per the contract.
-                            unsafe {
-                                ffi::copy_async(
-                                    Way::HostToDevice,
-                                    h.staging.ptr() + r.staging,
-                                    r.host,
-                                    r.len as usize,
-                                    &self.copy_stream,
-                                )?;
-                            }
-                        }
-                        h.filled.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
-                        self.kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                        // SAFETY: as for save.
-                        unsafe {
-                            ffi::copy_async(
-                                Way::HostToDevice,
-                                h.descs_dev.ptr(),
-                                h.descs_host.addr(),
-                                self.scratch.len(),
-                                &self.kernel_stream,
-                            )?;
-                        }
-                        h.uploaded.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-                        // SAFETY: staging filled (waited); destinations are engine pieces.
-                        unsafe {
-                            self.kernel.launch(
-                                &self.kernel_stream,
-                                h.descs_dev.ptr(),
-                                n,
-                                grid,
-                                THREADS,
-                            )?
-                        };
-                        h.free.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-                    }
-                }
-            }
-            // The job is done when both streams have passed its last batch.
+                Ok::<(), DmaError>(())
+            })();
+            self.batch = batch;
+            result?;
+            // The job is done when the stream that touches its last batch last has passed it.
             let last = match direction {
                 Direction::Save => &self.copy_stream,
                 Direction::Load => &self.kernel_stream,
@@ -279,6 +212,85 @@ impl CopyEngine {
             done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
         }
         Ok((done, shape))
+    }
+
+    /// Enqueues one staged batch on the next staging half.
+    fn enqueue_batch(&mut self, direction: Direction, b: &StagedBatch) -> Result<(), DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        let h = &mut self.halves[self.next];
+        self.next ^= 1;
+        // The host table is rewritten only after its previous upload finished.
+        h.uploaded.synchronize().map_err(drv("cuEventSynchronize"))?;
+        let table = h.descs_host.bytes_mut();
+        let staging = h.staging.ptr();
+        for (d, slot) in b
+            .descs(staging, direction == Direction::Save)
+            .zip(table.chunks_exact_mut(KernelDesc::BYTES))
+        {
+            d.write_to(slot);
+        }
+        let table_bytes = b.segments.len() * KernelDesc::BYTES;
+        let n = b.segments.len() as u32;
+        // One warp per descriptor, eight per block.
+        let grid = n.div_ceil(THREADS / 32).min(MAX_GRID);
+        // Host side of the batch: one batched call for its runs.
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        for r in &b.runs {
+            let (dst, src) = match direction {
+                Direction::Save => (r.host, staging + r.staging),
+                Direction::Load => (staging + r.staging, r.host),
+            };
+            self.dsts.push(dst);
+            self.srcs.push(src);
+            self.sizes.push(r.len as usize);
+        }
+        let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
+        let upload = |h: &Half| {
+            // SAFETY: the pinned table and the device table are owned by the half;
+            // `uploaded`, recorded right after, marks the end of the read.
+            unsafe {
+                ffi::copy_async(
+                    Way::HostToDevice,
+                    h.descs_dev.ptr(),
+                    h.descs_host.addr(),
+                    table_bytes,
+                    kernel_stream,
+                )
+            }
+        };
+        match direction {
+            Direction::Save => {
+                kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                upload(h)?;
+                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                // SAFETY: descriptors name engine pieces (submit's contract) and this half's
+                // staging, free since `free` was waited on.
+                unsafe { self.kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
+                // registered arena slots.
+                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
+            }
+            Direction::Load => {
+                copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                // SAFETY: the half is free (waited); host ranges per submit's contract.
+                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
+                kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                upload(h)?;
+                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                // SAFETY: staging filled (waited); destinations are engine pieces.
+                unsafe { self.kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+            }
+        }
+        Ok(())
     }
 
     /// One contiguous copy on the copy stream (the ceiling every ratio is measured against).

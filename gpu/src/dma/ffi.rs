@@ -92,17 +92,11 @@ impl PinnedHost {
         self.ptr as u64
     }
 
-    /// Writes `bytes` at the start (the caller has waited for the GPU to finish reading it).
-    pub(crate) fn write(&mut self, bytes: &[u8]) {
-        assert!(
-            bytes.len() <= self.len,
-            "descriptor table overflow: {} > {}",
-            bytes.len(),
-            self.len
-        );
-        // SAFETY: in bounds (checked above); exclusive access through &mut self; the GPU no
-        // longer reads this buffer (callers wait on the event that follows its last use).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr, bytes.len()) };
+    /// The bytes, for writing (the caller has waited for the GPU to finish reading them).
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation is `len` bytes, owned by self; exclusive through &mut self;
+        // the GPU no longer reads it (callers wait on the event that follows its last use).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
@@ -130,9 +124,21 @@ pub(crate) struct CopyKernel {
 const COPY_SEGMENTS_PTX: &str = include_str!("../../kernels/copy_segments.ptx");
 
 impl CopyKernel {
+    /// Loads the embedded kernel, or the PTX file named by `ORBITKV_COPY_KERNEL_PTX` (kernel
+    /// development: a rebuilt `copy_segments.cu` tried without rebuilding the binary).
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
         ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
-        let image = CString::new(COPY_SEGMENTS_PTX).expect("the embedded PTX has no NUL byte");
+        let text = match std::env::var_os("ORBITKV_COPY_KERNEL_PTX") {
+            Some(path) => {
+                tracing::warn!(path = ?path, "segment copy kernel loaded from ORBITKV_COPY_KERNEL_PTX instead of the embedded PTX");
+                std::fs::read_to_string(&path).map_err(|e| {
+                    DmaError::Invalid(format!("ORBITKV_COPY_KERNEL_PTX {path:?}: {e}"))
+                })?
+            }
+            None => COPY_SEGMENTS_PTX.to_owned(),
+        };
+        let image = CString::new(text)
+            .map_err(|_| DmaError::Invalid("the kernel PTX contains a NUL byte".into()))?;
         // SAFETY: `image` is a NUL-terminated PTX text that lives through the call.
         let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
             .map_err(|e| driver("cuModuleLoadData (segment copy kernel PTX)", e))?;

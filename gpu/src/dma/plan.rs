@@ -70,9 +70,16 @@ impl KernelDesc {
 
     /// Appends the descriptor's image.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.src.to_le_bytes());
-        out.extend_from_slice(&self.dst.to_le_bytes());
-        out.extend_from_slice(&self.len.to_le_bytes());
+        let mut img = [0u8; Self::BYTES];
+        self.write_to(&mut img);
+        out.extend_from_slice(&img);
+    }
+
+    /// Writes the descriptor's image into `out[..BYTES]`.
+    pub fn write_to(&self, out: &mut [u8]) {
+        out[0..8].copy_from_slice(&self.src.to_le_bytes());
+        out[8..16].copy_from_slice(&self.dst.to_le_bytes());
+        out[16..24].copy_from_slice(&self.len.to_le_bytes());
     }
 }
 
@@ -112,31 +119,57 @@ impl StagedBatch {
     }
 }
 
+/// Where [`next_batch`] continues: the piece, and the bytes of it already staged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageCursor {
+    piece: usize,
+    done: u64,
+}
+
+/// Fills `batch` (cleared first) with the next pieces from `at`, at most `capacity` staged
+/// bytes and `max_segments` kernel descriptors, splitting a piece that does not fit; false
+/// when every piece has been staged. Batches are built one at a time, so the first one can be
+/// on the GPU while the next is planned.
+pub fn next_batch(
+    pieces: &[Piece],
+    at: &mut StageCursor,
+    capacity: u64,
+    max_segments: usize,
+    batch: &mut StagedBatch,
+) -> bool {
+    assert!(capacity > 0 && max_segments > 0, "a staging buffer holds something");
+    batch.segments.clear();
+    batch.runs.clear();
+    batch.bytes = 0;
+    while let Some(p) = pieces.get(at.piece) {
+        if batch.bytes == capacity || batch.segments.len() == max_segments {
+            break;
+        }
+        let len = (p.len - at.done).min(capacity - batch.bytes);
+        let (device, host, off) = (p.device + at.done, p.host + at.done, batch.bytes);
+        batch.segments.push((device, off, len));
+        match batch.runs.last_mut() {
+            Some(r) if r.staging + r.len == off && r.host + r.len == host => r.len += len,
+            _ => batch.runs.push(HostRun { staging: off, host, len }),
+        }
+        batch.bytes += len;
+        at.done += len;
+        if at.done == p.len {
+            at.piece += 1;
+            at.done = 0;
+        }
+    }
+    batch.bytes > 0
+}
+
 /// Packs `pieces` in order into batches of at most `capacity` staged bytes and `max_segments`
 /// kernel descriptors; pieces longer than `capacity` are split.
 pub fn stage(pieces: &[Piece], capacity: u64, max_segments: usize) -> Vec<StagedBatch> {
-    assert!(capacity > 0 && max_segments > 0, "a staging buffer holds something");
     let mut out = Vec::new();
-    let mut cur = StagedBatch::default();
-    for p in pieces {
-        let mut done = 0;
-        while done < p.len {
-            if cur.bytes == capacity || cur.segments.len() == max_segments {
-                out.push(std::mem::take(&mut cur));
-            }
-            let len = (p.len - done).min(capacity - cur.bytes);
-            let (device, host, off) = (p.device + done, p.host + done, cur.bytes);
-            cur.segments.push((device, off, len));
-            match cur.runs.last_mut() {
-                Some(r) if r.staging + r.len == off && r.host + r.len == host => r.len += len,
-                _ => cur.runs.push(HostRun { staging: off, host, len }),
-            }
-            cur.bytes += len;
-            done += len;
-        }
-    }
-    if cur.bytes > 0 {
-        out.push(cur);
+    let mut at = StageCursor::default();
+    let mut b = StagedBatch::default();
+    while next_batch(pieces, &mut at, capacity, max_segments, &mut b) {
+        out.push(b.clone());
     }
     out
 }

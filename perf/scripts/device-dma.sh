@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GPU save/load against the contiguous ceiling at 2, 8, 32 and 128 KiB pages and in every
+# layout, about 2 GiB per operation. Run from the repository root on the device machine with
+# the stripped release binaries in .device-bin; results go to $OUT.
+B=.device-bin
+P="$B/orbitkv-perf dma --json --iterations 5"
+run() { name=$1; shift; echo "== $name: $*" >> $OUT/dma.log; $P "$@" > $OUT/dma-$name.json 2>> $OUT/dma.log; echo "rc=$?" >> $OUT/dma.log; }
+# page = block_tokens x kv_heads x head_dim x 2 bytes (bf16)
+run sglang-2k   --layout sglang    --layers 32 --block-tokens 1  --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16
+run nhd-8k      --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096
+run nhd-32k     --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
+run nhd-128k    --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256
+run hnd-32k     --layout flash-hnd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
+run cross-32k   --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
+run mla-18k     --layout mla       --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
+run nhd-fp8-16k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 2048 --dtype fp8
