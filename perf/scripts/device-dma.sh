@@ -2,9 +2,17 @@
 # GPU save/load against the contiguous ceiling at 2, 8, 32 and 128 KiB pages and in every
 # layout, about 2 GiB per operation. Run from the repository root on the device machine with
 # the stripped release binaries in .device-bin; results go to $OUT.
+# Extra arguments are passed to every run; TAG prefixes the output names; ONLY="a b" limits
+# the runs to those names.
 B=.device-bin
 P="$B/orbitkv-perf dma --json --iterations 5"
-run() { name=$1; shift; echo "== $name: $*" >> $OUT/dma.log; $P "$@" > $OUT/dma-$name.json 2>> $OUT/dma.log; echo "rc=$?" >> $OUT/dma.log; }
+run() {
+  name=$1; shift
+  if [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]]; then return; fi
+  echo "== $TAG$name: $* $EXTRA" >> $OUT/dma.log
+  $P "$@" $EXTRA > $OUT/dma-$TAG$name.json 2>> $OUT/dma.log
+  echo "rc=$?" >> $OUT/dma.log
+}
 # page = block_tokens x kv_heads x head_dim x 2 bytes (bf16)
 run sglang-2k   --layout sglang    --layers 32 --block-tokens 1  --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16
 run nhd-8k      --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096
