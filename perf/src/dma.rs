@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent};
-use orbitkv_gpu::dma::{plan::Piece, CopyEngine, DeviceBuffer, Direction, EngineMemory, Strategy};
+use orbitkv_gpu::dma::{
+    plan::Piece, CopyEngine, DeviceBuffer, Direction, EngineMemory, Strategy, BATCHED_FROM,
+};
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
 use rand::rngs::SmallRng;
@@ -21,10 +23,6 @@ use serde::Serialize;
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, StrategyArg};
 use crate::error::Error;
 use crate::report::Report;
-
-/// Pieces at least this long go batched under `auto` (copy engines alone reach the bus limit
-/// there; see docs/performance.md).
-pub(crate) const BATCHED_FROM: u64 = 32 << 10;
 
 /// One strategy's series in one direction.
 #[derive(Clone, Debug, Serialize)]
