@@ -91,15 +91,15 @@ pub enum PutOutcome {
 /// move between threads, but is used by one at a time (`&mut self`).
 #[derive(Debug)]
 pub struct Client {
-    opts: ClientOptions,
-    conn: Option<Connection>,
+    pub(crate) opts: ClientOptions,
+    pub(crate) conn: Option<Connection>,
     /// Incremented on every new connection; leases and reservations carry the epoch they
     /// were made in, so nothing from an earlier session is used against a new one.
-    epoch: u64,
+    pub(crate) epoch: u64,
     namespaces: Vec<NamespaceDescriptor>,
 }
 
-fn unexpected(op: &str, r: Response) -> Error {
+pub(crate) fn unexpected(op: &str, r: Response) -> Error {
     match r {
         Response::Error { code, message } => Error::Server { code, message },
         other => Error::Protocol(format!("unexpected answer to {op}: {other:?}")),
@@ -119,7 +119,7 @@ impl Client {
         self.conn.as_ref().map(|c| c.session_id)
     }
 
-    fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
+    pub(crate) fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
         if self.conn.as_ref().is_some_and(|c| !c.alive()) {
             tracing::info!("orbitkv-server session ended; reconnecting");
             self.conn = None;
@@ -139,7 +139,7 @@ impl Client {
         Ok(self.conn.as_mut().expect("connected just above"))
     }
 
-    fn call(&mut self, req: &Request) -> Result<Response, Error> {
+    pub(crate) fn call(&mut self, req: &Request) -> Result<Response, Error> {
         let timeout = self.opts.request_timeout;
         let conn = self.ensure_connected()?;
         match conn.call(req, timeout) {
@@ -160,7 +160,7 @@ impl Client {
     }
 
     /// The epoch of the live connection (0 when disconnected: matches nothing).
-    fn live_epoch(&self) -> u64 {
+    pub(crate) fn live_epoch(&self) -> u64 {
         if self.conn.is_some() {
             self.epoch
         } else {
@@ -168,7 +168,7 @@ impl Client {
         }
     }
 
-    fn max_keys(&self) -> usize {
+    pub(crate) fn max_keys(&self) -> usize {
         self.conn.as_ref().map_or(1, |c| c.max_keys_per_request as usize).max(1)
     }
 

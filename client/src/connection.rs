@@ -27,6 +27,9 @@ type Svc = ipc_threadsafe::Service;
 /// A request in flight.
 type Pending = PendingResponse<Svc, [u8], (), [u8], ()>;
 
+/// A request sent and not yet answered.
+pub(crate) struct PendingAnswer(Pending);
+
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
 /// Spin this long on a pending response before napping.
@@ -232,6 +235,50 @@ impl Connection {
         self.reap_deferred();
         let pending = self.send(bytes)?;
         self.wait(&pending, op, timeout)
+    }
+
+    /// Sends a request and returns its pending answer (for [`Connection::poll`] or
+    /// [`Connection::wait`]).
+    pub(crate) fn start(&mut self, req: &Request) -> Result<PendingAnswer, Error> {
+        let bytes = encode(req);
+        if bytes.len() as u64 > self.max_request_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{} request of {} bytes exceeds the server's {}-byte limit",
+                req.op_name(),
+                bytes.len(),
+                self.max_request_bytes
+            )));
+        }
+        self.reap_deferred();
+        Ok(PendingAnswer(self.send(&bytes)?))
+    }
+
+    /// The answer of a started request, if it has arrived.
+    pub(crate) fn poll(
+        &self,
+        p: &PendingAnswer,
+        op: &'static str,
+    ) -> Result<Option<Response>, Error> {
+        match p.0.receive() {
+            Ok(Some(resp)) => decode::<Response>(resp.payload())
+                .map(Some)
+                .map_err(|e| Error::Protocol(e.to_string())),
+            Ok(None) if !self.alive() => {
+                Err(Error::Disconnected(format!("server went away during {op}")))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(ipc_err("receive", e)),
+        }
+    }
+
+    /// Waits for the answer of a started request.
+    pub(crate) fn wait_answer(
+        &self,
+        p: &PendingAnswer,
+        op: &'static str,
+        timeout: Duration,
+    ) -> Result<Response, Error> {
+        self.wait(&p.0, op, timeout)
     }
 
     /// Sends a request whose answer nobody waits for now (a release). Its answer is collected

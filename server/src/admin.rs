@@ -220,6 +220,19 @@ fn stats(shared: &Shared) -> Value {
         "arena_locked": shared.arena_locked,
         "gpu_mode": shared.settings.config.gpu.as_str(),
         "gpu": shared.gpu,
+        "gpu_transfers": shared.gpu_service.get().map(|g| {
+            let c = &g.counters;
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            json!({
+                "devices": g.devices().len(),
+                "registrations": g.registrations(),
+                "save_jobs": n(&c.saves),
+                "load_jobs": n(&c.loads),
+                "saved_bytes": n(&c.saved_bytes),
+                "loaded_bytes": n(&c.loaded_bytes),
+                "failed_jobs": n(&c.failed_jobs),
+            })
+        }),
         "shards": shards,
     })
 }

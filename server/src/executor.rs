@@ -142,6 +142,9 @@ pub(crate) struct Exec {
     pub(crate) active: Cell<usize>,
     deep_sleeps: Cell<u64>,
     doorbell_wakeups: Cell<u64>,
+    /// Requests waiting for a GPU copy, by job id.
+    gpu_waiters: RefCell<HashMap<u64, LocalSender<Result<(), String>>>>,
+    gpu_next: Cell<u64>,
 }
 
 /// This shard's ends of a mesh, or none with one shard.
@@ -229,6 +232,8 @@ async fn run(ctx: ShardContext) {
         active: Cell::new(0),
         deep_sleeps: Cell::new(0),
         doorbell_wakeups: Cell::new(0),
+        gpu_waiters: RefCell::new(HashMap::new()),
+        gpu_next: Cell::new(1),
     });
     // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
     // so this task cannot deadlock against another shard's.
@@ -314,6 +319,11 @@ async fn run(ctx: ShardContext) {
             break;
         }
         work += exec.poll_sessions();
+        work += exec.poll_gpu();
+        if !exec.gpu_waiters.borrow().is_empty() {
+            // A copy is running: keep spinning so that its completion is taken at once.
+            last_work = Instant::now();
+        }
         {
             let mut core = exec.core.borrow_mut();
             work += core.poll_ssd();
@@ -395,6 +405,16 @@ impl Exec {
                             glommio::timer::sleep(Duration::from_micros(100)).await;
                         }
                         let (leases, reservations) = e.close_everywhere(session).await;
+                        if let Some(gpu) = e.shared.gpu_service.get() {
+                            let n = gpu.drop_session(session);
+                            if n > 0 {
+                                tracing::info!(
+                                    session,
+                                    registrations = n,
+                                    "GPU registrations of a closed session dropped"
+                                );
+                            }
+                        }
                         e.sessions.borrow_mut().remove(&session);
                         let cleanup = e.node.try_cleanup_dead_nodes();
                         tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
@@ -430,6 +450,7 @@ impl Exec {
     fn has_work(&self, control: &Receiver<ControlMsg>) -> bool {
         !control.is_empty()
             || self.shared.doorbells.mesh_pending(self.id) > 0
+            || self.shared.gpu_service.get().is_some_and(|g| g.has_completions(self.id))
             || self.sessions.borrow().values().any(|s| {
                 s.port
                     .borrow()
@@ -549,6 +570,57 @@ impl Exec {
             Some(rx) => rx.recv().await.unwrap_or(ShardReply::Outcomes(Vec::new())),
             None => ShardReply::Outcomes(Vec::new()),
         }
+    }
+
+    /// Runs a GPU copy on the DMA thread for `direction` and waits for its completion (the CUDA
+    /// event). Whatever the requester does meanwhile, the caller holds the arena slots until
+    /// this returns.
+    pub(crate) async fn gpu_run(
+        &self,
+        direction: orbitkv_gpu::dma::Direction,
+        device: usize,
+        memory: Arc<orbitkv_gpu::dma::EngineMemory>,
+        chunks: Vec<(u64, Vec<u64>)>,
+        chunk_len: u64,
+    ) -> Result<(), (orbitkv_proto::ErrorCode, String)> {
+        use orbitkv_proto::ErrorCode;
+        let Some(gpu) = self.shared.gpu_service.get() else {
+            return Err((ErrorCode::Unavailable, "this server has no GPU in use".into()));
+        };
+        let id = self.gpu_next.get();
+        self.gpu_next.set(id + 1);
+        let (tx, rx) = local_channel::new_bounded(1);
+        self.gpu_waiters.borrow_mut().insert(id, tx);
+        let job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
+        if gpu.submit(direction, job).is_err() {
+            self.gpu_waiters.borrow_mut().remove(&id);
+            return Err((ErrorCode::Busy, "the GPU copy queue of this shard is full".into()));
+        }
+        match rx.recv().await {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err((ErrorCode::DeviceError, e)),
+            None => Err((ErrorCode::Internal, "GPU completion lost".into())),
+        }
+    }
+
+    /// Hands finished GPU copies to the requests waiting for them; returns how many.
+    fn poll_gpu(&self) -> usize {
+        let Some(gpu) = self.shared.gpu_service.get() else { return 0 };
+        let mut n = 0;
+        while let Some(done) = gpu.completion(self.id) {
+            n += 1;
+            match self.gpu_waiters.borrow_mut().remove(&done.id) {
+                Some(tx) => {
+                    let _ = tx.try_send(done.result);
+                }
+                None => tracing::error!(
+                    shard = self.id,
+                    id = done.id,
+                    "GPU completion without a waiter"
+                ),
+            }
+        }
+        n
     }
 
     /// Broadcasts `SessionClosed` to every shard and sums what they reclaimed.

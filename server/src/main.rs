@@ -8,9 +8,11 @@ mod config;
 mod deadline;
 mod doorbell;
 mod executor;
+mod gpu;
 mod ipc;
 mod router;
 mod shared;
+mod transfer;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -194,7 +196,7 @@ fn run(settings: Settings) -> Result<(), String> {
         rxs.push(rx);
     }
     let service_prefix = format!("orbitkv/{}", std::process::id());
-    let doorbells = doorbell::Doorbells::new(Arc::clone(&arena), shards)?;
+    let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
     let shared = Shared::new(
         settings.clone(),
         txs,
@@ -204,6 +206,14 @@ fn run(settings: Settings) -> Result<(), String> {
         ipc.clone(),
         service_prefix,
     );
+    // GPU save/load needs the arena registered with CUDA.
+    if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(_)) = (&shared.gpu, &_registration)
+    {
+        let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards)?;
+        service.start(Arc::clone(&shared.doorbells))?;
+        tracing::info!(devices = devices.len(), "GPU save/load ready (gpu-d2h, gpu-h2d)");
+        let _ = shared.gpu_service.set(service);
+    }
     if let Some(ssd) = &settings.ssd {
         remove_orphan_shard_files(&ssd.dir, shards)?;
     }
@@ -315,6 +325,10 @@ fn run(settings: Settings) -> Result<(), String> {
     }
     for h in handles {
         let _ = h.join();
+    }
+    // Copies in flight complete before the arena is unregistered and unmapped.
+    if let Some(service) = shared.gpu_service.get() {
+        service.shutdown();
     }
     ipc::remove_leftovers(&ipc);
     tracing::info!("orbitkv-server stopped");

@@ -111,6 +111,8 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
         match r {
             Request::Reserve { .. } => counters.add_reservations(n as i64),
             Request::Lookup { lease: true, .. } => counters.add_leases(n as i64),
+            Request::Save { .. } => counters.add_reservations(n as i64),
+            Request::Load { .. } => counters.add_leases(n as i64),
             _ => {}
         }
     }
@@ -147,7 +149,23 @@ fn check_bounds(
                 ));
             }
         }
-        Request::Lookup { lease: true, .. }
+        Request::Save { .. } => {
+            if exec.shared.state() == ServeState::Draining {
+                return Err((ErrorCode::Draining, "server is draining: writes are refused".into()));
+            }
+            if counters.reservations() + n > cfg.max_reservations_per_session {
+                return Err((
+                    ErrorCode::LeaseLimit,
+                    format!(
+                        "session holds {} reservations; saving {n} chunks exceeds \
+                         --max-reservations-per-session {}",
+                        counters.reservations(),
+                        cfg.max_reservations_per_session
+                    ),
+                ));
+            }
+        }
+        Request::Lookup { lease: true, .. } | Request::Load { .. }
             if counters.leases() + n > cfg.max_leases_per_session =>
         {
             return Err((
@@ -267,14 +285,36 @@ async fn execute(
                 scatter(exec, &keys, |k| k, |keys| ShardOp::Evict { keys }, outcomes, FAILED).await;
             Response::Outcomes { outcomes: o }
         }
+        Request::RegisterGpu { device_uuid, layout, tensors } => {
+            crate::transfer::register(exec, session, &device_uuid, &layout, &tensors)
+        }
+        Request::UnregisterGpu { registration, generation } => {
+            crate::transfer::unregister(exec, session, registration, generation).await
+        }
+        Request::Save { registration, generation, keys, blocks } => {
+            let n = keys.len() as i64;
+            let r =
+                crate::transfer::save(exec, session, registration, generation, keys, blocks).await;
+            // Every reservation charged at dispatch is committed or aborted by now.
+            counters.add_reservations(-n);
+            r
+        }
+        Request::Load { registration, generation, keys, blocks } => {
+            let n = keys.len() as i64;
+            let r =
+                crate::transfer::load(exec, session, registration, generation, keys, blocks).await;
+            // Every lease charged at dispatch is released by now.
+            counters.add_leases(-n);
+            r
+        }
     }
 }
 
 /// The outcome of an item whose shard reply was lost.
-const FAILED: ChunkOutcome = ChunkOutcome::Failed(ErrorCode::Internal);
+pub(crate) const FAILED: ChunkOutcome = ChunkOutcome::Failed(ErrorCode::Internal);
 
 /// Runs a per-slot op (commit, abort, release) on the slots' shards.
-async fn per_slot(
+pub(crate) async fn per_slot(
     exec: &Rc<Exec>,
     slots: &[SlotRef],
     make_op: impl Fn(Vec<SlotRef>) -> ShardOp,
@@ -282,7 +322,7 @@ async fn per_slot(
     scatter(exec, slots, |s| &s.key, make_op, outcomes, FAILED).await
 }
 
-fn outcomes(r: ShardReply) -> Option<Vec<ChunkOutcome>> {
+pub(crate) fn outcomes(r: ShardReply) -> Option<Vec<ChunkOutcome>> {
     match r {
         ShardReply::Outcomes(o) => Some(o),
         _ => None,
@@ -301,7 +341,7 @@ fn internal(shard: usize, reply: &ShardReply) -> Response {
 /// Splits `items` by owning shard, runs one op per shard (remote ones concurrently), and
 /// returns the per-item results in item order. A shard whose reply is lost or malformed
 /// yields `fallback` for its items.
-async fn scatter<T: Clone, R: Clone + 'static>(
+pub(crate) async fn scatter<T: Clone, R: Clone + 'static>(
     exec: &Rc<Exec>,
     items: &[T],
     key: impl Fn(&T) -> &ChunkKey,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, Sender};
@@ -94,7 +94,9 @@ pub struct Shared {
     /// Control queue of each shard (send with [`Shared::send_control`], which rings).
     shard_tx: Vec<Sender<ControlMsg>>,
     /// Shard doorbells.
-    pub doorbells: Doorbells,
+    pub doorbells: Arc<Doorbells>,
+    /// GPU save/load, when a GPU is in use (set once at start).
+    pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
     /// What `--gpu` found (None with `--gpu off`).
     pub gpu: Option<orbitkv_gpu::Probe>,
     /// Open sessions.
@@ -117,7 +119,7 @@ impl Shared {
     pub fn new(
         settings: Settings,
         shard_tx: Vec<Sender<ControlMsg>>,
-        doorbells: Doorbells,
+        doorbells: Arc<Doorbells>,
         gpu: Option<orbitkv_gpu::Probe>,
         arena_locked: bool,
         ipc: IpcNames,
@@ -128,6 +130,7 @@ impl Shared {
             state: AtomicU8::new(ServeState::Serving as u8),
             shard_tx,
             doorbells,
+            gpu_service: OnceLock::new(),
             gpu,
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),

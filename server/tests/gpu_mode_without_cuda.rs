@@ -59,3 +59,59 @@ fn off_and_bad_values() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu"));
 }
+
+/// GPU requests on a server without a GPU in use: each is answered `Unavailable` with a
+/// message saying why, and the session and server keep serving DRAM requests.
+#[test]
+fn gpu_requests_without_a_gpu_are_unavailable() {
+    use orbitkv_client::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec, Request, Response};
+    let server = TestServer::start(&["--shards", "2", "--dram", "8MiB", "--gpu", "off"]);
+    let mut c = server.client("gpu-less");
+    let ns = c.register_namespace(&common::namespace(16)).unwrap().id;
+    let keys = common::chain(ns, 3, 4);
+    let layout = KvLayoutSpec {
+        kind: KvLayoutKind::FlashAttnNhd,
+        num_layers: 2,
+        num_blocks: 8,
+        block_size: 16,
+        kv_heads: 1,
+        head_dim: 64,
+        elem_bytes: 2,
+    };
+    let tensors = [GpuTensor { handle: [7; 64], offset: 0, len: 1 << 20 }; 2];
+    match c.register_gpu("GPU-00000000-0000-0000-0000-000000000000", layout, &tensors) {
+        Err(orbitkv_client::Error::Server { code: ErrorCode::Unavailable, message }) => {
+            assert!(message.contains("no GPU"), "{message}")
+        }
+        other => panic!("register_gpu on a GPU-less server: {other:?}"),
+    }
+    for req in [
+        Request::Save {
+            registration: 0,
+            generation: 1,
+            keys: keys.clone(),
+            blocks: vec![0, 1, 2, 3],
+        },
+        Request::Load {
+            registration: 0,
+            generation: 1,
+            keys: keys.clone(),
+            blocks: vec![0, 1, 2, 3],
+        },
+        Request::UnregisterGpu { registration: 0, generation: 1 },
+    ] {
+        let answer = c.call_raw(&orbitkv_proto::encode(&req)).unwrap();
+        assert!(
+            matches!(answer, Response::Error { code: ErrorCode::Unavailable, .. }),
+            "{answer:?}"
+        );
+    }
+    // Nothing was reserved or leased by the refused saves and loads; DRAM still works.
+    let stats = server.admin("stats");
+    assert_eq!(server.shard_sum("leases"), 0, "{stats}");
+    let value = common::value_for(&keys[0], 4096);
+    c.put(&[(keys[0], &value[..])]).unwrap();
+    let mut buf = vec![0u8; 4096];
+    assert_eq!(c.get_into(&keys[..1], &mut [&mut buf[..]]).unwrap(), vec![4096]);
+    assert_eq!(buf, value);
+}

@@ -36,6 +36,10 @@ pub enum ErrorCode {
     InvalidArgument = 15,
     /// An internal invariant failed; the request was not applied.
     Internal = 16,
+    /// The server cannot serve this request here: no usable GPU, or not the device named.
+    Unavailable = 17,
+    /// A GPU copy failed (CUDA error); the chunk was not saved or loaded.
+    DeviceError = 18,
 }
 
 impl ErrorCode {
@@ -58,11 +62,13 @@ impl ErrorCode {
             Self::TooManySessions => "too_many_sessions",
             Self::InvalidArgument => "invalid_argument",
             Self::Internal => "internal",
+            Self::Unavailable => "unavailable",
+            Self::DeviceError => "device_error",
         }
     }
 
     /// Every code, in wire order (for counters indexed by code).
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 18] = [
         Self::Malformed,
         Self::VersionMismatch,
         Self::PermissionDenied,
@@ -79,6 +85,8 @@ impl ErrorCode {
         Self::TooManySessions,
         Self::InvalidArgument,
         Self::Internal,
+        Self::Unavailable,
+        Self::DeviceError,
     ];
 
     /// Dense index in `0..ALL.len()`.

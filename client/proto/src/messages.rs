@@ -7,7 +7,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
 
 /// Version of this protocol; a client and server must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Bytes at the start of the arena memfd before chunk data: one doorbell word per shard.
 pub const ARENA_HEADER_BYTES: u64 = 256 * DOORBELL_STRIDE;
@@ -143,6 +143,52 @@ pub enum Reservation {
     Failed(ErrorCode),
 }
 
+/// Engine KV layouts the server can copy (see `orbitkv_gpu::KvLayout` for their shapes).
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[repr(u8)]
+pub enum KvLayoutKind {
+    /// vLLM FlashAttention per layer, `[2, blocks, block_size, kv_heads, head_dim]`.
+    FlashAttnNhd = 1,
+    /// vLLM FlashAttention per layer, `[2, blocks, kv_heads, block_size, head_dim]`.
+    FlashAttnHnd = 2,
+    /// vLLM cross-layer, `[blocks, layers, 2, block_size, kv_heads, head_dim]`.
+    CrossLayer = 3,
+    /// MLA per layer, `[blocks, block_size, latent_dim]` (`head_dim` = latent width).
+    MlaPerLayer = 4,
+    /// SGLang K and V per layer, `[tokens, kv_heads, head_dim]`, page size 1.
+    SglangPerLayer = 5,
+}
+
+/// The shape of an engine rank's KV cache on one GPU.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct KvLayoutSpec {
+    /// Layout.
+    pub kind: KvLayoutKind,
+    /// Attention layers.
+    pub num_layers: u32,
+    /// Blocks per tensor (token slots for SGLang).
+    pub num_blocks: u64,
+    /// Tokens per block (1 for SGLang).
+    pub block_size: u32,
+    /// KV heads (1 for MLA).
+    pub kv_heads: u32,
+    /// Elements per head (latent width for MLA).
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub elem_bytes: u32,
+}
+
+/// One engine tensor shared with CUDA IPC.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct GpuTensor {
+    /// `cuIpcGetMemHandle` of the allocation holding the tensor (64 bytes).
+    pub handle: [u8; 64],
+    /// Byte offset of the tensor in that allocation.
+    pub offset: u64,
+    /// Bytes of the tensor.
+    pub len: u64,
+}
+
 /// Requests, client to server, over the session's iceoryx2 service.
 #[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
 pub enum Request {
@@ -187,6 +233,49 @@ pub enum Request {
         /// Keys to remove.
         keys: Vec<ChunkKey>,
     },
+    /// Registers an engine rank's KV tensors on one GPU for save/load; answered with
+    /// [`Response::GpuRegistered`]. The registration lives until unregistered or until the
+    /// session ends.
+    RegisterGpu {
+        /// The device, as `GPU-xxxxxxxx-...` (what `nvidia-smi -L` prints).
+        device_uuid: String,
+        /// The tensors' shape.
+        layout: KvLayoutSpec,
+        /// One per tensor of the layout, in the layout's order.
+        tensors: Vec<GpuTensor>,
+    },
+    /// Ends a registration after its copies in flight have completed.
+    UnregisterGpu {
+        /// Registration id.
+        registration: u64,
+        /// Its generation.
+        generation: u64,
+    },
+    /// Copies engine blocks into new chunks: chunk `i` is blocks
+    /// `blocks[i * n .. (i + 1) * n]` (n = blocks / keys), packed block after block, each block
+    /// layer by layer, K before V. One outcome per key (`AlreadyPresent` keys are not copied).
+    Save {
+        /// Registration id.
+        registration: u64,
+        /// Its generation.
+        generation: u64,
+        /// Chunk keys.
+        keys: Vec<ChunkKey>,
+        /// Engine block ids, `n` per key.
+        blocks: Vec<u64>,
+    },
+    /// Copies chunks back into engine blocks (same packing as [`Request::Save`]): the longest
+    /// present prefix of `keys` is loaded; keys after it are `NotFound`.
+    Load {
+        /// Registration id.
+        registration: u64,
+        /// Its generation.
+        generation: u64,
+        /// Chunk keys.
+        keys: Vec<ChunkKey>,
+        /// Engine block ids, `n` per key.
+        blocks: Vec<u64>,
+    },
 }
 
 /// Responses, server to client.
@@ -211,6 +300,15 @@ pub enum Response {
         /// In request order.
         slots: Vec<Reservation>,
     },
+    /// An engine rank's tensors are registered.
+    GpuRegistered {
+        /// Registration id.
+        registration: u64,
+        /// Its generation (a re-registration never reuses one).
+        generation: u64,
+    },
+    /// The registration is gone and no copy uses the engine's memory any more.
+    GpuUnregistered,
     /// One outcome per chunk of a commit, abort, release or evict.
     Outcomes {
         /// In request order.
@@ -244,13 +342,22 @@ impl Request {
             Request::Abort { .. } => "abort",
             Request::Release { .. } => "release",
             Request::Evict { .. } => "evict",
+            Request::RegisterGpu { .. } => "register_gpu",
+            Request::UnregisterGpu { .. } => "unregister_gpu",
+            Request::Save { .. } => "save",
+            Request::Load { .. } => "load",
         }
     }
 
     /// Number of keys or slots the request names.
     pub fn key_count(&self) -> usize {
         match self {
-            Request::Ping | Request::RegisterNamespace { .. } => 0,
+            Request::Ping
+            | Request::RegisterNamespace { .. }
+            | Request::RegisterGpu { .. }
+            | Request::UnregisterGpu { .. } => 0,
+            // Block ids are bounded by the request size, not the key count.
+            Request::Save { keys, .. } | Request::Load { keys, .. } => keys.len(),
             Request::Lookup { keys, .. } | Request::Evict { keys } => keys.len(),
             Request::Reserve { keys, lens } => keys.len().max(lens.len()),
             Request::Commit { slots } | Request::Abort { slots } | Request::Release { slots } => {

@@ -1,0 +1,248 @@
+//! GPU save/load through the server's DMA threads: register an engine rank's KV tensors (CUDA
+//! IPC handles plus their layout), then save engine blocks into chunks and load them back.
+//! The server copies; the engine's process only names blocks.
+//!
+//! A registration belongs to the session that made it: it ends with `unregister_gpu` or with
+//! the session (a server restart included: then calls with it fail `Stale`, and the engine
+//! registers again, getting a new generation).
+
+use orbitkv_proto::{ChunkKey, ChunkOutcome, GpuTensor, KvLayoutSpec, Request, Response};
+
+use crate::client::{unexpected, Client};
+use crate::connection::PendingAnswer;
+use crate::Error;
+
+/// Fixed request overhead assumed when sizing save/load batches.
+const REQUEST_OVERHEAD: u64 = 1024;
+
+/// An engine rank's tensors registered with the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuRegistration {
+    /// Registration id.
+    pub id: u64,
+    /// Its generation.
+    pub generation: u64,
+    epoch: u64,
+}
+
+/// A save or load sent and not yet answered (see [`Client::start_save`]). Dropping it does not
+/// cancel the copy: the server finishes it (and, for a save, commits the chunks).
+pub struct Transfer {
+    pending: PendingAnswer,
+    op: &'static str,
+    keys: usize,
+    epoch: u64,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("op", &self.op)
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_blocks(keys: &[ChunkKey], blocks: &[u64]) -> Result<usize, Error> {
+    if keys.is_empty() || blocks.is_empty() || !blocks.len().is_multiple_of(keys.len()) {
+        return Err(Error::InvalidArgument(format!(
+            "{} block ids for {} keys: give the same number (at least one) per key",
+            blocks.len(),
+            keys.len()
+        )));
+    }
+    Ok(blocks.len() / keys.len())
+}
+
+impl Client {
+    /// Registers an engine rank's KV tensors on the GPU `device_uuid` (`GPU-...`, as
+    /// `nvidia-smi -L` prints it): one [`GpuTensor`] per tensor of `layout`, in its order.
+    /// The server opens the handles and checks every tensor against the layout; an error
+    /// names the field.
+    pub fn register_gpu(
+        &mut self,
+        device_uuid: &str,
+        layout: KvLayoutSpec,
+        tensors: &[GpuTensor],
+    ) -> Result<GpuRegistration, Error> {
+        let req = Request::RegisterGpu {
+            device_uuid: device_uuid.to_owned(),
+            layout,
+            tensors: tensors.to_vec(),
+        };
+        match self.call(&req)? {
+            Response::GpuRegistered { registration, generation } => {
+                Ok(GpuRegistration { id: registration, generation, epoch: self.epoch })
+            }
+            other => Err(unexpected("register_gpu", other)),
+        }
+    }
+
+    /// Ends a registration; returns once no copy uses the engine's memory any more.
+    pub fn unregister_gpu(&mut self, r: &GpuRegistration) -> Result<(), Error> {
+        self.check_epoch(r)?;
+        let req = Request::UnregisterGpu { registration: r.id, generation: r.generation };
+        match self.call(&req)? {
+            Response::GpuUnregistered => Ok(()),
+            other => Err(unexpected("unregister_gpu", other)),
+        }
+    }
+
+    fn check_epoch(&self, r: &GpuRegistration) -> Result<(), Error> {
+        if r.epoch != self.live_epoch() {
+            return Err(Error::Stale);
+        }
+        Ok(())
+    }
+
+    /// Keys per request for `per_chunk` block ids per key.
+    fn transfer_batch(&self, per_chunk: usize) -> usize {
+        let max_bytes = self.conn.as_ref().map_or(0, |c| c.max_request_bytes);
+        let per_key = 64 + 8 * per_chunk as u64;
+        let by_size = (max_bytes.saturating_sub(REQUEST_OVERHEAD) / per_key).max(1) as usize;
+        self.max_keys().min(by_size)
+    }
+
+    fn transfer(
+        &mut self,
+        op: &'static str,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+        make: impl Fn(Vec<ChunkKey>, Vec<u64>) -> Request,
+    ) -> Result<Vec<ChunkOutcome>, Error> {
+        self.check_epoch(r)?;
+        let per_chunk = check_blocks(keys, blocks)?;
+        let batch = self.transfer_batch(per_chunk);
+        let mut all = Vec::with_capacity(keys.len());
+        for (kb, bb) in keys.chunks(batch).zip(blocks.chunks(batch * per_chunk)) {
+            match self.call(&make(kb.to_vec(), bb.to_vec()))? {
+                Response::Outcomes { outcomes } if outcomes.len() == kb.len() => {
+                    all.extend(outcomes)
+                }
+                other => return Err(unexpected(op, other)),
+            }
+        }
+        Ok(all)
+    }
+
+    /// Copies engine blocks into new chunks and commits them: chunk `i` is
+    /// `blocks[i * n .. (i + 1) * n]` with `n = blocks.len() / keys.len()`. One outcome per key
+    /// (`AlreadyPresent` chunks are not copied again). Blocks until every copy has completed.
+    pub fn save(
+        &mut self,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+    ) -> Result<Vec<ChunkOutcome>, Error> {
+        let (id, generation) = (r.id, r.generation);
+        self.transfer("save", r, keys, blocks, |keys, blocks| Request::Save {
+            registration: id,
+            generation,
+            keys,
+            blocks,
+        })
+    }
+
+    /// Copies chunks back into engine blocks (same packing as [`Client::save`]). The longest
+    /// present prefix of `keys` is loaded; later keys come back `NotFound`.
+    pub fn load(
+        &mut self,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+    ) -> Result<Vec<ChunkOutcome>, Error> {
+        let (id, generation) = (r.id, r.generation);
+        self.transfer("load", r, keys, blocks, |keys, blocks| Request::Load {
+            registration: id,
+            generation,
+            keys,
+            blocks,
+        })
+    }
+
+    fn start(
+        &mut self,
+        op: &'static str,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+        req: Request,
+    ) -> Result<Transfer, Error> {
+        self.check_epoch(r)?;
+        let per_chunk = check_blocks(keys, blocks)?;
+        if keys.len() > self.transfer_batch(per_chunk) {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys do not fit one {op} request (at most {}); use {op}() or split",
+                keys.len(),
+                self.transfer_batch(per_chunk)
+            )));
+        }
+        let conn = self.conn.as_mut().ok_or(Error::Stale)?;
+        let pending = conn.start(&req)?;
+        Ok(Transfer { pending, op, keys: keys.len(), epoch: r.epoch })
+    }
+
+    /// Starts a save of one request's worth of chunks and returns at once; see
+    /// [`Client::poll_transfer`] and [`Client::wait_transfer`].
+    pub fn start_save(
+        &mut self,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+    ) -> Result<Transfer, Error> {
+        let req = Request::Save {
+            registration: r.id,
+            generation: r.generation,
+            keys: keys.to_vec(),
+            blocks: blocks.to_vec(),
+        };
+        self.start("save", r, keys, blocks, req)
+    }
+
+    /// Starts a load of one request's worth of chunks and returns at once.
+    pub fn start_load(
+        &mut self,
+        r: &GpuRegistration,
+        keys: &[ChunkKey],
+        blocks: &[u64],
+    ) -> Result<Transfer, Error> {
+        let req = Request::Load {
+            registration: r.id,
+            generation: r.generation,
+            keys: keys.to_vec(),
+            blocks: blocks.to_vec(),
+        };
+        self.start("load", r, keys, blocks, req)
+    }
+
+    fn finish(&self, t: &Transfer, answer: Response) -> Result<Vec<ChunkOutcome>, Error> {
+        match answer {
+            Response::Outcomes { outcomes } if outcomes.len() == t.keys => Ok(outcomes),
+            other => Err(unexpected(t.op, other)),
+        }
+    }
+
+    /// The outcomes of a started transfer once it has completed; `None` while it runs.
+    pub fn poll_transfer(&mut self, t: &Transfer) -> Result<Option<Vec<ChunkOutcome>>, Error> {
+        if t.epoch != self.live_epoch() {
+            return Err(Error::Stale);
+        }
+        let conn = self.conn.as_ref().ok_or(Error::Stale)?;
+        match conn.poll(&t.pending, t.op)? {
+            Some(answer) => self.finish(t, answer).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits for a started transfer (up to the request timeout).
+    pub fn wait_transfer(&mut self, t: Transfer) -> Result<Vec<ChunkOutcome>, Error> {
+        if t.epoch != self.live_epoch() {
+            return Err(Error::Stale);
+        }
+        let timeout = self.opts.request_timeout;
+        let conn = self.conn.as_ref().ok_or(Error::Stale)?;
+        let answer = conn.wait_answer(&t.pending, t.op, timeout)?;
+        self.finish(&t, answer)
+    }
+}

@@ -1,0 +1,445 @@
+//! GPU save/load: the engine registrations and the CUDA/DMA thread pair.
+//!
+//! `gpu-d2h` runs saves (engine pages -> arena slots) and `gpu-h2d` loads. Each owns one copy
+//! engine (streams, staging buffers, events) per device, takes jobs from one bounded SPSC queue
+//! per shard, plans the pieces itself (off the shard cores), and hands each completion back on
+//! the shard's completion queue, ringing its doorbell. A job's engine memory is held (an `Arc`
+//! of the imported mapping) until its CUDA event completes; its arena slots are held by the
+//! request that submitted it, which waits for the completion before committing, aborting or
+//! releasing them, whatever happens to the client meanwhile.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use cudarc::driver::{CudaContext, CudaEvent};
+use orbitkv_gpu::dma::{CopyEngine, Direction, EngineMemory, Strategy, TensorExport, BATCHED_FROM};
+use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
+use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
+use orbitkv_shards::{Arena, SessionId};
+
+use crate::doorbell::Doorbells;
+
+/// Jobs a shard may have queued for one thread.
+pub const JOB_QUEUE_DEPTH: usize = 64;
+/// Most registrations at once (engine ranks on this host).
+pub const MAX_REGISTRATIONS: usize = 256;
+/// GPU staging per device and thread (two halves).
+pub const STAGING_BYTES: usize = 64 << 20;
+
+/// Jobs on the GPU: (shard, job id, bytes, completion event, the engine memory they touch).
+type InFlight = VecDeque<(usize, u64, u64, CudaEvent, Arc<EngineMemory>)>;
+
+/// A copy job from a shard.
+pub struct GpuJob {
+    /// Submitting shard (where the completion goes).
+    pub shard: usize,
+    /// Id unique on that shard.
+    pub id: u64,
+    /// Device index in [`GpuService::devices`].
+    pub device: usize,
+    /// The engine's tensors (kept alive until the copy completes).
+    pub memory: Arc<EngineMemory>,
+    /// Per chunk: arena offset (from the start of the memfd) and its block ids.
+    pub chunks: Vec<(u64, Vec<u64>)>,
+    /// Bytes per chunk.
+    pub chunk_len: u64,
+}
+
+/// A finished job.
+#[derive(Debug)]
+pub struct GpuDone {
+    /// The job's id.
+    pub id: u64,
+    /// Ok, or the CUDA failure.
+    pub result: Result<(), String>,
+}
+
+/// A registered engine rank.
+struct Registration {
+    session: SessionId,
+    generation: u64,
+    device: usize,
+    memory: Arc<EngineMemory>,
+}
+
+#[derive(Default)]
+struct Registry {
+    slots: Vec<Option<Registration>>,
+    next_generation: u64,
+}
+
+/// Counters for `ctl stats`.
+#[derive(Default, Debug)]
+pub struct GpuCounters {
+    /// Save jobs completed.
+    pub saves: AtomicU64,
+    /// Load jobs completed.
+    pub loads: AtomicU64,
+    /// Bytes saved.
+    pub saved_bytes: AtomicU64,
+    /// Bytes loaded.
+    pub loaded_bytes: AtomicU64,
+    /// Jobs that failed in CUDA.
+    pub failed_jobs: AtomicU64,
+}
+
+/// One of the two DMA threads.
+struct Worker {
+    queues: Vec<ArrayQueue<GpuJob>>,
+    thread: OnceLock<std::thread::Thread>,
+}
+
+/// Registrations and the DMA thread pair.
+pub struct GpuService {
+    devices: Vec<DeviceInfo>,
+    contexts: Vec<Arc<CudaContext>>,
+    arena: Arc<Arena>,
+    registry: Mutex<Registry>,
+    workers: [Worker; 2],
+    completions: Vec<ArrayQueue<GpuDone>>,
+    stop: AtomicBool,
+    handles: Mutex<Vec<JoinHandle<()>>>,
+    /// Counters.
+    pub counters: GpuCounters,
+}
+
+impl std::fmt::Debug for GpuService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuService").field("devices", &self.devices).finish_non_exhaustive()
+    }
+}
+
+fn layout_desc(spec: &KvLayoutSpec) -> LayoutDesc {
+    LayoutDesc {
+        layout: match spec.kind {
+            KvLayoutKind::FlashAttnNhd => KvLayout::FlashAttnNhd,
+            KvLayoutKind::FlashAttnHnd => KvLayout::FlashAttnHnd,
+            KvLayoutKind::CrossLayer => KvLayout::CrossLayer,
+            KvLayoutKind::MlaPerLayer => KvLayout::MlaPerLayer,
+            KvLayoutKind::SglangPerLayer => KvLayout::SglangPerLayer,
+        },
+        num_layers: spec.num_layers,
+        num_blocks: spec.num_blocks,
+        block_size: spec.block_size,
+        kv_heads: spec.kv_heads,
+        head_dim: spec.head_dim,
+        elem_bytes: spec.elem_bytes,
+    }
+}
+
+impl GpuService {
+    /// Opens a context on every device; threads start with [`GpuService::start`].
+    pub fn new(
+        devices: Vec<DeviceInfo>,
+        arena: Arc<Arena>,
+        shards: usize,
+    ) -> Result<Arc<Self>, String> {
+        let contexts = devices
+            .iter()
+            .map(|d| {
+                CudaContext::new(d.ordinal as usize)
+                    .map_err(|e| format!("CUDA context on {} ({}): {e}", d.name, d.uuid))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let worker = || Worker {
+            queues: (0..shards).map(|_| ArrayQueue::new(JOB_QUEUE_DEPTH)).collect(),
+            thread: OnceLock::new(),
+        };
+        Ok(Arc::new(Self {
+            devices,
+            contexts,
+            arena,
+            registry: Mutex::new(Registry::default()),
+            workers: [worker(), worker()],
+            // Room for every job of both threads: a completion push never fails.
+            completions: (0..shards).map(|_| ArrayQueue::new(2 * JOB_QUEUE_DEPTH)).collect(),
+            stop: AtomicBool::new(false),
+            handles: Mutex::new(Vec::new()),
+            counters: GpuCounters::default(),
+        }))
+    }
+
+    /// Starts `gpu-d2h` and `gpu-h2d`. Their copy engines are created on the threads.
+    pub fn start(self: &Arc<Self>, doorbells: Arc<Doorbells>) -> Result<(), String> {
+        for (i, (name, direction)) in
+            [("gpu-d2h", Direction::Save), ("gpu-h2d", Direction::Load)].into_iter().enumerate()
+        {
+            let svc = Arc::clone(self);
+            let bells = Arc::clone(&doorbells);
+            let handle = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || svc.run_worker(i, direction, &bells))
+                .map_err(|e| format!("starting {name}: {e}"))?;
+            let _ = self.workers[i].thread.set(handle.thread().clone());
+            self.handles.lock().expect("never poisoned").push(handle);
+        }
+        Ok(())
+    }
+
+    /// Stops both threads after their jobs in flight have completed.
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for w in &self.workers {
+            if let Some(t) = w.thread.get() {
+                t.unpark();
+            }
+        }
+        for h in self.handles.lock().expect("never poisoned").drain(..) {
+            let _ = h.join();
+        }
+    }
+
+    /// The devices.
+    pub fn devices(&self) -> &[DeviceInfo] {
+        &self.devices
+    }
+
+    /// Registrations open now.
+    pub fn registrations(&self) -> usize {
+        self.registry.lock().expect("never poisoned").slots.iter().flatten().count()
+    }
+
+    /// Imports an engine rank's tensors. Errors name the field.
+    pub fn register(
+        &self,
+        session: SessionId,
+        device_uuid: &str,
+        spec: &KvLayoutSpec,
+        tensors: &[GpuTensor],
+    ) -> Result<(u64, u64), (ErrorCode, String)> {
+        let device = self.devices.iter().position(|d| d.uuid == device_uuid).ok_or_else(|| {
+            let have: Vec<&str> = self.devices.iter().map(|d| d.uuid.as_str()).collect();
+            (
+                ErrorCode::Unavailable,
+                format!(
+                    "device_uuid: {device_uuid:?} is not a device of this server ({})",
+                    have.join(", ")
+                ),
+            )
+        })?;
+        if self.registrations() >= MAX_REGISTRATIONS {
+            return Err((
+                ErrorCode::Busy,
+                format!("{MAX_REGISTRATIONS} GPU registrations are open"),
+            ));
+        }
+        let exports: Vec<TensorExport> = tensors
+            .iter()
+            .map(|t| TensorExport { handle: t.handle, offset: t.offset, len: t.len })
+            .collect();
+        // Opening IPC handles takes the driver a moment; registration is rare (engine start).
+        let memory = EngineMemory::import(&self.contexts[device], layout_desc(spec), &exports)
+            .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
+        let mut reg = self.registry.lock().expect("never poisoned");
+        reg.next_generation += 1;
+        let generation = reg.next_generation;
+        let entry = Registration { session, generation, device, memory: Arc::new(memory) };
+        let id = match reg.slots.iter().position(Option::is_none) {
+            Some(i) => {
+                reg.slots[i] = Some(entry);
+                i
+            }
+            None => {
+                reg.slots.push(Some(entry));
+                reg.slots.len() - 1
+            }
+        };
+        Ok((id as u64, generation))
+    }
+
+    /// The registration `(id, generation)` of `session`: its device and memory.
+    pub fn lookup(
+        &self,
+        session: SessionId,
+        id: u64,
+        generation: u64,
+    ) -> Result<(usize, Arc<EngineMemory>), (ErrorCode, String)> {
+        let reg = self.registry.lock().expect("never poisoned");
+        match reg.slots.get(id as usize).and_then(Option::as_ref) {
+            Some(r) if r.session == session && r.generation == generation => {
+                Ok((r.device, Arc::clone(&r.memory)))
+            }
+            Some(r) if r.session == session => Err((
+                ErrorCode::StaleGeneration,
+                format!("registration {id} is generation {}, not {generation}", r.generation),
+            )),
+            _ => Err((ErrorCode::NotFound, format!("no GPU registration {id} in this session"))),
+        }
+    }
+
+    /// Removes a registration; returns its memory so that the caller can wait until no copy
+    /// uses it any more (the mapping closes when the last holder drops it).
+    pub fn unregister(
+        &self,
+        session: SessionId,
+        id: u64,
+        generation: u64,
+    ) -> Result<Arc<EngineMemory>, (ErrorCode, String)> {
+        self.lookup(session, id, generation)?;
+        let mut reg = self.registry.lock().expect("never poisoned");
+        let r = reg.slots[id as usize].take().expect("looked up just now");
+        Ok(r.memory)
+    }
+
+    /// Removes every registration of a closed session (copies in flight keep their memory
+    /// until they complete).
+    pub fn drop_session(&self, session: SessionId) -> usize {
+        let mut reg = self.registry.lock().expect("never poisoned");
+        let mut n = 0;
+        for slot in reg.slots.iter_mut() {
+            if slot.as_ref().is_some_and(|r| r.session == session) {
+                *slot = None;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Queues a job on the thread for `direction`; gives it back when the queue is full.
+    pub fn submit(&self, direction: Direction, job: GpuJob) -> Result<(), GpuJob> {
+        let w = &self.workers[direction as usize];
+        let shard = job.shard;
+        w.queues[shard].push(job)?;
+        if let Some(t) = w.thread.get() {
+            t.unpark();
+        }
+        Ok(())
+    }
+
+    /// Takes one completion for `shard`.
+    pub fn completion(&self, shard: usize) -> Option<GpuDone> {
+        self.completions[shard].pop()
+    }
+
+    /// Whether completions wait for `shard`.
+    pub fn has_completions(&self, shard: usize) -> bool {
+        !self.completions[shard].is_empty()
+    }
+
+    fn run_worker(&self, index: usize, direction: Direction, doorbells: &Doorbells) {
+        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
+        let mut inflight: InFlight = VecDeque::new();
+        let mut pieces = Vec::new();
+        let mut next_queue = 0;
+        let mut idle_since = Instant::now();
+        loop {
+            let mut progressed = false;
+            let queues = &self.workers[index].queues;
+            for k in 0..queues.len() {
+                let q = (next_queue + k) % queues.len();
+                let Some(job) = queues[q].pop() else { continue };
+                progressed = true;
+                let (shard, id, bytes) =
+                    (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
+                match self.start_job(&mut engines, direction, &job, &mut pieces) {
+                    // The engine memory stays referenced until the event has completed.
+                    Ok(event) => inflight.push_back((shard, id, bytes, event, job.memory)),
+                    Err(e) => self.finish(doorbells, shard, id, Err(e)),
+                }
+                next_queue = q + 1;
+            }
+            while let Some((shard, id, bytes, event, _memory)) = inflight.front() {
+                match event.try_is_complete() {
+                    Ok(false) => break,
+                    Ok(true) => {
+                        let (c, b) = match direction {
+                            Direction::Save => (&self.counters.saves, &self.counters.saved_bytes),
+                            Direction::Load => (&self.counters.loads, &self.counters.loaded_bytes),
+                        };
+                        c.fetch_add(1, Ordering::Relaxed);
+                        b.fetch_add(*bytes, Ordering::Relaxed);
+                        self.finish(doorbells, *shard, *id, Ok(()));
+                    }
+                    Err(e) => {
+                        self.finish(doorbells, *shard, *id, Err(format!("CUDA copy failed: {e}")))
+                    }
+                }
+                inflight.pop_front();
+                progressed = true;
+            }
+            if progressed {
+                idle_since = Instant::now();
+                continue;
+            }
+            if self.stop.load(Ordering::SeqCst) && inflight.is_empty() {
+                break;
+            }
+            if !inflight.is_empty() {
+                // A copy is running: poll its event often (completions are what requests wait
+                // for), without burning the core flat out.
+                std::thread::sleep(Duration::from_micros(10));
+            } else if idle_since.elapsed() < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else {
+                // Shards unpark the thread when they queue a job.
+                std::thread::park_timeout(Duration::from_millis(50));
+            }
+        }
+        // Engines synchronize their streams when dropped.
+        drop(engines);
+    }
+
+    /// Plans and enqueues a job; the event completes when its bytes have landed.
+    fn start_job(
+        &self,
+        engines: &mut [Option<CopyEngine>],
+        direction: Direction,
+        job: &GpuJob,
+        pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
+    ) -> Result<CudaEvent, String> {
+        let engine = match &mut engines[job.device] {
+            Some(e) => e,
+            slot @ None => slot.insert(
+                CopyEngine::new(&self.contexts[job.device], STAGING_BYTES, BATCHED_FROM)
+                    .map_err(|e| format!("creating the copy engine: {e}"))?,
+            ),
+        };
+        pieces.clear();
+        let base = self.arena.base_ptr() as u64;
+        for (offset, blocks) in &job.chunks {
+            if offset.checked_add(job.chunk_len).is_none_or(|end| end > self.arena.len()) {
+                return Err(format!("arena range {offset}+{} is outside the arena", job.chunk_len));
+            }
+            let len = job
+                .memory
+                .chunk_pieces(blocks, base + offset, pieces)
+                .map_err(|e| e.to_string())?;
+            if len != job.chunk_len {
+                return Err(format!("chunk of {len} bytes where {} were reserved", job.chunk_len));
+            }
+        }
+        // SAFETY (contract of `submit`): the pieces name the engine's imported tensors (kept
+        // alive by `job.memory` until the event completes: the caller keeps the job's memory
+        // Arc with the event) and arena slots the submitting request holds until it receives
+        // the completion; the arena is registered with CUDA and outlives this service.
+        submit_pieces(engine, direction, pieces)
+    }
+
+    fn finish(&self, doorbells: &Doorbells, shard: usize, id: u64, result: Result<(), String>) {
+        if result.is_err() {
+            self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.completions[shard].push(GpuDone { id, result }).is_err() {
+            // Sized for every job both threads can hold; losing one would leave a request
+            // waiting forever, so say so loudly.
+            tracing::error!(shard, id, "GPU completion queue overflow");
+        }
+        doorbells.ring(shard);
+    }
+}
+
+#[allow(unsafe_code)]
+fn submit_pieces(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    pieces: &[orbitkv_gpu::dma::plan::Piece],
+) -> Result<CudaEvent, String> {
+    // SAFETY: see `GpuService::start_job`.
+    unsafe { engine.submit(direction, pieces, Strategy::Auto) }
+        .map(|(event, _)| event)
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,234 @@
+//! GPU requests on a session's home shard: register and unregister an engine rank's tensors,
+//! save engine blocks into new chunks, load chunks back into engine blocks.
+//!
+//! Save reserves the chunks' slots, has `gpu-d2h` copy into them, then commits (or aborts on a
+//! copy failure). Load leases the present prefix, has `gpu-h2d` copy out of it, then releases.
+//! The request holds its slots until the copy's CUDA event has completed, and a closing
+//! session waits for its requests in flight, so no slot is reused under a running copy.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use orbitkv_gpu::dma::{Direction, EngineMemory};
+use orbitkv_proto::{
+    ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
+};
+use orbitkv_shards::{SessionId, ShardOp, ShardReply};
+
+use crate::executor::Exec;
+use crate::router::{per_slot, scatter};
+
+fn no_gpu() -> Response {
+    Response::error(
+        ErrorCode::Unavailable,
+        "this server has no GPU in use (no CUDA device, --gpu off, or the arena could not be \
+         registered; see the server log)",
+    )
+}
+
+/// `RegisterGpu`.
+pub(crate) fn register(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    device_uuid: &str,
+    layout: &KvLayoutSpec,
+    tensors: &[GpuTensor],
+) -> Response {
+    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
+    match gpu.register(session, device_uuid, layout, tensors) {
+        Ok((registration, generation)) => {
+            tracing::info!(session, registration, generation, device_uuid, "GPU registration");
+            Response::GpuRegistered { registration, generation }
+        }
+        Err((code, message)) => Response::Error { code, message },
+    }
+}
+
+/// `UnregisterGpu`: answered once no copy uses the engine's memory any more.
+pub(crate) async fn unregister(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    registration: u64,
+    generation: u64,
+) -> Response {
+    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
+    let memory = match gpu.unregister(session, registration, generation) {
+        Ok(m) => m,
+        Err((code, message)) => return Response::Error { code, message },
+    };
+    // Copies in flight hold the memory; the mapping closes when the last of them lets go.
+    while Arc::strong_count(&memory) > 1 {
+        glommio::timer::sleep(Duration::from_micros(50)).await;
+    }
+    drop(memory);
+    Response::GpuUnregistered
+}
+
+/// Checks the block list against the keys and the registered layout: `n` blocks per key,
+/// every id in range. Returns (blocks per chunk, chunk bytes).
+fn shape(memory: &EngineMemory, keys: usize, blocks: &[u64]) -> Result<(usize, u64), Response> {
+    let bad = |m: String| Err(Response::error(ErrorCode::InvalidArgument, m));
+    if blocks.is_empty() || !blocks.len().is_multiple_of(keys) {
+        return bad(format!(
+            "blocks: {} block ids for {keys} keys; give the same number (at least one) per key",
+            blocks.len()
+        ));
+    }
+    let layout = memory.layout();
+    if let Some((i, b)) = blocks.iter().enumerate().find(|(_, &b)| b >= layout.num_blocks) {
+        return bad(format!(
+            "blocks[{i}]: {b} is out of range (the engine registered {} blocks)",
+            layout.num_blocks
+        ));
+    }
+    let per_chunk = blocks.len() / keys;
+    Ok((per_chunk, layout.block_bytes() * per_chunk as u64))
+}
+
+fn blocks_of(blocks: &[u64], per_chunk: usize, i: usize) -> Vec<u64> {
+    blocks[i * per_chunk..(i + 1) * per_chunk].to_vec()
+}
+
+/// `Save`.
+pub(crate) async fn save(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    registration: u64,
+    generation: u64,
+    keys: Vec<ChunkKey>,
+    blocks: Vec<u64>,
+) -> Response {
+    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
+    let (device, memory) = match gpu.lookup(session, registration, generation) {
+        Ok(r) => r,
+        Err((code, message)) => return Response::Error { code, message },
+    };
+    if keys.is_empty() {
+        return Response::Outcomes { outcomes: Vec::new() };
+    }
+    let (per_chunk, chunk_len) = match shape(&memory, keys.len(), &blocks) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let items: Vec<(ChunkKey, u64)> = keys.iter().map(|k| (*k, chunk_len)).collect();
+    let slots = scatter(
+        exec,
+        &items,
+        |(k, _)| k,
+        |items| {
+            let (keys, lens) = items.into_iter().unzip();
+            ShardOp::Reserve { session, keys, lens }
+        },
+        |r| match r {
+            ShardReply::Reserved(s) => Some(s),
+            _ => None,
+        },
+        Reservation::Failed(ErrorCode::Internal),
+    )
+    .await;
+    let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
+    let mut reserved = Vec::new();
+    for (i, s) in slots.into_iter().enumerate() {
+        match s {
+            Reservation::Slot { offset, generation, .. } => {
+                reserved.push((i, SlotRef { key: keys[i], generation }, offset))
+            }
+            Reservation::Failed(code) => outcomes[i] = ChunkOutcome::Failed(code),
+        }
+    }
+    if reserved.is_empty() {
+        return Response::Outcomes { outcomes };
+    }
+    let chunks =
+        reserved.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
+    let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
+    let refs: Vec<SlotRef> = reserved.iter().map(|r| r.1).collect();
+    match copied {
+        Ok(()) => {
+            let done = per_slot(exec, &refs, |slots| ShardOp::Commit { session, slots }).await;
+            for (&(i, ..), o) in reserved.iter().zip(done) {
+                outcomes[i] = o;
+            }
+        }
+        Err((code, message)) => {
+            tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
+            per_slot(exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
+            for &(i, ..) in &reserved {
+                outcomes[i] = ChunkOutcome::Failed(code);
+            }
+        }
+    }
+    Response::Outcomes { outcomes }
+}
+
+/// `Load`.
+pub(crate) async fn load(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    registration: u64,
+    generation: u64,
+    keys: Vec<ChunkKey>,
+    blocks: Vec<u64>,
+) -> Response {
+    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
+    let (device, memory) = match gpu.lookup(session, registration, generation) {
+        Ok(r) => r,
+        Err((code, message)) => return Response::Error { code, message },
+    };
+    if keys.is_empty() {
+        return Response::Outcomes { outcomes: Vec::new() };
+    }
+    let (per_chunk, chunk_len) = match shape(&memory, keys.len(), &blocks) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let hits: Vec<Option<Hit>> = scatter(
+        exec,
+        &keys,
+        |k| k,
+        |keys| ShardOp::Lookup { session, keys, lease: true },
+        |r| match r {
+            ShardReply::Hits(h) => Some(h),
+            _ => None,
+        },
+        None,
+    )
+    .await;
+    let prefix = hits.iter().position(Option::is_none).unwrap_or(hits.len());
+    let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
+    // Every hit is leased (also those past the prefix); all are released at the end.
+    let leased: Vec<SlotRef> = keys
+        .iter()
+        .zip(&hits)
+        .filter_map(|(key, h)| h.map(|h| SlotRef { key: *key, generation: h.generation }))
+        .collect();
+    let mut chunks = Vec::new();
+    let mut copying = Vec::new();
+    for (i, h) in hits.iter().take(prefix).enumerate() {
+        let h = h.expect("inside the prefix every key hit");
+        if h.len != chunk_len {
+            outcomes[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
+            continue;
+        }
+        chunks.push((h.offset, blocks_of(&blocks, per_chunk, i)));
+        copying.push(i);
+    }
+    if !chunks.is_empty() {
+        let copied = exec.gpu_run(Direction::Load, device, memory, chunks, chunk_len).await;
+        let o = match copied {
+            Ok(()) => ChunkOutcome::Done,
+            Err((code, message)) => {
+                tracing::warn!(session, registration, %message, "GPU load failed");
+                ChunkOutcome::Failed(code)
+            }
+        };
+        for i in copying {
+            outcomes[i] = o;
+        }
+    }
+    if !leased.is_empty() {
+        per_slot(exec, &leased, |slots| ShardOp::Release { session, slots }).await;
+    }
+    Response::Outcomes { outcomes }
+}
