@@ -121,6 +121,15 @@ pub(crate) struct DmaArgs {
     /// Seed of the block order, slot order and tensor contents (default: 1).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub seed: u64,
+    /// Save and load through the orbitkv-server on this socket (this process acts as the
+    /// engine: it shares its tensors by CUDA IPC, the server's DMA threads copy), instead of
+    /// driving a copy engine in this process. The ceiling is still measured here.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// With `--socket`: also start a save, drop it unanswered, and check that the server
+    /// completes it anyway (cancellation never leaves a half-written chunk).
+    #[arg(long, requires = "socket")]
+    pub cancel_check: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -94,6 +94,8 @@ pub(crate) struct DmaReport {
     pub results: Vec<DirectionResult>,
     /// Sum of mismatched bytes over every series.
     pub mismatched_bytes: u64,
+    /// With `--socket`: the run through the server (its rows in `results` are `server`).
+    pub server: Option<crate::dma_server::ServedResult>,
 }
 
 impl Report for DmaReport {
@@ -148,6 +150,11 @@ impl Report for DmaReport {
 
     fn passed(&self) -> bool {
         self.mismatched_bytes == 0
+            && self.server.as_ref().is_none_or(|s| {
+                s.save_failures == 0
+                    && s.load_failures == 0
+                    && s.cancelled_save_completed != Some(false)
+            })
     }
 }
 
@@ -455,32 +462,69 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         originals,
         iterations: a.iterations,
     };
-    let strategies: Vec<(&'static str, Strategy)> = match a.strategy {
-        StrategyArg::Auto => vec![("auto", Strategy::Auto)],
-        StrategyArg::Staged => vec![("staged", Strategy::Staged)],
-        StrategyArg::Batched => vec![("batched", Strategy::Batched)],
-        StrategyArg::All => vec![
-            ("auto", Strategy::Auto),
-            ("staged", Strategy::Staged),
-            ("batched", Strategy::Batched),
-        ],
-    };
     let mut results = Vec::new();
     let mut mismatched = 0;
-    // Save first: the load series then starts from arena slots that hold the right bytes.
-    for direction in [Direction::Save, Direction::Load] {
-        let before = bench.ceiling(direction)?;
-        let mut rows = Vec::new();
-        for &(name, s) in &strategies {
-            rows.push(bench.series(direction, name, s)?);
+    let mut server = None;
+    if a.socket.is_some() {
+        let save_ceiling = bench.ceiling(Direction::Save)?;
+        let load_ceiling = bench.ceiling(Direction::Load)?;
+        let engine = crate::dma_server::Engine {
+            memory: &bench.memory,
+            originals: &bench.originals,
+            chunks: bench.chunks.iter().map(|(_, b)| b.clone()).collect(),
+            chunk_len: bench.chunk_len,
+            device_uuid: &info.uuid,
+        };
+        let served = crate::dma_server::run(a, &engine)?;
+        let bytes = bench.bytes;
+        let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
+        let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {
+            strategy: "server",
+            staged,
+            gbps,
+            best_gbps: gbps,
+            ratio: if ceiling > 0.0 { gbps / ceiling } else { 0.0 },
+            batches: 0,
+            mismatched_bytes: m,
+        };
+        results.push(DirectionResult {
+            direction: Direction::Save,
+            ceiling_gbps: save_ceiling,
+            strategies: vec![row(served.save_gbps, save_ceiling, served.save_mismatched_bytes)],
+        });
+        results.push(DirectionResult {
+            direction: Direction::Load,
+            ceiling_gbps: load_ceiling,
+            strategies: vec![row(served.load_gbps, load_ceiling, served.load_mismatched_bytes)],
+        });
+        mismatched = served.save_mismatched_bytes + served.load_mismatched_bytes;
+        server = Some(served);
+    } else {
+        let strategies: Vec<(&'static str, Strategy)> = match a.strategy {
+            StrategyArg::Auto => vec![("auto", Strategy::Auto)],
+            StrategyArg::Staged => vec![("staged", Strategy::Staged)],
+            StrategyArg::Batched => vec![("batched", Strategy::Batched)],
+            StrategyArg::All => vec![
+                ("auto", Strategy::Auto),
+                ("staged", Strategy::Staged),
+                ("batched", Strategy::Batched),
+            ],
+        };
+        // Save first: the load series then starts from arena slots that hold the right bytes.
+        for direction in [Direction::Save, Direction::Load] {
+            let before = bench.ceiling(direction)?;
+            let mut rows = Vec::new();
+            for &(name, s) in &strategies {
+                rows.push(bench.series(direction, name, s)?);
+            }
+            let after = bench.ceiling(direction)?;
+            let ceiling = before.max(after);
+            for r in &mut rows {
+                r.ratio = if ceiling > 0.0 { r.gbps / ceiling } else { 0.0 };
+                mismatched += r.mismatched_bytes;
+            }
+            results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
         }
-        let after = bench.ceiling(direction)?;
-        let ceiling = before.max(after);
-        for r in &mut rows {
-            r.ratio = if ceiling > 0.0 { r.gbps / ceiling } else { 0.0 };
-            mismatched += r.mismatched_bytes;
-        }
-        results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
     }
     let pieces = bench.pieces.len();
     drop(bench);
@@ -506,5 +550,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         register_ms,
         results,
         mismatched_bytes: mismatched,
+        server,
     })
 }

@@ -174,6 +174,9 @@ impl CopyEngine {
         let drv = |op: &'static str| {
             move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
         };
+        // Raw copies and launches below use the thread's current context: make it this one
+        // (a thread may drive engines of several devices).
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let bytes = pieces.iter().map(|p| p.len).sum();
         let staged = self.staged_for(strategy, pieces);
         let mut shape = JobShape { bytes, pieces: pieces.len(), batches: 0, staged };
@@ -307,6 +310,7 @@ impl CopyEngine {
         let drv = |op: &'static str| {
             move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
         };
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let way = match direction {
             Direction::Save => Way::DeviceToHost,
             Direction::Load => Way::HostToDevice,

@@ -56,6 +56,20 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The CUDA IPC handle of this allocation, for another process to open (an engine
+    /// sharing its KV tensors with the server).
+    pub fn ipc_handle(&self) -> Result<[u8; 64], DmaError> {
+        self.ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: queries the handle of a live allocation owned by self.
+        check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&raw mut raw, self.ptr) })?;
+        let mut out = [0u8; 64];
+        for (d, s) in out.iter_mut().zip(raw.reserved) {
+            *d = s as u8;
+        }
+        Ok(out)
+    }
 }
 
 impl Drop for DeviceBuffer {

@@ -142,6 +142,22 @@ impl EngineMemory {
         Ok(chunk_pieces(&self.layout, &self.tensors, blocks, host, out))
     }
 
+    /// IPC exports of an allocated engine's tensors (one allocation each, offset 0), as an
+    /// engine process would send them to the server.
+    pub fn exports(&self) -> Result<Vec<TensorExport>, DmaError> {
+        match &self.backing {
+            Backing::Owned(b) => b
+                .iter()
+                .map(|buf| {
+                    Ok(TensorExport { handle: buf.ipc_handle()?, offset: 0, len: buf.len() as u64 })
+                })
+                .collect(),
+            Backing::Imported(_) => {
+                Err(invalid("imported tensors are exported by their engine".into()))
+            }
+        }
+    }
+
     /// Overwrites tensor `i` of an allocated engine with `data` from offset 0.
     pub fn write_tensor(&self, i: usize, data: &[u8]) -> Result<(), DmaError> {
         match &self.backing {

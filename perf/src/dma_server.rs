@@ -1,0 +1,248 @@
+//! `orbitkv-perf dma --socket`: this process acts as an engine rank. It shares its KV tensors
+//! with the server by CUDA IPC, has the server save every chunk and load it back through its
+//! DMA threads, and checks every byte on both sides: the chunks through the mapped arena, the
+//! tensors by reading them back.
+
+use std::time::{Duration, Instant};
+
+use orbitkv_client::{
+    ChunkKey, ChunkOutcome, Client, ClientOptions, Dtype, GpuTensor, KvLayoutKind, KvLayoutSpec,
+    NamespaceDescriptor,
+};
+use orbitkv_gpu::dma::EngineMemory;
+use orbitkv_gpu::{KvLayout, LayoutDesc};
+use serde::Serialize;
+
+use crate::args::{DmaArgs, DtypeArg};
+use crate::error::Error;
+
+/// What the server run adds to the report.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct ServedResult {
+    /// Median GB/s of a save of every chunk (request to answer, commit included).
+    pub save_gbps: f64,
+    /// Median GB/s of a load of every chunk.
+    pub load_gbps: f64,
+    /// Chunks whose save outcome was not `Done` (over all iterations).
+    pub save_failures: u64,
+    /// Chunks whose load outcome was not `Done`.
+    pub load_failures: u64,
+    /// Mismatched bytes in the chunks read back through the arena after the last save.
+    pub save_mismatched_bytes: u64,
+    /// Mismatched bytes in the tensors after the last load.
+    pub load_mismatched_bytes: u64,
+    /// With `--cancel-check`: whether a save whose answer was dropped still completed with
+    /// the right bytes.
+    pub cancelled_save_completed: Option<bool>,
+}
+
+/// The stand-in engine the server copies from and to.
+pub(crate) struct Engine<'a> {
+    /// Its tensors.
+    pub memory: &'a EngineMemory,
+    /// Their contents.
+    pub originals: &'a [Vec<u8>],
+    /// Block ids of each chunk.
+    pub chunks: Vec<Vec<u64>>,
+    /// Bytes per chunk.
+    pub chunk_len: u64,
+    /// The device.
+    pub device_uuid: &'a str,
+}
+
+fn client_err(op: &'static str) -> impl Fn(orbitkv_client::Error) -> Error {
+    move |e| Error::Gpu(format!("{op} through the server: {e}"))
+}
+
+fn spec(l: &LayoutDesc) -> KvLayoutSpec {
+    KvLayoutSpec {
+        kind: match l.layout {
+            KvLayout::FlashAttnNhd => KvLayoutKind::FlashAttnNhd,
+            KvLayout::FlashAttnHnd => KvLayoutKind::FlashAttnHnd,
+            KvLayout::CrossLayer => KvLayoutKind::CrossLayer,
+            KvLayout::MlaPerLayer => KvLayoutKind::MlaPerLayer,
+            KvLayout::SglangPerLayer => KvLayoutKind::SglangPerLayer,
+        },
+        num_layers: l.num_layers,
+        num_blocks: l.num_blocks,
+        block_size: l.block_size,
+        kv_heads: l.kv_heads,
+        head_dim: l.head_dim,
+        elem_bytes: l.elem_bytes,
+    }
+}
+
+fn expected_chunk(l: &LayoutDesc, originals: &[Vec<u8>], blocks: &[u64], out: &mut Vec<u8>) {
+    out.clear();
+    for &block in blocks {
+        for s in l.block_segments(block) {
+            let t = &originals[s.tensor as usize];
+            out.extend_from_slice(&t[s.offset as usize..(s.offset + s.len) as usize]);
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn not_done(o: &[ChunkOutcome]) -> u64 {
+    o.iter().filter(|o| **o != ChunkOutcome::Done).count() as u64
+}
+
+/// Runs the save/load series through the server.
+pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
+    let socket = a.socket.as_ref().expect("server mode has a socket");
+    let layout = *e.memory.layout();
+    let mut client = Client::connect(ClientOptions {
+        name: "orbitkv-perf-dma".into(),
+        request_timeout: Duration::from_secs(120),
+        ..ClientOptions::with_socket(socket)
+    })
+    .map_err(client_err("connect"))?;
+    let per_chunk = e.chunks[0].len() as u32;
+    let descriptor = NamespaceDescriptor {
+        model: format!("orbitkv-perf-dma/{:?}", layout.layout),
+        dtype: match a.dtype {
+            DtypeArg::Bf16 => Dtype::Bf16,
+            DtypeArg::Fp16 => Dtype::Fp16,
+            DtypeArg::Fp8 => Dtype::Fp8E4m3,
+        },
+        num_layers: layout.num_layers,
+        num_kv_heads: layout.kv_heads,
+        head_dim: layout.head_dim,
+        kv_tensors: if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
+        tokens_per_chunk: layout.block_size * per_chunk,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    };
+    let ns = client.register_namespace(&descriptor).map_err(client_err("register namespace"))?;
+    if ns.max_chunk_bytes < e.chunk_len {
+        return Err(Error::Gpu(format!(
+            "namespace holds {} bytes per chunk, the layout needs {}",
+            ns.max_chunk_bytes, e.chunk_len
+        )));
+    }
+    let exports = e.memory.exports().map_err(|x| Error::Gpu(x.to_string()))?;
+    let tensors: Vec<GpuTensor> = exports
+        .iter()
+        .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
+        .collect();
+    let reg = client
+        .register_gpu(e.device_uuid, spec(&layout), &tensors)
+        .map_err(client_err("register_gpu"))?;
+    let keys: Vec<ChunkKey> = (0..e.chunks.len() as u64)
+        .map(|i| {
+            let mut h = blake3::Hasher::new();
+            h.update(b"orbitkv-perf-dma");
+            h.update(&a.seed.to_le_bytes());
+            h.update(&i.to_le_bytes());
+            ChunkKey::new(ns.id, *h.finalize().as_bytes())
+        })
+        .collect();
+    let blocks: Vec<u64> = e.chunks.iter().flatten().copied().collect();
+    let bytes = e.chunk_len * keys.len() as u64;
+    let gbps = |t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+
+    let mut save_runs = Vec::new();
+    let mut save_failures = 0;
+    for i in 0..=a.iterations {
+        client.evict(&keys).map_err(client_err("evict"))?;
+        let t = Instant::now();
+        let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
+        if i > 0 {
+            save_runs.push(gbps(t));
+        }
+        save_failures += not_done(&o);
+    }
+    // Every chunk, read through the mapped arena.
+    let mut save_mismatched_bytes = 0;
+    let mut want = Vec::new();
+    for (kb, cb) in keys.chunks(256).zip(e.chunks.chunks(256)) {
+        let leases = client.lookup_leased(kb).map_err(client_err("lookup"))?;
+        for (lease, blocks) in leases.iter().zip(cb) {
+            expected_chunk(&layout, e.originals, blocks, &mut want);
+            let got = client.chunk(lease).map_err(client_err("chunk"))?;
+            save_mismatched_bytes += got.iter().zip(&want).filter(|(x, y)| x != y).count() as u64;
+        }
+        // Chunks missing after a save count whole.
+        save_mismatched_bytes += (kb.len() - leases.len()) as u64 * e.chunk_len;
+        client.release(&leases).map_err(client_err("release"))?;
+    }
+
+    let junk = vec![0x5au8; e.originals[0].len()];
+    for i in 0..e.originals.len() {
+        e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
+    }
+    let mut load_runs = Vec::new();
+    let mut load_failures = 0;
+    for i in 0..=a.iterations {
+        let t = Instant::now();
+        let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
+        if i > 0 {
+            load_runs.push(gbps(t));
+        }
+        load_failures += not_done(&o);
+    }
+    let mut load_mismatched_bytes = 0;
+    let mut got = vec![0u8; e.originals[0].len()];
+    for (i, want) in e.originals.iter().enumerate() {
+        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
+        load_mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
+    }
+
+    let cancelled_save_completed = if a.cancel_check {
+        Some(cancel_check(&mut client, &reg, &keys, &blocks, per_chunk as usize, e, &layout)?)
+    } else {
+        None
+    };
+    client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+    Ok(ServedResult {
+        save_gbps: median(save_runs),
+        load_gbps: median(load_runs),
+        save_failures,
+        load_failures,
+        save_mismatched_bytes,
+        load_mismatched_bytes,
+        cancelled_save_completed,
+    })
+}
+
+/// Starts a save of up to 64 chunks, drops it unanswered, and waits (up to 30 s) for the
+/// chunks to appear with the right bytes.
+fn cancel_check(
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    keys: &[ChunkKey],
+    blocks: &[u64],
+    per_chunk: usize,
+    e: &Engine<'_>,
+    layout: &LayoutDesc,
+) -> Result<bool, Error> {
+    let n = keys.len().min(64);
+    client.evict(&keys[..n]).map_err(client_err("evict"))?;
+    let t = client
+        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
+        .map_err(client_err("start_save"))?;
+    drop(t);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut want = Vec::new();
+    loop {
+        let leases = client.lookup_leased(&keys[..n]).map_err(client_err("lookup"))?;
+        let complete = leases.len() == n;
+        let mut right = complete;
+        if complete {
+            for (lease, blocks) in leases.iter().zip(&e.chunks[..n]) {
+                expected_chunk(layout, e.originals, blocks, &mut want);
+                right &= client.chunk(lease).map_err(client_err("chunk"))? == &want[..];
+            }
+        }
+        client.release(&leases).map_err(client_err("release"))?;
+        if complete || Instant::now() >= deadline {
+            return Ok(right);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
