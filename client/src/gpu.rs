@@ -25,8 +25,10 @@ pub struct GpuRegistration {
     epoch: u64,
 }
 
-/// A save or load sent and not yet answered (see [`Client::start_save`]). Dropping it does not
-/// cancel the copy: the server finishes it (and, for a save, commits the chunks).
+/// A save or load sent and not yet answered (see [`Client::start_save`]). Dropping it cancels
+/// what has not started: a request the server has not taken yet is withdrawn (nothing is
+/// copied); one it has taken runs to the end (a save commits its chunks), because memory
+/// under a copy is never given back early.
 pub struct Transfer {
     pending: PendingAnswer,
     op: &'static str,

@@ -31,8 +31,8 @@ pub(crate) struct ServedResult {
     pub save_mismatched_bytes: u64,
     /// Mismatched bytes in the tensors after the last load.
     pub load_mismatched_bytes: u64,
-    /// With `--cancel-check`: whether a save whose answer was dropped still completed with
-    /// the right bytes.
+    /// With `--cancel-check`: whether a save dropped during its copy still completed with the
+    /// right bytes.
     pub cancelled_save_completed: Option<bool>,
 }
 
@@ -210,8 +210,8 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
     })
 }
 
-/// Starts a save of up to 64 chunks, drops it unanswered, and waits (up to 30 s) for the
-/// chunks to appear with the right bytes.
+/// Starts a save of up to 64 chunks, drops it unanswered 2 ms later (during its copy), and
+/// waits (up to 30 s) for the chunks to appear with the right bytes.
 fn cancel_check(
     client: &mut Client,
     reg: &orbitkv_client::GpuRegistration,
@@ -226,6 +226,9 @@ fn cancel_check(
     let t = client
         .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
         .map_err(client_err("start_save"))?;
+    // Let the server take the request (microseconds), so that the drop lands during the
+    // copy; a request dropped before it is taken is withdrawn instead.
+    std::thread::sleep(Duration::from_millis(2));
     drop(t);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut want = Vec::new();

@@ -591,10 +591,12 @@ impl Exec {
         self.gpu_next.set(id + 1);
         let (tx, rx) = local_channel::new_bounded(1);
         self.gpu_waiters.borrow_mut().insert(id, tx);
-        let job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
-        if gpu.submit(direction, job).is_err() {
-            self.gpu_waiters.borrow_mut().remove(&id);
-            return Err((ErrorCode::Busy, "the GPU copy queue of this shard is full".into()));
+        let mut job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
+        // A full queue means the copy engine is behind: wait for room (the queue is bounded,
+        // so are the jobs a request splits into; the client's timeout bounds the wait).
+        while let Err(back) = gpu.submit(direction, job) {
+            job = back;
+            glommio::timer::sleep(Duration::from_micros(20)).await;
         }
         match rx.recv().await {
             Some(Ok(())) => Ok(()),

@@ -19,6 +19,10 @@ use orbitkv_shards::{SessionId, ShardOp, ShardReply};
 use crate::executor::Exec;
 use crate::router::{per_slot, scatter};
 
+/// Bytes per copy job of a save: a job's chunks are committed when it completes, while the
+/// next jobs are copied.
+const SAVE_GROUP_BYTES: u64 = 64 << 20;
+
 fn no_gpu() -> Response {
     Response::error(
         ErrorCode::Unavailable,
@@ -140,23 +144,33 @@ pub(crate) async fn save(
     if reserved.is_empty() {
         return Response::Outcomes { outcomes };
     }
-    let chunks =
-        reserved.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
-    let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
-    let refs: Vec<SlotRef> = reserved.iter().map(|r| r.1).collect();
-    match copied {
-        Ok(()) => {
-            let done = per_slot(exec, &refs, |slots| ShardOp::Commit { session, slots }).await;
-            for (&(i, ..), o) in reserved.iter().zip(done) {
-                outcomes[i] = o;
-            }
-        }
-        Err((code, message)) => {
-            tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
-            per_slot(exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
-            for &(i, ..) in &reserved {
-                outcomes[i] = ChunkOutcome::Failed(code);
-            }
+    // Groups of chunks go to the DMA thread one after another; each group is committed (its
+    // checksums computed on the owning shards) as soon as its copy completes, while the copy
+    // engine works on the next groups.
+    let group = (SAVE_GROUP_BYTES / chunk_len).max(1) as usize;
+    let blocks = Rc::new(blocks);
+    let mut tasks = Vec::new();
+    for part in reserved.chunks(group) {
+        let part: Vec<(usize, SlotRef, u64)> = part.to_vec();
+        let (exec, memory, blocks) = (Rc::clone(exec), Arc::clone(&memory), Rc::clone(&blocks));
+        tasks.push(glommio::spawn_local(async move {
+            let chunks = part.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
+            let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
+            let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
+            let results: Vec<ChunkOutcome> = match copied {
+                Ok(()) => per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await,
+                Err((code, message)) => {
+                    tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
+                    per_slot(&exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
+                    vec![ChunkOutcome::Failed(code); refs.len()]
+                }
+            };
+            part.iter().map(|r| r.0).zip(results).collect::<Vec<_>>()
+        }));
+    }
+    for t in tasks {
+        for (i, o) in t.await {
+            outcomes[i] = o;
         }
     }
     Response::Outcomes { outcomes }
