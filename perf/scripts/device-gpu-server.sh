@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU save/load through orbitkv-server on the device machine: orbitkv-perf dma --socket acts as
 # the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
-# with SIGKILL in the middle of a save, then a clean run again. Stripped release binaries in
+# with SIGKILL in the middle of a save, then a clean run again. SHARDS sets the shard count (4). Stripped release binaries in
 # .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
-$B/orbitkv-server --socket $S --shards 4 --dram 16GiB --gpu required > $OUT/gpu-server.log 2>&1 &
+$B/orbitkv-server --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required > $OUT/gpu-server.log 2>&1 &
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
