@@ -154,6 +154,7 @@ impl Report for DmaReport {
                 s.save_failures == 0
                     && s.load_failures == 0
                     && s.cancelled_save_completed != Some(false)
+                    && s.stale_registration_refused
             })
     }
 }

@@ -34,6 +34,9 @@ pub(crate) struct ServedResult {
     /// With `--cancel-check`: whether a save dropped during its copy still completed with the
     /// right bytes.
     pub cancelled_save_completed: Option<bool>,
+    /// A save naming an unregistered registration was refused, a new registration got a new
+    /// generation, and the old one stayed refused.
+    pub stale_registration_refused: bool,
 }
 
 /// The stand-in engine the server copies from and to.
@@ -199,6 +202,14 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         None
     };
     client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+    let stale_registration_refused = stale_check(
+        &mut client,
+        &reg,
+        (&keys[..1], &blocks[..per_chunk as usize]),
+        e.device_uuid,
+        &layout,
+        &tensors,
+    )?;
     Ok(ServedResult {
         save_gbps: median(save_runs),
         load_gbps: median(load_runs),
@@ -207,7 +218,39 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         save_mismatched_bytes,
         load_mismatched_bytes,
         cancelled_save_completed,
+        stale_registration_refused,
     })
+}
+
+/// After unregistering: a save naming the old registration is refused; a new registration
+/// (the engine registering again) gets a new generation, and the old one is still refused
+/// (`StaleGeneration` when its slot was reused).
+fn stale_check(
+    client: &mut Client,
+    old: &orbitkv_client::GpuRegistration,
+    (one, first_blocks): (&[ChunkKey], &[u64]),
+    device_uuid: &str,
+    layout: &LayoutDesc,
+    tensors: &[GpuTensor],
+) -> Result<bool, Error> {
+    use orbitkv_client::ErrorCode;
+    let refused = |r: Result<Vec<ChunkOutcome>, orbitkv_client::Error>| {
+        matches!(
+            r,
+            Err(orbitkv_client::Error::Server {
+                code: ErrorCode::NotFound | ErrorCode::StaleGeneration,
+                ..
+            })
+        )
+    };
+    let gone = refused(client.save(old, one, first_blocks));
+    let again = client
+        .register_gpu(device_uuid, spec(layout), tensors)
+        .map_err(client_err("register_gpu again"))?;
+    let newer = again.generation > old.generation;
+    let stale = refused(client.save(old, one, first_blocks));
+    client.unregister_gpu(&again).map_err(client_err("unregister_gpu"))?;
+    Ok(gone && newer && stale)
 }
 
 /// Starts a save of up to 64 chunks, drops it unanswered 2 ms later (during its copy), and
