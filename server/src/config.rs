@@ -98,6 +98,13 @@ pub struct ServerConfig {
     /// Use CUDA: `auto` (when a device exists), `off`, or `required` (refuse to start without
     /// one). Default: `auto`.
     pub gpu: orbitkv_gpu::GpuMode,
+    /// GPU staging buffer of each DMA thread on each device (two halves; pages are gathered
+    /// into it before crossing the bus). Default: `64MiB`.
+    pub gpu_staging: String,
+    /// GPU copy jobs each shard may have queued for each DMA thread. Default: 64.
+    pub gpu_queue_depth: usize,
+    /// Engine ranks registered for GPU save/load at once. Default: 256.
+    pub max_gpu_registrations: usize,
 }
 
 impl Default for ServerConfig {
@@ -127,6 +134,9 @@ impl Default for ServerConfig {
             ssd_inject_latency: "0".into(),
             ssd_inject_errors_every: 0,
             gpu: orbitkv_gpu::GpuMode::Auto,
+            gpu_staging: "64MiB".into(),
+            gpu_queue_depth: 64,
+            max_gpu_registrations: 256,
         }
     }
 }
@@ -211,6 +221,15 @@ pub struct Args {
     /// Use CUDA: auto (when a device exists), off, or required (default: auto).
     #[arg(long, value_name = "MODE", value_parser = parse_gpu_mode)]
     pub gpu: Option<orbitkv_gpu::GpuMode>,
+    /// GPU staging per DMA thread and device (default: 64MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_staging: Option<String>,
+    /// GPU copy jobs a shard may queue per DMA thread (default: 64).
+    #[arg(long, value_name = "N")]
+    pub gpu_queue_depth: Option<usize>,
+    /// Engine ranks registered for GPU save/load at once (default: 256).
+    #[arg(long, value_name = "N")]
+    pub max_gpu_registrations: Option<usize>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -241,6 +260,8 @@ pub struct Settings {
     pub drain_timeout: Duration,
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
+    /// GPU staging bytes per DMA thread and device.
+    pub gpu_staging_bytes: u64,
 }
 
 /// Validated SSD tier settings.
@@ -349,7 +370,10 @@ impl ServerConfig {
             ssd_queue_depth,
             ssd_inject_latency,
             ssd_inject_errors_every,
-            gpu
+            gpu,
+            gpu_staging,
+            gpu_queue_depth,
+            max_gpu_registrations
         );
         if a.no_lock_arena {
             self.lock_arena = false;
@@ -434,6 +458,19 @@ impl ServerConfig {
         let drain_timeout = parse_duration(&self.drain_timeout)
             .map_err(|e| invalid("--drain-timeout", e.to_string()))?;
         let ssd = self.validate_ssd(shards)?;
+        let gpu_staging_bytes =
+            parse_size(&self.gpu_staging).map_err(|e| invalid("--gpu-staging", e.to_string()))?;
+        if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
+            return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
+        }
+        for (flag, v, max) in [
+            ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
+            ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
+        ] {
+            if v == 0 || v > max {
+                return Err(invalid(flag, format!("must be between 1 and {max}")));
+            }
+        }
         Ok(Settings {
             ssd,
             config: self.clone(),
@@ -444,6 +481,7 @@ impl ServerConfig {
             spin_window,
             idle_poll_max,
             drain_timeout,
+            gpu_staging_bytes,
         })
     }
 }
@@ -471,6 +509,12 @@ mod tests {
             .contains("--idle-poll-max"));
         assert!(bad(ServerConfig { spin_window: "1s".into(), ..Default::default() })
             .contains("--spin-window"));
+        assert!(bad(ServerConfig { gpu_staging: "4KiB".into(), ..Default::default() })
+            .contains("--gpu-staging"));
+        assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })
+            .contains("--gpu-queue-depth"));
+        assert!(bad(ServerConfig { max_gpu_registrations: 0, ..Default::default() })
+            .contains("--max-gpu-registrations"));
         assert!(bad(ServerConfig { spin_window: "fast".into(), ..Default::default() })
             .contains("--spin-window"));
         assert!(bad(ServerConfig { shards: 1000, ..Default::default() }).contains("--shards"));

@@ -23,12 +23,20 @@ use orbitkv_shards::{Arena, SessionId};
 
 use crate::doorbell::Doorbells;
 
-/// Jobs a shard may have queued for one thread.
-pub const JOB_QUEUE_DEPTH: usize = 64;
-/// Most registrations at once (engine ranks on this host).
-pub const MAX_REGISTRATIONS: usize = 256;
-/// GPU staging per device and thread (two halves).
-pub const STAGING_BYTES: usize = 64 << 20;
+mod registry;
+
+use registry::Registry;
+
+/// The bounds of GPU save/load (from the server configuration).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuLimits {
+    /// Jobs a shard may have queued for each thread (`--gpu-queue-depth`).
+    pub queue_depth: usize,
+    /// Registrations at once (`--max-gpu-registrations`).
+    pub max_registrations: usize,
+    /// GPU staging per device and thread, both halves (`--gpu-staging`).
+    pub staging_bytes: usize,
+}
 
 /// Jobs on the GPU: (shard, job id, bytes, completion event, the engine memory they touch).
 type InFlight = VecDeque<(usize, u64, u64, CudaEvent, Arc<EngineMemory>)>;
@@ -58,20 +66,6 @@ pub struct GpuDone {
     pub result: Result<(), String>,
 }
 
-/// A registered engine rank.
-struct Registration {
-    session: SessionId,
-    generation: u64,
-    device: usize,
-    memory: Arc<EngineMemory>,
-}
-
-#[derive(Default)]
-struct Registry {
-    slots: Vec<Option<Registration>>,
-    next_generation: u64,
-}
-
 /// Counters for `ctl stats`.
 #[derive(Default, Debug)]
 pub struct GpuCounters {
@@ -98,7 +92,8 @@ pub struct GpuService {
     devices: Vec<DeviceInfo>,
     contexts: Vec<Arc<CudaContext>>,
     arena: Arc<Arena>,
-    registry: Mutex<Registry>,
+    registry: Mutex<Registry<Arc<EngineMemory>>>,
+    limits: GpuLimits,
     workers: [Worker; 2],
     completions: Vec<ArrayQueue<GpuDone>>,
     stop: AtomicBool,
@@ -137,6 +132,7 @@ impl GpuService {
         devices: Vec<DeviceInfo>,
         arena: Arc<Arena>,
         shards: usize,
+        limits: GpuLimits,
     ) -> Result<Arc<Self>, String> {
         let contexts = devices
             .iter()
@@ -146,17 +142,18 @@ impl GpuService {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let worker = || Worker {
-            queues: (0..shards).map(|_| ArrayQueue::new(JOB_QUEUE_DEPTH)).collect(),
+            queues: (0..shards).map(|_| ArrayQueue::new(limits.queue_depth)).collect(),
             thread: OnceLock::new(),
         };
         Ok(Arc::new(Self {
             devices,
             contexts,
             arena,
-            registry: Mutex::new(Registry::default()),
+            registry: Mutex::new(Registry::new(limits.max_registrations)),
+            limits,
             workers: [worker(), worker()],
             // Room for every job of both threads: a completion push never fails.
-            completions: (0..shards).map(|_| ArrayQueue::new(2 * JOB_QUEUE_DEPTH)).collect(),
+            completions: (0..shards).map(|_| ArrayQueue::new(2 * limits.queue_depth)).collect(),
             stop: AtomicBool::new(false),
             handles: Mutex::new(Vec::new()),
             counters: GpuCounters::default(),
@@ -200,7 +197,7 @@ impl GpuService {
 
     /// Registrations open now.
     pub fn registrations(&self) -> usize {
-        self.registry.lock().expect("never poisoned").slots.iter().flatten().count()
+        self.registry.lock().expect("never poisoned").len()
     }
 
     /// Imports an engine rank's tensors. Errors name the field.
@@ -221,12 +218,6 @@ impl GpuService {
                 ),
             )
         })?;
-        if self.registrations() >= MAX_REGISTRATIONS {
-            return Err((
-                ErrorCode::Busy,
-                format!("{MAX_REGISTRATIONS} GPU registrations are open"),
-            ));
-        }
         let exports: Vec<TensorExport> = tensors
             .iter()
             .map(|t| TensorExport { handle: t.handle, offset: t.offset, len: t.len })
@@ -234,21 +225,7 @@ impl GpuService {
         // Opening IPC handles takes the driver a moment; registration is rare (engine start).
         let memory = EngineMemory::import(&self.contexts[device], layout_desc(spec), &exports)
             .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
-        let mut reg = self.registry.lock().expect("never poisoned");
-        reg.next_generation += 1;
-        let generation = reg.next_generation;
-        let entry = Registration { session, generation, device, memory: Arc::new(memory) };
-        let id = match reg.slots.iter().position(Option::is_none) {
-            Some(i) => {
-                reg.slots[i] = Some(entry);
-                i
-            }
-            None => {
-                reg.slots.push(Some(entry));
-                reg.slots.len() - 1
-            }
-        };
-        Ok((id as u64, generation))
+        self.registry.lock().expect("never poisoned").insert(session, device, Arc::new(memory))
     }
 
     /// The registration `(id, generation)` of `session`: its device and memory.
@@ -258,17 +235,7 @@ impl GpuService {
         id: u64,
         generation: u64,
     ) -> Result<(usize, Arc<EngineMemory>), (ErrorCode, String)> {
-        let reg = self.registry.lock().expect("never poisoned");
-        match reg.slots.get(id as usize).and_then(Option::as_ref) {
-            Some(r) if r.session == session && r.generation == generation => {
-                Ok((r.device, Arc::clone(&r.memory)))
-            }
-            Some(r) if r.session == session => Err((
-                ErrorCode::StaleGeneration,
-                format!("registration {id} is generation {}, not {generation}", r.generation),
-            )),
-            _ => Err((ErrorCode::NotFound, format!("no GPU registration {id} in this session"))),
-        }
+        self.registry.lock().expect("never poisoned").get(session, id, generation)
     }
 
     /// Removes a registration; returns its memory so that the caller can wait until no copy
@@ -279,24 +246,13 @@ impl GpuService {
         id: u64,
         generation: u64,
     ) -> Result<Arc<EngineMemory>, (ErrorCode, String)> {
-        self.lookup(session, id, generation)?;
-        let mut reg = self.registry.lock().expect("never poisoned");
-        let r = reg.slots[id as usize].take().expect("looked up just now");
-        Ok(r.memory)
+        self.registry.lock().expect("never poisoned").remove(session, id, generation)
     }
 
     /// Removes every registration of a closed session (copies in flight keep their memory
     /// until they complete).
     pub fn drop_session(&self, session: SessionId) -> usize {
-        let mut reg = self.registry.lock().expect("never poisoned");
-        let mut n = 0;
-        for slot in reg.slots.iter_mut() {
-            if slot.as_ref().is_some_and(|r| r.session == session) {
-                *slot = None;
-                n += 1;
-            }
-        }
-        n
+        self.registry.lock().expect("never poisoned").remove_session(session)
     }
 
     /// Queues a job on the thread for `direction`; gives it back when the queue is full.
@@ -394,8 +350,12 @@ impl GpuService {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => slot.insert(
-                CopyEngine::new(&self.contexts[job.device], STAGING_BYTES, BATCHED_FROM)
-                    .map_err(|e| format!("creating the copy engine: {e}"))?,
+                CopyEngine::new(
+                    &self.contexts[job.device],
+                    self.limits.staging_bytes,
+                    BATCHED_FROM,
+                )
+                .map_err(|e| format!("creating the copy engine: {e}"))?,
             ),
         };
         pieces.clear();

@@ -209,7 +209,12 @@ fn run(settings: Settings) -> Result<(), String> {
     // GPU save/load needs the arena registered with CUDA.
     if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(_)) = (&shared.gpu, &_registration)
     {
-        let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards)?;
+        let limits = gpu::GpuLimits {
+            queue_depth: settings.config.gpu_queue_depth,
+            max_registrations: settings.config.max_gpu_registrations,
+            staging_bytes: settings.gpu_staging_bytes as usize,
+        };
+        let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;
         tracing::info!(devices = devices.len(), "GPU save/load ready (gpu-d2h, gpu-h2d)");
         let _ = shared.gpu_service.set(service);
