@@ -213,6 +213,12 @@ impl Connection {
 
     /// Sends one request and waits for its response.
     pub(crate) fn call(&mut self, req: &Request, timeout: Duration) -> Result<Response, Error> {
+        let bytes = self.encode_checked(req)?;
+        self.call_bytes(&bytes, req.op_name(), timeout)
+    }
+
+    /// Encodes a request, refusing one over the server's size limit.
+    fn encode_checked(&self, req: &Request) -> Result<impl std::ops::Deref<Target = [u8]>, Error> {
         let bytes = encode(req);
         if bytes.len() as u64 > self.max_request_bytes {
             return Err(Error::InvalidArgument(format!(
@@ -222,7 +228,7 @@ impl Connection {
                 self.max_request_bytes
             )));
         }
-        self.call_bytes(&bytes, req.op_name(), timeout)
+        Ok(bytes)
     }
 
     /// Sends already-encoded request bytes (any bytes) and waits for the response.
@@ -240,15 +246,7 @@ impl Connection {
     /// Sends a request and returns its pending answer (for [`Connection::poll`] or
     /// [`Connection::wait`]).
     pub(crate) fn start(&mut self, req: &Request) -> Result<PendingAnswer, Error> {
-        let bytes = encode(req);
-        if bytes.len() as u64 > self.max_request_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "{} request of {} bytes exceeds the server's {}-byte limit",
-                req.op_name(),
-                bytes.len(),
-                self.max_request_bytes
-            )));
-        }
+        let bytes = self.encode_checked(req)?;
         self.reap_deferred();
         Ok(PendingAnswer(self.send(&bytes)?))
     }

@@ -45,6 +45,31 @@ impl std::fmt::Debug for Transfer {
     }
 }
 
+/// Which way a transfer copies.
+#[derive(Clone, Copy)]
+enum Way {
+    Save,
+    Load,
+}
+
+impl Way {
+    fn name(self) -> &'static str {
+        match self {
+            Way::Save => "save",
+            Way::Load => "load",
+        }
+    }
+
+    fn request(self, r: &GpuRegistration, keys: &[ChunkKey], blocks: &[u64]) -> Request {
+        let (registration, generation) = (r.id, r.generation);
+        let (keys, blocks) = (keys.to_vec(), blocks.to_vec());
+        match self {
+            Way::Save => Request::Save { registration, generation, keys, blocks },
+            Way::Load => Request::Load { registration, generation, keys, blocks },
+        }
+    }
+}
+
 fn check_blocks(keys: &[ChunkKey], blocks: &[u64]) -> Result<usize, Error> {
     if keys.is_empty() || blocks.is_empty() || !blocks.len().is_multiple_of(keys.len()) {
         return Err(Error::InvalidArgument(format!(
@@ -107,22 +132,21 @@ impl Client {
 
     fn transfer(
         &mut self,
-        op: &'static str,
+        way: Way,
         r: &GpuRegistration,
         keys: &[ChunkKey],
         blocks: &[u64],
-        make: impl Fn(Vec<ChunkKey>, Vec<u64>) -> Request,
     ) -> Result<Vec<ChunkOutcome>, Error> {
         self.check_epoch(r)?;
         let per_chunk = check_blocks(keys, blocks)?;
         let batch = self.transfer_batch(per_chunk);
         let mut all = Vec::with_capacity(keys.len());
         for (kb, bb) in keys.chunks(batch).zip(blocks.chunks(batch * per_chunk)) {
-            match self.call(&make(kb.to_vec(), bb.to_vec()))? {
+            match self.call(&way.request(r, kb, bb))? {
                 Response::Outcomes { outcomes } if outcomes.len() == kb.len() => {
                     all.extend(outcomes)
                 }
-                other => return Err(unexpected(op, other)),
+                other => return Err(unexpected(way.name(), other)),
             }
         }
         Ok(all)
@@ -137,13 +161,7 @@ impl Client {
         keys: &[ChunkKey],
         blocks: &[u64],
     ) -> Result<Vec<ChunkOutcome>, Error> {
-        let (id, generation) = (r.id, r.generation);
-        self.transfer("save", r, keys, blocks, |keys, blocks| Request::Save {
-            registration: id,
-            generation,
-            keys,
-            blocks,
-        })
+        self.transfer(Way::Save, r, keys, blocks)
     }
 
     /// Copies chunks back into engine blocks (same packing as [`Client::save`]). The longest
@@ -154,25 +172,19 @@ impl Client {
         keys: &[ChunkKey],
         blocks: &[u64],
     ) -> Result<Vec<ChunkOutcome>, Error> {
-        let (id, generation) = (r.id, r.generation);
-        self.transfer("load", r, keys, blocks, |keys, blocks| Request::Load {
-            registration: id,
-            generation,
-            keys,
-            blocks,
-        })
+        self.transfer(Way::Load, r, keys, blocks)
     }
 
     fn start(
         &mut self,
-        op: &'static str,
+        way: Way,
         r: &GpuRegistration,
         keys: &[ChunkKey],
         blocks: &[u64],
-        req: Request,
     ) -> Result<Transfer, Error> {
         self.check_epoch(r)?;
         let per_chunk = check_blocks(keys, blocks)?;
+        let op = way.name();
         if keys.len() > self.transfer_batch(per_chunk) {
             return Err(Error::InvalidArgument(format!(
                 "{} keys do not fit one {op} request (at most {}); use {op}() or split",
@@ -181,7 +193,7 @@ impl Client {
             )));
         }
         let conn = self.conn.as_mut().ok_or(Error::Stale)?;
-        let pending = conn.start(&req)?;
+        let pending = conn.start(&way.request(r, keys, blocks))?;
         Ok(Transfer { pending, op, keys: keys.len(), epoch: r.epoch })
     }
 
@@ -193,13 +205,7 @@ impl Client {
         keys: &[ChunkKey],
         blocks: &[u64],
     ) -> Result<Transfer, Error> {
-        let req = Request::Save {
-            registration: r.id,
-            generation: r.generation,
-            keys: keys.to_vec(),
-            blocks: blocks.to_vec(),
-        };
-        self.start("save", r, keys, blocks, req)
+        self.start(Way::Save, r, keys, blocks)
     }
 
     /// Starts a load of one request's worth of chunks and returns at once.
@@ -209,13 +215,7 @@ impl Client {
         keys: &[ChunkKey],
         blocks: &[u64],
     ) -> Result<Transfer, Error> {
-        let req = Request::Load {
-            registration: r.id,
-            generation: r.generation,
-            keys: keys.to_vec(),
-            blocks: blocks.to_vec(),
-        };
-        self.start("load", r, keys, blocks, req)
+        self.start(Way::Load, r, keys, blocks)
     }
 
     fn finish(&self, t: &Transfer, answer: Response) -> Result<Vec<ChunkOutcome>, Error> {

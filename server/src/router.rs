@@ -127,12 +127,15 @@ fn check_bounds(
 ) -> Result<(), (ErrorCode, String)> {
     let cfg = &exec.shared.settings.config;
     match r {
-        Request::Reserve { keys, lens } => {
-            if keys.len() != lens.len() {
-                return Err((
-                    ErrorCode::Malformed,
-                    format!("reserve has {} keys but {} lengths", keys.len(), lens.len()),
-                ));
+        // A save reserves its chunks like a reserve does.
+        Request::Reserve { .. } | Request::Save { .. } => {
+            if let Request::Reserve { keys, lens } = r {
+                if keys.len() != lens.len() {
+                    return Err((
+                        ErrorCode::Malformed,
+                        format!("reserve has {} keys but {} lengths", keys.len(), lens.len()),
+                    ));
+                }
             }
             if exec.shared.state() == ServeState::Draining {
                 return Err((ErrorCode::Draining, "server is draining: writes are refused".into()));
@@ -142,22 +145,6 @@ fn check_bounds(
                     ErrorCode::LeaseLimit,
                     format!(
                         "session holds {} reservations; {n} more exceed \
-                         --max-reservations-per-session {}",
-                        counters.reservations(),
-                        cfg.max_reservations_per_session
-                    ),
-                ));
-            }
-        }
-        Request::Save { .. } => {
-            if exec.shared.state() == ServeState::Draining {
-                return Err((ErrorCode::Draining, "server is draining: writes are refused".into()));
-            }
-            if counters.reservations() + n > cfg.max_reservations_per_session {
-                return Err((
-                    ErrorCode::LeaseLimit,
-                    format!(
-                        "session holds {} reservations; saving {n} chunks exceeds \
                          --max-reservations-per-session {}",
                         counters.reservations(),
                         cfg.max_reservations_per_session
@@ -209,18 +196,7 @@ async fn execute(
             Response::Registered { namespace: id, max_chunk_bytes: max }
         }
         Request::Lookup { keys, lease } => {
-            let hits = scatter(
-                exec,
-                &keys,
-                |k| k,
-                |keys| ShardOp::Lookup { session, keys, lease },
-                |r| match r {
-                    ShardReply::Hits(h) => Some(h),
-                    _ => None,
-                },
-                None,
-            )
-            .await;
+            let hits = lookup(exec, session, &keys, lease).await;
             let prefix = hits.iter().position(Option::is_none).unwrap_or(hits.len());
             if lease {
                 // Hits past the first miss were leased by their shards; give them back.
@@ -246,21 +222,7 @@ async fn execute(
         }
         Request::Reserve { keys, lens } => {
             let items: Vec<(ChunkKey, u64)> = keys.into_iter().zip(lens).collect();
-            let slots = scatter(
-                exec,
-                &items,
-                |(k, _)| k,
-                |items| {
-                    let (keys, lens) = items.into_iter().unzip();
-                    ShardOp::Reserve { session, keys, lens }
-                },
-                |r| match r {
-                    ShardReply::Reserved(s) => Some(s),
-                    _ => None,
-                },
-                Reservation::Failed(ErrorCode::Internal),
-            )
-            .await;
+            let slots = reserve(exec, session, &items).await;
             let made = slots.iter().filter(|s| matches!(s, Reservation::Slot { .. })).count();
             counters.add_reservations(made as i64 - slots.len() as i64);
             Response::Reserved { slots }
@@ -308,6 +270,51 @@ async fn execute(
             r
         }
     }
+}
+
+/// Looks `keys` up on their shards (leasing the hits when `lease`); one result per key, in
+/// key order (hits past a miss included).
+pub(crate) async fn lookup(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    keys: &[ChunkKey],
+    lease: bool,
+) -> Vec<Option<Hit>> {
+    scatter(
+        exec,
+        keys,
+        |k| k,
+        |keys| ShardOp::Lookup { session, keys, lease },
+        |r| match r {
+            ShardReply::Hits(h) => Some(h),
+            _ => None,
+        },
+        None,
+    )
+    .await
+}
+
+/// Reserves `(key, length)` items on their shards for `session`; one result per item.
+pub(crate) async fn reserve(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    items: &[(ChunkKey, u64)],
+) -> Vec<Reservation> {
+    scatter(
+        exec,
+        items,
+        |(k, _)| k,
+        |items| {
+            let (keys, lens) = items.into_iter().unzip();
+            ShardOp::Reserve { session, keys, lens }
+        },
+        |r| match r {
+            ShardReply::Reserved(s) => Some(s),
+            _ => None,
+        },
+        Reservation::Failed(ErrorCode::Internal),
+    )
+    .await
 }
 
 /// The outcome of an item whose shard reply was lost.

@@ -14,10 +14,10 @@ use orbitkv_gpu::dma::{Direction, EngineMemory};
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
 };
-use orbitkv_shards::{SessionId, ShardOp, ShardReply};
+use orbitkv_shards::{SessionId, ShardOp};
 
 use crate::executor::Exec;
-use crate::router::{per_slot, scatter};
+use crate::router::{lookup, per_slot, reserve};
 
 /// Bytes per copy job of a save: a job's chunks are committed when it completes, while the
 /// next jobs are copied.
@@ -94,6 +94,34 @@ fn blocks_of(blocks: &[u64], per_chunk: usize, i: usize) -> Vec<u64> {
     blocks[i * per_chunk..(i + 1) * per_chunk].to_vec()
 }
 
+/// A save or load that passed its checks.
+struct Transfer {
+    device: usize,
+    memory: Arc<EngineMemory>,
+    per_chunk: usize,
+    chunk_len: u64,
+}
+
+/// Finds the registration and checks the blocks; the error is the whole answer (an empty
+/// key list answers no outcomes).
+fn prepare(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    (registration, generation): (u64, u64),
+    keys: &[ChunkKey],
+    blocks: &[u64],
+) -> Result<Transfer, Response> {
+    let Some(gpu) = exec.shared.gpu_service.get() else { return Err(no_gpu()) };
+    let (device, memory) = gpu
+        .lookup(session, registration, generation)
+        .map_err(|(code, message)| Response::Error { code, message })?;
+    if keys.is_empty() {
+        return Err(Response::Outcomes { outcomes: Vec::new() });
+    }
+    let (per_chunk, chunk_len) = shape(&memory, keys.len(), blocks)?;
+    Ok(Transfer { device, memory, per_chunk, chunk_len })
+}
+
 /// `Save`.
 pub(crate) async fn save(
     exec: &Rc<Exec>,
@@ -103,34 +131,13 @@ pub(crate) async fn save(
     keys: Vec<ChunkKey>,
     blocks: Vec<u64>,
 ) -> Response {
-    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
-    let (device, memory) = match gpu.lookup(session, registration, generation) {
-        Ok(r) => r,
-        Err((code, message)) => return Response::Error { code, message },
-    };
-    if keys.is_empty() {
-        return Response::Outcomes { outcomes: Vec::new() };
-    }
-    let (per_chunk, chunk_len) = match shape(&memory, keys.len(), &blocks) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
+    let Transfer { device, memory, per_chunk, chunk_len } =
+        match prepare(exec, session, (registration, generation), &keys, &blocks) {
+            Ok(t) => t,
+            Err(answer) => return answer,
+        };
     let items: Vec<(ChunkKey, u64)> = keys.iter().map(|k| (*k, chunk_len)).collect();
-    let slots = scatter(
-        exec,
-        &items,
-        |(k, _)| k,
-        |items| {
-            let (keys, lens) = items.into_iter().unzip();
-            ShardOp::Reserve { session, keys, lens }
-        },
-        |r| match r {
-            ShardReply::Reserved(s) => Some(s),
-            _ => None,
-        },
-        Reservation::Failed(ErrorCode::Internal),
-    )
-    .await;
+    let slots = reserve(exec, session, &items).await;
     let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
     let mut reserved = Vec::new();
     for (i, s) in slots.into_iter().enumerate() {
@@ -185,30 +192,12 @@ pub(crate) async fn load(
     keys: Vec<ChunkKey>,
     blocks: Vec<u64>,
 ) -> Response {
-    let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
-    let (device, memory) = match gpu.lookup(session, registration, generation) {
-        Ok(r) => r,
-        Err((code, message)) => return Response::Error { code, message },
-    };
-    if keys.is_empty() {
-        return Response::Outcomes { outcomes: Vec::new() };
-    }
-    let (per_chunk, chunk_len) = match shape(&memory, keys.len(), &blocks) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let hits: Vec<Option<Hit>> = scatter(
-        exec,
-        &keys,
-        |k| k,
-        |keys| ShardOp::Lookup { session, keys, lease: true },
-        |r| match r {
-            ShardReply::Hits(h) => Some(h),
-            _ => None,
-        },
-        None,
-    )
-    .await;
+    let Transfer { device, memory, per_chunk, chunk_len } =
+        match prepare(exec, session, (registration, generation), &keys, &blocks) {
+            Ok(t) => t,
+            Err(answer) => return answer,
+        };
+    let hits: Vec<Option<Hit>> = lookup(exec, session, &keys, true).await;
     let prefix = hits.iter().position(Option::is_none).unwrap_or(hits.len());
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
     // Every hit is leased (also those past the prefix); all are released at the end.
