@@ -5,6 +5,13 @@
 //! A registration belongs to the session that made it: it ends with `unregister_gpu` or with
 //! the session (a server restart included: then calls with it fail `Stale`, and the engine
 //! registers again, getting a new generation).
+//!
+//! The engine's part of the contract: the blocks a save names hold their final bytes before
+//! the save is sent (synchronize the stream that wrote them), and the blocks of a save or load
+//! are not reused until its answer has arrived. When a call fails without an answer (a
+//! timeout, a lost connection), the server may still be copying: the blocks stay off-limits
+//! until the session has closed (the server closes it when the client's socket goes, and
+//! finishes every copy before reclaiming anything).
 
 use orbitkv_proto::{ChunkKey, ChunkOutcome, GpuTensor, KvLayoutSpec, Request, Response};
 
@@ -148,6 +155,13 @@ impl Client {
                 }
                 other => return Err(unexpected(way.name(), other)),
             }
+            // A load is of the longest present prefix: once a chunk was not loaded, later
+            // batches are not sent (their keys are not part of the prefix).
+            if matches!(way, Way::Load) && all.iter().any(|o| *o != ChunkOutcome::Done) {
+                let missing = ChunkOutcome::Failed(orbitkv_proto::ErrorCode::NotFound);
+                all.resize(keys.len(), missing);
+                break;
+            }
         }
         Ok(all)
     }
@@ -237,14 +251,16 @@ impl Client {
         }
     }
 
-    /// Waits for a started transfer (up to the request timeout).
-    pub fn wait_transfer(&mut self, t: Transfer) -> Result<Vec<ChunkOutcome>, Error> {
+    /// Waits for a started transfer (up to the request timeout). After a `Timeout` the
+    /// transfer may still be running: wait or poll again; until it answers (or the session
+    /// has ended), the blocks it names stay in use by the server.
+    pub fn wait_transfer(&mut self, t: &Transfer) -> Result<Vec<ChunkOutcome>, Error> {
         if t.epoch != self.live_epoch() {
             return Err(Error::Stale);
         }
         let timeout = self.opts.request_timeout;
         let conn = self.conn.as_ref().ok_or(Error::Stale)?;
         let answer = conn.wait_answer(&t.pending, t.op, timeout)?;
-        self.finish(&t, answer)
+        self.finish(t, answer)
     }
 }

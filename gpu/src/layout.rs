@@ -28,6 +28,9 @@ pub enum KvLayout {
     SglangPerLayer,
 }
 
+/// Most layers a layout may declare.
+const MAX_LAYERS: u32 = 65536;
+
 /// The shape of an engine's KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LayoutDesc {
@@ -91,6 +94,18 @@ impl LayoutDesc {
         }
         if self.layout == KvLayout::MlaPerLayer && self.kv_heads != 1 {
             return bad("kv_heads", "must be 1 for MLA (head_dim is the latent width)");
+        }
+        if self.num_layers > MAX_LAYERS {
+            return bad("num_layers", "must be at most 65536");
+        }
+        // The block arithmetic below is unchecked: make sure it fits first.
+        let block = (self.block_size as u64)
+            .checked_mul(self.kv_heads as u64)
+            .and_then(|v| v.checked_mul(self.head_dim as u64))
+            .and_then(|v| v.checked_mul(self.elem_bytes as u64))
+            .and_then(|v| v.checked_mul(2 * self.num_layers as u64));
+        if block.is_none() {
+            return bad("head_dim", "makes a block larger than 2^64 bytes");
         }
         if self.tensor_bytes().is_none() {
             return bad("num_blocks", "makes a tensor larger than 2^64 bytes");

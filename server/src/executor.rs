@@ -593,7 +593,8 @@ impl Exec {
         self.gpu_waiters.borrow_mut().insert(id, tx);
         let mut job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,
-        // so are the jobs a request splits into; the client's timeout bounds the wait).
+        // and so are the jobs a request splits into). The wait ends when the DMA thread takes
+        // jobs; it does not end when the client gives up, since the request holds slots.
         while let Err(back) = gpu.submit(direction, job) {
             job = back;
             glommio::timer::sleep(Duration::from_micros(20)).await;

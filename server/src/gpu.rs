@@ -152,7 +152,7 @@ impl GpuService {
             registry: Mutex::new(Registry::new(limits.max_registrations)),
             limits,
             workers: [worker(), worker()],
-            // Room for every job of both threads: a completion push never fails.
+            // Room for the queued jobs of both threads; a worker keeps what does not fit.
             completions: (0..shards).map(|_| ArrayQueue::new(2 * limits.queue_depth)).collect(),
             stop: AtomicBool::new(false),
             handles: Mutex::new(Vec::new()),
@@ -277,29 +277,37 @@ impl GpuService {
     }
 
     fn run_worker(&self, index: usize, direction: Direction, doorbells: &Doorbells) {
-        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
+        // Declared before the engines so that it is dropped after them: an engine synchronizes
+        // its streams when dropped, and only then may the jobs' engine memory go.
         let mut inflight: InFlight = VecDeque::new();
+        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
+        // Completions whose shard queue was full: delivered on a later round, never dropped.
+        let mut undelivered: VecDeque<(usize, GpuDone)> = VecDeque::new();
         let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
         loop {
-            let mut progressed = false;
+            let mut progressed = self.deliver(doorbells, &mut undelivered);
             let queues = &self.workers[index].queues;
+            let first = next_queue;
             for k in 0..queues.len() {
-                let q = (next_queue + k) % queues.len();
+                let q = (first + k) % queues.len();
                 let Some(job) = queues[q].pop() else { continue };
                 progressed = true;
+                next_queue = q + 1;
                 let (shard, id, bytes) =
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
                     Ok(event) => inflight.push_back((shard, id, bytes, event, job.memory)),
-                    Err(e) => self.finish(doorbells, shard, id, Err(e)),
+                    Err(e) => {
+                        self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                        undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
+                    }
                 }
-                next_queue = q + 1;
             }
             while let Some((shard, id, bytes, event, _memory)) = inflight.front() {
-                match event.try_is_complete() {
+                let result = match event.try_is_complete() {
                     Ok(false) => break,
                     Ok(true) => {
                         let (c, b) = match direction {
@@ -308,25 +316,28 @@ impl GpuService {
                         };
                         c.fetch_add(1, Ordering::Relaxed);
                         b.fetch_add(*bytes, Ordering::Relaxed);
-                        self.finish(doorbells, *shard, *id, Ok(()));
+                        Ok(())
                     }
                     Err(e) => {
-                        self.finish(doorbells, *shard, *id, Err(format!("CUDA copy failed: {e}")))
+                        self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                        Err(format!("CUDA copy failed: {e}"))
                     }
-                }
+                };
+                undelivered.push_back((*shard, GpuDone { id: *id, result }));
                 inflight.pop_front();
                 progressed = true;
             }
+            progressed |= self.deliver(doorbells, &mut undelivered);
             if progressed {
                 idle_since = Instant::now();
                 continue;
             }
-            if self.stop.load(Ordering::SeqCst) && inflight.is_empty() {
+            if self.stop.load(Ordering::SeqCst) && inflight.is_empty() && undelivered.is_empty() {
                 break;
             }
-            if !inflight.is_empty() {
-                // A copy is running: poll its event often (completions are what requests wait
-                // for), without burning the core flat out.
+            if !inflight.is_empty() || !undelivered.is_empty() {
+                // A copy is running (or a shard's completion queue is full): look again soon
+                // (completions are what requests wait for), without burning the core flat out.
                 std::thread::sleep(Duration::from_micros(10));
             } else if idle_since.elapsed() < Duration::from_micros(200) {
                 std::hint::spin_loop();
@@ -335,8 +346,26 @@ impl GpuService {
                 std::thread::park_timeout(Duration::from_millis(50));
             }
         }
-        // Engines synchronize their streams when dropped.
+        // Engines synchronize their streams when dropped, before `inflight` goes.
         drop(engines);
+    }
+
+    /// Hands completions to their shards' queues, oldest first, ringing each shard; keeps
+    /// those that do not fit. True when any was delivered.
+    fn deliver(&self, doorbells: &Doorbells, undelivered: &mut VecDeque<(usize, GpuDone)>) -> bool {
+        let mut any = false;
+        let mut kept = VecDeque::new();
+        while let Some((shard, done)) = undelivered.pop_front() {
+            match self.completions[shard].push(done) {
+                Ok(()) => {
+                    any = true;
+                    doorbells.ring(shard);
+                }
+                Err(done) => kept.push_back((shard, done)),
+            }
+        }
+        *undelivered = kept;
+        any
     }
 
     /// Plans and enqueues a job; the event completes when its bytes have landed.
@@ -377,18 +406,6 @@ impl GpuService {
         // Arc with the event) and arena slots the submitting request holds until it receives
         // the completion; the arena is registered with CUDA and outlives this service.
         submit_pieces(engine, direction, pieces)
-    }
-
-    fn finish(&self, doorbells: &Doorbells, shard: usize, id: u64, result: Result<(), String>) {
-        if result.is_err() {
-            self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-        }
-        if self.completions[shard].push(GpuDone { id, result }).is_err() {
-            // Sized for every job both threads can hold; losing one would leave a request
-            // waiting forever, so say so loudly.
-            tracing::error!(shard, id, "GPU completion queue overflow");
-        }
-        doorbells.ring(shard);
     }
 }
 

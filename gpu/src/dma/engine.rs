@@ -62,7 +62,9 @@ pub struct JobShape {
 /// Copy engine of one device and direction-agnostic pipelines (one per thread).
 pub struct CopyEngine {
     ctx: Arc<CudaContext>,
-    kernel: CopyKernel,
+    /// The staging kernel; None when its PTX did not load (then only batched copies run).
+    kernel: Option<CopyKernel>,
+    kernel_error: Option<String>,
     kernel_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
     halves: [Half; 2],
@@ -76,7 +78,7 @@ pub struct CopyEngine {
     sizes: Vec<usize>,
 }
 
-/// Copies host-side runs: one call for one run, a batched call for several (each
+/// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
 /// `cuMemcpyAsync` costs a few microseconds of copy-engine setup; a batch pays it once).
 ///
 /// # Safety
@@ -104,7 +106,14 @@ impl CopyEngine {
         let half_bytes = (staging_bytes / 2).max(1 << 16) / 16 * 16;
         // One descriptor per 2 KiB of staging on average, at least 4096.
         let max_descs = (half_bytes / 2048).max(4096);
-        let kernel = CopyKernel::load(ctx)?;
+        let (kernel, kernel_error) = match CopyKernel::load(ctx) {
+            Ok(k) => (Some(k), None),
+            Err(e) => {
+                tracing::warn!(error = %e, "segment copy kernel not loaded (driver older than the PTX?): \
+                    copies go batched, slower for pages under 1 MiB");
+                (None, Some(e.to_string()))
+            }
+        };
         let mut halves = Vec::with_capacity(2);
         for _ in 0..2 {
             halves.push(Half {
@@ -121,6 +130,7 @@ impl CopyEngine {
         Ok(Self {
             ctx: Arc::clone(ctx),
             kernel,
+            kernel_error,
             kernel_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
             copy_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
             halves,
@@ -149,6 +159,7 @@ impl CopyEngine {
         match strategy {
             Strategy::Staged => true,
             Strategy::Batched => false,
+            Strategy::Auto if self.kernel.is_none() => false,
             Strategy::Auto => {
                 let bytes: u64 = pieces.iter().map(|p| p.len).sum();
                 // The typical piece decides: below the threshold the copy engines are slow
@@ -180,8 +191,36 @@ impl CopyEngine {
         let bytes = pieces.iter().map(|p| p.len).sum();
         let staged = self.staged_for(strategy, pieces);
         let mut shape = JobShape { bytes, pieces: pieces.len(), batches: 0, staged };
+        if staged && self.kernel.is_none() {
+            return Err(DmaError::Invalid(format!(
+                "staged copies need the segment copy kernel, which did not load: {}",
+                self.kernel_error.as_deref().unwrap_or("unknown")
+            )));
+        }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        if staged {
+        if let Err(e) = self.enqueue_job(direction, pieces, &mut shape, &done) {
+            // Part of the job may already be on the GPU: let it finish before the caller
+            // gives the memory back.
+            if let Err(sync) = self.synchronize() {
+                tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
+            }
+            return Err(e);
+        }
+        Ok((done, shape))
+    }
+
+    /// Enqueues every piece of a job and records `done` after its last copy.
+    fn enqueue_job(
+        &mut self,
+        direction: Direction,
+        pieces: &[Piece],
+        shape: &mut JobShape,
+        done: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        let drv = |op: &'static str| {
+            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
+        };
+        if shape.staged {
             let half = self.staging_half() as u64;
             let mut at = StageCursor::default();
             let mut batch = std::mem::take(&mut self.batch);
@@ -214,7 +253,7 @@ impl CopyEngine {
             }
             done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
         }
-        Ok((done, shape))
+        Ok(())
     }
 
     /// Enqueues one staged batch on the next staging half.
@@ -252,6 +291,8 @@ impl CopyEngine {
             self.sizes.push(r.len as usize);
         }
         let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
+        let kernel =
+            self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
         let upload = |h: &Half| {
             // SAFETY: the pinned table and the device table are owned by the half;
             // `uploaded`, recorded right after, marks the end of the read.
@@ -272,7 +313,7 @@ impl CopyEngine {
                 h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 // SAFETY: descriptors name engine pieces (submit's contract) and this half's
                 // staging, free since `free` was waited on.
-                unsafe { self.kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                unsafe { kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
                 h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
                 // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
@@ -289,7 +330,7 @@ impl CopyEngine {
                 upload(h)?;
                 h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 // SAFETY: staging filled (waited); destinations are engine pieces.
-                unsafe { self.kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                unsafe { kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
         }

@@ -3,7 +3,7 @@
 //! (benchmarks and tests acting as the engine).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::CudaContext;
 
@@ -47,6 +47,26 @@ impl std::fmt::Debug for EngineMemory {
     }
 }
 
+/// Allocations opened in this process, per device: a handle can be opened only once per
+/// process, so a second registration of the same allocation (an engine registering again
+/// before its old session is gone, two ranks sharing a pool) shares the first mapping; it
+/// closes when the last registration using it is gone.
+type OpenMappings = HashMap<(usize, [u8; 64]), Weak<IpcMapping>>;
+static OPEN_MAPPINGS: Mutex<Option<OpenMappings>> = Mutex::new(None);
+
+fn shared_mapping(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Arc<IpcMapping>, DmaError> {
+    let mut guard = OPEN_MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let key = (ctx.ordinal(), *handle);
+    if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
+        return Ok(m);
+    }
+    map.retain(|_, w| w.strong_count() > 0);
+    let m = Arc::new(IpcMapping::open(ctx, handle)?);
+    map.insert(key, Arc::downgrade(&m));
+    Ok(m)
+}
+
 fn invalid(msg: String) -> DmaError {
     DmaError::Invalid(msg)
 }
@@ -83,11 +103,11 @@ impl EngineMemory {
             let mapping = match open.get(&e.handle) {
                 Some(m) => Arc::clone(m),
                 None => {
-                    let m = Arc::new(IpcMapping::open(ctx, &e.handle).map_err(|err| {
+                    let m = shared_mapping(ctx, &e.handle).map_err(|err| {
                         invalid(format!(
                             "tensors[{i}].handle: cannot be opened on this device ({err})"
                         ))
-                    })?);
+                    })?;
                     open.insert(e.handle, Arc::clone(&m));
                     m
                 }

@@ -162,3 +162,25 @@ fn validation_names_the_field() {
     let huge = LayoutDesc { num_blocks: u64::MAX, ..d };
     assert_eq!(huge.validate().unwrap_err().field, "num_blocks");
 }
+
+#[test]
+fn oversized_shapes_are_refused_without_overflow() {
+    let base = LayoutDesc {
+        layout: KvLayout::FlashAttnNhd,
+        num_layers: 2,
+        num_blocks: 8,
+        block_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+    };
+    let e = LayoutDesc { block_size: u32::MAX, kv_heads: u32::MAX, head_dim: u32::MAX, ..base }
+        .validate()
+        .unwrap_err();
+    assert_eq!(e.field, "head_dim");
+    let e = LayoutDesc { num_layers: u32::MAX, ..base }.validate().unwrap_err();
+    assert_eq!(e.field, "num_layers");
+    let e = LayoutDesc { num_blocks: u64::MAX, ..base }.validate().unwrap_err();
+    assert_eq!(e.field, "num_blocks");
+    assert!(base.validate().is_ok());
+}
