@@ -135,6 +135,7 @@ fn command(cmd: &str, shared: &Shared) -> Value {
                         "uid": s.uid,
                         "name": s.name,
                         "home_shard": s.home_shard,
+                        "closing": s.closing,
                         "opened_unix_s": s.opened.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
                     })
                 })

@@ -175,6 +175,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
                 name: name.clone(),
                 home_shard: home,
                 opened: SystemTime::now(),
+                closing: false,
             },
         );
     }
@@ -236,6 +237,11 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
             }
         }
     }
-    shared.sessions.lock().expect("session table lock is never poisoned").remove(&session);
+    // Listed as closing until the home shard has reclaimed it (it removes the entry then).
+    if let Some(info) =
+        shared.sessions.lock().expect("session table lock is never poisoned").get_mut(&session)
+    {
+        info.closing = true;
+    }
     shared.send_control(home, ControlMsg::CloseSession { session }, Duration::from_secs(3600));
 }

@@ -394,6 +394,14 @@ impl Exec {
             }
             ControlMsg::CloseSession { session } => {
                 let state = self.sessions.borrow().get(&session).cloned();
+                if state.is_none() {
+                    // Never opened here: nothing to reclaim, only the listing to end.
+                    self.shared
+                        .sessions
+                        .lock()
+                        .expect("session table lock is never poisoned")
+                        .remove(&session);
+                }
                 if let Some(state) = state {
                     // Stop new requests now; reclaim once in-flight requests of the session
                     // are finished, so no op of it can reach a shard after the reclaim.
@@ -416,6 +424,11 @@ impl Exec {
                             }
                         }
                         e.sessions.borrow_mut().remove(&session);
+                        e.shared
+                            .sessions
+                            .lock()
+                            .expect("session table lock is never poisoned")
+                            .remove(&session);
                         let cleanup = e.node.try_cleanup_dead_nodes();
                         tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
                         tracing::info!(

@@ -83,6 +83,9 @@ pub struct SessionInfo {
     pub home_shard: usize,
     /// When it opened.
     pub opened: SystemTime,
+    /// Its socket has closed; it is listed until the server has reclaimed what it held
+    /// (after its requests in flight, GPU copies included, have finished).
+    pub closing: bool,
 }
 
 /// The shared control-plane state.
