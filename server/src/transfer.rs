@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use orbitkv_gpu::dma::{Direction, EngineMemory};
+use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
 };
@@ -71,7 +72,7 @@ pub(crate) async fn unregister(
 
 /// Checks the block list against the keys and the registered layout: `n` blocks per key,
 /// every id in range. Returns (blocks per chunk, chunk bytes).
-fn shape(memory: &EngineMemory, keys: usize, blocks: &[u64]) -> Result<(usize, u64), Response> {
+fn shape(layout: &LayoutDesc, keys: usize, blocks: &[u64]) -> Result<(usize, u64), Response> {
     let bad = |m: String| Err(Response::error(ErrorCode::InvalidArgument, m));
     if blocks.is_empty() || !blocks.len().is_multiple_of(keys) {
         return bad(format!(
@@ -79,7 +80,6 @@ fn shape(memory: &EngineMemory, keys: usize, blocks: &[u64]) -> Result<(usize, u
             blocks.len()
         ));
     }
-    let layout = memory.layout();
     if let Some((i, b)) = blocks.iter().enumerate().find(|(_, &b)| b >= layout.num_blocks) {
         return bad(format!(
             "blocks[{i}]: {b} is out of range (the engine registered {} blocks)",
@@ -118,7 +118,7 @@ fn prepare(
     if keys.is_empty() {
         return Err(Response::Outcomes { outcomes: Vec::new() });
     }
-    let (per_chunk, chunk_len) = shape(&memory, keys.len(), blocks)?;
+    let (per_chunk, chunk_len) = shape(memory.layout(), keys.len(), blocks)?;
     Ok(Transfer { device, memory, per_chunk, chunk_len })
 }
 
@@ -234,4 +234,47 @@ pub(crate) async fn load(
         per_slot(exec, &leased, |slots| ShardOp::Release { session, slots }).await;
     }
     Response::Outcomes { outcomes }
+}
+
+#[cfg(test)]
+mod tests {
+    use orbitkv_gpu::KvLayout;
+
+    use super::*;
+
+    fn layout() -> LayoutDesc {
+        LayoutDesc {
+            layout: KvLayout::FlashAttnNhd,
+            num_layers: 4,
+            num_blocks: 100,
+            block_size: 16,
+            kv_heads: 2,
+            head_dim: 64,
+            elem_bytes: 2,
+        }
+    }
+
+    fn refused(r: Result<(usize, u64), Response>) -> String {
+        match r {
+            Err(Response::Error { code: ErrorCode::InvalidArgument, message }) => message,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn blocks_per_key_and_chunk_length() {
+        let l = layout();
+        assert_eq!(shape(&l, 2, &[0, 1, 2, 3]).unwrap(), (2, 2 * l.block_bytes()));
+        assert_eq!(shape(&l, 3, &[5, 6, 7]).unwrap(), (1, l.block_bytes()));
+    }
+
+    #[test]
+    fn bad_block_lists_name_what_is_wrong() {
+        let l = layout();
+        assert!(refused(shape(&l, 2, &[0, 1, 2])).starts_with("blocks: 3 block ids for 2 keys"));
+        assert!(refused(shape(&l, 2, &[])).starts_with("blocks: 0 block ids"));
+        let m = refused(shape(&l, 2, &[0, 100]));
+        assert!(m.starts_with("blocks[1]: 100 is out of range"), "{m}");
+        assert!(refused(shape(&l, 1, &[u64::MAX])).contains("out of range"));
+    }
 }
