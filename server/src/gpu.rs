@@ -277,17 +277,54 @@ impl GpuService {
     }
 
     fn run_worker(&self, index: usize, direction: Direction, doorbells: &Doorbells) {
-        // Declared before the engines so that it is dropped after them: an engine synchronizes
-        // its streams when dropped, and only then may the jobs' engine memory go.
+        // Owned out here so that they outlive the engines (created inside the loop): an engine
+        // synchronizes its streams when dropped, also when a panic unwinds, and only then may
+        // the jobs' engine memory go.
         let mut inflight: InFlight = VecDeque::new();
-        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
         // Completions whose shard queue was full: delivered on a later round, never dropped.
         let mut undelivered: VecDeque<(usize, GpuDone)> = VecDeque::new();
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.work(index, direction, doorbells, &mut inflight, &mut undelivered)
+        }));
+        if run.is_ok() {
+            return;
+        }
+        // A bug stopped this thread: fail what it held and everything queued from now on, so
+        // that no request (and no closing session) waits forever.
+        tracing::error!(direction = ?direction, "GPU DMA thread panicked; its copies fail from now on");
+        let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
+        for (shard, id, ..) in inflight.drain(..) {
+            undelivered.push_back((shard, GpuDone { id, result: failed() }));
+        }
+        loop {
+            for q in &self.workers[index].queues {
+                while let Some(job) = q.pop() {
+                    self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                    undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
+                }
+            }
+            self.deliver(doorbells, &mut undelivered);
+            if self.stop.load(Ordering::SeqCst) && undelivered.is_empty() {
+                return;
+            }
+            std::thread::park_timeout(Duration::from_millis(1));
+        }
+    }
+
+    fn work(
+        &self,
+        index: usize,
+        direction: Direction,
+        doorbells: &Doorbells,
+        inflight: &mut InFlight,
+        undelivered: &mut VecDeque<(usize, GpuDone)>,
+    ) {
+        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
         let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
         loop {
-            let mut progressed = self.deliver(doorbells, &mut undelivered);
+            let mut progressed = self.deliver(doorbells, undelivered);
             let queues = &self.workers[index].queues;
             let first = next_queue;
             for k in 0..queues.len() {
@@ -327,7 +364,7 @@ impl GpuService {
                 inflight.pop_front();
                 progressed = true;
             }
-            progressed |= self.deliver(doorbells, &mut undelivered);
+            progressed |= self.deliver(doorbells, undelivered);
             if progressed {
                 idle_since = Instant::now();
                 continue;
@@ -346,7 +383,7 @@ impl GpuService {
                 std::thread::park_timeout(Duration::from_millis(50));
             }
         }
-        // Engines synchronize their streams when dropped, before `inflight` goes.
+        // Engines synchronize their streams when dropped, before the caller drops `inflight`.
         drop(engines);
     }
 
