@@ -15,11 +15,13 @@ mod client;
 mod connection;
 mod error;
 mod gpu;
+mod group;
 mod mapping;
 
 pub use client::{Client, ClientOptions, Lease, NamespaceInfo, PutOutcome, Reserved};
 pub use error::Error;
 pub use gpu::{GpuRegistration, Transfer};
+pub use group::GroupPrefix;
 pub use orbitkv_proto::{
     prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, GpuTensor, Hit, KvLayoutKind,
     KvLayoutSpec, NamespaceDescriptor, PrefixHasher, Request, Response, Tier,
