@@ -130,6 +130,10 @@ pub(crate) struct DmaArgs {
     /// completes it anyway (cancellation never leaves a half-written chunk).
     #[arg(long, requires = "socket")]
     pub cancel_check: bool,
+    /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
+    /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
+    #[arg(long, conflicts_with = "socket")]
+    pub interference: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -21,6 +21,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, StrategyArg};
+use crate::dma_interference::{InterferenceResult, MatmulLoop};
 use crate::error::Error;
 use crate::report::Report;
 
@@ -96,6 +97,8 @@ pub(crate) struct DmaReport {
     pub mismatched_bytes: u64,
     /// With `--socket`: the run through the server (its rows in `results` are `server`).
     pub server: Option<crate::dma_server::ServedResult>,
+    /// With `--interference`: the slowdown of a concurrent matmul loop (strategy `auto`).
+    pub interference: Option<crate::dma_interference::InterferenceResult>,
 }
 
 impl Report for DmaReport {
@@ -144,6 +147,20 @@ impl Report for DmaReport {
                     s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
                 )?;
             }
+        }
+        if let Some(i) = &self.interference {
+            writeln!(
+                out,
+                "matmul loop: {:.1}/s alone, {:.1}/s during saves ({:.1}% slower, saves at {:.2} GB/s), \
+                 {:.1}/s during loads ({:.1}% slower, loads at {:.2} GB/s)",
+                i.matmul_per_s_alone,
+                i.matmul_per_s_during_save,
+                100.0 * i.slowdown_save,
+                i.save_gbps_under_matmul,
+                i.matmul_per_s_during_load,
+                100.0 * i.slowdown_load,
+                i.load_gbps_under_matmul
+            )?;
         }
         Ok(())
     }
@@ -324,6 +341,34 @@ impl Bench {
         Ok(bad)
     }
 
+    /// One timed operation with strategy `strategy`; GB/s.
+    fn once(&mut self, direction: Direction, strategy: Strategy) -> Result<f64, Error> {
+        let t = Instant::now();
+        let pieces = std::mem::take(&mut self.pieces);
+        let r = unsafe_submit(&mut self.engine, direction, &pieces, strategy);
+        self.pieces = pieces;
+        r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
+    }
+
+    /// The matmul loop's rate alone and while saves, then loads, run back to back.
+    fn interference(&mut self, device: usize) -> Result<InterferenceResult, Error> {
+        let matmul = MatmulLoop::start(device)?;
+        let alone = matmul.alone();
+        let (save_rate, save) = matmul.during(|| self.once(Direction::Save, Strategy::Auto))?;
+        let (load_rate, load) = matmul.during(|| self.once(Direction::Load, Strategy::Auto))?;
+        let slowdown = |r: f64| if alone > 0.0 { 1.0 - r / alone } else { 0.0 };
+        Ok(InterferenceResult {
+            matmul_per_s_alone: alone,
+            matmul_per_s_during_save: save_rate,
+            matmul_per_s_during_load: load_rate,
+            slowdown_save: slowdown(save_rate),
+            slowdown_load: slowdown(load_rate),
+            save_gbps_under_matmul: median(save),
+            load_gbps_under_matmul: median(load),
+        })
+    }
+
     fn series(
         &mut self,
         direction: Direction,
@@ -466,6 +511,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut results = Vec::new();
     let mut mismatched = 0;
     let mut server = None;
+    let mut interference = None;
     if a.socket.is_some() {
         let save_ceiling = bench.ceiling(Direction::Save)?;
         let load_ceiling = bench.ceiling(Direction::Load)?;
@@ -526,6 +572,11 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             }
             results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
         }
+        if a.interference {
+            interference = Some(bench.interference(a.device)?);
+            // The loads under the matmul rewrote the tensors: check them once more.
+            mismatched += bench.verify(Direction::Load)?;
+        }
     }
     let pieces = bench.pieces.len();
     drop(bench);
@@ -552,5 +603,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         results,
         mismatched_bytes: mismatched,
         server,
+        interference,
     })
 }

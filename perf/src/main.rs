@@ -10,6 +10,7 @@ mod admin;
 mod args;
 mod baseline;
 mod dma;
+mod dma_interference;
 mod dma_server;
 mod embedded;
 mod error;
