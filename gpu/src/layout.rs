@@ -156,15 +156,13 @@ impl LayoutDesc {
         self.part_bytes() * self.kv() * self.num_layers as u64
     }
 
-    /// Where block `block`'s bytes are, in chunk order (layer-major, K before V). Adjacent
-    /// segments of one tensor are merged.
-    pub fn block_segments(&self, block: u64) -> Vec<Segment> {
+    /// Calls `f` with each part of block `block` (one layer's K or V slice), in chunk order
+    /// (layer-major, K before V), unmerged. No allocation: this is the copy planner's loop.
+    pub fn for_each_part(&self, block: u64, mut f: impl FnMut(Segment)) {
         assert!(block < self.num_blocks, "block {block} of {}", self.num_blocks);
         let part = self.part_bytes();
-        let kv = self.kv();
-        let mut out: Vec<Segment> = Vec::with_capacity((self.num_layers as u64 * kv) as usize);
         for layer in 0..self.num_layers as u64 {
-            for t in 0..kv {
+            for t in 0..self.kv() {
                 let (tensor, offset) = match self.layout {
                     // [2, blocks, ...]: K/V outermost, then the block.
                     KvLayout::FlashAttnNhd | KvLayout::FlashAttnHnd => {
@@ -177,14 +175,22 @@ impl LayoutDesc {
                     KvLayout::MlaPerLayer => (layer as u32, block * part),
                     KvLayout::SglangPerLayer => ((2 * layer + t) as u32, block * part),
                 };
-                match out.last_mut() {
-                    Some(last) if last.tensor == tensor && last.offset + last.len == offset => {
-                        last.len += part
-                    }
-                    _ => out.push(Segment { tensor, offset, len: part }),
-                }
+                f(Segment { tensor, offset, len: part });
             }
         }
+    }
+
+    /// Where block `block`'s bytes are, in chunk order (layer-major, K before V). Adjacent
+    /// segments of one tensor are merged.
+    pub fn block_segments(&self, block: u64) -> Vec<Segment> {
+        let mut out: Vec<Segment> =
+            Vec::with_capacity((self.num_layers as u64 * self.kv()) as usize);
+        self.for_each_part(block, |s| match out.last_mut() {
+            Some(last) if last.tensor == s.tensor && last.offset + last.len == s.offset => {
+                last.len += s.len
+            }
+            _ => out.push(s),
+        });
         out
     }
 }

@@ -20,9 +20,9 @@ use orbitkv_shards::{SessionId, ShardOp};
 use crate::executor::Exec;
 use crate::router::{lookup, per_slot, reserve};
 
-/// Bytes per copy job of a save: a job's chunks are committed when it completes, while the
-/// next jobs are copied.
-const SAVE_GROUP_BYTES: u64 = 64 << 20;
+/// Bytes per copy job: a save's or load's chunks go to the DMA thread in jobs of this size, so
+/// that planning (and a save's commits) overlap the copies of other jobs.
+const JOB_BYTES: u64 = 64 << 20;
 
 fn no_gpu() -> Response {
     Response::error(
@@ -154,7 +154,7 @@ pub(crate) async fn save(
     // Groups of chunks go to the DMA thread one after another; each group is committed (its
     // checksums computed on the owning shards) as soon as its copy completes, while the copy
     // engine works on the next groups.
-    let group = (SAVE_GROUP_BYTES / chunk_len).max(1) as usize;
+    let group = (JOB_BYTES / chunk_len).max(1) as usize;
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
     for part in reserved.chunks(group) {
@@ -217,16 +217,27 @@ pub(crate) async fn load(
         chunks.push((h.offset, blocks_of(&blocks, per_chunk, i)));
         copying.push(i);
     }
-    if !chunks.is_empty() {
-        let copied = exec.gpu_run(Direction::Load, device, memory, chunks, chunk_len).await;
-        let o = match copied {
-            Ok(()) => ChunkOutcome::Done,
-            Err((code, message)) => {
-                tracing::warn!(session, registration, %message, "GPU load failed");
-                ChunkOutcome::Failed(code)
-            }
-        };
-        for i in copying {
+    // Jobs of at most JOB_BYTES, queued together: the DMA thread plans one while the copy
+    // engine moves the one before.
+    let group = (JOB_BYTES / chunk_len).max(1) as usize;
+    let mut tasks = Vec::new();
+    for (part, ids) in chunks.chunks(group).zip(copying.chunks(group)) {
+        let (exec, memory) = (Rc::clone(exec), Arc::clone(&memory));
+        let (part, ids) = (part.to_vec(), ids.to_vec());
+        tasks.push(glommio::spawn_local(async move {
+            let o = match exec.gpu_run(Direction::Load, device, memory, part, chunk_len).await {
+                Ok(()) => ChunkOutcome::Done,
+                Err((code, message)) => {
+                    tracing::warn!(session, registration, %message, "GPU load failed");
+                    ChunkOutcome::Failed(code)
+                }
+            };
+            (ids, o)
+        }));
+    }
+    for t in tasks {
+        let (ids, o) = t.await;
+        for i in ids {
             outcomes[i] = o;
         }
     }

@@ -30,16 +30,17 @@ pub fn chunk_pieces(
 ) -> u64 {
     assert!(tensors.len() >= layout.tensor_count() as usize, "one address per tensor");
     let mut at = host;
-    let first = out.len();
+    // The tensor of the last piece pushed by this call: pieces merge only within one tensor
+    // (two allocations that happen to be adjacent are still two allocations).
+    let mut last_tensor = None;
     for &block in blocks {
-        for seg in layout.block_segments(block) {
+        layout.for_each_part(block, |seg| {
             let p =
                 Piece { device: tensors[seg.tensor as usize] + seg.offset, host: at, len: seg.len };
             at += seg.len;
-            let own = out.len() > first;
             match out.last_mut() {
                 Some(last)
-                    if own
+                    if last_tensor == Some(seg.tensor)
                         && last.device + last.len == p.device
                         && last.host + last.len == p.host =>
                 {
@@ -47,7 +48,8 @@ pub fn chunk_pieces(
                 }
                 _ => out.push(p),
             }
-        }
+            last_tensor = Some(seg.tensor);
+        });
     }
     at - host
 }
