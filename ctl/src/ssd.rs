@@ -6,11 +6,11 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use orbitkv_proto::chunk_checksum;
 use orbitkv_proto::ChunkKey;
 use orbitkv_shards::ssd::format::{Superblock, SUPERBLOCK_BYTES};
 use orbitkv_shards::ssd::log::{RecoveryReport, RegionLog, SsdEntry};
 use serde_json::json;
-use xxhash_rust::xxh3::xxh3_64;
 
 /// One shard file, read.
 struct ShardFile {
@@ -60,7 +60,7 @@ fn payload_ok(f: &ShardFile, e: &SsdEntry) -> Result<bool, String> {
     f.file.read_exact_at(&mut buf, e.payload_offset()).map_err(|err| {
         format!("{}: reading payload at {}: {err}", f.path.display(), e.payload_offset())
     })?;
-    Ok(xxh3_64(&buf) == e.checksum)
+    Ok(chunk_checksum(&buf) == e.checksum)
 }
 
 /// `ssd check`: exit status 0 only if every header and every payload checks out.

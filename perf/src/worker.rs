@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use orbitkv_client::{ChunkKey, Client, ClientOptions, ErrorCode, NamespaceDescriptor, PutOutcome};
+use orbitkv_proto::chunk_checksum;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
 use crate::gate::Gate;
@@ -202,7 +202,7 @@ impl Worker<'_> {
                             .or_else(|| {
                                 // The bytes are right; the checksum that travels with them
                                 // (to SSD and peers) must describe them too.
-                                (xxh3_64(&buf) != lease.hit.checksum).then(|| {
+                                (chunk_checksum(&buf) != lease.hit.checksum).then(|| {
                                     format!(
                                         "checksum {:#x} in the lease is wrong",
                                         lease.hit.checksum

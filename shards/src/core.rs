@@ -335,7 +335,7 @@ impl ShardCore {
             let e = self.entries.get(idx);
             (e.extent.offset(), e.len)
         };
-        let checksum = xxhash_rust::xxh3::xxh3_64(self.slice.bytes(offset, len));
+        let checksum = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
         self.entries.make_ready(idx, checksum);
         self.drop_reservation(session, idx);
         self.metrics.commits += 1;

@@ -11,7 +11,8 @@
 //! every read; recovery reads headers only.
 
 use orbitkv_proto::{ChunkKey, Digest};
-use xxhash_rust::xxh3::xxh3_64;
+// Record headers are checked with the same XXH3-64 as chunk payloads.
+use orbitkv_proto::chunk_checksum as xxh3_64;
 
 use crate::alloc::PAGE_SIZE;
 

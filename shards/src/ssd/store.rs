@@ -8,8 +8,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use orbitkv_proto::chunk_checksum;
 use orbitkv_proto::ChunkKey;
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::format::{Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES};
 use super::log::{Placement, RecoveryReport, RegionLog, SsdEntry};
@@ -371,8 +371,8 @@ impl SsdStore {
                 Pending::Promote { key, entry, slot_offset } => {
                     self.log.unpin(entry.region);
                     let read_ok = matches!(c.result, Ok(n) if n >= entry.len);
-                    let verified =
-                        read_ok && xxh3_64(slice.bytes(slot_offset, entry.len)) == entry.checksum;
+                    let verified = read_ok
+                        && chunk_checksum(slice.bytes(slot_offset, entry.len)) == entry.checksum;
                     if read_ok {
                         self.stats.reads += 1;
                     } else {

@@ -38,7 +38,7 @@ fn demote_all(store: &mut SsdStore, slice: &ArenaSlice, n: u32, len: usize) {
         let v = value(i, len);
         let slot = i as u64 * (64 << 10);
         slice.write(slot, &v);
-        assert!(store.demote(key(i), len as u64, xxh3_64(&v), slice, slot));
+        assert!(store.demote(key(i), len as u64, chunk_checksum(&v), slice, slot));
         for e in events(store, slice, 1) {
             assert_eq!(e, SsdEvent::Demoted { key: key(i), stored: true });
         }
