@@ -57,6 +57,21 @@ pub(crate) struct ServerFacts {
     pub evictions: u64,
 }
 
+/// The CPUs the server's shards are pinned to (none when they run unpinned).
+pub(crate) fn shard_cores(socket: &Path) -> Result<Vec<usize>, Error> {
+    let v = request(socket, "stats")?;
+    Ok(v.get("shards")
+        .and_then(Value::as_array)
+        .map(|shards| {
+            shards
+                .iter()
+                .filter_map(|s| s.get("core").and_then(Value::as_u64))
+                .map(|c| c as usize)
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
 /// Reads [`ServerFacts`] from `stats`.
 pub(crate) fn facts(socket: &Path) -> Result<ServerFacts, Error> {
     let v = request(socket, "stats")?;

@@ -16,6 +16,7 @@ mod embedded;
 mod error;
 mod gate;
 mod idle;
+mod placement;
 mod progress;
 mod report;
 mod sampler;

@@ -72,6 +72,9 @@ pub(crate) struct LookupSummary {
 pub(crate) struct ServeReport {
     /// Server socket measured.
     pub socket: String,
+    /// CPUs the clients and the memcpy baseline ran on (those no shard is pinned to); empty
+    /// when every CPU runs a shard (then they were not pinned).
+    pub client_cpus: Vec<usize>,
     /// Whether the server was started by this run.
     pub embedded: bool,
     /// Whether the run only read (`--verify-only`): misses were not put.
@@ -121,8 +124,13 @@ pub(crate) struct ServeReport {
     pub put: OpSummary,
     /// The batched-lookup phase, when it ran.
     pub lookup_batch: Option<LookupSummary>,
-    /// Single-thread memcpy of value-sized blocks, GB/s.
+    /// Single-thread memcpy of value-sized blocks, GB/s: the better of the measurements
+    /// before and after the run.
     pub memcpy_gbps: f64,
+    /// The memcpy measurement before the run.
+    pub memcpy_gbps_before: f64,
+    /// The memcpy measurement after the run.
+    pub memcpy_gbps_after: f64,
     /// Get bytes / time spent inside gets (per-thread throughput), GB/s.
     pub get_gbps: f64,
     /// Get bytes / time spent copying out of leased chunks (the get minus its round trips),
