@@ -121,6 +121,10 @@ impl StagedBatch {
     }
 }
 
+/// Most bytes one kernel descriptor moves (one warp copies a descriptor; longer pieces are
+/// split so that many warps share them).
+pub const MAX_SEGMENT: u64 = 64 << 10;
+
 /// Where [`next_batch`] continues: the piece, and the bytes of it already staged.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageCursor {
@@ -147,7 +151,9 @@ pub fn next_batch(
         if batch.bytes == capacity || batch.segments.len() == max_segments {
             break;
         }
-        let len = (p.len - at.done).min(capacity - batch.bytes);
+        // One kernel descriptor (one warp) moves at most MAX_SEGMENT bytes: a long piece
+        // becomes several, copied in parallel; its host run stays one.
+        let len = (p.len - at.done).min(capacity - batch.bytes).min(MAX_SEGMENT);
         let (device, host, off) = (p.device + at.done, p.host + at.done, batch.bytes);
         batch.segments.push((device, off, len));
         match batch.runs.last_mut() {

@@ -148,3 +148,21 @@ fn staging_runs_follow_host_contiguity() {
     assert_eq!(img.len(), KernelDesc::BYTES);
     assert_eq!(&img[8..16], &((1u64 << 30) + 10).to_le_bytes());
 }
+
+#[test]
+fn long_pieces_become_several_descriptors_and_one_host_run() {
+    let pieces = [Piece { device: 1 << 30, host: 1 << 40, len: 3 * MAX_SEGMENT + 100 }];
+    let b = stage(&pieces, 1 << 30, 1 << 16);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].segments.len(), 4);
+    assert_eq!(b[0].runs, vec![HostRun { staging: 0, host: 1 << 40, len: 3 * MAX_SEGMENT + 100 }]);
+    let descs: Vec<_> = b[0].descs(0, true).collect();
+    assert_eq!(
+        descs[3],
+        KernelDesc { src: (1 << 30) + 3 * MAX_SEGMENT, dst: 3 * MAX_SEGMENT, len: 100 }
+    );
+    // The descriptor bound still splits batches.
+    let b = stage(&pieces, 1 << 30, 3);
+    assert_eq!(b.len(), 2);
+    assert_eq!(b[1].segments.len(), 1);
+}
