@@ -38,6 +38,23 @@ pub struct GpuLimits {
     pub staging_bytes: usize,
 }
 
+/// Runs driver work that may take milliseconds (opening or closing CUDA IPC mappings) on a
+/// short-lived thread, so that no shard stalls on it; inline if no thread can be started.
+pub fn off_shard(f: impl FnOnce() + Send + 'static) {
+    let f = Arc::new(Mutex::new(Some(f)));
+    let g = Arc::clone(&f);
+    let spawned = std::thread::Builder::new().name("gpu-ipc".into()).spawn(move || {
+        if let Some(f) = g.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            f()
+        }
+    });
+    if spawned.is_err() {
+        if let Some(f) = f.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            f()
+        }
+    }
+}
+
 /// Jobs on the GPU: (shard, job id, bytes, completion event, the engine memory they touch).
 type InFlight = VecDeque<(usize, u64, u64, CudaEvent, Arc<EngineMemory>)>;
 
@@ -252,7 +269,10 @@ impl GpuService {
     /// Removes every registration of a closed session (copies in flight keep their memory
     /// until they complete).
     pub fn drop_session(&self, session: SessionId) -> usize {
-        self.registry.lock().expect("never poisoned").remove_session(session)
+        let gone = self.registry.lock().expect("never poisoned").remove_session(session);
+        let n = gone.len();
+        off_shard(move || drop(gone));
+        n
     }
 
     /// Queues a job on the thread for `direction`; gives it back when the queue is full.

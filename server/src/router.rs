@@ -248,7 +248,7 @@ async fn execute(
             Response::Outcomes { outcomes: o }
         }
         Request::RegisterGpu { device_uuid, layout, tensors } => {
-            crate::transfer::register(exec, session, &device_uuid, &layout, &tensors)
+            crate::transfer::register(exec, session, device_uuid, layout, tensors).await
         }
         Request::UnregisterGpu { registration, generation } => {
             crate::transfer::unregister(exec, session, registration, generation).await

@@ -18,6 +18,7 @@ use orbitkv_proto::{
 use orbitkv_shards::{SessionId, ShardOp};
 
 use crate::executor::Exec;
+use crate::gpu::off_shard;
 use crate::router::{lookup, per_slot, reserve};
 
 /// Bytes per copy job: a save's or load's chunks go to the DMA thread in jobs of this size, so
@@ -32,16 +33,33 @@ fn no_gpu() -> Response {
     )
 }
 
-/// `RegisterGpu`.
-pub(crate) fn register(
+/// `RegisterGpu`. Opening the IPC handles takes the driver milliseconds: it runs off the
+/// shard, which keeps serving meanwhile.
+pub(crate) async fn register(
     exec: &Rc<Exec>,
     session: SessionId,
-    device_uuid: &str,
-    layout: &KvLayoutSpec,
-    tensors: &[GpuTensor],
+    device_uuid: String,
+    layout: KvLayoutSpec,
+    tensors: Vec<GpuTensor>,
 ) -> Response {
     let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
-    match gpu.register(session, device_uuid, layout, tensors) {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let (svc, uuid) = (Arc::clone(gpu), device_uuid.clone());
+    off_shard(move || {
+        let _ = tx.send(svc.register(session, &uuid, &layout, &tensors));
+    });
+    let result = loop {
+        match rx.try_recv() {
+            Ok(r) => break r,
+            Err(crossbeam_channel::TryRecvError::Empty) => {
+                glommio::timer::sleep(Duration::from_micros(100)).await
+            }
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                break Err((ErrorCode::Internal, "GPU registration thread failed".into()))
+            }
+        }
+    };
+    match result {
         Ok((registration, generation)) => {
             tracing::info!(session, registration, generation, device_uuid, "GPU registration");
             Response::GpuRegistered { registration, generation }
@@ -66,7 +84,8 @@ pub(crate) async fn unregister(
     while Arc::strong_count(&memory) > 1 {
         glommio::timer::sleep(Duration::from_micros(50)).await;
     }
-    drop(memory);
+    // Closing the mapping is driver work: off the shard.
+    off_shard(move || drop(memory));
     Response::GpuUnregistered
 }
 

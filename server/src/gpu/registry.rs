@@ -94,16 +94,15 @@ impl<M: Clone> Registry<M> {
         Ok(e.memory)
     }
 
-    /// Removes every registration of `session`; returns how many.
-    pub fn remove_session(&mut self, session: SessionId) -> usize {
-        let mut n = 0;
+    /// Removes every registration of `session`; returns their memory.
+    pub fn remove_session(&mut self, session: SessionId) -> Vec<M> {
+        let mut out = Vec::new();
         for slot in self.slots.iter_mut() {
             if slot.as_ref().is_some_and(|e| e.session == session) {
-                *slot = None;
-                n += 1;
+                out.extend(slot.take().map(|e| e.memory));
             }
         }
-        n
+        out
     }
 }
 
@@ -135,7 +134,7 @@ mod tests {
         assert_eq!(r.remove(2, id, g).unwrap_err().0, ErrorCode::NotFound);
         r.insert(1, 0, "b").unwrap();
         let (other, og) = r.insert(2, 0, "c").unwrap();
-        assert_eq!(r.remove_session(1), 2);
+        assert_eq!(r.remove_session(1).len(), 2);
         assert_eq!(r.len(), 1);
         assert_eq!(r.get(2, other, og).unwrap(), (0, "c"));
         assert_eq!(r.get(1, id, g).unwrap_err().0, ErrorCode::NotFound);
