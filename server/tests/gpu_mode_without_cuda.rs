@@ -106,6 +106,36 @@ fn gpu_requests_without_a_gpu_are_unavailable() {
             "{answer:?}"
         );
     }
+    // Refused saves and loads give back the reservation and lease budget they were charged at
+    // dispatch: many of them in a row never run into the session's bounds.
+    let many = common::chain(ns, 4, 4096);
+    let blocks: Vec<u64> = (0..4096).collect();
+    for _ in 0..5 {
+        let save = Request::Save {
+            registration: 0,
+            generation: 1,
+            keys: many.clone(),
+            blocks: blocks.clone(),
+        };
+        let answer = c.call_raw(&orbitkv_proto::encode(&save)).unwrap();
+        assert!(
+            matches!(answer, Response::Error { code: ErrorCode::Unavailable, .. }),
+            "{answer:?}"
+        );
+    }
+    for _ in 0..17 {
+        let load = Request::Load {
+            registration: 0,
+            generation: 1,
+            keys: many.clone(),
+            blocks: blocks.clone(),
+        };
+        let answer = c.call_raw(&orbitkv_proto::encode(&load)).unwrap();
+        assert!(
+            matches!(answer, Response::Error { code: ErrorCode::Unavailable, .. }),
+            "{answer:?}"
+        );
+    }
     // Nothing was reserved or leased by the refused saves and loads; DRAM still works.
     let stats = server.admin("stats");
     assert_eq!(server.shard_sum("leases"), 0, "{stats}");
