@@ -11,9 +11,8 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::poll::{ppoll, PollFd, PollFlags};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::time::TimeSpec;
 use orbitkv_shards::Arena;
 
 /// Every shard's eventfd plus the in-process mesh message counters.
@@ -75,9 +74,9 @@ impl Doorbells {
             true
         } else {
             let mut fds = [PollFd::new(self.fds[shard].as_fd(), PollFlags::POLLIN)];
-            // ppoll: microsecond naps are naps, not a busy poll(0).
-            let ts = TimeSpec::from_duration(timeout.min(Duration::from_secs(60)));
-            matches!(ppoll(&mut fds, Some(ts), None), Ok(n) if n > 0)
+            let ms = PollTimeout::try_from(timeout.as_millis().min(60_000) as i32)
+                .unwrap_or(PollTimeout::MAX);
+            matches!(poll(&mut fds, ms), Ok(n) if n > 0)
         };
         word.store(0, Ordering::SeqCst);
         // Reset the counter (non-blocking: EAGAIN when nobody rang).

@@ -1,25 +1,24 @@
 //! One shard executor: a glommio `LocalExecutor` on its own core that owns a [`ShardCore`],
 //! the iceoryx2 services of the sessions homed on it, and its ends of the shard mesh.
 //!
-//! Polling is adaptive: after work it spins (yielding to its own tasks, polling its sessions
-//! and the rings from other shards) for `--spin-window`, then sleeps in growing naps up to
-//! `--idle-poll-max`, so a quiet server burns no core.
+//! Polling is adaptive: after work it spins (yielding to its own tasks) for `--spin-window`,
+//! then sleeps in growing naps up to `--idle-poll-max`, so a quiet server burns no core.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
-use glommio::{LocalExecutorBuilder, Placement};
+use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
 
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
-use crate::mesh::Mesh;
 use crate::shared::{ControlMsg, ShardSnapshot, Shared};
 
 /// A request sent over the mesh: (request id, op).
@@ -29,8 +28,6 @@ pub type MeshReply = (u64, ShardReply);
 
 /// How long an executor with a core of its own polls glommio's reactor before parking.
 const SPIN_BEFORE_PARK: Duration = Duration::from_micros(100);
-/// Longest a busy shard goes without visiting glommio's reactor (its timers).
-const REACTOR_EVERY: Duration = Duration::from_micros(50);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
 /// After this long without work (and no task in flight) a shard sleeps on its doorbell (when
@@ -63,10 +60,10 @@ pub struct ShardContext {
     pub core: ShardCore,
     /// Control messages from the bootstrap/admin threads.
     pub control: Receiver<ControlMsg>,
-    /// Shard-to-shard request rings (None with one shard).
-    pub req_mesh: Option<Arc<Mesh<MeshRequest>>>,
-    /// Shard-to-shard reply rings (None with one shard).
-    pub rep_mesh: Option<Arc<Mesh<MeshReply>>>,
+    /// Shard-to-shard request mesh (None with one shard).
+    pub req_mesh: Option<MeshBuilder<MeshRequest, Full>>,
+    /// Shard-to-shard reply mesh (None with one shard).
+    pub rep_mesh: Option<MeshBuilder<MeshReply, Full>>,
     /// Control-plane state.
     pub shared: Arc<Shared>,
     /// iceoryx2 names.
@@ -135,10 +132,8 @@ pub(crate) struct Exec {
     sessions: RefCell<HashMap<SessionId, Rc<SessionState>>>,
     node: Node<IpcService>,
     pub(crate) shared: Arc<Shared>,
-    req_mesh: Option<Arc<Mesh<MeshRequest>>>,
-    rep_mesh: Option<Arc<Mesh<MeshReply>>>,
-    /// Replies whose ring was full, oldest first: sent before anything else (never waited on).
-    reply_backlog: RefCell<VecDeque<(usize, MeshReply)>>,
+    req_tx: Option<Senders<MeshRequest>>,
+    rep_tx: Option<Senders<MeshReply>>,
     pending: RefCell<HashMap<u64, LocalSender<ShardReply>>>,
     next_req: Cell<u64>,
     dropped_replies: Cell<u64>,
@@ -152,12 +147,21 @@ pub(crate) struct Exec {
     gpu_next: Cell<u64>,
 }
 
-async fn run(ctx: ShardContext) {
-    // The loop sleeps for microseconds at a time (glommio timers): the kernel's default timer
-    // slack (50 us) would stretch each of those sleeps to the slack.
-    if let Err(e) = nix::sys::prctl::set_timerslack(1) {
-        tracing::debug!(error = %e, "timer slack not lowered");
+/// This shard's ends of a mesh, or none with one shard.
+async fn join_mesh<T: Send + 'static>(
+    mesh: Option<MeshBuilder<T, Full>>,
+    what: &str,
+) -> Result<(Option<Senders<T>>, Option<Receivers<T>>), String> {
+    match mesh {
+        None => Ok((None, None)),
+        Some(m) => match m.join().await {
+            Ok((tx, rx)) => Ok((Some(tx), Some(rx))),
+            Err(e) => Err(format!("joining the {what} mesh: {e}")),
+        },
     }
+}
+
+async fn run(ctx: ShardContext) {
     let ShardContext {
         id,
         shards,
@@ -196,6 +200,20 @@ async fn run(ctx: ShardContext) {
             return;
         }
     };
+    let (req_tx, req_rx) = match join_mesh(req_mesh, "request").await {
+        Ok(ends) => ends,
+        Err(e) => {
+            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            return;
+        }
+    };
+    let (rep_tx, rep_rx) = match join_mesh(rep_mesh, "reply").await {
+        Ok(ends) => ends,
+        Err(e) => {
+            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            return;
+        }
+    };
     let idle_poll_max = shared.settings.idle_poll_max;
     let exec = Rc::new(Exec {
         id,
@@ -205,9 +223,8 @@ async fn run(ctx: ShardContext) {
         sessions: RefCell::new(HashMap::new()),
         node,
         shared,
-        req_mesh,
-        rep_mesh,
-        reply_backlog: RefCell::new(VecDeque::new()),
+        req_tx,
+        rep_tx,
         pending: RefCell::new(HashMap::new()),
         next_req: Cell::new(1),
         dropped_replies: Cell::new(0),
@@ -218,6 +235,50 @@ async fn run(ctx: ShardContext) {
         gpu_waiters: RefCell::new(HashMap::new()),
         gpu_next: Cell::new(1),
     });
+    // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
+    // so this task cannot deadlock against another shard's.
+    if let Some(mut rx) = req_rx {
+        for (peer, stream) in rx.streams() {
+            let e = Rc::clone(&exec);
+            glommio::spawn_local(async move {
+                while let Some((rid, op)) = stream.recv().await {
+                    e.shared.doorbells.mesh_received(e.id);
+                    // A lookup may wait for SSD promotions: run it in its own task so that
+                    // later ops from the same peer are not queued behind it.
+                    if matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().has_ssd() {
+                        let e = Rc::clone(&e);
+                        e.active.set(e.active.get() + 1);
+                        glommio::spawn_local(async move {
+                            let reply = e.apply_local(op).await;
+                            e.reply_to(peer, rid, reply).await;
+                            e.active.set(e.active.get() - 1);
+                        })
+                        .detach();
+                        continue;
+                    }
+                    let reply = e.apply_local(op).await;
+                    if !e.reply_to(peer, rid, reply).await {
+                        break;
+                    }
+                }
+            })
+            .detach();
+        }
+    }
+    if let Some(mut rx) = rep_rx {
+        for (_peer, stream) in rx.streams() {
+            let e = Rc::clone(&exec);
+            glommio::spawn_local(async move {
+                while let Some((rid, reply)) = stream.recv().await {
+                    e.shared.doorbells.mesh_received(e.id);
+                    if let Some(tx) = e.pending.borrow_mut().remove(&rid) {
+                        let _ = tx.try_send(reply);
+                    }
+                }
+            })
+            .detach();
+        }
+    }
     if let Some(cfg) = ssd {
         match SsdStore::open(&cfg) {
             Ok((store, report)) => {
@@ -245,7 +306,6 @@ async fn run(ctx: ShardContext) {
     tracing::info!(shard = id, cpu = ?cpu, "shard serving");
 
     let mut last_work = Instant::now();
-    let mut reactor_at = Instant::now();
     loop {
         let mut work = 0usize;
         let mut stop = false;
@@ -258,7 +318,6 @@ async fn run(ctx: ShardContext) {
         if stop {
             break;
         }
-        work += exec.poll_mesh();
         work += exec.poll_sessions();
         work += exec.poll_gpu();
         if !exec.gpu_waiters.borrow().is_empty() {
@@ -272,15 +331,25 @@ async fn run(ctx: ShardContext) {
         }
         if work > 0 {
             last_work = Instant::now();
-            yield_or_react(&mut reactor_at).await;
+            if shards > 1 {
+                // Through the reactor: a plain yield keeps running this executor's tasks and
+                // polls the reactor only when glommio's preemption timer fires (100 ms), so
+                // mesh messages would wait behind a busy shard.
+                glommio::timer::sleep(Duration::from_micros(1)).await;
+            } else {
+                glommio::executor().yield_now().await;
+            }
             continue;
         }
         let idle = last_work.elapsed();
-        // With several shards, other shards' messages are seen only by polling: no naps, poll
-        // until the deep sleep (where the doorbell wakes the shard).
-        let spinning = if shards > 1 { idle < deep_idle } else { idle < spin_window };
-        if spinning {
-            yield_or_react(&mut reactor_at).await;
+        if idle < spin_window {
+            if shards > 1 {
+                // Spin through glommio's reactor: requests and replies from other shards are
+                // only seen when it is polled, which a plain yield does not do.
+                glommio::timer::sleep(Duration::from_micros(1)).await;
+            } else {
+                glommio::executor().yield_now().await;
+            }
         } else if idle >= deep_idle
             && exec.active.get() == 0
             && exec.core.borrow().ssd_inflight() == 0
@@ -291,39 +360,16 @@ async fn run(ctx: ShardContext) {
                 e.doorbell_wakeups.set(e.doorbell_wakeups.get() + 1);
                 last_work = Instant::now();
             }
-            // Through glommio's reactor: timers that came due while this thread was blocked.
+            // Go through glommio's reactor (a plain yield may not poll it): mesh messages that
+            // arrived while this thread was blocked are only seen there.
             glommio::timer::sleep(Duration::from_micros(1)).await;
-            reactor_at = Instant::now();
         } else {
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
-            if exec.core.borrow().ssd_inflight() == 0 {
-                // Nap on the doorbell: everything that brings work (clients, other shards'
-                // requests and replies, GPU completions, control messages) rings it, so a
-                // reply this shard waits for ends the nap at once. SSD completions do not
-                // ring: with I/O in flight the nap is a glommio timer instead.
-                let e = &exec;
-                e.shared.doorbells.sleep(id, nap, || e.has_work(&control));
-                glommio::timer::sleep(Duration::from_micros(1)).await;
-                reactor_at = Instant::now();
-            } else {
-                glommio::timer::sleep(nap).await;
-            }
+            glommio::timer::sleep(nap).await;
         }
     }
     exec.sessions.borrow_mut().clear();
     tracing::info!(shard = id, "shard stopped");
-}
-
-/// Lets this executor's other tasks run; every [`REACTOR_EVERY`] goes through glommio's
-/// reactor instead (a plain yield never reaches it while this loop has work, and tasks
-/// sleeping on glommio timers wait for it).
-async fn yield_or_react(at: &mut Instant) {
-    if at.elapsed() >= REACTOR_EVERY {
-        glommio::timer::sleep(Duration::from_micros(1)).await;
-        *at = Instant::now();
-    } else {
-        glommio::executor().yield_now().await;
-    }
 }
 
 impl Exec {
@@ -455,75 +501,16 @@ impl Exec {
         n
     }
 
-    /// Sends a reply to `peer` (kept in the backlog while its ring is full; never waits).
-    fn reply_to(&self, peer: usize, rid: u64, reply: ShardReply) {
-        let mut backlog = self.reply_backlog.borrow_mut();
-        if backlog.is_empty() {
-            self.push_reply(peer, (rid, reply), &mut backlog);
-        } else {
-            backlog.push_back((peer, (rid, reply)));
-        }
-    }
-
-    fn push_reply(&self, peer: usize, msg: MeshReply, backlog: &mut VecDeque<(usize, MeshReply)>) {
-        let mesh = self.rep_mesh.as_ref().expect("replies exist only with several shards");
+    /// Sends a reply to `peer` over the reply mesh; false when the mesh is gone.
+    async fn reply_to(&self, peer: usize, rid: u64, reply: ShardReply) -> bool {
+        let tx = self.rep_tx.as_ref().expect("reply mesh exists when request mesh does");
         self.shared.doorbells.mesh_sending(peer);
-        match mesh.push(self.id, peer, msg) {
-            Ok(()) => self.shared.doorbells.ring(peer),
-            Err(msg) => {
-                self.shared.doorbells.mesh_received(peer);
-                backlog.push_back((peer, msg));
-            }
+        let sent = tx.send_to(peer, (rid, reply)).await.is_ok();
+        self.shared.doorbells.ring(peer);
+        if !sent {
+            self.shared.doorbells.mesh_received(peer);
         }
-    }
-
-    /// Takes replies and requests from the other shards' rings (and retries held-back
-    /// replies); returns how many messages moved.
-    fn poll_mesh(self: &Rc<Self>) -> usize {
-        let (Some(req), Some(rep)) = (self.req_mesh.as_ref(), self.rep_mesh.as_ref()) else {
-            return 0;
-        };
-        let mut n = 0;
-        {
-            let mut backlog = self.reply_backlog.borrow_mut();
-            for _ in 0..backlog.len() {
-                let (peer, msg) = backlog.pop_front().expect("counted");
-                let before = backlog.len();
-                self.push_reply(peer, msg, &mut backlog);
-                if backlog.len() == before {
-                    n += 1;
-                }
-            }
-        }
-        for peer in (0..self.shards).filter(|&p| p != self.id) {
-            while let Some((rid, reply)) = rep.pop(peer, self.id) {
-                self.shared.doorbells.mesh_received(self.id);
-                n += 1;
-                if let Some(tx) = self.pending.borrow_mut().remove(&rid) {
-                    let _ = tx.try_send(reply);
-                }
-            }
-            for _ in 0..REQUESTS_PER_ROUND {
-                let Some((rid, op)) = req.pop(peer, self.id) else { break };
-                self.shared.doorbells.mesh_received(self.id);
-                n += 1;
-                // A lookup may wait for SSD promotions: it runs in its own task.
-                if matches!(op, ShardOp::Lookup { .. }) && self.core.borrow().has_ssd() {
-                    let e = Rc::clone(self);
-                    e.active.set(e.active.get() + 1);
-                    glommio::spawn_local(async move {
-                        let reply = e.apply_local(op).await;
-                        e.reply_to(peer, rid, reply);
-                        e.active.set(e.active.get() - 1);
-                    })
-                    .detach();
-                } else {
-                    let reply = self.core.borrow_mut().apply(op);
-                    self.reply_to(peer, rid, reply);
-                }
-            }
-        }
-        n
+        sent
     }
 
     /// Executes an op on this shard. A lookup that finds chunks only on SSD waits here until
@@ -570,23 +557,22 @@ impl Exec {
         self.next_req.set(rid + 1);
         let (tx, rx) = local_channel::new_bounded(1);
         self.pending.borrow_mut().insert(rid, tx);
-        let mesh = self.req_mesh.as_ref().expect("several shards imply a mesh");
-        let mut msg = (rid, op);
-        // A full ring means that shard is behind: wait for room (this shard's loop keeps
-        // draining its own rings meanwhile, so two shards never wait on each other).
-        loop {
-            self.shared.doorbells.mesh_sending(shard);
-            match mesh.push(self.id, shard, msg) {
-                Ok(()) => break,
-                Err(back) => {
-                    self.shared.doorbells.mesh_received(shard);
-                    msg = back;
-                    self.shared.doorbells.ring(shard);
-                    glommio::timer::sleep(Duration::from_micros(5)).await;
-                }
+        let mesh = self.req_tx.as_ref().expect("several shards imply a mesh");
+        self.shared.doorbells.mesh_sending(shard);
+        let sent = match mesh.try_send_to(shard, (rid, op)) {
+            Ok(()) => true,
+            // Full: wait for room.
+            Err(GlommioError::WouldBlock(ResourceType::Channel(msg))) => {
+                mesh.send_to(shard, msg).await.is_ok()
             }
-        }
+            Err(_) => false,
+        };
         self.shared.doorbells.ring(shard);
+        if !sent {
+            self.shared.doorbells.mesh_received(shard);
+            self.pending.borrow_mut().remove(&rid);
+            return None;
+        }
         Some(rx)
     }
 

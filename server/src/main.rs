@@ -10,7 +10,6 @@ mod doorbell;
 mod executor;
 mod gpu;
 mod ipc;
-mod mesh;
 mod router;
 mod shared;
 mod transfer;
@@ -23,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use glommio::channels::channel_mesh::MeshBuilder;
 use orbitkv_proto::{admin_socket_path, format_bytes};
 use orbitkv_shards::ssd::store::SsdConfig;
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
@@ -232,8 +232,8 @@ fn run(settings: Settings) -> Result<(), String> {
     let idle = if shards < cpus.len() { IdlePolicy::Poll } else { IdlePolicy::Sleep };
     tracing::info!(?idle, shards, cpus = cpus.len(), "idle policy");
     let depth = settings.config.mesh_queue_depth;
-    let req_mesh = (shards > 1).then(|| Arc::new(mesh::Mesh::new(shards, depth)));
-    let rep_mesh = (shards > 1).then(|| Arc::new(mesh::Mesh::new(shards, depth)));
+    let req_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
+    let rep_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
     let io_memory = io_memory_per_ring(shards);
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(shards);
     let mut handles = Vec::new();
