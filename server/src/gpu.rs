@@ -39,19 +39,12 @@ pub struct GpuLimits {
 }
 
 /// Runs driver work that may take milliseconds (opening or closing CUDA IPC mappings) on a
-/// short-lived thread, so that no shard stalls on it; inline if no thread can be started.
+/// short-lived thread, so that no shard stalls on it. If no thread can be started, `f` is
+/// dropped here: what it owns is released inline (a mapping closes on this thread), and a
+/// caller waiting for its answer sees the channel closed.
 pub fn off_shard(f: impl FnOnce() + Send + 'static) {
-    let f = Arc::new(Mutex::new(Some(f)));
-    let g = Arc::clone(&f);
-    let spawned = std::thread::Builder::new().name("gpu-ipc".into()).spawn(move || {
-        if let Some(f) = g.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            f()
-        }
-    });
-    if spawned.is_err() {
-        if let Some(f) = f.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            f()
-        }
+    if let Err(e) = std::thread::Builder::new().name("gpu-ipc".into()).spawn(f) {
+        tracing::warn!(error = %e, "no thread for CUDA IPC work; done on the shard");
     }
 }
 

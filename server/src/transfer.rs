@@ -55,7 +55,10 @@ pub(crate) async fn register(
                 glommio::timer::sleep(Duration::from_micros(100)).await
             }
             Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                break Err((ErrorCode::Internal, "GPU registration thread failed".into()))
+                break Err((
+                    ErrorCode::Internal,
+                    "the IPC handles could not be opened off the shard (see the server log)".into(),
+                ))
             }
         }
     };
