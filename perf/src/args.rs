@@ -130,6 +130,18 @@ pub(crate) struct DmaArgs {
     /// completes it anyway (cancellation never leaves a half-written chunk).
     #[arg(long, requires = "socket")]
     pub cancel_check: bool,
+    /// With `--socket`: this process is rank N of a tensor-parallel group; its chunks go to
+    /// the rank's own namespace (the descriptor's `tp_rank`) (default: 0).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "socket")]
+    pub tp_rank: u32,
+    /// With `--socket`: ranks in the group (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "socket")]
+    pub tp_world_size: u32,
+    /// With `--socket`: a folder the group's ranks share; every rank waits for the others
+    /// (there) before its ceiling, save and load series, so the ranks copy at the same time,
+    /// and after the saves checks that the group prefix (every rank's chunks) is complete.
+    #[arg(long, value_name = "DIR", requires = "socket")]
+    pub barrier: Option<PathBuf>,
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
     #[arg(long, conflicts_with = "socket")]

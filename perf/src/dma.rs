@@ -7,7 +7,7 @@
 //! each measured series the destination is scribbled over, after it every byte is compared.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
@@ -148,6 +148,23 @@ impl Report for DmaReport {
                 )?;
             }
         }
+        if let Some(s) = &self.server {
+            writeln!(
+                out,
+                "server: rank {}/{}, {} chunks, failures save {} load {}, dropped save completed {:?}, \
+                 stale registration refused {}",
+                s.tp_rank,
+                s.tp_world_size,
+                s.chunks,
+                s.save_failures,
+                s.load_failures,
+                s.cancelled_save_completed,
+                s.stale_registration_refused
+            )?;
+            if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
+                writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
+            }
+        }
         if let Some(i) = &self.interference {
             writeln!(
                 out,
@@ -172,6 +189,7 @@ impl Report for DmaReport {
                     && s.load_failures == 0
                     && s.cancelled_save_completed != Some(false)
                     && s.stale_registration_refused
+                    && s.group_prefix_chunks.is_none_or(|g| g == s.chunks)
             })
     }
 }
@@ -426,6 +444,10 @@ fn unsafe_submit(
     unsafe { engine.submit(direction, pieces, strategy) }.map_err(dma)
 }
 
+/// How long a rank waits for the others at a `--barrier` (they allocate and fill their
+/// tensors first: seconds for tens of GiB).
+const BARRIER_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Runs `dma`.
 pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let (layout, layout_name) = layout_of(a)?;
@@ -441,6 +463,20 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: "must be at least 1".into(),
         });
     }
+    if a.tp_world_size == 0 || a.tp_rank >= a.tp_world_size {
+        return Err(Error::InvalidArgument {
+            flag: "--tp-rank",
+            reason: format!(
+                "rank {} of a group of {}: ranks are 0 to --tp-world-size - 1",
+                a.tp_rank, a.tp_world_size
+            ),
+        });
+    }
+    let barrier = a
+        .barrier
+        .as_deref()
+        .map(|dir| crate::barrier::Barrier::new(dir, a.tp_rank, a.tp_world_size, BARRIER_TIMEOUT))
+        .transpose()?;
     let devices = match orbitkv_gpu::probe() {
         Probe::Absent { reason } => return Err(Error::Gpu(format!("no CUDA device: {reason}"))),
         Probe::Present { devices } => devices,
@@ -513,6 +549,11 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut server = None;
     let mut interference = None;
     if a.socket.is_some() {
+        // The group's ranks measure their ceilings together: the links they share are part
+        // of what they can reach together.
+        if let Some(b) = &barrier {
+            b.wait("ceiling")?;
+        }
         let save_ceiling = bench.ceiling(Direction::Save)?;
         let load_ceiling = bench.ceiling(Direction::Load)?;
         let engine = crate::dma_server::Engine {
@@ -522,7 +563,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             chunk_len: bench.chunk_len,
             device_uuid: &info.uuid,
         };
-        let served = crate::dma_server::run(a, &engine)?;
+        let served = crate::dma_server::run(a, &engine, barrier.as_ref())?;
         let bytes = bench.bytes;
         let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
         let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {

@@ -14,6 +14,7 @@ use orbitkv_gpu::{KvLayout, LayoutDesc};
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg};
+use crate::barrier::Barrier;
 use crate::error::Error;
 
 /// What the server run adds to the report.
@@ -37,6 +38,17 @@ pub(crate) struct ServedResult {
     /// A save naming an unregistered registration was refused, a new registration got a new
     /// generation, and the old one stayed refused.
     pub stale_registration_refused: bool,
+    /// This rank of its tensor-parallel group (`--tp-rank`, `--tp-world-size`).
+    pub tp_rank: u32,
+    /// Ranks in the group.
+    pub tp_world_size: u32,
+    /// Chunks saved per series.
+    pub chunks: usize,
+    /// With `--barrier` and more than one rank: the group prefix (chunks every rank has)
+    /// once every rank finished its saves; a complete group has all `chunks`.
+    pub group_prefix_chunks: Option<usize>,
+    /// Its per-rank counts, in rank order.
+    pub group_prefix_per_rank: Option<Vec<usize>>,
 }
 
 /// The stand-in engine the server copies from and to.
@@ -95,7 +107,12 @@ fn not_done(o: &[ChunkOutcome]) -> u64 {
 }
 
 /// Runs the save/load series through the server.
-pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
+pub(crate) fn run(
+    a: &DmaArgs,
+    e: &Engine<'_>,
+    barrier: Option<&Barrier>,
+) -> Result<ServedResult, Error> {
+    let meet = |phase: &str| barrier.map_or(Ok(()), |b| b.wait(phase));
     let socket = a.socket.as_ref().expect("server mode has a socket");
     let layout = *e.memory.layout();
     let mut client = Client::connect(ClientOptions {
@@ -118,8 +135,8 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         kv_tensors: if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
         tokens_per_chunk: layout.block_size * per_chunk,
         layout_version: 1,
-        tp_rank: 0,
-        tp_world_size: 1,
+        tp_rank: a.tp_rank,
+        tp_world_size: a.tp_world_size,
     };
     let ns = client.register_namespace(&descriptor).map_err(client_err("register namespace"))?;
     if ns.max_chunk_bytes < e.chunk_len {
@@ -136,21 +153,26 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
     let reg = client
         .register_gpu(e.device_uuid, spec(&layout), &tensors)
         .map_err(client_err("register_gpu"))?;
-    let keys: Vec<ChunkKey> = (0..e.chunks.len() as u64)
-        .map(|i| {
-            let mut h = blake3::Hasher::new();
-            h.update(b"orbitkv-perf-dma");
-            h.update(&a.seed.to_le_bytes());
-            h.update(&i.to_le_bytes());
-            ChunkKey::new(ns.id, *h.finalize().as_bytes())
-        })
-        .collect();
+    // Every rank of a group stores the same prompt's chunks, under its own namespace.
+    let keys_in = |ns: u64| -> Vec<ChunkKey> {
+        (0..e.chunks.len() as u64)
+            .map(|i| {
+                let mut h = blake3::Hasher::new();
+                h.update(b"orbitkv-perf-dma");
+                h.update(&a.seed.to_le_bytes());
+                h.update(&i.to_le_bytes());
+                ChunkKey::new(ns, *h.finalize().as_bytes())
+            })
+            .collect()
+    };
+    let keys = keys_in(ns.id);
     let blocks: Vec<u64> = e.chunks.iter().flatten().copied().collect();
     let bytes = e.chunk_len * keys.len() as u64;
     let gbps = |t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
 
     let mut save_runs = Vec::new();
     let mut save_failures = 0;
+    meet("save")?;
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
         let t = Instant::now();
@@ -160,6 +182,20 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         }
         save_failures += not_done(&o);
     }
+    meet("saved")?;
+    // No rank evicts again before the "load" meeting: the group prefix is complete now.
+    let group = if barrier.is_some() && a.tp_world_size > 1 {
+        let mut ranks = Vec::with_capacity(a.tp_world_size as usize);
+        for r in 0..a.tp_world_size {
+            let d = NamespaceDescriptor { tp_rank: r, ..descriptor.clone() };
+            let id = client.register_namespace(&d).map_err(client_err("register namespace"))?.id;
+            ranks.push(keys_in(id));
+        }
+        let views: Vec<&[ChunkKey]> = ranks.iter().map(|k| &k[..]).collect();
+        Some(client.lookup_group(&views).map_err(client_err("lookup_group"))?)
+    } else {
+        None
+    };
     // Every chunk, read through the mapped arena.
     let mut save_mismatched_bytes = 0;
     let mut want = Vec::new();
@@ -181,6 +217,7 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
     }
     let mut load_runs = Vec::new();
     let mut load_failures = 0;
+    meet("load")?;
     for i in 0..=a.iterations {
         let t = Instant::now();
         let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
@@ -196,6 +233,8 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         load_mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
     }
 
+    // The checks below evict and re-register: after every rank's timed loads.
+    meet("loaded")?;
     let cancelled_save_completed = if a.cancel_check {
         Some(cancel_check(&mut client, &reg, &keys, &blocks, per_chunk as usize, e, &layout)?)
     } else {
@@ -219,6 +258,11 @@ pub(crate) fn run(a: &DmaArgs, e: &Engine<'_>) -> Result<ServedResult, Error> {
         load_mismatched_bytes,
         cancelled_save_completed,
         stale_registration_refused,
+        tp_rank: a.tp_rank,
+        tp_world_size: a.tp_world_size,
+        chunks: keys.len(),
+        group_prefix_chunks: group.as_ref().map(|g| g.chunks),
+        group_prefix_per_rank: group.map(|g| g.per_rank),
     })
 }
 

@@ -8,6 +8,7 @@
 
 mod admin;
 mod args;
+mod barrier;
 mod baseline;
 mod dma;
 mod dma_interference;

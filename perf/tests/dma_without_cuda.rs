@@ -38,6 +38,13 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--layers", "0"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--layers"), "{err}");
+    let (code, err) = dma(&["--socket", "/nonexistent", "--tp-rank", "2", "--tp-world-size", "2"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tp-rank") && err.contains("rank 2 of a group of 2"), "{err}");
+    // Group flags belong to a run through a server.
+    let (code, err) = dma(&["--tp-rank", "1"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--socket"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
