@@ -22,6 +22,6 @@ run hnd-32k     --layout flash-hnd --layers 32 --block-tokens 16 --kv-heads 8 --
 run cross-32k   --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
 run mla-18k     --layout mla       --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
 run nhd-fp8-16k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 2048 --dtype fp8
-# The slowdown of a concurrent bf16 matmul loop (PyTorch) while saving and loading (auto).
-run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference
-run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --interference
+# The slowdown of a concurrent bf16 matmul loop (PyTorch) beside the contiguous copy and each strategy.
+run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy all --interference
+run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy all --interference

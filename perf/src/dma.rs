@@ -21,7 +21,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, StrategyArg};
-use crate::dma_interference::{InterferenceResult, MatmulLoop};
+use crate::dma_interference::{InterferenceResult, InterferenceRow, MatmulLoop};
 use crate::error::Error;
 use crate::report::Report;
 
@@ -97,7 +97,7 @@ pub(crate) struct DmaReport {
     pub mismatched_bytes: u64,
     /// With `--socket`: the run through the server (its rows in `results` are `server`).
     pub server: Option<crate::dma_server::ServedResult>,
-    /// With `--interference`: the slowdown of a concurrent matmul loop (strategy `auto`).
+    /// With `--interference`: the slowdown of a concurrent matmul loop beside each strategy.
     pub interference: Option<crate::dma_interference::InterferenceResult>,
 }
 
@@ -168,16 +168,25 @@ impl Report for DmaReport {
         if let Some(i) = &self.interference {
             writeln!(
                 out,
-                "matmul loop: {:.1}/s alone, {:.1}/s during saves ({:.1}% slower, saves at {:.2} GB/s), \
-                 {:.1}/s during loads ({:.1}% slower, loads at {:.2} GB/s)",
-                i.matmul_per_s_alone,
-                i.matmul_per_s_during_save,
-                100.0 * i.slowdown_save,
-                i.save_gbps_under_matmul,
-                i.matmul_per_s_during_load,
-                100.0 * i.slowdown_load,
-                i.load_gbps_under_matmul
+                "matmul loop alone: {:.1}/s before, {:.1}/s after the copies",
+                i.matmul_per_s_alone, i.matmul_per_s_alone_after
             )?;
+            writeln!(
+                out,
+                "{:<6} {:<10} {:>10} {:>9} {:>10}",
+                "dir", "beside", "matmul/s", "slower", "copy GB/s"
+            )?;
+            for r in &i.rows {
+                writeln!(
+                    out,
+                    "{:<6} {:<10} {:>10.1} {:>8.1}% {:>10.2}",
+                    r.direction,
+                    r.strategy,
+                    r.matmul_per_s,
+                    100.0 * r.slowdown,
+                    r.copy_gbps
+                )?;
+            }
         }
         Ok(())
     }
@@ -370,21 +379,52 @@ impl Bench {
     }
 
     /// The matmul loop's rate alone and while saves, then loads, run back to back.
-    fn interference(&mut self, device: usize) -> Result<InterferenceResult, Error> {
+    /// The matmul loop's rate alone, then beside back-to-back copies: the contiguous
+    /// ceiling copy, then each strategy, saves then loads.
+    fn interference(
+        &mut self,
+        device: usize,
+        strategies: &[(&'static str, Strategy)],
+    ) -> Result<InterferenceResult, Error> {
         let matmul = MatmulLoop::start(device)?;
         let alone = matmul.alone();
-        let (save_rate, save) = matmul.during(|| self.once(Direction::Save, Strategy::Auto))?;
-        let (load_rate, load) = matmul.during(|| self.once(Direction::Load, Strategy::Auto))?;
-        let slowdown = |r: f64| if alone > 0.0 { 1.0 - r / alone } else { 0.0 };
-        Ok(InterferenceResult {
-            matmul_per_s_alone: alone,
-            matmul_per_s_during_save: save_rate,
-            matmul_per_s_during_load: load_rate,
-            slowdown_save: slowdown(save_rate),
-            slowdown_load: slowdown(load_rate),
-            save_gbps_under_matmul: median(save),
-            load_gbps_under_matmul: median(load),
-        })
+        let mut measured = Vec::new();
+        let ways = std::iter::once(("contiguous", None))
+            .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
+        for (name, strategy) in ways {
+            for direction in [Direction::Save, Direction::Load] {
+                let (rate, runs) = matmul.during(|| match strategy {
+                    None => self.contiguous_once(direction),
+                    Some(s) => self.once(direction, s),
+                })?;
+                measured.push((name, direction, rate, median(runs)));
+            }
+        }
+        let after = matmul.alone();
+        let base = alone.max(after);
+        let rows = measured
+            .into_iter()
+            .map(|(strategy, direction, rate, copy_gbps)| InterferenceRow {
+                strategy,
+                direction: if direction == Direction::Save { "save" } else { "load" },
+                matmul_per_s: rate,
+                slowdown: if base > 0.0 { 1.0 - rate / base } else { 0.0 },
+                copy_gbps,
+            })
+            .collect();
+        Ok(InterferenceResult { matmul_per_s_alone: alone, matmul_per_s_alone_after: after, rows })
+    }
+
+    /// One contiguous copy of the operation's bytes (the ceiling's copy); GB/s.
+    fn contiguous_once(&mut self, direction: Direction) -> Result<f64, Error> {
+        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
+        let (device, len) = (self.contiguous.ptr(), self.bytes as usize);
+        let t = Instant::now();
+        // SAFETY (upheld here): as in `ceiling`.
+        unsafe_contiguous(&mut self.engine, direction, device, host, len)?
+            .synchronize()
+            .map_err(cuda("cuEventSynchronize"))?;
+        Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
     fn series(
@@ -614,7 +654,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
         }
         if a.interference {
-            interference = Some(bench.interference(a.device)?);
+            interference = Some(bench.interference(a.device, &strategies)?);
             // The loads under the matmul rewrote the tensors: check them once more.
             mismatched += bench.verify(Direction::Load)?;
         }

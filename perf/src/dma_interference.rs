@@ -41,23 +41,31 @@ while True:
 /// How long each window of the measurement lasts.
 pub(crate) const WINDOW: Duration = Duration::from_secs(3);
 
-/// The interference part of the report.
+/// The interference part of the report: the matmul loop alone, then beside each way of
+/// copying (the contiguous ceiling copy first: what any copy of these bytes costs the engine).
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct InterferenceResult {
-    /// Matrix products per second with no copy running.
+    /// Matrix products per second with no copy running, before the copies.
     pub matmul_per_s_alone: f64,
-    /// ... while saves run back to back.
-    pub matmul_per_s_during_save: f64,
-    /// ... while loads run back to back.
-    pub matmul_per_s_during_load: f64,
-    /// 1 - during / alone, saves.
-    pub slowdown_save: f64,
-    /// 1 - during / alone, loads.
-    pub slowdown_load: f64,
-    /// Save GB/s while the matmul loop runs.
-    pub save_gbps_under_matmul: f64,
-    /// Load GB/s while the matmul loop runs.
-    pub load_gbps_under_matmul: f64,
+    /// ... and after them; slowdowns are against the larger of the two.
+    pub matmul_per_s_alone_after: f64,
+    /// One row per strategy and direction.
+    pub rows: Vec<InterferenceRow>,
+}
+
+/// The matmul loop beside one way of copying, run back to back for a window.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct InterferenceRow {
+    /// `contiguous` (the ceiling copy), `auto`, `staged` or `batched`.
+    pub strategy: &'static str,
+    /// `save` or `load`.
+    pub direction: &'static str,
+    /// Matrix products per second meanwhile.
+    pub matmul_per_s: f64,
+    /// 1 - matmul_per_s / alone.
+    pub slowdown: f64,
+    /// Median GB/s of the copies meanwhile.
+    pub copy_gbps: f64,
 }
 
 /// The running matmul loop.

@@ -363,8 +363,11 @@ impl IpcMapping {
         self.base
     }
 
-    /// Size of the allocation the handle names.
+    /// Size of the allocation the handle names. Binds the mapping's context first: a mapping
+    /// shared by registrations is queried from whichever thread registers next, whose current
+    /// context may be another device's.
     pub(crate) fn allocation_len(&self) -> Result<u64, DmaError> {
+        self.ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
         let mut start: sys::CUdeviceptr = 0;
         let mut len: usize = 0;
         // SAFETY: queries the range of a live mapping owned by self.
