@@ -4,7 +4,15 @@
 # the stripped release binaries in .device-bin; results go to $OUT.
 # Extra arguments are passed to every run; TAG prefixes the output names; ONLY="a b" limits
 # the runs to those names.
+# MPS=1 runs everything under a CUDA MPS daemon started here (and stopped at the end), so the
+# copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
 B=.device-bin
+if [ "$MPS" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/okv-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/okv-mps/log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d >> $OUT/dma.log 2>&1; echo "mps daemon rc=$?" >> $OUT/dma.log
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 P="$B/orbitkv-perf dma --json --iterations 5"
 run() {
   name=$1; shift
