@@ -40,11 +40,12 @@ group() {
 group nhd $NHD --cancel-check
 group sglang $SGL
 stats > $OUT/tp-stats-before-kill.json
-# Rank 1 dies during a save; rank 0 must be unaffected. Rank 1 (8 GiB, 30 saves) starts first;
-# rank 0 starts once rank 1 is registered, and rank 1 is killed once rank 0 is registered too.
+# Rank 1 dies during a save; rank 0 must be unaffected. Rank 1 (8 GiB, 200 saves back to back:
+# half a minute, so it is still saving when killed) starts first; rank 0 starts once rank 1 is
+# registered, and rank 1 is killed 0.2 s after rank 0 registered too (rank 0 is then saving).
 regs() { stats | field 'd["gpu_transfers"]["registrations"]' 2>/dev/null; }
 log "== survivor: rank 0 on GPU 0 while rank 1 on GPU 1 is killed"
-$D --iterations 30 --device 1 --tp-rank 1 --tp-world-size 2 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 6 > $OUT/tp-killed-1.json 2>&1 &
+$D --iterations 200 --device 1 --tp-rank 1 --tp-world-size 2 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 6 > $OUT/tp-killed-1.json 2>&1 &
 K=$!
 for i in $(seq 600); do [ "$(regs)" -ge 1 ] 2>/dev/null && break; sleep 0.05; done
 $D --iterations 8 --device 0 --tp-rank 0 --tp-world-size 2 $NHD --seed 5 > $OUT/tp-survivor-0.json 2>> $OUT/tp.log &
@@ -52,7 +53,8 @@ A=$!
 for i in $(seq 600); do n=$(regs); [ "${n:-0}" -ge 2 ] 2>/dev/null && break; sleep 0.05; done
 sleep 0.2
 stats > $OUT/tp-stats-at-kill.json
-kill -9 $K; wait $K 2>/dev/null
+kill -9 $K
+stats > $OUT/tp-stats-just-after-kill.json; wait $K 2>/dev/null
 log "killed rank 1 (registrations seen: $n)"
 wait $A; log "survivor rc=$?"
 for i in $(seq 200); do [ "$(stats | field 'd["sessions"]')" = "0" ] && break; sleep 0.05; done
