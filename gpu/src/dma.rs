@@ -1,6 +1,7 @@
 //! Moving engine KV pages between GPU memory and the arena: copy plans ([`plan`]), the copy
 //! engine of one device ([`CopyEngine`]) and the CUDA calls behind it.
 
+pub mod checksum;
 mod engine;
 mod ffi;
 mod memory;

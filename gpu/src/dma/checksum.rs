@@ -1,0 +1,163 @@
+//! Chunk checksums computed on the GPU: the tables of `gpu/kernels/chunk_checksum.cu`.
+//!
+//! A save's commit stores each chunk's XXH3-64 (`orbitkv_proto::chunk_checksum`). Computing it
+//! on the shards means reading every saved byte once more on the CPU, which bounds saves with
+//! few shards; the GPU reads the engine's pages at HBM speed instead, beside the copy. The
+//! kernels take a chunk table and a segment table (where each chunk's bytes lie, in order);
+//! this module builds them from the same pieces the copy moves. Pure arithmetic: tested on the
+//! CPU against `chunk_checksum` by running the kernel source as C (tests/).
+
+use super::plan::Piece;
+use super::DmaError;
+
+/// Shortest chunk the kernels hash: XXH3's long-input path starts above 240 bytes; shorter
+/// chunks are checksummed on the CPU.
+pub const MIN_LEN: u64 = 241;
+
+/// Bytes of one chunk record (`HashChunk`: five little-endian u64).
+pub const CHUNK_RECORD: usize = 40;
+
+/// Bytes of one segment record (`HashSeg`: two little-endian u64).
+pub const SEG_RECORD: usize = 16;
+
+/// Bytes of one scratch row (8 lane sums of one 1 KiB block).
+pub const ROW_BYTES: u64 = 64;
+
+/// Scratch rows of a chunk of `len` bytes: one per full block before the last, and the last.
+pub fn rows_of(len: u64) -> u64 {
+    (len - 1) / 1024 + 1
+}
+
+/// The kernels' input for a group of chunks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HashTables {
+    /// Per chunk: len, first segment, segments, first row, 0.
+    pub chunks: Vec<[u64; 5]>,
+    /// Per segment: start within its chunk, device address.
+    pub segs: Vec<[u64; 2]>,
+    /// Scratch rows of all chunks.
+    pub rows: u64,
+}
+
+impl HashTables {
+    /// Empties the tables, keeping their memory.
+    pub fn clear(&mut self) {
+        self.chunks.clear();
+        self.segs.clear();
+        self.rows = 0;
+    }
+
+    /// Adds the chunks whose bytes are `pieces` in order (device side; consecutive chunks of
+    /// `chunk_len` bytes each, as `chunk_pieces` appends them). Returns how many were added.
+    pub fn add_chunks(&mut self, pieces: &[Piece], chunk_len: u64) -> Result<usize, DmaError> {
+        if chunk_len < MIN_LEN {
+            return Err(DmaError::Invalid(format!(
+                "chunks of {chunk_len} bytes are checksummed on the CPU (the GPU kernels need at \
+                 least {MIN_LEN})"
+            )));
+        }
+        let mut added = 0;
+        let mut at = 0u64; // bytes of the current chunk so far
+        for p in pieces {
+            if p.len == 0 {
+                continue;
+            }
+            if at == 0 {
+                self.chunks.push([chunk_len, self.segs.len() as u64, 0, self.rows, 0]);
+                self.rows += rows_of(chunk_len);
+                added += 1;
+            }
+            if at + p.len > chunk_len {
+                return Err(DmaError::Invalid(format!(
+                    "a piece of {} bytes crosses the end of a {chunk_len}-byte chunk",
+                    p.len
+                )));
+            }
+            let chunk = self.chunks.last_mut().expect("pushed above");
+            let first = chunk[1] as usize;
+            // Device-contiguous pieces of one chunk are one segment.
+            match self.segs[first..].last() {
+                Some(&[start, addr]) if addr + (at - start) == p.device => {}
+                _ => {
+                    self.segs.push([at, p.device]);
+                    chunk[2] += 1;
+                }
+            }
+            at += p.len;
+            if at == chunk_len {
+                at = 0;
+            }
+        }
+        if at != 0 {
+            return Err(DmaError::Invalid(format!(
+                "the pieces end {at} bytes into a {chunk_len}-byte chunk"
+            )));
+        }
+        Ok(added)
+    }
+
+    /// Bytes of the encoded tables: chunk records, then segment records.
+    pub fn encoded_len(&self) -> usize {
+        self.chunks.len() * CHUNK_RECORD + self.segs.len() * SEG_RECORD
+    }
+
+    /// Writes the chunk records, then the segment records, into `out[..encoded_len()]`.
+    pub fn encode(&self, out: &mut [u8]) {
+        let words = self.chunks.iter().flatten().chain(self.segs.iter().flatten());
+        for (w, slot) in words.zip(out.chunks_exact_mut(8)) {
+            slot.copy_from_slice(&w.to_le_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(device: u64, len: u64) -> Piece {
+        Piece { device, host: 0, len }
+    }
+
+    #[test]
+    fn chunks_segments_and_rows() {
+        let mut t = HashTables::default();
+        // Chunk 0: two device-contiguous pieces (one segment) and a separate one; chunk 1:
+        // one piece.
+        let pieces = [piece(1000, 600), piece(1600, 424), piece(9000, 1000), piece(50_000, 2024)];
+        assert_eq!(t.add_chunks(&pieces, 2024).unwrap(), 2);
+        assert_eq!(t.chunks, vec![[2024, 0, 2, 0, 0], [2024, 2, 1, 2, 0]]);
+        assert_eq!(t.segs, vec![[0, 1000], [1024, 9000], [0, 50_000]]);
+        assert_eq!(t.rows, 4);
+        assert_eq!(t.encoded_len(), 2 * 40 + 3 * 16);
+        let mut img = vec![0u8; t.encoded_len()];
+        t.encode(&mut img);
+        assert_eq!(&img[0..8], &2024u64.to_le_bytes());
+        assert_eq!(&img[80..88], &0u64.to_le_bytes());
+        assert_eq!(&img[88..96], &1000u64.to_le_bytes());
+        // A second group continues the rows and segments.
+        t.add_chunks(&[piece(7, 241)], 241).unwrap();
+        assert_eq!(t.chunks[2], [241, 3, 1, 4, 0]);
+        t.clear();
+        assert_eq!((t.chunks.len(), t.segs.len(), t.rows), (0, 0, 0));
+    }
+
+    #[test]
+    fn rows_follow_xxh3_blocks() {
+        assert_eq!(rows_of(241), 1);
+        assert_eq!(rows_of(1024), 1);
+        assert_eq!(rows_of(1025), 2);
+        assert_eq!(rows_of(2048), 2);
+        assert_eq!(rows_of(2 << 20), 2048);
+    }
+
+    #[test]
+    fn bad_piece_lists_are_refused() {
+        let mut t = HashTables::default();
+        assert!(t.add_chunks(&[piece(0, 240)], 240).unwrap_err().to_string().contains("CPU"));
+        let e = t.add_chunks(&[piece(0, 300), piece(400, 300)], 500).unwrap_err().to_string();
+        assert!(e.contains("crosses the end"), "{e}");
+        let mut t = HashTables::default();
+        let e = t.add_chunks(&[piece(0, 300)], 500).unwrap_err().to_string();
+        assert!(e.contains("end 300 bytes into"), "{e}");
+    }
+}

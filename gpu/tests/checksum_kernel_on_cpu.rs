@@ -1,0 +1,141 @@
+//! The GPU checksum kernels (gpu/kernels/chunk_checksum.cu), compiled as C and run thread by
+//! thread on the CPU, give `orbitkv_proto::chunk_checksum` for chunks scattered over
+//! segments of every shape: XXH3's block edges (1 KiB), final stripes overlapping the last
+//! block, segments shorter than a word, unaligned addresses, words straddling segments.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use orbitkv_gpu::dma::checksum::HashTables;
+use orbitkv_gpu::dma::plan::Piece;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Builds the emulator once per test binary.
+fn emulator() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("orbitkv-checksum-emu-{}", std::process::id()));
+    let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-x", "c"])
+        .arg("-I")
+        .arg(root.join("kernels"))
+        .arg(root.join("tests/support/checksum_emulation.c"))
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc) builds the kernel emulation");
+    assert!(status.success(), "compiling the kernel source as C failed");
+    out
+}
+
+/// Runs the kernels on `data` for the chunks of `pieces` (device addresses are offsets into
+/// `data`).
+fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> Vec<u64> {
+    let mut t = HashTables::default();
+    t.add_chunks(pieces, chunk_len).unwrap();
+    let mut input = Vec::new();
+    for w in [t.chunks.len() as u64, t.segs.len() as u64, t.rows, data.len() as u64] {
+        input.extend_from_slice(&w.to_le_bytes());
+    }
+    let mut img = vec![0u8; t.encoded_len()];
+    t.encode(&mut img);
+    input.extend_from_slice(&img);
+    input.extend_from_slice(data);
+    let mut child = Command::new(emu).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(&input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| u64::from_str_radix(l, 16).unwrap())
+        .collect()
+}
+
+/// Cuts `n` chunks of `chunk_len` bytes into pieces (lengths from `piece_len`) placed at
+/// random, non-overlapping places of a data buffer; returns the data, the pieces and each
+/// chunk's bytes.
+fn scatter(
+    rng: &mut Rng,
+    n: usize,
+    chunk_len: u64,
+    mut piece_len: impl FnMut(&mut Rng) -> u64,
+) -> (Vec<u8>, Vec<Piece>, Vec<Vec<u8>>) {
+    let mut lens = Vec::new();
+    for _ in 0..n {
+        let mut left = chunk_len;
+        while left > 0 {
+            let l = piece_len(rng).clamp(1, left);
+            lens.push(l);
+            left -= l;
+        }
+    }
+    // Each piece gets its own place: shuffled order, gaps of 0-9 bytes (unaligned starts).
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut place = vec![0u64; lens.len()];
+    let mut at = 0u64;
+    for &i in &order {
+        at += rng.below(10);
+        place[i] = at;
+        at += lens[i];
+    }
+    let data: Vec<u8> = (0..at + 16).map(|_| rng.next() as u8).collect();
+    let pieces: Vec<Piece> =
+        lens.iter().zip(&place).map(|(&len, &device)| Piece { device, host: 0, len }).collect();
+    let mut chunks = Vec::new();
+    let mut k = 0;
+    for _ in 0..n {
+        let mut bytes = Vec::new();
+        while (bytes.len() as u64) < chunk_len {
+            let p = pieces[k];
+            bytes.extend_from_slice(&data[p.device as usize..(p.device + p.len) as usize]);
+            k += 1;
+        }
+        chunks.push(bytes);
+    }
+    (data, pieces, chunks)
+}
+
+#[test]
+fn kernels_match_chunk_checksum() {
+    let emu = emulator();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    // XXH3 edges: the shortest long input, around 1 KiB blocks and 64-byte stripes.
+    let lens = [241u64, 255, 256, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4096 + 7, 65_536];
+    for &len in &lens {
+        for shape in 0..3 {
+            let (data, pieces, chunks) = scatter(&mut rng, 3, len, |r| match shape {
+                0 => len,                    // one segment per chunk
+                1 => 1 + r.below(40),        // tiny segments: words straddle them
+                _ => 64 * (1 + r.below(20)), // page-like
+            });
+            let got = run(&emu, &data, &pieces, len);
+            let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
+            assert_eq!(got, want, "chunk length {len}, shape {shape}");
+        }
+    }
+    // KV-like: 64 chunks of 64 KiB in 2 KiB pages, and 2 chunks of 1 MiB + 13 bytes.
+    let (data, pieces, chunks) = scatter(&mut rng, 64, 64 << 10, |_| 2048);
+    let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
+    assert_eq!(run(&emu, &data, &pieces, 64 << 10), want);
+    let (data, pieces, chunks) = scatter(&mut rng, 2, (1 << 20) + 13, |r| 1 + r.below(70_000));
+    let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
+    assert_eq!(run(&emu, &data, &pieces, (1 << 20) + 13), want);
+    let _ = std::fs::remove_file(emu);
+}
