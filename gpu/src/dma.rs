@@ -4,11 +4,13 @@
 pub mod checksum;
 mod engine;
 mod ffi;
+mod hasher;
 mod memory;
 pub mod plan;
 
 pub use engine::{CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
+pub use hasher::{ChecksumTicket, ChunkHasher};
 pub use memory::{EngineMemory, TensorExport};
 
 /// Pieces at least this long go batched under [`Strategy::Auto`]: measured on the H200 host
@@ -16,6 +18,11 @@ pub use memory::{EngineMemory, TensorExport};
 /// a megabyte or more (cross-layer blocks), and it uses no SM; below, staging wins (at 32 KiB
 /// 0.92-0.95 of the ceiling batched against 0.96-0.98 staged, at 2 KiB 0.07 against 0.88).
 pub const BATCHED_FROM: u64 = 1 << 20;
+
+/// Bytes of chunks in one DMA job: the server splits saves and loads into jobs of at most
+/// this many bytes (whole chunks, at least one), so that a save's first commits overlap its
+/// later copies.
+pub const JOB_BYTES: u64 = 64 << 20;
 
 /// How pieces cross the bus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
-    plan::Piece, CopyEngine, DeviceBuffer, Direction, EngineMemory, Strategy, BATCHED_FROM,
+    plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
+    Strategy, BATCHED_FROM, JOB_BYTES,
 };
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
@@ -99,6 +100,25 @@ pub(crate) struct DmaReport {
     pub server: Option<crate::dma_server::ServedResult>,
     /// With `--interference`: the slowdown of a concurrent matmul loop beside each strategy.
     pub interference: Option<crate::dma_interference::InterferenceResult>,
+    /// Chunk checksums on the GPU (local runs): checked against the CPU, and their cost.
+    pub checksums: Option<ChecksumResult>,
+}
+
+/// The GPU checksum kernels in a local run: every chunk's checksum against
+/// `orbitkv_proto::chunk_checksum` of its expected bytes, their speed alone, and a save with
+/// them running beside it (as the server's saves do).
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct ChecksumResult {
+    /// Chunks checksummed (0 when the chunks are too short for the kernels).
+    pub chunks: usize,
+    /// Chunks whose GPU checksum differed from the CPU's (counted as mismatched bytes too).
+    pub mismatches: u64,
+    /// Median GB/s of checksumming every chunk, nothing else running.
+    pub gbps_alone: f64,
+    /// Median GB/s of a save (`auto`) with the checksums computed beside it.
+    pub save_gbps_with_checksums: f64,
+    /// That against the save ceiling.
+    pub save_ratio_with_checksums: f64,
 }
 
 impl Report for DmaReport {
@@ -147,6 +167,13 @@ impl Report for DmaReport {
                     s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
                 )?;
             }
+        }
+        if let Some(c) = &self.checksums {
+            writeln!(
+                out,
+                "GPU checksums: {} chunks, {} wrong, {:.1} GB/s alone; save beside them {:.2} GB/s ({:.3})",
+                c.chunks, c.mismatches, c.gbps_alone, c.save_gbps_with_checksums, c.save_ratio_with_checksums
+            )?;
         }
         if let Some(s) = &self.server {
             writeln!(
@@ -200,6 +227,7 @@ impl Report for DmaReport {
                     && s.stale_registration_refused
                     && s.group_prefix_chunks.is_none_or(|g| g == s.chunks)
             })
+            && self.checksums.as_ref().is_none_or(|c| c.mismatches == 0)
     }
 }
 
@@ -427,6 +455,99 @@ impl Bench {
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
+    /// Piece ranges of the server's save jobs: at most 64 MiB of whole chunks each.
+    fn job_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let job = (JOB_BYTES / self.chunk_len).max(1) * self.chunk_len;
+        let mut out = Vec::new();
+        let (mut from, mut bytes) = (0, 0);
+        for (i, p) in self.pieces.iter().enumerate() {
+            bytes += p.len;
+            if bytes == job {
+                out.push(from..i + 1);
+                (from, bytes) = (i + 1, 0);
+            }
+        }
+        if from < self.pieces.len() {
+            out.push(from..self.pieces.len());
+        }
+        out
+    }
+
+    /// Submits the checksums of every chunk, job by job.
+    fn submit_checksums(
+        &self,
+        hasher: &mut ChunkHasher,
+        jobs: &[std::ops::Range<usize>],
+    ) -> Result<Vec<ChecksumTicket>, Error> {
+        let mut tickets = Vec::with_capacity(jobs.len());
+        for r in jobs {
+            match unsafe_checksums(hasher, &self.pieces[r.clone()], self.chunk_len)? {
+                Some(t) => tickets.push(t),
+                None => return Ok(Vec::new()),
+            }
+        }
+        Ok(tickets)
+    }
+
+    fn checksums(&mut self, save_ceiling: f64) -> Result<ChecksumResult, Error> {
+        let mut hasher = ChunkHasher::new(self.engine.context()).map_err(dma)?;
+        let jobs = self.job_ranges();
+        let mut got = Vec::new();
+        for t in self.submit_checksums(&mut hasher, &jobs)? {
+            got.extend(t.take().map_err(dma)?);
+        }
+        if got.is_empty() {
+            return Ok(ChecksumResult {
+                chunks: 0,
+                mismatches: 0,
+                gbps_alone: 0.0,
+                save_gbps_with_checksums: 0.0,
+                save_ratio_with_checksums: 0.0,
+            });
+        }
+        // The chunks in piece order are the chunks in slot order of `self.chunks`.
+        let layout = *self.memory.layout();
+        let mut want = Vec::with_capacity(self.chunk_len as usize);
+        let mut mismatches = 0;
+        for ((_, blocks), sum) in self.chunks.iter().zip(&got) {
+            want.clear();
+            for &block in blocks {
+                for s in layout.block_segments(block) {
+                    let t = &self.originals[s.tensor as usize];
+                    want.extend_from_slice(&t[s.offset as usize..(s.offset + s.len) as usize]);
+                }
+            }
+            mismatches += u64::from(orbitkv_proto::chunk_checksum(&want) != *sum);
+        }
+        let mut alone = Vec::new();
+        let mut with = Vec::new();
+        for _ in 0..self.iterations {
+            let t = Instant::now();
+            for k in self.submit_checksums(&mut hasher, &jobs)? {
+                k.take().map_err(dma)?;
+            }
+            alone.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
+            let t = Instant::now();
+            let pieces = std::mem::take(&mut self.pieces);
+            let copy = unsafe_submit(&mut self.engine, Direction::Save, &pieces, Strategy::Auto);
+            self.pieces = pieces;
+            let tickets = self.submit_checksums(&mut hasher, &jobs)?;
+            copy?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            for k in tickets {
+                k.take().map_err(dma)?;
+            }
+            with.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
+        }
+        let save = median(with);
+        Ok(ChecksumResult {
+            chunks: got.len(),
+            mismatches,
+            gbps_alone: median(alone),
+            save_gbps_with_checksums: save,
+            save_ratio_with_checksums: if save_ceiling > 0.0 { save / save_ceiling } else { 0.0 },
+        })
+    }
+
     fn series(
         &mut self,
         direction: Direction,
@@ -482,6 +603,16 @@ fn unsafe_submit(
 ) -> Result<(CudaEvent, orbitkv_gpu::dma::JobShape), Error> {
     // SAFETY: see above.
     unsafe { engine.submit(direction, pieces, strategy) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_checksums(
+    hasher: &mut ChunkHasher,
+    pieces: &[Piece],
+    chunk_len: u64,
+) -> Result<Option<ChecksumTicket>, Error> {
+    // SAFETY: see above (the pieces name the benchmark's tensors; every ticket is awaited).
+    unsafe { hasher.submit(pieces, chunk_len) }.map_err(dma)
 }
 
 /// How long a rank waits for the others at a `--barrier` (they allocate and fill their
@@ -588,6 +719,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut mismatched = 0;
     let mut server = None;
     let mut interference = None;
+    let mut checksums = None;
     if a.socket.is_some() {
         // The group's ranks measure their ceilings together: the links they share are part
         // of what they can reach together.
@@ -653,6 +785,10 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             }
             results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
         }
+        let save_ceiling = results[0].ceiling_gbps;
+        let sums = bench.checksums(save_ceiling)?;
+        mismatched += sums.mismatches;
+        checksums = Some(sums);
         if a.interference {
             interference = Some(bench.interference(a.device, &strategies)?);
             // The loads under the matmul rewrote the tensors: check them once more.
@@ -685,5 +821,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         mismatched_bytes: mismatched,
         server,
         interference,
+        checksums,
     })
 }

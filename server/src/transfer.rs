@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use orbitkv_gpu::dma::{Direction, EngineMemory};
+use orbitkv_gpu::dma::{Direction, EngineMemory, JOB_BYTES};
 use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
@@ -20,10 +20,6 @@ use orbitkv_shards::{SessionId, ShardOp};
 use crate::executor::Exec;
 use crate::gpu::off_shard;
 use crate::router::{lookup, per_slot, reserve};
-
-/// Bytes per copy job: a save's or load's chunks go to the DMA thread in jobs of this size, so
-/// that planning (and a save's commits) overlap the copies of other jobs.
-const JOB_BYTES: u64 = 64 << 20;
 
 fn no_gpu() -> Response {
     Response::error(

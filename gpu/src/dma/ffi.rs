@@ -106,6 +106,10 @@ impl PinnedHost {
         self.ptr as u64
     }
 
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     /// The bytes, for writing (the caller has waited for the GPU to finish reading them).
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: the allocation is `len` bytes, owned by self; exclusive through &mut self;
@@ -127,48 +131,108 @@ impl Drop for PinnedHost {
 // SAFETY: plain pinned memory owned by this value.
 unsafe impl Send for PinnedHost {}
 
+/// A PTX module of ours loaded into a context; unloaded on drop.
+struct PtxModule {
+    module: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+impl PtxModule {
+    /// Loads `embedded`, or the PTX file named by the environment variable `override_var`
+    /// (kernel development: a rebuilt `.cu` tried without rebuilding the binary). `what`
+    /// names the kernels in errors.
+    fn load(
+        ctx: &Arc<CudaContext>,
+        embedded: &str,
+        override_var: &str,
+        what: &'static str,
+    ) -> Result<Self, DmaError> {
+        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let text = match std::env::var_os(override_var) {
+            Some(path) => {
+                tracing::warn!(path = ?path, "{what} loaded from {override_var} instead of the embedded PTX");
+                std::fs::read_to_string(&path)
+                    .map_err(|e| DmaError::Invalid(format!("{override_var} {path:?}: {e}")))?
+            }
+            None => embedded.to_owned(),
+        };
+        let image = CString::new(text)
+            .map_err(|_| DmaError::Invalid(format!("the {what} PTX contains a NUL byte")))?;
+        // SAFETY: `image` is a NUL-terminated PTX text that lives through the call.
+        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(|e| {
+            DmaError::Cuda { op: "cuModuleLoadData", detail: format!("{what}: {e}") }
+        })?;
+        Ok(Self { module, ctx: Arc::clone(ctx) })
+    }
+
+    /// A kernel of the module.
+    fn function(&self, name: &str) -> Result<sys::CUfunction, DmaError> {
+        let c = CString::new(name).expect("kernel names have no NUL");
+        // SAFETY: the module is loaded until drop; the function handle lives as long.
+        unsafe { result::module::get_function(self.module, c) }.map_err(|e| DmaError::Cuda {
+            op: "cuModuleGetFunction",
+            detail: format!("{name}: {e}"),
+        })
+    }
+}
+
+impl Drop for PtxModule {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: loaded in `load`, unloaded once; no launch is pending (owners synchronize
+        // their streams before dropping their kernels).
+        unsafe {
+            let _ = result::module::unload(self.module);
+        }
+    }
+}
+
+/// Launches `func` with `params` (pointers to each argument, in the kernel's order).
+///
+/// # Safety
+/// `params` must match the kernel's signature, and the memory the arguments name must be valid
+/// for the kernel as the caller's contract says.
+unsafe fn launch(
+    func: sys::CUfunction,
+    stream: &CudaStream,
+    grid: u32,
+    threads: u32,
+    params: &mut [*mut c_void],
+    what: &'static str,
+) -> Result<(), DmaError> {
+    // SAFETY: per this function's contract.
+    unsafe {
+        result::launch_kernel(
+            func,
+            (grid.max(1), 1, 1),
+            (threads, 1, 1),
+            0,
+            stream.cu_stream(),
+            params,
+        )
+    }
+    .map_err(|e| DmaError::Cuda { op: "cuLaunchKernel", detail: format!("{what}: {e}") })
+}
+
 /// The segment copy kernel, loaded from its embedded PTX.
 pub(crate) struct CopyKernel {
-    module: sys::CUmodule,
     func: sys::CUfunction,
-    ctx: Arc<CudaContext>,
+    _module: PtxModule,
 }
 
 /// The PTX of `gpu/kernels/copy_segments.cu` (built by `gpu/kernels/build-ptx.sh`).
 const COPY_SEGMENTS_PTX: &str = include_str!("../../kernels/copy_segments.ptx");
 
 impl CopyKernel {
-    /// Loads the embedded kernel, or the PTX file named by `ORBITKV_COPY_KERNEL_PTX` (kernel
-    /// development: a rebuilt `copy_segments.cu` tried without rebuilding the binary).
+    /// Loads the embedded kernel, or the PTX file named by `ORBITKV_COPY_KERNEL_PTX`.
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
-        ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
-        let text = match std::env::var_os("ORBITKV_COPY_KERNEL_PTX") {
-            Some(path) => {
-                tracing::warn!(path = ?path, "segment copy kernel loaded from ORBITKV_COPY_KERNEL_PTX instead of the embedded PTX");
-                std::fs::read_to_string(&path).map_err(|e| {
-                    DmaError::Invalid(format!("ORBITKV_COPY_KERNEL_PTX {path:?}: {e}"))
-                })?
-            }
-            None => COPY_SEGMENTS_PTX.to_owned(),
-        };
-        let image = CString::new(text)
-            .map_err(|_| DmaError::Invalid("the kernel PTX contains a NUL byte".into()))?;
-        // SAFETY: `image` is a NUL-terminated PTX text that lives through the call.
-        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
-            .map_err(|e| driver("cuModuleLoadData (segment copy kernel PTX)", e))?;
-        let name = CString::new("orbitkv_copy_segments").expect("no NUL");
-        // SAFETY: `module` was just loaded and is unloaded only in drop.
-        let func = match unsafe { result::module::get_function(module, name) } {
-            Ok(f) => f,
-            Err(e) => {
-                // SAFETY: unloading the module loaded above, once.
-                unsafe {
-                    let _ = result::module::unload(module);
-                }
-                return Err(driver("cuModuleGetFunction", e));
-            }
-        };
-        Ok(Self { module, func, ctx: Arc::clone(ctx) })
+        let module = PtxModule::load(
+            ctx,
+            COPY_SEGMENTS_PTX,
+            "ORBITKV_COPY_KERNEL_PTX",
+            "segment copy kernel",
+        )?;
+        Ok(Self { func: module.function("orbitkv_copy_segments")?, _module: module })
     }
 
     /// Launches the kernel on `stream` over `count` descriptors at device address `descs`.
@@ -189,35 +253,82 @@ impl CopyKernel {
         let mut count = count;
         let mut params: [*mut c_void; 2] =
             [(&raw mut descs).cast::<c_void>(), (&raw mut count).cast::<c_void>()];
-        // SAFETY: parameters match the kernel's signature (u64 pointer, u32 count); the caller
-        // guarantees the memory they name.
-        unsafe {
-            result::launch_kernel(
-                self.func,
-                (grid.max(1), 1, 1),
-                (threads, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| driver("cuLaunchKernel (segment copy)", e))
-    }
-}
-
-impl Drop for CopyKernel {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: the module loaded in `load`, unloaded once; no launch is pending (owners
-        // synchronize their streams before dropping the kernel).
-        unsafe {
-            let _ = result::module::unload(self.module);
-        }
+        // SAFETY: parameters match `orbitkv_copy_segments(const CopyDesc*, unsigned int)`;
+        // the caller guarantees the memory they name.
+        unsafe { launch(self.func, stream, grid, threads, &mut params, "segment copy") }
     }
 }
 
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for CopyKernel {}
+
+/// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
+pub(crate) struct ChecksumKernels {
+    blocks: sys::CUfunction,
+    fold: sys::CUfunction,
+    _module: PtxModule,
+}
+
+/// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx.sh`).
+const CHUNK_CHECKSUM_PTX: &str = include_str!("../../kernels/chunk_checksum.ptx");
+
+impl ChecksumKernels {
+    /// Loads the embedded kernels, or the PTX file named by `ORBITKV_CHECKSUM_KERNEL_PTX`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        let module = PtxModule::load(
+            ctx,
+            CHUNK_CHECKSUM_PTX,
+            "ORBITKV_CHECKSUM_KERNEL_PTX",
+            "chunk checksum kernels",
+        )?;
+        Ok(Self {
+            blocks: module.function("orbitkv_xxh3_blocks")?,
+            fold: module.function("orbitkv_xxh3_fold")?,
+            _module: module,
+        })
+    }
+
+    /// Launches both kernels on `stream`: block sums of `rows` rows into `scratch`, then one
+    /// checksum per chunk into `out` (`nchunks` u64).
+    ///
+    /// # Safety
+    /// `chunks` and `segs` must hold the tables (`checksum::HashTables::encode`) on this
+    /// context's device, `scratch` `rows` x 64 bytes and `out` `nchunks` x 8 bytes of device
+    /// memory nothing else uses until the stream passes the launches, and every segment must
+    /// name device memory that stays valid until then.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        (chunks, nchunks): (u64, u32),
+        segs: u64,
+        (scratch, rows): (u64, u64),
+        out: u64,
+    ) -> Result<(), DmaError> {
+        const THREADS: u32 = 128;
+        let grid = |n: u64| u32::try_from(n.div_ceil(u64::from(THREADS))).unwrap_or(u32::MAX);
+        let (mut c, mut n, mut s, mut sc, mut r, mut o) =
+            (chunks, nchunks, segs, scratch, rows, out);
+        let mut p1: [*mut c_void; 5] = [
+            (&raw mut c).cast(),
+            (&raw mut n).cast(),
+            (&raw mut s).cast(),
+            (&raw mut sc).cast(),
+            (&raw mut r).cast(),
+        ];
+        // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, u64*,
+        // u64)`; memory per this function's contract.
+        unsafe { launch(self.blocks, stream, grid(rows), THREADS, &mut p1, "checksum blocks")? };
+        let mut p2: [*mut c_void; 4] =
+            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
+        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, const u64*, u64*)`.
+        unsafe {
+            launch(self.fold, stream, grid(u64::from(nchunks)), THREADS, &mut p2, "checksum fold")
+        }
+    }
+}
+
+// SAFETY: module and function handles are usable from any thread bound to the context.
+unsafe impl Send for ChecksumKernels {}
 
 /// Which way bytes cross the bus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

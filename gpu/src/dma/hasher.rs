@@ -1,0 +1,222 @@
+//! Chunk checksums on the GPU of one device: the kernels of `gpu/kernels/chunk_checksum.cu` on
+//! their own stream, beside the copies of a save (they read the engine's pages in GPU memory,
+//! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
+//! checksums once its event has completed.
+
+#![allow(unsafe_code)]
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+use super::checksum::{HashTables, CHUNK_RECORD, MIN_LEN, ROW_BYTES};
+use super::ffi::{self, ChecksumKernels, DeviceBuffer, PinnedHost, Way};
+use super::plan::Piece;
+use super::DmaError;
+
+/// Submissions in flight at once; the next one waits for the oldest (its tables and scratch).
+const SLOTS: usize = 2;
+
+/// Device memory of one submission: tables, scratch rows, results.
+struct Slot {
+    tables_host: PinnedHost,
+    tables: DeviceBuffer,
+    scratch: DeviceBuffer,
+    out: DeviceBuffer,
+    /// The slot's last submission finished (tables, scratch and results reusable).
+    done: CudaEvent,
+}
+
+/// Pinned result buffers handed to tickets and given back when they are dropped.
+type Pool = Arc<Mutex<Vec<PinnedHost>>>;
+
+/// The checksums of one submission, once its event completes.
+pub struct ChecksumTicket {
+    event: CudaEvent,
+    results: Option<PinnedHost>,
+    count: usize,
+    pool: Pool,
+}
+
+impl ChecksumTicket {
+    /// Whether the checksums are ready.
+    pub fn is_complete(&self) -> Result<bool, DmaError> {
+        self.event
+            .try_is_complete()
+            .map_err(|e| DmaError::Cuda { op: "cuEventQuery", detail: e.to_string() })
+    }
+
+    /// The checksums, in chunk order (waits for the event).
+    pub fn take(mut self) -> Result<Vec<u64>, DmaError> {
+        self.event
+            .synchronize()
+            .map_err(|e| DmaError::Cuda { op: "cuEventSynchronize", detail: e.to_string() })?;
+        let r = self.results.as_mut().expect("held until drop");
+        Ok(r.bytes_mut()[..self.count * 8]
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect())
+    }
+}
+
+impl Drop for ChecksumTicket {
+    fn drop(&mut self) {
+        // The GPU may still write the results: only a finished buffer goes back to the pool.
+        if self.event.synchronize().is_ok() {
+            if let Some(r) = self.results.take() {
+                self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+            }
+        } else {
+            // A failed context: keep the buffer rather than reuse memory of unknown state.
+            std::mem::forget(self.results.take());
+        }
+    }
+}
+
+/// The checksum kernels of one device, their stream and memory.
+pub struct ChunkHasher {
+    ctx: Arc<CudaContext>,
+    kernels: ChecksumKernels,
+    stream: Arc<CudaStream>,
+    slots: Vec<Slot>,
+    next: usize,
+    tables: HashTables,
+    pool: Pool,
+}
+
+fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DmaError {
+    move |e| DmaError::Cuda { op, detail: e.to_string() }
+}
+
+/// `buf` with at least `len` bytes: kept when large enough, else replaced (its previous use
+/// must have finished).
+fn at_least(ctx: &Arc<CudaContext>, buf: &mut DeviceBuffer, len: usize) -> Result<(), DmaError> {
+    if buf.len() < len {
+        *buf = DeviceBuffer::new(ctx, len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+impl ChunkHasher {
+    /// Loads the kernels on `ctx`; an error when they do not load (then checksums stay on the
+    /// CPU).
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        let kernels = ChecksumKernels::load(ctx)?;
+        let mut slots = Vec::with_capacity(SLOTS);
+        for _ in 0..SLOTS {
+            slots.push(Slot {
+                tables_host: PinnedHost::new(ctx, 64 << 10)?,
+                tables: DeviceBuffer::new(ctx, 64 << 10)?,
+                scratch: DeviceBuffer::new(ctx, 1 << 20)?,
+                out: DeviceBuffer::new(ctx, 8 << 10)?,
+                done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+            });
+        }
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            kernels,
+            stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
+            slots,
+            next: 0,
+            tables: HashTables::default(),
+            pool: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// Starts computing the checksums of the chunks whose bytes `pieces` name in GPU memory
+    /// (consecutive chunks of `chunk_len` bytes, as `chunk_pieces` appends them); `None` when
+    /// the chunks are too short for the kernels (at most 240 bytes: checksum them on the
+    /// CPU). May wait for the submission before last to finish.
+    ///
+    /// # Safety
+    /// Every piece's device range must be memory of this context's device that stays valid
+    /// and unchanged until the ticket's event completes (the engine's pages being saved).
+    pub unsafe fn submit(
+        &mut self,
+        pieces: &[Piece],
+        chunk_len: u64,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
+        if chunk_len < MIN_LEN {
+            return Ok(None);
+        }
+        self.tables.clear();
+        let n = self.tables.add_chunks(pieces, chunk_len)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let nchunks = u32::try_from(n)
+            .map_err(|_| DmaError::Invalid(format!("{n} chunks in one checksum submission")))?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let results = self.pinned_results(n * 8)?;
+        let slot = &mut self.slots[self.next];
+        self.next = (self.next + 1) % SLOTS;
+        // The slot's tables, scratch and results area are free once its last use finished.
+        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        let table_len = self.tables.encoded_len();
+        if slot.tables_host.len() < table_len {
+            slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
+        }
+        at_least(&self.ctx, &mut slot.tables, table_len)?;
+        at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
+        at_least(&self.ctx, &mut slot.out, n * 8)?;
+        self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
+        let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let stream = &self.stream;
+        let chunks_at = slot.tables.ptr();
+        let segs_at = chunks_at + (n * CHUNK_RECORD) as u64;
+        // SAFETY: the pinned table and the device table belong to the slot, free (waited on
+        // `done` above) until `done` is recorded again below.
+        unsafe {
+            ffi::copy_async(
+                Way::HostToDevice,
+                chunks_at,
+                slot.tables_host.addr(),
+                table_len,
+                stream,
+            )?;
+        }
+        // SAFETY: tables uploaded earlier on this stream; scratch and out are the slot's;
+        // the pieces' memory is the caller's contract.
+        unsafe {
+            self.kernels.launch(
+                stream,
+                (chunks_at, nchunks),
+                segs_at,
+                (slot.scratch.ptr(), self.tables.rows),
+                slot.out.ptr(),
+            )?;
+        }
+        // SAFETY: `results` is pinned memory owned by the ticket until its event completes.
+        unsafe {
+            ffi::copy_async(Way::DeviceToHost, slot.out.ptr(), results.addr(), n * 8, stream)?
+        };
+        slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+        event.record(stream).map_err(drv("cuEventRecord"))?;
+        Ok(Some(ChecksumTicket {
+            event,
+            results: Some(results),
+            count: n,
+            pool: Arc::clone(&self.pool),
+        }))
+    }
+
+    /// A pinned buffer of at least `len` bytes from the pool, or a new one.
+    fn pinned_results(&self, len: usize) -> Result<PinnedHost, DmaError> {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = pool.iter().position(|b| b.len() >= len) {
+            return Ok(pool.swap_remove(i));
+        }
+        drop(pool);
+        PinnedHost::new(&self.ctx, len.max(8 << 10))
+    }
+}
+
+impl Drop for ChunkHasher {
+    fn drop(&mut self) {
+        // Kernels and buffers go only after the stream has finished with them.
+        let _ = self.ctx.bind_to_thread();
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(error = %e, "checksum stream failed while closing");
+        }
+    }
+}
