@@ -8,19 +8,19 @@ S=/tmp/okvg/s.sock
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
-$B/orbitkv-server --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required > $OUT/gpu-server.log 2>&1 &
+$B/orbitkv-server --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
-run() { name=$1; shift; echo "== $name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
+run() { name=$1; shift; echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
 run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check
 run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
 run mla-18k --layout mla --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
 run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
-stats > $OUT/gpu-stats-before-kill.json
+stats > $OUT/${TAG}gpu-stats-before-kill.json
 # An engine dies during a save: start a large run, kill it once its registration exists.
-$D --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 9 > $OUT/gpu-killed.json 2>&1 &
+$D --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 9 > $OUT/${TAG}gpu-killed.json 2>&1 &
 K=$!
 for i in $(seq 600); do
   r=$(stats | field 'd["gpu_transfers"]["save_jobs"]' 2>/dev/null)
@@ -31,8 +31,8 @@ sleep 0.15
 kill -9 $K; wait $K 2>/dev/null
 echo "killed engine during save" >> $OUT/gpu.log
 for i in $(seq 200); do [ "$(stats | field 'd["sessions"]')" = "0" ] && break; sleep 0.05; done
-stats > $OUT/gpu-stats-after-kill.json
+stats > $OUT/${TAG}gpu-stats-after-kill.json
 $B/orbitkv-ctl --socket $S health >> $OUT/gpu.log 2>&1; echo "health rc=$?" >> $OUT/gpu.log
 run after-kill --layout flash-nhd --layers 8 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 512 --cancel-check
-stats > $OUT/gpu-stats-end.json
+stats > $OUT/${TAG}gpu-stats-end.json
 kill -TERM $P; wait $P; echo "server exit=$?" >> $OUT/gpu.log

@@ -105,6 +105,11 @@ pub struct ServerConfig {
     pub gpu_queue_depth: usize,
     /// Engine ranks registered for GPU save/load at once. Default: 256.
     pub max_gpu_registrations: usize,
+    /// Where a GPU save's chunk checksums are computed: `gpu` (by kernels beside the copy,
+    /// the first chunk of each 64 MiB job checked again on its shard), `verify` (on the GPU,
+    /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
+    /// Default: `gpu`.
+    pub gpu_checksums: String,
 }
 
 impl Default for ServerConfig {
@@ -136,6 +141,7 @@ impl Default for ServerConfig {
             gpu: orbitkv_gpu::GpuMode::Auto,
             gpu_staging: "64MiB".into(),
             gpu_queue_depth: 64,
+            gpu_checksums: "gpu".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -230,6 +236,10 @@ pub struct Args {
     /// Engine ranks registered for GPU save/load at once (default: 256).
     #[arg(long, value_name = "N")]
     pub max_gpu_registrations: Option<usize>,
+    /// Where GPU saves' chunk checksums are computed: gpu, verify (gpu, all rechecked on the
+    /// shards) or cpu (default: gpu).
+    #[arg(long, value_name = "WHERE")]
+    pub gpu_checksums: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -262,6 +272,8 @@ pub struct Settings {
     pub ssd: Option<SsdSettings>,
     /// GPU staging bytes per DMA thread and device.
     pub gpu_staging_bytes: u64,
+    /// Where GPU saves' checksums are computed.
+    pub gpu_checksums: crate::gpu::ChecksumPlace,
 }
 
 /// Validated SSD tier settings.
@@ -373,7 +385,8 @@ impl ServerConfig {
             gpu,
             gpu_staging,
             gpu_queue_depth,
-            max_gpu_registrations
+            max_gpu_registrations,
+            gpu_checksums
         );
         if a.no_lock_arena {
             self.lock_arena = false;
@@ -463,6 +476,13 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
             return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
         }
+        let gpu_checksums =
+            crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
+                invalid(
+                    "--gpu-checksums",
+                    format!("{:?} is not one of gpu, verify, cpu", self.gpu_checksums),
+                )
+            })?;
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -482,6 +502,7 @@ impl ServerConfig {
             idle_poll_max,
             drain_timeout,
             gpu_staging_bytes,
+            gpu_checksums,
         })
     }
 }
@@ -511,6 +532,8 @@ mod tests {
             .contains("--spin-window"));
         assert!(bad(ServerConfig { gpu_staging: "4KiB".into(), ..Default::default() })
             .contains("--gpu-staging"));
+        assert!(bad(ServerConfig { gpu_checksums: "gpu2".into(), ..Default::default() })
+            .contains("--gpu-checksums"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })
             .contains("--gpu-queue-depth"));
         assert!(bad(ServerConfig { max_gpu_registrations: 0, ..Default::default() })

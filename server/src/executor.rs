@@ -143,7 +143,7 @@ pub(crate) struct Exec {
     deep_sleeps: Cell<u64>,
     doorbell_wakeups: Cell<u64>,
     /// Requests waiting for a GPU copy, by job id.
-    gpu_waiters: RefCell<HashMap<u64, LocalSender<Result<(), String>>>>,
+    gpu_waiters: RefCell<HashMap<u64, LocalSender<crate::gpu::GpuResult>>>,
     gpu_next: Cell<u64>,
 }
 
@@ -595,7 +595,7 @@ impl Exec {
         memory: Arc<orbitkv_gpu::dma::EngineMemory>,
         chunks: Vec<(u64, Vec<u64>)>,
         chunk_len: u64,
-    ) -> Result<(), (orbitkv_proto::ErrorCode, String)> {
+    ) -> Result<Option<Vec<u64>>, (orbitkv_proto::ErrorCode, String)> {
         use orbitkv_proto::ErrorCode;
         let Some(gpu) = self.shared.gpu_service.get() else {
             return Err((ErrorCode::Unavailable, "this server has no GPU in use".into()));
@@ -613,7 +613,7 @@ impl Exec {
             glommio::timer::sleep(Duration::from_micros(20)).await;
         }
         match rx.recv().await {
-            Some(Ok(())) => Ok(()),
+            Some(Ok(sums)) => Ok(sums),
             Some(Err(e)) => Err((ErrorCode::DeviceError, e)),
             None => Err((ErrorCode::Internal, "GPU completion lost".into())),
         }

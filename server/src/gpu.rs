@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
-use orbitkv_gpu::dma::{CopyEngine, Direction, EngineMemory, Strategy, TensorExport, BATCHED_FROM};
+use orbitkv_gpu::dma::{
+    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, Strategy, TensorExport,
+    BATCHED_FROM,
+};
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
 use orbitkv_shards::{Arena, SessionId};
@@ -36,6 +39,31 @@ pub struct GpuLimits {
     pub max_registrations: usize,
     /// GPU staging per device and thread, both halves (`--gpu-staging`).
     pub staging_bytes: usize,
+    /// Where saves' checksums are computed (`--gpu-checksums`).
+    pub checksums: ChecksumPlace,
+}
+
+/// Where a GPU save's chunk checksums are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChecksumPlace {
+    /// On the GPU beside the copy; the first chunk of each job checked again on its shard.
+    Gpu,
+    /// On the GPU; every chunk checked again on its shard.
+    Verify,
+    /// On the shards, from the bytes in the arena.
+    Cpu,
+}
+
+impl ChecksumPlace {
+    /// Parses `gpu`, `verify` or `cpu`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gpu" => Some(Self::Gpu),
+            "verify" => Some(Self::Verify),
+            "cpu" => Some(Self::Cpu),
+            _ => None,
+        }
+    }
 }
 
 /// Runs driver work that may take milliseconds (opening or closing CUDA IPC mappings) on a
@@ -48,8 +76,21 @@ pub fn off_shard(f: impl FnOnce() + Send + 'static) {
     }
 }
 
-/// Jobs on the GPU: (shard, job id, bytes, completion event, the engine memory they touch).
-type InFlight = VecDeque<(usize, u64, u64, CudaEvent, Arc<EngineMemory>)>;
+/// A job on the GPU.
+struct Running {
+    shard: usize,
+    id: u64,
+    bytes: u64,
+    /// Completes when the copy has landed.
+    event: CudaEvent,
+    /// The engine memory the copy and the checksums read (held until both finished).
+    _memory: Arc<EngineMemory>,
+    /// A save's checksums being computed on the GPU.
+    checksums: Option<ChecksumTicket>,
+}
+
+/// Jobs on the GPU, oldest first.
+type InFlight = VecDeque<Running>;
 
 /// A copy job from a shard.
 pub struct GpuJob {
@@ -67,13 +108,17 @@ pub struct GpuJob {
     pub chunk_len: u64,
 }
 
+/// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or the
+/// CUDA failure.
+pub type GpuResult = Result<Option<Vec<u64>>, String>;
+
 /// A finished job.
 #[derive(Debug)]
 pub struct GpuDone {
     /// The job's id.
     pub id: u64,
-    /// Ok, or the CUDA failure.
-    pub result: Result<(), String>,
+    /// How it ended.
+    pub result: GpuResult,
 }
 
 /// Counters for `ctl stats`.
@@ -200,6 +245,11 @@ impl GpuService {
         }
     }
 
+    /// Where saves' checksums are computed.
+    pub fn checksum_place(&self) -> ChecksumPlace {
+        self.limits.checksums
+    }
+
     /// The devices.
     pub fn devices(&self) -> &[DeviceInfo] {
         &self.devices
@@ -306,8 +356,8 @@ impl GpuService {
         // that no request (and no closing session) waits forever.
         tracing::error!(direction = ?direction, "GPU DMA thread panicked; its copies fail from now on");
         let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
-        for (shard, id, ..) in inflight.drain(..) {
-            undelivered.push_back((shard, GpuDone { id, result: failed() }));
+        for job in inflight.drain(..) {
+            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
         }
         loop {
             for q in &self.workers[index].queues {
@@ -333,6 +383,10 @@ impl GpuService {
         undelivered: &mut VecDeque<(usize, GpuDone)>,
     ) {
         let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
+        // Per device: not tried yet (None), or the checksum kernels (None inside when they did
+        // not load: checksums then stay on the shards).
+        let mut hashers: Vec<Option<Option<ChunkHasher>>> =
+            (0..self.devices.len()).map(|_| None).collect();
         let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
@@ -349,23 +403,40 @@ impl GpuService {
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
-                    Ok(event) => inflight.push_back((shard, id, bytes, event, job.memory)),
+                    Ok(event) => {
+                        let checksums = match direction {
+                            Direction::Save => self.gpu_checksums(&mut hashers, &job, &pieces),
+                            Direction::Load => None,
+                        };
+                        inflight.push_back(Running {
+                            shard,
+                            id,
+                            bytes,
+                            event,
+                            _memory: job.memory,
+                            checksums,
+                        });
+                    }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
                         undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
                     }
                 }
             }
-            while let Some((shard, id, bytes, event, _memory)) = inflight.front() {
-                let result = match event.try_is_complete() {
+            while let Some(job) = inflight.front() {
+                let result = match job.event.try_is_complete() {
                     Ok(false) => break,
                     Ok(true) => {
+                        // A save is answered once its checksums are in too.
+                        if let Some(Ok(false)) = job.checksums.as_ref().map(|t| t.is_complete()) {
+                            break;
+                        }
                         let (c, b) = match direction {
                             Direction::Save => (&self.counters.saves, &self.counters.saved_bytes),
                             Direction::Load => (&self.counters.loads, &self.counters.loaded_bytes),
                         };
                         c.fetch_add(1, Ordering::Relaxed);
-                        b.fetch_add(*bytes, Ordering::Relaxed);
+                        b.fetch_add(job.bytes, Ordering::Relaxed);
                         Ok(())
                     }
                     Err(e) => {
@@ -373,8 +444,18 @@ impl GpuService {
                         Err(format!("CUDA copy failed: {e}"))
                     }
                 };
-                undelivered.push_back((*shard, GpuDone { id: *id, result }));
-                inflight.pop_front();
+                let job = inflight.pop_front().expect("the front job");
+                // Checksums that failed on the GPU are computed on the shards instead.
+                let result = result.map(|()| {
+                    job.checksums.and_then(|t| {
+                        t.take()
+                            .inspect_err(|e| {
+                                tracing::warn!(error = %e, "GPU checksums failed; the shards compute them")
+                            })
+                            .ok()
+                    })
+                });
+                undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
                 progressed = true;
             }
             progressed |= self.deliver(doorbells, undelivered);
@@ -398,6 +479,37 @@ impl GpuService {
         }
         // Engines synchronize their streams when dropped, before the caller drops `inflight`.
         drop(engines);
+    }
+
+    /// Starts a save job's chunk checksums on the GPU (`pieces`: the job's, as just planned);
+    /// `None` when they are computed on the shards (`--gpu-checksums cpu`, kernels that did
+    /// not load on this device, chunks too short, a failed launch: logged).
+    fn gpu_checksums(
+        &self,
+        hashers: &mut [Option<Option<ChunkHasher>>],
+        job: &GpuJob,
+        pieces: &[orbitkv_gpu::dma::plan::Piece],
+    ) -> Option<ChecksumTicket> {
+        if self.limits.checksums == ChecksumPlace::Cpu {
+            return None;
+        }
+        let hasher = hashers[job.device]
+            .get_or_insert_with(|| match ChunkHasher::new(&self.contexts[job.device]) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(device = %self.devices[job.device].uuid, error = %e,
+                        "GPU checksum kernels not loaded: saves' checksums are computed on the shards");
+                    None
+                }
+            })
+            .as_mut()?;
+        match submit_checksums(hasher, pieces, job.chunk_len) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "GPU checksums not started; the shards compute them");
+                None
+            }
+        }
     }
 
     /// Hands completions to their shards' queues, oldest first, ringing each shard; keeps
@@ -457,6 +569,18 @@ impl GpuService {
         // the completion; the arena is registered with CUDA and outlives this service.
         submit_pieces(engine, direction, pieces)
     }
+}
+
+#[allow(unsafe_code)]
+fn submit_checksums(
+    hasher: &mut ChunkHasher,
+    pieces: &[orbitkv_gpu::dma::plan::Piece],
+    chunk_len: u64,
+) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
+    // SAFETY: the pieces name a save job's engine memory on the hasher's device, held by the
+    // job (its `Running` entry) until both its copy event and this ticket complete; the engine
+    // does not change pages it asked to save before the save is answered (its contract).
+    unsafe { hasher.submit(pieces, chunk_len) }
 }
 
 #[allow(unsafe_code)]

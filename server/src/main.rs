@@ -213,6 +213,7 @@ fn run(settings: Settings) -> Result<(), String> {
             queue_depth: settings.config.gpu_queue_depth,
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
+            checksums: settings.gpu_checksums,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;

@@ -19,7 +19,7 @@ use orbitkv_shards::{SessionId, ShardOp};
 
 use crate::executor::Exec;
 use crate::gpu::off_shard;
-use crate::router::{lookup, per_slot, reserve};
+use crate::router::{lookup, outcomes, per_slot, reserve, scatter, FAILED};
 
 fn no_gpu() -> Response {
     Response::error(
@@ -183,7 +183,10 @@ pub(crate) async fn save(
             let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
             let results: Vec<ChunkOutcome> = match copied {
-                Ok(()) => per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await,
+                Ok(Some(sums)) if sums.len() == refs.len() => {
+                    commit_summed(&exec, session, &refs, sums).await
+                }
+                Ok(_) => per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await,
                 Err((code, message)) => {
                     tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
                     per_slot(&exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
@@ -199,6 +202,31 @@ pub(crate) async fn save(
         }
     }
     Response::Outcomes { outcomes }
+}
+
+/// Commits a save job's slots with the checksums the GPU computed: the first chunk's is
+/// checked against the bytes on its shard (every chunk's under `--gpu-checksums verify`), so a
+/// wrong kernel shows in `stats` (`gpu_checksum_mismatches`) and never stores a wrong value
+/// unseen for long.
+async fn commit_summed(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    refs: &[SlotRef],
+    sums: Vec<u64>,
+) -> Vec<ChunkOutcome> {
+    let all = exec.shared.gpu_service.get().map(|g| g.checksum_place())
+        == Some(crate::gpu::ChecksumPlace::Verify);
+    let items: Vec<(SlotRef, u64, bool)> =
+        refs.iter().zip(sums).enumerate().map(|(k, (r, s))| (*r, s, all || k == 0)).collect();
+    scatter(
+        exec,
+        &items,
+        |x| &x.0.key,
+        |slots| ShardOp::CommitSummed { session, slots },
+        outcomes,
+        FAILED,
+    )
+    .await
 }
 
 /// `Load`.
@@ -244,7 +272,7 @@ pub(crate) async fn load(
         let (part, ids) = (part.to_vec(), ids.to_vec());
         tasks.push(glommio::spawn_local(async move {
             let o = match exec.gpu_run(Direction::Load, device, memory, part, chunk_len).await {
-                Ok(()) => ChunkOutcome::Done,
+                Ok(_) => ChunkOutcome::Done,
                 Err((code, message)) => {
                     tracing::warn!(session, registration, %message, "GPU load failed");
                     ChunkOutcome::Failed(code)

@@ -108,7 +108,12 @@ impl ShardCore {
                 ShardReply::Reserved(self.reserve(session, &keys, &lens))
             }
             ShardOp::Commit { session, slots } => {
-                ShardReply::Outcomes(self.each(&slots, |s, slot| s.commit(session, slot)))
+                ShardReply::Outcomes(self.each(&slots, |s, slot| s.commit(session, slot, None)))
+            }
+            ShardOp::CommitSummed { session, slots } => {
+                ShardReply::Outcomes(self.each(&slots, |s, (slot, sum, verify)| {
+                    s.commit(session, slot, Some((*sum, *verify)))
+                }))
             }
             ShardOp::Abort { session, slots } => {
                 ShardReply::Outcomes(self.each(&slots, |s, slot| s.abort(session, slot)))
@@ -329,13 +334,42 @@ impl ShardCore {
         self.reservations -= 1;
     }
 
-    fn commit(&mut self, session: SessionId, slot: &SlotRef) -> Result<(), ErrorCode> {
+    /// Commits a reservation. `summed`: a checksum computed elsewhere (the GPU) and whether to
+    /// verify it against the bytes; without one, the shard computes it.
+    fn commit(
+        &mut self,
+        session: SessionId,
+        slot: &SlotRef,
+        summed: Option<(u64, bool)>,
+    ) -> Result<(), ErrorCode> {
         let idx = self.owned_reservation(session, slot)?;
         let (offset, len) = {
             let e = self.entries.get(idx);
             (e.extent.offset(), e.len)
         };
-        let checksum = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
+        let checksum = match summed {
+            None => orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len)),
+            Some((sum, verify)) => {
+                self.metrics.given_checksums += 1;
+                if verify {
+                    self.metrics.given_checksums_verified += 1;
+                    let own = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
+                    if own != sum {
+                        self.metrics.given_checksum_mismatches += 1;
+                        tracing::error!(
+                            shard = self.cfg.id,
+                            len,
+                            given = sum,
+                            computed = own,
+                            "a checksum computed on the GPU differs from the chunk's bytes; storing the bytes' own"
+                        );
+                    }
+                    own
+                } else {
+                    sum
+                }
+            }
+        };
         self.entries.make_ready(idx, checksum);
         self.drop_reservation(session, idx);
         self.metrics.commits += 1;
@@ -436,6 +470,9 @@ impl ShardCore {
             removals: m.removals,
             commits: m.commits,
             bytes_committed: m.bytes_committed,
+            given_checksums: m.given_checksums,
+            given_checksums_verified: m.given_checksums_verified,
+            given_checksum_mismatches: m.given_checksum_mismatches,
             errors: ErrorCode::ALL
                 .into_iter()
                 .filter(|c| m.errors[c.index()] > 0)

@@ -65,6 +65,12 @@ pub struct ShardMetrics {
     pub commits: u64,
     /// Bytes committed.
     pub bytes_committed: u64,
+    /// Commits whose checksum came with them (computed on the GPU during a save).
+    pub given_checksums: u64,
+    /// ... of which the shard checked against the bytes.
+    pub given_checksums_verified: u64,
+    /// ... and found wrong (the bytes' own checksum was stored instead).
+    pub given_checksum_mismatches: u64,
     /// Sessions whose holdings were reclaimed on close.
     pub sessions_reclaimed: u64,
     /// Lookups that found a chunk on SSD (and promoted it).
@@ -89,6 +95,9 @@ impl Default for ShardMetrics {
             removals: 0,
             commits: 0,
             bytes_committed: 0,
+            given_checksums: 0,
+            given_checksums_verified: 0,
+            given_checksum_mismatches: 0,
             sessions_reclaimed: 0,
             ssd_hits: 0,
             demotions: 0,
@@ -170,6 +179,12 @@ pub struct ShardStats {
     pub commits: u64,
     /// Bytes committed.
     pub bytes_committed: u64,
+    /// Commits whose checksum came computed on the GPU.
+    pub given_checksums: u64,
+    /// ... of which checked against the bytes.
+    pub given_checksums_verified: u64,
+    /// ... and found wrong.
+    pub given_checksum_mismatches: u64,
     /// The SSD tier's counters, when configured.
     pub ssd: Option<crate::ssd::store::SsdStats>,
     /// Lookups served from SSD.

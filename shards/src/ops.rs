@@ -40,6 +40,15 @@ pub enum ShardOp {
         /// Reservations.
         slots: Vec<SlotRef>,
     },
+    /// Commits reservations of `session` whose checksums were computed elsewhere (on the GPU,
+    /// during a save's copy): per slot the checksum and whether to check it against the bytes
+    /// first (a mismatch is counted and the bytes' own checksum stored).
+    CommitSummed {
+        /// Requesting session.
+        session: SessionId,
+        /// Reservations, their checksums and whether to verify them.
+        slots: Vec<(SlotRef, u64, bool)>,
+    },
     /// Aborts reservations of `session`.
     Abort {
         /// Requesting session.

@@ -88,6 +88,43 @@ fn put_lookup_lease_release() {
 }
 
 #[test]
+fn commits_with_given_checksums() {
+    let (mut core, ns) = shard(64);
+    let right = |i: u32| xxhash_rust::xxh3::xxh3_64(&fill(i, 5000));
+    // (key, checksum given, verify): right and trusted, right and checked, wrong and checked,
+    // wrong and trusted.
+    let cases = [(1, right(1), false), (2, right(2), true), (3, 42, true), (4, 42, false)];
+    let mut slots = Vec::new();
+    for &(i, sum, verify) in &cases {
+        match core.reserve(7, &[key(ns, i)], &[5000])[0] {
+            Reservation::Slot { offset, generation, .. } => {
+                core.slice.write(offset - core.slice.offset(), &fill(i, 5000));
+                slots.push((SlotRef { key: key(ns, i), generation }, sum, verify));
+            }
+            Reservation::Failed(code) => panic!("reserve: {code:?}"),
+        }
+    }
+    match core.apply(ShardOp::CommitSummed { session: 7, slots }) {
+        ShardReply::Outcomes(o) => assert!(o.iter().all(|o| *o == ChunkOutcome::Done), "{o:?}"),
+        other => panic!("{other:?}"),
+    }
+    let sums: Vec<u64> = core
+        .lookup(8, &[key(ns, 1), key(ns, 2), key(ns, 3), key(ns, 4)], false)
+        .iter()
+        .map(|h| h.expect("committed").checksum)
+        .collect();
+    // A checked wrong checksum is replaced by the bytes' own; an unchecked one is stored as
+    // given (the SSD tier and peers verify against it later, and miss rather than serve).
+    assert_eq!(sums, vec![right(1), right(2), right(3), 42]);
+    let st = core.stats();
+    assert_eq!(
+        (st.given_checksums, st.given_checksums_verified, st.given_checksum_mismatches),
+        (4, 2, 1)
+    );
+    assert_eq!(st.commits, 4);
+}
+
+#[test]
 fn reserved_chunks_are_invisible_and_owned() {
     let (mut core, ns) = shard(64);
     let k = key(ns, 1);
@@ -97,12 +134,12 @@ fn reserved_chunks_are_invisible_and_owned() {
     assert!(core.lookup(1, &[k], false)[0].is_none());
     assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::Busy));
     let slot = SlotRef { key: k, generation };
-    assert_eq!(core.commit(2, &slot), Err(ErrorCode::NotFound), "not the owner");
+    assert_eq!(core.commit(2, &slot, None), Err(ErrorCode::NotFound), "not the owner");
     assert_eq!(
-        core.commit(1, &SlotRef { generation: generation + 1, ..slot }),
+        core.commit(1, &SlotRef { generation: generation + 1, ..slot }, None),
         Err(ErrorCode::StaleGeneration)
     );
-    assert_eq!(core.commit(1, &slot), Ok(()));
+    assert_eq!(core.commit(1, &slot, None), Ok(()));
     assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::AlreadyPresent));
     assert_eq!(core.reservations(), 0);
 }
