@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Rebuilds copy_segments.ptx from copy_segments.cu (needs nvcc; run on a CUDA machine).
-# Usage: gpu/kernels/build-ptx.sh [OUTPUT]   (default: next to the source)
+# Rebuilds a kernel's PTX from its .cu with nvcc (the CUDA toolkit; no GPU needed).
+# Usage: gpu/kernels/build-ptx.sh [NAME [OUTPUT]]   NAME: copy_segments (default) or
+# chunk_checksum; OUTPUT defaults to NAME.ptx next to the source.
+# Without the toolkit, build-ptx-nvrtc.py does the same with NVRTC from PyPI
+# (chunk_checksum.ptx is built that way: its header says so).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-out=${1:-$here/copy_segments.ptx}
+name=${1:-copy_segments}
+out=${2:-$here/$name.ptx}
 # compute_75 is the oldest target CUDA 13 builds for; the driver JIT-compiles the PTX for the
 # device it runs on.
 nvcc --version | tail -1
-nvcc -ptx -O3 -arch=compute_75 -o "$out" "$here/copy_segments.cu"
+nvcc -ptx -O3 -arch=compute_75 -o "$out" "$here/$name.cu"
 echo "wrote $out"

@@ -5,12 +5,12 @@
 // XXH3 keeps 8 accumulator lanes and walks the input in 1 KiB blocks of 16 stripes of 64
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
-// sequential. Hence two kernels:
-//   orbitkv_xxh3_blocks: one thread per block of every chunk: the 8 lane sums of its stripes
-//     (the chunk's last block also takes the final stripe with its own secret offset);
-//   orbitkv_xxh3_fold: one thread per chunk: accumulators from the initial values through
-//     "add the block's sums, scramble" for each full block, the last block's sums, and the
-//     final merge and avalanche.
+// sequential, and it is per lane. Hence three kernels:
+//   orbitkv_xxh3_blocks: eight threads per block of every chunk (one per lane): the lane sums
+//     of its stripes (the chunk's last block also takes the final stripe with its own secret);
+//   orbitkv_xxh3_fold: eight threads per chunk: each lane from its initial value through "add
+//     the block's sum, scramble" for each full block, plus the last block's sum;
+//   orbitkv_xxh3_merge: one thread per chunk: the final merge of the lanes and avalanche.
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's length).
 //
@@ -78,16 +78,23 @@ ORBITKV_CONST u64 INIT[8] = {
     0x85EBCA77C2B2AE63ull, 0x0000000085EBCA77ull, 0x27D4EB2F165667C5ull, 0x000000009E3779B1ull,
 };
 
-// A cursor over one chunk's segments.
+// A cursor over one chunk's segments, moving forward only, with the current segment's bounds
+// cached in registers.
 typedef struct {
     const HashSeg* segs;
     u64 count;
-    u64 len;  // chunk length: end of the last segment
-    u64 at;   // current segment
+    u64 len;    // chunk length: end of the last segment
+    u64 at;     // current segment
+    u64 start;  // its first chunk offset
+    u64 end;    // one past its last
+    u64 addr;   // its device address
 } Cursor;
 
-ORBITKV_DEVICE u64 seg_end(const Cursor* c, u64 s) {
-    return s + 1 < c->count ? c->segs[s + 1].start : c->len;
+ORBITKV_DEVICE void enter(Cursor* c, u64 s) {
+    c->at = s;
+    c->start = c->segs[s].start;
+    c->end = s + 1 < c->count ? c->segs[s + 1].start : c->len;
+    c->addr = c->segs[s].addr;
 }
 
 // Positions the cursor on the segment holding byte `o` (binary search).
@@ -101,44 +108,43 @@ ORBITKV_DEVICE void seek(Cursor* c, u64 o) {
             hi = mid;
         }
     }
-    c->at = lo;
+    enter(c, lo);
 }
 
-// The little-endian word at chunk offset `o` (o + 8 <= len); moves forward only.
-ORBITKV_DEVICE u64 word(Cursor* c, u64 o) {
-    while (o >= seg_end(c, c->at)) {
-        c->at++;
+ORBITKV_DEVICE void reach(Cursor* c, u64 o) {
+    while (o >= c->end) {
+        enter(c, c->at + 1);
     }
-    u64 end = seg_end(c, c->at);
-    u64 addr = c->segs[c->at].addr + (o - c->segs[c->at].start);
-    if (o + 8 <= end && (addr & 7ull) == 0) {
-        return *(const u64*)addr;
-    }
-    // Straddles a segment boundary or is unaligned: byte by byte.
+}
+
+// The little-endian word at chunk offset `o` (o + 8 <= len), byte by byte across segments
+// (the slow path: unaligned or straddling).
+ORBITKV_DEVICE u64 word_slow(Cursor* c, u64 o) {
     u64 v = 0;
-    u64 s = c->at;
     for (u32 j = 0; j < 8; j++) {
-        u64 p = o + j;
-        while (p >= seg_end(c, s)) {
-            s++;
-        }
-        u64 b = *(const unsigned char*)(c->segs[s].addr + (p - c->segs[s].start));
-        v |= b << (8 * j);
+        reach(c, o + j);
+        v |= (u64)(*(const unsigned char*)(c->addr + (o + j - c->start))) << (8 * j);
     }
     return v;
 }
 
-// Adds one stripe at chunk offset `o` to the lane sums; lane i's secret word is key[i].
-ORBITKV_DEVICE void stripe(Cursor* c, u64 o, const u64* key, u64* sum) {
-    u64 v[8];
-    for (u32 i = 0; i < 8; i++) {
-        v[i] = word(c, o + 8 * i);
+// The 16 bytes at chunk offset `o` (a multiple of 16, o + 16 <= len) as two words.
+ORBITKV_DEVICE void pair(Cursor* c, u64 o, u64* lo, u64* hi) {
+    reach(c, o);
+    u64 a = c->addr + (o - c->start);
+    if (o + 16 <= c->end && (a & 15ull) == 0) {
+#ifdef __CUDACC__
+        ulonglong2 v = *(const ulonglong2*)a;
+        *lo = v.x;
+        *hi = v.y;
+#else
+        *lo = ((const u64*)a)[0];
+        *hi = ((const u64*)a)[1];
+#endif
+        return;
     }
-    for (u32 i = 0; i < 8; i++) {
-        u64 k = v[i] ^ key[i];
-        sum[i ^ 1] += v[i];
-        sum[i] += (k & 0xffffffffull) * (k >> 32);
-    }
+    *lo = word_slow(c, o);
+    *hi = word_slow(c, o + 8);
 }
 
 // Rows of a chunk: one per full block before the last, plus the last (partial) one.
@@ -146,11 +152,16 @@ ORBITKV_DEVICE u64 full_blocks(u64 len) {
     return (len - 1) / 1024;
 }
 
-// One thread per row: `rows` rows over `nchunks` chunks (row_first ascending); writes 8 lane
-// sums (64 bytes) per row into `scratch`.
+// Eight threads per row (thread j: accumulator lane j), `rows` rows over `nchunks` chunks
+// (row_first ascending): lane j's sum over the row's stripes of the partner word (j ^ 1) plus
+// the 32x32-bit product of its own word mixed with the secret. The eight threads of a row read
+// its 64-byte stripes together (16 bytes each, shared by a lane pair), so a warp reads four
+// rows' stripes at once. Writes scratch[8 * row + j].
 ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
                                         const HashSeg* segs, u64* scratch, u64 rows) {
-    u64 r = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 r = t >> 3;
+    u32 j = (u32)(t & 7u);
     if (r >= rows) {
         return;
     }
@@ -172,21 +183,70 @@ ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
     c.count = ch.seg_count;
     c.len = ch.len;
     u64 base = b * 1024;
-    seek(&c, base);
-    u64 sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    // This lane's pair of words within a stripe: bytes 16 * (j / 2) .. + 16.
+    u64 in_stripe = 16ull * (j >> 1);
+    seek(&c, base + in_stripe);
+    u64 sum = 0;
     u32 n = b < nb ? 16 : (u32)(((ch.len - 1) - nb * 1024) / 64);
     for (u32 s = 0; s < n; s++) {
-        stripe(&c, base + 64ull * s, W + s, sum);
+        u64 w0, w1;
+        pair(&c, base + 64ull * s + in_stripe, &w0, &w1);
+        u64 own = (j & 1u) ? w1 : w0;
+        u64 partner = (j & 1u) ? w0 : w1;
+        u64 k = own ^ W[s + j];
+        sum += partner + (k & 0xffffffffull) * (k >> 32);
     }
     if (b == nb) {
-        // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above).
-        seek(&c, ch.len - 64);
-        stripe(&c, ch.len - 64, L, sum);
+        // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
+        // need not be 16-byte aligned).
+        u64 o = ch.len - 64 + 8ull * (j & ~1u);
+        seek(&c, o);
+        u64 w0 = word_slow(&c, o);
+        u64 w1 = word_slow(&c, o + 8);
+        u64 own = (j & 1u) ? w1 : w0;
+        u64 partner = (j & 1u) ? w0 : w1;
+        u64 k = own ^ L[j];
+        sum += partner + (k & 0xffffffffull) * (k >> 32);
     }
-    u64* out = scratch + 8 * r;
-    for (u32 i = 0; i < 8; i++) {
-        out[i] = sum[i];
+    scratch[8 * r + j] = sum;
+}
+
+// Eight threads per chunk (thread j: lane j): lane j's accumulator from its initial value
+// through "add the row's sum, scramble" for each full block, plus the last row's sum; left in
+// the chunk's last row, lane j.
+ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64* scratch) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 k = t >> 3;
+    u32 j = (u32)(t & 7u);
+    if (k >= nchunks) {
+        return;
     }
+    const HashChunk ch = chunks[k];
+    u64 nb = full_blocks(ch.len);
+    u64* row = scratch + 8 * ch.row_first + j;
+    const u64 key = W[16 + j];
+    u64 acc = INIT[j];
+    u64 b = 0;
+    // Eight rows' sums loaded ahead of their dependent chain.
+    for (; b + 8 <= nb; b += 8) {
+        u64 v[8];
+        for (u32 i = 0; i < 8; i++) {
+            v[i] = row[8 * (b + i)];
+        }
+        for (u32 i = 0; i < 8; i++) {
+            u64 a = acc + v[i];
+            a ^= a >> 47;
+            a ^= key;
+            acc = a * XXH_PRIME32_1;
+        }
+    }
+    for (; b < nb; b++) {
+        u64 a = acc + row[8 * b];
+        a ^= a >> 47;
+        a ^= key;
+        acc = a * XXH_PRIME32_1;
+    }
+    row[8 * nb] = acc + row[8 * nb];
 }
 
 ORBITKV_DEVICE u64 mul_fold(u64 a, u64 b) {
@@ -198,31 +258,16 @@ ORBITKV_DEVICE u64 mul_fold(u64 a, u64 b) {
 #endif
 }
 
-// One thread per chunk: folds its rows and writes its checksum to out[chunk].
-ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, const u64* scratch,
-                                      u64* out) {
+// One thread per chunk: the merge of its 8 lanes (its last row) and the final avalanche;
+// writes out[chunk].
+ORBITKV_KERNEL void orbitkv_xxh3_merge(const HashChunk* chunks, u32 nchunks, const u64* scratch,
+                                       u64* out) {
     u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= nchunks) {
         return;
     }
     const HashChunk ch = chunks[k];
-    u64 nb = full_blocks(ch.len);
-    const u64* row = scratch + 8 * ch.row_first;
-    u64 acc[8];
-    for (u32 i = 0; i < 8; i++) {
-        acc[i] = INIT[i];
-    }
-    for (u64 b = 0; b < nb; b++, row += 8) {
-        for (u32 i = 0; i < 8; i++) {
-            u64 a = acc[i] + row[i];
-            a ^= a >> 47;
-            a ^= W[16 + i];
-            acc[i] = a * XXH_PRIME32_1;
-        }
-    }
-    for (u32 i = 0; i < 8; i++) {
-        acc[i] += row[i];
-    }
+    const u64* acc = scratch + 8 * (ch.row_first + full_blocks(ch.len));
     u64 h = ch.len * XXH_PRIME64_1;
     for (u32 i = 0; i < 4; i++) {
         h += mul_fold(acc[2 * i] ^ M[2 * i], acc[2 * i + 1] ^ M[2 * i + 1]);

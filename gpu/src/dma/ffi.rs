@@ -266,6 +266,7 @@ unsafe impl Send for CopyKernel {}
 pub(crate) struct ChecksumKernels {
     blocks: sys::CUfunction,
     fold: sys::CUfunction,
+    merge: sys::CUfunction,
     _module: PtxModule,
 }
 
@@ -284,12 +285,13 @@ impl ChecksumKernels {
         Ok(Self {
             blocks: module.function("orbitkv_xxh3_blocks")?,
             fold: module.function("orbitkv_xxh3_fold")?,
+            merge: module.function("orbitkv_xxh3_merge")?,
             _module: module,
         })
     }
 
-    /// Launches both kernels on `stream`: block sums of `rows` rows into `scratch`, then one
-    /// checksum per chunk into `out` (`nchunks` u64).
+    /// Launches the three kernels on `stream`: lane sums of `rows` rows into `scratch`, each
+    /// chunk's lanes folded there, then one checksum per chunk into `out` (`nchunks` u64).
     ///
     /// # Safety
     /// `chunks` and `segs` must hold the tables (`checksum::HashTables::encode`) on this
@@ -304,11 +306,12 @@ impl ChecksumKernels {
         (scratch, rows): (u64, u64),
         out: u64,
     ) -> Result<(), DmaError> {
-        const THREADS: u32 = 128;
-        let grid = |n: u64| u32::try_from(n.div_ceil(u64::from(THREADS))).unwrap_or(u32::MAX);
+        const THREADS: u32 = 256;
+        let grid =
+            |threads: u64| u32::try_from(threads.div_ceil(u64::from(THREADS))).unwrap_or(u32::MAX);
         let (mut c, mut n, mut s, mut sc, mut r, mut o) =
             (chunks, nchunks, segs, scratch, rows, out);
-        let mut p1: [*mut c_void; 5] = [
+        let mut blocks: [*mut c_void; 5] = [
             (&raw mut c).cast(),
             (&raw mut n).cast(),
             (&raw mut s).cast(),
@@ -316,13 +319,36 @@ impl ChecksumKernels {
             (&raw mut r).cast(),
         ];
         // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, u64*,
-        // u64)`; memory per this function's contract.
-        unsafe { launch(self.blocks, stream, grid(rows), THREADS, &mut p1, "checksum blocks")? };
-        let mut p2: [*mut c_void; 4] =
-            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
-        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, const u64*, u64*)`.
+        // u64)`, eight threads per row; memory per this function's contract.
         unsafe {
-            launch(self.fold, stream, grid(u64::from(nchunks)), THREADS, &mut p2, "checksum fold")
+            launch(self.blocks, stream, grid(rows * 8), THREADS, &mut blocks, "checksum blocks")?
+        };
+        let mut fold: [*mut c_void; 3] =
+            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
+        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*)`, eight threads per
+        // chunk.
+        unsafe {
+            launch(
+                self.fold,
+                stream,
+                grid(u64::from(nchunks) * 8),
+                THREADS,
+                &mut fold,
+                "checksum fold",
+            )?
+        };
+        let mut merge: [*mut c_void; 4] =
+            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
+        // SAFETY: matches `orbitkv_xxh3_merge(const HashChunk*, u32, const u64*, u64*)`.
+        unsafe {
+            launch(
+                self.merge,
+                stream,
+                grid(u64::from(nchunks)),
+                THREADS,
+                &mut merge,
+                "checksum merge",
+            )
         }
     }
 }

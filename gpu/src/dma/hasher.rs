@@ -1,4 +1,4 @@
-//! Chunk checksums on the GPU of one device: the kernels of `gpu/kernels/chunk_checksum.cu` on
+//! Chunk checksums on the GPU of one device: the three kernels of `gpu/kernels/chunk_checksum.cu` on
 //! their own stream, beside the copies of a save (they read the engine's pages in GPU memory,
 //! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
 //! checksums once its event has completed.
