@@ -6,9 +6,8 @@
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
 // sequential, and it is per lane. Hence three kernels:
-//   orbitkv_xxh3_blocks: eight threads (one per lane) per run of consecutive blocks: the lane
-//     sums of each block's stripes (a chunk's last block also takes the final stripe with its
-//     own secret);
+//   orbitkv_xxh3_blocks: eight threads per block of every chunk (one per lane): the lane sums
+//     of its stripes (the chunk's last block also takes the final stripe with its own secret);
 //   orbitkv_xxh3_fold: eight threads per chunk: each lane from its initial value through "add
 //     the block's sum, scramble" for each full block, plus the last block's sum;
 //   orbitkv_xxh3_merge: one thread per chunk: the final merge of the lanes and avalanche.
@@ -153,13 +152,20 @@ ORBITKV_DEVICE u64 full_blocks(u64 len) {
     return (len - 1) / 1024;
 }
 
-// Rows a group of eight threads takes at a time: consecutive rows, so that the segment search
-// (a binary search over the chunk's segments) is paid once per ROWS_PER_GROUP KiB and the
-// cursor walks forward from there.
-#define ROWS_PER_GROUP 8ull
-
-// The chunk owning row r: the last one whose row_first <= r.
-ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
+// Eight threads per row (thread j: accumulator lane j), `rows` rows over `nchunks` chunks
+// (row_first ascending): lane j's sum over the row's stripes of the partner word (j ^ 1) plus
+// the 32x32-bit product of its own word mixed with the secret. The eight threads of a row read
+// its 64-byte stripes together (16 bytes each, shared by a lane pair), so a warp reads four
+// rows' stripes at once. Writes scratch[8 * row + j].
+ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
+                                        const HashSeg* segs, u64* scratch, u64 rows) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 r = t >> 3;
+    u32 j = (u32)(t & 7u);
+    if (r >= rows) {
+        return;
+    }
+    // The chunk owning row r: the last one whose row_first <= r.
     u32 lo = 0, hi = nchunks;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -169,73 +175,40 @@ ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
             hi = mid;
         }
     }
-    return lo;
-}
-
-// Groups of eight threads (thread j: accumulator lane j) over `rows` rows of `nchunks` chunks
-// (row_first ascending), ROWS_PER_GROUP consecutive rows per group and turn, grid-striding (a
-// small grid leaves the SMs to the copy kernels beside it). Per row, lane j's sum over the
-// row's stripes of the partner word (j ^ 1) plus the 32x32-bit product of its own word mixed
-// with the secret. The eight threads of a group read each 64-byte stripe together (16 bytes
-// each, shared by a lane pair). Writes scratch[8 * row + j].
-ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
-                                        const HashSeg* segs, u64* scratch, u64 rows) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u32 j = (u32)(t & 7u);
-    u64 groups = (rows + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP;
-    u64 stride = ((u64)gridDim.x * blockDim.x) >> 3;
+    const HashChunk ch = chunks[lo];
+    u64 b = r - ch.row_first;
+    u64 nb = full_blocks(ch.len);
+    Cursor c;
+    c.segs = segs + ch.seg_first;
+    c.count = ch.seg_count;
+    c.len = ch.len;
+    u64 base = b * 1024;
     // This lane's pair of words within a stripe: bytes 16 * (j / 2) .. + 16.
     u64 in_stripe = 16ull * (j >> 1);
-    for (u64 g = t >> 3; g < groups; g += stride) {
-        u64 r = g * ROWS_PER_GROUP;
-        u64 last = r + ROWS_PER_GROUP < rows ? r + ROWS_PER_GROUP : rows;
-        u32 k = chunk_of(chunks, nchunks, r);
-        HashChunk ch = chunks[k];
-        u64 nb = full_blocks(ch.len);
-        Cursor c;
-        c.segs = segs + ch.seg_first;
-        c.count = ch.seg_count;
-        c.len = ch.len;
-        seek(&c, (r - ch.row_first) * 1024 + in_stripe);
-        for (; r < last; r++) {
-            u64 b = r - ch.row_first;
-            if (b > nb) {
-                // The next chunk starts here.
-                k++;
-                ch = chunks[k];
-                nb = full_blocks(ch.len);
-                c.segs = segs + ch.seg_first;
-                c.count = ch.seg_count;
-                c.len = ch.len;
-                b = 0;
-                seek(&c, in_stripe);
-            }
-            u64 base = b * 1024;
-            u64 sum = 0;
-            u32 n = b < nb ? 16 : (u32)(((ch.len - 1) - nb * 1024) / 64);
-            for (u32 s = 0; s < n; s++) {
-                u64 w0, w1;
-                pair(&c, base + 64ull * s + in_stripe, &w0, &w1);
-                u64 own = (j & 1u) ? w1 : w0;
-                u64 partner = (j & 1u) ? w0 : w1;
-                u64 key = own ^ W[s + j];
-                sum += partner + (key & 0xffffffffull) * (key >> 32);
-            }
-            if (b == nb) {
-                // The final stripe: the chunk's last 64 bytes (it may overlap the stripes
-                // above, and need not be 16-byte aligned).
-                u64 o = ch.len - 64 + 8ull * (j & ~1u);
-                seek(&c, o);
-                u64 w0 = word_slow(&c, o);
-                u64 w1 = word_slow(&c, o + 8);
-                u64 own = (j & 1u) ? w1 : w0;
-                u64 partner = (j & 1u) ? w0 : w1;
-                u64 key = own ^ L[j];
-                sum += partner + (key & 0xffffffffull) * (key >> 32);
-            }
-            scratch[8 * r + j] = sum;
-        }
+    seek(&c, base + in_stripe);
+    u64 sum = 0;
+    u32 n = b < nb ? 16 : (u32)(((ch.len - 1) - nb * 1024) / 64);
+    for (u32 s = 0; s < n; s++) {
+        u64 w0, w1;
+        pair(&c, base + 64ull * s + in_stripe, &w0, &w1);
+        u64 own = (j & 1u) ? w1 : w0;
+        u64 partner = (j & 1u) ? w0 : w1;
+        u64 k = own ^ W[s + j];
+        sum += partner + (k & 0xffffffffull) * (k >> 32);
     }
+    if (b == nb) {
+        // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
+        // need not be 16-byte aligned).
+        u64 o = ch.len - 64 + 8ull * (j & ~1u);
+        seek(&c, o);
+        u64 w0 = word_slow(&c, o);
+        u64 w1 = word_slow(&c, o + 8);
+        u64 own = (j & 1u) ? w1 : w0;
+        u64 partner = (j & 1u) ? w0 : w1;
+        u64 k = own ^ L[j];
+        sum += partner + (k & 0xffffffffull) * (k >> 32);
+    }
+    scratch[8 * r + j] = sum;
 }
 
 // Eight threads per chunk (thread j: lane j): lane j's accumulator from its initial value

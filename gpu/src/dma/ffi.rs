@@ -307,10 +307,6 @@ impl ChecksumKernels {
         out: u64,
     ) -> Result<(), DmaError> {
         const THREADS: u32 = 256;
-        // `ROWS_PER_GROUP` of chunk_checksum.cu.
-        const ROWS_PER_GROUP: u64 = 8;
-        // Thread blocks of the block-sum kernel: 128 x 256 threads take 32 MiB per pass.
-        const BLOCKS_GRID: u32 = 128;
         let grid =
             |threads: u64| u32::try_from(threads.div_ceil(u64::from(THREADS))).unwrap_or(u32::MAX);
         let (mut c, mut n, mut s, mut sc, mut r, mut o) =
@@ -322,12 +318,10 @@ impl ChecksumKernels {
             (&raw mut sc).cast(),
             (&raw mut r).cast(),
         ];
-        // A bounded grid (it strides over the rows): the copy kernels beside it keep SMs.
-        let block_grid = grid(rows.div_ceil(ROWS_PER_GROUP) * 8).min(BLOCKS_GRID);
         // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, u64*,
-        // u64)`, eight threads per row group; memory per this function's contract.
+        // u64)`, eight threads per row; memory per this function's contract.
         unsafe {
-            launch(self.blocks, stream, block_grid, THREADS, &mut blocks, "checksum blocks")?
+            launch(self.blocks, stream, grid(rows * 8), THREADS, &mut blocks, "checksum blocks")?
         };
         let mut fold: [*mut c_void; 3] =
             [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
