@@ -251,6 +251,12 @@ pub(crate) struct ServeArgs {
     /// Zipf exponent for `--keys zipf` (default: 0.99).
     #[arg(long, value_name = "F", default_value_t = 0.99)]
     pub zipf_theta: f64,
+    /// Keys per get: a run of consecutive keys from the picked one (wrapping), as an engine
+    /// loads a prompt's chunks: looked up and leased in one request, the present prefix copied
+    /// out and released in one deferred request, the missing rest put in one request. A get's
+    /// latency and GB/s are per batch (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub get_batch: usize,
     /// Keys per batched lookup in a second phase; 0 skips that phase (default: 0).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup_batch: usize,

@@ -118,7 +118,9 @@ pub(crate) struct ServeReport {
     pub put_stored: u64,
     /// Puts that found the key already present.
     pub put_already_present: u64,
-    /// Gets that hit: lookup with lease + copy + release.
+    /// Keys per get (`--get-batch`).
+    pub get_batch: usize,
+    /// Gets that hit (at least one key of the batch): lookup with lease + copy + release.
     pub get: OpSummary,
     /// Puts after a miss.
     pub put: OpSummary,
@@ -202,8 +204,8 @@ impl Report for ServeReport {
         )?;
         writeln!(
             out,
-            "get throughput {:.2} GB/s per thread ({:.2} x memcpy {:.2} GB/s), {:.2} GB/s aggregate",
-            self.get_gbps, self.ratio_get_vs_memcpy, self.memcpy_gbps, self.get_gbps_aggregate
+            "get throughput {:.2} GB/s per thread ({:.2} x memcpy {:.2} GB/s), {:.2} GB/s aggregate, {} key(s) per get",
+            self.get_gbps, self.ratio_get_vs_memcpy, self.memcpy_gbps, self.get_gbps_aggregate, self.get_batch
         )?;
         writeln!(
             out,

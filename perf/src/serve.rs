@@ -60,6 +60,12 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
         }
     };
     let lookup = lookup_plan(a, checked.nkeys, facts)?;
+    if a.get_batch == 0 || a.get_batch as u64 > checked.nkeys {
+        return Err(invalid(
+            "--get-batch",
+            format!("must be between 1 and the key count ({})", checked.nkeys),
+        ));
+    }
     let plan = Arc::new(Plan {
         socket: socket.clone(),
         namespace: checked.namespace,
@@ -68,6 +74,8 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
         picker: checked.picker,
         verify_only: a.verify_only,
         lookup,
+        get_batch: a.get_batch,
+        nkeys: checked.nkeys,
     });
     let report = measure(a, &plan, &socket, facts, checked.nkeys)?;
     // The server (if embedded) stops here, after every client session closed.
@@ -337,6 +345,7 @@ fn measure(
         put_rejected: m.put_rejected,
         put_stored: m.put_stored,
         put_already_present: m.put_already_present,
+        get_batch: a.get_batch,
         get: OpSummary::from(&m.get),
         put: OpSummary::from(&m.put),
         lookup_batch,

@@ -42,6 +42,10 @@ pub(crate) struct Plan {
     pub verify_only: bool,
     /// The lookup phase, if any.
     pub lookup: Option<LookupPlan>,
+    /// Consecutive keys per get.
+    pub get_batch: usize,
+    /// Main keys.
+    pub nkeys: u64,
 }
 
 /// The batched-lookup phase.
@@ -117,92 +121,81 @@ fn connect(id: usize, plan: &Plan) -> Result<(Client, KeySpace), Error> {
 
 impl Worker<'_> {
     /// Read-through cache: get (lookup with lease, copy, release) and put on a miss (unless
-    /// the plan is verify-only).
+    /// the plan is verify-only). With `get_batch` > 1 each get is a run of consecutive keys:
+    /// the present prefix is copied, the missing rest put.
     fn main_phase(&mut self, end: Instant) {
         let (client, id, plan, space, progress) =
             (&mut self.client, self.id, self.plan, self.space, self.progress);
         let stats = &mut self.stats;
         let mut rng = SmallRng::seed_from_u64(plan.seed.wrapping_add(id as u64));
-        let mut buf = vec![0u8; plan.value_size];
-        let mut value = vec![0u8; plan.value_size];
+        let n = plan.get_batch;
+        let mut bufs = vec![vec![0u8; plan.value_size]; n];
+        let mut values = vec![vec![0u8; plan.value_size]; n];
         let s = &mut stats.main;
         let errors = &mut stats.errors;
+        let mut keys = Vec::with_capacity(n);
+        let mut indices = Vec::with_capacity(n);
         while Instant::now() < end {
-            let i = plan.picker.pick(&mut rng);
-            let key = space.key(i);
+            let first = plan.picker.pick(&mut rng);
+            indices.clear();
+            indices.extend((0..n as u64).map(|k| (first + k) % plan.nkeys));
+            keys.clear();
+            keys.extend(indices.iter().map(|&i| space.key(i)));
             let started = Instant::now();
-            let leases = match client.lookup_leased(std::slice::from_ref(&key)) {
+            let leases = match client.lookup_leased(&keys) {
                 Ok(l) => l,
                 Err(e) => {
                     errors.client("lookup", &e);
                     continue;
                 }
             };
-            let Some(lease) = leases.first() else {
-                s.misses += 1;
-                progress.op(false);
-                if plan.verify_only {
-                    continue;
-                }
-                fill_value(&key.digest, &mut value);
-                let started = Instant::now();
-                let outcome = client.put(&[(key, value.as_slice())]);
-                let took = started.elapsed();
-                match outcome {
-                    Ok(outcomes) => {
-                        s.put.record(took);
-                        for o in outcomes {
-                            match o {
-                                PutOutcome::Stored => s.put_stored += 1,
-                                PutOutcome::AlreadyPresent => s.put_already_present += 1,
-                                PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
-                                    s.put_rejected += 1
-                                }
-                                PutOutcome::Failed(code) => errors.code("put", code),
-                            }
+            let hits = leases.len();
+            s.hits += hits as u64;
+            s.misses += (n - hits) as u64;
+            for k in 0..n {
+                progress.op(k < hits);
+            }
+            if hits > 0 {
+                // Copy while leased; a chunk of the wrong length is not copied and fails
+                // verification.
+                let copy_started = Instant::now();
+                let mut copied = Vec::with_capacity(hits);
+                let mut failed = None;
+                for (lease, buf) in leases.iter().zip(bufs.iter_mut()) {
+                    match client.chunk(lease) {
+                        Ok(bytes) if bytes.len() == buf.len() => {
+                            buf.copy_from_slice(bytes);
+                            copied.push(true);
+                        }
+                        Ok(_) => copied.push(false),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
                         }
                     }
-                    Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
-                        s.put_rejected += 1
-                    }
-                    Err(e) => errors.client("put", &e),
                 }
-                continue;
-            };
-            s.hits += 1;
-            progress.op(true);
-            // Copy while leased; a chunk of the wrong length is not copied and fails verification.
-            let copy_started = Instant::now();
-            let copied = match client.chunk(lease) {
-                Ok(bytes) if bytes.len() == buf.len() => {
-                    buf.copy_from_slice(bytes);
-                    s.copy_time += copy_started.elapsed();
-                    Ok(true)
-                }
-                Ok(_) => Ok(false),
-                Err(e) => Err(e),
-            };
-            // One round trip per get: the release travels while the client verifies.
-            let released = client.release_deferred(std::slice::from_ref(lease));
-            let took = started.elapsed();
-            match copied {
-                Err(e) => {
+                s.copy_time += copy_started.elapsed();
+                // One round trip per get: the release travels while the client verifies.
+                let released = client.release_deferred(&leases);
+                let took = started.elapsed();
+                if let Some(e) = failed {
                     // The release of a lease that cannot be read fails for the same reason.
                     errors.client("chunk", &e);
                     continue;
                 }
-                Ok(copied) => {
-                    count_release(released, errors);
-                    s.get.record(took);
-                    s.get_time += took;
-                    let mismatch = if copied {
+                count_release(released, errors);
+                s.get.record(took);
+                s.get_time += took;
+                for (k, lease) in leases.iter().enumerate() {
+                    let buf = &bufs[k];
+                    let mismatch = if copied[k] {
                         s.get_bytes += buf.len() as u64;
-                        first_mismatch(&key.digest, &buf)
+                        first_mismatch(&keys[k].digest, buf)
                             .map(|at| format!("byte {at} differs"))
                             .or_else(|| {
                                 // The bytes are right; the checksum that travels with them
                                 // (to SSD and peers) must describe them too.
-                                (chunk_checksum(&buf) != lease.hit.checksum).then(|| {
+                                (chunk_checksum(buf) != lease.hit.checksum).then(|| {
                                     format!(
                                         "checksum {:#x} in the lease is wrong",
                                         lease.hit.checksum
@@ -215,10 +208,44 @@ impl Worker<'_> {
                     if let Some(what) = mismatch {
                         s.verify_failures += 1;
                         if s.verify_failures <= MISMATCH_REPORTS {
-                            eprintln!("orbitkv-perf: client {id}: key {i} read back wrong: {what}");
+                            eprintln!(
+                                "orbitkv-perf: client {id}: key {} read back wrong: {what}",
+                                indices[k]
+                            );
                         }
                     }
                 }
+            }
+            if hits == n || plan.verify_only {
+                continue;
+            }
+            // The missing rest of the run, put in one request.
+            for (key, value) in keys[hits..].iter().zip(values.iter_mut()) {
+                fill_value(&key.digest, value);
+            }
+            let items: Vec<(ChunkKey, &[u8])> =
+                keys[hits..].iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+            let started = Instant::now();
+            let outcome = client.put(&items);
+            let took = started.elapsed();
+            match outcome {
+                Ok(outcomes) => {
+                    s.put.record(took);
+                    for o in outcomes {
+                        match o {
+                            PutOutcome::Stored => s.put_stored += 1,
+                            PutOutcome::AlreadyPresent => s.put_already_present += 1,
+                            PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
+                                s.put_rejected += 1
+                            }
+                            PutOutcome::Failed(code) => errors.code("put", code),
+                        }
+                    }
+                }
+                Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
+                    s.put_rejected += 1
+                }
+                Err(e) => errors.client("put", &e),
             }
         }
         // Deferred releases answer later; any that failed are errors of this run.
