@@ -9,7 +9,7 @@ use std::ptr::NonNull;
 
 use std::sync::atomic::AtomicU32;
 
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
 use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 /// A read-write shared mapping of the whole arena, unmapped on drop.
@@ -37,17 +37,27 @@ impl ArenaMap {
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or_else(|| format!("arena size {len} is not mappable"))?;
-        let flags = if prefault {
-            MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE
-        } else {
-            MapFlags::MAP_SHARED
-        };
         // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long, checked
         // above; nothing existing is replaced.
         let base = unsafe {
-            mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, flags, fd.as_fd(), 0)
+            mmap(
+                None,
+                size,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
         }
         .map_err(|e| format!("mmap arena: {e}"))?;
+        // The server's huge pages (when the host allows them for shared memory) are mapped as
+        // huge pages here only if this mapping asks too, before its page tables are filled.
+        // SAFETY: advice on exactly this live mapping; it changes no contents.
+        let _ = unsafe { madvise(base, size.get(), MmapAdvise::MADV_HUGEPAGE) };
+        if prefault {
+            // SAFETY: as above; populating (as for a write, without writing) changes nothing.
+            let _ = unsafe { madvise(base, size.get(), MmapAdvise::MADV_POPULATE_WRITE) };
+        }
         Ok(Self { base, len: size.get(), _fd: fd })
     }
 
