@@ -56,7 +56,15 @@ impl ArenaMap {
         let _ = unsafe { madvise(base, size.get(), MmapAdvise::MADV_HUGEPAGE) };
         if prefault {
             // SAFETY: as above; populating (as for a write, without writing) changes nothing.
-            let _ = unsafe { madvise(base, size.get(), MmapAdvise::MADV_POPULATE_WRITE) };
+            if unsafe { madvise(base, size.get(), MmapAdvise::MADV_POPULATE_WRITE) }.is_err() {
+                // Kernels before 5.14 lack it: read every page instead (never write: the
+                // server's data is there).
+                let p = base.as_ptr().cast::<u8>();
+                for off in (0..size.get()).step_by(4096) {
+                    // SAFETY: inside this live mapping; a read changes nothing.
+                    unsafe { p.add(off).read_volatile() };
+                }
+            }
         }
         Ok(Self { base, len: size.get(), _fd: fd })
     }

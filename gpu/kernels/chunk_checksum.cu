@@ -14,9 +14,10 @@
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's length).
 //
-// Built into chunk_checksum.ptx by build-ptx.sh. The file is also valid C (no C++ features):
-// the CPU test of orbitkv-gpu compiles it with a C compiler and runs both kernels thread by
-// thread against the Rust implementation.
+// Built into chunk_checksum.ptx by build-ptx-nvrtc.py (NVRTC from PyPI; build-ptx.sh does the
+// same with nvcc). The file is also valid C (no C++ features): the CPU test of orbitkv-gpu
+// compiles it with a C compiler and runs all three kernels thread by thread against
+// `orbitkv_proto::chunk_checksum`.
 
 #ifdef __CUDACC__
 #define ORBITKV_KERNEL extern "C" __global__

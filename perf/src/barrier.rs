@@ -17,11 +17,24 @@ pub(crate) struct Barrier {
 }
 
 impl Barrier {
-    /// Rank `rank` of `world` meeting in `dir` (created when missing); a wait gives up after
+    /// Rank `rank` of `world` meeting in `dir` (created when missing; a fresh one per group
+    /// run: a mark this rank left in an earlier run is refused); a wait gives up after
     /// `timeout`.
     pub(crate) fn new(dir: &Path, rank: u32, world: u32, timeout: Duration) -> Result<Self, Error> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::Gpu(format!("barrier folder {}: {e}", dir.display())))?;
+        let folder =
+            |e: std::io::Error| Error::Gpu(format!("barrier folder {}: {e}", dir.display()));
+        std::fs::create_dir_all(dir).map_err(folder)?;
+        let mine = format!(".{rank}");
+        for entry in std::fs::read_dir(dir).map_err(folder)? {
+            let name = entry.map_err(folder)?.file_name();
+            if name.to_string_lossy().ends_with(&mine) {
+                return Err(Error::Gpu(format!(
+                    "barrier folder {} holds rank {rank}'s mark {name:?} of an earlier run: use \
+                     a fresh folder",
+                    dir.display()
+                )));
+            }
+        }
         Ok(Self { dir: dir.to_path_buf(), rank, world, timeout })
     }
 
@@ -57,15 +70,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("orbitkv-barrier-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let t = Duration::from_secs(10);
-        let b0 = Barrier::new(&dir, 0, 2, t).unwrap();
+        let mut b0 = Barrier::new(&dir, 0, 2, t).unwrap();
         let b1 = Barrier::new(&dir, 1, 2, t).unwrap();
         let other = std::thread::spawn(move || b1.wait("save"));
         b0.wait("save").unwrap();
         other.join().unwrap().unwrap();
+        b0.timeout = Duration::from_millis(50);
         // Rank 1 never reaches "load": rank 0 gives up naming it.
-        let b0 = Barrier::new(&dir, 0, 2, Duration::from_millis(50)).unwrap();
         let e = b0.wait("load").unwrap_err().to_string();
         assert!(e.contains("\"load\"") && e.contains("[1]"), "{e}");
+        // The folder now holds this run's marks: a new run there is refused.
+        let e = Barrier::new(&dir, 0, 2, t).unwrap_err().to_string();
+        assert!(e.contains("earlier run"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -56,13 +56,14 @@ pub(crate) struct InterferenceResult {
 /// The matmul loop beside one way of copying, run back to back for a window.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct InterferenceRow {
-    /// `contiguous` (the ceiling copy), `auto`, `staged` or `batched`.
+    /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, or `auto+checksums`
+    /// (saves with the GPU checksums beside them, as the server runs them by default).
     pub strategy: &'static str,
     /// `save` or `load`.
     pub direction: &'static str,
     /// Matrix products per second meanwhile.
     pub matmul_per_s: f64,
-    /// 1 - matmul_per_s / alone.
+    /// 1 - matmul_per_s / the better of the two rates alone.
     pub slowdown: f64,
     /// Median GB/s of the copies meanwhile.
     pub copy_gbps: f64,

@@ -31,6 +31,8 @@ const LOOKUP_VALUE_LEN: usize = 4096;
 const LOOKUP_ARENA_SHARE: u64 = 4;
 /// Length of the memcpy baseline.
 const BASELINE: Duration = Duration::from_secs(1);
+/// Most keys per get (`--get-batch`): each client holds two value buffers per key.
+const MAX_GET_BATCH: u64 = 4096;
 /// Runs longer than this show a progress line on a terminal.
 const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 /// Most clients.
@@ -60,10 +62,11 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
         }
     };
     let lookup = lookup_plan(a, checked.nkeys, facts)?;
-    if a.get_batch == 0 || a.get_batch as u64 > checked.nkeys {
+    let most = checked.nkeys.min(MAX_GET_BATCH);
+    if a.get_batch == 0 || a.get_batch as u64 > most {
         return Err(invalid(
             "--get-batch",
-            format!("must be between 1 and the key count ({})", checked.nkeys),
+            format!("must be between 1 and {most} (the key count, at most {MAX_GET_BATCH})"),
         ));
     }
     let plan = Arc::new(Plan {

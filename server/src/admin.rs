@@ -235,6 +235,7 @@ fn stats(shared: &Shared) -> Value {
                 "saved_bytes": n(&c.saved_bytes),
                 "loaded_bytes": n(&c.loaded_bytes),
                 "failed_jobs": n(&c.failed_jobs),
+                "checksums": g.checksum_place().as_str(),
             })
         }),
         "shards": shards,

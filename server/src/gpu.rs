@@ -55,6 +55,15 @@ pub enum ChecksumPlace {
 }
 
 impl ChecksumPlace {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gpu => "gpu",
+            Self::Verify => "verify",
+            Self::Cpu => "cpu",
+        }
+    }
+
     /// Parses `gpu`, `verify` or `cpu`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
@@ -83,10 +92,11 @@ struct Running {
     bytes: u64,
     /// Completes when the copy has landed.
     event: CudaEvent,
+    /// A save's checksums being computed on the GPU. Declared before the memory: fields drop
+    /// in order, and the ticket's drop waits for the kernels reading that memory.
+    checksums: Option<ChecksumTicket>,
     /// The engine memory the copy and the checksums read (held until both finished).
     _memory: Arc<EngineMemory>,
-    /// A save's checksums being computed on the GPU.
-    checksums: Option<ChecksumTicket>,
 }
 
 /// Jobs on the GPU, oldest first.
@@ -152,6 +162,9 @@ pub struct GpuService {
     workers: [Worker; 2],
     completions: Vec<ArrayQueue<GpuDone>>,
     stop: AtomicBool,
+    /// A GPU checksum failed its check on a shard: saves' checksums stay on the shards until
+    /// the server restarts.
+    checksums_distrusted: AtomicBool,
     handles: Mutex<Vec<JoinHandle<()>>>,
     /// Counters.
     pub counters: GpuCounters,
@@ -210,6 +223,7 @@ impl GpuService {
             // Room for the queued jobs of both threads; a worker keeps what does not fit.
             completions: (0..shards).map(|_| ArrayQueue::new(2 * limits.queue_depth)).collect(),
             stop: AtomicBool::new(false),
+            checksums_distrusted: AtomicBool::new(false),
             handles: Mutex::new(Vec::new()),
             counters: GpuCounters::default(),
         }))
@@ -245,9 +259,24 @@ impl GpuService {
         }
     }
 
-    /// Where saves' checksums are computed.
+    /// Where saves' checksums are computed (`Cpu` after a GPU checksum failed its check).
     pub fn checksum_place(&self) -> ChecksumPlace {
-        self.limits.checksums
+        if self.checksums_distrusted.load(Ordering::Relaxed) {
+            ChecksumPlace::Cpu
+        } else {
+            self.limits.checksums
+        }
+    }
+
+    /// A GPU checksum differed from the bytes that landed: from now on the shards compute
+    /// every save's checksums (until restart). Logged once.
+    pub fn distrust_checksums(&self) {
+        if !self.checksums_distrusted.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                "a checksum computed on the GPU did not match the saved bytes: saves' checksums \
+                 are computed on the shards from now on (see gpu_checksum_mismatches in stats)"
+            );
+        }
     }
 
     /// The devices.
@@ -404,18 +433,22 @@ impl GpuService {
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
                     Ok(event) => {
-                        let checksums = match direction {
-                            Direction::Save => self.gpu_checksums(&mut hashers, &job, &pieces),
-                            Direction::Load => None,
-                        };
+                        // In flight first (a panic from here on fails it rather than losing
+                        // it), then the checksums attached.
+                        let save = direction == Direction::Save;
+                        let memory = Arc::clone(&job.memory);
                         inflight.push_back(Running {
                             shard,
                             id,
                             bytes,
                             event,
-                            _memory: job.memory,
-                            checksums,
+                            checksums: None,
+                            _memory: memory,
                         });
+                        if save {
+                            let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
+                            inflight.back_mut().expect("just pushed").checksums = ticket;
+                        }
                     }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
@@ -490,7 +523,7 @@ impl GpuService {
         job: &GpuJob,
         pieces: &[orbitkv_gpu::dma::plan::Piece],
     ) -> Option<ChecksumTicket> {
-        if self.limits.checksums == ChecksumPlace::Cpu {
+        if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
         }
         let hasher = hashers[job.device]

@@ -186,7 +186,16 @@ pub(crate) async fn save(
                 Ok(Some(sums)) if sums.len() == refs.len() => {
                     commit_summed(&exec, session, &refs, sums).await
                 }
-                Ok(_) => per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await,
+                Ok(sums) => {
+                    if let Some(s) = sums {
+                        tracing::error!(
+                            got = s.len(),
+                            chunks = refs.len(),
+                            "GPU checksums for a job of another size; the shards compute them"
+                        );
+                    }
+                    per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await
+                }
                 Err((code, message)) => {
                     tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
                     per_slot(&exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
@@ -204,29 +213,51 @@ pub(crate) async fn save(
     Response::Outcomes { outcomes }
 }
 
-/// Commits a save job's slots with the checksums the GPU computed: the first chunk's is
-/// checked against the bytes on its shard (every chunk's under `--gpu-checksums verify`), so a
-/// wrong kernel shows in `stats` (`gpu_checksum_mismatches`) and never stores a wrong value
-/// unseen for long.
+/// Commits a save job's slots with the checksums the GPU computed. The first chunk's is
+/// checked against the bytes on its shard before the others are committed; if it is wrong the
+/// whole job is dropped (`DeviceError`: a miss costs a cache little, a wrong chunk with a
+/// matching checksum would not be caught later) and saves' checksums move to the shards.
+/// Under `--gpu-checksums verify` every chunk is checked.
 async fn commit_summed(
     exec: &Rc<Exec>,
     session: SessionId,
     refs: &[SlotRef],
     sums: Vec<u64>,
 ) -> Vec<ChunkOutcome> {
-    let all = exec.shared.gpu_service.get().map(|g| g.checksum_place())
-        == Some(crate::gpu::ChecksumPlace::Verify);
+    let gpu = exec.shared.gpu_service.get();
+    let all = gpu.map(|g| g.checksum_place()) == Some(crate::gpu::ChecksumPlace::Verify);
     let items: Vec<(SlotRef, u64, bool)> =
         refs.iter().zip(sums).enumerate().map(|(k, (r, s))| (*r, s, all || k == 0)).collect();
-    scatter(
-        exec,
-        &items,
-        |x| &x.0.key,
-        |slots| ShardOp::CommitSummed { session, slots },
-        outcomes,
-        FAILED,
-    )
-    .await
+    let commit = |items: &[(SlotRef, u64, bool)]| {
+        let items = items.to_vec();
+        let exec = Rc::clone(exec);
+        async move {
+            scatter(
+                &exec,
+                &items,
+                |x| &x.0.key,
+                |slots| ShardOp::CommitSummed { session, slots },
+                outcomes,
+                FAILED,
+            )
+            .await
+        }
+    };
+    if all {
+        return commit(&items).await;
+    }
+    let mut out = commit(&items[..1]).await;
+    if out[0] == ChunkOutcome::Failed(ErrorCode::DeviceError) {
+        if let Some(g) = gpu {
+            g.distrust_checksums();
+        }
+        if refs.len() > 1 {
+            per_slot(exec, &refs[1..], |slots| ShardOp::Abort { session, slots }).await;
+        }
+        return vec![ChunkOutcome::Failed(ErrorCode::DeviceError); refs.len()];
+    }
+    out.extend(commit(&items[1..]).await);
+    out
 }
 
 /// `Load`.

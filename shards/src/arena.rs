@@ -96,7 +96,14 @@ impl Arena {
         // otherwise land on the data path.
         // SAFETY: as above; populating writes nothing visible (the memfd reads as zeros).
         if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_POPULATE_WRITE) } {
-            tracing::debug!(error = %e, "MADV_POPULATE_WRITE failed; the arena fills on first touch");
+            // Kernels before 5.14 lack it: touch every page instead (writing the zero it holds;
+            // nobody else has the memfd yet).
+            tracing::warn!(error = %e, "MADV_POPULATE_WRITE failed; populating the arena page by page");
+            let p = base.as_ptr().cast::<u8>();
+            for off in (0..len.get()).step_by(PAGE_SIZE as usize) {
+                // SAFETY: inside our live mapping, which no other process has yet.
+                unsafe { p.add(off).write_volatile(0) };
+            }
         }
         let mut arena = Arena { fd, base, len: len.get(), locked: false };
         if lock {

@@ -350,24 +350,26 @@ impl ShardCore {
         let checksum = match summed {
             None => orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len)),
             Some((sum, verify)) => {
-                self.metrics.given_checksums += 1;
                 if verify {
                     self.metrics.given_checksums_verified += 1;
                     let own = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
                     if own != sum {
+                        // The GPU hashed the engine's pages, this the bytes that landed: either
+                        // is wrong, and a cache can afford the miss. Not stored.
                         self.metrics.given_checksum_mismatches += 1;
                         tracing::error!(
                             shard = self.cfg.id,
                             len,
                             given = sum,
                             computed = own,
-                            "a checksum computed on the GPU differs from the chunk's bytes; storing the bytes' own"
+                            "a checksum computed on the GPU differs from the chunk's bytes in the arena; chunk dropped"
                         );
+                        self.abort(session, slot)?;
+                        return Err(ErrorCode::DeviceError);
                     }
-                    own
-                } else {
-                    sum
                 }
+                self.metrics.given_checksums += 1;
+                sum
             }
         };
         self.entries.make_ready(idx, checksum);

@@ -67,9 +67,9 @@ pub struct ShardMetrics {
     pub bytes_committed: u64,
     /// Commits whose checksum came with them (computed on the GPU during a save).
     pub given_checksums: u64,
-    /// ... of which the shard checked against the bytes.
+    /// Given checksums the shard checked against the bytes.
     pub given_checksums_verified: u64,
-    /// ... and found wrong (the bytes' own checksum was stored instead).
+    /// ... and found wrong: the chunk was dropped (`DeviceError`), not committed.
     pub given_checksum_mismatches: u64,
     /// Sessions whose holdings were reclaimed on close.
     pub sessions_reclaimed: u64,

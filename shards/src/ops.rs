@@ -42,7 +42,7 @@ pub enum ShardOp {
     },
     /// Commits reservations of `session` whose checksums were computed elsewhere (on the GPU,
     /// during a save's copy): per slot the checksum and whether to check it against the bytes
-    /// first (a mismatch is counted and the bytes' own checksum stored).
+    /// first (a mismatch is counted and the reservation dropped: `DeviceError`).
     CommitSummed {
         /// Requesting session.
         session: SessionId,

@@ -49,7 +49,19 @@ impl HashTables {
 
     /// Adds the chunks whose bytes are `pieces` in order (device side; consecutive chunks of
     /// `chunk_len` bytes each, as `chunk_pieces` appends them). Returns how many were added.
+    /// On an error the tables are as they were before the call.
     pub fn add_chunks(&mut self, pieces: &[Piece], chunk_len: u64) -> Result<usize, DmaError> {
+        let before = (self.chunks.len(), self.segs.len(), self.rows);
+        let added = self.append(pieces, chunk_len);
+        if added.is_err() {
+            self.chunks.truncate(before.0);
+            self.segs.truncate(before.1);
+            self.rows = before.2;
+        }
+        added
+    }
+
+    fn append(&mut self, pieces: &[Piece], chunk_len: u64) -> Result<usize, DmaError> {
         if chunk_len < MIN_LEN {
             return Err(DmaError::Invalid(format!(
                 "chunks of {chunk_len} bytes are checksummed on the CPU (the GPU kernels need at \
@@ -157,7 +169,11 @@ mod tests {
         let e = t.add_chunks(&[piece(0, 300), piece(400, 300)], 500).unwrap_err().to_string();
         assert!(e.contains("crosses the end"), "{e}");
         let mut t = HashTables::default();
+        t.add_chunks(&[piece(0, 300)], 300).unwrap();
+        let kept = t.clone();
         let e = t.add_chunks(&[piece(0, 300)], 500).unwrap_err().to_string();
         assert!(e.contains("end 300 bytes into"), "{e}");
+        // A refused list leaves the tables as they were.
+        assert_eq!(t, kept);
     }
 }

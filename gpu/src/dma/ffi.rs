@@ -307,8 +307,17 @@ impl ChecksumKernels {
         out: u64,
     ) -> Result<(), DmaError> {
         const THREADS: u32 = 256;
-        let grid =
-            |threads: u64| u32::try_from(threads.div_ceil(u64::from(THREADS))).unwrap_or(u32::MAX);
+        // Every thread has its row or chunk: a grid past CUDA's limit (2^31 - 1 blocks, about
+        // 64 TiB of chunks) is refused, and the shards compute those checksums.
+        let grid = |threads: u64| {
+            u32::try_from(threads.div_ceil(u64::from(THREADS)))
+                .ok()
+                .filter(|g| *g <= i32::MAX as u32)
+                .ok_or_else(|| {
+                    DmaError::Invalid(format!("{threads} checksum threads exceed a CUDA grid"))
+                })
+        };
+        let grids = (grid(rows * 8)?, grid(u64::from(nchunks) * 8)?, grid(u64::from(nchunks))?);
         let (mut c, mut n, mut s, mut sc, mut r, mut o) =
             (chunks, nchunks, segs, scratch, rows, out);
         let mut blocks: [*mut c_void; 5] = [
@@ -320,36 +329,16 @@ impl ChecksumKernels {
         ];
         // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, u64*,
         // u64)`, eight threads per row; memory per this function's contract.
-        unsafe {
-            launch(self.blocks, stream, grid(rows * 8), THREADS, &mut blocks, "checksum blocks")?
-        };
+        unsafe { launch(self.blocks, stream, grids.0, THREADS, &mut blocks, "checksum blocks")? };
         let mut fold: [*mut c_void; 3] =
             [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
         // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*)`, eight threads per
         // chunk.
-        unsafe {
-            launch(
-                self.fold,
-                stream,
-                grid(u64::from(nchunks) * 8),
-                THREADS,
-                &mut fold,
-                "checksum fold",
-            )?
-        };
+        unsafe { launch(self.fold, stream, grids.1, THREADS, &mut fold, "checksum fold")? };
         let mut merge: [*mut c_void; 4] =
             [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
         // SAFETY: matches `orbitkv_xxh3_merge(const HashChunk*, u32, const u64*, u64*)`.
-        unsafe {
-            launch(
-                self.merge,
-                stream,
-                grid(u64::from(nchunks)),
-                THREADS,
-                &mut merge,
-                "checksum merge",
-            )
-        }
+        unsafe { launch(self.merge, stream, grids.2, THREADS, &mut merge, "checksum merge") }
     }
 }
 

@@ -164,34 +164,47 @@ impl ChunkHasher {
         let stream = &self.stream;
         let chunks_at = slot.tables.ptr();
         let segs_at = chunks_at + (n * CHUNK_RECORD) as u64;
-        // SAFETY: the pinned table and the device table belong to the slot, free (waited on
-        // `done` above) until `done` is recorded again below.
-        unsafe {
-            ffi::copy_async(
-                Way::HostToDevice,
-                chunks_at,
-                slot.tables_host.addr(),
-                table_len,
-                stream,
-            )?;
-        }
-        // SAFETY: tables uploaded earlier on this stream; scratch and out are the slot's;
-        // the pieces' memory is the caller's contract.
-        unsafe {
-            self.kernels.launch(
-                stream,
-                (chunks_at, nchunks),
-                segs_at,
-                (slot.scratch.ptr(), self.tables.rows),
-                slot.out.ptr(),
-            )?;
-        }
-        // SAFETY: `results` is pinned memory owned by the ticket until its event completes.
-        unsafe {
-            ffi::copy_async(Way::DeviceToHost, slot.out.ptr(), results.addr(), n * 8, stream)?
+        let kernels = &self.kernels;
+        let rows = self.tables.rows;
+        let enqueue = || -> Result<(), DmaError> {
+            // SAFETY: the pinned table and the device table belong to the slot, free (waited
+            // on `done` above) until `done` is recorded again below.
+            unsafe {
+                ffi::copy_async(
+                    Way::HostToDevice,
+                    chunks_at,
+                    slot.tables_host.addr(),
+                    table_len,
+                    stream,
+                )?;
+            }
+            // SAFETY: tables uploaded earlier on this stream; scratch and out are the slot's;
+            // the pieces' memory is the caller's contract.
+            unsafe {
+                kernels.launch(
+                    stream,
+                    (chunks_at, nchunks),
+                    segs_at,
+                    (slot.scratch.ptr(), rows),
+                    slot.out.ptr(),
+                )?;
+            }
+            // SAFETY: `results` is pinned memory owned by the ticket until its event completes.
+            unsafe {
+                ffi::copy_async(Way::DeviceToHost, slot.out.ptr(), results.addr(), n * 8, stream)?
+            };
+            slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+            event.record(stream).map_err(drv("cuEventRecord"))
         };
-        slot.done.record(stream).map_err(drv("cuEventRecord"))?;
-        event.record(stream).map_err(drv("cuEventRecord"))?;
+        if let Err(e) = enqueue() {
+            // Whatever was queued may still read the slot and write `results`: let it finish
+            // before they are reused or freed.
+            if let Err(sync) = stream.synchronize() {
+                tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
+                std::mem::forget(results);
+            }
+            return Err(e);
+        }
         Ok(Some(ChecksumTicket {
             event,
             results: Some(results),

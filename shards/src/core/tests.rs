@@ -105,23 +105,31 @@ fn commits_with_given_checksums() {
         }
     }
     match core.apply(ShardOp::CommitSummed { session: 7, slots }) {
-        ShardReply::Outcomes(o) => assert!(o.iter().all(|o| *o == ChunkOutcome::Done), "{o:?}"),
+        ShardReply::Outcomes(o) => assert_eq!(
+            o,
+            vec![
+                ChunkOutcome::Done,
+                ChunkOutcome::Done,
+                ChunkOutcome::Failed(ErrorCode::DeviceError),
+                ChunkOutcome::Done
+            ]
+        ),
         other => panic!("{other:?}"),
     }
-    let sums: Vec<u64> = core
-        .lookup(8, &[key(ns, 1), key(ns, 2), key(ns, 3), key(ns, 4)], false)
-        .iter()
-        .map(|h| h.expect("committed").checksum)
-        .collect();
-    // A checked wrong checksum is replaced by the bytes' own; an unchecked one is stored as
-    // given (the SSD tier and peers verify against it later, and miss rather than serve).
-    assert_eq!(sums, vec![right(1), right(2), right(3), 42]);
+    let hits = core.lookup(8, &[key(ns, 1), key(ns, 2), key(ns, 3), key(ns, 4)], false);
+    // A checked wrong checksum drops the chunk (its reservation is gone too); an unchecked
+    // one is stored as given (the SSD tier and peers verify against it later, and miss
+    // rather than serve).
+    assert_eq!(hits[0].unwrap().checksum, right(1));
+    assert_eq!(hits[1].unwrap().checksum, right(2));
+    assert!(hits[2].is_none());
+    assert_eq!(hits[3].unwrap().checksum, 42);
     let st = core.stats();
     assert_eq!(
         (st.given_checksums, st.given_checksums_verified, st.given_checksum_mismatches),
-        (4, 2, 1)
+        (3, 2, 1)
     );
-    assert_eq!(st.commits, 4);
+    assert_eq!((st.commits, st.reservations), (3, 0));
 }
 
 #[test]
