@@ -127,12 +127,22 @@ impl CopyEngine {
         }
         let halves: [Half; 2] =
             halves.try_into().map_err(|_| DmaError::Invalid("two halves".into()))?;
+        // The copy pipeline's streams get the context's highest priority: other work of this
+        // process on the device (the chunk checksum kernels, on a default-priority stream)
+        // then gets SMs only when the gather/scatter kernels leave them.
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(drv("cuCtxGetStreamPriorityRange"))?;
         Ok(Self {
             ctx: Arc::clone(ctx),
             kernel,
             kernel_error,
-            kernel_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
-            copy_stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
+            kernel_stream: ctx
+                .new_stream_with_priority(highest)
+                .map_err(drv("cuStreamCreateWithPriority"))?,
+            copy_stream: ctx
+                .new_stream_with_priority(highest)
+                .map_err(drv("cuStreamCreateWithPriority"))?,
             halves,
             next: 0,
             max_descs,

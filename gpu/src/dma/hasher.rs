@@ -115,6 +115,8 @@ impl ChunkHasher {
         Ok(Self {
             ctx: Arc::clone(ctx),
             kernels,
+            // Default, i.e. lowest, priority: the copy engine's gather and scatter kernels
+            // take SMs first.
             stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
             slots,
             next: 0,
