@@ -256,7 +256,9 @@ async fn commit_summed(
         }
         return vec![ChunkOutcome::Failed(ErrorCode::DeviceError); refs.len()];
     }
-    out.extend(commit(&items[1..]).await);
+    if items.len() > 1 {
+        out.extend(commit(&items[1..]).await);
+    }
     out
 }
 
