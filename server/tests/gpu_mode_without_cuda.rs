@@ -58,6 +58,13 @@ fn off_and_bad_values() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+        .args(["--gpu-checksums", "gpu2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--gpu-checksums") && err.contains("gpu2"), "{err}");
 }
 
 /// GPU requests on a server without a GPU in use: each is answered `Unavailable` with a
