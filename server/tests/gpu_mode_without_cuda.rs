@@ -29,21 +29,29 @@ fn required_refuses_to_start_without_a_gpu() {
         println!("skipped: this machine has a CUDA device");
         return;
     }
+    let err = refused_at_start(&[
+        "--socket",
+        "/tmp/orbitkv-gpu-required-test.sock",
+        "--shards",
+        "1",
+        "--dram",
+        "8MiB",
+        "--gpu",
+        "required",
+    ]);
+    assert!(err.contains("--gpu required") && err.contains("no CUDA device"), "{err}");
+}
+
+/// Starts the server with `args`, expects it to stop at once with exit status 2, and returns
+/// what it printed on stderr.
+fn refused_at_start(args: &[&str]) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
-        .args([
-            "--socket",
-            "/tmp/orbitkv-gpu-required-test.sock",
-            "--shards",
-            "1",
-            "--dram",
-            "8MiB",
-        ])
-        .args(["--gpu", "required"])
+        .args(args)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--gpu required") && err.contains("no CUDA device"), "{err}");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    err
 }
 
 #[test]
@@ -52,18 +60,8 @@ fn off_and_bad_values() {
     let stats = server.admin("stats");
     assert_eq!(stats["gpu_mode"], "off");
     assert!(stats["gpu"].is_null(), "{stats}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
-        .args(["--gpu", "sometimes"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu"));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
-        .args(["--gpu-checksums", "gpu2"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(refused_at_start(&["--gpu", "sometimes"]).contains("--gpu"));
+    let err = refused_at_start(&["--gpu-checksums", "gpu2"]);
     assert!(err.contains("--gpu-checksums") && err.contains("gpu2"), "{err}");
 }
 

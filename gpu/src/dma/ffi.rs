@@ -270,7 +270,7 @@ pub(crate) struct ChecksumKernels {
     _module: PtxModule,
 }
 
-/// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx.sh`).
+/// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
 const CHUNK_CHECKSUM_PTX: &str = include_str!("../../kernels/chunk_checksum.ptx");
 
 impl ChecksumKernels {
