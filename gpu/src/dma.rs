@@ -8,7 +8,7 @@ mod hasher;
 mod memory;
 pub mod plan;
 
-pub use engine::{CopyEngine, Direction, JobShape};
+pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
 pub use hasher::{ChecksumTicket, ChunkHasher};
 pub use memory::{EngineMemory, TensorExport};

@@ -146,6 +146,11 @@ pub(crate) struct DmaArgs {
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
     #[arg(long, conflicts_with = "socket")]
     pub interference: bool,
+    /// After each staged series, one more operation with timing events around every staging
+    /// batch: where the GPU time went (kernel, copy, the copy stream's idle gaps), in the JSON
+    /// and the table. A diagnostic: the events cost a little, so the timed series run without.
+    #[arg(long, conflicts_with = "socket")]
+    pub timeline: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -43,6 +43,71 @@ pub(crate) struct StrategyResult {
     pub batches: usize,
     /// Bytes that differed after the series (0 = byte-exact).
     pub mismatched_bytes: u64,
+    /// With `--timeline` and a staged strategy: one more operation's batches on the GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
+}
+
+/// Where one staged operation spent its time (`--timeline`), from CUDA timing events around
+/// each batch's kernel and host-side copy. Times in microseconds from the first batch's start.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Timeline {
+    /// Wall time of the operation on the host, from the submit call to the event's completion.
+    pub host_total_us: f64,
+    /// Time the host spent in the submit call (planning, descriptor tables, enqueueing,
+    /// waiting for a staging half).
+    pub host_submit_us: f64,
+    /// From the first batch's start to the last copy's or kernel's end.
+    pub gpu_total_us: f64,
+    /// When the first copy started.
+    pub first_copy_start_us: f64,
+    /// Sum of the batches' copy times.
+    pub copy_busy_us: f64,
+    /// Bytes over the copy busy time, GB/s: the copy alone, without its gaps.
+    pub copy_gbps: f64,
+    /// Sum of the idle time of the copy stream between consecutive copies.
+    pub copy_gaps_us: f64,
+    /// The longest of those gaps.
+    pub copy_gap_max_us: f64,
+    /// Mean and longest kernel time per batch.
+    pub kernel_mean_us: f64,
+    /// The longest kernel.
+    pub kernel_max_us: f64,
+    /// Every batch.
+    pub batches: Vec<orbitkv_gpu::dma::BatchSpan>,
+}
+
+impl Timeline {
+    fn summarize(
+        spans: Vec<orbitkv_gpu::dma::BatchSpan>,
+        host_submit_us: f64,
+        host_total_us: f64,
+    ) -> Self {
+        let bytes: u64 = spans.iter().map(|s| s.bytes).sum();
+        let copy_busy_us: f64 = spans.iter().map(|s| s.copy_end_us - s.copy_start_us).sum();
+        let mut ordered: Vec<_> = spans.iter().map(|s| (s.copy_start_us, s.copy_end_us)).collect();
+        ordered.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let gaps: Vec<f64> = ordered.windows(2).map(|w| (w[1].0 - w[0].1).max(0.0)).collect();
+        let kernels: Vec<f64> = spans.iter().map(|s| s.kernel_end_us - s.kernel_start_us).collect();
+        let end = spans.iter().map(|s| s.copy_end_us.max(s.kernel_end_us)).fold(0.0, f64::max);
+        Self {
+            host_total_us,
+            host_submit_us,
+            gpu_total_us: end,
+            first_copy_start_us: ordered.first().map_or(0.0, |c| c.0),
+            copy_busy_us,
+            copy_gbps: if copy_busy_us > 0.0 { bytes as f64 / copy_busy_us / 1e3 } else { 0.0 },
+            copy_gaps_us: gaps.iter().sum(),
+            copy_gap_max_us: gaps.iter().copied().fold(0.0, f64::max),
+            kernel_mean_us: if kernels.is_empty() {
+                0.0
+            } else {
+                kernels.iter().sum::<f64>() / kernels.len() as f64
+            },
+            kernel_max_us: kernels.iter().copied().fold(0.0, f64::max),
+            batches: spans,
+        }
+    }
 }
 
 /// One direction.
@@ -167,6 +232,23 @@ impl Report for DmaReport {
                     "{dir:<6} {name:<9} {:>10.2} {:>10.2} {:>7.3} {:>8} {:>10}",
                     s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
                 )?;
+                if let Some(t) = &s.timeline {
+                    writeln!(
+                        out,
+                        "  timeline: host {:.0} us (submit {:.0}), GPU {:.0} us, first copy at {:.0}, \
+                         copies {:.0} us busy at {:.2} GB/s, gaps {:.0} us (max {:.0}), kernel {:.0} us mean ({:.0} max)",
+                        t.host_total_us,
+                        t.host_submit_us,
+                        t.gpu_total_us,
+                        t.first_copy_start_us,
+                        t.copy_busy_us,
+                        t.copy_gbps,
+                        t.copy_gaps_us,
+                        t.copy_gap_max_us,
+                        t.kernel_mean_us,
+                        t.kernel_max_us
+                    )?;
+                }
             }
         }
         if let Some(c) = &self.checksums {
@@ -318,6 +400,7 @@ struct Bench {
     ceiling_at: u64,
     originals: Vec<Vec<u8>>,
     iterations: u32,
+    timeline: bool,
 }
 
 impl Bench {
@@ -597,6 +680,24 @@ impl Bench {
             Ok(event)
         })?;
         let shape = shape.expect("at least the warm-up ran");
+        let timeline = if self.timeline && shape.staged {
+            self.engine.record_timeline();
+            let t = Instant::now();
+            let pieces = std::mem::take(&mut self.pieces);
+            let r = unsafe_submit(&mut self.engine, direction, &pieces, strategy);
+            self.pieces = pieces;
+            let submitted = t.elapsed();
+            r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            let total = t.elapsed();
+            let spans = self.engine.take_timeline().map_err(dma)?;
+            Some(Timeline::summarize(
+                spans,
+                submitted.as_secs_f64() * 1e6,
+                total.as_secs_f64() * 1e6,
+            ))
+        } else {
+            None
+        };
         let mismatched_bytes = self.verify(direction)?;
         let best = runs.iter().copied().fold(0.0, f64::max);
         Ok(StrategyResult {
@@ -607,6 +708,7 @@ impl Bench {
             ratio: 0.0,
             batches: shape.batches,
             mismatched_bytes,
+            timeline,
         })
     }
 }
@@ -746,6 +848,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         ceiling_at,
         originals,
         iterations: a.iterations,
+        timeline: a.timeline,
     };
     let mut results = Vec::new();
     let mut mismatched = 0;
@@ -778,6 +881,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             ratio: if ceiling > 0.0 { gbps / ceiling } else { 0.0 },
             batches: 0,
             mismatched_bytes: m,
+            timeline: None,
         };
         results.push(DirectionResult {
             direction: Direction::Save,
@@ -854,4 +958,52 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         interference,
         checksums,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Timeline;
+    use orbitkv_gpu::dma::BatchSpan;
+
+    fn span(kernel: (f64, f64), copy: (f64, f64)) -> BatchSpan {
+        BatchSpan {
+            bytes: 1_000_000,
+            runs: 1,
+            kernel_start_us: kernel.0,
+            kernel_end_us: kernel.1,
+            copy_start_us: copy.0,
+            copy_end_us: copy.1,
+        }
+    }
+
+    #[test]
+    fn timeline_counts_the_copy_streams_idle_gaps() {
+        // Load-like order: copies first, each batch's kernel after its copy; listed out of
+        // copy order to check the gaps are taken between consecutive copies.
+        let spans = vec![
+            span((110.0, 130.0), (100.0, 200.0)),
+            span((10.0, 30.0), (0.0, 100.0)),
+            span((230.0, 260.0), (225.0, 325.0)),
+        ];
+        let t = Timeline::summarize(spans, 300.0, 400.0);
+        assert_eq!(t.first_copy_start_us, 0.0);
+        assert_eq!(t.copy_busy_us, 300.0);
+        assert_eq!(t.copy_gaps_us, 25.0);
+        assert_eq!(t.copy_gap_max_us, 25.0);
+        assert_eq!(t.gpu_total_us, 325.0);
+        // 3 MB in 300 us.
+        assert!((t.copy_gbps - 10.0).abs() < 1e-9);
+        assert!((t.kernel_mean_us - 70.0 / 3.0).abs() < 1e-9);
+        assert_eq!(t.kernel_max_us, 30.0);
+        assert_eq!((t.host_submit_us, t.host_total_us), (300.0, 400.0));
+    }
+
+    #[test]
+    fn an_empty_timeline_is_all_zeros() {
+        let t = Timeline::summarize(Vec::new(), 1.0, 2.0);
+        assert_eq!(
+            (t.gpu_total_us, t.copy_gbps, t.copy_gaps_us, t.kernel_mean_us),
+            (0.0, 0.0, 0.0, 0.0)
+        );
+    }
 }

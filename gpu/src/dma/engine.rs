@@ -14,6 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, Way};
+use super::hasher::drv;
 use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch};
 use super::{DmaError, Strategy};
 
@@ -21,6 +22,8 @@ use super::{DmaError, Strategy};
 const THREADS: u32 = 256;
 /// Most thread blocks per launch (the kernel strides over the descriptors).
 const MAX_GRID: u32 = 4096;
+/// Pieces whose mean length decides `Strategy::Auto`.
+const AUTO_SAMPLE: usize = 1024;
 /// Most copies per `cuMemcpyBatchAsync` call.
 const BATCH_CALL: usize = 4096;
 
@@ -44,6 +47,31 @@ struct Half {
     filled: CudaEvent,
     /// The staging half is no longer used (reusable).
     free: CudaEvent,
+}
+
+/// Where one staged batch spent its time on the GPU (from [`CopyEngine::take_timeline`]):
+/// microseconds since the job's first batch was enqueued on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct BatchSpan {
+    /// Bytes of the batch.
+    pub bytes: u64,
+    /// Host-contiguous runs it was copied in.
+    pub runs: usize,
+    /// The gather (save) or scatter (load) kernel started.
+    pub kernel_start_us: f64,
+    /// The kernel ended.
+    pub kernel_end_us: f64,
+    /// The host-side copy started (its stream passed the waits before it).
+    pub copy_start_us: f64,
+    /// The copy ended.
+    pub copy_end_us: f64,
+}
+
+/// Timing events of one batch: kernel start/end, copy start/end.
+struct BatchEvents {
+    bytes: u64,
+    runs: usize,
+    events: [CudaEvent; 4],
 }
 
 /// What one submission did.
@@ -76,6 +104,8 @@ pub struct CopyEngine {
     dsts: Vec<u64>,
     srcs: Vec<u64>,
     sizes: Vec<usize>,
+    /// With a timeline on: the job's start event, then the events of each batch.
+    timeline: Option<(Option<CudaEvent>, Vec<BatchEvents>)>,
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -100,9 +130,6 @@ impl CopyEngine {
         staging_bytes: usize,
         batched_from: u64,
     ) -> Result<Self, DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         let half_bytes = (staging_bytes / 2).max(1 << 16) / 16 * 16;
         // One descriptor per 2 KiB of staging on average, at least 4096.
         let max_descs = (half_bytes / 2048).max(4096);
@@ -151,7 +178,38 @@ impl CopyEngine {
             dsts: Vec::new(),
             srcs: Vec::new(),
             sizes: Vec::new(),
+            timeline: None,
         })
+    }
+
+    /// Records timing events around every staged batch of the jobs submitted from now on,
+    /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
+    pub fn record_timeline(&mut self) {
+        self.timeline = Some((None, Vec::new()));
+    }
+
+    /// The spans of the staged batches since [`CopyEngine::record_timeline`], once their work
+    /// has completed (waits for it); recording stops.
+    pub fn take_timeline(&mut self) -> Result<Vec<BatchSpan>, DmaError> {
+        let Some((Some(start), batches)) = self.timeline.take() else {
+            return Ok(Vec::new());
+        };
+        let at = |e: &CudaEvent| -> Result<f64, DmaError> {
+            Ok(f64::from(start.elapsed_ms(e).map_err(drv("cuEventElapsedTime"))?) * 1e3)
+        };
+        batches
+            .iter()
+            .map(|b| {
+                Ok(BatchSpan {
+                    bytes: b.bytes,
+                    runs: b.runs,
+                    kernel_start_us: at(&b.events[0])?,
+                    kernel_end_us: at(&b.events[1])?,
+                    copy_start_us: at(&b.events[2])?,
+                    copy_end_us: at(&b.events[3])?,
+                })
+            })
+            .collect()
     }
 
     /// The device context.
@@ -171,10 +229,13 @@ impl CopyEngine {
             Strategy::Batched => false,
             Strategy::Auto if self.kernel.is_none() => false,
             Strategy::Auto => {
-                let bytes: u64 = pieces.iter().map(|p| p.len).sum();
                 // The typical piece decides: below the threshold the copy engines are slow
-                // per descriptor, above it they reach the bus limit on their own.
-                !pieces.is_empty() && bytes / (pieces.len() as u64) < self.batched_from
+                // per descriptor, above it they reach the bus limit on their own. A job's
+                // pieces come from one layout, so its first pieces tell (a job of a million
+                // pieces is not read through before its first copy starts).
+                let sample = &pieces[..pieces.len().min(AUTO_SAMPLE)];
+                let bytes: u64 = sample.iter().map(|p| p.len).sum();
+                !sample.is_empty() && bytes / (sample.len() as u64) < self.batched_from
             }
         }
     }
@@ -192,15 +253,12 @@ impl CopyEngine {
         pieces: &[Piece],
         strategy: Strategy,
     ) -> Result<(CudaEvent, JobShape), DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         // Raw copies and launches below use the thread's current context: make it this one
         // (a thread may drive engines of several devices).
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let bytes = pieces.iter().map(|p| p.len).sum();
         let staged = self.staged_for(strategy, pieces);
-        let mut shape = JobShape { bytes, pieces: pieces.len(), batches: 0, staged };
+        // `bytes` is counted as the job is enqueued.
+        let mut shape = JobShape { bytes: 0, pieces: pieces.len(), batches: 0, staged };
         if staged && self.kernel.is_none() {
             return Err(DmaError::Invalid(format!(
                 "staged copies need the segment copy kernel, which did not load: {}",
@@ -227,9 +285,6 @@ impl CopyEngine {
         shape: &mut JobShape,
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         if shape.staged {
             let half = self.staging_half() as u64;
             let mut at = StageCursor::default();
@@ -237,6 +292,7 @@ impl CopyEngine {
             let result = (|| {
                 while next_batch(pieces, &mut at, half, self.max_descs, &mut batch) {
                     shape.batches += 1;
+                    shape.bytes += batch.bytes;
                     self.enqueue_batch(direction, &batch)?;
                 }
                 Ok::<(), DmaError>(())
@@ -256,6 +312,7 @@ impl CopyEngine {
                     Direction::Load => group.iter().map(|p| (p.device, p.host)).unzip(),
                 };
                 let mut sizes: Vec<usize> = group.iter().map(|p| p.len as usize).collect();
+                shape.bytes += group.iter().map(|p| p.len).sum::<u64>();
                 // SAFETY: per the caller's contract on every piece.
                 unsafe {
                     ffi::copy_batch_async(&mut dsts, &mut srcs, &mut sizes, &self.copy_stream)?
@@ -268,9 +325,6 @@ impl CopyEngine {
 
     /// Enqueues one staged batch on the next staging half.
     fn enqueue_batch(&mut self, direction: Direction, b: &StagedBatch) -> Result<(), DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         let h = &mut self.halves[self.next];
         self.next ^= 1;
         // The host table is rewritten only after its previous upload finished.
@@ -300,10 +354,31 @@ impl CopyEngine {
             self.srcs.push(src);
             self.sizes.push(r.len as usize);
         }
+        let timed = match &mut self.timeline {
+            Some((start, batches)) => {
+                let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let new = || self.ctx.new_event(timing).map_err(drv("cuEventCreate"));
+                if start.is_none() {
+                    let s = new()?;
+                    s.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                    *start = Some(s);
+                }
+                let events = [new()?, new()?, new()?, new()?];
+                batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
+                batches.last().map(|b| &b.events)
+            }
+            None => None,
+        };
+        let mark = |i: usize, stream: &CudaStream| -> Result<(), DmaError> {
+            match timed {
+                Some(events) => events[i].record(stream).map_err(drv("cuEventRecord")),
+                None => Ok(()),
+            }
+        };
         let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
         let kernel =
             self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
-        let upload = |h: &Half| {
+        let upload = |h: &Half, stream: &CudaStream| {
             // SAFETY: the pinned table and the device table are owned by the half;
             // `uploaded`, recorded right after, marks the end of the read.
             unsafe {
@@ -312,35 +387,47 @@ impl CopyEngine {
                     h.descs_dev.ptr(),
                     h.descs_host.addr(),
                     table_bytes,
-                    kernel_stream,
+                    stream,
                 )
             }
         };
         match direction {
             Direction::Save => {
                 kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
-                upload(h)?;
+                upload(h, kernel_stream)?;
                 h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                mark(0, kernel_stream)?;
                 // SAFETY: descriptors name engine pieces (submit's contract) and this half's
                 // staging, free since `free` was waited on.
                 unsafe { kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                mark(1, kernel_stream)?;
                 h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                mark(2, copy_stream)?;
                 // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
                 // registered arena slots.
                 unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                mark(3, copy_stream)?;
                 h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Load => {
                 copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                // The table goes up on the copy stream, ahead of the batch's data: on the
+                // kernel stream it would queue behind the next batch's data copy, which
+                // holds the host-to-device copy engine, and the scatter would start a whole
+                // copy late.
+                upload(h, copy_stream)?;
+                h.uploaded.record(copy_stream).map_err(drv("cuEventRecord"))?;
+                mark(2, copy_stream)?;
                 // SAFETY: the half is free (waited); host ranges per submit's contract.
                 unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                mark(3, copy_stream)?;
                 h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
                 kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                upload(h)?;
-                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                mark(0, kernel_stream)?;
                 // SAFETY: staging filled (waited); destinations are engine pieces.
                 unsafe { kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                mark(1, kernel_stream)?;
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
         }
@@ -358,9 +445,6 @@ impl CopyEngine {
         host: u64,
         len: usize,
     ) -> Result<CudaEvent, DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let way = match direction {
             Direction::Save => Way::DeviceToHost,
@@ -375,9 +459,6 @@ impl CopyEngine {
 
     /// Waits for everything submitted so far.
     pub fn synchronize(&self) -> Result<(), DmaError> {
-        let drv = |op: &'static str| {
-            move |e: cudarc::driver::DriverError| DmaError::Cuda { op, detail: e.to_string() }
-        };
         self.kernel_stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
         self.copy_stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }

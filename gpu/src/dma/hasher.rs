@@ -84,7 +84,7 @@ pub struct ChunkHasher {
     pool: Pool,
 }
 
-fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DmaError {
+pub(super) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DmaError {
     move |e| DmaError::Cuda { op, detail: e.to_string() }
 }
 
