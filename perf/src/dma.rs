@@ -185,6 +185,9 @@ pub(crate) struct ChecksumResult {
     pub save_gbps_with_checksums: f64,
     /// That against the save ceiling.
     pub save_ratio_with_checksums: f64,
+    /// With `--timeline`: one more save with checksums beside it, batch by batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
 }
 
 impl Report for DmaReport {
@@ -539,15 +542,36 @@ impl Bench {
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
     ) -> Result<f64, Error> {
+        // As the server's DMA thread does: job by job, the copy, then its checksums (which run
+        // beside the next jobs' copies).
         let t = Instant::now();
         let pieces = std::mem::take(&mut self.pieces);
-        let copy = unsafe_submit(&mut self.engine, Direction::Save, &pieces, Strategy::Auto);
+        let mut copies = Vec::with_capacity(jobs.len());
+        let mut tickets = Vec::with_capacity(jobs.len());
+        let submitted = (|| {
+            for r in jobs {
+                copies.push(
+                    unsafe_submit(
+                        &mut self.engine,
+                        Direction::Save,
+                        &pieces[r.clone()],
+                        Strategy::Auto,
+                    )?
+                    .0,
+                );
+                tickets.extend(unsafe_checksums(hasher, &pieces[r.clone()], self.chunk_len)?);
+            }
+            Ok::<(), Error>(())
+        })();
         self.pieces = pieces;
-        let tickets = self.submit_checksums(hasher, jobs)?;
-        copy?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        // Every submitted copy and checksum is awaited before the pieces' memory is reused.
+        for c in copies {
+            c.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        }
         for k in tickets {
             k.take().map_err(dma)?;
         }
+        submitted?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
@@ -620,6 +644,7 @@ impl Bench {
                 gbps_alone: 0.0,
                 save_gbps_with_checksums: 0.0,
                 save_ratio_with_checksums: 0.0,
+                timeline: None,
             }));
         }
         if got.len() != self.chunks.len() {
@@ -654,12 +679,24 @@ impl Bench {
             with.push(self.save_with_checksums(&mut hasher, &jobs)?);
         }
         let save = median(with);
+        let timeline = if self.timeline {
+            self.engine.record_timeline();
+            let t = Instant::now();
+            self.save_with_checksums(&mut hasher, &jobs)?;
+            let total = t.elapsed().as_secs_f64() * 1e6;
+            let spans = self.engine.take_timeline().map_err(dma)?;
+            // The host's submit time is not separable here (copies and checksums alternate).
+            Some(Timeline::summarize(spans, total, total))
+        } else {
+            None
+        };
         Ok(Some(ChecksumResult {
             chunks: got.len(),
             mismatches,
             gbps_alone: median(alone),
             save_gbps_with_checksums: save,
             save_ratio_with_checksums: if save_ceiling > 0.0 { save / save_ceiling } else { 0.0 },
+            timeline,
         }))
     }
 

@@ -96,8 +96,11 @@ pub(crate) struct PinnedHost {
 impl PinnedHost {
     pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DmaError> {
         ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // Mapped too: kernels may write results straight into it (under unified addressing,
+        // at the host address).
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: allocates `len` bytes of pinned host memory, owned by the returned value.
-        let ptr = unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+        let ptr = unsafe { result::malloc_host(len.max(1), flags) }
             .map_err(|e| driver("cuMemHostAlloc", e))?;
         Ok(Self { ptr: ptr.cast(), len, ctx: Arc::clone(ctx) })
     }

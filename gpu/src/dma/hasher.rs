@@ -22,7 +22,6 @@ struct Slot {
     tables_host: PinnedHost,
     tables: DeviceBuffer,
     scratch: DeviceBuffer,
-    out: DeviceBuffer,
     /// The slot's last submission finished (tables, scratch and results reusable).
     done: CudaEvent,
 }
@@ -101,6 +100,17 @@ impl ChunkHasher {
     /// Loads the kernels on `ctx`; an error when they do not load (then checksums stay on the
     /// CPU).
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        // The kernels write results into mapped pinned memory at its host address.
+        let unified = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+            )
+            .map_err(drv("cuDeviceGetAttribute"))?;
+        if unified != 1 {
+            return Err(DmaError::Invalid(
+                "the device lacks unified addressing, which the checksum kernels need".into(),
+            ));
+        }
         let kernels = ChecksumKernels::load(ctx)?;
         let mut slots = Vec::with_capacity(SLOTS);
         for _ in 0..SLOTS {
@@ -108,7 +118,6 @@ impl ChunkHasher {
                 tables_host: PinnedHost::new(ctx, 64 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
-                out: DeviceBuffer::new(ctx, 8 << 10)?,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
             });
         }
@@ -160,7 +169,6 @@ impl ChunkHasher {
         }
         at_least(&self.ctx, &mut slot.tables, table_len)?;
         at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
-        at_least(&self.ctx, &mut slot.out, n * 8)?;
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let stream = &self.stream;
@@ -180,21 +188,22 @@ impl ChunkHasher {
                     stream,
                 )?;
             }
-            // SAFETY: tables uploaded earlier on this stream; scratch and out are the slot's;
-            // the pieces' memory is the caller's contract.
+            // The merge kernel writes the checksums straight into the pinned results (host
+            // memory is mapped at the same address under unified addressing): a copy back
+            // would queue behind the saves' data on the device-to-host copy engine and hold
+            // the slot until a whole staging batch had crossed.
+            // SAFETY: tables uploaded earlier on this stream; scratch is the slot's; `results`
+            // is pinned, owned by the ticket until its event completes; the pieces' memory is
+            // the caller's contract.
             unsafe {
                 kernels.launch(
                     stream,
                     (chunks_at, nchunks),
                     segs_at,
                     (slot.scratch.ptr(), rows),
-                    slot.out.ptr(),
+                    results.addr(),
                 )?;
             }
-            // SAFETY: `results` is pinned memory owned by the ticket until its event completes.
-            unsafe {
-                ffi::copy_async(Way::DeviceToHost, slot.out.ptr(), results.addr(), n * 8, stream)?
-            };
             slot.done.record(stream).map_err(drv("cuEventRecord"))?;
             event.record(stream).map_err(drv("cuEventRecord"))
         };
