@@ -24,6 +24,9 @@ run() {
 # page = block_tokens x kv_heads x head_dim x 2 bytes (bf16)
 run sglang-2k   --layout sglang    --layers 32 --block-tokens 1  --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16
 run nhd-8k      --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096
+# The same pages in 2 MiB chunks (four blocks per chunk): each chunk's arena slot is one
+# host-side run, and runs under a megabyte cost the device-to-host copy a few percent.
+run nhd-8k-c4   --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096 --blocks-per-chunk 4
 run nhd-32k     --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
 run nhd-128k    --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256
 run hnd-32k     --layout flash-hnd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
