@@ -120,7 +120,7 @@ impl Client {
     }
 
     pub(crate) fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
-        if self.conn.as_ref().is_some_and(|c| !c.alive()) {
+        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
             tracing::info!("orbitkv-server session ended; reconnecting");
             self.conn = None;
         }

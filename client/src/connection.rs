@@ -32,11 +32,17 @@ pub(crate) struct PendingAnswer(Pending);
 
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
+/// How long an answer from the server (or a passed check) stands for its being there: calls
+/// within this skip the socket poll, a system call, before sending. A server gone inside the
+/// window is still noticed by the waiting call's own checks, which fail it as disconnected.
+const PROOF_OF_LIFE: Duration = Duration::from_micros(500);
 /// Spin this long on a pending response before napping.
 const SPIN: Duration = Duration::from_micros(50);
 
 pub(crate) struct Connection {
     stream: UnixStream,
+    /// When the server last proved to be there (an answer, or a passed check).
+    last_alive: std::cell::Cell<Instant>,
     pub(crate) session_id: u64,
     pub(crate) max_keys_per_request: u32,
     pub(crate) max_request_bytes: u64,
@@ -183,6 +189,7 @@ impl Connection {
             .map_err(|e| ipc_err("client port", e))?;
         Ok(Self {
             stream,
+            last_alive: std::cell::Cell::new(Instant::now()),
             session_id,
             max_keys_per_request: max_keys,
             max_request_bytes,
@@ -198,11 +205,20 @@ impl Connection {
         })
     }
 
+    /// True while the server holds the session open: it answered or passed a check within
+    /// [`PROOF_OF_LIFE`], or its socket shows no EOF or error now.
+    pub(crate) fn recently_alive(&self) -> bool {
+        self.last_alive.get().elapsed() < PROOF_OF_LIFE || self.alive()
+    }
+
     /// True while the server holds the session open (no EOF or error on the socket).
     pub(crate) fn alive(&self) -> bool {
         let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::ZERO) {
-            Ok(0) => true,
+            Ok(0) => {
+                self.last_alive.set(Instant::now());
+                true
+            }
             Ok(_) => {
                 // Readable means EOF or an error: the server never sends after the welcome.
                 false
@@ -261,7 +277,7 @@ impl Connection {
             Ok(Some(resp)) => decode::<Response>(resp.payload())
                 .map(Some)
                 .map_err(|e| Error::Protocol(e.to_string())),
-            Ok(None) if !self.alive() => {
+            Ok(None) if !self.recently_alive() => {
                 Err(Error::Disconnected(format!("server went away during {op}")))
             }
             Ok(None) => Ok(None),
@@ -350,7 +366,7 @@ impl Connection {
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<Pending, Error> {
-        if !self.alive() {
+        if !self.recently_alive() {
             return Err(Error::Disconnected("server closed the session".into()));
         }
         let pending = self
@@ -381,6 +397,7 @@ impl Connection {
         loop {
             match pending.receive() {
                 Ok(Some(resp)) => {
+                    self.last_alive.set(Instant::now());
                     return decode::<Response>(resp.payload())
                         .map_err(|e| Error::Protocol(e.to_string()));
                 }

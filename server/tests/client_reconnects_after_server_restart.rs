@@ -82,3 +82,21 @@ fn a_timed_out_call_drops_the_session_and_the_next_call_reconnects() {
     assert!(matches!(c.release(&held), Err(Error::Stale)));
     assert_eq!(c.lookup(&keys).unwrap().len(), 1);
 }
+
+#[test]
+fn a_call_right_after_the_server_died_fails_clearly_and_the_next_reconnects() {
+    // The client trusts an answer as proof that the server is there for a short while and
+    // skips its socket check then: a call made at once after a SIGKILL may be sent to the
+    // dead server. It must still fail as disconnected (not hang, not time out), and the call
+    // after a restart must reconnect.
+    let mut server = TestServer::start(&["--shards", "1", "--dram", "8MiB"]);
+    let mut c = server.client("quick");
+    c.ping().unwrap();
+    server.signal(Signal::SIGKILL);
+    let err = c.ping().unwrap_err();
+    assert!(matches!(err, Error::Disconnected(_) | Error::Connect { .. }), "{err}");
+    server.wait_exit(Duration::from_secs(10));
+    server.spawn(&["--shards", "1", "--dram", "8MiB"]);
+    c.ping().unwrap();
+    assert_eq!(server.admin("stats")["sessions"], 1);
+}
