@@ -37,6 +37,15 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// The name `parse` reads.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Staged => "staged",
+            Self::Batched => "batched",
+            Self::Auto => "auto",
+        }
+    }
+
     /// Parses `staged`, `batched` or `auto`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
@@ -62,4 +71,17 @@ pub enum DmaError {
     /// A request that cannot be carried out as given.
     #[error("invalid DMA request: {0}")]
     Invalid(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Strategy;
+
+    #[test]
+    fn strategy_names_round_trip() {
+        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched] {
+            assert_eq!(Strategy::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(Strategy::parse("fast"), None);
+    }
 }

@@ -236,6 +236,7 @@ fn stats(shared: &Shared) -> Value {
                 "loaded_bytes": n(&c.loaded_bytes),
                 "failed_jobs": n(&c.failed_jobs),
                 "checksums": g.checksum_place().as_str(),
+                "copy": g.copy_strategy().as_str(),
             })
         }),
         "shards": shards,

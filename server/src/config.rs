@@ -110,6 +110,11 @@ pub struct ServerConfig {
     /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
     /// Default: `gpu`.
     pub gpu_checksums: String,
+    /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
+    /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
+    /// only: no SM time, so no time-slicing against an engine computing in another process,
+    /// at a lower rate for small pages). Default: `auto`.
+    pub gpu_copy: String,
 }
 
 impl Default for ServerConfig {
@@ -142,6 +147,7 @@ impl Default for ServerConfig {
             gpu_staging: "64MiB".into(),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
+            gpu_copy: "auto".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -240,6 +246,10 @@ pub struct Args {
     /// shards) or cpu (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
+    /// How GPU copies cross the bus: auto, staged (gather/scatter kernel) or batched (copy
+    /// engines only, no SM time) (default: auto).
+    #[arg(long, value_name = "HOW")]
+    pub gpu_copy: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -274,6 +284,8 @@ pub struct Settings {
     pub gpu_staging_bytes: u64,
     /// Where GPU saves' checksums are computed.
     pub gpu_checksums: crate::gpu::ChecksumPlace,
+    /// How GPU copies cross the bus.
+    pub gpu_copy: orbitkv_gpu::dma::Strategy,
 }
 
 /// Validated SSD tier settings.
@@ -386,7 +398,8 @@ impl ServerConfig {
             gpu_staging,
             gpu_queue_depth,
             max_gpu_registrations,
-            gpu_checksums
+            gpu_checksums,
+            gpu_copy
         );
         if a.no_lock_arena {
             self.lock_arena = false;
@@ -483,6 +496,12 @@ impl ServerConfig {
                     format!("{:?} is not one of gpu, verify, cpu", self.gpu_checksums),
                 )
             })?;
+        let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {
+            invalid(
+                "--gpu-copy",
+                format!("{:?} is not one of auto, staged, batched", self.gpu_copy),
+            )
+        })?;
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -503,6 +522,7 @@ impl ServerConfig {
             drain_timeout,
             gpu_staging_bytes,
             gpu_checksums,
+            gpu_copy,
         })
     }
 }
@@ -534,6 +554,8 @@ mod tests {
             .contains("--gpu-staging"));
         assert!(bad(ServerConfig { gpu_checksums: "gpu2".into(), ..Default::default() })
             .contains("--gpu-checksums"));
+        assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
+            .contains("--gpu-copy"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })
             .contains("--gpu-queue-depth"));
         assert!(bad(ServerConfig { max_gpu_registrations: 0, ..Default::default() })

@@ -41,6 +41,8 @@ pub struct GpuLimits {
     pub staging_bytes: usize,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
+    /// How copies cross the bus (`--gpu-copy`).
+    pub copy: Strategy,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -257,6 +259,11 @@ impl GpuService {
         for h in self.handles.lock().expect("never poisoned").drain(..) {
             let _ = h.join();
         }
+    }
+
+    /// How copies cross the bus (`--gpu-copy`).
+    pub fn copy_strategy(&self) -> Strategy {
+        self.limits.copy
     }
 
     /// Where saves' checksums are computed (`Cpu` after a GPU checksum failed its check).
@@ -600,7 +607,7 @@ impl GpuService {
         // alive by `job.memory` until the event completes: the caller keeps the job's memory
         // Arc with the event) and arena slots the submitting request holds until it receives
         // the completion; the arena is registered with CUDA and outlives this service.
-        submit_pieces(engine, direction, pieces)
+        submit_pieces(engine, direction, pieces, self.limits.copy)
     }
 }
 
@@ -621,9 +628,10 @@ fn submit_pieces(
     engine: &mut CopyEngine,
     direction: Direction,
     pieces: &[orbitkv_gpu::dma::plan::Piece],
+    strategy: Strategy,
 ) -> Result<CudaEvent, String> {
     // SAFETY: see `GpuService::start_job`.
-    unsafe { engine.submit(direction, pieces, Strategy::Auto) }
+    unsafe { engine.submit(direction, pieces, strategy) }
         .map(|(event, _)| event)
         .map_err(|e| e.to_string())
 }

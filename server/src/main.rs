@@ -214,6 +214,7 @@ fn run(settings: Settings) -> Result<(), String> {
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
             checksums: settings.gpu_checksums,
+            copy: settings.gpu_copy,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;

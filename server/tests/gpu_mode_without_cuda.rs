@@ -63,6 +63,8 @@ fn off_and_bad_values() {
     assert!(refused_at_start(&["--gpu", "sometimes"]).contains("--gpu"));
     let err = refused_at_start(&["--gpu-checksums", "gpu2"]);
     assert!(err.contains("--gpu-checksums") && err.contains("gpu2"), "{err}");
+    let err = refused_at_start(&["--gpu-copy", "fastest"]);
+    assert!(err.contains("--gpu-copy") && err.contains("fastest"), "{err}");
 }
 
 /// GPU requests on a server without a GPU in use: each is answered `Unavailable` with a
