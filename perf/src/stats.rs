@@ -44,6 +44,11 @@ impl Latency {
         self.0.value_at_quantile(q) as f64 / 1e3
     }
 
+    /// The mean latency, in microseconds (0 when empty).
+    pub fn mean_us(&self) -> f64 {
+        self.0.mean() / 1e3
+    }
+
     /// The largest latency, in microseconds.
     pub fn max_us(&self) -> f64 {
         self.0.max() as f64 / 1e3
