@@ -279,22 +279,24 @@ pub(crate) async fn load(
     let hits: Vec<Option<Hit>> = lookup(exec, session, &keys, true).await;
     let prefix = hits.iter().position(Option::is_none).unwrap_or(hits.len());
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
-    // Every hit is leased (also those past the prefix); all are released at the end.
-    let leased: Vec<SlotRef> = keys
-        .iter()
-        .zip(&hits)
-        .filter_map(|(key, h)| h.map(|h| SlotRef { key: *key, generation: h.generation }))
-        .collect();
+    // Every hit is leased (also those past the prefix). A job's leases are released as soon
+    // as its copy has completed (the later jobs' copies run meanwhile); the rest at the end.
+    // Every lease is released before the answer.
     let mut chunks = Vec::new();
     let mut copying = Vec::new();
-    for (i, h) in hits.iter().take(prefix).enumerate() {
-        let h = h.expect("inside the prefix every key hit");
-        if h.len != chunk_len {
+    let mut rest = Vec::new();
+    for (i, (key, h)) in keys.iter().zip(&hits).enumerate() {
+        let Some(h) = h else { continue };
+        let slot = SlotRef { key: *key, generation: h.generation };
+        if i >= prefix {
+            rest.push(slot);
+        } else if h.len != chunk_len {
             outcomes[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
-            continue;
+            rest.push(slot);
+        } else {
+            chunks.push((h.offset, blocks_of(&blocks, per_chunk, i)));
+            copying.push((i, slot));
         }
-        chunks.push((h.offset, blocks_of(&blocks, per_chunk, i)));
-        copying.push(i);
     }
     // Jobs of at most JOB_BYTES, queued together: the DMA thread plans one while the copy
     // engine moves the one before.
@@ -311,17 +313,21 @@ pub(crate) async fn load(
                     ChunkOutcome::Failed(code)
                 }
             };
+            // The copy is over (completed or failed: the DMA thread answers only once its
+            // event has completed), so the slots may go.
+            let slots: Vec<SlotRef> = ids.iter().map(|&(_, s)| s).collect();
+            per_slot(&exec, &slots, |slots| ShardOp::Release { session, slots }).await;
             (ids, o)
         }));
     }
     for t in tasks {
         let (ids, o) = t.await;
-        for i in ids {
+        for (i, _) in ids {
             outcomes[i] = o;
         }
     }
-    if !leased.is_empty() {
-        per_slot(exec, &leased, |slots| ShardOp::Release { session, slots }).await;
+    if !rest.is_empty() {
+        per_slot(exec, &rest, |slots| ShardOp::Release { session, slots }).await;
     }
     Response::Outcomes { outcomes }
 }
