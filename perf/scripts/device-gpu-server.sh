@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU save/load through orbitkv-server on the device machine: orbitkv-perf dma --socket acts as
 # the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
-# with SIGKILL in the middle of a save, then a clean run again. SHARDS sets the shard count (4). Stripped release binaries in
+# with SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs
+# also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4). Stripped release binaries in
 # .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
@@ -13,8 +14,8 @@ P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
 run() { name=$1; shift; echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
-run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check
-run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check
+run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check --duplex
+run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check --duplex
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
 run mla-18k --layout mla --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
 run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024

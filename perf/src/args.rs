@@ -142,6 +142,11 @@ pub(crate) struct DmaArgs {
     /// and after the saves checks that the group prefix (every rank's chunks) is complete.
     #[arg(long, value_name = "DIR", requires = "socket")]
     pub barrier: Option<PathBuf>,
+    /// With `--socket`: also save half of the chunks while loading the other half, both at
+    /// once (as an engine does while it prefills some requests and finishes others), against
+    /// a contiguous copy each way at the same time.
+    #[arg(long, requires = "socket")]
+    pub duplex: bool,
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
     #[arg(long, conflicts_with = "socket")]

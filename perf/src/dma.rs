@@ -277,6 +277,20 @@ impl Report for DmaReport {
             if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
                 writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
             }
+            if let Some(d) = &s.duplex {
+                writeln!(
+                    out,
+                    "duplex: save {:.1} MiB beside load {:.1} MiB: {:.2} GB/s of {:.2} both ways ({:.3}), \
+                     failures {}, mismatched bytes {}",
+                    d.save_bytes as f64 / (1u64 << 20) as f64,
+                    d.load_bytes as f64 / (1u64 << 20) as f64,
+                    d.gbps,
+                    d.ceiling_gbps,
+                    d.ratio,
+                    d.failures,
+                    d.mismatched_bytes
+                )?;
+            }
         }
         if let Some(i) = &self.interference {
             writeln!(
@@ -312,6 +326,7 @@ impl Report for DmaReport {
                     && s.cancelled_save_completed != Some(false)
                     && s.stale_registration_refused
                     && s.group_prefix_chunks.is_none_or(|g| g == s.chunks)
+                    && s.duplex.as_ref().is_none_or(|d| d.failures == 0 && d.mismatched_bytes == 0)
             })
             && self.checksums.as_ref().is_none_or(|c| c.mismatches == 0)
     }
@@ -573,6 +588,39 @@ impl Bench {
         }
         submitted?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
+    }
+
+    /// The first half of the chunks' bytes copied device-to-host while the second half's go
+    /// host-to-device, each contiguous, on two copy engines at once (what a save beside a load
+    /// can reach); median GB/s of both together.
+    fn duplex_ceiling(&mut self, ctx: &Arc<CudaContext>, a: &DmaArgs) -> Result<f64, Error> {
+        let mut other = CopyEngine::new(ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+        let half = self.chunk_len * (self.chunks.len() as u64 / 2);
+        let rest = self.bytes - half;
+        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
+        let device = self.contiguous.ptr();
+        let mut runs = Vec::new();
+        for i in 0..=self.iterations {
+            let t = Instant::now();
+            // SAFETY (upheld here): as in `ceiling`; the two copies use disjoint halves of the
+            // buffer and of the ceiling region, and both events are awaited below.
+            let save =
+                unsafe_contiguous(&mut self.engine, Direction::Save, device, host, half as usize);
+            let load = unsafe_contiguous(
+                &mut other,
+                Direction::Load,
+                device + half,
+                host + half,
+                rest as usize,
+            );
+            for e in [save, load] {
+                e?.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            }
+            if i > 0 {
+                runs.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
+            }
+        }
+        Ok(median(runs))
     }
 
     /// One contiguous copy of the operation's bytes (the ceiling's copy); GB/s.
@@ -900,6 +948,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         }
         let save_ceiling = bench.ceiling(Direction::Save)?;
         let load_ceiling = bench.ceiling(Direction::Load)?;
+        let duplex_ceiling = if a.duplex { Some(bench.duplex_ceiling(&ctx, a)?) } else { None };
         let engine = crate::dma_server::Engine {
             memory: &bench.memory,
             originals: &bench.originals,
@@ -907,7 +956,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             chunk_len: bench.chunk_len,
             device_uuid: &info.uuid,
         };
-        let served = crate::dma_server::run(a, &engine, barrier.as_ref())?;
+        let served = crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling)?;
         let bytes = bench.bytes;
         let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
         let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {

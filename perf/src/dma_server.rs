@@ -49,6 +49,28 @@ pub(crate) struct ServedResult {
     pub group_prefix_chunks: Option<usize>,
     /// Its per-rank counts, in rank order.
     pub group_prefix_per_rank: Option<Vec<usize>>,
+    /// With `--duplex`: saves and loads at the same time.
+    pub duplex: Option<DuplexResult>,
+}
+
+/// A save of the first half of the chunks and a load of the second half, sent together.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct DuplexResult {
+    /// Bytes saved per run.
+    pub save_bytes: u64,
+    /// Bytes loaded per run.
+    pub load_bytes: u64,
+    /// Median GB/s of both together (saved + loaded bytes over the time until both answered).
+    pub gbps: f64,
+    /// A contiguous device-to-host copy of the saved bytes beside a host-to-device copy of the
+    /// loaded bytes, GB/s (measured in this process, in the same run).
+    pub ceiling_gbps: f64,
+    /// gbps / ceiling_gbps.
+    pub ratio: f64,
+    /// Chunks whose save or load was not `Done` (over all runs).
+    pub failures: u64,
+    /// Mismatched bytes after the last run: the saved chunks through the arena, every tensor.
+    pub mismatched_bytes: u64,
 }
 
 /// The stand-in engine the server copies from and to.
@@ -111,6 +133,7 @@ pub(crate) fn run(
     a: &DmaArgs,
     e: &Engine<'_>,
     barrier: Option<&Barrier>,
+    duplex_ceiling: Option<f64>,
 ) -> Result<ServedResult, Error> {
     let meet = |phase: &str| barrier.map_or(Ok(()), |b| b.wait(phase));
     let socket = a.socket.as_ref().expect("server mode has a socket");
@@ -197,19 +220,7 @@ pub(crate) fn run(
         None
     };
     // Every chunk, read through the mapped arena.
-    let mut save_mismatched_bytes = 0;
-    let mut want = Vec::new();
-    for (kb, cb) in keys.chunks(256).zip(e.chunks.chunks(256)) {
-        let leases = client.lookup_leased(kb).map_err(client_err("lookup"))?;
-        for (lease, blocks) in leases.iter().zip(cb) {
-            expected_chunk(&layout, e.originals, blocks, &mut want);
-            let got = client.chunk(lease).map_err(client_err("chunk"))?;
-            save_mismatched_bytes += got.iter().zip(&want).filter(|(x, y)| x != y).count() as u64;
-        }
-        // Chunks missing after a save count whole.
-        save_mismatched_bytes += (kb.len() - leases.len()) as u64 * e.chunk_len;
-        client.release(&leases).map_err(client_err("release"))?;
-    }
+    let save_mismatched_bytes = saved_mismatches(&mut client, e, &keys, &e.chunks)?;
 
     let junk = vec![0x5au8; e.originals[0].len()];
     for i in 0..e.originals.len() {
@@ -232,6 +243,11 @@ pub(crate) fn run(
         e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
         load_mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
     }
+
+    let duplex = match duplex_ceiling {
+        Some(ceiling) => Some(duplex(a, e, &mut client, &reg, (&keys, &blocks), ceiling)?),
+        None => None,
+    };
 
     // The checks below evict and re-register: after every rank's timed loads.
     meet("loaded")?;
@@ -263,6 +279,100 @@ pub(crate) fn run(
         chunks: keys.len(),
         group_prefix_chunks: group.as_ref().map(|g| g.chunks),
         group_prefix_per_rank: group.map(|g| g.per_rank),
+        duplex,
+    })
+}
+
+/// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,
+/// read through the mapped arena; a missing chunk counts whole.
+fn saved_mismatches(
+    client: &mut Client,
+    e: &Engine<'_>,
+    keys: &[ChunkKey],
+    chunks: &[Vec<u64>],
+) -> Result<u64, Error> {
+    let layout = *e.memory.layout();
+    let mut bad = 0;
+    let mut want = Vec::new();
+    for (kb, cb) in keys.chunks(256).zip(chunks.chunks(256)) {
+        let leases = client.lookup_leased(kb).map_err(client_err("lookup"))?;
+        for (lease, blocks) in leases.iter().zip(cb) {
+            expected_chunk(&layout, e.originals, blocks, &mut want);
+            let got = client.chunk(lease).map_err(client_err("chunk"))?;
+            bad += got.iter().zip(&want).filter(|(x, y)| x != y).count() as u64;
+        }
+        bad += (kb.len() - leases.len()) as u64 * e.chunk_len;
+        client.release(&leases).map_err(client_err("release"))?;
+    }
+    Ok(bad)
+}
+
+/// Saves the first half of the chunks while loading the second half (all of them present
+/// when it starts): before each run the first half is evicted and the second half's blocks
+/// are scribbled over on the GPU; after the last, every byte is checked on both sides.
+fn duplex(
+    a: &DmaArgs,
+    e: &Engine<'_>,
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    (keys, blocks): (&[ChunkKey], &[u64]),
+    ceiling_gbps: f64,
+) -> Result<DuplexResult, Error> {
+    let layout = *e.memory.layout();
+    let per_chunk = e.chunks[0].len();
+    let half = keys.len() / 2;
+    if half == 0 {
+        return Err(Error::InvalidArgument {
+            flag: "--duplex",
+            reason: "needs at least two chunks".into(),
+        });
+    }
+    let (save_keys, load_keys) = keys.split_at(half);
+    let (save_blocks, load_blocks) = blocks.split_at(half * per_chunk);
+    // The tensors with the loaded half's blocks scribbled over (the saved half's blocks keep
+    // their bytes: they are what the save reads).
+    let mut scribbled: Vec<Vec<u8>> = e.originals.to_vec();
+    for &block in load_blocks {
+        for s in layout.block_segments(block) {
+            scribbled[s.tensor as usize][s.offset as usize..(s.offset + s.len) as usize].fill(0xa7);
+        }
+    }
+    let (save_bytes, load_bytes) =
+        (e.chunk_len * save_keys.len() as u64, e.chunk_len * load_keys.len() as u64);
+    let mut runs = Vec::new();
+    let mut failures = 0;
+    for i in 0..=a.iterations {
+        client.evict(save_keys).map_err(client_err("evict"))?;
+        for (t, bytes) in scribbled.iter().enumerate() {
+            e.memory.write_tensor(t, bytes).map_err(|x| Error::Gpu(x.to_string()))?;
+        }
+        let t = Instant::now();
+        let saving =
+            client.start_save(reg, save_keys, save_blocks).map_err(client_err("start_save"))?;
+        let loading =
+            client.start_load(reg, load_keys, load_blocks).map_err(client_err("start_load"))?;
+        let saved = client.wait_transfer(&saving).map_err(client_err("save"))?;
+        let loaded = client.wait_transfer(&loading).map_err(client_err("load"))?;
+        if i > 0 {
+            runs.push((save_bytes + load_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        failures += not_done(&saved) + not_done(&loaded);
+    }
+    let mut mismatched_bytes = saved_mismatches(client, e, save_keys, &e.chunks[..half])?;
+    let mut got = vec![0u8; e.originals[0].len()];
+    for (i, want) in e.originals.iter().enumerate() {
+        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
+        mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
+    }
+    let gbps = median(runs);
+    Ok(DuplexResult {
+        save_bytes,
+        load_bytes,
+        gbps,
+        ceiling_gbps,
+        ratio: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
+        failures,
+        mismatched_bytes,
     })
 }
 
