@@ -34,7 +34,9 @@ pub(crate) struct PendingAnswer(Pending);
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
 /// How long an answer from the server (or a passed check) stands for its being there: calls
 /// within this skip the socket poll, a system call, before sending. A server gone inside the
-/// window is still noticed by the waiting call's own checks, which fail it as disconnected.
+/// window is still noticed by a waiting call's own checks, which fail it as disconnected; a
+/// deferred request (a release) sent inside the window is not waited for, and its loss shows
+/// at the next call, which finds the session gone.
 const PROOF_OF_LIFE: Duration = Duration::from_micros(500);
 /// Spin this long on a pending response before napping.
 const SPIN: Duration = Duration::from_micros(50);

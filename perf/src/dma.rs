@@ -733,8 +733,9 @@ impl Bench {
             self.save_with_checksums(&mut hasher, &jobs)?;
             let total = t.elapsed().as_secs_f64() * 1e6;
             let spans = self.engine.take_timeline().map_err(dma)?;
-            // The host's submit time is not separable here (copies and checksums alternate).
-            Some(Timeline::summarize(spans, total, total))
+            // The host's submit time is not separable here (copies and checksums alternate):
+            // both host fields are the whole operation. No spans when `auto` went batched.
+            (!spans.is_empty()).then(|| Timeline::summarize(spans, total, total))
         } else {
             None
         };

@@ -349,8 +349,14 @@ fn duplex(
         let t = Instant::now();
         let saving =
             client.start_save(reg, save_keys, save_blocks).map_err(client_err("start_save"))?;
-        let loading =
-            client.start_load(reg, load_keys, load_blocks).map_err(client_err("start_load"))?;
+        let loading = match client.start_load(reg, load_keys, load_blocks) {
+            Ok(l) => l,
+            Err(e) => {
+                // The save is under way: let it finish before the tensors are touched again.
+                let _ = client.wait_transfer(&saving);
+                return Err(client_err("start_load")(e));
+            }
+        };
         let saved = client.wait_transfer(&saving).map_err(client_err("save"))?;
         let loaded = client.wait_transfer(&loading).map_err(client_err("load"))?;
         if i > 0 {

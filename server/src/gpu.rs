@@ -580,14 +580,25 @@ impl GpuService {
     ) -> Result<CudaEvent, String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
-            slot @ None => slot.insert(
-                CopyEngine::new(
+            slot @ None => {
+                let e = CopyEngine::new(
                     &self.contexts[job.device],
                     self.limits.staging_bytes,
                     BATCHED_FROM,
                 )
-                .map_err(|e| format!("creating the copy engine: {e}"))?,
-            ),
+                .map_err(|e| format!("creating the copy engine: {e}"))?;
+                if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
+                    // The operator asked for the kernel explicitly: say so once, loudly; every
+                    // job then fails naming the reason (`auto` would copy batched instead).
+                    tracing::error!(
+                        device = job.device,
+                        error = why,
+                        "--gpu-copy staged, but the segment copy kernel did not load: every \
+                         GPU save and load fails; use --gpu-copy auto or batched"
+                    );
+                }
+                slot.insert(e)
+            }
         };
         pieces.clear();
         let base = self.arena.base_ptr() as u64;

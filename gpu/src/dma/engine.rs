@@ -50,7 +50,8 @@ struct Half {
 }
 
 /// Where one staged batch spent its time on the GPU (from [`CopyEngine::take_timeline`]):
-/// microseconds since the job's first batch was enqueued on the GPU.
+/// microseconds since the first recorded batch's first operation (its kernel for a save, its
+/// copy for a load) was reached on its stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct BatchSpan {
     /// Bytes of the batch.
@@ -185,6 +186,7 @@ impl CopyEngine {
     /// Records timing events around every staged batch of the jobs submitted from now on,
     /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
     pub fn record_timeline(&mut self) {
+        // A batch whose enqueueing failed is not kept, so every kept event was recorded.
         self.timeline = Some((None, Vec::new()));
     }
 
@@ -215,6 +217,11 @@ impl CopyEngine {
     /// The device context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Why the staging kernel did not load (then only batched copies run); None when it did.
+    pub fn kernel_error(&self) -> Option<&str> {
+        self.kernel_error.as_deref()
     }
 
     /// Bytes of one staging half.
@@ -354,23 +361,27 @@ impl CopyEngine {
             self.srcs.push(src);
             self.sizes.push(r.len as usize);
         }
+        // With a timeline on: this batch's four events (kept only once all are recorded), and
+        // the start event, on the stream of the job's first operation.
         let timed = match &mut self.timeline {
-            Some((start, batches)) => {
+            Some((start, _)) => {
                 let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
                 let new = || self.ctx.new_event(timing).map_err(drv("cuEventCreate"));
                 if start.is_none() {
                     let s = new()?;
-                    s.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+                    let first = match direction {
+                        Direction::Save => &self.kernel_stream,
+                        Direction::Load => &self.copy_stream,
+                    };
+                    s.record(first).map_err(drv("cuEventRecord"))?;
                     *start = Some(s);
                 }
-                let events = [new()?, new()?, new()?, new()?];
-                batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
-                batches.last().map(|b| &b.events)
+                Some([new()?, new()?, new()?, new()?])
             }
             None => None,
         };
         let mark = |i: usize, stream: &CudaStream| -> Result<(), DmaError> {
-            match timed {
+            match &timed {
                 Some(events) => events[i].record(stream).map_err(drv("cuEventRecord")),
                 None => Ok(()),
             }
@@ -430,6 +441,9 @@ impl CopyEngine {
                 mark(1, kernel_stream)?;
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
+        }
+        if let (Some(events), Some((_, batches))) = (timed, &mut self.timeline) {
+            batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
         }
         Ok(())
     }

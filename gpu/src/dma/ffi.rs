@@ -298,9 +298,10 @@ impl ChecksumKernels {
     ///
     /// # Safety
     /// `chunks` and `segs` must hold the tables (`checksum::HashTables::encode`) on this
-    /// context's device, `scratch` `rows` x 64 bytes and `out` `nchunks` x 8 bytes of device
-    /// memory nothing else uses until the stream passes the launches, and every segment must
-    /// name device memory that stays valid until then.
+    /// context's device, `scratch` `rows` x 64 bytes of device memory and `out` `nchunks` x 8
+    /// bytes the device can write (device memory, or pinned host memory at its address under
+    /// unified addressing), nothing else using either until the stream passes the launches,
+    /// and every segment must name device memory that stays valid until then.
     pub(crate) unsafe fn launch(
         &self,
         stream: &CudaStream,

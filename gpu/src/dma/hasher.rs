@@ -17,12 +17,13 @@ use super::DmaError;
 /// Submissions in flight at once; the next one waits for the oldest (its tables and scratch).
 const SLOTS: usize = 2;
 
-/// Device memory of one submission: tables, scratch rows, results.
+/// Memory of one submission: its tables (pinned and on the device) and scratch rows. The
+/// results go to the ticket's own pinned buffer.
 struct Slot {
     tables_host: PinnedHost,
     tables: DeviceBuffer,
     scratch: DeviceBuffer,
-    /// The slot's last submission finished (tables, scratch and results reusable).
+    /// The slot's last submission finished (tables and scratch reusable).
     done: CudaEvent,
 }
 
@@ -161,7 +162,7 @@ impl ChunkHasher {
         let results = self.pinned_results(n * 8)?;
         let slot = &mut self.slots[self.next];
         self.next = (self.next + 1) % SLOTS;
-        // The slot's tables, scratch and results area are free once its last use finished.
+        // The slot's tables and scratch are free once its last use finished.
         slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
         let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
