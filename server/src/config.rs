@@ -47,8 +47,8 @@ pub struct ServerConfig {
     /// Bootstrap Unix socket. Default: `$ORBITKV_SOCKET`, else `/run/orbitkv/orbitkv.sock`
     /// for root, else `/tmp/orbitkv-<uid>/orbitkv.sock`.
     pub socket: Option<PathBuf>,
-    /// Shard executors (one pinned core each). Default: 0 = one per CPU, minus one when there
-    /// are more than two CPUs (left for control and DMA threads).
+    /// Shard executors (one pinned core each). Default: 0 = one per CPU minus one (left for
+    /// the engines, control and DMA threads), at least 1.
     pub shards: usize,
     /// DRAM arena size, split evenly over shards. Default: `1GiB`.
     pub dram: String,
@@ -426,15 +426,10 @@ impl ServerConfig {
             ));
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let shards = if self.shards == 0 {
-            if cpus > 2 {
-                cpus - 1
-            } else {
-                cpus
-            }
-        } else {
-            self.shards
-        };
+        // One CPU is left to the engines (and the control and DMA threads): with it, shards
+        // poll briefly after work and answer in microseconds; with none spare they must sleep
+        // on their doorbells and every request pays a wake-up (docs/performance.md).
+        let shards = if self.shards == 0 { cpus.saturating_sub(1).max(1) } else { self.shards };
         if shards > 256 {
             return Err(invalid("--shards", format!("{shards} is more than 256")));
         }
