@@ -20,6 +20,23 @@ pub fn stats(v: &Value) -> String {
         v["uptime_s"].as_f64().unwrap_or(0.0),
         u64_of(v, "pid"),
     );
+    let g = &v["gpu_transfers"];
+    if g.is_object() {
+        let _ = writeln!(
+            out,
+            "gpu {} device(s), {} registration(s)  saves {} ({})  loads {} ({})  failed {}  \
+             checksums {}  copy {}",
+            u64_of(g, "devices"),
+            u64_of(g, "registrations"),
+            u64_of(g, "save_jobs"),
+            format_bytes(u64_of(g, "saved_bytes")),
+            u64_of(g, "load_jobs"),
+            format_bytes(u64_of(g, "loaded_bytes")),
+            u64_of(g, "failed_jobs"),
+            g["checksums"].as_str().unwrap_or("?"),
+            g["copy"].as_str().unwrap_or("?"),
+        );
+    }
     let cols = [
         "shard",
         "core",
@@ -32,6 +49,10 @@ pub fn stats(v: &Value) -> String {
         "leases",
         "reserved",
         "sessions",
+        "ssd",
+        "ssd-hits",
+        "demoted",
+        "promoted",
     ];
     let mut rows: Vec<Vec<String>> = vec![cols.iter().map(|c| c.to_string()).collect()];
     let mut totals = [0u64; COLS];
@@ -134,5 +155,26 @@ mod tests {
         assert!(lines[3].contains("not answering"));
         assert!(lines[4].trim_start().starts_with("total"));
         assert!(lines[4].contains(" 5 "), "{t}");
+        // Every column has a header.
+        let header: Vec<&str> = lines[1].split_whitespace().collect();
+        let first: Vec<&str> = lines[2].split_whitespace().collect();
+        // Three cells of the row are sizes of two words each ("4.0 KiB", "512.0 MiB", "0 B").
+        assert_eq!(header.len(), first.len() - 3, "{t}");
+        assert_eq!(header.last(), Some(&"promoted"), "{t}");
+    }
+
+    #[test]
+    fn stats_table_has_a_gpu_line_when_a_gpu_is_in_use() {
+        let v = serde_json::json!({
+            "state": "serving", "sessions": 0, "arena_bytes": 1u64 << 30, "uptime_s": 1.0, "pid": 7,
+            "gpu_transfers": {"devices": 1, "registrations": 2, "save_jobs": 3, "saved_bytes": 3u64 << 26,
+                              "load_jobs": 4, "loaded_bytes": 1u64 << 28, "failed_jobs": 0,
+                              "checksums": "gpu", "copy": "batched"},
+            "shards": []
+        });
+        let t = stats(&v);
+        let gpu = t.lines().nth(1).unwrap();
+        assert!(gpu.starts_with("gpu 1 device(s), 2 registration(s)"), "{t}");
+        assert!(gpu.contains("saves 3 (192.0 MiB)") && gpu.contains("copy batched"), "{t}");
     }
 }
