@@ -274,6 +274,12 @@ impl Report for DmaReport {
                 s.cancelled_save_completed,
                 s.stale_registration_refused
             )?;
+            if let (Some(save), Some(load)) = (s.save_busy_gbps, s.load_busy_gbps) {
+                writeln!(
+                    out,
+                    "server DMA threads busy: saves {save:.2} GB/s, loads {load:.2} GB/s of their busy time"
+                )?;
+            }
             if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
                 writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
             }

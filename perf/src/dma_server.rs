@@ -51,6 +51,25 @@ pub(crate) struct ServedResult {
     pub group_prefix_per_rank: Option<Vec<usize>>,
     /// With `--duplex`: saves and loads at the same time.
     pub duplex: Option<DuplexResult>,
+    /// The timed saves' bytes over the time the server's save thread had copies on the GPU
+    /// (`gpu_transfers.save_busy_s` in its stats), GB/s: against `save_gbps`, what the
+    /// requests cost around the copies. None when the stats do not say (an older server).
+    /// Meaningful when this process is the server's only GPU client (a group's ranks share
+    /// the busy time).
+    pub save_busy_gbps: Option<f64>,
+    /// The same for the timed loads.
+    pub load_busy_gbps: Option<f64>,
+}
+
+/// The server's `gpu_transfers.<field>` (seconds a DMA thread was busy), if it reports it.
+fn busy_s(socket: &std::path::Path, field: &str) -> Option<f64> {
+    crate::admin::request(socket, "stats").ok()?["gpu_transfers"][field].as_f64()
+}
+
+/// Bytes over the busy time between two readings, GB/s.
+fn busy_gbps(bytes: u64, before: Option<f64>, after: Option<f64>) -> Option<f64> {
+    let busy = after? - before?;
+    (busy > 0.0).then(|| bytes as f64 / busy / 1e9)
 }
 
 /// A save of the first half of the chunks and a load of the second half, sent together.
@@ -195,13 +214,17 @@ pub(crate) fn run(
 
     let mut save_runs = Vec::new();
     let mut save_failures = 0;
+    let mut save_busy = 0.0;
     meet("save")?;
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
+        let before = busy_s(socket, "save_busy_s");
         let t = Instant::now();
         let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
         if i > 0 {
             save_runs.push(gbps(t));
+            save_busy +=
+                busy_gbps(bytes, before, busy_s(socket, "save_busy_s")).unwrap_or(f64::NAN);
         }
         save_failures += not_done(&o);
     }
@@ -228,12 +251,16 @@ pub(crate) fn run(
     }
     let mut load_runs = Vec::new();
     let mut load_failures = 0;
+    let mut load_busy = 0.0;
     meet("load")?;
     for i in 0..=a.iterations {
+        let before = busy_s(socket, "load_busy_s");
         let t = Instant::now();
         let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
         if i > 0 {
             load_runs.push(gbps(t));
+            load_busy +=
+                busy_gbps(bytes, before, busy_s(socket, "load_busy_s")).unwrap_or(f64::NAN);
         }
         load_failures += not_done(&o);
     }
@@ -280,6 +307,9 @@ pub(crate) fn run(
         group_prefix_chunks: group.as_ref().map(|g| g.chunks),
         group_prefix_per_rank: group.map(|g| g.per_rank),
         duplex,
+        // The mean over the timed runs (NaN, hence None, if any run lacked a reading).
+        save_busy_gbps: Some(save_busy / f64::from(a.iterations)).filter(|g| g.is_finite()),
+        load_busy_gbps: Some(load_busy / f64::from(a.iterations)).filter(|g| g.is_finite()),
     })
 }
 
@@ -450,5 +480,19 @@ fn cancel_check(
             return Ok(right);
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::busy_gbps;
+
+    #[test]
+    fn busy_rate_needs_both_readings_and_time() {
+        assert_eq!(busy_gbps(2_000_000_000, Some(1.0), Some(2.0)), Some(2.0));
+        assert_eq!(busy_gbps(1, None, Some(2.0)), None);
+        assert_eq!(busy_gbps(1, Some(1.0), None), None);
+        // No busy time between the readings (the counter did not move): no rate.
+        assert_eq!(busy_gbps(1, Some(3.0), Some(3.0)), None);
     }
 }

@@ -235,6 +235,8 @@ fn stats(shared: &Shared) -> Value {
                 "saved_bytes": n(&c.saved_bytes),
                 "loaded_bytes": n(&c.loaded_bytes),
                 "failed_jobs": n(&c.failed_jobs),
+                "save_busy_s": n(&c.save_busy_ns) as f64 / 1e9,
+                "load_busy_s": n(&c.load_busy_ns) as f64 / 1e9,
                 "checksums": g.checksum_place().as_str(),
                 "copy": g.copy_strategy().as_str(),
             })

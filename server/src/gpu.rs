@@ -146,6 +146,12 @@ pub struct GpuCounters {
     pub loaded_bytes: AtomicU64,
     /// Jobs that failed in CUDA.
     pub failed_jobs: AtomicU64,
+    /// Nanoseconds during which the save thread had at least one job on the GPU: a save's
+    /// bytes over this, against its request-to-answer rate, shows what the shards and the
+    /// protocol around the copies cost.
+    pub save_busy_ns: AtomicU64,
+    /// The same for the load thread.
+    pub load_busy_ns: AtomicU64,
 }
 
 /// One of the two DMA threads.
@@ -426,6 +432,12 @@ impl GpuService {
         let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
+        // Since when at least one job has been on the GPU (None while none is).
+        let mut busy_since: Option<Instant> = None;
+        let busy_ns = match direction {
+            Direction::Save => &self.counters.save_busy_ns,
+            Direction::Load => &self.counters.load_busy_ns,
+        };
         loop {
             let mut progressed = self.deliver(doorbells, undelivered);
             let queues = &self.workers[index].queues;
@@ -497,6 +509,15 @@ impl GpuService {
                 });
                 undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
                 progressed = true;
+            }
+            match (inflight.is_empty(), busy_since) {
+                (false, None) => busy_since = Some(Instant::now()),
+                (true, Some(t)) => {
+                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    busy_ns.fetch_add(ns, Ordering::Relaxed);
+                    busy_since = None;
+                }
+                _ => {}
             }
             progressed |= self.deliver(doorbells, undelivered);
             if progressed {
