@@ -27,6 +27,8 @@ run nhd-8k      --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --
 # The same pages in 2 MiB chunks (four blocks per chunk): each chunk's arena slot is one
 # host-side run, and runs under a megabyte cost the device-to-host copy a few percent.
 run nhd-8k-c4   --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096 --blocks-per-chunk 4
+# The same 512 KiB chunks in adjacent slots (as the server orders a job): host copies merge.
+run nhd-8k-seq  --layout flash-nhd --layers 32 --block-tokens 4  --kv-heads 8 --head-dim 128 --blocks 4096 --slots in-order
 run nhd-32k     --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
 run nhd-128k    --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256
 run hnd-32k     --layout flash-hnd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024

@@ -109,6 +109,12 @@ pub(crate) struct DmaArgs {
     /// Strategies to measure (default: all).
     #[arg(long, value_enum, default_value = "all")]
     pub strategy: StrategyArg,
+    /// Where the chunks' arena slots lie: `shuffled` (no two chunks in a row adjacent: one
+    /// host copy per chunk, the worst case) or `in-order` (chunk after chunk, as a fresh
+    /// shard allocates them and the server orders a job: host copies merge) (default:
+    /// shuffled).
+    #[arg(long, value_enum, default_value = "shuffled")]
+    pub slots: SlotOrderArg,
     /// GPU staging buffer, both halves (default: 64MiB).
     #[arg(long, value_name = "SIZE", value_parser = size, default_value = "64MiB")]
     pub staging: u64,
@@ -159,6 +165,15 @@ pub(crate) struct DmaArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Arena slot placement of `dma`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotOrderArg {
+    /// A random permutation of the slots.
+    Shuffled,
+    /// Chunk i in slot i.
+    InOrder,
 }
 
 /// The access pattern of `ssd` (fio's `--rw` of the same name).

@@ -3,7 +3,7 @@
 //!
 //! A stand-in engine allocates the layout's tensors on the GPU and fills them with seeded
 //! random bytes. Save gathers every block (in a shuffled block order, into shuffled arena
-//! slots, one chunk per slot) into the CUDA-registered arena; load scatters them back. Before
+//! slots unless `--slots in-order`, one chunk per slot) into the CUDA-registered arena; load scatters them back. Before
 //! each measured series the destination is scribbled over, after it every byte is compared.
 
 use std::sync::Arc;
@@ -21,7 +21,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::args::{DmaArgs, DtypeArg, LayoutArg, StrategyArg};
+use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
 use crate::dma_interference::{InterferenceResult, InterferenceRow, MatmulLoop};
 use crate::error::Error;
 use crate::report::Report;
@@ -153,6 +153,8 @@ pub(crate) struct DmaReport {
     pub bytes: u64,
     /// GPU staging bytes.
     pub staging_bytes: u64,
+    /// Arena slot placement: `shuffled` or `in-order`.
+    pub slots: &'static str,
     /// Timed iterations per series.
     pub iterations: u32,
     /// Milliseconds to register the arena with CUDA.
@@ -915,7 +917,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut blocks: Vec<u64> = (0..a.blocks).collect();
     blocks.shuffle(&mut rng);
     let mut slots: Vec<u64> = (0..nchunks).map(|i| i * slot_len).collect();
-    slots.shuffle(&mut rng);
+    if a.slots == SlotOrderArg::Shuffled {
+        slots.shuffle(&mut rng);
+    }
     let mut pieces = Vec::new();
     let mut chunks = Vec::with_capacity(nchunks as usize);
     for (i, slot) in slots.iter().enumerate() {
@@ -1043,6 +1047,10 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         pieces,
         bytes,
         staging_bytes: a.staging,
+        slots: match a.slots {
+            SlotOrderArg::Shuffled => "shuffled",
+            SlotOrderArg::InOrder => "in-order",
+        },
         iterations: a.iterations,
         register_ms,
         results,
