@@ -156,8 +156,13 @@ impl TestServer {
 }
 
 impl Drop for TestServer {
-    /// SIGTERM first (the server removes its shared-memory files), SIGKILL after 5 s.
+    /// SIGTERM first (the server removes its shared-memory files), SIGKILL after 5 s. When the
+    /// test is failing, the server's log is printed first (the harness shows it with the
+    /// failure; the temporary directory that holds it goes with the test).
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- server log ({}) ---\n{}", self.socket.display(), self.log());
+        }
         if let Some(mut c) = self.child.take() {
             let pid = nix::unistd::Pid::from_raw(c.id() as i32);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
