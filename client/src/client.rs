@@ -415,6 +415,14 @@ impl Client {
         Ok(all)
     }
 
+    /// This session's mapping of the arena: start and length (None while disconnected). An
+    /// engine that copies with its own GPU registers it with CUDA (`cuMemHostRegister`) so
+    /// that its copy engines write slots and read leased chunks directly; the mapping, and so
+    /// the registration's validity, ends with the session (a reconnect maps anew).
+    pub fn arena_range(&self) -> Option<(*const u8, usize)> {
+        self.conn.as_ref().map(|c| c.arena.range())
+    }
+
     /// The writable bytes of a reservation.
     pub fn slot_mut(&mut self, r: &Reserved) -> Result<&mut [u8], Error> {
         let epoch = self.live_epoch();

@@ -89,6 +89,11 @@ impl ArenaMap {
         })
     }
 
+    /// Where the mapping starts and how long it is.
+    pub(crate) fn range(&self) -> (*const u8, usize) {
+        (self.base.as_ptr() as *const u8, self.len)
+    }
+
     /// The bytes of a leased slot.
     ///
     /// The server guarantees a leased slot is neither reused nor written until released; the
