@@ -19,6 +19,8 @@ run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
 run mla-18k --layout mla --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
 run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
+# The engine-side path without CUDA IPC (the engine's own copies into its mapping of the arena).
+run engine-copies-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --seed 5 --engine-copies
 stats > $OUT/${TAG}gpu-stats-before-kill.json
 # An engine dies during a save: start a large run, kill it once its registration exists.
 $D --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 9 > $OUT/${TAG}gpu-killed.json 2>&1 &

@@ -153,6 +153,11 @@ pub(crate) struct DmaArgs {
     /// a contiguous copy each way at the same time.
     #[arg(long, requires = "socket")]
     pub duplex: bool,
+    /// With `--socket`: also save and load without CUDA IPC, as an engine in a container
+    /// without host IPC would: this process registers its own mapping of the arena with CUDA,
+    /// copies into reserved slots and commits, and copies out of leased chunks.
+    #[arg(long, requires = "socket")]
+    pub engine_copies: bool,
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
     #[arg(long, conflicts_with = "socket")]

@@ -169,6 +169,8 @@ pub(crate) struct DmaReport {
     pub interference: Option<crate::dma_interference::InterferenceResult>,
     /// Chunk checksums on the GPU (local runs): checked against the CPU, and their cost.
     pub checksums: Option<ChecksumResult>,
+    /// With `--engine-copies`: the engine-side path (no CUDA IPC) through the server.
+    pub engine_copies: Option<crate::dma_engine_copies::EngineCopiesResult>,
 }
 
 /// The GPU checksum kernels in a local run: every chunk's checksum against
@@ -300,6 +302,20 @@ impl Report for DmaReport {
                 )?;
             }
         }
+        if let Some(c) = &self.engine_copies {
+            writeln!(
+                out,
+                "engine copies (no IPC): save {:.2} GB/s ({:.3}), load {:.2} GB/s ({:.3}), \
+                 failures {}, mismatched bytes {}, mapping registered in {:.0} ms",
+                c.save_gbps,
+                c.save_ratio,
+                c.load_gbps,
+                c.load_ratio,
+                c.failures,
+                c.mismatched_bytes,
+                c.register_ms
+            )?;
+        }
         if let Some(i) = &self.interference {
             writeln!(
                 out,
@@ -337,6 +353,10 @@ impl Report for DmaReport {
                     && s.duplex.as_ref().is_none_or(|d| d.failures == 0 && d.mismatched_bytes == 0)
             })
             && self.checksums.as_ref().is_none_or(|c| c.mismatches == 0)
+            && self
+                .engine_copies
+                .as_ref()
+                .is_none_or(|c| c.failures == 0 && c.mismatched_bytes == 0)
     }
 }
 
@@ -951,6 +971,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut server = None;
     let mut interference = None;
     let mut checksums = None;
+    let mut engine_copies = None;
     if a.socket.is_some() {
         // The group's ranks measure their ceilings together: the links they share are part
         // of what they can reach together.
@@ -968,6 +989,14 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             device_uuid: &info.uuid,
         };
         let served = crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling)?;
+        if a.engine_copies {
+            engine_copies = Some(crate::dma_engine_copies::run(
+                a,
+                &engine,
+                &mut bench.engine,
+                (save_ceiling, load_ceiling),
+            )?);
+        }
         let bytes = bench.bytes;
         let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
         let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {
@@ -1058,6 +1087,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         server,
         interference,
         checksums,
+        engine_copies,
     })
 }
 

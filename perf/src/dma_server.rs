@@ -106,7 +106,7 @@ pub(crate) struct Engine<'a> {
     pub device_uuid: &'a str,
 }
 
-fn client_err(op: &'static str) -> impl Fn(orbitkv_client::Error) -> Error {
+pub(crate) fn client_err(op: &'static str) -> impl Fn(orbitkv_client::Error) -> Error {
     move |e| Error::Gpu(format!("{op} through the server: {e}"))
 }
 
@@ -138,13 +138,46 @@ fn expected_chunk(l: &LayoutDesc, originals: &[Vec<u8>], blocks: &[u64], out: &m
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn not_done(o: &[ChunkOutcome]) -> u64 {
+pub(crate) fn not_done(o: &[ChunkOutcome]) -> u64 {
     o.iter().filter(|o| **o != ChunkOutcome::Done).count() as u64
+}
+
+/// The namespace of the stand-in engine's chunks.
+pub(crate) fn descriptor(a: &DmaArgs, layout: &LayoutDesc, per_chunk: u32) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model: format!("orbitkv-perf-dma/{:?}", layout.layout),
+        dtype: match a.dtype {
+            DtypeArg::Bf16 => Dtype::Bf16,
+            DtypeArg::Fp16 => Dtype::Fp16,
+            DtypeArg::Fp8 => Dtype::Fp8E4m3,
+        },
+        num_layers: layout.num_layers,
+        num_kv_heads: layout.kv_heads,
+        head_dim: layout.head_dim,
+        kv_tensors: if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
+        tokens_per_chunk: layout.block_size * per_chunk,
+        layout_version: 1,
+        tp_rank: a.tp_rank,
+        tp_world_size: a.tp_world_size,
+    }
+}
+
+/// The keys of the run's `n` chunks in namespace `ns` (the same prompt for every rank).
+pub(crate) fn chunk_keys(ns: u64, seed: u64, n: usize) -> Vec<ChunkKey> {
+    (0..n as u64)
+        .map(|i| {
+            let mut h = blake3::Hasher::new();
+            h.update(b"orbitkv-perf-dma");
+            h.update(&seed.to_le_bytes());
+            h.update(&i.to_le_bytes());
+            ChunkKey::new(ns, *h.finalize().as_bytes())
+        })
+        .collect()
 }
 
 /// Runs the save/load series through the server.
@@ -164,22 +197,7 @@ pub(crate) fn run(
     })
     .map_err(client_err("connect"))?;
     let per_chunk = e.chunks[0].len() as u32;
-    let descriptor = NamespaceDescriptor {
-        model: format!("orbitkv-perf-dma/{:?}", layout.layout),
-        dtype: match a.dtype {
-            DtypeArg::Bf16 => Dtype::Bf16,
-            DtypeArg::Fp16 => Dtype::Fp16,
-            DtypeArg::Fp8 => Dtype::Fp8E4m3,
-        },
-        num_layers: layout.num_layers,
-        num_kv_heads: layout.kv_heads,
-        head_dim: layout.head_dim,
-        kv_tensors: if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
-        tokens_per_chunk: layout.block_size * per_chunk,
-        layout_version: 1,
-        tp_rank: a.tp_rank,
-        tp_world_size: a.tp_world_size,
-    };
+    let descriptor = descriptor(a, &layout, per_chunk);
     let ns = client.register_namespace(&descriptor).map_err(client_err("register namespace"))?;
     if ns.max_chunk_bytes < e.chunk_len {
         return Err(Error::Gpu(format!(
@@ -196,17 +214,7 @@ pub(crate) fn run(
         .register_gpu(e.device_uuid, spec(&layout), &tensors)
         .map_err(client_err("register_gpu"))?;
     // Every rank of a group stores the same prompt's chunks, under its own namespace.
-    let keys_in = |ns: u64| -> Vec<ChunkKey> {
-        (0..e.chunks.len() as u64)
-            .map(|i| {
-                let mut h = blake3::Hasher::new();
-                h.update(b"orbitkv-perf-dma");
-                h.update(&a.seed.to_le_bytes());
-                h.update(&i.to_le_bytes());
-                ChunkKey::new(ns, *h.finalize().as_bytes())
-            })
-            .collect()
-    };
+    let keys_in = |ns: u64| chunk_keys(ns, a.seed, e.chunks.len());
     let keys = keys_in(ns.id);
     let blocks: Vec<u64> = e.chunks.iter().flatten().copied().collect();
     let bytes = e.chunk_len * keys.len() as u64;
@@ -315,7 +323,7 @@ pub(crate) fn run(
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,
 /// read through the mapped arena; a missing chunk counts whole.
-fn saved_mismatches(
+pub(crate) fn saved_mismatches(
     client: &mut Client,
     e: &Engine<'_>,
     keys: &[ChunkKey],

@@ -11,6 +11,7 @@ mod args;
 mod barrier;
 mod baseline;
 mod dma;
+mod dma_engine_copies;
 mod dma_interference;
 mod dma_server;
 mod embedded;

@@ -48,6 +48,9 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--duplex"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--socket"), "{err}");
+    let (code, err) = dma(&["--engine-copies"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--socket"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).

@@ -1,0 +1,161 @@
+//! `orbitkv-perf dma --socket --engine-copies`: the engine-side path, without CUDA IPC. This
+//! process registers its own mapping of the arena with CUDA and moves the pages with its own
+//! copy engine: a save reserves slots, copies into them and commits (the shards checksum the
+//! bytes); a load leases the chunks, copies out of them and releases. Every byte is checked on
+//! both sides, as in the IPC series.
+
+use std::time::Instant;
+
+use orbitkv_client::{Client, ClientOptions, Reserved};
+use orbitkv_gpu::dma::plan::Piece;
+use orbitkv_gpu::dma::{CopyEngine, Direction, Strategy};
+use serde::Serialize;
+
+use crate::args::DmaArgs;
+use crate::dma_server::{
+    chunk_keys, client_err, descriptor, median, not_done, saved_mismatches, Engine,
+};
+use crate::error::Error;
+
+/// What the engine-side series adds to the report.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct EngineCopiesResult {
+    /// Milliseconds to register this process's mapping of the arena with CUDA.
+    pub register_ms: f64,
+    /// Median GB/s of a save: reserve, copy, commit (the shards checksum every chunk).
+    pub save_gbps: f64,
+    /// Against the save ceiling of the run.
+    pub save_ratio: f64,
+    /// Median GB/s of a load: leased lookup, copy, release.
+    pub load_gbps: f64,
+    /// Against the load ceiling of the run.
+    pub load_ratio: f64,
+    /// Chunks not reserved, committed, found or released as asked (over all runs).
+    pub failures: u64,
+    /// Mismatched bytes after the last runs: the saved chunks through the arena, every tensor.
+    pub mismatched_bytes: u64,
+}
+
+/// Runs the engine-side save and load series with `engine` (this process's copy engine on
+/// device `device`) against the ceilings `(save, load)` measured in this run.
+pub(crate) fn run(
+    a: &DmaArgs,
+    e: &Engine<'_>,
+    engine: &mut CopyEngine,
+    (save_ceiling, load_ceiling): (f64, f64),
+) -> Result<EngineCopiesResult, Error> {
+    let socket = a.socket.as_ref().expect("engine copies run against a server");
+    let layout = *e.memory.layout();
+    let mut client = Client::connect(ClientOptions {
+        name: "orbitkv-perf-engine-copies".into(),
+        request_timeout: std::time::Duration::from_secs(120),
+        ..ClientOptions::with_socket(socket)
+    })
+    .map_err(client_err("connect"))?;
+    let per_chunk = e.chunks[0].len() as u32;
+    let ns = client
+        .register_namespace(&descriptor(a, &layout, per_chunk))
+        .map_err(client_err("register namespace"))?;
+    let keys = chunk_keys(ns.id, a.seed, e.chunks.len());
+    let lens = vec![e.chunk_len; keys.len()];
+    let bytes = e.chunk_len * keys.len() as u64;
+    let (base, len) = client.arena_range().ok_or_else(|| Error::Gpu("not connected".into()))?;
+    let registration = register(a.device, base, len)?;
+    let register_ms = registration.elapsed.as_secs_f64() * 1e3;
+
+    let mut failures = 0;
+    let mut pieces = Vec::new();
+    let mut save_runs = Vec::new();
+    for i in 0..=a.iterations {
+        client.evict(&keys).map_err(client_err("evict"))?;
+        let t = Instant::now();
+        let reserved = client.reserve(&keys, &lens).map_err(client_err("reserve"))?;
+        pieces.clear();
+        let mut slots: Vec<Reserved> = Vec::with_capacity(keys.len());
+        for (r, blocks) in reserved.into_iter().zip(&e.chunks) {
+            match r {
+                Ok(r) => {
+                    let host = client.slot_mut(&r).map_err(client_err("slot"))?.as_mut_ptr();
+                    e.memory
+                        .chunk_pieces(blocks, host as u64, &mut pieces)
+                        .map_err(|x| Error::Gpu(x.to_string()))?;
+                    slots.push(r);
+                }
+                Err(_) => failures += 1,
+            }
+        }
+        copy(engine, Direction::Save, &pieces)?;
+        failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+        if i > 0 {
+            save_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    let mut mismatched_bytes = saved_mismatches(&mut client, e, &keys, &e.chunks)?;
+
+    let junk = vec![0x3cu8; e.originals[0].len()];
+    for i in 0..e.originals.len() {
+        e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
+    }
+    let mut load_runs = Vec::new();
+    for i in 0..=a.iterations {
+        let t = Instant::now();
+        let leases = client.lookup_leased(&keys).map_err(client_err("lookup"))?;
+        failures += (keys.len() - leases.len()) as u64;
+        pieces.clear();
+        for (lease, blocks) in leases.iter().zip(&e.chunks) {
+            let host = client.chunk(lease).map_err(client_err("chunk"))?.as_ptr();
+            e.memory
+                .chunk_pieces(blocks, host as u64, &mut pieces)
+                .map_err(|x| Error::Gpu(x.to_string()))?;
+        }
+        let copied = copy(engine, Direction::Load, &pieces);
+        // Released whether or not the copy worked: it has finished either way.
+        failures += not_done(&client.release(&leases).map_err(client_err("release"))?);
+        copied?;
+        if i > 0 {
+            load_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    let mut got = vec![0u8; e.originals[0].len()];
+    for (i, want) in e.originals.iter().enumerate() {
+        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
+        mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
+    }
+    // Unregistered before the client (and its mapping) goes.
+    drop(registration);
+    drop(client);
+    let (save_gbps, load_gbps) = (median(save_runs), median(load_runs));
+    let ratio = |g: f64, c: f64| if c > 0.0 { g / c } else { 0.0 };
+    Ok(EngineCopiesResult {
+        register_ms,
+        save_gbps,
+        save_ratio: ratio(save_gbps, save_ceiling),
+        load_gbps,
+        load_ratio: ratio(load_gbps, load_ceiling),
+        failures,
+        mismatched_bytes,
+    })
+}
+
+// The two calls below hand the client's mapping of the arena to CUDA. The mapping belongs to
+// the client, which outlives the registration (dropped first in `run`); the pieces name this
+// process's tensors and slots it holds reserved or leased until the copy's event completed.
+#[allow(unsafe_code)]
+fn register(
+    device: usize,
+    base: *const u8,
+    len: usize,
+) -> Result<orbitkv_gpu::HostRegistration, Error> {
+    // SAFETY: see above; the client's mapping is page-aligned (mmap) and registered nowhere
+    // else in this process.
+    unsafe { orbitkv_gpu::register_host_range(device, base, len) }
+        .map_err(|e| Error::Gpu(format!("registering the client's arena mapping: {e}")))
+}
+
+#[allow(unsafe_code)]
+fn copy(engine: &mut CopyEngine, direction: Direction, pieces: &[Piece]) -> Result<(), Error> {
+    // SAFETY: see above; the event is awaited before the slots are committed or released.
+    let (event, _) = unsafe { engine.submit(direction, pieces, Strategy::Auto) }
+        .map_err(|e| Error::Gpu(e.to_string()))?;
+    event.synchronize().map_err(|e| Error::Gpu(format!("cuEventSynchronize: {e}")))
+}
