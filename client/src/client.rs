@@ -417,9 +417,11 @@ impl Client {
 
     /// This session's mapping of the arena: start and length (None while disconnected). An
     /// engine that copies with its own GPU registers it with CUDA (`cuMemHostRegister`) so
-    /// that its copy engines write slots and read leased chunks directly; the mapping, and so
-    /// the registration's validity, ends with the session (a reconnect maps anew).
-    pub fn arena_range(&self) -> Option<(*const u8, usize)> {
+    /// that its copy engines write slots and read leased chunks directly. The mapping ends
+    /// with the session: a call that fails with a lost connection unmaps it, and the next
+    /// call maps the arena anew. Check that [`Client::session_id`] is still the one the
+    /// registration was made for before each copy, and register again when it is not.
+    pub fn arena_range(&self) -> Option<(*mut u8, usize)> {
         self.conn.as_ref().map(|c| c.arena.range())
     }
 

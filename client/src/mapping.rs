@@ -90,8 +90,8 @@ impl ArenaMap {
     }
 
     /// Where the mapping starts and how long it is.
-    pub(crate) fn range(&self) -> (*const u8, usize) {
-        (self.base.as_ptr() as *const u8, self.len)
+    pub(crate) fn range(&self) -> (*mut u8, usize) {
+        (self.base.as_ptr() as *mut u8, self.len)
     }
 
     /// The bytes of a leased slot.

@@ -60,7 +60,17 @@ fn health_stats_drain_resume_sessions() {
 
     let _server = Server(
         Command::new(server_binary())
-            .args(["--no-lock-arena", "--shards", "2", "--dram", "16MiB", "--socket"])
+            // `--gpu off`: the table's shape below does not depend on the machine having a GPU.
+            .args([
+                "--no-lock-arena",
+                "--gpu",
+                "off",
+                "--shards",
+                "2",
+                "--dram",
+                "16MiB",
+                "--socket",
+            ])
             .arg(&socket)
             .stderr(Stdio::null())
             .spawn()

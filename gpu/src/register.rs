@@ -39,14 +39,16 @@ pub fn register_arena(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistra
 }
 
 /// Registers `len` bytes of host memory at `base` (portable) with device `ordinal`: an
-/// engine's own mapping of the arena, into which its copy engines then write directly.
+/// engine's own mapping of the arena, into which its copy engines then write directly. The
+/// device's primary context becomes current on the calling thread (and again when the
+/// registration is dropped). Registering pins the whole range in the calling process.
 ///
 /// # Safety
 /// `base..base + len` must be a live mapping of this process, page-aligned, registered by
 /// nobody else in this process, and stay mapped until the returned registration is dropped.
 pub unsafe fn register_host_range(
     ordinal: usize,
-    base: *const u8,
+    base: *mut u8,
     len: usize,
 ) -> Result<HostRegistration, GpuError> {
     // SAFETY: forwarded from the caller.

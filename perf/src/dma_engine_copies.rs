@@ -62,6 +62,20 @@ pub(crate) fn run(
     let (base, len) = client.arena_range().ok_or_else(|| Error::Gpu("not connected".into()))?;
     let registration = register(a.device, base, len)?;
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
+    // The registration covers this session's mapping only: a reconnect maps the arena anew
+    // (and unmaps this one), so every copy checks that the session is still the same.
+    let session = client.session_id();
+    let same_session = |client: &Client| {
+        if client.session_id() == session && client.arena_range() == Some((base, len)) {
+            Ok(())
+        } else {
+            Err(Error::Gpu("the session was reconnected: its arena mapping is new".into()))
+        }
+    };
+    // Start from the engine's own bytes (the earlier series may have left others).
+    for (i, t) in e.originals.iter().enumerate() {
+        e.memory.write_tensor(i, t).map_err(|x| Error::Gpu(x.to_string()))?;
+    }
 
     let mut failures = 0;
     let mut pieces = Vec::new();
@@ -75,7 +89,15 @@ pub(crate) fn run(
         for (r, blocks) in reserved.into_iter().zip(&e.chunks) {
             match r {
                 Ok(r) => {
-                    let host = client.slot_mut(&r).map_err(client_err("slot"))?.as_mut_ptr();
+                    let slot = client.slot_mut(&r).map_err(client_err("slot"))?;
+                    if (slot.len() as u64) < e.chunk_len {
+                        return Err(Error::Gpu(format!(
+                            "a slot of {} bytes for a {}-byte chunk",
+                            slot.len(),
+                            e.chunk_len
+                        )));
+                    }
+                    let host = slot.as_mut_ptr();
                     e.memory
                         .chunk_pieces(blocks, host as u64, &mut pieces)
                         .map_err(|x| Error::Gpu(x.to_string()))?;
@@ -84,6 +106,7 @@ pub(crate) fn run(
                 Err(_) => failures += 1,
             }
         }
+        same_session(&client)?;
         copy(engine, Direction::Save, &pieces)?;
         failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
         if i > 0 {
@@ -103,12 +126,17 @@ pub(crate) fn run(
         failures += (keys.len() - leases.len()) as u64;
         pieces.clear();
         for (lease, blocks) in leases.iter().zip(&e.chunks) {
-            let host = client.chunk(lease).map_err(client_err("chunk"))?.as_ptr();
+            let chunk = client.chunk(lease).map_err(client_err("chunk"))?;
+            if chunk.len() as u64 != e.chunk_len {
+                // Another length: not copied (the engine's blocks keep their junk).
+                failures += 1;
+                continue;
+            }
             e.memory
-                .chunk_pieces(blocks, host as u64, &mut pieces)
+                .chunk_pieces(blocks, chunk.as_ptr() as u64, &mut pieces)
                 .map_err(|x| Error::Gpu(x.to_string()))?;
         }
-        let copied = copy(engine, Direction::Load, &pieces);
+        let copied = same_session(&client).and_then(|()| copy(engine, Direction::Load, &pieces));
         // Released whether or not the copy worked: it has finished either way.
         failures += not_done(&client.release(&leases).map_err(client_err("release"))?);
         copied?;
@@ -143,7 +171,7 @@ pub(crate) fn run(
 #[allow(unsafe_code)]
 fn register(
     device: usize,
-    base: *const u8,
+    base: *mut u8,
     len: usize,
 ) -> Result<orbitkv_gpu::HostRegistration, Error> {
     // SAFETY: see above; the client's mapping is page-aligned (mmap) and registered nowhere

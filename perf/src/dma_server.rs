@@ -66,10 +66,18 @@ fn busy_s(socket: &std::path::Path, field: &str) -> Option<f64> {
     crate::admin::request(socket, "stats").ok()?["gpu_transfers"][field].as_f64()
 }
 
-/// Bytes over the busy time between two readings, GB/s.
-fn busy_gbps(bytes: u64, before: Option<f64>, after: Option<f64>) -> Option<f64> {
-    let busy = after? - before?;
-    (busy > 0.0).then(|| bytes as f64 / busy / 1e9)
+/// Busy seconds between two readings (NaN when either is missing).
+fn busy_delta(before: Option<f64>, after: Option<f64>) -> f64 {
+    match (before, after) {
+        (Some(b), Some(a)) => a - b,
+        _ => f64::NAN,
+    }
+}
+
+/// All timed runs' bytes over all their busy seconds, GB/s (None without busy time or with
+/// a missing reading).
+fn busy_gbps(bytes: u64, busy_s: f64) -> Option<f64> {
+    (busy_s.is_finite() && busy_s > 0.0).then(|| bytes as f64 / busy_s / 1e9)
 }
 
 /// A save of the first half of the chunks and a load of the second half, sent together.
@@ -222,6 +230,7 @@ pub(crate) fn run(
 
     let mut save_runs = Vec::new();
     let mut save_failures = 0;
+    // Busy seconds of the timed saves (NaN when a reading was missing).
     let mut save_busy = 0.0;
     meet("save")?;
     for i in 0..=a.iterations {
@@ -231,8 +240,7 @@ pub(crate) fn run(
         let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
         if i > 0 {
             save_runs.push(gbps(t));
-            save_busy +=
-                busy_gbps(bytes, before, busy_s(socket, "save_busy_s")).unwrap_or(f64::NAN);
+            save_busy += busy_delta(before, busy_s(socket, "save_busy_s"));
         }
         save_failures += not_done(&o);
     }
@@ -267,8 +275,7 @@ pub(crate) fn run(
         let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
         if i > 0 {
             load_runs.push(gbps(t));
-            load_busy +=
-                busy_gbps(bytes, before, busy_s(socket, "load_busy_s")).unwrap_or(f64::NAN);
+            load_busy += busy_delta(before, busy_s(socket, "load_busy_s"));
         }
         load_failures += not_done(&o);
     }
@@ -315,9 +322,9 @@ pub(crate) fn run(
         group_prefix_chunks: group.as_ref().map(|g| g.chunks),
         group_prefix_per_rank: group.map(|g| g.per_rank),
         duplex,
-        // The mean over the timed runs (NaN, hence None, if any run lacked a reading).
-        save_busy_gbps: Some(save_busy / f64::from(a.iterations)).filter(|g| g.is_finite()),
-        load_busy_gbps: Some(load_busy / f64::from(a.iterations)).filter(|g| g.is_finite()),
+        // All timed runs' bytes over all their busy time (None if a reading was missing).
+        save_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), save_busy),
+        load_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), load_busy),
     })
 }
 
@@ -395,8 +402,11 @@ fn duplex(
                 return Err(client_err("start_load")(e));
             }
         };
-        let saved = client.wait_transfer(&saving).map_err(client_err("save"))?;
-        let loaded = client.wait_transfer(&loading).map_err(client_err("load"))?;
+        // Both are waited for before either error counts: neither may still be running.
+        let saved = client.wait_transfer(&saving);
+        let loaded = client.wait_transfer(&loading);
+        let saved = saved.map_err(client_err("save"))?;
+        let loaded = loaded.map_err(client_err("load"))?;
         if i > 0 {
             runs.push((save_bytes + load_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
@@ -493,14 +503,16 @@ fn cancel_check(
 
 #[cfg(test)]
 mod tests {
-    use super::busy_gbps;
+    use super::{busy_delta, busy_gbps};
 
     #[test]
     fn busy_rate_needs_both_readings_and_time() {
-        assert_eq!(busy_gbps(2_000_000_000, Some(1.0), Some(2.0)), Some(2.0));
-        assert_eq!(busy_gbps(1, None, Some(2.0)), None);
-        assert_eq!(busy_gbps(1, Some(1.0), None), None);
+        let runs = busy_delta(Some(1.0), Some(1.5)) + busy_delta(Some(4.0), Some(4.5));
+        assert_eq!(busy_gbps(2_000_000_000, runs), Some(2.0));
+        // A missing reading in any run: no rate.
+        assert_eq!(busy_gbps(1, runs + busy_delta(None, Some(2.0))), None);
+        assert_eq!(busy_gbps(1, busy_delta(Some(1.0), None)), None);
         // No busy time between the readings (the counter did not move): no rate.
-        assert_eq!(busy_gbps(1, Some(3.0), Some(3.0)), None);
+        assert_eq!(busy_gbps(1, busy_delta(Some(3.0), Some(3.0))), None);
     }
 }

@@ -146,9 +146,10 @@ pub struct GpuCounters {
     pub loaded_bytes: AtomicU64,
     /// Jobs that failed in CUDA.
     pub failed_jobs: AtomicU64,
-    /// Nanoseconds during which the save thread had at least one job on the GPU: a save's
-    /// bytes over this, against its request-to-answer rate, shows what the shards and the
-    /// protocol around the copies cost.
+    /// Nanoseconds during which the save thread had at least one job on the GPU (from a
+    /// job's submission until its completion, checksums included, is noticed: within about
+    /// 10 us): a save's bytes over this, against its request-to-answer rate, shows what the
+    /// shards and the protocol around the copies cost.
     pub save_busy_ns: AtomicU64,
     /// The same for the load thread.
     pub load_busy_ns: AtomicU64,
@@ -449,6 +450,7 @@ impl GpuService {
                 next_queue = q + 1;
                 let (shard, id, bytes) =
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
+                let submitted = Instant::now();
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
                     Ok(event) => {
@@ -464,6 +466,7 @@ impl GpuService {
                             checksums: None,
                             _memory: memory,
                         });
+                        busy_since.get_or_insert(submitted);
                         if save {
                             let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
@@ -510,14 +513,13 @@ impl GpuService {
                 undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
                 progressed = true;
             }
-            match (inflight.is_empty(), busy_since) {
-                (false, None) => busy_since = Some(Instant::now()),
-                (true, Some(t)) => {
-                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                    busy_ns.fetch_add(ns, Ordering::Relaxed);
-                    busy_since = None;
-                }
-                _ => {}
+            // Busy time is added as it passes (the counter moves under sustained load too);
+            // an interval ends once no job is in flight.
+            if let Some(t) = busy_since {
+                let now = Instant::now();
+                let ns = u64::try_from(now.duration_since(t).as_nanos()).unwrap_or(u64::MAX);
+                busy_ns.fetch_add(ns, Ordering::Relaxed);
+                busy_since = (!inflight.is_empty()).then_some(now);
             }
             progressed |= self.deliver(doorbells, undelivered);
             if progressed {
