@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
 use crate::dma_interference::{InterferenceResult, InterferenceRow, MatmulLoop};
+use crate::dma_server::median;
 use crate::error::Error;
 use crate::report::Report;
 
@@ -425,11 +426,6 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     } else {
         0.0
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 struct Bench {
