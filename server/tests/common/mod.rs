@@ -162,6 +162,27 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("--- server log ({}) ---\n{}", self.socket.display(), self.log());
+            if let Some(c) = &self.child {
+                match self.try_admin("stats") {
+                    Ok(v) => eprintln!("--- server stats ---\n{v}"),
+                    Err(e) => eprintln!("--- server stats: {e} ---"),
+                }
+                // What each server thread is doing (state and kernel wait channel).
+                let tasks = format!("/proc/{}/task", c.id());
+                for t in std::fs::read_dir(&tasks).into_iter().flatten().flatten() {
+                    let p = t.path();
+                    let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+                    let stat = read("stat");
+                    let state = stat.rsplit(')').next().unwrap_or("").split_whitespace().next();
+                    eprintln!(
+                        "thread {} {:?} state {:?} wchan {}",
+                        t.file_name().to_string_lossy(),
+                        read("comm").trim(),
+                        state,
+                        read("wchan")
+                    );
+                }
+            }
         }
         if let Some(mut c) = self.child.take() {
             let pid = nix::unistd::Pid::from_raw(c.id() as i32);
