@@ -26,10 +26,7 @@ pub type MeshRequest = (u64, ShardOp);
 /// A reply sent over the mesh: (request id, reply).
 pub type MeshReply = (u64, ShardReply);
 
-/// How long an executor polls glommio's reactor (timers included) before parking on io_uring.
-/// The shard loop never awaits a glommio timer longer than 1 us (its naps and sleeps block on
-/// the doorbell instead), so with this much spin glommio sees the timer fire without parking:
-/// a parked executor that misses its timer's completion would never wake.
+/// How long an executor with a core of its own polls glommio's reactor before parking.
 const SPIN_BEFORE_PARK: Duration = Duration::from_micros(100);
 /// Most requests taken from one session per poll round (fairness between sessions).
 const REQUESTS_PER_ROUND: usize = 16;
@@ -85,10 +82,13 @@ pub fn spawn(ctx: ShardContext) -> Result<glommio::ExecutorJoinHandle<()>, Strin
     let id = ctx.id;
     let cpu = ctx.cpu;
     let io_memory = ctx.io_memory;
-    // glommio polls its reactor (timers, mesh messages) for a while before blocking in the
-    // kernel, so a message from another shard or the loop's 1 us timer is seen without a
-    // park (both idle policies: the loop's own sleeps block on the doorbell, not in glommio).
-    let spin_before_park = SPIN_BEFORE_PARK;
+    // With a core of its own, glommio polls its reactor (timers, mesh messages) for a while
+    // before blocking in the kernel, so a message from another shard or a short timer is seen
+    // within a microsecond instead of after a kernel wake-up.
+    let spin_before_park = match ctx.idle {
+        IdlePolicy::Poll => SPIN_BEFORE_PARK,
+        IdlePolicy::Sleep => Duration::ZERO,
+    };
     let slot = Arc::new(Mutex::new(Some(ctx)));
     let start = |placement: Placement, pinned: Option<usize>| {
         let slot = Arc::clone(&slot);
@@ -364,17 +364,8 @@ async fn run(ctx: ShardContext) {
             // arrived while this thread was blocked are only seen there.
             glommio::timer::sleep(Duration::from_micros(1)).await;
         } else {
-            // Naps block on the doorbell (with the nap as its timeout), not on a glommio timer:
-            // a glommio executor parked on a timer whose completion it misses never wakes
-            // (seen under load on the 2-vCPU VM: a shard stopped answering with its thread in
-            // io_cqring_wait), and requests from clients cannot wake it. The doorbell's poll
-            // has its own timeout, and producers ring it while the word is set.
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
-            let e = &exec;
-            if e.shared.doorbells.sleep(id, nap, || e.has_work(&control)) {
-                last_work = Instant::now();
-            }
-            glommio::timer::sleep(Duration::from_micros(1)).await;
+            glommio::timer::sleep(nap).await;
         }
     }
     exec.sessions.borrow_mut().clear();
