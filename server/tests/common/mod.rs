@@ -174,12 +174,15 @@ impl Drop for TestServer {
                     let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
                     let stat = read("stat");
                     let state = stat.rsplit(')').next().unwrap_or("").split_whitespace().next();
+                    // `syscall`: the number and arguments of a blocking call (the fd an
+                    // io_uring_enter waits on, to tell glommio's rings from the SSD ring).
                     eprintln!(
-                        "thread {} {:?} state {:?} wchan {}",
+                        "thread {} {:?} state {:?} wchan {} syscall {}",
                         t.file_name().to_string_lossy(),
                         read("comm").trim(),
                         state,
-                        read("wchan")
+                        read("wchan"),
+                        read("syscall").trim()
                     );
                 }
             }
