@@ -33,7 +33,8 @@ impl TestServer {
             .arg(&self.socket)
             .args(["--no-lock-arena"])
             .args(args)
-            .env("ORBITKV_LOG", "info")
+            // The SSD ring's descriptor (debug) goes into the log, for the failure dump.
+            .env("ORBITKV_LOG", "info,orbitkv_shards::ssd::ring=debug")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -119,9 +119,13 @@ impl std::fmt::Debug for SsdRing {
 impl SsdRing {
     /// A ring of `depth` entries (at most `depth` operations in flight).
     pub fn new(depth: u32) -> std::io::Result<Self> {
+        // Two entries per operation: an injected delay is a linked timeout before it.
+        let ring = IoUring::new(depth.saturating_mul(2).max(2))?;
+        // Its descriptor tells this ring from the executor's own rings in a thread's
+        // /proc/<pid>/task/<tid>/syscall when a shard is found blocked in io_uring_enter.
+        tracing::debug!(fd = std::os::fd::AsRawFd::as_raw_fd(&ring), depth, "SSD io_uring ring");
         Ok(Self {
-            // Two entries per operation: an injected delay is a linked timeout before it.
-            ring: IoUring::new(depth.saturating_mul(2).max(2))?,
+            ring,
             inflight: HashMap::new(),
             blocks: HashMap::new(),
             next_id: 1,
