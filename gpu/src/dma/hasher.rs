@@ -10,17 +10,21 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::checksum::{HashTables, CHUNK_RECORD, MIN_LEN, ROW_BYTES};
-use super::ffi::{self, ChecksumKernels, DeviceBuffer, PinnedHost, Way};
-use super::plan::Piece;
+use super::ffi::{self, ChecksumKernels, CopyKernel, DeviceBuffer, PinnedHost, Way};
+use super::plan::{KernelDesc, Piece};
 use super::DmaError;
 
 /// Submissions in flight at once; the next one waits for the oldest (its tables and scratch).
 const SLOTS: usize = 2;
+/// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
+const PULL_PIECE: usize = 4096;
 
 /// Memory of one submission: its tables (pinned and on the device) and scratch rows. The
 /// results go to the ticket's own pinned buffer.
 struct Slot {
     tables_host: PinnedHost,
+    /// The pull's descriptors (mapped pinned memory, read in place by the copy kernel).
+    pull_descs: PinnedHost,
     tables: DeviceBuffer,
     scratch: DeviceBuffer,
     /// The slot's last submission finished (tables and scratch reusable).
@@ -77,6 +81,9 @@ impl Drop for ChecksumTicket {
 pub struct ChunkHasher {
     ctx: Arc<CudaContext>,
     kernels: ChecksumKernels,
+    /// Pulls the tables from mapped pinned memory onto the device; None when it did not load
+    /// (then they are uploaded with a copy).
+    pull: Option<CopyKernel>,
     stream: Arc<CudaStream>,
     slots: Vec<Slot>,
     next: usize,
@@ -113,10 +120,14 @@ impl ChunkHasher {
             ));
         }
         let kernels = ChecksumKernels::load(ctx)?;
+        let pull = CopyKernel::load(ctx)
+            .map_err(|e| tracing::warn!(error = %e, "checksum tables go up by copy: segment copy kernel not loaded"))
+            .ok();
         let mut slots = Vec::with_capacity(SLOTS);
         for _ in 0..SLOTS {
             slots.push(Slot {
                 tables_host: PinnedHost::new(ctx, 64 << 10)?,
+                pull_descs: PinnedHost::new(ctx, 4 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
@@ -125,6 +136,7 @@ impl ChunkHasher {
         Ok(Self {
             ctx: Arc::clone(ctx),
             kernels,
+            pull,
             // Default, i.e. lowest, priority: the copy engine's gather and scatter kernels
             // take SMs first.
             stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
@@ -171,23 +183,54 @@ impl ChunkHasher {
         at_least(&self.ctx, &mut slot.tables, table_len)?;
         at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
+        let pull_count = table_len.div_ceil(PULL_PIECE);
+        if self.pull.is_some() {
+            if slot.pull_descs.len() < pull_count * KernelDesc::BYTES {
+                slot.pull_descs = PinnedHost::new(
+                    &self.ctx,
+                    (pull_count * KernelDesc::BYTES).next_power_of_two(),
+                )?;
+            }
+            let descs = slot.pull_descs.bytes_mut();
+            for (i, out) in descs.chunks_exact_mut(KernelDesc::BYTES).take(pull_count).enumerate() {
+                let at = i * PULL_PIECE;
+                KernelDesc {
+                    src: slot.tables_host.addr() + at as u64,
+                    dst: slot.tables.ptr() + at as u64,
+                    len: (table_len - at).min(PULL_PIECE) as u64,
+                }
+                .write_to(out);
+            }
+        }
         let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let stream = &self.stream;
         let chunks_at = slot.tables.ptr();
         let segs_at = chunks_at + (n * CHUNK_RECORD) as u64;
         let kernels = &self.kernels;
+        let pull = self.pull.as_ref();
         let rows = self.tables.rows;
         let enqueue = || -> Result<(), DmaError> {
-            // SAFETY: the pinned table and the device table belong to the slot, free (waited
-            // on `done` above) until `done` is recorded again below.
-            unsafe {
-                ffi::copy_async(
-                    Way::HostToDevice,
-                    chunks_at,
-                    slot.tables_host.addr(),
-                    table_len,
-                    stream,
-                )?;
+            match pull {
+                // The tables come over by the copy kernel, its warps reading the mapped pinned
+                // tables (and their own descriptors) in place. A copy would be a host-to-device
+                // copy, which beside a load queues behind the load's data on the copy engine,
+                // and the save's checksums (so the save) would wait a whole load batch.
+                // SAFETY: the pinned tables and descriptors and the device tables belong to
+                // the slot, free (waited on `done` above) until `done` is recorded below.
+                Some(k) => unsafe {
+                    let grid = (pull_count as u32).div_ceil(8).max(1);
+                    k.launch(stream, slot.pull_descs.addr(), pull_count as u32, grid, 256)?;
+                },
+                // SAFETY: as above.
+                None => unsafe {
+                    ffi::copy_async(
+                        Way::HostToDevice,
+                        chunks_at,
+                        slot.tables_host.addr(),
+                        table_len,
+                        stream,
+                    )?;
+                },
             }
             // The merge kernel writes the checksums straight into the pinned results (host
             // memory is mapped at the same address under unified addressing): a copy back
