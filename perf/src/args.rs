@@ -148,10 +148,11 @@ pub(crate) struct DmaArgs {
     /// and after the saves checks that the group prefix (every rank's chunks) is complete.
     #[arg(long, value_name = "DIR", requires = "socket")]
     pub barrier: Option<PathBuf>,
-    /// With `--socket`: also save half of the chunks while loading the other half, both at
-    /// once (as an engine does while it prefills some requests and finishes others), against
-    /// a contiguous copy each way at the same time.
-    #[arg(long, requires = "socket")]
+    /// Also save half of the chunks while loading the other half, both at once (as an engine
+    /// does while it prefills some requests and finishes others), against a contiguous copy
+    /// each way at the same time: through the server with `--socket`, else on two copy
+    /// engines in this process (each strategy, and a one-entry batched copy each way).
+    #[arg(long)]
     pub duplex: bool,
     /// With `--socket`: also save and load without CUDA IPC, as an engine in a container
     /// without host IPC would: this process registers its own mapping of the arena with CUDA,

@@ -172,6 +172,37 @@ pub(crate) struct DmaReport {
     pub checksums: Option<ChecksumResult>,
     /// With `--engine-copies`: the engine-side path (no CUDA IPC) through the server.
     pub engine_copies: Option<crate::dma_engine_copies::EngineCopiesResult>,
+    /// With `--duplex` in a local run: a save beside a load in this process, each way.
+    pub duplex: Option<LocalDuplex>,
+}
+
+/// A save of the first half of the chunks on one copy engine while the second half loads on
+/// another (as the server's two DMA threads run them), against both contiguous copies at once.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct LocalDuplex {
+    /// Median GB/s of both contiguous copies at once (plain `cuMemcpy*Async`, one per way).
+    pub ceiling_gbps: f64,
+    /// Rows: `contiguous-batch-call` (each way's contiguous copy as a one-entry
+    /// `cuMemcpyBatchAsync`, which the staged and batched copies use), then each strategy.
+    pub rows: Vec<DuplexRow>,
+}
+
+/// One way of running the duplex.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct DuplexRow {
+    /// How both halves were copied.
+    pub strategy: &'static str,
+    /// Median GB/s of both together.
+    pub gbps: f64,
+    /// That against the duplex ceiling.
+    pub ratio: f64,
+    /// Median GB/s of the save half alone and of the load half alone, timed beside each other
+    /// (each from the shared start to its own end).
+    pub save_gbps: f64,
+    /// See `save_gbps`.
+    pub load_gbps: f64,
+    /// Wrong bytes after the series (saved slots and loaded tensors checked).
+    pub mismatched_bytes: u64,
 }
 
 /// The GPU checksum kernels in a local run: every chunk's checksum against
@@ -317,6 +348,16 @@ impl Report for DmaReport {
                 c.register_ms
             )?;
         }
+        if let Some(d) = &self.duplex {
+            writeln!(out, "duplex (save beside load, local): ceiling {:.2} GB/s", d.ceiling_gbps)?;
+            for r in &d.rows {
+                writeln!(
+                    out,
+                    "  {:<22} {:>7.2} GB/s ({:.3})  save {:.2}  load {:.2}  mismatched {}",
+                    r.strategy, r.gbps, r.ratio, r.save_gbps, r.load_gbps, r.mismatched_bytes
+                )?;
+            }
+        }
         if let Some(i) = &self.interference {
             writeln!(
                 out,
@@ -358,6 +399,7 @@ impl Report for DmaReport {
                 .engine_copies
                 .as_ref()
                 .is_none_or(|c| c.failures == 0 && c.mismatched_bytes == 0)
+            && self.duplex.as_ref().is_none_or(|d| d.rows.iter().all(|r| r.mismatched_bytes == 0))
     }
 }
 
@@ -645,6 +687,82 @@ impl Bench {
             }
         }
         Ok(median(runs))
+    }
+
+    /// A save of the first half of the chunks (on `other`) beside a load of the second half
+    /// (on the bench's engine), each way in `strategies`, after one plain contiguous copy each
+    /// way at once (the ceiling) and one one-entry batched copy each way at once.
+    fn local_duplex(
+        &mut self,
+        other: &mut CopyEngine,
+        ceiling_gbps: f64,
+        strategies: &[(&'static str, Strategy)],
+    ) -> Result<LocalDuplex, Error> {
+        let nchunks = self.chunks.len();
+        let per_chunk = self.pieces.len() / nchunks.max(1);
+        let split = per_chunk * (nchunks / 2);
+        let half = self.chunk_len * (nchunks as u64 / 2);
+        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
+        let device = self.contiguous.ptr();
+        let whole = [
+            Piece { device, host, len: half },
+            Piece { device: device + half, host: host + half, len: self.bytes - half },
+        ];
+        let mut rows = Vec::new();
+        let ways = std::iter::once(("contiguous-batch-call", None))
+            .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
+        for (name, strategy) in ways {
+            let (save_pieces, load_pieces) = match strategy {
+                None => (&whole[..1], &whole[1..]),
+                Some(_) => (&self.pieces[..split], &self.pieces[split..]),
+            };
+            let strategy = strategy.unwrap_or(Strategy::Batched);
+            let (mut both, mut saves, mut loads) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..=self.iterations {
+                // Each way from its own thread, as the server's two DMA threads: submitting a
+                // staged job waits for its staging halves, so one thread would submit the load
+                // only once the save was nearly through.
+                let t = Instant::now();
+                let engine = &mut self.engine;
+                let (save_s, load_s) = std::thread::scope(|scope| {
+                    let save = scope.spawn(|| -> Result<f64, Error> {
+                        let e = unsafe_submit(other, Direction::Save, save_pieces, strategy)?.0;
+                        e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+                        Ok(t.elapsed().as_secs_f64())
+                    });
+                    let load = (|| -> Result<f64, Error> {
+                        let e = unsafe_submit(engine, Direction::Load, load_pieces, strategy)?.0;
+                        e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+                        Ok(t.elapsed().as_secs_f64())
+                    })();
+                    let save = save.join().expect("the save thread does not panic");
+                    (save, load)
+                });
+                let (save_s, load_s) = (save_s?, load_s?);
+                let total = t.elapsed().as_secs_f64();
+                if i > 0 {
+                    both.push(gbps(self.bytes, total));
+                    saves.push(gbps(half, save_s.min(total)));
+                    loads.push(gbps(self.bytes - half, load_s.min(total)));
+                }
+            }
+            // The series rewrote half the slots and half the blocks with the bytes they held.
+            let mismatched_bytes = if name == "contiguous-batch-call" {
+                0
+            } else {
+                self.verify(Direction::Save)? + self.verify(Direction::Load)?
+            };
+            let g = median(both);
+            rows.push(DuplexRow {
+                strategy: name,
+                gbps: g,
+                ratio: if ceiling_gbps > 0.0 { g / ceiling_gbps } else { 0.0 },
+                save_gbps: median(saves),
+                load_gbps: median(loads),
+                mismatched_bytes,
+            });
+        }
+        Ok(LocalDuplex { ceiling_gbps, rows })
     }
 
     /// One contiguous copy of the operation's bytes (the ceiling's copy); GB/s.
@@ -968,6 +1086,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let mut interference = None;
     let mut checksums = None;
     let mut engine_copies = None;
+    let mut duplex = None;
     if a.socket.is_some() {
         // The group's ranks measure their ceilings together: the links they share are part
         // of what they can reach together.
@@ -1046,6 +1165,13 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         let save_ceiling = results[0].ceiling_gbps;
         checksums = bench.checksums(save_ceiling)?;
         mismatched += checksums.as_ref().map_or(0, |c| c.mismatches);
+        if a.duplex {
+            let ceiling = bench.duplex_ceiling(&ctx, a)?;
+            let mut other = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+            let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
+            mismatched += d.rows.iter().map(|r| r.mismatched_bytes).sum::<u64>();
+            duplex = Some(d);
+        }
         if a.interference {
             interference = Some(bench.interference(a.device, &strategies)?);
             // The loads under the matmul rewrote the tensors: check them once more.
@@ -1084,6 +1210,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         interference,
         checksums,
         engine_copies,
+        duplex,
     })
 }
 
