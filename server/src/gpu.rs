@@ -1,8 +1,8 @@
-//! GPU save/load: the engine registrations and the CUDA/DMA thread pair.
+//! GPU save/load: the engine registrations and the CUDA/DMA thread pairs, one pair per device.
 //!
-//! `gpu-d2h` runs saves (engine pages -> arena slots) and `gpu-h2d` loads. Each owns one copy
-//! engine (streams, staging buffers, events) per device, takes jobs from one bounded SPSC queue
-//! per shard, plans the pieces itself (off the shard cores), and hands each completion back on
+//! `gpu-d2h-D` runs the saves of device D (engine pages -> arena slots) and `gpu-h2d-D` its
+//! loads. Each owns the device's copy engine for its direction (streams, staging buffers,
+//! events), takes jobs from one bounded SPSC queue per shard, plans the pieces itself (off the shard cores), and hands each completion back on
 //! the shard's completion queue, ringing its doorbell. A job's engine memory is held (an `Arc`
 //! of the imported mapping) until its CUDA event completes; its arena slots are held by the
 //! request that submitted it, which waits for the completion before committing, aborting or
@@ -155,20 +155,21 @@ pub struct GpuCounters {
     pub load_busy_ns: AtomicU64,
 }
 
-/// One of the two DMA threads.
+/// One DMA thread (one direction of one device).
 struct Worker {
     queues: Vec<ArrayQueue<GpuJob>>,
     thread: OnceLock<std::thread::Thread>,
 }
 
-/// Registrations and the DMA thread pair.
+/// Registrations and the DMA thread pairs.
 pub struct GpuService {
     devices: Vec<DeviceInfo>,
     contexts: Vec<Arc<CudaContext>>,
     arena: Arc<Arena>,
     registry: Mutex<Registry<Arc<EngineMemory>>>,
     limits: GpuLimits,
-    workers: [Worker; 2],
+    /// Device `d`'s save thread at `2 * d`, its load thread at `2 * d + 1` (see [`worker_of`]).
+    workers: Vec<Worker>,
     completions: Vec<ArrayQueue<GpuDone>>,
     stop: AtomicBool,
     /// A GPU checksum failed its check on a shard: saves' checksums stay on the shards until
@@ -183,6 +184,15 @@ impl std::fmt::Debug for GpuService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuService").field("devices", &self.devices).finish_non_exhaustive()
     }
+}
+
+/// Index of device `device`'s thread for `direction` in `GpuService::workers`.
+fn worker_of(device: usize, direction: Direction) -> usize {
+    2 * device
+        + match direction {
+            Direction::Save => 0,
+            Direction::Load => 1,
+        }
 }
 
 fn layout_desc(spec: &KvLayoutSpec) -> LayoutDesc {
@@ -222,15 +232,19 @@ impl GpuService {
             queues: (0..shards).map(|_| ArrayQueue::new(limits.queue_depth)).collect(),
             thread: OnceLock::new(),
         };
+        let workers: Vec<Worker> = (0..2 * contexts.len()).map(|_| worker()).collect();
+        let threads = workers.len();
         Ok(Arc::new(Self {
             devices,
             contexts,
             arena,
             registry: Mutex::new(Registry::new(limits.max_registrations)),
             limits,
-            workers: [worker(), worker()],
-            // Room for the queued jobs of both threads; a worker keeps what does not fit.
-            completions: (0..shards).map(|_| ArrayQueue::new(2 * limits.queue_depth)).collect(),
+            workers,
+            // Room for the queued jobs of every thread; a worker keeps what does not fit.
+            completions: (0..shards)
+                .map(|_| ArrayQueue::new(threads * limits.queue_depth))
+                .collect(),
             stop: AtomicBool::new(false),
             checksums_distrusted: AtomicBool::new(false),
             handles: Mutex::new(Vec::new()),
@@ -238,24 +252,29 @@ impl GpuService {
         }))
     }
 
-    /// Starts `gpu-d2h` and `gpu-h2d`. Their copy engines are created on the threads.
+    /// Starts `gpu-d2h-D` and `gpu-h2d-D` for every device D. Their copy engines are created on
+    /// the threads. One pair per device: a thread submitting to two devices' engines waits for
+    /// one device's staging buffer while the other has nothing queued (two ranks saving 2 KiB
+    /// pages through one pair reached 0.53 of the two links together).
     pub fn start(self: &Arc<Self>, doorbells: Arc<Doorbells>) -> Result<(), String> {
-        for (i, (name, direction)) in
-            [("gpu-d2h", Direction::Save), ("gpu-h2d", Direction::Load)].into_iter().enumerate()
-        {
-            let svc = Arc::clone(self);
-            let bells = Arc::clone(&doorbells);
-            let handle = std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || svc.run_worker(i, direction, &bells))
-                .map_err(|e| format!("starting {name}: {e}"))?;
-            let _ = self.workers[i].thread.set(handle.thread().clone());
-            self.handles.lock().expect("never poisoned").push(handle);
+        for device in 0..self.devices.len() {
+            for (name, direction) in [("gpu-d2h", Direction::Save), ("gpu-h2d", Direction::Load)] {
+                let i = worker_of(device, direction);
+                let name = format!("{name}-{device}");
+                let svc = Arc::clone(self);
+                let bells = Arc::clone(&doorbells);
+                let handle = std::thread::Builder::new()
+                    .name(name.clone())
+                    .spawn(move || svc.run_worker(i, direction, &bells))
+                    .map_err(|e| format!("starting {name}: {e}"))?;
+                let _ = self.workers[i].thread.set(handle.thread().clone());
+                self.handles.lock().expect("never poisoned").push(handle);
+            }
         }
         Ok(())
     }
 
-    /// Stops both threads after their jobs in flight have completed.
+    /// Stops every DMA thread after its jobs in flight have completed.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
         for w in &self.workers {
@@ -361,9 +380,11 @@ impl GpuService {
         n
     }
 
-    /// Queues a job on the thread for `direction`; gives it back when the queue is full.
+    /// Queues a job on the thread for its device and `direction`; gives it back when the queue
+    /// is full.
     pub fn submit(&self, direction: Direction, job: GpuJob) -> Result<(), GpuJob> {
-        let w = &self.workers[direction as usize];
+        // `job.device` comes from a registration, which exists only for the opened devices.
+        let w = &self.workers[worker_of(job.device, direction)];
         let shard = job.shard;
         w.queues[shard].push(job)?;
         if let Some(t) = w.thread.get() {

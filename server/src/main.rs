@@ -218,7 +218,10 @@ fn run(settings: Settings) -> Result<(), String> {
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;
-        tracing::info!(devices = devices.len(), "GPU save/load ready (gpu-d2h, gpu-h2d)");
+        tracing::info!(
+            devices = devices.len(),
+            "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
+        );
         let _ = shared.gpu_service.set(service);
     }
     if let Some(ssd) = &settings.ssd {
