@@ -152,7 +152,12 @@ fn stats(shared: &Shared) -> Value {
         .iter()
         .enumerate()
         .map(|(id, s)| match s {
-            None => json!({"id": id, "answering": false}),
+            None => {
+                // Where its loop was last: tells a shard stuck in a task from one that stopped
+                // being scheduled.
+                let (iteration, stage) = shared.doorbells.last_beat(id);
+                json!({"id": id, "answering": false, "loop_iteration": iteration, "loop_stage": stage})
+            }
             Some(s) => {
                 let st = &s.stats;
                 let errors: Map<String, Value> =

@@ -21,6 +21,42 @@ pub struct Doorbells {
     arena: Arc<Arena>,
     fds: Vec<EventFd>,
     mesh_pending: Vec<AtomicU64>,
+    /// Each shard loop's last mark: its iteration count shifted left by 8, ORed with where it
+    /// was ([`LoopStage`]); read when the shard does not answer.
+    beats: Vec<AtomicU64>,
+}
+
+/// Where a shard's loop was last (see [`Doorbells::beat`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LoopStage {
+    /// Taking work (control messages, requests, completions, SSD, maintenance).
+    Working = 1,
+    /// Yielding to its tasks after work.
+    YieldAfterWork = 2,
+    /// Yielding to its tasks while spinning idle.
+    YieldSpinning = 3,
+    /// Blocked on its doorbell, sleeping.
+    Sleeping = 4,
+    /// Yielding to its tasks after a sleep.
+    YieldAfterSleep = 5,
+    /// Napping on a glommio timer.
+    Napping = 6,
+}
+
+impl LoopStage {
+    /// The stage's name, for stats.
+    pub fn name(raw: u8) -> &'static str {
+        match raw {
+            1 => "working",
+            2 => "yield-after-work",
+            3 => "yield-spinning",
+            4 => "sleeping",
+            5 => "yield-after-sleep",
+            6 => "napping",
+            _ => "not started",
+        }
+    }
 }
 
 impl Doorbells {
@@ -33,7 +69,12 @@ impl Doorbells {
         for i in 0..shards {
             arena.doorbell(i).store(0, Ordering::SeqCst);
         }
-        Ok(Self { arena, fds, mesh_pending: (0..shards).map(|_| AtomicU64::new(0)).collect() })
+        Ok(Self {
+            arena,
+            fds,
+            mesh_pending: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            beats: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+        })
     }
 
     /// The eventfd of `shard`, to pass to clients homed there.
@@ -57,6 +98,17 @@ impl Doorbells {
     /// Call when `shard` took a mesh message out.
     pub fn mesh_received(&self, shard: usize) {
         self.mesh_pending[shard].fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Records where `shard`'s loop is, in its `iteration`.
+    pub fn beat(&self, shard: usize, iteration: u64, stage: LoopStage) {
+        self.beats[shard].store(iteration << 8 | stage as u64, Ordering::Relaxed);
+    }
+
+    /// `shard`'s last mark: its loop iteration and stage name.
+    pub fn last_beat(&self, shard: usize) -> (u64, &'static str) {
+        let b = self.beats[shard].load(Ordering::Relaxed);
+        (b >> 8, LoopStage::name(b as u8))
     }
 
     /// Mesh messages queued for `shard` and not yet taken out.

@@ -18,6 +18,7 @@ use iceoryx2::prelude::*;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
 
+use crate::doorbell::LoopStage;
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
 use crate::shared::{ControlMsg, ShardSnapshot, Shared};
 
@@ -306,7 +307,13 @@ async fn run(ctx: ShardContext) {
     tracing::info!(shard = id, cpu = ?cpu, "shard serving");
 
     let mut last_work = Instant::now();
+    // Where the loop is, for `ctl stats` when the shard stops answering.
+    let mut iteration = 0u64;
+    let doorbells = Arc::clone(&exec.shared.doorbells);
+    let beat = |iteration: u64, stage: LoopStage| doorbells.beat(id, iteration, stage);
     loop {
+        iteration += 1;
+        beat(iteration, LoopStage::Working);
         let mut work = 0usize;
         let mut stop = false;
         while let Ok(msg) = control.try_recv() {
@@ -331,6 +338,7 @@ async fn run(ctx: ShardContext) {
         }
         if work > 0 {
             last_work = Instant::now();
+            beat(iteration, LoopStage::YieldAfterWork);
             if shards > 1 {
                 // Through the reactor: a plain yield keeps running this executor's tasks and
                 // polls the reactor only when glommio's preemption timer fires (100 ms), so
@@ -343,6 +351,7 @@ async fn run(ctx: ShardContext) {
         }
         let idle = last_work.elapsed();
         if idle < spin_window {
+            beat(iteration, LoopStage::YieldSpinning);
             if shards > 1 {
                 // Spin through glommio's reactor: requests and replies from other shards are
                 // only seen when it is polled, which a plain yield does not do.
@@ -356,15 +365,18 @@ async fn run(ctx: ShardContext) {
         {
             let e = &exec;
             e.deep_sleeps.set(e.deep_sleeps.get() + 1);
+            beat(iteration, LoopStage::Sleeping);
             if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(&control)) {
                 e.doorbell_wakeups.set(e.doorbell_wakeups.get() + 1);
                 last_work = Instant::now();
             }
+            beat(iteration, LoopStage::YieldAfterSleep);
             // Go through glommio's reactor (a plain yield may not poll it): mesh messages that
             // arrived while this thread was blocked are only seen there.
             glommio::timer::sleep(Duration::from_micros(1)).await;
         } else {
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
+            beat(iteration, LoopStage::Napping);
             glommio::timer::sleep(nap).await;
         }
     }

@@ -164,9 +164,12 @@ impl Drop for TestServer {
         if std::thread::panicking() {
             eprintln!("--- server log ({}) ---\n{}", self.socket.display(), self.log());
             if let Some(c) = &self.child {
-                match self.try_admin("stats") {
-                    Ok(v) => eprintln!("--- server stats ---\n{v}"),
-                    Err(e) => eprintln!("--- server stats: {e} ---"),
+                for _ in 0..2 {
+                    match self.try_admin("stats") {
+                        Ok(v) => eprintln!("--- server stats ---\n{v}"),
+                        Err(e) => eprintln!("--- server stats: {e} ---"),
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
                 }
                 // What each server thread is doing (state and kernel wait channel).
                 let tasks = format!("/proc/{}/task", c.id());
@@ -185,6 +188,14 @@ impl Drop for TestServer {
                         read("wchan"),
                         read("syscall").trim()
                     );
+                }
+                // Where in user space, when gdb is installed (it is not needed otherwise).
+                let bt = Command::new("gdb")
+                    .args(["-batch", "-p", &c.id().to_string(), "-ex", "thread apply all bt 30"])
+                    .stdin(Stdio::null())
+                    .output();
+                if let Ok(out) = bt {
+                    eprintln!("--- gdb backtraces ---\n{}", String::from_utf8_lossy(&out.stdout));
                 }
             }
         }
