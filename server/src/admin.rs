@@ -156,7 +156,8 @@ fn stats(shared: &Shared) -> Value {
                 // Where its loop was last: tells a shard stuck in a task from one that stopped
                 // being scheduled.
                 let (iteration, stage) = shared.doorbells.last_beat(id);
-                json!({"id": id, "answering": false, "loop_iteration": iteration, "loop_stage": stage})
+                json!({"id": id, "answering": false, "loop_iteration": iteration, "loop_stage": stage,
+                       "executor_nudges": shared.doorbells.nudges(id)})
             }
             Some(s) => {
                 let st = &s.stats;
@@ -177,6 +178,7 @@ fn stats(shared: &Shared) -> Value {
                 json!({
                     "id": id,
                     "answering": true,
+                    "executor_nudges": shared.doorbells.nudges(id),
                     "core": s.core,
                     "sessions": s.sessions,
                     "dram_capacity_bytes": st.dram_capacity_bytes,

@@ -8,12 +8,16 @@
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::Waker;
 use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use orbitkv_shards::Arena;
+
+/// Consecutive watchdog looks at a shard loop that did not move before it is logged.
+const STALL_WARN_AFTER: u32 = 5;
 
 /// Every shard's eventfd plus the in-process mesh message counters.
 #[derive(Debug)]
@@ -24,6 +28,10 @@ pub struct Doorbells {
     /// Each shard loop's last mark: its iteration count shifted left by 8, ORed with where it
     /// was ([`LoopStage`]); read when the shard does not answer.
     beats: Vec<AtomicU64>,
+    /// Each shard executor's nudge task, woken from the watchdog thread (see [`watch`]).
+    nudge_wakers: Vec<Mutex<Option<Waker>>>,
+    /// Nudges sent to each shard.
+    nudges: Vec<AtomicU64>,
 }
 
 /// Where a shard's loop was last (see [`Doorbells::beat`]).
@@ -74,6 +82,8 @@ impl Doorbells {
             fds,
             mesh_pending: (0..shards).map(|_| AtomicU64::new(0)).collect(),
             beats: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            nudge_wakers: (0..shards).map(|_| Mutex::new(None)).collect(),
+            nudges: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -111,6 +121,63 @@ impl Doorbells {
         (b >> 8, LoopStage::name(b as u8))
     }
 
+    /// Stores the waker of `shard`'s nudge task (called by that task each time it is polled).
+    pub fn arm_nudge(&self, shard: usize, waker: &Waker) {
+        let mut slot = self.nudge_wakers[shard].lock().expect("nudge lock is never poisoned");
+        if !slot.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            *slot = Some(waker.clone());
+        }
+    }
+
+    /// Forgets `shard`'s nudge task; its executor calls this before it stops, so that the
+    /// waker is dropped on its own thread.
+    pub fn disarm_nudge(&self, shard: usize) {
+        self.nudge_wakers[shard].lock().expect("nudge lock is never poisoned").take();
+    }
+
+    /// Nudges sent to `shard` so far.
+    pub fn nudges(&self, shard: usize) -> u64 {
+        self.nudges[shard].load(Ordering::Relaxed)
+    }
+
+    /// Wakes the nudge task of each shard whose loop has not moved since `last` was taken
+    /// and is not blocked on its doorbell; updates `last`. Returns how many were nudged.
+    fn nudge_stalled(&self, last: &mut [(u64, u32)]) -> usize {
+        let mut nudged = 0;
+        for (shard, (seen, streak)) in last.iter_mut().enumerate() {
+            let beat = self.beats[shard].load(Ordering::Relaxed);
+            let stage = beat as u8;
+            let stalled = beat == *seen
+                && stage != 0
+                && stage != LoopStage::Sleeping as u8
+                && *seen != u64::MAX;
+            *seen = beat;
+            if !stalled {
+                *streak = 0;
+                continue;
+            }
+            *streak += 1;
+            if *streak == STALL_WARN_AFTER {
+                tracing::warn!(
+                    shard,
+                    stage = LoopStage::name(stage),
+                    iteration = beat >> 8,
+                    nudges = self.nudges(shard),
+                    "shard loop stood still through {STALL_WARN_AFTER} watchdog looks (its core \
+                     busy elsewhere, or its executor parked with work queued); nudging it"
+                );
+            }
+            let waker =
+                self.nudge_wakers[shard].lock().expect("nudge lock is never poisoned").clone();
+            if let Some(w) = waker {
+                w.wake();
+                self.nudges[shard].fetch_add(1, Ordering::Relaxed);
+                nudged += 1;
+            }
+        }
+        nudged
+    }
+
     /// Mesh messages queued for `shard` and not yet taken out.
     pub fn mesh_pending(&self, shard: usize) -> u64 {
         self.mesh_pending[shard].load(Ordering::SeqCst)
@@ -134,5 +201,77 @@ impl Doorbells {
         // Reset the counter (non-blocking: EAGAIN when nobody rang).
         let _ = self.fds[shard].read();
         woken
+    }
+}
+
+/// Starts the watchdog thread: every `period` it nudges each shard executor whose loop has
+/// not moved and is not asleep on its doorbell. It ends when the doorbells are dropped.
+///
+/// Why: glommio 0.9 can park an executor in the kernel while tasks are queued (a round that
+/// starts with its preemption flag raised runs nothing, and the park that follows waits for
+/// an event that never comes, all timers having fired). A wake from another thread writes
+/// the executor's eventfd, so the park returns and the queued tasks run. A nudge to a shard
+/// that was only busy costs one eventfd write and one empty poll.
+pub fn watch(doorbells: Weak<Doorbells>, period: Duration) -> std::io::Result<()> {
+    std::thread::Builder::new().name("orbitkv-watchdog".into()).spawn(move || {
+        let mut last = match doorbells.upgrade() {
+            Some(d) => vec![(u64::MAX, 0); d.beats.len()],
+            None => return,
+        };
+        loop {
+            std::thread::sleep(period);
+            match doorbells.upgrade() {
+                Some(d) => {
+                    d.nudge_stalled(&mut last);
+                }
+                None => return,
+            }
+        }
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn doorbells(shards: usize) -> Doorbells {
+        let arena = Arc::new(Arena::create(1 << 20, false).expect("arena"));
+        Doorbells::new(arena, shards).expect("doorbells")
+    }
+
+    #[test]
+    fn only_a_shard_whose_loop_stands_still_outside_its_doorbell_is_nudged() {
+        let d = doorbells(3);
+        let wakes: Vec<Arc<Count>> = (0..3).map(|_| Arc::new(Count(AtomicUsize::new(0)))).collect();
+        for (shard, w) in wakes.iter().enumerate() {
+            d.arm_nudge(shard, &Waker::from(Arc::clone(w)));
+        }
+        let mut last = vec![(u64::MAX, 0); 3];
+        d.beat(0, 1, LoopStage::Napping);
+        d.beat(1, 1, LoopStage::Sleeping);
+        // Shard 2 has not started its loop.
+        assert_eq!(d.nudge_stalled(&mut last), 0, "the first look only records the beats");
+        d.beat(1, 1, LoopStage::Sleeping);
+        assert_eq!(d.nudge_stalled(&mut last), 1, "shard 0 stood still while napping");
+        assert_eq!(wakes[0].0.load(Ordering::SeqCst), 1);
+        assert_eq!(wakes[1].0.load(Ordering::SeqCst), 0, "a shard asleep on its doorbell is left");
+        assert_eq!(wakes[2].0.load(Ordering::SeqCst), 0, "a shard not started is left");
+        d.beat(0, 2, LoopStage::Working);
+        assert_eq!(d.nudge_stalled(&mut last), 0, "shard 0 moved on");
+        assert_eq!(d.nudge_stalled(&mut last), 1, "and then stood still again");
+        assert_eq!((d.nudges(0), d.nudges(1), d.nudges(2)), (2, 0, 0));
+        d.disarm_nudge(0);
+        assert_eq!(d.nudge_stalled(&mut last), 0, "a disarmed shard is not nudged");
+        assert_eq!(wakes[0].0.load(Ordering::SeqCst), 2);
     }
 }

@@ -6,8 +6,11 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -18,7 +21,7 @@ use iceoryx2::prelude::*;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
 
-use crate::doorbell::LoopStage;
+use crate::doorbell::{Doorbells, LoopStage};
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
 use crate::shared::{ControlMsg, ShardSnapshot, Shared};
 
@@ -311,6 +314,7 @@ async fn run(ctx: ShardContext) {
     let mut iteration = 0u64;
     let doorbells = Arc::clone(&exec.shared.doorbells);
     let beat = |iteration: u64, stage: LoopStage| doorbells.beat(id, iteration, stage);
+    glommio::spawn_local(NudgeTarget { doorbells: Arc::clone(&doorbells), shard: id }).detach();
     loop {
         iteration += 1;
         beat(iteration, LoopStage::Working);
@@ -380,8 +384,26 @@ async fn run(ctx: ShardContext) {
             glommio::timer::sleep(nap).await;
         }
     }
+    doorbells.disarm_nudge(id);
     exec.sessions.borrow_mut().clear();
     tracing::info!(shard = id, "shard stopped");
+}
+
+/// A task that never ends: each poll leaves its waker where the watchdog thread finds it
+/// (see [`crate::doorbell::watch`]). Waking it from that thread is what gets a stalled
+/// executor out of its park.
+struct NudgeTarget {
+    doorbells: Arc<Doorbells>,
+    shard: usize,
+}
+
+impl Future for NudgeTarget {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.doorbells.arm_nudge(self.shard, cx.waker());
+        Poll::Pending
+    }
 }
 
 impl Exec {

@@ -32,6 +32,9 @@ use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
 use crate::shared::{ControlMsg, ServeState, Shared};
 
+/// How often the watchdog looks for a shard executor that parked with work queued.
+const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
+
 fn main() -> ExitCode {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -197,6 +200,8 @@ fn run(settings: Settings) -> Result<(), String> {
     }
     let service_prefix = format!("orbitkv/{}", std::process::id());
     let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
+    doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD)
+        .map_err(|e| format!("starting the shard watchdog thread: {e}"))?;
     let shared = Shared::new(
         settings.clone(),
         txs,
