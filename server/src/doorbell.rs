@@ -141,12 +141,13 @@ impl Doorbells {
     }
 
     /// Wakes the nudge task of each shard whose loop has not moved since `last` was taken
-    /// and is not blocked on its doorbell; updates `last`. Returns how many were nudged.
-    fn nudge_stalled(&self, last: &mut [(u64, u32)]) -> usize {
-        let mut nudged = 0;
+    /// and is not blocked on its doorbell; updates `last`.
+    fn nudge_stalled(&self, last: &mut [(u64, u32)]) -> Look {
+        let mut look = Look { nudged: 0, all_asleep: true };
         for (shard, (seen, streak)) in last.iter_mut().enumerate() {
             let beat = self.beats[shard].load(Ordering::Relaxed);
             let stage = beat as u8;
+            look.all_asleep &= stage == LoopStage::Sleeping as u8;
             let stalled = beat == *seen
                 && stage != 0
                 && stage != LoopStage::Sleeping as u8
@@ -172,10 +173,10 @@ impl Doorbells {
             if let Some(w) = waker {
                 w.wake();
                 self.nudges[shard].fetch_add(1, Ordering::Relaxed);
-                nudged += 1;
+                look.nudged += 1;
             }
         }
-        nudged
+        look
     }
 
     /// Mesh messages queued for `shard` and not yet taken out.
@@ -204,25 +205,42 @@ impl Doorbells {
     }
 }
 
+/// What one watchdog look found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Look {
+    /// Shards nudged.
+    nudged: usize,
+    /// Every shard was asleep on its doorbell.
+    all_asleep: bool,
+}
+
 /// Starts the watchdog thread: every `period` it nudges each shard executor whose loop has
-/// not moved and is not asleep on its doorbell. It ends when the doorbells are dropped.
+/// not moved and is not asleep on its doorbell; while every shard sleeps on its doorbell it
+/// looks every `asleep_period` instead (an idle server then wakes the thread rarely). It ends
+/// when the doorbells are dropped.
 ///
 /// Why: glommio 0.9 can park an executor in the kernel while tasks are queued (a round that
 /// starts with its preemption flag raised runs nothing, and the park that follows waits for
 /// an event that never comes, all timers having fired). A wake from another thread writes
 /// the executor's eventfd, so the park returns and the queued tasks run. A nudge to a shard
 /// that was only busy costs one eventfd write and one empty poll.
-pub fn watch(doorbells: Weak<Doorbells>, period: Duration) -> std::io::Result<()> {
+pub fn watch(
+    doorbells: Weak<Doorbells>,
+    period: Duration,
+    asleep_period: Duration,
+) -> std::io::Result<()> {
     std::thread::Builder::new().name("orbitkv-watchdog".into()).spawn(move || {
         let mut last = match doorbells.upgrade() {
             Some(d) => vec![(u64::MAX, 0); d.beats.len()],
             None => return,
         };
+        let mut wait = period;
         loop {
-            std::thread::sleep(period);
+            std::thread::sleep(wait);
             match doorbells.upgrade() {
                 Some(d) => {
-                    d.nudge_stalled(&mut last);
+                    let look = d.nudge_stalled(&mut last);
+                    wait = if look.all_asleep { asleep_period } else { period };
                 }
                 None => return,
             }
@@ -260,18 +278,35 @@ mod tests {
         d.beat(0, 1, LoopStage::Napping);
         d.beat(1, 1, LoopStage::Sleeping);
         // Shard 2 has not started its loop.
-        assert_eq!(d.nudge_stalled(&mut last), 0, "the first look only records the beats");
+        assert_eq!(d.nudge_stalled(&mut last).nudged, 0, "the first look only records the beats");
         d.beat(1, 1, LoopStage::Sleeping);
-        assert_eq!(d.nudge_stalled(&mut last), 1, "shard 0 stood still while napping");
+        assert_eq!(
+            d.nudge_stalled(&mut last),
+            Look { nudged: 1, all_asleep: false },
+            "shard 0 stood still while napping"
+        );
         assert_eq!(wakes[0].0.load(Ordering::SeqCst), 1);
         assert_eq!(wakes[1].0.load(Ordering::SeqCst), 0, "a shard asleep on its doorbell is left");
         assert_eq!(wakes[2].0.load(Ordering::SeqCst), 0, "a shard not started is left");
         d.beat(0, 2, LoopStage::Working);
-        assert_eq!(d.nudge_stalled(&mut last), 0, "shard 0 moved on");
-        assert_eq!(d.nudge_stalled(&mut last), 1, "and then stood still again");
+        assert_eq!(d.nudge_stalled(&mut last).nudged, 0, "shard 0 moved on");
+        assert_eq!(d.nudge_stalled(&mut last).nudged, 1, "and then stood still again");
         assert_eq!((d.nudges(0), d.nudges(1), d.nudges(2)), (2, 0, 0));
         d.disarm_nudge(0);
-        assert_eq!(d.nudge_stalled(&mut last), 0, "a disarmed shard is not nudged");
+        assert_eq!(d.nudge_stalled(&mut last).nudged, 0, "a disarmed shard is not nudged");
         assert_eq!(wakes[0].0.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_server_whose_shards_all_sleep_on_their_doorbells_is_seen_asleep() {
+        let d = doorbells(2);
+        let mut last = vec![(u64::MAX, 0); 2];
+        d.beat(0, 7, LoopStage::Sleeping);
+        d.beat(1, 3, LoopStage::Napping);
+        assert!(!d.nudge_stalled(&mut last).all_asleep, "shard 1 naps");
+        d.beat(1, 4, LoopStage::Sleeping);
+        assert_eq!(d.nudge_stalled(&mut last), Look { nudged: 0, all_asleep: true });
+        d.beat(0, 8, LoopStage::Working);
+        assert!(!d.nudge_stalled(&mut last).all_asleep, "shard 0 woke");
     }
 }

@@ -34,6 +34,8 @@ use crate::shared::{ControlMsg, ServeState, Shared};
 
 /// How often the watchdog looks for a shard executor that parked with work queued.
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
+/// How often it looks while every shard sleeps on its doorbell (an idle server).
+const WATCHDOG_ASLEEP_PERIOD: Duration = Duration::from_millis(100);
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -200,7 +202,7 @@ fn run(settings: Settings) -> Result<(), String> {
     }
     let service_prefix = format!("orbitkv/{}", std::process::id());
     let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
-    doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD)
+    doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD, WATCHDOG_ASLEEP_PERIOD)
         .map_err(|e| format!("starting the shard watchdog thread: {e}"))?;
     let shared = Shared::new(
         settings.clone(),
