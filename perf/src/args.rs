@@ -160,7 +160,9 @@ pub(crate) struct DmaArgs {
     #[arg(long, requires = "socket")]
     pub engine_copies: bool,
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
-    /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`; about 10 s more).
+    /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`), 3 s per strategy and
+    /// direction; last, the engine-side gather: that process gathers this layout's pages into
+    /// staging and copies them itself, in its own CUDA context (about a minute in all).
     #[arg(long, conflicts_with = "socket")]
     pub interference: bool,
     /// After each staged series, one more operation with timing events around every staging

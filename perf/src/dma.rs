@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
-use crate::dma_interference::{InterferenceResult, InterferenceRow, MatmulLoop};
+use crate::dma_interference::{EngineSide, InterferenceResult, InterferenceRow, MatmulLoop};
 use crate::dma_server::median;
 use crate::error::Error;
 use crate::report::Report;
@@ -591,7 +591,15 @@ impl Bench {
         device: usize,
         strategies: &[(&'static str, Strategy)],
     ) -> Result<InterferenceResult, Error> {
-        let matmul = MatmulLoop::start(device)?;
+        // The engine-side gather moves pages of this layout's typical piece length.
+        let sample = &self.pieces[..self.pieces.len().min(1024)];
+        let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
+        let engine = EngineSide {
+            page_bytes: (mean / 2).max(1) * 2,
+            batch_bytes: self.engine.staging_half() as u64,
+            pool_bytes: self.bytes,
+        };
+        let mut matmul = MatmulLoop::start(device, Some(engine))?;
         let alone = matmul.alone();
         let mut measured = Vec::new();
         let ways = std::iter::once(("contiguous", None))
@@ -610,6 +618,13 @@ impl Bench {
             let jobs = self.job_ranges();
             let (rate, runs) = matmul.during(|| self.save_with_checksums(&mut hasher, &jobs))?;
             measured.push(("auto+checksums", Direction::Save, rate, median(runs)));
+        }
+        // The engine-side gather: the matmul's own process gathers and copies (nothing runs
+        // here meanwhile).
+        for direction in [Direction::Save, Direction::Load] {
+            let op = if direction == Direction::Save { "save" } else { "load" };
+            let (rate, gbps) = matmul.engine_side(op)?;
+            measured.push(("engine-side", direction, rate, gbps));
         }
         let after = matmul.alone();
         let base = alone.max(after);

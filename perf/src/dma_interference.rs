@@ -5,8 +5,15 @@
 //! It reports its progress on stdout; the loop's rate alone is compared with its rate while
 //! saves, then loads, run back to back in this process. PyTorch is on every host that runs an
 //! engine; without it `--interference` fails saying so.
+//!
+//! The same process can also move pages itself, as an engine does with the engine-side gather
+//! (docs/operations.md): its own gather kernel (`index_select`) into a staging batch on one
+//! stream and a copy-engine copy to pinned host memory on another, double-buffered, or the
+//! reverse for a load. Those kernels share the engine's CUDA context instead of time-slicing
+//! against it. Commands on its stdin (`save`, `load`, `idle`) start and stop them; it reports
+//! `copy <seconds> <bytes>` lines as batches complete.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,30 +23,106 @@ use serde::Serialize;
 use crate::error::Error;
 
 /// The matmul loop: two 8192 x 8192 bf16 matrices, four products per line of output
-/// (`<perf_counter seconds> <products so far>`), after a `ready` line.
+/// (`<perf_counter seconds> <products so far>`), after a `ready` line. With three more
+/// arguments (page bytes, staging batch bytes, pool bytes) it also runs the engine-side
+/// copies on command.
 const MATMUL_LOOP: &str = r#"
-import sys, time
+import sys, time, threading
 import torch
 dev = int(sys.argv[1])
 torch.cuda.set_device(dev)
 n = 8192
 a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+if len(sys.argv) > 4:
+    page, batch, pool_bytes = (int(x) for x in sys.argv[2:5])
+    elems = page // 2
+    pages = pool_bytes // page
+    per = max(1, min(batch // page, pages))
+    pool = torch.randn(pages, elems, device="cuda", dtype=torch.bfloat16)
+    host = torch.empty(pages, elems, dtype=torch.bfloat16, pin_memory=True)
+    order = torch.randperm(pages, device="cuda")
+    idx = [order[i:i + per] for i in range(0, pages - per + 1, per)]
+    staging = [torch.empty(per, elems, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    filled = [torch.cuda.Event() for _ in range(2)]
+    free = [torch.cuda.Event() for _ in range(2)]
+    state = {"op": "idle"}
+
+    def commands():
+        for line in sys.stdin:
+            state["op"] = line.strip()
+
+    def copier():
+        torch.cuda.set_device(dev)
+        op, moved, step = "idle", 0, 0
+        while True:
+            if state["op"] != op:
+                torch.cuda.synchronize()
+                op, moved, step = state["op"], 0, 0
+            if op not in ("save", "load"):
+                time.sleep(0.001)
+                continue
+            j, k = step % 2, step % len(idx)
+            if step >= 2:
+                # The batch two steps back has landed: its staging half is free again.
+                free[j].synchronize()
+                moved += per * page
+                print(f"copy {time.perf_counter():.6f} {moved}", flush=True)
+            rows = host[k * per:(k + 1) * per]
+            if op == "save":
+                with torch.cuda.stream(gather_stream):
+                    gather_stream.wait_event(free[j])
+                    torch.index_select(pool, 0, idx[k], out=staging[j])
+                    filled[j].record(gather_stream)
+                with torch.cuda.stream(copy_stream):
+                    copy_stream.wait_event(filled[j])
+                    rows.copy_(staging[j], non_blocking=True)
+                    free[j].record(copy_stream)
+            else:
+                with torch.cuda.stream(copy_stream):
+                    copy_stream.wait_event(free[j])
+                    staging[j].copy_(rows, non_blocking=True)
+                    filled[j].record(copy_stream)
+                with torch.cuda.stream(gather_stream):
+                    gather_stream.wait_event(filled[j])
+                    pool.index_copy_(0, idx[k], staging[j])
+                    free[j].record(gather_stream)
+            step += 1
+
+    threading.Thread(target=commands, daemon=True).start()
+    threading.Thread(target=copier, daemon=True).start()
 for _ in range(3):
     c = a @ b
 torch.cuda.synchronize()
 print("ready", flush=True)
 count = 0
+main = torch.cuda.current_stream()
 while True:
     for _ in range(4):
         c = a @ b
-    torch.cuda.synchronize()
+    # This stream only: a device-wide sync would also wait for the engine-side copies.
+    main.synchronize()
     count += 4
     print(f"{time.perf_counter():.6f} {count}", flush=True)
 "#;
 
 /// How long each window of the measurement lasts.
 pub(crate) const WINDOW: Duration = Duration::from_secs(3);
+
+/// How long the engine-side copies may take to report their first batch after a command.
+const ENGINE_START: Duration = Duration::from_secs(30);
+
+/// Engine-side copies in the matmul process: the shape of what it moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct EngineSide {
+    /// Bytes of one page (one gathered row; even: the rows are bf16).
+    pub page_bytes: u64,
+    /// Bytes of one staging batch.
+    pub batch_bytes: u64,
+    /// Bytes of the page pool gathered from (and of the pinned host buffer).
+    pub pool_bytes: u64,
+}
 
 /// The interference part of the report: the matmul loop alone, then beside each way of
 /// copying (the contiguous ceiling copy first: what any copy of these bytes costs the engine).
@@ -56,8 +139,10 @@ pub(crate) struct InterferenceResult {
 /// The matmul loop beside one way of copying, run back to back for a window.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct InterferenceRow {
-    /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, or `auto+checksums`
-    /// (saves with the GPU checksums beside them, as the server runs them by default).
+    /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, `auto+checksums`
+    /// (saves with the GPU checksums beside them, as the server runs them by default), or
+    /// `engine-side` (the matmul's own process gathers into staging and copies, as an engine
+    /// with the engine-side gather does).
     pub strategy: &'static str,
     /// `save` or `load`.
     pub direction: &'static str,
@@ -74,14 +159,23 @@ pub(crate) struct MatmulLoop {
     child: Child,
     /// (python seconds, products) per line, in arrival order.
     lines: Arc<Mutex<Vec<(f64, u64)>>>,
+    /// (python seconds, bytes moved since the command) per `copy` line of the engine-side
+    /// copies, in arrival order.
+    copies: Arc<Mutex<Vec<(f64, u64)>>>,
 }
 
 impl MatmulLoop {
-    /// Starts the loop on CUDA device `device` and waits until it runs.
-    pub(crate) fn start(device: usize) -> Result<Self, Error> {
+    /// Starts the loop on CUDA device `device` and waits until it runs; with `engine`, ready
+    /// to run engine-side copies of that shape on command ([`MatmulLoop::engine_side`]).
+    pub(crate) fn start(device: usize, engine: Option<EngineSide>) -> Result<Self, Error> {
         let python = std::env::var("ORBITKV_PYTHON").unwrap_or_else(|_| "python3".into());
+        let mut args = vec!["-c".to_string(), MATMUL_LOOP.to_string(), device.to_string()];
+        if let Some(e) = engine {
+            args.extend([e.page_bytes, e.batch_bytes, e.pool_bytes].map(|v| v.to_string()));
+        }
         let mut child = Command::new(&python)
-            .args(["-c", MATMUL_LOOP, &device.to_string()])
+            .args(&args)
+            .stdin(if engine.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -101,18 +195,68 @@ impl MatmulLoop {
             )));
         }
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&lines);
+        let copies = Arc::new(Mutex::new(Vec::new()));
+        let (sink, copy_sink) = (Arc::clone(&lines), Arc::clone(&copies));
         std::thread::spawn(move || {
             for line in reader.lines().map_while(Result::ok) {
-                let mut parts = line.split_whitespace();
+                let mut parts = line.split_whitespace().peekable();
+                let to = if parts.peek() == Some(&"copy") {
+                    parts.next();
+                    &copy_sink
+                } else {
+                    &sink
+                };
                 if let (Some(Ok(t)), Some(Ok(n))) =
                     (parts.next().map(str::parse::<f64>), parts.next().map(str::parse::<u64>))
                 {
-                    sink.lock().unwrap_or_else(|p| p.into_inner()).push((t, n));
+                    to.lock().unwrap_or_else(|p| p.into_inner()).push((t, n));
                 }
             }
         });
-        Ok(Self { child, lines })
+        Ok(Self { child, lines, copies })
+    }
+
+    /// Runs the engine-side copies (`save` or `load`) for `WINDOW`, after their first batch
+    /// has landed; returns (products per second meanwhile, GB/s the copies moved).
+    pub(crate) fn engine_side(&mut self, op: &str) -> Result<(f64, f64), Error> {
+        let copies_len = |m: &Self| m.copies.lock().unwrap_or_else(|p| p.into_inner()).len();
+        self.command(op)?;
+        let before = copies_len(self);
+        let deadline = Instant::now() + ENGINE_START;
+        while copies_len(self) == before {
+            if Instant::now() >= deadline || self.child.try_wait().ok().flatten().is_some() {
+                let _ = self.command("idle");
+                return Err(Error::Gpu(format!(
+                    "--interference: the engine-side {op} copies reported nothing within {} s",
+                    ENGINE_START.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (m0, c0) = (self.mark(), copies_len(self));
+        std::thread::sleep(WINDOW);
+        let (m1, c1) = (self.mark(), copies_len(self));
+        self.command("idle")?;
+        let gbps = {
+            let copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            match (copies.get(c0.saturating_sub(1)), copies.get(c1.saturating_sub(1))) {
+                (Some(a), Some(b)) if b.0 > a.0 && b.1 > a.1 => {
+                    (b.1 - a.1) as f64 / (b.0 - a.0) / 1e9
+                }
+                _ => 0.0,
+            }
+        };
+        Ok((self.rate(m0, m1), gbps))
+    }
+
+    /// Sends one command line to the engine-side copies.
+    fn command(&mut self, op: &str) -> Result<(), Error> {
+        let stdin = self.child.stdin.as_mut().ok_or_else(|| {
+            Error::Gpu("--interference: the matmul loop runs no engine-side copies".into())
+        })?;
+        writeln!(stdin, "{op}")
+            .and_then(|()| stdin.flush())
+            .map_err(|e| Error::Gpu(format!("--interference: engine-side {op}: {e}")))
     }
 
     /// Lines received so far.
@@ -169,6 +313,9 @@ mod tests {
 
     use super::*;
 
+    /// The tests point `ORBITKV_PYTHON` (process-wide) at their stand-ins one at a time.
+    static PYTHON: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// A stand-in for `python3`: ignores its arguments, says ready, then one line per 10 ms
     /// whose clock advances 1 s and count 4 per line (so 4 products per second).
     fn fake_python(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
@@ -180,13 +327,14 @@ mod tests {
 
     #[test]
     fn rates_come_from_the_loop_clock_and_a_missing_torch_is_named() {
+        let _one = PYTHON.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
         let ok = fake_python(
             dir.path(),
             "echo ready\ni=0\nt=100\nwhile true; do i=$((i+4)); echo \"$t.0 $i\"; t=$((t+1)); sleep 0.01; done",
         );
         std::env::set_var("ORBITKV_PYTHON", &ok);
-        let m = MatmulLoop::start(0).unwrap();
+        let m = MatmulLoop::start(0, None).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         let a = m.mark();
         std::thread::sleep(Duration::from_millis(200));
@@ -201,8 +349,53 @@ mod tests {
             "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1",
         );
         std::env::set_var("ORBITKV_PYTHON", &bad);
-        let err = MatmulLoop::start(0).err().expect("refused").to_string();
+        let err = MatmulLoop::start(0, None).err().expect("refused").to_string();
         assert!(err.contains("needs") && err.contains("torch"), "{err}");
+        std::env::remove_var("ORBITKV_PYTHON");
+    }
+
+    #[test]
+    fn engine_side_copies_run_on_command_and_report_their_rate() {
+        let _one = PYTHON.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        // Four products and, while a command runs, 2 GB per second of its clock; its
+        // arguments are kept to be checked.
+        let ok = fake_python(
+            dir.path(),
+            &format!(
+                "shift 2; echo \"$@\" > {d}/args\necho idle > {d}/op\nexec 3<&0\necho ready\n\
+                 (while read -r op; do echo \"$op\" > {d}/op; done; echo gone > {d}/op) 0<&3 &\n\
+                 i=0; t=100; moved=0\n\
+                 while true; do i=$((i+4)); echo \"$t.0 $i\"; op=$(cat {d}/op)\n\
+                 if [ \"$op\" = save ] || [ \"$op\" = load ]; then moved=$((moved+2000000000)); \
+                 echo \"copy $t.0 $moved\"; else moved=0; fi\n\
+                 t=$((t+1)); sleep 0.01; done"
+            ),
+        );
+        std::env::set_var("ORBITKV_PYTHON", &ok);
+        let shape = EngineSide { page_bytes: 2048, batch_bytes: 32 << 20, pool_bytes: 1 << 30 };
+        let mut m = MatmulLoop::start(3, Some(shape)).unwrap();
+        let (rate, gbps) = m.engine_side("save").unwrap();
+        assert!((rate - 4.0).abs() < 1e-9, "{rate}");
+        assert!((gbps - 2.0).abs() < 1e-9, "{gbps}");
+        let args = std::fs::read_to_string(dir.path().join("args")).unwrap();
+        assert_eq!(args.trim(), "3 2048 33554432 1073741824");
+        std::thread::sleep(Duration::from_millis(50));
+        let op = std::fs::read_to_string(dir.path().join("op")).unwrap();
+        assert_eq!(op.trim(), "idle", "the copies are stopped after their window");
+        drop(m);
+
+        // A loop without engine-side copies, or one that dies, is an error naming the cause.
+        let mut plain = MatmulLoop::start(0, None).unwrap();
+        let err = plain.engine_side("save").expect_err("refused").to_string();
+        assert!(err.contains("no engine-side copies"), "{err}");
+        drop(plain);
+        let dies = fake_python(dir.path(), "echo ready\nread -r op\nexit 3");
+        std::env::set_var("ORBITKV_PYTHON", &dies);
+        let mut m = MatmulLoop::start(0, Some(shape)).unwrap();
+        let err = m.engine_side("load").expect_err("refused").to_string();
+        assert!(err.contains("engine-side load") && err.contains("reported nothing"), "{err}");
         std::env::remove_var("ORBITKV_PYTHON");
     }
 }
