@@ -317,6 +317,15 @@ impl Report for DmaReport {
                     "server DMA threads busy: saves {save:.2} GB/s, loads {load:.2} GB/s of their busy time"
                 )?;
             }
+            if let (Some(sl), Some(st), Some(ll), Some(lt)) =
+                (s.save_lead_us, s.save_tail_us, s.load_lead_us, s.load_tail_us)
+            {
+                writeln!(
+                    out,
+                    "server requests around their copies: saves {sl:.0} us to the first job, \
+                     {st:.0} us after the last copy; loads {ll:.0} us, {lt:.0} us"
+                )?;
+            }
             if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
                 writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
             }

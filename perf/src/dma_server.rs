@@ -59,14 +59,69 @@ pub(crate) struct ServedResult {
     pub save_busy_gbps: Option<f64>,
     /// The same for the timed loads.
     pub load_busy_gbps: Option<f64>,
+    /// Mean microseconds per timed save from its start on the server to its first job handed
+    /// to the DMA thread (`gpu_transfers.save_lead_s` / `save_requests`); None when the stats
+    /// do not say.
+    pub save_lead_us: Option<f64>,
+    /// Mean microseconds per timed save from its last copy completing to its answer.
+    pub save_tail_us: Option<f64>,
+    /// The same two for the timed loads.
+    pub load_lead_us: Option<f64>,
+    /// See `load_lead_us`.
+    pub load_tail_us: Option<f64>,
 }
 
-/// The server's `gpu_transfers.<field>` (seconds a DMA thread was busy), if it reports it.
-fn busy_s(socket: &std::path::Path, field: &str) -> Option<f64> {
-    crate::admin::request(socket, "stats").ok()?["gpu_transfers"][field].as_f64()
+/// The server's `gpu_transfers` counters of one direction (`save` or `load`): seconds its DMA
+/// thread was busy, its requests' lead and tail seconds, its requests; each None when the
+/// server does not report it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counters {
+    busy_s: Option<f64>,
+    lead_s: Option<f64>,
+    tail_s: Option<f64>,
+    requests: Option<f64>,
 }
 
-/// Busy seconds between two readings (NaN when either is missing).
+impl Counters {
+    fn read(socket: &std::path::Path, direction: &str) -> Self {
+        let Ok(stats) = crate::admin::request(socket, "stats") else { return Self::default() };
+        let g = &stats["gpu_transfers"];
+        let f = |name: &str| g[format!("{direction}_{name}")].as_f64();
+        Self {
+            busy_s: f("busy_s"),
+            lead_s: f("lead_s"),
+            tail_s: f("tail_s"),
+            requests: f("requests"),
+        }
+    }
+}
+
+/// The timed runs' counters, summed between the readings around each run (NaN once a reading
+/// was missing).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sums {
+    busy_s: f64,
+    lead_s: f64,
+    tail_s: f64,
+    requests: f64,
+}
+
+impl Sums {
+    fn add(&mut self, before: Counters, after: Counters) {
+        self.busy_s += busy_delta(before.busy_s, after.busy_s);
+        self.lead_s += busy_delta(before.lead_s, after.lead_s);
+        self.tail_s += busy_delta(before.tail_s, after.tail_s);
+        self.requests += busy_delta(before.requests, after.requests);
+    }
+
+    /// Mean microseconds per request of `total_s` (None without requests or a reading).
+    fn per_request_us(&self, total_s: f64) -> Option<f64> {
+        (total_s.is_finite() && self.requests.is_finite() && self.requests > 0.0)
+            .then(|| total_s / self.requests * 1e6)
+    }
+}
+
+/// A counter's increase between two readings (NaN when either is missing).
 fn busy_delta(before: Option<f64>, after: Option<f64>) -> f64 {
     match (before, after) {
         (Some(b), Some(a)) => a - b,
@@ -230,17 +285,17 @@ pub(crate) fn run(
 
     let mut save_runs = Vec::new();
     let mut save_failures = 0;
-    // Busy seconds of the timed saves (NaN when a reading was missing).
-    let mut save_busy = 0.0;
+    // The server's counters over the timed saves.
+    let mut save_sums = Sums::default();
     meet("save")?;
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
-        let before = busy_s(socket, "save_busy_s");
+        let before = Counters::read(socket, "save");
         let t = Instant::now();
         let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
         if i > 0 {
             save_runs.push(gbps(t));
-            save_busy += busy_delta(before, busy_s(socket, "save_busy_s"));
+            save_sums.add(before, Counters::read(socket, "save"));
         }
         save_failures += not_done(&o);
     }
@@ -267,15 +322,15 @@ pub(crate) fn run(
     }
     let mut load_runs = Vec::new();
     let mut load_failures = 0;
-    let mut load_busy = 0.0;
+    let mut load_sums = Sums::default();
     meet("load")?;
     for i in 0..=a.iterations {
-        let before = busy_s(socket, "load_busy_s");
+        let before = Counters::read(socket, "load");
         let t = Instant::now();
         let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
         if i > 0 {
             load_runs.push(gbps(t));
-            load_busy += busy_delta(before, busy_s(socket, "load_busy_s"));
+            load_sums.add(before, Counters::read(socket, "load"));
         }
         load_failures += not_done(&o);
     }
@@ -323,8 +378,12 @@ pub(crate) fn run(
         group_prefix_per_rank: group.map(|g| g.per_rank),
         duplex,
         // All timed runs' bytes over all their busy time (None if a reading was missing).
-        save_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), save_busy),
-        load_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), load_busy),
+        save_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), save_sums.busy_s),
+        load_busy_gbps: busy_gbps(bytes * u64::from(a.iterations), load_sums.busy_s),
+        save_lead_us: save_sums.per_request_us(save_sums.lead_s),
+        save_tail_us: save_sums.per_request_us(save_sums.tail_s),
+        load_lead_us: load_sums.per_request_us(load_sums.lead_s),
+        load_tail_us: load_sums.per_request_us(load_sums.tail_s),
     })
 }
 
@@ -503,7 +562,7 @@ fn cancel_check(
 
 #[cfg(test)]
 mod tests {
-    use super::{busy_delta, busy_gbps};
+    use super::{busy_delta, busy_gbps, Counters, Sums};
 
     #[test]
     fn busy_rate_needs_both_readings_and_time() {
@@ -514,5 +573,28 @@ mod tests {
         assert_eq!(busy_gbps(1, busy_delta(Some(1.0), None)), None);
         // No busy time between the readings (the counter did not move): no rate.
         assert_eq!(busy_gbps(1, busy_delta(Some(3.0), Some(3.0))), None);
+    }
+
+    #[test]
+    fn lead_and_tail_are_means_per_request_over_the_timed_runs() {
+        let at = |lead: f64, tail: f64, requests: f64| Counters {
+            busy_s: Some(1.0),
+            lead_s: Some(lead),
+            tail_s: Some(tail),
+            requests: Some(requests),
+        };
+        let mut sums = Sums::default();
+        sums.add(at(0.5, 0.1, 10.0), at(0.5003, 0.1001, 11.0));
+        sums.add(at(0.5003, 0.1001, 11.0), at(0.5008, 0.1004, 12.0));
+        let (lead, tail) = (sums.per_request_us(sums.lead_s), sums.per_request_us(sums.tail_s));
+        assert!((lead.unwrap() - 400.0).abs() < 1e-6, "{lead:?}");
+        assert!((tail.unwrap() - 200.0).abs() < 1e-6, "{tail:?}");
+        // A server that does not report them, or no request between the readings: nothing.
+        let mut old = Sums::default();
+        old.add(Counters::default(), Counters::default());
+        assert_eq!(old.per_request_us(old.lead_s), None);
+        let mut idle = Sums::default();
+        idle.add(at(1.0, 1.0, 3.0), at(1.0, 1.0, 3.0));
+        assert_eq!(idle.per_request_us(idle.lead_s), None);
     }
 }

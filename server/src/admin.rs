@@ -244,6 +244,12 @@ fn stats(shared: &Shared) -> Value {
                 "failed_jobs": n(&c.failed_jobs),
                 "save_busy_s": n(&c.save_busy_ns) as f64 / 1e9,
                 "load_busy_s": n(&c.load_busy_ns) as f64 / 1e9,
+                "save_requests": n(&c.save_requests),
+                "save_lead_s": n(&c.save_lead_ns) as f64 / 1e9,
+                "save_tail_s": n(&c.save_tail_ns) as f64 / 1e9,
+                "load_requests": n(&c.load_requests),
+                "load_lead_s": n(&c.load_lead_ns) as f64 / 1e9,
+                "load_tail_s": n(&c.load_tail_ns) as f64 / 1e9,
                 "checksums": g.checksum_place().as_str(),
                 "copy": g.copy_strategy().as_str(),
             })

@@ -153,6 +153,69 @@ pub struct GpuCounters {
     pub save_busy_ns: AtomicU64,
     /// The same for the load thread.
     pub load_busy_ns: AtomicU64,
+    /// Save requests that queued at least one job (the requests the two below describe).
+    pub save_requests: AtomicU64,
+    /// Nanoseconds, summed over those requests, from the request's start on its shard to its
+    /// first job being handed to the DMA thread (the first job's reservations).
+    pub save_lead_ns: AtomicU64,
+    /// Nanoseconds, summed, from the request's last copy completing to its answer (the last
+    /// job's commit).
+    pub save_tail_ns: AtomicU64,
+    /// The same three for loads (lead: the first job's lookups; tail: the last releases).
+    pub load_requests: AtomicU64,
+    /// See `save_lead_ns`.
+    pub load_lead_ns: AtomicU64,
+    /// See `save_tail_ns`.
+    pub load_tail_ns: AtomicU64,
+}
+
+/// When a save or load request reached its milestones on its shard: its start, its first job
+/// handed to the DMA thread, its last copy completed. Added to [`GpuCounters`] once it is
+/// answered, so that `stats` shows what a request costs around its copies.
+#[derive(Debug)]
+pub(crate) struct RequestPhases {
+    start: Instant,
+    first_submit: std::cell::Cell<Option<Instant>>,
+    last_done: std::cell::Cell<Option<Instant>>,
+}
+
+impl RequestPhases {
+    /// A request starting at `start`.
+    pub(crate) fn new(start: Instant) -> Self {
+        Self { start, first_submit: Default::default(), last_done: Default::default() }
+    }
+
+    /// A job is handed to the DMA thread at `at`.
+    pub(crate) fn submitted(&self, at: Instant) {
+        let first = self.first_submit.get().map_or(at, |f| f.min(at));
+        self.first_submit.set(Some(first));
+    }
+
+    /// A job's copy completed at `at`.
+    pub(crate) fn copied(&self, at: Instant) {
+        let last = self.last_done.get().map_or(at, |l| l.max(at));
+        self.last_done.set(Some(last));
+    }
+
+    /// The request is answered at `end`: adds its lead and tail to `counters` (nothing when
+    /// no job was queued).
+    pub(crate) fn finish(&self, counters: &GpuCounters, direction: Direction, end: Instant) {
+        let (Some(first), Some(last)) = (self.first_submit.get(), self.last_done.get()) else {
+            return;
+        };
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        let (requests, lead, tail) = match direction {
+            Direction::Save => {
+                (&counters.save_requests, &counters.save_lead_ns, &counters.save_tail_ns)
+            }
+            Direction::Load => {
+                (&counters.load_requests, &counters.load_lead_ns, &counters.load_tail_ns)
+            }
+        };
+        requests.fetch_add(1, Ordering::Relaxed);
+        lead.fetch_add(ns(first.saturating_duration_since(self.start)), Ordering::Relaxed);
+        tail.fetch_add(ns(end.saturating_duration_since(last)), Ordering::Relaxed);
+    }
 }
 
 /// One DMA thread (one direction of one device).
@@ -689,4 +752,42 @@ fn submit_pieces(
     unsafe { engine.submit(direction, pieces, strategy) }
         .map(|(event, _)| event)
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_adds_its_lead_and_tail_once_answered() {
+        let c = GpuCounters::default();
+        let t0 = Instant::now();
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        let p = RequestPhases::new(t0);
+        // Jobs handed over at 30 and 10 us (tasks may run in any order), completed at 500,
+        // 900 and 700 us; answered at 1000 us.
+        p.submitted(at(30));
+        p.submitted(at(10));
+        p.copied(at(500));
+        p.copied(at(900));
+        p.copied(at(700));
+        p.finish(&c, Direction::Save, at(1000));
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        assert_eq!(n(&c.save_requests), 1);
+        assert_eq!(n(&c.save_lead_ns), 10_000, "to the first hand-over");
+        assert_eq!(n(&c.save_tail_ns), 100_000, "from the last completion");
+        assert_eq!((n(&c.load_requests), n(&c.load_lead_ns), n(&c.load_tail_ns)), (0, 0, 0));
+
+        // A load whose chunks were all missing queued nothing: not counted.
+        RequestPhases::new(t0).finish(&c, Direction::Load, at(50));
+        assert_eq!(n(&c.load_requests), 0);
+        let p = RequestPhases::new(t0);
+        p.submitted(at(5));
+        p.copied(at(60));
+        p.finish(&c, Direction::Load, at(80));
+        assert_eq!(
+            (n(&c.load_requests), n(&c.load_lead_ns), n(&c.load_tail_ns)),
+            (1, 5_000, 20_000)
+        );
+    }
 }

@@ -8,7 +8,7 @@
 
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use orbitkv_gpu::dma::{Direction, EngineMemory, JOB_BYTES};
 use orbitkv_gpu::LayoutDesc;
@@ -18,7 +18,7 @@ use orbitkv_proto::{
 use orbitkv_shards::{SessionId, ShardOp};
 
 use crate::executor::Exec;
-use crate::gpu::off_shard;
+use crate::gpu::{off_shard, RequestPhases};
 use crate::router::{lookup, outcomes, per_slot, reserve, scatter, FAILED};
 
 fn no_gpu() -> Response {
@@ -149,11 +149,13 @@ pub(crate) async fn save(
     keys: Vec<ChunkKey>,
     blocks: Vec<u64>,
 ) -> Response {
+    let started = Instant::now();
     let Transfer { device, memory, per_chunk, chunk_len } =
         match prepare(exec, session, (registration, generation), &keys, &blocks) {
             Ok(t) => t,
             Err(answer) => return answer,
         };
+    let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
     // Groups of chunks go to the DMA thread one after another; each group is committed (its
     // checksums computed on the owning shards) as soon as its copy completes, while the copy
@@ -186,9 +188,12 @@ pub(crate) async fn save(
         // otherwise.
         part.sort_by_key(|&(_, _, off)| off);
         let (exec, memory, blocks) = (Rc::clone(exec), Arc::clone(&memory), Rc::clone(&blocks));
+        let phases = Rc::clone(&phases);
         tasks.push(glommio::spawn_local(async move {
             let chunks = part.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
+            phases.submitted(Instant::now());
             let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
+            phases.copied(Instant::now());
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
             let results: Vec<ChunkOutcome> = match copied {
                 Ok(Some(sums)) if sums.len() == refs.len() => {
@@ -217,6 +222,9 @@ pub(crate) async fn save(
         for (i, o) in t.await {
             outcomes[i] = o;
         }
+    }
+    if let Some(gpu) = exec.shared.gpu_service.get() {
+        phases.finish(&gpu.counters, Direction::Save, Instant::now());
     }
     Response::Outcomes { outcomes }
 }
@@ -279,11 +287,13 @@ pub(crate) async fn load(
     keys: Vec<ChunkKey>,
     blocks: Vec<u64>,
 ) -> Response {
+    let started = Instant::now();
     let Transfer { device, memory, per_chunk, chunk_len } =
         match prepare(exec, session, (registration, generation), &keys, &blocks) {
             Ok(t) => t,
             Err(answer) => return answer,
         };
+    let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
     // Jobs of at most JOB_BYTES, queued one after another: the DMA thread plans one while the
     // copy engine moves the one before. Each job's chunks are looked up (and leased) just
@@ -321,8 +331,12 @@ pub(crate) async fn load(
             order.sort_by_key(|&k| chunks[k].0);
             let ids: Vec<(usize, SlotRef)> = order.iter().map(|&k| copying[k]).collect();
             let part: Vec<(u64, Vec<u64>)> = order.iter().map(|&k| chunks[k].clone()).collect();
+            let phases = Rc::clone(&phases);
             tasks.push(glommio::spawn_local(async move {
-                let o = match exec.gpu_run(Direction::Load, device, memory, part, chunk_len).await {
+                phases.submitted(Instant::now());
+                let copied = exec.gpu_run(Direction::Load, device, memory, part, chunk_len).await;
+                phases.copied(Instant::now());
+                let o = match copied {
                     Ok(_) => ChunkOutcome::Done,
                     Err((code, message)) => {
                         tracing::warn!(session, registration, %message, "GPU load failed");
@@ -348,6 +362,9 @@ pub(crate) async fn load(
     }
     if !rest.is_empty() {
         per_slot(exec, &rest, |slots| ShardOp::Release { session, slots }).await;
+    }
+    if let Some(gpu) = exec.shared.gpu_service.get() {
+        phases.finish(&gpu.counters, Direction::Load, Instant::now());
     }
     Response::Outcomes { outcomes }
 }
