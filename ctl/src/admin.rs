@@ -21,12 +21,18 @@ impl AdminClient {
 
     /// Sends `{"cmd": cmd}` and returns the answer; an `"ok": false` answer is an error.
     pub fn call(&self, cmd: &str) -> Result<Value, String> {
+        self.request(&serde_json::json!({ "cmd": cmd }))
+    }
+
+    /// Sends `request` (an object with a `"cmd"`) and returns the answer; an `"ok": false`
+    /// answer is an error.
+    pub fn request(&self, request: &Value) -> Result<Value, String> {
         let mut s = UnixStream::connect(&self.path).map_err(|e| {
             format!("cannot reach orbitkv-server admin socket {}: {e}", self.path.display())
         })?;
         let io = |e: std::io::Error| format!("admin socket {}: {e}", self.path.display());
         s.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
-        s.write_all(format!("{}\n", serde_json::json!({ "cmd": cmd })).as_bytes()).map_err(io)?;
+        s.write_all(format!("{request}\n").as_bytes()).map_err(io)?;
         let mut line = String::new();
         BufReader::new(s.take(16 << 20)).read_line(&mut line).map_err(io)?;
         let v: Value = serde_json::from_str(&line)

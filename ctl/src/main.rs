@@ -50,6 +50,20 @@ enum Command {
     },
     /// Admit sessions and writes again.
     Resume,
+    /// Remove chunks from every tier: one namespace's, or all. Leased chunks, and chunks
+    /// being moved between tiers, stay (reported as busy).
+    #[command(group(clap::ArgGroup::new("what").required(true).args(["namespace", "all"])))]
+    Evict {
+        /// The namespace id (decimal, or hex with 0x), as `register_namespace` returned it.
+        #[arg(long, value_name = "ID", value_parser = namespace_id)]
+        namespace: Option<u64>,
+        /// Every chunk of every namespace.
+        #[arg(long)]
+        all: bool,
+        /// Print the server's JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Open sessions.
     Sessions {
         /// Print JSON.
@@ -179,6 +193,27 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             ssd::dump(&dir, json)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Evict { namespace, all: _, json } => {
+            let request = match namespace {
+                Some(id) => serde_json::json!({"cmd": "evict", "namespace": id}),
+                None => serde_json::json!({"cmd": "evict", "all": true}),
+            };
+            let v = admin.request(&request)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
+            } else {
+                let (removed, busy) = (u64_of(&v, "removed"), u64_of(&v, "busy"));
+                print!("removed {removed} chunks");
+                if busy > 0 {
+                    print!(
+                        "; {busy} busy (leased, or being moved between tiers) stayed: evict again \
+                         once they are released"
+                    );
+                }
+                println!();
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Sessions { json } => {
             let v = admin.call("sessions")?;
             if json {
@@ -192,6 +227,15 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// A namespace id: decimal, or hexadecimal after `0x`.
+fn namespace_id(s: &str) -> Result<u64, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|e| format!("{s:?} is not a namespace id (decimal, or hex after 0x): {e}"))
 }
 
 /// Reads a u64 field, 0 when absent.

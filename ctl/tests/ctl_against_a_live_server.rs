@@ -1,5 +1,5 @@
 //! `orbitkv-ctl` against a real `orbitkv-server`: health exit status, stats table and JSON,
-//! drain with an in-flight write, resume, sessions.
+//! drain with an in-flight write, resume, sessions, evict.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -58,29 +58,7 @@ fn health_stats_drain_resume_sessions() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("s.sock.admin"), "{out:?}");
 
-    let _server = Server(
-        Command::new(server_binary())
-            // `--gpu off`: the table's shape below does not depend on the machine having a GPU.
-            .args([
-                "--no-lock-arena",
-                "--gpu",
-                "off",
-                "--shards",
-                "2",
-                "--dram",
-                "16MiB",
-                "--socket",
-            ])
-            .arg(&socket)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ctl(&socket, &["health"]).status.success() {
-        assert!(Instant::now() < deadline, "server never became healthy");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let _server = start(&socket, "2");
 
     let stats = json(&ctl(&socket, &["stats", "--json"]));
     assert_eq!(stats["state"], "serving");
@@ -156,6 +134,109 @@ fn health_stats_drain_resume_sessions() {
     assert_eq!(json(&ctl(&socket, &["health", "--json"]))["ready"], true);
 }
 
+/// A server with `--gpu off` (nothing below depends on the machine having a GPU), healthy.
+fn start(socket: &Path, shards: &str) -> Server {
+    let server = Server(
+        Command::new(server_binary())
+            .args(["--no-lock-arena", "--gpu", "off", "--shards", shards, "--dram", "16MiB"])
+            .arg("--socket")
+            .arg(socket)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ctl(socket, &["health"]).status.success() {
+        assert!(Instant::now() < deadline, "server never became healthy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server
+}
+
+/// One admin request line, sent as is; the answer.
+fn admin_raw(socket: &Path, line: &str) -> Value {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s =
+        std::os::unix::net::UnixStream::connect(orbitkv_proto::admin_socket_path(socket)).unwrap();
+    s.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).unwrap();
+    serde_json::from_str(&answer).unwrap()
+}
+
+#[test]
+fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
+    let dir = tempfile::Builder::new().prefix("okvctl").tempdir_in("/tmp").unwrap();
+    let socket = dir.path().join("s.sock");
+    let _server = start(&socket, "2");
+    let mut c = Client::connect(ClientOptions::with_socket(&socket)).unwrap();
+    let descriptor = |model: &str| NamespaceDescriptor {
+        model: model.into(),
+        dtype: Dtype::Bf16,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        kv_tensors: 2,
+        tokens_per_chunk: 16,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    };
+    let a = c.register_namespace(&descriptor("a")).unwrap().id;
+    let b = c.register_namespace(&descriptor("b")).unwrap().id;
+    let keys = |ns: u64| -> Vec<orbitkv_client::ChunkKey> {
+        (0..10u8).map(|i| orbitkv_client::ChunkKey::new(ns, [i; 32])).collect()
+    };
+    let value = vec![0xabu8; 1000];
+    for k in keys(a).into_iter().chain(keys(b)) {
+        c.put(&[(k, &value)]).unwrap();
+    }
+    let present = |c: &mut Client, ns: u64| {
+        keys(ns).iter().filter(|k| c.lookup(&[**k]).unwrap().len() == 1).count()
+    };
+    assert_eq!((present(&mut c, a), present(&mut c, b)), (10, 10));
+    let leased = c.lookup_leased(&keys(a)[3..4]).unwrap();
+    assert_eq!(leased.len(), 1);
+
+    // Namespace a: all but the leased chunk go, on every shard; b stays whole.
+    let out = ctl(&socket, &["evict", "--namespace", &a.to_string(), "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let v = json(&out);
+    assert_eq!((v["removed"].as_u64(), v["busy"].as_u64()), (Some(9), Some(1)), "{v}");
+    assert_eq!(v["shards"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!((present(&mut c, a), present(&mut c, b)), (1, 10));
+    assert_eq!(c.chunk(&leased[0]).unwrap(), &value[..], "the leased chunk is intact");
+    c.release(&leased).unwrap();
+
+    // Released, it goes too (the id in hex this time); then everything.
+    let out = ctl(&socket, &["evict", "--namespace", &format!("{a:#x}")]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "removed 1 chunks");
+    let out = ctl(&socket, &["evict", "--all"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "removed 10 chunks", "{out:?}");
+    assert_eq!((present(&mut c, a), present(&mut c, b)), (0, 0));
+    let stats = json(&ctl(&socket, &["stats", "--json"]));
+    let removals: u64 =
+        stats["shards"].as_array().unwrap().iter().map(|s| s["removals"].as_u64().unwrap()).sum();
+    assert_eq!(removals, 20);
+
+    // Bad requests on the admin socket name what is wrong; the server keeps serving.
+    for (line, says) in [
+        (r#"{"cmd":"evict"}"#, "give \"namespace\": ID or \"all\": true"),
+        (r#"{"cmd":"evict","namespace":"x"}"#, "\"namespace\" must be a namespace id"),
+        (r#"{"cmd":"evict","namespace":-1}"#, "\"namespace\" must be a namespace id"),
+        (r#"{"cmd":"evict","all":false}"#, "\"all\" must be true"),
+        (r#"{"cmd":"evict","all":true,"namespace":1}"#, "not both"),
+    ] {
+        let v = admin_raw(&socket, line);
+        assert_eq!(v["ok"], false, "{line}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(says), "{line}: {v}");
+    }
+    assert!(ctl(&socket, &["health"]).status.success());
+    c.put(&[(keys(a)[0], &value)]).unwrap();
+    assert_eq!(present(&mut c, a), 1);
+}
+
 #[test]
 fn bad_arguments_are_refused() {
     let out = ctl(Path::new("/tmp/nowhere.sock"), &["drain", "--timeout", "soon"]);
@@ -163,4 +244,13 @@ fn bad_arguments_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--timeout"), "{out:?}");
     let out = ctl(Path::new("/tmp/nowhere.sock"), &["frobnicate"]);
     assert_eq!(out.status.code(), Some(2));
+    // evict needs exactly one of --namespace and --all, and a namespace id.
+    for args in
+        [&["evict"][..], &["evict", "--all", "--namespace", "1"], &["evict", "--namespace", "x1"]]
+    {
+        let out = ctl(Path::new("/tmp/nowhere.sock"), args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--namespace") && !err.contains("nowhere"), "{args:?}: {err}");
+    }
 }

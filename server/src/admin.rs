@@ -1,7 +1,8 @@
 //! The admin socket (`<socket>.admin`): one JSON request line, one JSON response line.
 //!
 //! Commands: `{"cmd":"health"}`, `{"cmd":"stats"}`, `{"cmd":"drain"}`, `{"cmd":"resume"}`,
-//! `{"cmd":"sessions"}`. Unknown or malformed input gets `{"ok":false,"error":...}`.
+//! `{"cmd":"sessions"}`, `{"cmd":"evict","namespace":ID}` or `{"cmd":"evict","all":true}`.
+//! Unknown or malformed input gets `{"ok":false,"error":...}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -63,7 +64,7 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
         .read_line(&mut line)?;
     let reply = match serde_json::from_str::<Value>(&line) {
         Ok(v) => match v.get("cmd").and_then(Value::as_str) {
-            Some(cmd) => command(cmd, shared),
+            Some(cmd) => command(cmd, &v, shared),
             None => json!({"ok": false, "error": "request has no \"cmd\" string"}),
         },
         Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
@@ -87,8 +88,9 @@ fn state_name(shared: &Shared, snaps: &[Option<ShardSnapshot>]) -> &'static str 
     }
 }
 
-fn command(cmd: &str, shared: &Shared) -> Value {
+fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
     match cmd {
+        "evict" => evict(request, shared),
         "health" => {
             let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
             let all_answer = snaps.iter().all(Option::is_some);
@@ -144,6 +146,59 @@ fn command(cmd: &str, shared: &Shared) -> Value {
         }
         other => json!({"ok": false, "error": format!("unknown command {other:?}")}),
     }
+}
+
+/// How long `evict` waits for every shard's pass over its keys.
+const EVICT_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// `evict`: removes a namespace's chunks (`"namespace": ID`) or every chunk (`"all": true`)
+/// from every tier of every shard. Leased chunks, and chunks a tier is moving, stay (`busy`).
+fn evict(request: &Value, shared: &Shared) -> Value {
+    let refuse = |e: &str| json!({"ok": false, "error": e});
+    let namespace = match (request.get("namespace"), request.get("all")) {
+        (Some(n), None) => match n.as_u64() {
+            Some(id) => Some(id),
+            None => {
+                return refuse(
+                    "evict: \"namespace\" must be a namespace id (an unsigned 64-bit integer)",
+                )
+            }
+        },
+        (None, Some(Value::Bool(true))) => None,
+        (None, Some(_)) => return refuse("evict: \"all\" must be true"),
+        (Some(_), Some(_)) => return refuse("evict: give \"namespace\" or \"all\", not both"),
+        (None, None) => return refuse("evict: give \"namespace\": ID or \"all\": true"),
+    };
+    let answers = shared.evict(namespace, EVICT_TIMEOUT);
+    let (mut removed, mut busy) = (0, 0);
+    let mut silent = Vec::new();
+    let shards: Vec<Value> = answers
+        .iter()
+        .enumerate()
+        .map(|(id, a)| match a {
+            Some(s) => {
+                removed += s.removed;
+                busy += s.busy;
+                json!({"id": id, "removed": s.removed, "busy": s.busy})
+            }
+            None => {
+                silent.push(id.to_string());
+                json!({"id": id, "answering": false})
+            }
+        })
+        .collect();
+    tracing::info!(namespace = ?namespace, removed, busy, "evict from the admin socket");
+    let mut reply = json!({"ok": silent.is_empty(), "namespace": namespace, "removed": removed,
+                           "busy": busy, "shards": shards});
+    if !silent.is_empty() {
+        reply["error"] = json!(format!(
+            "evict: shard(s) {} did not answer within {} s (they may still evict); the others \
+             removed {removed} chunks",
+            silent.join(", "),
+            EVICT_TIMEOUT.as_secs()
+        ));
+    }
+    reply
 }
 
 fn stats(shared: &Shared) -> Value {

@@ -488,6 +488,17 @@ impl Exec {
                     doorbell_wakeups: self.doorbell_wakeups.get(),
                 });
             }
+            ControlMsg::Evict { namespace, reply } => {
+                let summary = self.core.borrow_mut().evict_namespace(namespace);
+                tracing::info!(
+                    shard = self.id,
+                    namespace = ?namespace,
+                    removed = summary.removed,
+                    busy = summary.busy,
+                    "evicted on request"
+                );
+                let _ = reply.send(summary);
+            }
             ControlMsg::Stop => return false,
         }
         true

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, Sender};
-use orbitkv_shards::{SessionId, ShardStats};
+use orbitkv_shards::{EvictSummary, SessionId, ShardStats};
 
 use crate::config::Settings;
 use crate::doorbell::Doorbells;
@@ -44,6 +44,13 @@ pub enum ControlMsg {
     Stats {
         /// Where to send it.
         reply: Sender<ShardSnapshot>,
+    },
+    /// Remove the chunks of a namespace (of every namespace with None) from every tier.
+    Evict {
+        /// The namespace id.
+        namespace: Option<u64>,
+        /// Where to send what was done.
+        reply: Sender<EvictSummary>,
     },
     /// Leave the executor loop.
     Stop,
@@ -190,10 +197,27 @@ impl Shared {
     /// Snapshots of every shard (in shard order), or `None` for a shard that did not answer
     /// within `timeout`.
     pub fn snapshots(&self, timeout: Duration) -> Vec<Option<ShardSnapshot>> {
+        self.ask_all(|reply| ControlMsg::Stats { reply }, timeout)
+    }
+
+    /// Removes the chunks of `namespace` (of every namespace with None) on every shard: each
+    /// shard's summary in shard order, or `None` for a shard that did not answer within
+    /// `timeout` (it may still do the work).
+    pub fn evict(&self, namespace: Option<u64>, timeout: Duration) -> Vec<Option<EvictSummary>> {
+        self.ask_all(|reply| ControlMsg::Evict { namespace, reply }, timeout)
+    }
+
+    /// Sends every shard the message `make` builds around a reply channel and gathers the
+    /// answers in shard order (`None` where none came within `timeout`).
+    fn ask_all<T>(
+        &self,
+        make: impl Fn(Sender<T>) -> ControlMsg,
+        timeout: Duration,
+    ) -> Vec<Option<T>> {
         let replies: Vec<_> = (0..self.shards())
             .map(|shard| {
                 let (reply, rx) = bounded(1);
-                let sent = self.send_control(shard, ControlMsg::Stats { reply }, timeout);
+                let sent = self.send_control(shard, make(reply), timeout);
                 (sent, rx)
             })
             .collect();

@@ -43,6 +43,15 @@ struct Namespace {
 /// Guarantees: only committed chunks are visible; a leased or reserved chunk is never evicted
 /// or reused; a commit, abort or release quoting a stale generation or another session's slot
 /// is refused and changes nothing.
+/// What [`ShardCore::evict_namespace`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictSummary {
+    /// Chunks removed from every tier.
+    pub removed: u64,
+    /// Chunks left in place: leased, or being moved between tiers.
+    pub busy: u64,
+}
+
 #[derive(Debug)]
 pub struct ShardCore {
     cfg: ShardConfig,
@@ -427,6 +436,27 @@ impl ShardCore {
         }
         self.metrics.removals += 1;
         Ok(())
+    }
+
+    /// Removes every chunk of namespace `namespace` (of every namespace with None) from every
+    /// tier, as [`ShardOp::Evict`] does key by key. Chunks that are leased, or that a tier
+    /// is moving, stay and are counted as busy; writes not yet committed are left alone.
+    pub fn evict_namespace(&mut self, namespace: Option<u64>) -> EvictSummary {
+        let wanted = |k: &&ChunkKey| namespace.is_none_or(|n| k.namespace == n);
+        let mut keys: HashSet<ChunkKey> = self.entries.keys().filter(wanted).copied().collect();
+        if let Some(ssd) = self.ssd.as_ref() {
+            keys.extend(ssd.keys().filter(wanted).copied());
+        }
+        let mut summary = EvictSummary::default();
+        for key in keys {
+            match self.evict(&key) {
+                Ok(()) => summary.removed += 1,
+                Err(ErrorCode::Busy) => summary.busy += 1,
+                // A reservation not yet committed: not a chunk yet.
+                Err(_) => {}
+            }
+        }
+        summary
     }
 
     /// Drops every lease and reservation of `session`; returns (leases, reservations) dropped.

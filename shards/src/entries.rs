@@ -76,6 +76,11 @@ impl Entries {
         self.slab[idx as usize].as_mut().expect("live index points at a live entry")
     }
 
+    /// Every key held, in no particular order.
+    pub fn keys(&self) -> impl Iterator<Item = &ChunkKey> {
+        self.index.keys()
+    }
+
     pub fn ready_count(&self) -> u64 {
         self.ready
     }

@@ -20,7 +20,7 @@ mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
 pub use arena::{Arena, ArenaSlice, DOORBELL_STRIDE, HEADER_BYTES};
-pub use core::{ShardConfig, ShardCore};
+pub use core::{EvictSummary, ShardConfig, ShardCore};
 pub use error::Error;
 pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};

@@ -224,6 +224,37 @@ fn explicit_evict() {
     assert_eq!(core.stats().dram_used_bytes, 0);
 }
 
+#[test]
+fn a_namespace_is_evicted_whole_except_what_is_busy() {
+    let (mut core, a) = shard(64);
+    let b = descriptor(2).id();
+    core.register(descriptor(2)).unwrap();
+    for i in 0..4 {
+        put(&mut core, 1, key(a, i), i, 100).unwrap();
+        put(&mut core, 1, key(b, i), i, 100).unwrap();
+    }
+    // One chunk of `a` is leased; another write of `a` is not committed yet.
+    core.lookup(2, &[key(a, 0)], true);
+    assert!(matches!(core.reserve(3, &[key(a, 9)], &[100])[0], Reservation::Slot { .. }));
+    let removals = core.stats().removals;
+    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 3, busy: 1 });
+    assert_eq!(core.stats().removals, removals + 3);
+    let present = |core: &mut ShardCore, ns: u64| {
+        (0..4).filter(|&i| core.lookup(4, &[key(ns, i)], false)[0].is_some()).count()
+    };
+    assert_eq!(present(&mut core, a), 1, "the leased chunk stays");
+    assert_eq!(present(&mut core, b), 4, "the other namespace is untouched");
+    // The uncommitted write still commits.
+    assert_eq!(core.stats().reservations, 1);
+    // Once released, the last chunk goes; a namespace with nothing left removes nothing.
+    core.close_session(2);
+    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 1, busy: 0 });
+    assert_eq!(core.evict_namespace(Some(12345)), EvictSummary::default());
+    // Every namespace.
+    assert_eq!(core.evict_namespace(None), EvictSummary { removed: 4, busy: 0 });
+    assert_eq!(present(&mut core, b), 0);
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Put(u32, u64),

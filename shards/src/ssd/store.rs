@@ -392,6 +392,11 @@ impl SsdStore {
         events
     }
 
+    /// Every key with a record, in no particular order.
+    pub fn keys(&self) -> impl Iterator<Item = &ChunkKey> {
+        self.log.iter().map(|(k, _)| k)
+    }
+
     /// Forgets `key`'s record (it was promoted into DRAM and will be demoted again if evicted).
     pub fn remove(&mut self, key: &ChunkKey) {
         self.log.remove(key);
