@@ -34,6 +34,12 @@ pub enum Strategy {
     Batched,
     /// Staged for small pieces, batched for large ones.
     Auto,
+    /// The segment kernel alone, straight between engine pages and the arena through its
+    /// device mapping: no staging, no copy engine; SMs move the bytes over the bus. An
+    /// experiment of `orbitkv-perf dma --strategy direct` (the engine needs
+    /// [`CopyEngine::set_host_mapping`](crate::dma::CopyEngine::set_host_mapping)); not a
+    /// server setting, so `parse` does not read it.
+    Direct,
 }
 
 impl Strategy {
@@ -43,6 +49,7 @@ impl Strategy {
             Self::Staged => "staged",
             Self::Batched => "batched",
             Self::Auto => "auto",
+            Self::Direct => "direct",
         }
     }
 

@@ -77,6 +77,9 @@ pub(crate) enum StrategyArg {
     Batched,
     /// Each of the above.
     All,
+    /// An experiment, not in `all`: the segment kernel alone, writing (save) or reading
+    /// (load) the arena through its device mapping; no staging, no copy engine.
+    Direct,
 }
 
 /// Flags of `orbitkv-perf dma`.

@@ -1030,6 +1030,14 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: "must be at least 1".into(),
         });
     }
+    if a.strategy == StrategyArg::Direct && a.socket.is_some() {
+        return Err(Error::InvalidArgument {
+            flag: "--strategy",
+            reason: "direct copies run in this process only; the server does not offer them \
+                     (leave out --socket)"
+                .into(),
+        });
+    }
     if a.tp_world_size == 0 || a.tp_rank >= a.tp_world_size {
         return Err(Error::InvalidArgument {
             flag: "--tp-rank",
@@ -1077,8 +1085,14 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         Arena::create(ceiling_at + ceiling_len, true)
             .map_err(|e| Error::Gpu(format!("arena: {e}")))?,
     );
-    let registration =
-        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?;
+    // Direct copies need the arena mapped into the device's address space.
+    let direct = a.strategy == StrategyArg::Direct;
+    let registration = if direct {
+        orbitkv_gpu::register_arena_mapped(a.device, &arena)
+    } else {
+        orbitkv_gpu::register_arena(a.device, &arena)
+    }
+    .map_err(|e| Error::Gpu(e.to_string()))?;
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
     let arena_slice = arena.split(1).pop().expect("one slice");
     let mut rng = SmallRng::seed_from_u64(a.seed);
@@ -1098,7 +1112,10 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         chunks.push((*slot, ids));
     }
     let bytes = chunk_len * nchunks;
-    let engine = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+    let mut engine = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+    if let Some(offset) = registration.device_offset {
+        engine.set_host_mapping(offset);
+    }
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1175,6 +1192,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             StrategyArg::Auto => vec![("auto", Strategy::Auto)],
             StrategyArg::Staged => vec![("staged", Strategy::Staged)],
             StrategyArg::Batched => vec![("batched", Strategy::Batched)],
+            StrategyArg::Direct => vec![("direct", Strategy::Direct)],
             StrategyArg::All => vec![
                 ("auto", Strategy::Auto),
                 ("staged", Strategy::Staged),
@@ -1202,6 +1220,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         if a.duplex {
             let ceiling = bench.duplex_ceiling(&ctx, a)?;
             let mut other = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+            if let Some(offset) = registration.device_offset {
+                other.set_host_mapping(offset);
+            }
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

@@ -53,6 +53,10 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--engine-copies"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--socket"), "{err}");
+    // Direct copies are an in-process experiment: the server does not offer them.
+    let (code, err) = dma(&["--socket", "/nonexistent", "--strategy", "direct"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--strategy") && err.contains("leave out --socket"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).

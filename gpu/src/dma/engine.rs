@@ -15,7 +15,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, Way};
 use super::hasher::drv;
-use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch};
+use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT};
 use super::{DmaError, Strategy};
 
 /// Threads per block of the segment copy kernel.
@@ -108,6 +108,12 @@ pub struct CopyEngine {
     sizes: Vec<usize>,
     /// With a timeline on: the job's start event, then the events of each batch.
     timeline: Option<(Option<CudaEvent>, Vec<BatchEvents>)>,
+    /// For `Strategy::Direct`: what to add to an arena host address to get its device
+    /// mapping (wrapping), when the arena was registered mapped.
+    host_mapping: Option<u64>,
+    /// `Strategy::Direct`'s descriptor table (read in place by the kernel) and the event
+    /// after which it may be rewritten.
+    direct_table: Option<(PinnedHost, CudaEvent)>,
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -123,6 +129,26 @@ unsafe fn copy_runs(
 ) -> Result<(), DmaError> {
     // SAFETY: forwarded from the caller.
     unsafe { ffi::copy_batch_async(dsts, srcs, sizes, stream) }
+}
+
+/// `Strategy::Direct`'s kernel descriptors: each piece split at `MAX_SEGMENT`, from engine
+/// pages to the arena's device mapping (host address + `offset`, wrapping) for a save, the
+/// reverse for a load.
+pub(crate) fn direct_descs(direction: Direction, pieces: &[Piece], offset: u64) -> Vec<KernelDesc> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let mut done = 0;
+        while done < p.len {
+            let len = (p.len - done).min(MAX_SEGMENT);
+            let (device, host) = (p.device + done, p.host.wrapping_add(offset) + done);
+            out.push(match direction {
+                Direction::Save => KernelDesc { src: device, dst: host, len },
+                Direction::Load => KernelDesc { src: host, dst: device, len },
+            });
+            done += len;
+        }
+    }
+    out
 }
 
 impl CopyEngine {
@@ -181,7 +207,16 @@ impl CopyEngine {
             srcs: Vec::new(),
             sizes: Vec::new(),
             timeline: None,
+            host_mapping: None,
+            direct_table: None,
         })
+    }
+
+    /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
+    /// address to get the address the device reaches it at (see
+    /// [`crate::HostRegistration::device_offset`]).
+    pub fn set_host_mapping(&mut self, offset: u64) {
+        self.host_mapping = Some(offset);
     }
 
     /// Records timing events around every staged batch of the jobs submitted from now on,
@@ -234,7 +269,7 @@ impl CopyEngine {
     pub fn staged_for(&self, strategy: Strategy, pieces: &[Piece]) -> bool {
         match strategy {
             Strategy::Staged => true,
-            Strategy::Batched => false,
+            Strategy::Batched | Strategy::Direct => false,
             Strategy::Auto if self.kernel.is_none() => false,
             Strategy::Auto => {
                 // The typical piece decides: below the threshold the copy engines are slow
@@ -274,6 +309,11 @@ impl CopyEngine {
             )));
         }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        if strategy == Strategy::Direct {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.enqueue_direct(direction, pieces, &mut shape, &done)? };
+            return Ok((done, shape));
+        }
         if let Err(e) = self.enqueue_job(direction, pieces, &mut shape, &done) {
             // Part of the job may already be on the GPU: let it finish before the caller
             // gives the memory back.
@@ -328,6 +368,59 @@ impl CopyEngine {
             }
             done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
         }
+        Ok(())
+    }
+
+    /// `Strategy::Direct`: one launch of the segment kernel over every piece (split at
+    /// `MAX_SEGMENT`), engine pages on one side and the arena's device mapping on the other;
+    /// records `done` after it.
+    ///
+    /// # Safety
+    /// As [`CopyEngine::submit`].
+    unsafe fn enqueue_direct(
+        &mut self,
+        direction: Direction,
+        pieces: &[Piece],
+        shape: &mut JobShape,
+        done: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        let offset = self.host_mapping.ok_or_else(|| {
+            DmaError::Invalid(
+                "direct copies need the arena registered with a device mapping \
+                 (register_arena_mapped)"
+                    .into(),
+            )
+        })?;
+        let kernel = self.kernel.as_ref().ok_or_else(|| {
+            DmaError::Invalid(format!(
+                "direct copies need the segment copy kernel, which did not load: {}",
+                self.kernel_error.as_deref().unwrap_or("unknown")
+            ))
+        })?;
+        let descs = direct_descs(direction, pieces, offset);
+        let n = u32::try_from(descs.len())
+            .map_err(|_| DmaError::Invalid(format!("{} descriptors in one job", descs.len())))?;
+        let bytes = descs.len() * KernelDesc::BYTES;
+        // The table is rewritten only once the kernel that read it last has finished.
+        if let Some((_, used)) = &self.direct_table {
+            used.synchronize().map_err(drv("cuEventSynchronize"))?;
+        }
+        if self.direct_table.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
+            let table = PinnedHost::new(&self.ctx, bytes.max(1 << 20))?;
+            let used = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+            self.direct_table = Some((table, used));
+        }
+        let (table, used) = self.direct_table.as_mut().expect("allocated above");
+        for (d, slot) in descs.iter().zip(table.bytes_mut().chunks_exact_mut(KernelDesc::BYTES)) {
+            d.write_to(slot);
+        }
+        let grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
+        // SAFETY: descriptors name engine pieces and their arena slots through the device
+        // mapping (submit's contract); the table stays untouched until `used` has passed.
+        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, grid, THREADS)? };
+        used.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+        done.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+        shape.bytes = pieces.iter().map(|p| p.len).sum();
         Ok(())
     }
 
@@ -490,5 +583,39 @@ impl Drop for CopyEngine {
         if let Err(e) = self.synchronize() {
             tracing::warn!(error = %e, "copy engine: synchronizing before teardown failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn direct_descriptors_split_long_pieces_and_point_at_the_device_mapping() {
+        let pieces = [
+            Piece { device: 0x1000, host: 0x7000_0000, len: 2048 },
+            Piece { device: 0x90_0000, host: 0x7100_0000, len: MAX_SEGMENT * 2 + 16 },
+        ];
+        // The mapping below the host address: the offset wraps.
+        let offset = 0u64.wrapping_sub(0x1000_0000);
+        let save = direct_descs(Direction::Save, &pieces, offset);
+        let lens: Vec<u64> = save.iter().map(|d| d.len).collect();
+        assert_eq!(lens, [2048, MAX_SEGMENT, MAX_SEGMENT, 16]);
+        assert_eq!(save[0], KernelDesc { src: 0x1000, dst: 0x6000_0000, len: 2048 });
+        assert_eq!(
+            save[2],
+            KernelDesc {
+                src: 0x90_0000 + MAX_SEGMENT,
+                dst: 0x6100_0000 + MAX_SEGMENT,
+                len: MAX_SEGMENT
+            }
+        );
+        let load = direct_descs(Direction::Load, &pieces, offset);
+        assert!(save
+            .iter()
+            .zip(&load)
+            .all(|(s, l)| s.src == l.dst && s.dst == l.src && s.len == l.len));
+        let total: u64 = save.iter().map(|d| d.len).sum();
+        assert_eq!(total, pieces.iter().map(|p| p.len).sum::<u64>());
     }
 }
