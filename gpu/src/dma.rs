@@ -36,9 +36,8 @@ pub enum Strategy {
     Auto,
     /// The segment kernel alone, straight between engine pages and the arena through its
     /// device mapping: no staging, no copy engine; SMs move the bytes over the bus. An
-    /// experiment of `orbitkv-perf dma --strategy direct` (the engine needs
-    /// [`CopyEngine::set_host_mapping`](crate::dma::CopyEngine::set_host_mapping)); not a
-    /// server setting, so `parse` does not read it.
+    /// experiment (`orbitkv-perf dma --strategy direct`, `--gpu-copy direct`); the engine
+    /// needs [`CopyEngine::set_host_mapping`](crate::dma::CopyEngine::set_host_mapping).
     Direct,
 }
 
@@ -53,12 +52,13 @@ impl Strategy {
         }
     }
 
-    /// Parses `staged`, `batched` or `auto`.
+    /// Parses `staged`, `batched`, `auto` or `direct`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "staged" => Some(Self::Staged),
             "batched" => Some(Self::Batched),
             "auto" => Some(Self::Auto),
+            "direct" => Some(Self::Direct),
             _ => None,
         }
     }
@@ -86,7 +86,7 @@ mod tests {
 
     #[test]
     fn strategy_names_round_trip() {
-        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched] {
+        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched, Strategy::Direct] {
             assert_eq!(Strategy::parse(s.as_str()), Some(s));
         }
         assert_eq!(Strategy::parse("fast"), None);

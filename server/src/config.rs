@@ -113,7 +113,9 @@ pub struct ServerConfig {
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
     /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
     /// only: no SM time, so no time-slicing against an engine computing in another process,
-    /// at a lower rate for small pages). Default: `auto`.
+    /// at a lower rate for small pages), or `direct` (an experiment, not measured yet: the
+    /// kernel alone copies through the arena's device mapping, SMs busy for the whole copy).
+    /// Default: `auto`.
     pub gpu_copy: String,
 }
 
@@ -246,8 +248,9 @@ pub struct Args {
     /// shards) or cpu (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
-    /// How GPU copies cross the bus: auto, staged (gather/scatter kernel) or batched (copy
-    /// engines only, no SM time) (default: auto).
+    /// How GPU copies cross the bus: auto, staged (gather/scatter kernel), batched (copy
+    /// engines only, no SM time) or direct (an experiment: the kernel alone, through the
+    /// arena's device mapping) (default: auto).
     #[arg(long, value_name = "HOW")]
     pub gpu_copy: Option<String>,
     /// Print the effective configuration as TOML and exit.
@@ -494,7 +497,7 @@ impl ServerConfig {
         let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {
             invalid(
                 "--gpu-copy",
-                format!("{:?} is not one of auto, staged, batched", self.gpu_copy),
+                format!("{:?} is not one of auto, staged, batched, direct", self.gpu_copy),
             )
         })?;
         for (flag, v, max) in [

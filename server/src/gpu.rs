@@ -43,6 +43,9 @@ pub struct GpuLimits {
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
     pub copy: Strategy,
+    /// The arena's device mapping (what to add to a host address), registered for
+    /// `--gpu-copy direct`.
+    pub host_mapping: Option<u64>,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -688,20 +691,26 @@ impl GpuService {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => {
-                let e = CopyEngine::new(
+                let mut e = CopyEngine::new(
                     &self.contexts[job.device],
                     self.limits.staging_bytes,
                     BATCHED_FROM,
                 )
                 .map_err(|e| format!("creating the copy engine: {e}"))?;
-                if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
+                if let Some(offset) = self.limits.host_mapping {
+                    e.set_host_mapping(offset);
+                }
+                if let (Strategy::Staged | Strategy::Direct, Some(why)) =
+                    (self.limits.copy, e.kernel_error())
+                {
                     // The operator asked for the kernel explicitly: say so once, loudly; every
                     // job then fails naming the reason (`auto` would copy batched instead).
                     tracing::error!(
                         device = job.device,
                         error = why,
-                        "--gpu-copy staged, but the segment copy kernel did not load: every \
-                         GPU save and load fails; use --gpu-copy auto or batched"
+                        "--gpu-copy {}, but the segment copy kernel did not load: every GPU \
+                         save and load fails; use --gpu-copy auto or batched",
+                        self.limits.copy.as_str()
                     );
                 }
                 slot.insert(e)

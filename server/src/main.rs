@@ -170,7 +170,13 @@ fn run(settings: Settings) -> Result<(), String> {
     let _registration = match &gpu {
         Some(orbitkv_gpu::Probe::Present { devices }) => {
             let first = &devices[0];
-            match orbitkv_gpu::register_arena(first.ordinal as usize, &arena) {
+            // `--gpu-copy direct` has kernels reach the arena: it needs a device mapping.
+            let registered = if settings.gpu_copy == orbitkv_gpu::dma::Strategy::Direct {
+                orbitkv_gpu::register_arena_mapped(first.ordinal as usize, &arena)
+            } else {
+                orbitkv_gpu::register_arena(first.ordinal as usize, &arena)
+            };
+            match registered {
                 Ok(r) => {
                     tracing::info!(
                         uuid = %first.uuid,
@@ -222,6 +228,7 @@ fn run(settings: Settings) -> Result<(), String> {
             staging_bytes: settings.gpu_staging_bytes as usize,
             checksums: settings.gpu_checksums,
             copy: settings.gpu_copy,
+            host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;
