@@ -1033,8 +1033,8 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     if a.strategy == StrategyArg::Direct && a.socket.is_some() {
         return Err(Error::InvalidArgument {
             flag: "--strategy",
-            reason: "direct copies run in this process only; the server does not offer them \
-                     (leave out --socket)"
+            reason: "with --socket the server's --gpu-copy decides how it copies: start the \
+                     server with --gpu-copy direct instead"
                 .into(),
         });
     }

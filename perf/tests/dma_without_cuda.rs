@@ -53,10 +53,10 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--engine-copies"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--socket"), "{err}");
-    // Direct copies are an in-process experiment: the server does not offer them.
+    // Through a server, its --gpu-copy decides: asking for direct copies here says so.
     let (code, err) = dma(&["--socket", "/nonexistent", "--strategy", "direct"]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--strategy") && err.contains("leave out --socket"), "{err}");
+    assert!(err.contains("--strategy") && err.contains("--gpu-copy direct"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
