@@ -111,9 +111,12 @@ pub struct CopyEngine {
     /// For `Strategy::Direct`: what to add to an arena host address to get its device
     /// mapping (wrapping), when the arena was registered mapped.
     host_mapping: Option<u64>,
-    /// `Strategy::Direct`'s descriptor table (read in place by the kernel) and the event
-    /// after which it may be rewritten.
-    direct_table: Option<(PinnedHost, CudaEvent)>,
+    /// `Strategy::Direct`'s descriptor tables (read in place by the kernel), used in turn so
+    /// that a job is planned while the one before copies, each with the event after which
+    /// it may be rewritten.
+    direct_tables: [Option<(PinnedHost, CudaEvent)>; 2],
+    /// The table the next direct job uses.
+    direct_next: usize,
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -208,7 +211,8 @@ impl CopyEngine {
             sizes: Vec::new(),
             timeline: None,
             host_mapping: None,
-            direct_table: None,
+            direct_tables: [None, None],
+            direct_next: 0,
         })
     }
 
@@ -401,16 +405,18 @@ impl CopyEngine {
         let n = u32::try_from(descs.len())
             .map_err(|_| DmaError::Invalid(format!("{} descriptors in one job", descs.len())))?;
         let bytes = descs.len() * KernelDesc::BYTES;
-        // The table is rewritten only once the kernel that read it last has finished.
-        if let Some((_, used)) = &self.direct_table {
+        let slot = &mut self.direct_tables[self.direct_next];
+        self.direct_next ^= 1;
+        // A table is rewritten only once the kernel that read it last has finished.
+        if let Some((_, used)) = slot.as_ref() {
             used.synchronize().map_err(drv("cuEventSynchronize"))?;
         }
-        if self.direct_table.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
+        if slot.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
             let table = PinnedHost::new(&self.ctx, bytes.max(1 << 20))?;
             let used = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-            self.direct_table = Some((table, used));
+            *slot = Some((table, used));
         }
-        let (table, used) = self.direct_table.as_mut().expect("allocated above");
+        let (table, used) = slot.as_mut().expect("allocated above");
         for (d, slot) in descs.iter().zip(table.bytes_mut().chunks_exact_mut(KernelDesc::BYTES)) {
             d.write_to(slot);
         }
