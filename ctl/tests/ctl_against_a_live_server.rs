@@ -91,20 +91,7 @@ fn health_stats_drain_resume_sessions() {
         ..ClientOptions::with_socket(&socket)
     })
     .unwrap();
-    let ns = c
-        .register_namespace(&NamespaceDescriptor {
-            model: "ctl".into(),
-            dtype: Dtype::Bf16,
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_dim: 64,
-            kv_tensors: 2,
-            tokens_per_chunk: 16,
-            layout_version: 1,
-            tp_rank: 0,
-            tp_world_size: 1,
-        })
-        .unwrap();
+    let ns = c.register_namespace(&descriptor("ctl")).unwrap();
     let key = orbitkv_client::ChunkKey::new(ns.id, [7; 32]);
     let slot = c.reserve(&[key], &[1000]).unwrap().pop().unwrap().unwrap();
 
@@ -132,6 +119,22 @@ fn health_stats_drain_resume_sessions() {
     assert!(out.status.success());
     assert!(ctl(&socket, &["health"]).status.success());
     assert_eq!(json(&ctl(&socket, &["health", "--json"]))["ready"], true);
+}
+
+/// A small bf16 namespace of model `model`.
+fn descriptor(model: &str) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model: model.into(),
+        dtype: Dtype::Bf16,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        kv_tensors: 2,
+        tokens_per_chunk: 16,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    }
 }
 
 /// A server with `--gpu off` (nothing below depends on the machine having a GPU), healthy.
@@ -170,18 +173,6 @@ fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
     let socket = dir.path().join("s.sock");
     let _server = start(&socket, "2");
     let mut c = Client::connect(ClientOptions::with_socket(&socket)).unwrap();
-    let descriptor = |model: &str| NamespaceDescriptor {
-        model: model.into(),
-        dtype: Dtype::Bf16,
-        num_layers: 1,
-        num_kv_heads: 1,
-        head_dim: 64,
-        kv_tensors: 2,
-        tokens_per_chunk: 16,
-        layout_version: 1,
-        tp_rank: 0,
-        tp_world_size: 1,
-    };
     let a = c.register_namespace(&descriptor("a")).unwrap().id;
     let b = c.register_namespace(&descriptor("b")).unwrap().id;
     let keys = |ns: u64| -> Vec<orbitkv_client::ChunkKey> {

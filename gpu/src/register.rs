@@ -34,17 +34,7 @@ impl std::fmt::Debug for HostRegistration {
 
 /// Registers the whole arena (portable: usable from every context) with device `ordinal`.
 pub fn register_arena(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
-    // SAFETY: the range is exactly the arena's live mapping, kept alive by the Arc stored in
-    // the registration until after the matching unregister in `drop`.
-    unsafe {
-        register(
-            ordinal,
-            arena.base_ptr() as usize,
-            arena.len() as usize,
-            Some(Arc::clone(arena)),
-            false,
-        )
-    }
+    register_whole(ordinal, arena, false)
 }
 
 /// As [`register_arena`], and also mapped into the device's address space, so that kernels
@@ -54,16 +44,18 @@ pub fn register_arena_mapped(
     ordinal: usize,
     arena: &Arc<Arena>,
 ) -> Result<HostRegistration, GpuError> {
-    // SAFETY: as in `register_arena`.
-    unsafe {
-        register(
-            ordinal,
-            arena.base_ptr() as usize,
-            arena.len() as usize,
-            Some(Arc::clone(arena)),
-            true,
-        )
-    }
+    register_whole(ordinal, arena, true)
+}
+
+fn register_whole(
+    ordinal: usize,
+    arena: &Arc<Arena>,
+    mapped: bool,
+) -> Result<HostRegistration, GpuError> {
+    let (base, len) = (arena.base_ptr() as usize, arena.len() as usize);
+    // SAFETY: the range is exactly the arena's live mapping, kept alive by the Arc stored in
+    // the registration until after the matching unregister in `drop`.
+    unsafe { register(ordinal, base, len, Some(Arc::clone(arena)), mapped) }
 }
 
 /// Registers `len` bytes of host memory at `base` (portable) with device `ordinal`: an
