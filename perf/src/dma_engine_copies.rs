@@ -1,14 +1,16 @@
 //! `orbitkv-perf dma --socket --engine-copies`: the engine-side path, without CUDA IPC. This
 //! process registers its own mapping of the arena with CUDA and moves the pages with its own
 //! copy engine: a save reserves slots, copies into them and commits (the shards checksum the
-//! bytes); a load leases the chunks, copies out of them and releases. Every byte is checked on
+//! bytes), job by job with each commit beside the next copy; a load leases the chunks, copies
+//! out of them and releases. Every byte is checked on
 //! both sides, as in the IPC series.
 
 use std::time::Instant;
 
 use orbitkv_client::{Client, ClientOptions, Reserved};
 use orbitkv_gpu::dma::plan::Piece;
-use orbitkv_gpu::dma::{CopyEngine, Direction, Strategy};
+use cudarc::driver::CudaEvent;
+use orbitkv_gpu::dma::{CopyEngine, Direction, Strategy, JOB_BYTES};
 use serde::Serialize;
 
 use crate::args::DmaArgs;
@@ -80,35 +82,57 @@ pub(crate) fn run(
     let mut failures = 0;
     let mut pieces = Vec::new();
     let mut save_runs = Vec::new();
+    // As an engine should save: job by job (JOB_BYTES, as the server's DMA threads do), each
+    // job's commit (the shards compute its checksums) running beside the next job's copy.
+    let group = (JOB_BYTES / e.chunk_len).max(1) as usize;
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
         let t = Instant::now();
-        let reserved = client.reserve(&keys, &lens).map_err(client_err("reserve"))?;
-        pieces.clear();
-        let mut slots: Vec<Reserved> = Vec::with_capacity(keys.len());
-        for (r, blocks) in reserved.into_iter().zip(&e.chunks) {
-            match r {
-                Ok(r) => {
-                    let slot = client.slot_mut(&r).map_err(client_err("slot"))?;
-                    if (slot.len() as u64) < e.chunk_len {
-                        return Err(Error::Gpu(format!(
-                            "a slot of {} bytes for a {}-byte chunk",
-                            slot.len(),
-                            e.chunk_len
-                        )));
+        let mut in_flight: Option<(CudaEvent, Vec<Reserved>)> = None;
+        let saved = (|| {
+            for (kg, cg) in keys.chunks(group).zip(e.chunks.chunks(group)) {
+                let reserved = client.reserve(kg, &lens[..kg.len()]).map_err(client_err("reserve"))?;
+                pieces.clear();
+                let mut slots: Vec<Reserved> = Vec::with_capacity(kg.len());
+                for (r, blocks) in reserved.into_iter().zip(cg) {
+                    match r {
+                        Ok(r) => {
+                            let slot = client.slot_mut(&r).map_err(client_err("slot"))?;
+                            if (slot.len() as u64) < e.chunk_len {
+                                return Err(Error::Gpu(format!(
+                                    "a slot of {} bytes for a {}-byte chunk",
+                                    slot.len(),
+                                    e.chunk_len
+                                )));
+                            }
+                            let host = slot.as_mut_ptr();
+                            e.memory
+                                .chunk_pieces(blocks, host as u64, &mut pieces)
+                                .map_err(|x| Error::Gpu(x.to_string()))?;
+                            slots.push(r);
+                        }
+                        Err(_) => failures += 1,
                     }
-                    let host = slot.as_mut_ptr();
-                    e.memory
-                        .chunk_pieces(blocks, host as u64, &mut pieces)
-                        .map_err(|x| Error::Gpu(x.to_string()))?;
-                    slots.push(r);
                 }
-                Err(_) => failures += 1,
+                same_session(&client)?;
+                let event = submit(engine, Direction::Save, &pieces)?;
+                // The job before is copied by now or soon: commit it while this one copies.
+                if let Some((before, slots)) = in_flight.replace((event, slots)) {
+                    wait(&before)?;
+                    failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+                }
             }
+            if let Some((last, slots)) = in_flight.take() {
+                wait(&last)?;
+                failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+            }
+            Ok(())
+        })();
+        // On a failure, a copy may still be writing its slots: let it finish first.
+        if let Some((event, _)) = in_flight.take() {
+            wait(&event)?;
         }
-        same_session(&client)?;
-        copy(engine, Direction::Save, &pieces)?;
-        failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+        saved?;
         if i > 0 {
             save_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
@@ -181,9 +205,21 @@ fn register(
 }
 
 #[allow(unsafe_code)]
-fn copy(engine: &mut CopyEngine, direction: Direction, pieces: &[Piece]) -> Result<(), Error> {
+fn submit(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    pieces: &[Piece],
+) -> Result<CudaEvent, Error> {
     // SAFETY: see above; the event is awaited before the slots are committed or released.
     let (event, _) = unsafe { engine.submit(direction, pieces, Strategy::Auto) }
         .map_err(|e| Error::Gpu(e.to_string()))?;
+    Ok(event)
+}
+
+fn wait(event: &CudaEvent) -> Result<(), Error> {
     event.synchronize().map_err(|e| Error::Gpu(format!("cuEventSynchronize: {e}")))
+}
+
+fn copy(engine: &mut CopyEngine, direction: Direction, pieces: &[Piece]) -> Result<(), Error> {
+    wait(&submit(engine, direction, pieces)?)
 }
