@@ -446,6 +446,40 @@ impl Client {
         self.outcomes("commit", &refs, |slots| Request::Commit { slots })
     }
 
+    /// Makes written reservations visible with checksums the caller computed
+    /// (`checksums[i]`: [`orbitkv_proto::chunk_checksum`] of `slots[i]`'s bytes, for example
+    /// by its own GPU kernel), so that the shards do not read every chunk. The server checks
+    /// the first of each request against its bytes: if it is wrong, that chunk fails with
+    /// `ChecksumMismatch` (not stored) and the others are committed with checksums the
+    /// shards compute. The others are otherwise taken as given: a wrong one makes its chunk
+    /// fail later checks (SSD, peers), it never makes wrong bytes served.
+    pub fn commit_checked(
+        &mut self,
+        slots: &[Reserved],
+        checksums: &[u64],
+    ) -> Result<Vec<ChunkOutcome>, Error> {
+        if slots.len() != checksums.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} slots but {} checksums",
+                slots.len(),
+                checksums.len()
+            )));
+        }
+        let refs = self.slot_refs(slots)?;
+        let mut all = Vec::with_capacity(refs.len());
+        let max = self.max_keys();
+        for (r, c) in refs.chunks(max).zip(checksums.chunks(max)) {
+            let req = Request::CommitChecked { slots: r.to_vec(), checksums: c.to_vec() };
+            match self.call(&req)? {
+                Response::Outcomes { outcomes } if outcomes.len() == r.len() => {
+                    all.extend(outcomes)
+                }
+                other => return Err(unexpected("commit_checked", other)),
+            }
+        }
+        Ok(all)
+    }
+
     /// Gives reservations back unwritten.
     pub fn abort(&mut self, slots: &[Reserved]) -> Result<Vec<ChunkOutcome>, Error> {
         let refs = self.slot_refs(slots)?;

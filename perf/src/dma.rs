@@ -347,10 +347,12 @@ impl Report for DmaReport {
         if let Some(c) = &self.engine_copies {
             writeln!(
                 out,
-                "engine copies (no IPC): save {:.2} GB/s ({:.3}), load {:.2} GB/s ({:.3}), \
-                 failures {}, mismatched bytes {}, mapping registered in {:.0} ms",
+                "engine copies (no IPC): save {:.2} GB/s ({:.3}, checksums by the {}), load \
+                 {:.2} GB/s ({:.3}), failures {}, mismatched bytes {}, mapping registered in \
+                 {:.0} ms",
                 c.save_gbps,
                 c.save_ratio,
+                c.checksums,
                 c.load_gbps,
                 c.load_ratio,
                 c.failures,

@@ -7,10 +7,10 @@
 
 use std::time::Instant;
 
+use cudarc::driver::CudaEvent;
 use orbitkv_client::{Client, ClientOptions, Reserved};
 use orbitkv_gpu::dma::plan::Piece;
-use cudarc::driver::CudaEvent;
-use orbitkv_gpu::dma::{CopyEngine, Direction, Strategy, JOB_BYTES};
+use orbitkv_gpu::dma::{ChecksumTicket, ChunkHasher, CopyEngine, Direction, Strategy, JOB_BYTES};
 use serde::Serialize;
 
 use crate::args::DmaArgs;
@@ -32,6 +32,9 @@ pub(crate) struct EngineCopiesResult {
     pub load_gbps: f64,
     /// Against the load ceiling of the run.
     pub load_ratio: f64,
+    /// Where the saved chunks' checksums were computed: `engine` (this process's GPU, passed
+    /// with `commit_checked`) or `shards` (the checksum kernels did not load here).
+    pub checksums: &'static str,
     /// Chunks not reserved, committed, found or released as asked (over all runs).
     pub failures: u64,
     /// Mismatched bytes after the last runs: the saved chunks through the arena, every tensor.
@@ -83,15 +86,20 @@ pub(crate) fn run(
     let mut pieces = Vec::new();
     let mut save_runs = Vec::new();
     // As an engine should save: job by job (JOB_BYTES, as the server's DMA threads do), each
-    // job's commit (the shards compute its checksums) running beside the next job's copy.
+    // job's commit running beside the next job's copy, with checksums computed here on the
+    // GPU (`commit_checked`: the shards then read one chunk per job, not every one).
     let group = (JOB_BYTES / e.chunk_len).max(1) as usize;
+    // Without the checksum kernels the shards compute them (the report says which).
+    let mut hasher = ChunkHasher::new(engine.context()).ok();
+    let checksums = if hasher.is_some() { "engine" } else { "shards" };
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
         let t = Instant::now();
-        let mut in_flight: Option<(CudaEvent, Vec<Reserved>)> = None;
+        let mut in_flight: Option<InFlight> = None;
         let saved = (|| {
             for (kg, cg) in keys.chunks(group).zip(e.chunks.chunks(group)) {
-                let reserved = client.reserve(kg, &lens[..kg.len()]).map_err(client_err("reserve"))?;
+                let reserved =
+                    client.reserve(kg, &lens[..kg.len()]).map_err(client_err("reserve"))?;
                 pieces.clear();
                 let mut slots: Vec<Reserved> = Vec::with_capacity(kg.len());
                 for (r, blocks) in reserved.into_iter().zip(cg) {
@@ -115,22 +123,24 @@ pub(crate) fn run(
                     }
                 }
                 same_session(&client)?;
-                let event = submit(engine, Direction::Save, &pieces)?;
+                let copied = submit(engine, Direction::Save, &pieces)?;
+                let sums = match hasher.as_mut() {
+                    Some(h) => checksums_of(h, &pieces, e.chunk_len)?,
+                    None => None,
+                };
                 // The job before is copied by now or soon: commit it while this one copies.
-                if let Some((before, slots)) = in_flight.replace((event, slots)) {
-                    wait(&before)?;
-                    failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+                if let Some(before) = in_flight.replace(InFlight { copied, sums, slots }) {
+                    failures += before.commit(&mut client)?;
                 }
             }
-            if let Some((last, slots)) = in_flight.take() {
-                wait(&last)?;
-                failures += not_done(&client.commit(&slots).map_err(client_err("commit"))?);
+            if let Some(last) = in_flight.take() {
+                failures += last.commit(&mut client)?;
             }
             Ok(())
         })();
         // On a failure, a copy may still be writing its slots: let it finish first.
-        if let Some((event, _)) = in_flight.take() {
-            wait(&event)?;
+        if let Some(job) = in_flight.take() {
+            wait(&job.copied)?;
         }
         saved?;
         if i > 0 {
@@ -184,6 +194,7 @@ pub(crate) fn run(
         save_ratio: ratio(save_gbps, save_ceiling),
         load_gbps,
         load_ratio: ratio(load_gbps, load_ceiling),
+        checksums,
         failures,
         mismatched_bytes,
     })
@@ -214,6 +225,43 @@ fn submit(
     let (event, _) = unsafe { engine.submit(direction, pieces, Strategy::Auto) }
         .map_err(|e| Error::Gpu(e.to_string()))?;
     Ok(event)
+}
+
+/// A save job whose copy (and checksums) may still run.
+struct InFlight {
+    copied: CudaEvent,
+    sums: Option<ChecksumTicket>,
+    slots: Vec<Reserved>,
+}
+
+impl InFlight {
+    /// Waits for the copy, then commits: with the job's checksums when they were computed
+    /// here. Returns the chunks not committed.
+    fn commit(self, client: &mut Client) -> Result<u64, Error> {
+        wait(&self.copied)?;
+        let sums = match self.sums {
+            Some(t) => Some(t.take().map_err(|e| Error::Gpu(e.to_string()))?),
+            None => None,
+        };
+        let out = match sums {
+            Some(sums) if sums.len() == self.slots.len() => {
+                client.commit_checked(&self.slots, &sums).map_err(client_err("commit_checked"))?
+            }
+            _ => client.commit(&self.slots).map_err(client_err("commit"))?,
+        };
+        Ok(not_done(&out))
+    }
+}
+
+#[allow(unsafe_code)]
+fn checksums_of(
+    hasher: &mut ChunkHasher,
+    pieces: &[Piece],
+    chunk_len: u64,
+) -> Result<Option<ChecksumTicket>, Error> {
+    // SAFETY: the pieces name this process's tensors, unchanged until the ticket is taken
+    // (before the job's commit).
+    unsafe { hasher.submit(pieces, chunk_len) }.map_err(|e| Error::Gpu(e.to_string()))
 }
 
 fn wait(event: &CudaEvent) -> Result<(), Error> {

@@ -167,6 +167,16 @@ fn check_bounds(
         Request::RegisterNamespace { descriptor } => {
             descriptor.validate().map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
         }
+        Request::CommitChecked { slots, checksums } if slots.len() != checksums.len() => {
+            return Err((
+                ErrorCode::Malformed,
+                format!(
+                    "commit_checked has {} slots but {} checksums: give one per slot",
+                    slots.len(),
+                    checksums.len()
+                ),
+            ));
+        }
         _ => {}
     }
     Ok(())
@@ -230,6 +240,23 @@ async fn execute(
         Request::Commit { slots } => {
             let o = per_slot(exec, &slots, |slots| ShardOp::Commit { session, slots }).await;
             counters.add_reservations(-(done(&o) as i64));
+            Response::Outcomes { outcomes: o }
+        }
+        Request::CommitChecked { slots, checksums } => {
+            let o =
+                commit_given(exec, session, &slots, &checksums, false, OnWrongChecksum::HashRest)
+                    .await;
+            // A reservation whose checksum was wrong is dropped, like a committed one gone.
+            let gone = o
+                .iter()
+                .filter(|o| {
+                    matches!(
+                        o,
+                        ChunkOutcome::Done | ChunkOutcome::Failed(ErrorCode::ChecksumMismatch)
+                    )
+                })
+                .count();
+            counters.add_reservations(-(gone as i64));
             Response::Outcomes { outcomes: o }
         }
         Request::Abort { slots } => {
@@ -315,6 +342,69 @@ pub(crate) async fn reserve(
         Reservation::Failed(ErrorCode::Internal),
     )
     .await
+}
+
+/// What happens to the other slots of a commit whose checked checksum was wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OnWrongChecksum {
+    /// Abort them (`ChecksumMismatch`): their checksums came from the same wrong source.
+    AbortRest,
+    /// Commit them with checksums their shards compute.
+    HashRest,
+}
+
+/// Commits `refs` with checksums computed by their writer (`sums[i]` for `refs[i]`). The first
+/// is checked against its bytes on its shard before the others are committed (every one with
+/// `verify_all`); a wrong one answers `ChecksumMismatch`, is not stored, and the others go as
+/// `on_wrong` says. Unchecked checksums are taken as given.
+pub(crate) async fn commit_given(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    refs: &[SlotRef],
+    sums: &[u64],
+    verify_all: bool,
+    on_wrong: OnWrongChecksum,
+) -> Vec<ChunkOutcome> {
+    let items: Vec<(SlotRef, u64, bool)> = refs
+        .iter()
+        .zip(sums)
+        .enumerate()
+        .map(|(k, (r, s))| (*r, *s, verify_all || k == 0))
+        .collect();
+    let commit = |items: &[(SlotRef, u64, bool)]| {
+        let items = items.to_vec();
+        let exec = Rc::clone(exec);
+        async move {
+            scatter(
+                &exec,
+                &items,
+                |x| &x.0.key,
+                |slots| ShardOp::CommitSummed { session, slots },
+                outcomes,
+                FAILED,
+            )
+            .await
+        }
+    };
+    if verify_all || items.len() <= 1 {
+        return commit(&items).await;
+    }
+    let mut out = commit(&items[..1]).await;
+    if out[0] == ChunkOutcome::Failed(ErrorCode::ChecksumMismatch) {
+        let rest = &refs[1..];
+        out.extend(match on_wrong {
+            OnWrongChecksum::AbortRest => {
+                per_slot(exec, rest, |slots| ShardOp::Abort { session, slots }).await;
+                vec![ChunkOutcome::Failed(ErrorCode::ChecksumMismatch); rest.len()]
+            }
+            OnWrongChecksum::HashRest => {
+                per_slot(exec, rest, |slots| ShardOp::Commit { session, slots }).await
+            }
+        });
+        return out;
+    }
+    out.extend(commit(&items[1..]).await);
+    out
 }
 
 /// The outcome of an item whose shard reply was lost.

@@ -19,7 +19,7 @@ use orbitkv_shards::{SessionId, ShardOp};
 
 use crate::executor::Exec;
 use crate::gpu::{off_shard, RequestPhases};
-use crate::router::{lookup, outcomes, per_slot, reserve, scatter, FAILED};
+use crate::router::{commit_given, lookup, per_slot, reserve, OnWrongChecksum};
 
 fn no_gpu() -> Response {
     Response::error(
@@ -242,40 +242,18 @@ async fn commit_summed(
 ) -> Vec<ChunkOutcome> {
     let gpu = exec.shared.gpu_service.get();
     let all = gpu.map(|g| g.checksum_place()) == Some(crate::gpu::ChecksumPlace::Verify);
-    let items: Vec<(SlotRef, u64, bool)> =
-        refs.iter().zip(sums).enumerate().map(|(k, (r, s))| (*r, s, all || k == 0)).collect();
-    let commit = |items: &[(SlotRef, u64, bool)]| {
-        let items = items.to_vec();
-        let exec = Rc::clone(exec);
-        async move {
-            scatter(
-                &exec,
-                &items,
-                |x| &x.0.key,
-                |slots| ShardOp::CommitSummed { session, slots },
-                outcomes,
-                FAILED,
-            )
-            .await
-        }
-    };
-    if all {
-        return commit(&items).await;
-    }
-    let mut out = commit(&items[..1]).await;
-    if out[0] == ChunkOutcome::Failed(ErrorCode::DeviceError) {
+    let out = commit_given(exec, session, refs, &sums, all, OnWrongChecksum::AbortRest).await;
+    let wrong = ChunkOutcome::Failed(ErrorCode::ChecksumMismatch);
+    if !all && out.first() == Some(&wrong) {
         if let Some(g) = gpu {
             g.distrust_checksums();
         }
-        if refs.len() > 1 {
-            per_slot(exec, &refs[1..], |slots| ShardOp::Abort { session, slots }).await;
-        }
         return vec![ChunkOutcome::Failed(ErrorCode::DeviceError); refs.len()];
     }
-    if items.len() > 1 {
-        out.extend(commit(&items[1..]).await);
-    }
-    out
+    // A checksum the GPU got wrong is the device's error.
+    out.into_iter()
+        .map(|o| if o == wrong { ChunkOutcome::Failed(ErrorCode::DeviceError) } else { o })
+        .collect()
 }
 
 /// `Load`.

@@ -121,3 +121,61 @@ fn deferred_releases_land_and_failures_are_counted() {
     assert_eq!(c.deferred_failures(), 1, "one failed release request (12 chunks)");
     assert_eq!(server.shard_sum("leases"), 0);
 }
+
+#[test]
+fn commits_with_the_writers_checksums_check_the_first_of_each_request() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "64MiB"]);
+    let mut c = server.client("writer");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let write = |c: &mut orbitkv_client::Client, keys: &[orbitkv_client::ChunkKey]| {
+        let lens: Vec<u64> = keys.iter().map(|_| 3000).collect();
+        let slots: Vec<_> =
+            c.reserve(keys, &lens).unwrap().into_iter().map(|r| r.unwrap()).collect();
+        for (k, s) in keys.iter().zip(&slots) {
+            c.slot_mut(s).unwrap().copy_from_slice(&value_for(k, 3000));
+        }
+        slots
+    };
+    let sum = |k: &orbitkv_client::ChunkKey| orbitkv_proto::chunk_checksum(&value_for(k, 3000));
+    let checksum_of = |c: &mut orbitkv_client::Client, k: &orbitkv_client::ChunkKey| {
+        c.lookup(&[*k]).unwrap().first().map(|h| h.checksum)
+    };
+
+    // Right checksums: stored with them (over both shards).
+    let keys = chain(ns, 1, 8);
+    let slots = write(&mut c, &keys);
+    let sums: Vec<u64> = keys.iter().map(sum).collect();
+    let out = c.commit_checked(&slots, &sums).unwrap();
+    assert!(out.iter().all(|o| *o == ChunkOutcome::Done), "{out:?}");
+    for k in &keys {
+        assert_eq!(checksum_of(&mut c, k), Some(sum(k)));
+    }
+
+    // The first one wrong: that chunk is not stored; the others are, with checksums the
+    // shards computed (the given ones, wrong too, are not used).
+    let keys = chain(ns, 2, 6);
+    let slots = write(&mut c, &keys);
+    let bad: Vec<u64> = keys.iter().map(|k| sum(k) ^ 1).collect();
+    let out = c.commit_checked(&slots, &bad).unwrap();
+    assert_eq!(out[0], ChunkOutcome::Failed(orbitkv_client::ErrorCode::ChecksumMismatch));
+    assert!(out[1..].iter().all(|o| *o == ChunkOutcome::Done), "{out:?}");
+    assert_eq!(checksum_of(&mut c, &keys[0]), None);
+    for k in &keys[1..] {
+        assert_eq!(checksum_of(&mut c, k), Some(sum(k)));
+    }
+
+    // One checksum per slot, or nothing happens.
+    let keys = chain(ns, 3, 2);
+    let slots = write(&mut c, &keys);
+    let err = c.commit_checked(&slots, &[1]).unwrap_err().to_string();
+    assert!(err.contains("2 slots but 1 checksums"), "{err}");
+    let out = c.commit_checked(&slots, &keys.iter().map(sum).collect::<Vec<_>>()).unwrap();
+    assert!(out.iter().all(|o| *o == ChunkOutcome::Done), "{out:?}");
+    // No reservation is left behind, and the mismatch was counted.
+    let stats = server.admin("stats");
+    let total = |f: &str| -> u64 {
+        stats["shards"].as_array().unwrap().iter().map(|s| s[f].as_u64().unwrap()).sum()
+    };
+    assert_eq!(total("reservations"), 0);
+    assert_eq!(total("gpu_checksum_mismatches"), 1);
+}

@@ -363,18 +363,19 @@ impl ShardCore {
                     self.metrics.given_checksums_verified += 1;
                     let own = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
                     if own != sum {
-                        // The GPU hashed the engine's pages, this the bytes that landed: either
-                        // is wrong, and a cache can afford the miss. Not stored.
+                        // The writer (the GPU, or an engine) hashed its pages, this the bytes
+                        // that landed: either is wrong, and a cache can afford the miss. Not
+                        // stored.
                         self.metrics.given_checksum_mismatches += 1;
                         tracing::error!(
                             shard = self.cfg.id,
                             len,
                             given = sum,
                             computed = own,
-                            "a checksum computed on the GPU differs from the chunk's bytes in the arena; chunk dropped"
+                            "a checksum given with a commit differs from the chunk's bytes in the arena; chunk dropped"
                         );
                         self.abort(session, slot)?;
-                        return Err(ErrorCode::DeviceError);
+                        return Err(ErrorCode::ChecksumMismatch);
                     }
                 }
                 self.metrics.given_checksums += 1;

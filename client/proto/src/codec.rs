@@ -137,6 +137,17 @@ mod tests {
             (prop::collection::vec(arb_key(), 0..20), prop::collection::vec(any::<u64>(), 0..20))
                 .prop_map(|(keys, lens)| Request::Reserve { keys, lens }),
             prop::collection::vec(arb_key(), 0..20).prop_map(|keys| Request::Evict { keys }),
+            (
+                prop::collection::vec((arb_key(), any::<u64>()), 0..20),
+                prop::collection::vec(any::<u64>(), 0..20)
+            )
+                .prop_map(|(slots, checksums)| Request::CommitChecked {
+                    slots: slots
+                        .into_iter()
+                        .map(|(key, generation)| crate::SlotRef { key, generation })
+                        .collect(),
+                    checksums,
+                }),
         ]
     }
 

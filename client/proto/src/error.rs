@@ -40,6 +40,9 @@ pub enum ErrorCode {
     Unavailable = 17,
     /// A GPU copy failed (CUDA error); the chunk was not saved or loaded.
     DeviceError = 18,
+    /// A checksum given with a commit differs from the chunk's bytes; the chunk was not
+    /// stored.
+    ChecksumMismatch = 19,
 }
 
 impl ErrorCode {
@@ -64,11 +67,12 @@ impl ErrorCode {
             Self::Internal => "internal",
             Self::Unavailable => "unavailable",
             Self::DeviceError => "device_error",
+            Self::ChecksumMismatch => "checksum_mismatch",
         }
     }
 
     /// Every code, in wire order (for counters indexed by code).
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 19] = [
         Self::Malformed,
         Self::VersionMismatch,
         Self::PermissionDenied,
@@ -87,6 +91,7 @@ impl ErrorCode {
         Self::Internal,
         Self::Unavailable,
         Self::DeviceError,
+        Self::ChecksumMismatch,
     ];
 
     /// Dense index in `0..ALL.len()`.

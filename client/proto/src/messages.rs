@@ -7,7 +7,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
 
 /// Version of this protocol; a client and server must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Bytes at the start of the arena memfd before chunk data: one doorbell word per shard.
 pub const ARENA_HEADER_BYTES: u64 = 256 * DOORBELL_STRIDE;
@@ -276,6 +276,18 @@ pub enum Request {
         /// Engine block ids, `n` per key.
         blocks: Vec<u64>,
     },
+    /// Makes written reservations visible with checksums the writer computed
+    /// (`checksums[i]`: xxh3-64 of `slots[i]`'s bytes, as `chunk_checksum`), so that the
+    /// shards need not read every chunk. The first is checked against its bytes; if it is
+    /// wrong it answers `ChecksumMismatch` (not stored) and the others are committed with
+    /// checksums the shards compute. The others are otherwise taken as given: a wrong one
+    /// makes its chunk fail later checks (SSD, peers), it never makes wrong bytes served.
+    CommitChecked {
+        /// Reservations to commit.
+        slots: Vec<SlotRef>,
+        /// One checksum per reservation.
+        checksums: Vec<u64>,
+    },
 }
 
 /// Responses, server to client.
@@ -339,6 +351,7 @@ impl Request {
             Request::Lookup { .. } => "lookup",
             Request::Reserve { .. } => "reserve",
             Request::Commit { .. } => "commit",
+            Request::CommitChecked { .. } => "commit_checked",
             Request::Abort { .. } => "abort",
             Request::Release { .. } => "release",
             Request::Evict { .. } => "evict",
@@ -363,6 +376,7 @@ impl Request {
             Request::Commit { slots } | Request::Abort { slots } | Request::Release { slots } => {
                 slots.len()
             }
+            Request::CommitChecked { slots, checksums } => slots.len().max(checksums.len()),
         }
     }
 }

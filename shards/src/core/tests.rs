@@ -110,7 +110,7 @@ fn commits_with_given_checksums() {
             vec![
                 ChunkOutcome::Done,
                 ChunkOutcome::Done,
-                ChunkOutcome::Failed(ErrorCode::DeviceError),
+                ChunkOutcome::Failed(ErrorCode::ChecksumMismatch),
                 ChunkOutcome::Done
             ]
         ),
