@@ -223,7 +223,7 @@ struct Look {
 /// starts with its preemption flag raised runs nothing, and the park that follows waits for
 /// an event that never comes, all timers having fired). A wake from another thread writes
 /// the executor's eventfd, so the park returns and the queued tasks run. A nudge to a shard
-/// that was only busy costs one eventfd write and one empty poll.
+/// that was only busy costs at most one eventfd write and one empty poll.
 pub fn watch(
     doorbells: Weak<Doorbells>,
     period: Duration,
