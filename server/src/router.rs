@@ -30,7 +30,7 @@ fn op_kind(r: &Request) -> OpKind {
     match r {
         Request::Lookup { .. } => OpKind::Lookup,
         Request::Reserve { .. } => OpKind::Reserve,
-        Request::Commit { .. } => OpKind::Commit,
+        Request::Commit { .. } | Request::CommitChecked { .. } => OpKind::Commit,
         Request::Release { .. } => OpKind::Release,
         _ => OpKind::Other,
     }
