@@ -63,8 +63,9 @@ pub fn stats(v: &Value) -> String {
             let stage = match s["loop_stage"].as_str() {
                 Some(stage) => {
                     format!(
-                        "not answering (loop {stage}, iteration {})",
-                        u64_of(s, "loop_iteration")
+                        "not answering (loop {stage}, iteration {}, watchdog nudges {})",
+                        u64_of(s, "loop_iteration"),
+                        u64_of(s, "executor_nudges")
                     )
                 }
                 None => "not answering".into(),
@@ -156,14 +157,19 @@ mod tests {
             "shards": [
                 {"id": 0, "answering": true, "core": 0, "dram_used_bytes": 4096, "dram_capacity_bytes": 1u64 << 29,
                  "entries": 1, "hits": 5, "misses": 2, "evictions": 0, "leases": 0, "reservations": 0, "sessions": 1},
-                {"id": 1, "answering": false, "loop_stage": "yield-after-work", "loop_iteration": 7}
+                {"id": 1, "answering": false, "loop_stage": "yield-after-work", "loop_iteration": 7,
+                 "executor_nudges": 3}
             ]
         });
         let t = stats(&v);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("state serving"), "{t}");
         assert_eq!(lines.len(), 5, "{t}");
-        assert!(lines[3].contains("not answering (loop yield-after-work, iteration 7)"), "{t}");
+        assert!(
+            lines[3]
+                .contains("not answering (loop yield-after-work, iteration 7, watchdog nudges 3)"),
+            "{t}"
+        );
         assert!(lines[4].trim_start().starts_with("total"));
         assert!(lines[4].contains(" 5 "), "{t}");
         // Every column has a header.
