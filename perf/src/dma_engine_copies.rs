@@ -124,8 +124,13 @@ pub(crate) fn run(
                 }
                 same_session(&client)?;
                 let copied = submit(engine, Direction::Save, &pieces)?;
-                let sums = match hasher.as_mut() {
-                    Some(h) => checksums_of(h, &pieces, e.chunk_len)?,
+                let sums = match hasher.as_mut().map(|h| checksums_of(h, &pieces, e.chunk_len)) {
+                    Some(Ok(ticket)) => ticket,
+                    Some(Err(err)) => {
+                        // This job's copy is not in flight yet: let it finish before failing.
+                        wait(&copied)?;
+                        return Err(err);
+                    }
                     None => None,
                 };
                 // The job before is copied by now or soon: commit it while this one copies.
