@@ -313,12 +313,13 @@ impl CopyEngine {
             )));
         }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        if strategy == Strategy::Direct {
+        let enqueued = if strategy == Strategy::Direct {
             // SAFETY: forwarded from the caller.
-            unsafe { self.enqueue_direct(direction, pieces, &mut shape, &done)? };
-            return Ok((done, shape));
-        }
-        if let Err(e) = self.enqueue_job(direction, pieces, &mut shape, &done) {
+            unsafe { self.enqueue_direct(direction, pieces, &mut shape, &done) }
+        } else {
+            self.enqueue_job(direction, pieces, &mut shape, &done)
+        };
+        if let Err(e) = enqueued {
             // Part of the job may already be on the GPU: let it finish before the caller
             // gives the memory back.
             if let Err(sync) = self.synchronize() {
