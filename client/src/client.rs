@@ -465,19 +465,12 @@ impl Client {
                 checksums.len()
             )));
         }
-        let refs = self.slot_refs(slots)?;
-        let mut all = Vec::with_capacity(refs.len());
-        let max = self.max_keys();
-        for (r, c) in refs.chunks(max).zip(checksums.chunks(max)) {
-            let req = Request::CommitChecked { slots: r.to_vec(), checksums: c.to_vec() };
-            match self.call(&req)? {
-                Response::Outcomes { outcomes } if outcomes.len() == r.len() => {
-                    all.extend(outcomes)
-                }
-                other => return Err(unexpected("commit_checked", other)),
-            }
-        }
-        Ok(all)
+        let items: Vec<(SlotRef, u64)> =
+            self.slot_refs(slots)?.into_iter().zip(checksums.iter().copied()).collect();
+        self.outcomes("commit_checked", &items, |items| {
+            let (slots, checksums) = items.into_iter().unzip();
+            Request::CommitChecked { slots, checksums }
+        })
     }
 
     /// Gives reservations back unwritten.

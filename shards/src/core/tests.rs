@@ -235,7 +235,10 @@ fn a_namespace_is_evicted_whole_except_what_is_busy() {
     }
     // One chunk of `a` is leased; another write of `a` is not committed yet.
     core.lookup(2, &[key(a, 0)], true);
-    assert!(matches!(core.reserve(3, &[key(a, 9)], &[100])[0], Reservation::Slot { .. }));
+    let pending = match core.reserve(3, &[key(a, 9)], &[100])[0] {
+        Reservation::Slot { generation, .. } => SlotRef { key: key(a, 9), generation },
+        Reservation::Failed(code) => panic!("reserve: {code:?}"),
+    };
     let removals = core.stats().removals;
     assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 3, busy: 1 });
     assert_eq!(core.stats().removals, removals + 3);
@@ -244,11 +247,16 @@ fn a_namespace_is_evicted_whole_except_what_is_busy() {
     };
     assert_eq!(present(&mut core, a), 1, "the leased chunk stays");
     assert_eq!(present(&mut core, b), 4, "the other namespace is untouched");
-    // The uncommitted write still commits.
+    // The uncommitted write is left alone: it still commits, and is then visible.
     assert_eq!(core.stats().reservations, 1);
+    match core.apply(ShardOp::Commit { session: 3, slots: vec![pending] }) {
+        ShardReply::Outcomes(o) => assert_eq!(o, vec![ChunkOutcome::Done]),
+        other => panic!("{other:?}"),
+    }
+    assert!(core.lookup(4, &[key(a, 9)], false)[0].is_some());
     // Once released, the last chunk goes; a namespace with nothing left removes nothing.
     core.close_session(2);
-    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 1, busy: 0 });
+    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 2, busy: 0 });
     assert_eq!(core.evict_namespace(Some(12345)), EvictSummary::default());
     // Every namespace.
     assert_eq!(core.evict_namespace(None), EvictSummary { removed: 4, busy: 0 });
