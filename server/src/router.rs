@@ -243,9 +243,15 @@ async fn execute(
             Response::Outcomes { outcomes: o }
         }
         Request::CommitChecked { slots, checksums } => {
-            let o =
-                commit_given(exec, session, &slots, &checksums, false, OnWrongChecksum::HashRest)
-                    .await;
+            let o = commit_given(
+                exec,
+                session,
+                &slots,
+                &checksums,
+                Check::First,
+                OnWrongChecksum::HashRest,
+            )
+            .await;
             // A reservation whose checksum was wrong is dropped, like a committed one gone.
             let gone = o
                 .iter()
@@ -353,23 +359,35 @@ pub(crate) enum OnWrongChecksum {
     HashRest,
 }
 
-/// Commits `refs` with checksums computed by their writer (`sums[i]` for `refs[i]`). The first
-/// is checked against its bytes on its shard before the others are committed (every one with
-/// `verify_all`); a wrong one answers `ChecksumMismatch`, is not stored, and the others go as
-/// `on_wrong` says. Unchecked checksums are taken as given.
+/// Which of a commit's given checksums its shards check against the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// Every one.
+    All,
+    /// The first, before the others are committed.
+    First,
+    /// None: taken as given (a spot check of the same writer's checksums ran elsewhere).
+    Nothing,
+}
+
+/// Commits `refs` with checksums computed by their writer (`sums[i]` for `refs[i]`), checking
+/// those `check` names against their bytes on their shards; a wrong one answers
+/// `ChecksumMismatch`, is not stored, and the others go as `on_wrong` says. Unchecked
+/// checksums are taken as given.
 pub(crate) async fn commit_given(
     exec: &Rc<Exec>,
     session: SessionId,
     refs: &[SlotRef],
     sums: &[u64],
-    verify_all: bool,
+    check: Check,
     on_wrong: OnWrongChecksum,
 ) -> Vec<ChunkOutcome> {
+    let verify_all = check == Check::All;
     let items: Vec<(SlotRef, u64, bool)> = refs
         .iter()
         .zip(sums)
         .enumerate()
-        .map(|(k, (r, s))| (*r, *s, verify_all || k == 0))
+        .map(|(k, (r, s))| (*r, *s, verify_all || (check == Check::First && k == 0)))
         .collect();
     let commit = |items: &[(SlotRef, u64, bool)]| {
         let items = items.to_vec();
@@ -386,7 +404,7 @@ pub(crate) async fn commit_given(
             .await
         }
     };
-    if verify_all || items.len() <= 1 {
+    if check != Check::First || items.len() <= 1 {
         return commit(&items).await;
     }
     let mut out = commit(&items[..1]).await;
