@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
-    Strategy, BATCHED_FROM, JOB_BYTES,
+    JobShape, Strategy, BATCHED_FROM, JOB_BYTES,
 };
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
@@ -156,6 +156,8 @@ pub(crate) struct DmaReport {
     pub staging_bytes: u64,
     /// Arena slot placement: `shuffled` or `in-order`.
     pub slots: &'static str,
+    /// Series submitted job by job, as the server does (`--server-jobs`).
+    pub server_jobs: bool,
     /// Timed iterations per series.
     pub iterations: u32,
     /// Milliseconds to register the arena with CUDA.
@@ -505,6 +507,8 @@ struct Bench {
     originals: Vec<Vec<u8>>,
     iterations: u32,
     timeline: bool,
+    /// Series submit job by job (`--server-jobs`).
+    server_jobs: bool,
 }
 
 impl Bench {
@@ -935,13 +939,35 @@ impl Bench {
     ) -> Result<StrategyResult, Error> {
         self.scribble(direction)?;
         let mut shape = None;
+        let jobs = if self.server_jobs {
+            self.job_ranges()
+        } else {
+            std::iter::once(0..self.pieces.len()).collect()
+        };
         let runs = self.time(|b| {
             let pieces = std::mem::take(&mut b.pieces);
-            let r = unsafe_submit(&mut b.engine, direction, &pieces, strategy);
+            // Each job's event completes after the ones before (one pair of streams, in
+            // order), so the last job's stands for the whole operation.
+            let mut last = None;
+            let mut whole = JobShape::default();
+            for r in &jobs {
+                match unsafe_submit(&mut b.engine, direction, &pieces[r.clone()], strategy) {
+                    Ok((event, s)) => {
+                        whole.bytes += s.bytes;
+                        whole.pieces += s.pieces;
+                        whole.batches += s.batches;
+                        whole.staged = s.staged;
+                        shape = Some(whole);
+                        last = Some(event);
+                    }
+                    Err(e) => {
+                        b.pieces = pieces;
+                        return Err(e);
+                    }
+                }
+            }
             b.pieces = pieces;
-            let (event, s) = r?;
-            shape = Some(s);
-            Ok(event)
+            last.ok_or_else(|| Error::Gpu("no pieces to copy".into()))
         })?;
         let shape = shape.expect("at least the warm-up ran");
         let timeline = if self.timeline && shape.staged {
@@ -1132,6 +1158,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         originals,
         iterations: a.iterations,
         timeline: a.timeline,
+        server_jobs: a.server_jobs,
     };
     let mut results = Vec::new();
     let mut mismatched = 0;
@@ -1259,6 +1286,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             SlotOrderArg::Shuffled => "shuffled",
             SlotOrderArg::InOrder => "in-order",
         },
+        server_jobs: a.server_jobs,
         iterations: a.iterations,
         register_ms,
         results,
