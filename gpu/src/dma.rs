@@ -7,11 +7,13 @@ mod ffi;
 mod hasher;
 mod memory;
 pub mod plan;
+mod timeline;
 
 pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
 pub use hasher::{ChecksumTicket, ChunkHasher};
 pub use memory::{EngineMemory, TensorExport};
+pub use timeline::SpanTotals;
 
 /// Pieces at least this long go batched under [`Strategy::Auto`]: measured on the H200 host
 /// (docs/performance.md), `cuMemcpyBatchAsync` matched the staging pipeline only for pieces of

@@ -84,28 +84,18 @@ impl Timeline {
         host_submit_us: f64,
         host_total_us: f64,
     ) -> Self {
-        let bytes: u64 = spans.iter().map(|s| s.bytes).sum();
-        let copy_busy_us: f64 = spans.iter().map(|s| s.copy_end_us - s.copy_start_us).sum();
-        let mut ordered: Vec<_> = spans.iter().map(|s| (s.copy_start_us, s.copy_end_us)).collect();
-        ordered.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let gaps: Vec<f64> = ordered.windows(2).map(|w| (w[1].0 - w[0].1).max(0.0)).collect();
-        let kernels: Vec<f64> = spans.iter().map(|s| s.kernel_end_us - s.kernel_start_us).collect();
-        let end = spans.iter().map(|s| s.copy_end_us.max(s.kernel_end_us)).fold(0.0, f64::max);
+        let t = orbitkv_gpu::dma::SpanTotals::of(&spans);
         Self {
             host_total_us,
             host_submit_us,
-            gpu_total_us: end,
-            first_copy_start_us: ordered.first().map_or(0.0, |c| c.0),
-            copy_busy_us,
-            copy_gbps: if copy_busy_us > 0.0 { bytes as f64 / copy_busy_us / 1e3 } else { 0.0 },
-            copy_gaps_us: gaps.iter().sum(),
-            copy_gap_max_us: gaps.iter().copied().fold(0.0, f64::max),
-            kernel_mean_us: if kernels.is_empty() {
-                0.0
-            } else {
-                kernels.iter().sum::<f64>() / kernels.len() as f64
-            },
-            kernel_max_us: kernels.iter().copied().fold(0.0, f64::max),
+            gpu_total_us: t.span_us,
+            first_copy_start_us: t.first_copy_start_us,
+            copy_busy_us: t.copy_busy_us,
+            copy_gbps: t.copy_gbps(),
+            copy_gaps_us: t.copy_gaps_us,
+            copy_gap_max_us: t.copy_gap_max_us,
+            kernel_mean_us: if t.batches == 0 { 0.0 } else { t.kernel_busy_us / t.batches as f64 },
+            kernel_max_us: t.kernel_max_us,
             batches: spans,
         }
     }
