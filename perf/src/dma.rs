@@ -318,6 +318,16 @@ impl Report for DmaReport {
                      {st:.0} us after the last copy; loads {ll:.0} us, {lt:.0} us"
                 )?;
             }
+            for (way, t) in [("saves", &s.save_timeline), ("loads", &s.load_timeline)] {
+                if let Some(t) = t {
+                    writeln!(
+                        out,
+                        "server GPU timeline, {way}: copies at {:.2} GB/s while copying; per \
+                         request {:.0} us on the GPU, copy stream idle {:.0} us, kernels {:.0} us",
+                        t.copy_gbps, t.span_us, t.copy_gaps_us, t.kernel_us
+                    )?;
+                }
+            }
             if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
                 writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
             }

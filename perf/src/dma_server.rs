@@ -69,6 +69,25 @@ pub(crate) struct ServedResult {
     pub load_lead_us: Option<f64>,
     /// See `load_lead_us`.
     pub load_tail_us: Option<f64>,
+    /// With a server run with `--gpu-timeline`: what the timed saves' staged batches did on
+    /// the GPU (None otherwise).
+    pub save_timeline: Option<GpuTimeline>,
+    /// The same for the timed loads.
+    pub load_timeline: Option<GpuTimeline>,
+}
+
+/// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub(crate) struct GpuTimeline {
+    /// The batches' bytes over the time their host-side copies ran, GB/s: the copies' own
+    /// rate, their stream's idle gaps left out.
+    pub copy_gbps: f64,
+    /// Microseconds per request from the first batch's start to the last copy or kernel.
+    pub span_us: f64,
+    /// Microseconds per request the copy stream stood idle between consecutive copies.
+    pub copy_gaps_us: f64,
+    /// Microseconds per request the gather or scatter kernels ran.
+    pub kernel_us: f64,
 }
 
 /// The server's `gpu_transfers` counters of one direction (`save` or `load`): seconds its DMA
@@ -80,6 +99,8 @@ struct Counters {
     lead_s: Option<f64>,
     tail_s: Option<f64>,
     requests: Option<f64>,
+    /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
+    timeline: [Option<f64>; 5],
 }
 
 impl Counters {
@@ -87,11 +108,13 @@ impl Counters {
         let Ok(stats) = crate::admin::request(socket, "stats") else { return Self::default() };
         let g = &stats["gpu_transfers"];
         let f = |name: &str| g[format!("{direction}_{name}")].as_f64();
+        let t = |name: &str| g["timeline"][direction][name].as_f64();
         Self {
             busy_s: f("busy_s"),
             lead_s: f("lead_s"),
             tail_s: f("tail_s"),
             requests: f("requests"),
+            timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
 }
@@ -104,6 +127,7 @@ struct Sums {
     lead_s: f64,
     tail_s: f64,
     requests: f64,
+    timeline: [f64; 5],
 }
 
 impl Sums {
@@ -112,6 +136,26 @@ impl Sums {
         self.lead_s += busy_delta(before.lead_s, after.lead_s);
         self.tail_s += busy_delta(before.tail_s, after.tail_s);
         self.requests += busy_delta(before.requests, after.requests);
+        for (sum, (b, a)) in
+            self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
+        {
+            *sum += busy_delta(b, a);
+        }
+    }
+
+    /// The `--gpu-timeline` sums per request (None when the server did not time its batches,
+    /// a reading was missing, or no batch was timed).
+    fn timeline(&self) -> Option<GpuTimeline> {
+        let [bytes, span, busy, gaps, kernel] = self.timeline;
+        if !(bytes > 0.0 && busy > 0.0) {
+            return None;
+        }
+        Some(GpuTimeline {
+            copy_gbps: bytes / busy / 1e9,
+            span_us: self.per_request_us(span)?,
+            copy_gaps_us: self.per_request_us(gaps)?,
+            kernel_us: self.per_request_us(kernel)?,
+        })
     }
 
     /// Mean microseconds per request of `total_s` (None without requests or a reading).
@@ -384,6 +428,8 @@ pub(crate) fn run(
         save_tail_us: save_sums.per_request_us(save_sums.tail_s),
         load_lead_us: load_sums.per_request_us(load_sums.lead_s),
         load_tail_us: load_sums.per_request_us(load_sums.tail_s),
+        save_timeline: save_sums.timeline(),
+        load_timeline: load_sums.timeline(),
     })
 }
 
@@ -582,6 +628,7 @@ mod tests {
             lead_s: Some(lead),
             tail_s: Some(tail),
             requests: Some(requests),
+            timeline: [None; 5],
         };
         let mut sums = Sums::default();
         sums.add(at(0.5, 0.1, 10.0), at(0.5003, 0.1001, 11.0));
@@ -596,5 +643,33 @@ mod tests {
         let mut idle = Sums::default();
         idle.add(at(1.0, 1.0, 3.0), at(1.0, 1.0, 3.0));
         assert_eq!(idle.per_request_us(idle.lead_s), None);
+    }
+
+    #[test]
+    fn the_server_timeline_is_summed_over_runs_and_given_per_request() {
+        // (requests, bytes, span, copy busy, copy gaps, kernel seconds) so far.
+        let at = |r: f64, t: [f64; 5]| Counters {
+            requests: Some(r),
+            timeline: t.map(Some),
+            ..Counters::default()
+        };
+        let mut sums = Sums::default();
+        sums.add(at(4.0, [1e9, 1.0, 1.0, 0.1, 0.2]), at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002]));
+        sums.add(
+            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002]),
+            at(6.0, [5e9, 1.1, 1.08, 0.1003, 0.2004]),
+        );
+        let t = sums.timeline().expect("timed");
+        assert!((t.copy_gbps - 4e9 / 0.08 / 1e9).abs() < 1e-6, "{t:?}");
+        assert!((t.span_us - 50_000.0).abs() < 1e-3, "{t:?}");
+        assert!((t.copy_gaps_us - 150.0).abs() < 1e-3, "{t:?}");
+        assert!((t.kernel_us - 200.0).abs() < 1e-3, "{t:?}");
+        // A server without --gpu-timeline (no such counters), or nothing timed: none.
+        let mut plain = Sums::default();
+        plain.add(at(1.0, [0.0; 5]), Counters { requests: Some(2.0), ..Counters::default() });
+        assert_eq!(plain.timeline(), None);
+        let mut none = Sums::default();
+        none.add(at(1.0, [7.0, 1.0, 1.0, 0.0, 0.0]), at(2.0, [7.0, 1.0, 1.0, 0.0, 0.0]));
+        assert_eq!(none.timeline(), None);
     }
 }

@@ -307,6 +307,10 @@ fn stats(shared: &Shared) -> Value {
                 "load_tail_s": n(&c.load_tail_ns) as f64 / 1e9,
                 "checksums": g.checksum_place().as_str(),
                 "copy": g.copy_strategy().as_str(),
+                "timeline": g.timeline().then(|| json!({
+                    "save": c.save_timeline.json(),
+                    "load": c.load_timeline.json(),
+                })),
             })
         }),
         "shards": shards,

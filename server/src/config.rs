@@ -113,10 +113,14 @@ pub struct ServerConfig {
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
     /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
     /// only: no SM time, so no time-slicing against an engine computing in another process,
-    /// at a lower rate for small pages), or `direct` (an experiment, not measured yet: the
-    /// kernel alone copies through the arena's device mapping, SMs busy for the whole copy).
-    /// Default: `auto`.
+    /// at a lower rate for small pages), or `direct` (an experiment that lost on a PCIe host:
+    /// the kernel alone copies through the arena's device mapping, SMs busy for the whole
+    /// copy). Default: `auto`.
     pub gpu_copy: String,
+    /// A diagnostic: timing events around every staged batch of GPU saves and loads, summed
+    /// in `stats` (`gpu_transfers.timeline.save` and `.load`): the copies' own rate, the
+    /// copy streams' idle gaps and the kernels' time. Default: false.
+    pub gpu_timeline: bool,
 }
 
 impl Default for ServerConfig {
@@ -150,6 +154,7 @@ impl Default for ServerConfig {
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
             gpu_copy: "auto".into(),
+            gpu_timeline: false,
             max_gpu_registrations: 256,
         }
     }
@@ -249,10 +254,14 @@ pub struct Args {
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
     /// How GPU copies cross the bus: auto, staged (gather/scatter kernel), batched (copy
-    /// engines only, no SM time) or direct (an experiment: the kernel alone, through the
-    /// arena's device mapping) (default: auto).
+    /// engines only, no SM time) or direct (an experiment that lost on a PCIe host: the
+    /// kernel alone, through the arena's device mapping) (default: auto).
     #[arg(long, value_name = "HOW")]
     pub gpu_copy: Option<String>,
+    /// A diagnostic: time every staged batch of GPU saves and loads on the GPU and sum it in
+    /// `stats` (the copies' own rate, the copy streams' idle gaps, the kernels' time).
+    #[arg(long)]
+    pub gpu_timeline: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -406,6 +415,9 @@ impl ServerConfig {
         );
         if a.no_lock_arena {
             self.lock_arena = false;
+        }
+        if a.gpu_timeline {
+            self.gpu_timeline = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -574,5 +586,10 @@ mod tests {
         assert_eq!(c.allow_uid, vec![1000, 7]);
         assert_eq!(c.shards, 2);
         assert!(toml::from_str::<ServerConfig>("bogus = 1").is_err());
+        // The timeline diagnostic: off by default, on from the file or the flag.
+        assert!(!c.gpu_timeline);
+        assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
+        c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
+        assert!(c.gpu_timeline);
     }
 }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
-    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, Strategy, TensorExport,
-    BATCHED_FROM,
+    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, SpanTotals, Strategy,
+    TensorExport, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -46,6 +46,8 @@ pub struct GpuLimits {
     /// The arena's device mapping (what to add to a host address), registered for
     /// `--gpu-copy direct`.
     pub host_mapping: Option<u64>,
+    /// Time every staged batch (`--gpu-timeline`).
+    pub timeline: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -170,6 +172,65 @@ pub struct GpuCounters {
     pub load_lead_ns: AtomicU64,
     /// See `save_tail_ns`.
     pub load_tail_ns: AtomicU64,
+    /// With `--gpu-timeline`: the save thread's staged batches, timed on the GPU.
+    pub save_timeline: TimelineCounters,
+    /// The same for loads.
+    pub load_timeline: TimelineCounters,
+}
+
+/// Most staged batches `--gpu-timeline` times per busy period of a DMA thread (8 GiB at 32 MiB
+/// per batch): their events are kept until the period ends.
+const TIMELINE_BATCHES: usize = 256;
+
+/// Sums of [`SpanTotals`] over the busy periods of one DMA thread (`--gpu-timeline`), in
+/// nanoseconds.
+#[derive(Debug, Default)]
+pub struct TimelineCounters {
+    /// Staged batches timed.
+    pub batches: AtomicU64,
+    /// Their bytes.
+    pub bytes: AtomicU64,
+    /// GPU time from each busy period's first batch to its last copy or kernel.
+    pub span_ns: AtomicU64,
+    /// Host-side copies running.
+    pub copy_busy_ns: AtomicU64,
+    /// The copy stream idle between consecutive copies within a busy period.
+    pub copy_gaps_ns: AtomicU64,
+    /// Gather or scatter kernels running.
+    pub kernel_busy_ns: AtomicU64,
+}
+
+impl TimelineCounters {
+    /// Adds one busy period's totals.
+    pub fn add(&self, t: &SpanTotals) {
+        let ns = |us: f64| (us * 1e3).round().clamp(0.0, u64::MAX as f64) as u64;
+        for (c, v) in [
+            (&self.batches, t.batches),
+            (&self.bytes, t.bytes),
+            (&self.span_ns, ns(t.span_us)),
+            (&self.copy_busy_ns, ns(t.copy_busy_us)),
+            (&self.copy_gaps_ns, ns(t.copy_gaps_us)),
+            (&self.kernel_busy_ns, ns(t.kernel_busy_us)),
+        ] {
+            c.fetch_add(v, Ordering::Relaxed);
+        }
+    }
+
+    /// The sums as `stats` shows them (seconds, and the copies' own GB/s).
+    pub fn json(&self) -> serde_json::Value {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let s = |a: &AtomicU64| n(a) as f64 / 1e9;
+        let busy = s(&self.copy_busy_ns);
+        serde_json::json!({
+            "batches": n(&self.batches),
+            "bytes": n(&self.bytes),
+            "span_s": s(&self.span_ns),
+            "copy_busy_s": busy,
+            "copy_gaps_s": s(&self.copy_gaps_ns),
+            "kernel_busy_s": s(&self.kernel_busy_ns),
+            "copy_gbps": if busy > 0.0 { n(&self.bytes) as f64 / busy / 1e9 } else { 0.0 },
+        })
+    }
 }
 
 /// When a save or load request reached its milestones on its shard: its start, its first job
@@ -356,6 +417,11 @@ impl GpuService {
     /// How copies cross the bus (`--gpu-copy`).
     pub fn copy_strategy(&self) -> Strategy {
         self.limits.copy
+    }
+
+    /// Whether staged batches are timed (`--gpu-timeline`).
+    pub fn timeline(&self) -> bool {
+        self.limits.timeline
     }
 
     /// Where saves' checksums are computed (`Cpu` after a GPU checksum failed its check).
@@ -607,6 +673,9 @@ impl GpuService {
                 let ns = u64::try_from(now.duration_since(t).as_nanos()).unwrap_or(u64::MAX);
                 busy_ns.fetch_add(ns, Ordering::Relaxed);
                 busy_since = (!inflight.is_empty()).then_some(now);
+                if busy_since.is_none() && self.limits.timeline {
+                    self.close_timelines(&mut engines, direction);
+                }
             }
             progressed |= self.deliver(doorbells, undelivered);
             if progressed {
@@ -629,6 +698,23 @@ impl GpuService {
         }
         // Engines synchronize their streams when dropped, before the caller drops `inflight`.
         drop(engines);
+    }
+
+    /// `--gpu-timeline`, at the end of a busy period (nothing in flight, so nothing to wait
+    /// for): adds each engine's timed batches since the period began to the counters.
+    fn close_timelines(&self, engines: &mut [Option<CopyEngine>], direction: Direction) {
+        let counters = match direction {
+            Direction::Save => &self.counters.save_timeline,
+            Direction::Load => &self.counters.load_timeline,
+        };
+        for engine in engines.iter_mut().flatten().filter(|e| e.recording_timeline()) {
+            match engine.take_timeline() {
+                Ok(spans) => counters.add(&SpanTotals::of(&spans)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "--gpu-timeline: reading the timing events failed")
+                }
+            }
+        }
     }
 
     /// Starts a save job's chunk checksums on the GPU (`pieces`: the job's, as just planned);
@@ -716,6 +802,11 @@ impl GpuService {
                 slot.insert(e)
             }
         };
+        // Timed from the first job of a busy period (`close_timelines` ends it), up to
+        // TIMELINE_BATCHES batches of it.
+        if self.limits.timeline && !engine.recording_timeline() {
+            engine.record_timeline_batches(TIMELINE_BATCHES);
+        }
         pieces.clear();
         let base = self.arena.base_ptr() as u64;
         for (offset, blocks) in &job.chunks {
@@ -766,6 +857,38 @@ fn submit_pieces(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeline_counters_sum_busy_periods_and_show_seconds() {
+        let c = TimelineCounters::default();
+        let period = SpanTotals {
+            batches: 2,
+            bytes: 64 << 20,
+            span_us: 1300.0,
+            first_copy_start_us: 40.0,
+            copy_busy_us: 1200.0,
+            copy_gaps_us: 2.5,
+            copy_gap_max_us: 2.0,
+            kernel_busy_us: 60.0,
+            kernel_max_us: 31.0,
+        };
+        c.add(&period);
+        c.add(&period);
+        let j = c.json();
+        assert_eq!(j["batches"], 4);
+        assert_eq!(j["bytes"], 128u64 << 20);
+        let close = |k: &str, want: f64| {
+            let got = j[k].as_f64().unwrap();
+            assert!((got - want).abs() < 1e-12, "{k}: {got} != {want}");
+        };
+        close("span_s", 2.6e-3);
+        close("copy_busy_s", 2.4e-3);
+        close("copy_gaps_s", 5e-6);
+        close("kernel_busy_s", 1.2e-4);
+        close("copy_gbps", (128u64 << 20) as f64 / 2.4e-3 / 1e9);
+        // Nothing timed yet: no rate rather than a division by zero.
+        assert_eq!(TimelineCounters::default().json()["copy_gbps"], 0.0);
+    }
 
     #[test]
     fn a_request_adds_its_lead_and_tail_once_answered() {

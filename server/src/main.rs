@@ -229,6 +229,7 @@ fn run(settings: Settings) -> Result<(), String> {
             checksums: settings.gpu_checksums,
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
+            timeline: settings.config.gpu_timeline,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         service.start(Arc::clone(&shared.doorbells))?;

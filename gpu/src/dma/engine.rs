@@ -108,6 +108,8 @@ pub struct CopyEngine {
     sizes: Vec<usize>,
     /// With a timeline on: the job's start event, then the events of each batch.
     timeline: Option<(Option<CudaEvent>, Vec<BatchEvents>)>,
+    /// Most batches the timeline keeps.
+    timeline_cap: usize,
     /// For `Strategy::Direct`: what to add to an arena host address to get its device
     /// mapping (wrapping), when the arena was registered mapped.
     host_mapping: Option<u64>,
@@ -210,6 +212,7 @@ impl CopyEngine {
             srcs: Vec::new(),
             sizes: Vec::new(),
             timeline: None,
+            timeline_cap: usize::MAX,
             host_mapping: None,
             direct_tables: [None, None],
             direct_next: 0,
@@ -226,8 +229,21 @@ impl CopyEngine {
     /// Records timing events around every staged batch of the jobs submitted from now on,
     /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
     pub fn record_timeline(&mut self) {
+        self.record_timeline_batches(usize::MAX);
+    }
+
+    /// As [`CopyEngine::record_timeline`], for the first `max` batches only (the later ones
+    /// run untimed until the timeline is taken): a bound on the events a long busy period
+    /// would otherwise pile up.
+    pub fn record_timeline_batches(&mut self, max: usize) {
         // A batch whose enqueueing failed is not kept, so every kept event was recorded.
         self.timeline = Some((None, Vec::new()));
+        self.timeline_cap = max;
+    }
+
+    /// Whether a timeline is being recorded ([`CopyEngine::record_timeline`]).
+    pub fn recording_timeline(&self) -> bool {
+        self.timeline.is_some()
     }
 
     /// The spans of the staged batches since [`CopyEngine::record_timeline`], once their work
@@ -465,7 +481,7 @@ impl CopyEngine {
         // With a timeline on: this batch's four events (kept only once all are recorded), and
         // the start event, on the stream of the job's first operation.
         let timed = match &mut self.timeline {
-            Some((start, _)) => {
+            Some((start, batches)) if batches.len() < self.timeline_cap => {
                 let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
                 let new = || self.ctx.new_event(timing).map_err(drv("cuEventCreate"));
                 if start.is_none() {
@@ -479,7 +495,7 @@ impl CopyEngine {
                 }
                 Some([new()?, new()?, new()?, new()?])
             }
-            None => None,
+            _ => None,
         };
         let mark = |i: usize, stream: &CudaStream| -> Result<(), DmaError> {
             match &timed {
