@@ -6,7 +6,7 @@ use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, Hit, NamespaceDescriptor, Reservation, SlotRef, Tier,
 };
 
-use crate::alloc::ExtentAllocator;
+use crate::alloc::{Extent, ExtentAllocator};
 use crate::arena::ArenaSlice;
 use crate::entries::{Entries, EntryIdx, EntryState};
 use crate::metrics::{ShardMetrics, ShardStats};
@@ -25,6 +25,35 @@ pub struct ShardConfig {
 
 /// Most victims one reservation may evict (more when the chunk spans more pages).
 const MAX_EVICTIONS_PER_RESERVATION: u64 = 64;
+
+/// Adjacent slots of one size, allocated as one extent for a reservation of several chunks
+/// (`ShardCore::reserve_run`) and handed out front to back.
+#[derive(Debug)]
+struct SlotRun {
+    /// First page not handed out yet.
+    next: u64,
+    /// End of the extent (exclusive).
+    end: u64,
+    /// Pages per slot.
+    each: u64,
+}
+
+impl SlotRun {
+    /// The next slot, if the run has one left.
+    fn take(&mut self) -> Option<Extent> {
+        (self.next + self.each <= self.end).then(|| {
+            let e = Extent { start_page: self.next, pages: self.each };
+            self.next += self.each;
+            e
+        })
+    }
+
+    /// What was not handed out (chunks refused on their own merits), to be freed.
+    fn rest(self) -> Option<Extent> {
+        (self.next < self.end)
+            .then_some(Extent { start_page: self.next, pages: self.end - self.next })
+    }
+}
 
 #[derive(Debug, Default)]
 struct Holdings {
@@ -250,16 +279,62 @@ impl ShardCore {
     }
 
     fn reserve(&mut self, session: SessionId, keys: &[ChunkKey], lens: &[u64]) -> Vec<Reservation> {
-        keys.iter()
+        // Only the chunks that can be reserved count towards a run (a refused request must not
+        // evict anything); each is checked again as it is placed.
+        let fresh: Vec<u64> = keys
+            .iter()
             .zip(lens)
-            .map(|(key, &len)| match self.reserve_one(session, key, len) {
+            .filter(|(key, &len)| self.check_new(key, len).is_ok())
+            .map(|(_, &len)| len)
+            .collect();
+        let mut run = self.reserve_run(&fresh);
+        let out = keys
+            .iter()
+            .zip(lens)
+            .map(|(key, &len)| match self.reserve_one(session, key, len, run.as_mut()) {
                 Ok(r) => r,
                 Err(code) => {
                     self.metrics.count_error(code);
                     Reservation::Failed(code)
                 }
             })
-            .collect()
+            .collect();
+        if let Some(rest) = run.and_then(SlotRun::rest) {
+            self.alloc.free(rest);
+        }
+        out
+    }
+
+    /// For a reservation of several chunks of one size (a GPU job's part on this shard, a
+    /// batched put): one extent for all of them, so that their slots sit side by side in the
+    /// arena and a GPU copy moves them as one host run instead of one per chunk (runs under a
+    /// megabyte copy a few percent slower). Victims are evicted only while the free pages are
+    /// fewer than the chunks need, as the chunk-by-chunk path would; when no run fits, that
+    /// path places the chunks (None).
+    fn reserve_run(&mut self, lens: &[u64]) -> Option<SlotRun> {
+        let (&len, rest) = lens.split_first()?;
+        if rest.is_empty() || len == 0 || rest.iter().any(|&l| l != len) {
+            return None;
+        }
+        let each = ExtentAllocator::pages_for(len);
+        let total = each.checked_mul(lens.len() as u64)?;
+        if total > self.alloc.capacity_pages() {
+            return None;
+        }
+        loop {
+            if let Some(extent) = self.alloc.alloc(total) {
+                return Some(SlotRun {
+                    next: extent.start_page,
+                    end: extent.start_page + total,
+                    each,
+                });
+            }
+            if self.alloc.capacity_pages() - self.alloc.used_pages() >= total {
+                // Enough room, in pieces: the chunks go there one by one.
+                return None;
+            }
+            self.evict_one()?;
+        }
     }
 
     fn reserve_one(
@@ -267,7 +342,22 @@ impl ShardCore {
         session: SessionId,
         key: &ChunkKey,
         len: u64,
+        run: Option<&mut SlotRun>,
     ) -> Result<Reservation, ErrorCode> {
+        self.check_new(key, len)?;
+        let extent = match run.and_then(SlotRun::take) {
+            Some(extent) => extent,
+            None => self.allocate(len)?,
+        };
+        let generation = self.next_generation();
+        let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
+        self.sessions.entry(session).or_default().reservations.insert(idx);
+        self.reservations += 1;
+        Ok(Reservation::Slot { offset: self.slice.offset() + extent.offset(), len, generation })
+    }
+
+    /// Why `key` cannot be reserved with `len` bytes now, if it cannot.
+    fn check_new(&self, key: &ChunkKey, len: u64) -> Result<(), ErrorCode> {
         let ns = self.namespaces.get(&key.namespace).ok_or(ErrorCode::UnknownNamespace)?;
         if len == 0 {
             return Err(ErrorCode::InvalidArgument);
@@ -284,12 +374,7 @@ impl ShardCore {
         if self.ssd.as_ref().is_some_and(|ssd| ssd.get(key).is_some()) {
             return Err(ErrorCode::AlreadyPresent);
         }
-        let extent = self.allocate(len)?;
-        let generation = self.next_generation();
-        let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
-        self.sessions.entry(session).or_default().reservations.insert(idx);
-        self.reservations += 1;
-        Ok(Reservation::Slot { offset: self.slice.offset() + extent.offset(), len, generation })
+        Ok(())
     }
 
     /// Allocates an extent for `len` bytes, evicting SIEVE victims if needed (a bounded number
@@ -309,11 +394,17 @@ impl ShardCore {
                 return Err(ErrorCode::NoSpace);
             }
             budget -= 1;
-            let victim = self.entries.pick_victim().ok_or(ErrorCode::NoSpace)?;
-            let evicted = self.entries.remove(victim);
-            self.alloc.free(evicted.extent);
-            self.metrics.evictions += 1;
+            self.evict_one().ok_or(ErrorCode::NoSpace)?;
         }
+    }
+
+    /// Evicts the next victim and frees its extent (None when nothing can be evicted).
+    fn evict_one(&mut self) -> Option<()> {
+        let victim = self.entries.pick_victim()?;
+        let evicted = self.entries.remove(victim);
+        self.alloc.free(evicted.extent);
+        self.metrics.evictions += 1;
+        Some(())
     }
 
     /// A fresh slot generation.

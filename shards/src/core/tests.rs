@@ -325,3 +325,120 @@ proptest! {
         prop_assert!(s.dram_used_bytes >= ready_pages * crate::PAGE_SIZE);
     }
 }
+
+/// The slice offsets of a reservation's slots (panics on a failed one).
+fn offsets(r: &[Reservation]) -> Vec<u64> {
+    r.iter()
+        .map(|r| match r {
+            Reservation::Slot { offset, .. } => *offset,
+            Reservation::Failed(code) => panic!("reserve: {code:?}"),
+        })
+        .collect()
+}
+
+fn keys(ns: u64, ids: std::ops::Range<u32>) -> Vec<ChunkKey> {
+    ids.map(|i| key(ns, i)).collect()
+}
+
+#[test]
+fn chunks_of_one_size_reserved_together_get_adjacent_slots() {
+    let (mut core, ns) = shard(64);
+    // A single chunk first, so that the run does not start at the slice's beginning.
+    put(&mut core, 1, key(ns, 100), 100, 5000).unwrap();
+    let r = core.reserve(1, &keys(ns, 0..6), &[8192; 6]);
+    let at = offsets(&r);
+    assert!(at.windows(2).all(|w| w[1] == w[0] + 8192), "{at:?}");
+    // Lengths that are not page multiples: slots still a whole number of pages apart.
+    let r = core.reserve(1, &keys(ns, 10..13), &[5000; 3]);
+    let at = offsets(&r);
+    assert!(at.windows(2).all(|w| w[1] == w[0] + 8192), "{at:?}");
+    assert_eq!(core.alloc.used_pages(), 2 + 6 * 2 + 3 * 2);
+}
+
+#[test]
+fn a_run_skips_refused_chunks_and_gives_back_what_it_did_not_use() {
+    let (mut core, ns) = shard(64);
+    put(&mut core, 1, key(ns, 2), 2, 8192).unwrap();
+    let before = core.alloc.used_pages();
+    // Key 2 is present, key 4 is named twice: the others are still adjacent.
+    let ks = [key(ns, 0), key(ns, 1), key(ns, 2), key(ns, 3), key(ns, 4), key(ns, 4)];
+    let r = core.reserve(1, &ks, &[8192; 6]);
+    assert_eq!(r[2], Reservation::Failed(ErrorCode::AlreadyPresent));
+    assert_eq!(r[5], Reservation::Failed(ErrorCode::Busy));
+    let at = offsets(&[r[0], r[1], r[3], r[4]]);
+    assert!(at.windows(2).all(|w| w[1] == w[0] + 8192), "{at:?}");
+    // The slot meant for the duplicate went back to the allocator.
+    assert_eq!(core.alloc.used_pages(), before + 4 * 2);
+    // Aborting them frees everything they took.
+    assert_eq!(core.close_session(1), (0, 4));
+    assert_eq!(core.alloc.used_pages(), before);
+}
+
+#[test]
+fn a_refused_reservation_evicts_nothing() {
+    let (mut core, ns) = shard(16);
+    for i in 0..4 {
+        put(&mut core, 1, key(ns, i), i, 16384).unwrap();
+    }
+    // The arena is full. Too large, unknown namespace, already present: nothing to place,
+    // so nothing is evicted to make room.
+    let r = core.reserve(2, &keys(ns, 10..14), &[1 << 20; 4]);
+    assert!(r.iter().all(|r| *r == Reservation::Failed(ErrorCode::TooLarge)), "{r:?}");
+    let r = core.reserve(2, &keys(ns ^ 1, 10..14), &[16384; 4]);
+    assert!(r.iter().all(|r| *r == Reservation::Failed(ErrorCode::UnknownNamespace)), "{r:?}");
+    let r = core.reserve(2, &keys(ns, 0..4), &[16384; 4]);
+    assert!(r.iter().all(|r| *r == Reservation::Failed(ErrorCode::AlreadyPresent)), "{r:?}");
+    assert_eq!(core.metrics.evictions, 0);
+    assert_eq!(core.lookup(3, &keys(ns, 0..4), false).iter().flatten().count(), 4);
+}
+
+#[test]
+fn a_run_evicts_only_what_the_chunks_need() {
+    let (mut core, ns) = shard(16);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    // Full. Three chunks need three victims; the oldest go, next to each other, and their
+    // space takes the run.
+    let r = core.reserve(2, &keys(ns, 20..23), &[8192; 3]);
+    let at = offsets(&r);
+    assert!(at.windows(2).all(|w| w[1] == w[0] + 8192), "{at:?}");
+    assert_eq!(core.metrics.evictions, 3);
+    assert_eq!(core.lookup(3, &keys(ns, 3..8), false).iter().flatten().count(), 5);
+}
+
+#[test]
+fn fragmented_room_is_used_without_evicting() {
+    let (mut core, ns) = shard(16);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    // Free every other slot: 8 free pages, no two slots' worth side by side.
+    for i in (0..8).step_by(2) {
+        assert_eq!(core.evict(&key(ns, i)), Ok(()));
+    }
+    let evicted = core.metrics.evictions;
+    let r = core.reserve(2, &keys(ns, 20..24), &[8192; 4]);
+    assert_eq!(offsets(&r).len(), 4);
+    assert_eq!(core.metrics.evictions, evicted, "the room was there, in pieces");
+    assert_eq!(core.lookup(3, &keys(ns, 0..8), false).iter().flatten().count(), 4);
+}
+
+#[test]
+fn a_run_takes_room_in_one_piece_over_scattered_holes() {
+    let (mut core, ns) = shard(32);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    // Holes of one slot at pages 2, 6 and 10; pages 16-31 free in one piece.
+    for i in [1, 3, 5] {
+        assert_eq!(core.evict(&key(ns, i)), Ok(()));
+    }
+    // One by one, best fit would fill the three holes; together they go side by side.
+    let at = offsets(&core.reserve(2, &keys(ns, 20..23), &[8192; 3]));
+    let first = core.slice.offset() + 16 * crate::PAGE_SIZE;
+    assert_eq!(at, [first, first + 8192, first + 16384]);
+    // A single chunk still fills a hole.
+    let one = offsets(&core.reserve(2, &[key(ns, 30)], &[8192]));
+    assert_eq!(one, [core.slice.offset() + 2 * crate::PAGE_SIZE]);
+}
