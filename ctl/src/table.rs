@@ -38,6 +38,25 @@ pub fn stats(v: &Value) -> String {
             g["checksums"].as_str().unwrap_or("?"),
             g["copy"].as_str().unwrap_or("?"),
         );
+        // `--gpu-timeline`: what the staged batches did on the GPU.
+        for way in ["save", "load"] {
+            let t = &g["timeline"][way];
+            if !t.is_object() {
+                continue;
+            }
+            let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
+            let _ = writeln!(
+                out,
+                "gpu timeline {way}s: {} batches, copies {:.2} GB/s while copying, copy busy \
+                 {:.3}s, copy stream idle between copies {:.2} ms, kernels {:.3}s, on the GPU {:.3}s",
+                u64_of(t, "batches"),
+                f("copy_gbps"),
+                f("copy_busy_s"),
+                f("copy_gaps_s") * 1e3,
+                f("kernel_busy_s"),
+                f("span_s"),
+            );
+        }
     }
     let cols = [
         "shard",
@@ -196,5 +215,32 @@ mod tests {
             gpu.contains("saves 3 (192.0 MiB, busy 0.2s)") && gpu.contains("copy batched"),
             "{t}"
         );
+        assert!(!t.contains("timeline"), "{t}");
+    }
+
+    #[test]
+    fn stats_table_shows_the_gpu_timeline_when_the_server_keeps_one() {
+        let timed = serde_json::json!({"batches": 64, "bytes": 1u64 << 31, "span_s": 0.04,
+            "copy_busy_s": 0.039, "copy_gaps_s": 0.0002, "kernel_busy_s": 0.002,
+            "copy_gbps": 55.06});
+        let v = serde_json::json!({
+            "state": "serving", "sessions": 0, "arena_bytes": 1u64 << 30, "uptime_s": 1.0, "pid": 7,
+            "gpu_transfers": {"devices": 1, "registrations": 0, "save_jobs": 0, "saved_bytes": 0,
+                              "load_jobs": 0, "loaded_bytes": 0, "failed_jobs": 0,
+                              "checksums": "gpu", "copy": "auto",
+                              "timeline": {"save": timed, "load": {"batches": 0, "bytes": 0,
+                                  "span_s": 0.0, "copy_busy_s": 0.0, "copy_gaps_s": 0.0,
+                                  "kernel_busy_s": 0.0, "copy_gbps": 0.0}}},
+            "shards": []
+        });
+        let t = stats(&v);
+        let saves = t.lines().find(|l| l.starts_with("gpu timeline saves")).expect("a line");
+        assert!(
+            saves.contains("64 batches")
+                && saves.contains("copies 55.06 GB/s while copying")
+                && saves.contains("idle between copies 0.20 ms"),
+            "{t}"
+        );
+        assert!(t.lines().any(|l| l.starts_with("gpu timeline loads: 0 batches")), "{t}");
     }
 }
