@@ -39,9 +39,10 @@ struct SlotRun {
 }
 
 impl SlotRun {
-    /// The next slot, if the run has one left.
-    fn take(&mut self) -> Option<Extent> {
-        (self.next + self.each <= self.end).then(|| {
+    /// The next slot for a chunk of `len` bytes, if the run has one left of that size.
+    fn take(&mut self, len: u64) -> Option<Extent> {
+        let fits = ExtentAllocator::pages_for(len) == self.each;
+        (fits && self.next + self.each <= self.end).then(|| {
             let e = Extent { start_page: self.next, pages: self.each };
             self.next += self.each;
             e
@@ -279,23 +280,30 @@ impl ShardCore {
     }
 
     fn reserve(&mut self, session: SessionId, keys: &[ChunkKey], lens: &[u64]) -> Vec<Reservation> {
-        // Only the chunks that can be reserved count towards a run (a refused request must not
-        // evict anything); each is checked again as it is placed.
-        let fresh: Vec<u64> = keys
+        // Only the chunks that can be reserved now, each key once, count towards a run and draw
+        // from it (a refused request must not evict anything, and a key refused here whose
+        // entry the run then evicted must not take a slot sized for others).
+        let mut seen = HashSet::with_capacity(keys.len());
+        let fresh: Vec<bool> = keys
             .iter()
             .zip(lens)
-            .filter(|(key, &len)| self.check_new(key, len).is_ok())
-            .map(|(_, &len)| len)
+            .map(|(key, &len)| self.check_new(key, len).is_ok() && seen.insert(*key))
             .collect();
-        let mut run = self.reserve_run(&fresh);
+        let run_lens: Vec<u64> =
+            lens.iter().zip(&fresh).filter(|(_, &f)| f).map(|(&len, _)| len).collect();
+        let mut run = self.reserve_run(&run_lens);
         let out = keys
             .iter()
             .zip(lens)
-            .map(|(key, &len)| match self.reserve_one(session, key, len, run.as_mut()) {
-                Ok(r) => r,
-                Err(code) => {
-                    self.metrics.count_error(code);
-                    Reservation::Failed(code)
+            .zip(fresh)
+            .map(|((key, &len), fresh)| {
+                let run = if fresh { run.as_mut() } else { None };
+                match self.reserve_one(session, key, len, run) {
+                    Ok(r) => r,
+                    Err(code) => {
+                        self.metrics.count_error(code);
+                        Reservation::Failed(code)
+                    }
                 }
             })
             .collect();
@@ -345,7 +353,7 @@ impl ShardCore {
         run: Option<&mut SlotRun>,
     ) -> Result<Reservation, ErrorCode> {
         self.check_new(key, len)?;
-        let extent = match run.and_then(SlotRun::take) {
+        let extent = match run.and_then(|r| r.take(len)) {
             Some(extent) => extent,
             None => self.allocate(len)?,
         };

@@ -442,3 +442,36 @@ fn a_run_takes_room_in_one_piece_over_scattered_holes() {
     let one = offsets(&core.reserve(2, &[key(ns, 30)], &[8192]));
     assert_eq!(one, [core.slice.offset() + 2 * crate::PAGE_SIZE]);
 }
+
+#[test]
+fn a_key_refused_before_the_run_evicted_it_does_not_take_a_run_slot() {
+    let (mut core, ns) = shard(16);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    // Key 0 is present (refused up front), and the oldest: the run for keys 20 and 21 evicts
+    // it. Key 0 may then be reserved, but with a slot of its own size, not one of the run's.
+    let r = core.reserve(2, &[key(ns, 0), key(ns, 20), key(ns, 21)], &[16384, 8192, 8192]);
+    let mut slots: Vec<(u64, u64)> = r
+        .iter()
+        .filter_map(|r| match r {
+            Reservation::Slot { offset, len, .. } => Some((*offset, *len)),
+            Reservation::Failed(_) => None,
+        })
+        .collect();
+    assert!(slots.len() >= 2, "{r:?}");
+    slots.sort();
+    assert!(slots.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "overlapping slots: {slots:?}");
+}
+
+#[test]
+fn a_key_named_twice_does_not_grow_the_run() {
+    let (mut core, ns) = shard(16);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    let r = core.reserve(2, &[key(ns, 20); 4], &[8192; 4]);
+    assert!(matches!(r[0], Reservation::Slot { .. }), "{r:?}");
+    assert!(r[1..].iter().all(|r| *r == Reservation::Failed(ErrorCode::Busy)), "{r:?}");
+    assert_eq!(core.metrics.evictions, 1, "one chunk needs one victim");
+}
