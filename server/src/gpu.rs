@@ -628,6 +628,10 @@ impl GpuService {
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
                         undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
+                        // A timeline begun for it must not run on into the next busy period.
+                        if inflight.is_empty() && self.limits.timeline {
+                            self.close_timelines(&mut engines, direction);
+                        }
                     }
                 }
             }

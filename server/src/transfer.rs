@@ -10,6 +10,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use glommio::channels::local_channel;
 use orbitkv_gpu::dma::{Direction, EngineMemory, JOB_BYTES};
 use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
@@ -167,14 +168,15 @@ pub(crate) async fn save(
     let jobs = keys.len().div_ceil(group);
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
-    // Whether a job of this request has had its first checksum checked.
-    let mut checked = false;
+    // Each job's first GPU checksum is checked on its shard (hashing a chunk there), beside the
+    // next job's copy; the last job's would instead delay the answer by that hash (0.1-0.4 ms
+    // for 0.5-2 MiB chunks, about 1% of a 2 GiB save). So the first job that is not the last
+    // says whether its check passed, and the last job, once its copy is done, commits
+    // unchecked when it did (normally known by then) and checks its own otherwise.
+    let (verdict_tx, verdict_rx) = local_channel::new_bounded::<bool>(1);
+    let (mut verdict_tx, mut verdict_rx) = (Some(verdict_tx), Some(verdict_rx));
     for (g, group_keys) in keys.chunks(group).enumerate() {
-        // Each job's first GPU checksum is checked on its shard (hashing a chunk there), beside
-        // the next job's copy; the last job's would instead delay the answer by that hash
-        // (0.1-0.4 ms for 0.5-2 MiB chunks, about 1% of a 2 GiB save), so the last job of a
-        // request goes unchecked when a job before it was checked.
-        let check = if g + 1 == jobs && checked { Check::Nothing } else { Check::First };
+        let last = g + 1 == jobs;
         let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
         let mut part: Vec<(usize, SlotRef, u64)> = Vec::with_capacity(items.len());
         for (j, s) in reserve(exec, session, &items).await.into_iter().enumerate() {
@@ -189,7 +191,8 @@ pub(crate) async fn save(
         if part.is_empty() {
             continue;
         }
-        checked |= check == Check::First;
+        let report = if last { None } else { verdict_tx.take() };
+        let verdict = if last && verdict_tx.is_none() { verdict_rx.take() } else { None };
         // In arena order within the job: slots a shard allocated one after another then sit
         // side by side in the staging buffer too, and their host copies merge into one (a
         // copy per chunk under a megabyte costs the device-to-host engine a few percent).
@@ -204,9 +207,17 @@ pub(crate) async fn save(
             let copied = exec.gpu_run(Direction::Save, device, memory, chunks, chunk_len).await;
             phases.copied(Instant::now());
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
+            let check = match verdict {
+                Some(rx) if rx.recv().await == Some(true) => Check::Nothing,
+                _ => Check::First,
+            };
             let results: Vec<ChunkOutcome> = match copied {
                 Ok(Some(sums)) if sums.len() == refs.len() => {
-                    commit_summed(&exec, session, &refs, sums, check).await
+                    let (out, verified) = commit_summed(&exec, session, &refs, sums, check).await;
+                    if let Some(tx) = report {
+                        let _ = tx.try_send(verified);
+                    }
+                    out
                 }
                 Ok(sums) => {
                     if let Some(s) = sums {
@@ -242,14 +253,15 @@ pub(crate) async fn save(
 /// first chunk's is checked against the bytes on its shard before the others are committed;
 /// if it is wrong the whole job is dropped (`DeviceError`: a miss costs a cache little, a
 /// wrong chunk with a matching checksum would not be caught later) and saves' checksums move
-/// to the shards. Under `--gpu-checksums verify` every chunk is checked.
+/// to the shards. Under `--gpu-checksums verify` every chunk is checked. Also says whether a
+/// checksum was checked and found right.
 async fn commit_summed(
     exec: &Rc<Exec>,
     session: SessionId,
     refs: &[SlotRef],
     sums: Vec<u64>,
     check: Check,
-) -> Vec<ChunkOutcome> {
+) -> (Vec<ChunkOutcome>, bool) {
     let gpu = exec.shared.gpu_service.get();
     let all = gpu.map(|g| g.checksum_place()) == Some(crate::gpu::ChecksumPlace::Verify);
     let check = if all { Check::All } else { check };
@@ -259,12 +271,16 @@ async fn commit_summed(
         if let Some(g) = gpu {
             g.distrust_checksums();
         }
-        return vec![ChunkOutcome::Failed(ErrorCode::DeviceError); refs.len()];
+        return (vec![ChunkOutcome::Failed(ErrorCode::DeviceError); refs.len()], false);
     }
+    // Checked and right: the first chunk was checked and stored.
+    let verified = check != Check::Nothing && out.first() == Some(&ChunkOutcome::Done);
     // A checksum the GPU got wrong is the device's error.
-    out.into_iter()
+    let out = out
+        .into_iter()
         .map(|o| if o == wrong { ChunkOutcome::Failed(ErrorCode::DeviceError) } else { o })
-        .collect()
+        .collect();
+    (out, verified)
 }
 
 /// `Load`.
