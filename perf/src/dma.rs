@@ -817,6 +817,46 @@ impl Bench {
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
+    /// Submits one whole operation: every piece at once, or with `--server-jobs` job by job.
+    /// Each job's event completes after the ones before (one pair of streams, in order), so the
+    /// last job's stands for the whole operation; the shape is the sum of the jobs'.
+    fn submit_jobs(
+        &mut self,
+        direction: Direction,
+        strategy: Strategy,
+    ) -> Result<(CudaEvent, JobShape), Error> {
+        let jobs = if self.server_jobs {
+            self.job_ranges()
+        } else {
+            std::iter::once(0..self.pieces.len()).collect()
+        };
+        let pieces = std::mem::take(&mut self.pieces);
+        let mut last = None;
+        let mut whole = JobShape::default();
+        let mut failed = None;
+        for r in jobs {
+            // A failed submission has waited for what was queued before it.
+            match unsafe_submit(&mut self.engine, direction, &pieces[r], strategy) {
+                Ok((event, s)) => {
+                    whole.bytes += s.bytes;
+                    whole.pieces += s.pieces;
+                    whole.batches += s.batches;
+                    whole.staged = s.staged;
+                    last = Some(event);
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        self.pieces = pieces;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        last.map(|e| (e, whole)).ok_or_else(|| Error::Gpu("no pieces to copy".into()))
+    }
+
     /// Piece ranges of the server's save jobs: at most 64 MiB of whole chunks each.
     fn job_ranges(&self) -> Vec<std::ops::Range<usize>> {
         let job = (JOB_BYTES / self.chunk_len).max(1) * self.chunk_len;
@@ -939,43 +979,16 @@ impl Bench {
     ) -> Result<StrategyResult, Error> {
         self.scribble(direction)?;
         let mut shape = None;
-        let jobs = if self.server_jobs {
-            self.job_ranges()
-        } else {
-            std::iter::once(0..self.pieces.len()).collect()
-        };
         let runs = self.time(|b| {
-            let pieces = std::mem::take(&mut b.pieces);
-            // Each job's event completes after the ones before (one pair of streams, in
-            // order), so the last job's stands for the whole operation.
-            let mut last = None;
-            let mut whole = JobShape::default();
-            for r in &jobs {
-                match unsafe_submit(&mut b.engine, direction, &pieces[r.clone()], strategy) {
-                    Ok((event, s)) => {
-                        whole.bytes += s.bytes;
-                        whole.pieces += s.pieces;
-                        whole.batches += s.batches;
-                        whole.staged = s.staged;
-                        shape = Some(whole);
-                        last = Some(event);
-                    }
-                    Err(e) => {
-                        b.pieces = pieces;
-                        return Err(e);
-                    }
-                }
-            }
-            b.pieces = pieces;
-            last.ok_or_else(|| Error::Gpu("no pieces to copy".into()))
+            let (event, s) = b.submit_jobs(direction, strategy)?;
+            shape = Some(s);
+            Ok(event)
         })?;
         let shape = shape.expect("at least the warm-up ran");
         let timeline = if self.timeline && shape.staged {
             self.engine.record_timeline();
             let t = Instant::now();
-            let pieces = std::mem::take(&mut self.pieces);
-            let r = unsafe_submit(&mut self.engine, direction, &pieces, strategy);
-            self.pieces = pieces;
+            let r = self.submit_jobs(direction, strategy);
             let submitted = t.elapsed();
             r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
             let total = t.elapsed();
