@@ -340,6 +340,15 @@ fn keys(ns: u64, ids: std::ops::Range<u32>) -> Vec<ChunkKey> {
     ids.map(|i| key(ns, i)).collect()
 }
 
+/// A shard of `pages` pages holding keys 0-7, 8 KiB (two pages) each, in pages 0-15.
+fn eight_chunks(pages: u64) -> (ShardCore, u64) {
+    let (mut core, ns) = shard(pages);
+    for i in 0..8 {
+        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
+    }
+    (core, ns)
+}
+
 #[test]
 fn chunks_of_one_size_reserved_together_get_adjacent_slots() {
     let (mut core, ns) = shard(64);
@@ -394,10 +403,7 @@ fn a_refused_reservation_evicts_nothing() {
 
 #[test]
 fn a_run_evicts_only_what_the_chunks_need() {
-    let (mut core, ns) = shard(16);
-    for i in 0..8 {
-        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
-    }
+    let (mut core, ns) = eight_chunks(16);
     // Full. Three chunks need three victims; the oldest go, next to each other, and their
     // space takes the run.
     let r = core.reserve(2, &keys(ns, 20..23), &[8192; 3]);
@@ -409,10 +415,7 @@ fn a_run_evicts_only_what_the_chunks_need() {
 
 #[test]
 fn fragmented_room_is_used_without_evicting() {
-    let (mut core, ns) = shard(16);
-    for i in 0..8 {
-        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
-    }
+    let (mut core, ns) = eight_chunks(16);
     // Free every other slot: 8 free pages, no two slots' worth side by side.
     for i in (0..8).step_by(2) {
         assert_eq!(core.evict(&key(ns, i)), Ok(()));
@@ -426,10 +429,7 @@ fn fragmented_room_is_used_without_evicting() {
 
 #[test]
 fn a_run_takes_room_in_one_piece_over_scattered_holes() {
-    let (mut core, ns) = shard(32);
-    for i in 0..8 {
-        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
-    }
+    let (mut core, ns) = eight_chunks(32);
     // Holes of one slot at pages 2, 6 and 10; pages 16-31 free in one piece.
     for i in [1, 3, 5] {
         assert_eq!(core.evict(&key(ns, i)), Ok(()));
@@ -445,10 +445,7 @@ fn a_run_takes_room_in_one_piece_over_scattered_holes() {
 
 #[test]
 fn a_key_refused_before_the_run_evicted_it_does_not_take_a_run_slot() {
-    let (mut core, ns) = shard(16);
-    for i in 0..8 {
-        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
-    }
+    let (mut core, ns) = eight_chunks(16);
     // Key 0 is present (refused up front), and the oldest: the run for keys 20 and 21 evicts
     // it. Key 0 may then be reserved, but with a slot of its own size, not one of the run's.
     let r = core.reserve(2, &[key(ns, 0), key(ns, 20), key(ns, 21)], &[16384, 8192, 8192]);
@@ -466,10 +463,7 @@ fn a_key_refused_before_the_run_evicted_it_does_not_take_a_run_slot() {
 
 #[test]
 fn a_key_named_twice_does_not_grow_the_run() {
-    let (mut core, ns) = shard(16);
-    for i in 0..8 {
-        put(&mut core, 1, key(ns, i), i, 8192).unwrap();
-    }
+    let (mut core, ns) = eight_chunks(16);
     let r = core.reserve(2, &[key(ns, 20); 4], &[8192; 4]);
     assert!(matches!(r[0], Reservation::Slot { .. }), "{r:?}");
     assert!(r[1..].iter().all(|r| *r == Reservation::Failed(ErrorCode::Busy)), "{r:?}");
