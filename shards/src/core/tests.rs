@@ -266,6 +266,9 @@ fn a_namespace_is_evicted_whole_except_what_is_busy() {
 #[derive(Debug, Clone)]
 enum Step {
     Put(u32, u64),
+    /// Several keys (from the first, wrapping, the first again at the end when asked) of one
+    /// length reserved in one request, written, committed; the first twice as long when asked.
+    PutMany(u32, u32, u64, bool, bool),
     Get(u32, bool),
     ReleaseAll,
     Reserve(u32),
@@ -276,6 +279,8 @@ enum Step {
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         4 => (0u32..40, 1u64..16384).prop_map(|(k, l)| Step::Put(k, l)),
+        2 => (0u32..40, 2u32..6, 1u64..8192, any::<bool>(), any::<bool>())
+            .prop_map(|(k, n, l, dup, longer)| Step::PutMany(k, n, l, dup, longer)),
         4 => (0u32..40, any::<bool>()).prop_map(|(k, l)| Step::Get(k, l)),
         1 => Just(Step::ReleaseAll),
         1 => (0u32..40).prop_map(Step::Reserve),
@@ -295,6 +300,22 @@ proptest! {
         for s in steps {
             match s {
                 Step::Put(i, len) => { let _ = put(&mut core, 1, key(ns, i), i, len); }
+                Step::PutMany(first, n, len, dup, longer) => {
+                    let mut ids: Vec<u32> = (0..n).map(|j| (first + j) % 40).collect();
+                    if dup { ids.push(first); }
+                    let ks: Vec<ChunkKey> = ids.iter().map(|&i| key(ns, i)).collect();
+                    let mut lens = vec![len; ks.len()];
+                    if longer { lens[0] = 2 * len; }
+                    let r = core.reserve(1, &ks, &lens);
+                    let mut slots = Vec::new();
+                    for (&i, r) in ids.iter().zip(&r) {
+                        if let Reservation::Slot { offset, len, generation } = *r {
+                            core.slice.write(offset - core.slice.offset(), &fill(i, len));
+                            slots.push(SlotRef { key: key(ns, i), generation });
+                        }
+                    }
+                    core.apply(ShardOp::Commit { session: 1, slots });
+                }
                 Step::Get(i, lease) => {
                     if let Some(hit) = core.lookup(2, &[key(ns, i)], lease)[0] {
                         let bytes = core.slice.bytes(hit.offset - core.slice.offset(), hit.len);
@@ -315,6 +336,19 @@ proptest! {
                 let now = core.lookup(9, &[*k], false)[0];
                 prop_assert_eq!(now.map(|n| n.generation), Some(h.generation), "leased chunk lost");
             }
+            // Every page in use belongs to exactly one entry.
+            let mut extents: Vec<(u64, u64)> = core
+                .entries
+                .keys()
+                .map(|k| core.entries.get(core.entries.find(k).expect("listed")))
+                .map(|e| {
+                    assert!(e.len <= e.extent.bytes(), "{} bytes in a slot of {}", e.len, e.extent.bytes());
+                    (e.extent.start_page, e.extent.pages)
+                })
+                .collect();
+            extents.sort();
+            prop_assert!(extents.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "overlapping slots: {:?}", extents);
+            prop_assert_eq!(extents.iter().map(|e| e.1).sum::<u64>(), core.alloc.used_pages());
         }
         core.close_session(2);
         core.close_session(3);
