@@ -168,6 +168,14 @@ pub(crate) struct DmaArgs {
     /// staging and copies them itself, in its own CUDA context (about a minute in all).
     #[arg(long, conflicts_with = "socket")]
     pub interference: bool,
+    /// With `--interference`: staging batches the engine-side copies keep in flight (default: 4).
+    #[arg(long, value_name = "N", default_value_t = 4, requires = "interference",
+          value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub engine_depth: u32,
+    /// With `--interference`: bytes of one engine-side staging batch (default: half of
+    /// `--staging`).
+    #[arg(long, value_name = "SIZE", value_parser = size, requires = "interference")]
+    pub engine_batch: Option<u64>,
     /// After each staged series, one more operation with timing events around every staging
     /// batch: where the GPU time went (kernel, copy, the copy stream's idle gaps), in the JSON
     /// and the table. A diagnostic: the events cost a little, so the timed series run without.

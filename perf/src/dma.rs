@@ -603,7 +603,7 @@ impl Bench {
     /// ceiling copy, then each strategy, saves then loads.
     fn interference(
         &mut self,
-        device: usize,
+        a: &DmaArgs,
         strategies: &[(&'static str, Strategy)],
     ) -> Result<InterferenceResult, Error> {
         // The engine-side gather moves pages of this layout's typical piece length.
@@ -611,9 +611,11 @@ impl Bench {
         let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
         let engine = EngineSide {
             page_bytes: (mean / 2).max(1) * 2,
-            batch_bytes: self.engine.staging_half() as u64,
+            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_half() as u64),
             pool_bytes: self.bytes,
+            depth: a.engine_depth,
         };
+        let device = a.device;
         let mut matmul = MatmulLoop::start(device, Some(engine))?;
         let alone = matmul.alone();
         let mut measured = Vec::new();
@@ -1071,6 +1073,12 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: "must be at least 1".into(),
         });
     }
+    if a.engine_batch.is_some_and(|b| !(1 << 20..=1 << 30).contains(&b)) {
+        return Err(Error::InvalidArgument {
+            flag: "--engine-batch",
+            reason: "must be between 1MiB and 1GiB".into(),
+        });
+    }
     if a.strategy == StrategyArg::Direct && a.socket.is_some() {
         return Err(Error::InvalidArgument {
             flag: "--strategy",
@@ -1270,7 +1278,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             duplex = Some(d);
         }
         if a.interference {
-            interference = Some(bench.interference(a.device, &strategies)?);
+            interference = Some(bench.interference(a, &strategies)?);
             // The loads under the matmul rewrote the tensors: check them once more.
             mismatched += bench.verify(Direction::Load)?;
         }

@@ -23,9 +23,9 @@ use serde::Serialize;
 use crate::error::Error;
 
 /// The matmul loop: two 8192 x 8192 bf16 matrices, four products per line of output
-/// (`<perf_counter seconds> <products so far>`), after a `ready` line. With three more
-/// arguments (page bytes, staging batch bytes, pool bytes) it also runs the engine-side
-/// copies on command.
+/// (`<perf_counter seconds> <products so far>`), after a `ready` line. With four more
+/// arguments (page bytes, staging batch bytes, pool bytes, batches in flight) it also runs
+/// the engine-side copies on command.
 const MATMUL_LOOP: &str = r#"
 import sys, time, threading
 import torch
@@ -35,7 +35,7 @@ n = 8192
 a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 if len(sys.argv) > 4:
-    page, batch, pool_bytes = (int(x) for x in sys.argv[2:5])
+    page, batch, pool_bytes, depth = (int(x) for x in sys.argv[2:6])
     elems = page // 2
     pages = pool_bytes // page
     per = max(1, min(batch // page, pages))
@@ -43,10 +43,9 @@ if len(sys.argv) > 4:
     host = torch.empty(pages, elems, dtype=torch.bfloat16, pin_memory=True)
     order = torch.randperm(pages, device="cuda")
     idx = [order[i:i + per] for i in range(0, pages - per + 1, per)]
-    # Four staging batches in flight: with two, each batch's kernel waited for SMs behind the
-    # matmul's and the copy engine idled meanwhile (2 KiB pages beside the matmul on an H200:
-    # saves 42 GB/s with two, 55 with four).
-    depth = 4
+    # `depth` staging batches in flight (4 by default): with two, each batch's kernel waited for
+    # SMs behind the matmul's and the copy engine idled meanwhile (2 KiB pages beside the
+    # matmul on an H200: saves 42 GB/s with two, 55 with four).
     staging = [torch.empty(per, elems, device="cuda", dtype=torch.bfloat16) for _ in range(depth)]
     gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     filled = [torch.cuda.Event() for _ in range(depth)]
@@ -126,6 +125,8 @@ pub(crate) struct EngineSide {
     pub batch_bytes: u64,
     /// Bytes of the page pool gathered from (and of the pinned host buffer).
     pub pool_bytes: u64,
+    /// Staging batches in flight.
+    pub depth: u32,
 }
 
 /// The interference part of the report: the matmul loop alone, then beside each way of
@@ -175,7 +176,10 @@ impl MatmulLoop {
         let python = std::env::var("ORBITKV_PYTHON").unwrap_or_else(|_| "python3".into());
         let mut args = vec!["-c".to_string(), MATMUL_LOOP.to_string(), device.to_string()];
         if let Some(e) = engine {
-            args.extend([e.page_bytes, e.batch_bytes, e.pool_bytes].map(|v| v.to_string()));
+            args.extend(
+                [e.page_bytes, e.batch_bytes, e.pool_bytes, u64::from(e.depth)]
+                    .map(|v| v.to_string()),
+            );
         }
         let mut child = Command::new(&python)
             .args(&args)
@@ -389,13 +393,14 @@ mod tests {
             ),
         );
         std::env::set_var("ORBITKV_PYTHON", &ok);
-        let shape = EngineSide { page_bytes: 2048, batch_bytes: 32 << 20, pool_bytes: 1 << 30 };
+        let shape =
+            EngineSide { page_bytes: 2048, batch_bytes: 32 << 20, pool_bytes: 1 << 30, depth: 4 };
         let mut m = MatmulLoop::start(3, Some(shape)).unwrap();
         let (rate, gbps) = m.engine_side("save").unwrap();
         assert!((rate - 4.0).abs() < 1e-9, "{rate}");
         assert!((gbps - 2.0).abs() < 1e-9, "{gbps}");
         let args = std::fs::read_to_string(dir.path().join("args")).unwrap();
-        assert_eq!(args.trim(), "3 2048 33554432 1073741824");
+        assert_eq!(args.trim(), "3 2048 33554432 1073741824 4");
         std::thread::sleep(Duration::from_millis(50));
         let op = std::fs::read_to_string(dir.path().join("op")).unwrap();
         assert_eq!(op.trim(), "idle", "the copies are stopped after their window");

@@ -57,6 +57,16 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--strategy", "direct"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--strategy") && err.contains("--gpu-copy direct"), "{err}");
+    // The engine-side copies' shape belongs to --interference, within bounds.
+    let (code, err) = dma(&["--engine-depth", "8"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--interference"), "{err}");
+    let (code, err) = dma(&["--interference", "--engine-depth", "1"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--engine-depth"), "{err}");
+    let (code, err) = dma(&["--interference", "--engine-batch", "4GiB"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--engine-batch") && err.contains("between 1MiB and 1GiB"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
