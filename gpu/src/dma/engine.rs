@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, Way};
+use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way};
 use super::hasher::drv;
 use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT};
 use super::{DmaError, Strategy};
@@ -95,6 +95,9 @@ pub struct CopyEngine {
     /// The staging kernel; None when its PTX did not load (then only batched copies run).
     kernel: Option<CopyKernel>,
     kernel_error: Option<String>,
+    /// Scatters load batches whose segments share one length from a table a third the size
+    /// (None when it did not load: the segment kernel does it).
+    scatter_uniform: Option<ScatterUniformKernel>,
     kernel_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
     halves: [Half; 2],
@@ -174,6 +177,14 @@ impl CopyEngine {
                 (None, Some(e.to_string()))
             }
         };
+        let scatter_uniform = match ScatterUniformKernel::load(ctx) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::warn!(error = %e, "uniform scatter kernel not loaded: loads scatter \
+                    with the segment kernel, whose descriptor tables are three times larger");
+                None
+            }
+        };
         let mut halves = Vec::with_capacity(2);
         for _ in 0..2 {
             halves.push(Half {
@@ -197,6 +208,7 @@ impl CopyEngine {
             ctx: Arc::clone(ctx),
             kernel,
             kernel_error,
+            scatter_uniform,
             kernel_stream: ctx
                 .new_stream_with_priority(highest)
                 .map_err(drv("cuStreamCreateWithPriority"))?,
@@ -455,13 +467,26 @@ impl CopyEngine {
         h.uploaded.synchronize().map_err(drv("cuEventSynchronize"))?;
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
-        for (d, slot) in b
-            .descs(staging, direction == Direction::Save)
-            .zip(table.chunks_exact_mut(KernelDesc::BYTES))
-        {
-            d.write_to(slot);
-        }
-        let table_bytes = b.segments.len() * KernelDesc::BYTES;
+        // A load whose segments share one length goes with the uniform scatter kernel: its
+        // table is only the destinations, and it crosses the bus the way the load's data does.
+        let uniform = match (direction, &self.scatter_uniform) {
+            (Direction::Load, Some(_)) => b.uniform_len(),
+            _ => None,
+        };
+        let table_bytes = if uniform.is_some() {
+            for (&(device, _, _), slot) in b.segments.iter().zip(table.chunks_exact_mut(8)) {
+                slot.copy_from_slice(&device.to_le_bytes());
+            }
+            b.segments.len() * 8
+        } else {
+            for (d, slot) in b
+                .descs(staging, direction == Direction::Save)
+                .zip(table.chunks_exact_mut(KernelDesc::BYTES))
+            {
+                d.write_to(slot);
+            }
+            b.segments.len() * KernelDesc::BYTES
+        };
         let n = b.segments.len() as u32;
         // One warp per descriptor, eight per block.
         let grid = n.div_ceil(THREADS / 32).min(MAX_GRID);
@@ -554,8 +579,19 @@ impl CopyEngine {
                 h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
                 kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
                 mark(0, kernel_stream)?;
-                // SAFETY: staging filled (waited); destinations are engine pieces.
-                unsafe { kernel.launch(kernel_stream, h.descs_dev.ptr(), n, grid, THREADS)? };
+                let table = h.descs_dev.ptr();
+                match (uniform, &self.scatter_uniform) {
+                    (Some(len), Some(k)) => {
+                        // SAFETY: staging filled (waited); the table holds the `n` segments'
+                        // engine addresses, each `len` bytes at staging + d * len (uniform).
+                        unsafe { k.launch(kernel_stream, table, n, staging, len, grid, THREADS)? }
+                    }
+                    _ => {
+                        // SAFETY: staging filled (waited); the table holds the `n` segment
+                        // descriptors, destinations engine pieces.
+                        unsafe { kernel.launch(kernel_stream, table, n, grid, THREADS)? }
+                    }
+                }
                 mark(1, kernel_stream)?;
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }

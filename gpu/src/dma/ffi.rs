@@ -265,6 +265,64 @@ impl CopyKernel {
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for CopyKernel {}
 
+/// The uniform scatter kernel (`gpu/kernels/scatter_uniform.cu`): a load batch whose segments
+/// share one length, from a table of destination addresses only.
+pub(crate) struct ScatterUniformKernel {
+    func: sys::CUfunction,
+    _module: PtxModule,
+}
+
+/// The PTX of `gpu/kernels/scatter_uniform.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
+const SCATTER_UNIFORM_PTX: &str = include_str!("../../kernels/scatter_uniform.ptx");
+
+impl ScatterUniformKernel {
+    /// Loads the embedded kernel, or the PTX file named by `ORBITKV_SCATTER_KERNEL_PTX`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        let module = PtxModule::load(
+            ctx,
+            SCATTER_UNIFORM_PTX,
+            "ORBITKV_SCATTER_KERNEL_PTX",
+            "uniform scatter kernel",
+        )?;
+        Ok(Self { func: module.function("orbitkv_scatter_uniform")?, _module: module })
+    }
+
+    /// Launches the kernel on `stream`: segment `d < count` is the `len` bytes at device
+    /// address `src + d * len`, copied to the device address in `dsts[d]` (a table of
+    /// little-endian u64 at device address `dsts`).
+    ///
+    /// # Safety
+    /// `dsts` must hold `count` addresses on this context's device when the kernel runs, and
+    /// every range named must be device memory that nothing else writes until the stream
+    /// passes this launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        dsts: u64,
+        count: u32,
+        src: u64,
+        len: u64,
+        grid: u32,
+        threads: u32,
+    ) -> Result<(), DmaError> {
+        let (mut dsts, mut count, mut src, mut len) = (dsts, count, src, len);
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut dsts).cast::<c_void>(),
+            (&raw mut count).cast::<c_void>(),
+            (&raw mut src).cast::<c_void>(),
+            (&raw mut len).cast::<c_void>(),
+        ];
+        // SAFETY: parameters match `orbitkv_scatter_uniform(const unsigned long long*,
+        // unsigned int, unsigned long long, unsigned long long)`; the caller guarantees the
+        // memory they name.
+        unsafe { launch(self.func, stream, grid, threads, &mut params, "uniform scatter") }
+    }
+}
+
+// SAFETY: module and function handles are usable from any thread bound to the context.
+unsafe impl Send for ScatterUniformKernel {}
+
 /// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
 pub(crate) struct ChecksumKernels {
     blocks: sys::CUfunction,
@@ -524,3 +582,33 @@ impl Drop for IpcMapping {
 unsafe impl Send for IpcMapping {}
 // SAFETY: shared use only reads the address.
 unsafe impl Sync for IpcMapping {}
+
+#[cfg(test)]
+mod tests {
+    /// The parameters a kernel's PTX entry declares, in order (`.u64`, `.u32`, ...).
+    fn entry_params(ptx: &str, name: &str) -> Vec<String> {
+        let start = ptx.find(&format!(".entry {name}(")).expect("the kernel is in the PTX");
+        let end = start + ptx[start..].find(')').expect("a closed parameter list");
+        ptx[start..end]
+            .lines()
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix(".param ")
+                    .map(|p| p.split(' ').next().unwrap_or("").to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn embedded_kernels_take_the_parameters_their_launches_pass() {
+        assert_eq!(
+            entry_params(super::COPY_SEGMENTS_PTX, "orbitkv_copy_segments"),
+            [".u64", ".u32"]
+        );
+        // (dsts, count, src, len), as ScatterUniformKernel::launch passes them.
+        assert_eq!(
+            entry_params(super::SCATTER_UNIFORM_PTX, "orbitkv_scatter_uniform"),
+            [".u64", ".u32", ".u64", ".u64"]
+        );
+    }
+}

@@ -108,6 +108,13 @@ pub struct StagedBatch {
 }
 
 impl StagedBatch {
+    /// The segments' one length, when they all have the same (then segment `d` lies at
+    /// staging offset `d * len`, as segments fill the staging buffer in order).
+    pub fn uniform_len(&self) -> Option<u64> {
+        let (&(_, _, len), rest) = self.segments.split_first()?;
+        rest.iter().all(|s| s.2 == len).then_some(len)
+    }
+
     /// Kernel descriptors for this batch with the staging buffer at `staging`: gathering
     /// (engine -> staging) when `gather`, else scattering (staging -> engine).
     pub fn descs(&self, staging: u64, gather: bool) -> impl Iterator<Item = KernelDesc> + '_ {

@@ -166,3 +166,29 @@ fn long_pieces_become_several_descriptors_and_one_host_run() {
     assert_eq!(b.len(), 2);
     assert_eq!(b[1].segments.len(), 1);
 }
+
+#[test]
+fn a_batch_of_one_segment_length_is_uniform_and_laid_out_by_index() {
+    // Scattered 2 KiB pages: every batch uniform, segment d at staging offset d * 2048 (what
+    // the uniform scatter kernel assumes).
+    let pieces: Vec<Piece> = (0..100u64)
+        .map(|i| Piece { device: (i * 7919 % 100) << 20, host: 1 << 40 | i << 12, len: 2048 })
+        .collect();
+    for b in stage(&pieces, 64 << 10, 1 << 16) {
+        assert_eq!(b.uniform_len(), Some(2048));
+        for (d, &(_, off, _)) in b.segments.iter().enumerate() {
+            assert_eq!(off, d as u64 * 2048);
+        }
+    }
+    // A piece split at the batch's end, a long piece cut at MAX_SEGMENT, mixed lengths: not.
+    let b = stage(&pieces[..3], 5000, 1 << 16);
+    assert_eq!(b[0].uniform_len(), None, "{:?}", b[0].segments);
+    let long = [Piece { device: 0, host: 1 << 40, len: MAX_SEGMENT + 16 }];
+    assert_eq!(stage(&long, 1 << 30, 1 << 16)[0].uniform_len(), None);
+    let mixed = [
+        Piece { device: 0, host: 1 << 40, len: 2048 },
+        Piece { device: 1 << 20, host: 1 << 41, len: 4096 },
+    ];
+    assert_eq!(stage(&mixed, 1 << 30, 1 << 16)[0].uniform_len(), None);
+    assert_eq!(StagedBatch::default().uniform_len(), None);
+}
