@@ -280,24 +280,28 @@ impl ShardCore {
     }
 
     fn reserve(&mut self, session: SessionId, keys: &[ChunkKey], lens: &[u64]) -> Vec<Reservation> {
-        // Only the chunks that can be reserved now, each key once, count towards a run and draw
-        // from it (a refused request must not evict anything, and a key refused here whose
-        // entry the run then evicted must not take a slot sized for others).
-        let mut seen = HashSet::with_capacity(keys.len());
-        let fresh: Vec<bool> = keys
-            .iter()
-            .zip(lens)
-            .map(|(key, &len)| self.check_new(key, len).is_ok() && seen.insert(*key))
-            .collect();
-        let run_lens: Vec<u64> =
-            lens.iter().zip(&fresh).filter(|(_, &f)| f).map(|(&len, _)| len).collect();
-        let mut run = self.reserve_run(&run_lens);
+        // A run is possible only for several chunks of one length. Then only the chunks that
+        // can be reserved now, each key once, count towards it and draw from it (a refused
+        // request must not evict anything, and a key refused here whose entry the run then
+        // evicted must not take a slot sized for others). A single put costs nothing more.
+        let mut fresh = Vec::new();
+        let mut run = None;
+        if let Some((&len, rest)) = lens.split_first() {
+            if !rest.is_empty() && rest.iter().all(|&l| l == len) {
+                let mut seen = HashSet::with_capacity(keys.len());
+                fresh = keys
+                    .iter()
+                    .map(|key| self.check_new(key, len).is_ok() && seen.insert(*key))
+                    .collect();
+                run = self.reserve_run(len, fresh.iter().filter(|&&f| f).count() as u64);
+            }
+        }
         let out = keys
             .iter()
             .zip(lens)
-            .zip(fresh)
-            .map(|((key, &len), fresh)| {
-                let run = if fresh { run.as_mut() } else { None };
+            .enumerate()
+            .map(|(i, (key, &len))| {
+                let run = if fresh.get(i) == Some(&true) { run.as_mut() } else { None };
                 match self.reserve_one(session, key, len, run) {
                     Ok(r) => r,
                     Err(code) => {
@@ -318,14 +322,13 @@ impl ShardCore {
     /// arena and a GPU copy moves them as one host run instead of one per chunk (runs under a
     /// megabyte copy a few percent slower). Victims are evicted only while the free pages are
     /// fewer than the chunks need, as the chunk-by-chunk path would; when no run fits, that
-    /// path places the chunks (None).
-    fn reserve_run(&mut self, lens: &[u64]) -> Option<SlotRun> {
-        let (&len, rest) = lens.split_first()?;
-        if rest.is_empty() || len == 0 || rest.iter().any(|&l| l != len) {
+    /// path places the chunks (None). `count` chunks of `len` bytes; a run is for two or more.
+    fn reserve_run(&mut self, len: u64, count: u64) -> Option<SlotRun> {
+        if count < 2 || len == 0 {
             return None;
         }
         let each = ExtentAllocator::pages_for(len);
-        let total = each.checked_mul(lens.len() as u64)?;
+        let total = each.checked_mul(count)?;
         if total > self.alloc.capacity_pages() {
             return None;
         }
