@@ -9,7 +9,10 @@
 // with nvcc).
 
 // One warp per segment, as orbitkv_copy_segments: 16 bytes per lane per step when the
-// addresses and the length are 16-byte aligned, byte by byte otherwise.
+// addresses and the length are 16-byte aligned, byte by byte otherwise. The copy loop is that
+// kernel's, repeated rather than shared: copy_segments.ptx is built with nvcc (measured as
+// built), this one with NVRTC, and a shared header would change a source whose PTX is not
+// rebuilt here.
 extern "C" __global__ void orbitkv_scatter_uniform(const unsigned long long* __restrict__ dsts,
                                                    unsigned int count,
                                                    unsigned long long src,
