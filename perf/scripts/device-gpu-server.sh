@@ -2,14 +2,15 @@
 # GPU save/load through orbitkv-server on the device machine: orbitkv-perf dma --socket acts as
 # the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
 # with SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs
-# also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4). Stripped release binaries in
-# .device-bin; results go to $OUT.
+# also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4);
+# SERVER names another server binary (to compare builds in one call). Stripped release binaries
+# in .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
-$B/orbitkv-server --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
+${SERVER:-$B/orbitkv-server} --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
