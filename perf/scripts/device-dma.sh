@@ -44,5 +44,6 @@ run intf-sglang-2k-s256 --layout sglang --layers 32 --block-tokens 1 --kv-heads 
 run intf-nhd-32k-s256 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --staging 256MiB --interference
 # The engine-side copies with larger staging batches: their loads' scatter waits for SMs behind
 # the matmul, and fewer, larger batches trade rate against the matmul's slowdown.
+run intf-sglang-2k-e4 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference
 run intf-sglang-2k-e64 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference --engine-batch 64MiB
 run intf-sglang-2k-e8 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference --engine-depth 8

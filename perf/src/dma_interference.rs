@@ -36,17 +36,22 @@ a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 if len(sys.argv) > 4:
     page, batch, pool_bytes, depth = (int(x) for x in sys.argv[2:6])
-    elems = page // 2
     pages = pool_bytes // page
     per = max(1, min(batch // page, pages))
-    pool = torch.randn(pages, elems, device="cuda", dtype=torch.bfloat16)
-    host = torch.empty(pages, elems, dtype=torch.bfloat16, pin_memory=True)
+    pool = torch.randn(pages, page // 2, device="cuda", dtype=torch.bfloat16)
+    # The pages moved as 8-byte words where they divide: index_select and index_copy_ copy one
+    # element per thread, so bf16 elements hold the SMs four times as long per byte beside the
+    # engine's own kernels.
+    word = torch.int64 if page % 8 == 0 else torch.bfloat16
+    pool = pool.view(word)
+    elems = pool.shape[1]
+    host = torch.empty(pages, elems, dtype=word, pin_memory=True)
     order = torch.randperm(pages, device="cuda")
     idx = [order[i:i + per] for i in range(0, pages - per + 1, per)]
     # `depth` staging batches in flight (4 by default): with two, each batch's kernel waited for
     # SMs behind the matmul's and the copy engine idled meanwhile (2 KiB pages beside the
     # matmul on an H200: saves 42 GB/s with two, 55 with four).
-    staging = [torch.empty(per, elems, device="cuda", dtype=torch.bfloat16) for _ in range(depth)]
+    staging = [torch.empty(per, elems, device="cuda", dtype=word) for _ in range(depth)]
     gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     filled = [torch.cuda.Event() for _ in range(depth)]
     free = [torch.cuda.Event() for _ in range(depth)]
