@@ -50,6 +50,8 @@ pub enum LoopStage {
     YieldAfterSleep = 5,
     /// Napping on a glommio timer.
     Napping = 6,
+    /// Its loop has ended (shutdown): nothing to watch any more.
+    Stopped = 7,
 }
 
 impl LoopStage {
@@ -62,6 +64,7 @@ impl LoopStage {
             4 => "sleeping",
             5 => "yield-after-sleep",
             6 => "napping",
+            7 => "stopped",
             _ => "not started",
         }
     }
@@ -147,11 +150,10 @@ impl Doorbells {
         for (shard, (seen, streak)) in last.iter_mut().enumerate() {
             let beat = self.beats[shard].load(Ordering::Relaxed);
             let stage = beat as u8;
-            look.all_asleep &= stage == LoopStage::Sleeping as u8;
-            let stalled = beat == *seen
-                && stage != 0
-                && stage != LoopStage::Sleeping as u8
-                && *seen != u64::MAX;
+            // A stopped loop stands still for good, and needs no more looks than a sleeping one.
+            let resting = stage == LoopStage::Sleeping as u8 || stage == LoopStage::Stopped as u8;
+            look.all_asleep &= resting;
+            let stalled = beat == *seen && stage != 0 && !resting && *seen != u64::MAX;
             *seen = beat;
             if !stalled {
                 *streak = 0;
@@ -295,6 +297,22 @@ mod tests {
         d.disarm_nudge(0);
         assert_eq!(d.nudge_stalled(&mut last).nudged, 0, "a disarmed shard is not nudged");
         assert_eq!(wakes[0].0.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_stopped_shard_is_neither_nudged_nor_watched_closely() {
+        let d = doorbells(2);
+        let wake = Arc::new(Count(AtomicUsize::new(0)));
+        d.arm_nudge(0, &Waker::from(Arc::clone(&wake)));
+        let mut last = vec![(u64::MAX, 0); 2];
+        d.beat(0, 9, LoopStage::Stopped);
+        d.beat(1, 4, LoopStage::Sleeping);
+        for _ in 0..2 * STALL_WARN_AFTER {
+            assert_eq!(d.nudge_stalled(&mut last), Look { nudged: 0, all_asleep: true });
+        }
+        assert_eq!((wake.0.load(Ordering::SeqCst), d.nudges(0)), (0, 0));
+        assert_eq!(last[0].1, 0, "no stall streak, so no warning");
+        assert_eq!(d.last_beat(0), (9, "stopped"));
     }
 
     #[test]

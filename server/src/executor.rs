@@ -384,6 +384,7 @@ async fn run(ctx: ShardContext) {
             glommio::timer::sleep(nap).await;
         }
     }
+    beat(iteration, LoopStage::Stopped);
     doorbells.disarm_nudge(id);
     exec.sessions.borrow_mut().clear();
     tracing::info!(shard = id, "shard stopped");
