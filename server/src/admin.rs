@@ -267,6 +267,7 @@ fn stats(shared: &Shared) -> Value {
                     "admission_rejections": st.admission_rejections,
                     "deep_sleeps": s.deep_sleeps,
                     "doorbell_wakeups": s.doorbell_wakeups,
+                    "naps": s.naps,
                     "errors": errors,
                     "latency": latency,
                 })

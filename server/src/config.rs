@@ -78,7 +78,8 @@ pub struct ServerConfig {
     /// How long a shard keeps spinning after its last piece of work when cores are spare
     /// (requests arriving within it are seen at once; `0` sleeps right away). Default: `2ms`.
     pub spin_window: String,
-    /// Longest a poller sleeps when idle (adaptive polling ceiling). Default: `500us`.
+    /// Longest nap of a shard idle past its spin window while a task or SSD operation is in
+    /// flight (with nothing in flight it sleeps on its doorbell instead). Default: `500us`.
     pub idle_poll_max: String,
     /// How long SIGTERM waits for in-flight work before exiting anyway. Default: `10s`.
     pub drain_timeout: String,
@@ -213,7 +214,8 @@ pub struct Args {
     /// Spin this long after the last work before napping, when cores are spare (default: 2ms).
     #[arg(long, value_name = "DUR")]
     pub spin_window: Option<String>,
-    /// Longest idle poll sleep (default: 500us).
+    /// Longest nap of an idle shard with work in flight (default: 500us; with nothing in
+    /// flight it sleeps on its doorbell, woken by the next request).
     #[arg(long, value_name = "DUR")]
     pub idle_poll_max: Option<String>,
     /// SIGTERM drain timeout (default: 10s).

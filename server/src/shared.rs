@@ -73,6 +73,9 @@ pub struct ShardSnapshot {
     pub deep_sleeps: u64,
     /// Doorbell sleeps ended by a ring (work arrived) rather than the timeout.
     pub doorbell_wakeups: u64,
+    /// Naps on a timer: idle past the spin window with a task or SSD operation in flight (a
+    /// request arriving meanwhile waits for the nap's end, up to `--idle-poll-max`).
+    pub naps: u64,
 }
 
 /// What `ctl sessions` shows of one session.

@@ -37,3 +37,30 @@ fn sleeping_shards_are_woken_by_requests() {
         .sum();
     assert!(wakeups >= 3, "{v}");
 }
+
+/// Past its spin window, a shard with no task in flight goes straight to its doorbell, which
+/// the next request rings: it never naps on a timer, which would keep a request that comes a
+/// few milliseconds later waiting for the nap's end.
+#[test]
+fn a_shard_with_nothing_in_flight_sleeps_without_napping_first() {
+    let server = TestServer::start(&["--shards", "1", "--dram", "16MiB"]);
+    let mut c = server.client("no-naps");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 12, 4);
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 8192)).collect();
+    let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
+    c.put(&items).unwrap();
+    let shard =
+        |s: &TestServer, field: &str| s.admin("stats")["shards"][0][field].as_u64().unwrap();
+    let asleep_after = |s: &TestServer, sleeps: u64| {
+        s.wait_for("the shard asleep on its doorbell", |s| shard(s, "deep_sleeps") > sleeps)
+    };
+    asleep_after(&server, 0);
+    let naps = shard(&server, "naps");
+    for _ in 0..5 {
+        let sleeps = shard(&server, "deep_sleeps");
+        assert_eq!(c.lookup(&keys).unwrap().len(), keys.len());
+        asleep_after(&server, sleeps);
+    }
+    assert_eq!(shard(&server, "naps"), naps, "{}", server.admin("stats"));
+}
