@@ -1,4 +1,4 @@
-//! The command line: `serve`, `idle` and `ssd`.
+//! The command line: `serve`, `idle`, `wake`, `ssd` and `dma`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -24,6 +24,9 @@ pub(crate) enum Command {
     Serve(ServeArgs),
     /// The CPU use of an idle server, as percent of one core.
     Idle(IdleArgs),
+    /// The round trip of the first request after a pause, per pause length (what an engine
+    /// whose requests come a few milliseconds apart waits for a shard to wake).
+    Wake(WakeArgs),
     /// The SSD tier's I/O path alone: O_DIRECT reads or writes between arena slots and a file
     /// through the shard's io_uring ring (`SsdRing`), compared with fio run on the same file
     /// with the same parameters in the same run (when fio is on PATH).
@@ -331,6 +334,24 @@ pub(crate) struct IdleArgs {
     /// How long to sample (default: 10s).
     #[arg(long, value_name = "DUR", value_parser = duration, default_value = "10s")]
     pub duration: Duration,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `orbitkv-perf wake`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct WakeArgs {
+    /// Bootstrap socket of the server (default: as for `serve`).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Pauses before the timed round trips, comma-separated (at most 10s each).
+    #[arg(long, value_name = "DUR,...", value_parser = duration, value_delimiter = ',',
+        default_value = "0,500us,1500us,3ms,5ms,10ms,15ms,30ms,300ms")]
+    pub gaps: Vec<Duration>,
+    /// Timed round trips per pause (1 to 100000).
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    pub samples: u32,
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -25,6 +25,7 @@ mod sampler;
 mod serve;
 mod ssd;
 mod stats;
+mod wake;
 mod worker;
 mod workload;
 
@@ -41,6 +42,7 @@ fn main() -> ExitCode {
     let (name, outcome) = match cli.command {
         Command::Serve(a) => ("serve", serve::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Idle(a) => ("idle", idle::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Wake(a) => ("wake", wake::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Ssd(a) => ("ssd", ssd::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Dma(a) => ("dma", dma::run(&a).and_then(|r| emit(&r, a.json))),
     };
