@@ -319,6 +319,12 @@ impl Connection {
         Ok(())
     }
 
+    /// Requests that can be sent now without waiting for a deferred one (at least 1).
+    pub(crate) fn free_request_slots(&mut self) -> usize {
+        self.reap_deferred();
+        (self.max_deferred + 1).saturating_sub(self.deferred.len()).max(1)
+    }
+
     /// Waits for the answers of every deferred request.
     pub(crate) fn flush_deferred(&mut self, timeout: Duration) -> Result<(), Error> {
         while let Some((pending, op)) = self.deferred.pop_front() {

@@ -22,6 +22,49 @@ use crate::Error;
 /// Fixed request overhead assumed when sizing save/load batches.
 const REQUEST_OVERHEAD: u64 = 1024;
 
+/// Requests of one save or load too large for a single request kept in flight at once: the
+/// next one's reservations or lookups then run while the copies of the one before do, instead
+/// of the DMA thread waiting a round trip between them.
+const TRANSFER_WINDOW: usize = 2;
+
+/// Runs one request per part, in order, with up to `window` in flight: `start(ctx, i)` sends
+/// part `i` (of `sizes[i]` keys), `wait(ctx, t)` waits for its outcomes. With `prefix` (a load
+/// of the longest present prefix), once a part has a chunk not `Done` no later part is sent;
+/// the later parts already sent are waited for (their copies may be running) and, with those
+/// never sent, reported `NotFound`, as every key after a missing one is. An error returns at
+/// once; parts still in flight are dropped, which withdraws those the server has not taken
+/// (the ones it has run to their end).
+fn pipelined<C, T>(
+    ctx: &mut C,
+    sizes: &[usize],
+    window: usize,
+    prefix: bool,
+    mut start: impl FnMut(&mut C, usize) -> Result<T, Error>,
+    mut wait: impl FnMut(&mut C, T) -> Result<Vec<ChunkOutcome>, Error>,
+) -> Result<Vec<ChunkOutcome>, Error> {
+    let not_found = ChunkOutcome::Failed(orbitkv_proto::ErrorCode::NotFound);
+    let mut all = Vec::with_capacity(sizes.iter().sum());
+    let mut sent = std::collections::VecDeque::with_capacity(window);
+    let (mut next, mut missing) = (0, false);
+    loop {
+        while next < sizes.len() && sent.len() < window.max(1) && !missing {
+            sent.push_back(start(ctx, next)?);
+            next += 1;
+        }
+        let Some(t) = sent.pop_front() else { break };
+        let outcomes = wait(ctx, t)?;
+        if missing {
+            all.extend(std::iter::repeat_n(not_found, outcomes.len()));
+        } else {
+            missing = prefix && outcomes.iter().any(|o| *o != ChunkOutcome::Done);
+            all.extend(outcomes);
+        }
+    }
+    // The parts never sent (after a missing chunk).
+    all.resize(sizes.iter().sum(), not_found);
+    Ok(all)
+}
+
 /// An engine rank's tensors registered with the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuRegistration {
@@ -147,23 +190,22 @@ impl Client {
         self.check_epoch(r)?;
         let per_chunk = check_blocks(keys, blocks)?;
         let batch = self.transfer_batch(per_chunk);
-        let mut all = Vec::with_capacity(keys.len());
-        for (kb, bb) in keys.chunks(batch).zip(blocks.chunks(batch * per_chunk)) {
-            match self.call(&way.request(r, kb, bb))? {
-                Response::Outcomes { outcomes } if outcomes.len() == kb.len() => {
-                    all.extend(outcomes)
-                }
-                other => return Err(unexpected(way.name(), other)),
-            }
-            // A load is of the longest present prefix: once a chunk was not loaded, later
-            // batches are not sent (their keys are not part of the prefix).
-            if matches!(way, Way::Load) && all.iter().any(|o| *o != ChunkOutcome::Done) {
-                let missing = ChunkOutcome::Failed(orbitkv_proto::ErrorCode::NotFound);
-                all.resize(keys.len(), missing);
-                break;
-            }
-        }
-        Ok(all)
+        let parts: Vec<(&[ChunkKey], &[u64])> =
+            keys.chunks(batch).zip(blocks.chunks(batch * per_chunk)).collect();
+        let window = match self.conn.as_mut() {
+            Some(c) => TRANSFER_WINDOW.min(c.free_request_slots()),
+            None => 1,
+        };
+        let prefix = matches!(way, Way::Load);
+        let sizes: Vec<usize> = parts.iter().map(|(k, _)| k.len()).collect();
+        pipelined(
+            self,
+            &sizes,
+            window,
+            prefix,
+            |c: &mut Client, i| c.start(way, r, parts[i].0, parts[i].1),
+            |c: &mut Client, t: Transfer| c.wait_transfer(&t),
+        )
     }
 
     /// Copies engine blocks into new chunks and commits them: chunk `i` is
@@ -179,7 +221,10 @@ impl Client {
     }
 
     /// Copies chunks back into engine blocks (same packing as [`Client::save`]). The longest
-    /// present prefix of `keys` is loaded; later keys come back `NotFound`.
+    /// present prefix of `keys` is loaded; later keys come back `NotFound`. (Keys too many for
+    /// one request go in several, two in flight at a time: the blocks of a later one may have
+    /// been written even if an earlier one found a key missing. All of them are the load's
+    /// blocks, untouched by the engine until this returns.)
     pub fn load(
         &mut self,
         r: &GpuRegistration,
@@ -262,5 +307,104 @@ impl Client {
         let conn = self.conn.as_ref().ok_or(Error::Stale)?;
         let answer = conn.wait_answer(&t.pending, t.op, timeout)?;
         self.finish(t, answer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orbitkv_proto::ErrorCode;
+
+    const DONE: ChunkOutcome = ChunkOutcome::Done;
+    const MISSING: ChunkOutcome = ChunkOutcome::Failed(ErrorCode::NotFound);
+
+    /// A server stand-in: part `i` answers `answers[i]`; it records what was sent and the most
+    /// requests in flight at once, and fails where told.
+    #[derive(Default)]
+    struct Mock {
+        answers: Vec<Vec<ChunkOutcome>>,
+        sent: Vec<usize>,
+        in_flight: usize,
+        most_in_flight: usize,
+        fail_start: Option<usize>,
+        fail_wait: Option<usize>,
+    }
+
+    impl Mock {
+        fn new(answers: Vec<Vec<ChunkOutcome>>) -> Self {
+            Self { answers, ..Self::default() }
+        }
+
+        fn run(&mut self, window: usize, prefix: bool) -> Result<Vec<ChunkOutcome>, Error> {
+            let sizes: Vec<usize> = self.answers.iter().map(Vec::len).collect();
+            pipelined(
+                self,
+                &sizes,
+                window,
+                prefix,
+                |m: &mut Mock, i| {
+                    if m.fail_start == Some(i) {
+                        return Err(Error::Disconnected(format!("start {i}")));
+                    }
+                    m.sent.push(i);
+                    m.in_flight += 1;
+                    m.most_in_flight = m.most_in_flight.max(m.in_flight);
+                    Ok(i)
+                },
+                |m: &mut Mock, i: usize| {
+                    m.in_flight -= 1;
+                    if m.fail_wait == Some(i) {
+                        let after = std::time::Duration::from_millis(i as u64);
+                        return Err(Error::Timeout { op: "load", after });
+                    }
+                    Ok(m.answers[i].clone())
+                },
+            )
+        }
+    }
+
+    #[test]
+    fn parts_run_in_order_with_the_window_in_flight() {
+        let mut m = Mock::new(vec![vec![DONE; 3], vec![DONE, MISSING], vec![DONE; 3], vec![DONE]]);
+        // A save: a failed chunk does not stop later parts.
+        let all = m.run(2, false).unwrap();
+        assert_eq!(all, [vec![DONE; 3], vec![DONE, MISSING], vec![DONE; 4]].concat());
+        assert_eq!((m.sent.clone(), m.most_in_flight), (vec![0, 1, 2, 3], 2));
+        let mut m = Mock::new(vec![vec![DONE; 2]; 5]);
+        assert_eq!(m.run(1, false).unwrap(), vec![DONE; 10]);
+        assert_eq!(m.most_in_flight, 1, "a window of one is one request at a time");
+        let mut m = Mock::new(vec![vec![DONE]; 3]);
+        assert_eq!(m.run(0, true).unwrap(), vec![DONE; 3]);
+        assert_eq!(m.most_in_flight, 1, "a window of zero still sends");
+    }
+
+    #[test]
+    fn a_load_stops_at_the_first_missing_chunk() {
+        let answers =
+            vec![vec![DONE; 2], vec![DONE, MISSING, MISSING], vec![DONE; 2], vec![DONE; 2]];
+        let mut m = Mock::new(answers.clone());
+        let all = m.run(2, true).unwrap();
+        // Part 2 was in flight when part 1's answer came: waited for, reported missing;
+        // part 3 was never sent.
+        assert_eq!(all, [vec![DONE; 2], vec![DONE], vec![MISSING; 6]].concat());
+        assert_eq!(m.sent, vec![0, 1, 2]);
+        assert_eq!(m.in_flight, 0, "every request sent was waited for");
+        let mut m = Mock::new(answers);
+        assert_eq!(m.run(1, true).unwrap().len(), 9);
+        assert_eq!(m.sent, vec![0, 1], "one at a time: nothing after the miss is sent");
+    }
+
+    #[test]
+    fn an_error_ends_the_transfer() {
+        let mut m = Mock::new(vec![vec![DONE]; 4]);
+        m.fail_wait = Some(1);
+        assert!(
+            matches!(m.run(2, false), Err(Error::Timeout { after, .. }) if after.as_millis() == 1)
+        );
+        assert_eq!(m.sent, vec![0, 1, 2], "part 2 was in flight; part 3 never went");
+        let mut m = Mock::new(vec![vec![DONE]; 4]);
+        m.fail_start = Some(2);
+        assert!(matches!(m.run(2, false), Err(Error::Disconnected(w)) if w == "start 2"));
+        assert_eq!(m.sent, vec![0, 1]);
     }
 }
