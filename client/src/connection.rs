@@ -4,7 +4,8 @@ use std::collections::VecDeque;
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use iceoryx2::pending_response::PendingResponse;
@@ -27,8 +28,28 @@ type Svc = ipc_threadsafe::Service;
 /// A request in flight.
 type Pending = PendingResponse<Svc, [u8], (), [u8], ()>;
 
-/// A request sent and not yet answered.
-pub(crate) struct PendingAnswer(Pending);
+/// A request sent and not yet answered (started by the caller: it counts against the session's
+/// requests in flight until dropped).
+pub(crate) struct PendingAnswer {
+    pending: Pending,
+    _slot: StartedSlot,
+}
+
+/// Requests a session may still send: `max_deferred + 1` in flight in all (the server's
+/// `max_inflight`), less the deferred and the started ones; at least 1 (a blocking call always
+/// sends its own request, as it did before any were pipelined).
+fn free_slots(max_deferred: usize, deferred: usize, started: usize) -> usize {
+    (max_deferred + 1).saturating_sub(deferred + started).max(1)
+}
+
+/// One of the connection's started requests; gives its count back when dropped.
+struct StartedSlot(Arc<AtomicUsize>);
+
+impl Drop for StartedSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
@@ -52,6 +73,8 @@ pub(crate) struct Connection {
     /// Requests sent without waiting (releases), oldest first.
     deferred: VecDeque<(Pending, &'static str)>,
     max_deferred: usize,
+    /// Requests started by the caller and not yet dropped ([`PendingAnswer`]).
+    started: Arc<AtomicUsize>,
     /// Deferred requests that failed (a counter for the caller; each is also logged).
     pub(crate) deferred_failures: u64,
     home_shard: u32,
@@ -198,6 +221,7 @@ impl Connection {
             arena,
             deferred: VecDeque::new(),
             max_deferred,
+            started: Arc::new(AtomicUsize::new(0)),
             deferred_failures: 0,
             home_shard,
             doorbell,
@@ -266,7 +290,9 @@ impl Connection {
     pub(crate) fn start(&mut self, req: &Request) -> Result<PendingAnswer, Error> {
         let bytes = self.encode_checked(req)?;
         self.reap_deferred();
-        Ok(PendingAnswer(self.send(&bytes)?))
+        let pending = self.send(&bytes)?;
+        self.started.fetch_add(1, Ordering::Relaxed);
+        Ok(PendingAnswer { pending, _slot: StartedSlot(Arc::clone(&self.started)) })
     }
 
     /// The answer of a started request, if it has arrived.
@@ -275,7 +301,7 @@ impl Connection {
         p: &PendingAnswer,
         op: &'static str,
     ) -> Result<Option<Response>, Error> {
-        match p.0.receive() {
+        match p.pending.receive() {
             Ok(Some(resp)) => decode::<Response>(resp.payload())
                 .map(Some)
                 .map_err(|e| Error::Protocol(e.to_string())),
@@ -294,7 +320,7 @@ impl Connection {
         op: &'static str,
         timeout: Duration,
     ) -> Result<Response, Error> {
-        self.wait(&p.0, op, timeout)
+        self.wait(&p.pending, op, timeout)
     }
 
     /// Sends a request whose answer nobody waits for now (a release). Its answer is collected
@@ -319,10 +345,11 @@ impl Connection {
         Ok(())
     }
 
-    /// Requests that can be sent now without waiting for a deferred one (at least 1).
+    /// Requests that can be sent now besides the deferred ones and those the caller started and
+    /// still holds (at least 1).
     pub(crate) fn free_request_slots(&mut self) -> usize {
         self.reap_deferred();
-        (self.max_deferred + 1).saturating_sub(self.deferred.len()).max(1)
+        free_slots(self.max_deferred, self.deferred.len(), self.started.load(Ordering::Relaxed))
     }
 
     /// Waits for the answers of every deferred request.
@@ -431,5 +458,30 @@ impl Connection {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_slots_leave_room_for_deferred_and_started_requests() {
+        assert_eq!(free_slots(7, 0, 0), 8);
+        assert_eq!(free_slots(7, 5, 0), 3);
+        assert_eq!(free_slots(7, 5, 2), 1);
+        assert_eq!(free_slots(7, 7, 3), 1, "never below one");
+        assert_eq!(free_slots(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn a_started_slot_counts_until_dropped() {
+        let started = Arc::new(AtomicUsize::new(0));
+        started.fetch_add(2, Ordering::Relaxed);
+        let (a, b) = (StartedSlot(Arc::clone(&started)), StartedSlot(Arc::clone(&started)));
+        drop(a);
+        assert_eq!(started.load(Ordering::Relaxed), 1);
+        drop(b);
+        assert_eq!(started.load(Ordering::Relaxed), 0);
     }
 }

@@ -30,10 +30,11 @@ const TRANSFER_WINDOW: usize = 2;
 /// Runs one request per part, in order, with up to `window` in flight: `start(ctx, i)` sends
 /// part `i` (of `sizes[i]` keys), `wait(ctx, t)` waits for its outcomes. With `prefix` (a load
 /// of the longest present prefix), once a part has a chunk not `Done` no later part is sent;
-/// the later parts already sent are waited for (their copies may be running) and, with those
-/// never sent, reported `NotFound`, as every key after a missing one is. An error returns at
-/// once; parts still in flight are dropped, which withdraws those the server has not taken
-/// (the ones it has run to their end).
+/// the later parts already sent are waited for (their copies may be running; an error of
+/// theirs changes nothing) and, with those never sent, reported `NotFound`, as every key after
+/// a missing one is. On an error, no further part is sent and every part already sent is
+/// still waited for (so that no copy of this call runs on after it returns, whenever the server
+/// answers); then the first error is returned.
 fn pipelined<C, T>(
     ctx: &mut C,
     sizes: &[usize],
@@ -46,21 +47,32 @@ fn pipelined<C, T>(
     let mut all = Vec::with_capacity(sizes.iter().sum());
     let mut sent = std::collections::VecDeque::with_capacity(window);
     let (mut next, mut missing) = (0, false);
+    let mut failed: Option<Error> = None;
     loop {
-        while next < sizes.len() && sent.len() < window.max(1) && !missing {
-            sent.push_back(start(ctx, next)?);
+        while next < sizes.len() && sent.len() < window.max(1) && !missing && failed.is_none() {
+            match start(ctx, next) {
+                Ok(t) => sent.push_back(t),
+                Err(e) => failed = Some(e),
+            }
             next += 1;
         }
         let Some(t) = sent.pop_front() else { break };
-        let outcomes = wait(ctx, t)?;
-        if missing {
-            all.extend(std::iter::repeat_n(not_found, outcomes.len()));
-        } else {
-            missing = prefix && outcomes.iter().any(|o| *o != ChunkOutcome::Done);
-            all.extend(outcomes);
+        match wait(ctx, t) {
+            _ if failed.is_some() => {}
+            Ok(outcomes) if missing => all.extend(std::iter::repeat_n(not_found, outcomes.len())),
+            Ok(outcomes) => {
+                missing = prefix && outcomes.iter().any(|o| *o != ChunkOutcome::Done);
+                all.extend(outcomes);
+            }
+            // Sent only in case the prefix went on: its keys are reported missing anyway.
+            Err(_) if missing => {}
+            Err(e) => failed = Some(e),
         }
     }
-    // The parts never sent (after a missing chunk).
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    // The parts never sent (after a missing chunk), and those after it whose answers failed.
     all.resize(sizes.iter().sum(), not_found);
     Ok(all)
 }
@@ -395,16 +407,28 @@ mod tests {
     }
 
     #[test]
-    fn an_error_ends_the_transfer() {
+    fn an_error_ends_the_transfer_once_nothing_sent_is_still_running() {
         let mut m = Mock::new(vec![vec![DONE]; 4]);
         m.fail_wait = Some(1);
-        assert!(
-            matches!(m.run(2, false), Err(Error::Timeout { after, .. }) if after.as_millis() == 1)
-        );
+        let timeout = |r: Result<_, Error>| matches!(r, Err(Error::Timeout { after, .. }) if after.as_millis() == 1);
+        assert!(timeout(m.run(2, false)));
         assert_eq!(m.sent, vec![0, 1, 2], "part 2 was in flight; part 3 never went");
+        assert_eq!(m.in_flight, 0, "part 2 was waited for before the error came back");
         let mut m = Mock::new(vec![vec![DONE]; 4]);
         m.fail_start = Some(2);
         assert!(matches!(m.run(2, false), Err(Error::Disconnected(w)) if w == "start 2"));
-        assert_eq!(m.sent, vec![0, 1]);
+        assert_eq!((m.sent.clone(), m.in_flight), (vec![0, 1], 0));
+        let mut m = Mock::new(vec![vec![DONE]; 4]);
+        m.fail_start = Some(1);
+        assert!(m.run(2, false).is_err());
+        assert_eq!((m.sent.clone(), m.in_flight), (vec![0], 0), "part 0 was waited for");
+    }
+
+    #[test]
+    fn a_failed_answer_after_a_loads_missing_chunk_changes_nothing() {
+        let mut m = Mock::new(vec![vec![DONE, MISSING], vec![DONE; 2], vec![DONE]]);
+        m.fail_wait = Some(1);
+        assert_eq!(m.run(2, true).unwrap(), [vec![DONE], vec![MISSING; 4]].concat());
+        assert_eq!((m.sent.clone(), m.in_flight), (vec![0, 1], 0));
     }
 }
