@@ -138,7 +138,8 @@ pub(crate) struct Exec {
     next_req: Cell<u64>,
     dropped_replies: Cell<u64>,
     pub(crate) rejected: Cell<u64>,
-    /// Request and session-close tasks in flight (a shard only sleeps deeply at zero).
+    /// Request, session-close and peer-op tasks in flight (a shard only sleeps on its doorbell
+    /// at zero).
     pub(crate) active: Cell<usize>,
     deep_sleeps: Cell<u64>,
     doorbell_wakeups: Cell<u64>,
@@ -261,8 +262,13 @@ async fn run(ctx: ShardContext) {
                         .detach();
                         continue;
                     }
+                    // In flight until its reply is sent: a reply to a full channel waits for a
+                    // wake through glommio's reactor, which a doorbell sleep would not see.
+                    e.active.set(e.active.get() + 1);
                     let reply = e.apply_local(op).await;
-                    if !e.reply_to(peer, rid, reply).await {
+                    let sent = e.reply_to(peer, rid, reply).await;
+                    e.active.set(e.active.get() - 1);
+                    if !sent {
                         break;
                     }
                 }
