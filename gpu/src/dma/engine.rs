@@ -268,8 +268,22 @@ impl CopyEngine {
         let Some((Some(start), batches)) = self.timeline.take() else {
             return Ok(Vec::new());
         };
+        // One wait on the start and on the last batch's four events, which cover both streams
+        // (each stream passes its events in order), then plain reads: `elapsed_ms` would wait
+        // on both events of every read, five driver calls each, about a millisecond for a full
+        // timeline in the DMA thread that the next job may be waiting for.
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        start.synchronize().map_err(drv("cuEventSynchronize"))?;
+        for e in batches.last().map_or(&[][..], |b| &b.events[..]) {
+            e.synchronize().map_err(drv("cuEventSynchronize"))?;
+        }
         let at = |e: &CudaEvent| -> Result<f64, DmaError> {
-            Ok(f64::from(start.elapsed_ms(e).map_err(drv("cuEventElapsedTime"))?) * 1e3)
+            // SAFETY: both events are live events of this engine's context, bound above, and
+            // have passed (waited for above, directly or through a later one on their stream).
+            let ms =
+                unsafe { cudarc::driver::result::event::elapsed(start.cu_event(), e.cu_event()) }
+                    .map_err(drv("cuEventElapsedTime"))?;
+            Ok(f64::from(ms) * 1e3)
         };
         let spans = batches
             .iter()
