@@ -318,6 +318,13 @@ impl Report for DmaReport {
                      {st:.0} us after the last copy; loads {ll:.0} us, {lt:.0} us"
                 )?;
             }
+            if let (Some(save), Some(load)) = (s.save_runs_per_job, s.load_runs_per_job) {
+                writeln!(
+                    out,
+                    "server host-side copies per job: saves {save:.1}, loads {load:.1} (about \
+                     one per shard when each shard's slots were adjacent)"
+                )?;
+            }
             for (way, t) in [("saves", &s.save_timeline), ("loads", &s.load_timeline)] {
                 if let Some(t) = t {
                     writeln!(

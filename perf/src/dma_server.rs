@@ -74,6 +74,12 @@ pub(crate) struct ServedResult {
     pub save_timeline: Option<GpuTimeline>,
     /// The same for the timed loads.
     pub load_timeline: Option<GpuTimeline>,
+    /// Host-side copies per job of the timed saves (`gpu_transfers.save_host_runs` /
+    /// `save_jobs`): about one per shard holding the job's chunks when each shard gave them
+    /// adjacent arena slots, up to one per chunk when none did; None when the stats do not say.
+    pub save_runs_per_job: Option<f64>,
+    /// The same for the timed loads.
+    pub load_runs_per_job: Option<f64>,
 }
 
 /// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
@@ -99,6 +105,9 @@ struct Counters {
     lead_s: Option<f64>,
     tail_s: Option<f64>,
     requests: Option<f64>,
+    /// Completed jobs and their host-side copies.
+    jobs: Option<f64>,
+    host_runs: Option<f64>,
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -114,6 +123,8 @@ impl Counters {
             lead_s: f("lead_s"),
             tail_s: f("tail_s"),
             requests: f("requests"),
+            jobs: f("jobs"),
+            host_runs: f("host_runs"),
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -127,6 +138,8 @@ struct Sums {
     lead_s: f64,
     tail_s: f64,
     requests: f64,
+    jobs: f64,
+    host_runs: f64,
     timeline: [f64; 5],
 }
 
@@ -136,6 +149,8 @@ impl Sums {
         self.lead_s += busy_delta(before.lead_s, after.lead_s);
         self.tail_s += busy_delta(before.tail_s, after.tail_s);
         self.requests += busy_delta(before.requests, after.requests);
+        self.jobs += busy_delta(before.jobs, after.jobs);
+        self.host_runs += busy_delta(before.host_runs, after.host_runs);
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -156,6 +171,12 @@ impl Sums {
             copy_gaps_us: self.per_request_us(gaps)?,
             kernel_us: self.per_request_us(kernel)?,
         })
+    }
+
+    /// Host-side copies per completed job (None without jobs or a reading).
+    fn runs_per_job(&self) -> Option<f64> {
+        (self.host_runs.is_finite() && self.jobs.is_finite() && self.jobs > 0.0)
+            .then(|| self.host_runs / self.jobs)
     }
 
     /// Mean microseconds per request of `total_s` (None without requests or a reading).
@@ -430,6 +451,8 @@ pub(crate) fn run(
         load_tail_us: load_sums.per_request_us(load_sums.tail_s),
         save_timeline: save_sums.timeline(),
         load_timeline: load_sums.timeline(),
+        save_runs_per_job: save_sums.runs_per_job(),
+        load_runs_per_job: load_sums.runs_per_job(),
     })
 }
 
@@ -628,7 +651,7 @@ mod tests {
             lead_s: Some(lead),
             tail_s: Some(tail),
             requests: Some(requests),
-            timeline: [None; 5],
+            ..Counters::default()
         };
         let mut sums = Sums::default();
         sums.add(at(0.5, 0.1, 10.0), at(0.5003, 0.1001, 11.0));
@@ -671,5 +694,24 @@ mod tests {
         let mut none = Sums::default();
         none.add(at(1.0, [7.0, 1.0, 1.0, 0.0, 0.0]), at(2.0, [7.0, 1.0, 1.0, 0.0, 0.0]));
         assert_eq!(none.timeline(), None);
+    }
+
+    #[test]
+    fn host_runs_are_given_per_job_over_the_timed_runs() {
+        let at = |jobs: f64, runs: f64| Counters {
+            jobs: Some(jobs),
+            host_runs: Some(runs),
+            ..Counters::default()
+        };
+        let mut sums = Sums::default();
+        sums.add(at(10.0, 40.0), at(26.0, 72.0));
+        sums.add(at(26.0, 72.0), at(42.0, 104.0));
+        assert_eq!(sums.runs_per_job(), Some(2.0));
+        let mut old = Sums::default();
+        old.add(Counters::default(), Counters::default());
+        assert_eq!(old.runs_per_job(), None, "a server without the counters");
+        let mut idle = Sums::default();
+        idle.add(at(3.0, 9.0), at(3.0, 9.0));
+        assert_eq!(idle.runs_per_job(), None, "no job");
     }
 }

@@ -297,6 +297,8 @@ fn stats(shared: &Shared) -> Value {
                 "load_jobs": n(&c.loads),
                 "saved_bytes": n(&c.saved_bytes),
                 "loaded_bytes": n(&c.loaded_bytes),
+                "save_host_runs": n(&c.save_host_runs),
+                "load_host_runs": n(&c.load_host_runs),
                 "failed_jobs": n(&c.failed_jobs),
                 "save_busy_s": n(&c.save_busy_ns) as f64 / 1e9,
                 "load_busy_s": n(&c.load_busy_ns) as f64 / 1e9,

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
-    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, SpanTotals, Strategy,
-    TensorExport, BATCHED_FROM,
+    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
+    Strategy, TensorExport, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -97,6 +97,8 @@ struct Running {
     shard: usize,
     id: u64,
     bytes: u64,
+    /// Host-side copies its bytes went in (see `JobShape::host_runs`).
+    host_runs: u64,
     /// Completes when the copy has landed.
     event: CudaEvent,
     /// A save's checksums being computed on the GPU. Declared before the memory: fields drop
@@ -149,6 +151,11 @@ pub struct GpuCounters {
     pub saved_bytes: AtomicU64,
     /// Bytes loaded.
     pub loaded_bytes: AtomicU64,
+    /// Host-side copies of the completed save jobs: per job, how far its chunks' arena slots
+    /// were from adjacent (each run under a megabyte costs the copy engine a little).
+    pub save_host_runs: AtomicU64,
+    /// The same for loads.
+    pub load_host_runs: AtomicU64,
     /// Jobs that failed in CUDA.
     pub failed_jobs: AtomicU64,
     /// Nanoseconds during which the save thread had at least one job on the GPU (from a
@@ -610,7 +617,7 @@ impl GpuService {
                 let submitted = Instant::now();
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
-                    Ok(event) => {
+                    Ok((event, shape)) => {
                         // In flight first (a panic from here on fails it rather than losing
                         // it), then the checksums attached.
                         let save = direction == Direction::Save;
@@ -619,6 +626,7 @@ impl GpuService {
                             shard,
                             id,
                             bytes,
+                            host_runs: shape.host_runs as u64,
                             event,
                             checksums: None,
                             _memory: memory,
@@ -647,12 +655,21 @@ impl GpuService {
                         if let Some(Ok(false)) = job.checksums.as_ref().map(|t| t.is_complete()) {
                             break;
                         }
-                        let (c, b) = match direction {
-                            Direction::Save => (&self.counters.saves, &self.counters.saved_bytes),
-                            Direction::Load => (&self.counters.loads, &self.counters.loaded_bytes),
+                        let (c, b, r) = match direction {
+                            Direction::Save => (
+                                &self.counters.saves,
+                                &self.counters.saved_bytes,
+                                &self.counters.save_host_runs,
+                            ),
+                            Direction::Load => (
+                                &self.counters.loads,
+                                &self.counters.loaded_bytes,
+                                &self.counters.load_host_runs,
+                            ),
                         };
                         c.fetch_add(1, Ordering::Relaxed);
                         b.fetch_add(job.bytes, Ordering::Relaxed);
+                        r.fetch_add(job.host_runs, Ordering::Relaxed);
                         Ok(())
                     }
                     Err(e) => {
@@ -784,7 +801,7 @@ impl GpuService {
         direction: Direction,
         job: &GpuJob,
         pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
-    ) -> Result<CudaEvent, String> {
+    ) -> Result<(CudaEvent, JobShape), String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => {
@@ -858,11 +875,9 @@ fn submit_pieces(
     direction: Direction,
     pieces: &[orbitkv_gpu::dma::plan::Piece],
     strategy: Strategy,
-) -> Result<CudaEvent, String> {
+) -> Result<(CudaEvent, JobShape), String> {
     // SAFETY: see `GpuService::start_job`.
-    unsafe { engine.submit(direction, pieces, strategy) }
-        .map(|(event, _)| event)
-        .map_err(|e| e.to_string())
+    unsafe { engine.submit(direction, pieces, strategy) }.map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
