@@ -16,6 +16,8 @@ use crate::stats::Latency;
 
 /// Most samples per pause.
 const MAX_SAMPLES: u32 = 100_000;
+/// Untimed round trips before the first sample.
+const WARM_UP: u32 = 100;
 /// Longest pause (a sample takes at least that long).
 const MAX_GAP: Duration = Duration::from_secs(10);
 
@@ -92,6 +94,10 @@ pub(crate) fn run(a: &WakeArgs) -> Result<WakeReport, Error> {
         ..ClientOptions::with_socket(&socket)
     })
     .map_err(client_err)?;
+    // The session's first round trips set things up on both sides; not what is measured.
+    for _ in 0..WARM_UP {
+        client.ping().map_err(client_err)?;
+    }
     let mut rows = Vec::with_capacity(a.gaps.len());
     for &gap in &a.gaps {
         let mut lat = Latency::default();
