@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::args::{socket_or_default, WakeArgs};
 use crate::error::{invalid, Error};
 use crate::stats::Latency;
+use crate::{admin, placement};
 
 /// Most samples per pause.
 const MAX_SAMPLES: u32 = 100_000;
@@ -40,11 +41,15 @@ pub(crate) struct WakeRow {
 pub(crate) struct WakeReport {
     /// One row per `--gaps` entry, in its order.
     pub rows: Vec<WakeRow>,
+    /// Whether this thread ran on CPUs no shard is pinned to (false when the server's shards
+    /// are not pinned or every CPU has one).
+    pub pinned: bool,
 }
 
 impl crate::report::Report for WakeReport {
     fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
-        writeln!(out, "round trip after a pause (one session, home shard)")?;
+        let placed = if self.pinned { "off the shards' cores" } else { "unpinned" };
+        writeln!(out, "round trip after a pause (one session, home shard; client {placed})")?;
         writeln!(
             out,
             "{:>12} {:>8} {:>10} {:>10} {:>10} {:>10}",
@@ -88,6 +93,11 @@ fn check(a: &WakeArgs) -> Result<(), Error> {
 pub(crate) fn run(a: &WakeArgs) -> Result<WakeReport, Error> {
     check(a)?;
     let socket = socket_or_default(&a.socket);
+    // Off the shards' cores, as `serve`'s clients: woken from its pause on a core where a shard
+    // spins, this thread would wait for the scheduler to take that core back (2-2.6 ms stalls
+    // on the development VM) and measure the scheduler instead of the server.
+    let cpus = placement::free_cpus(&admin::shard_cores(&socket).unwrap_or_default());
+    let pinned = placement::pin_current_thread(&cpus);
     let client_err = |source| Error::Client { client: 0, source };
     let mut client = Client::connect(ClientOptions {
         name: "orbitkv-perf-wake".into(),
@@ -117,7 +127,7 @@ pub(crate) fn run(a: &WakeArgs) -> Result<WakeReport, Error> {
             max_us: lat.max_us(),
         });
     }
-    Ok(WakeReport { rows })
+    Ok(WakeReport { rows, pinned })
 }
 
 #[cfg(test)]
