@@ -144,12 +144,7 @@ impl Client {
         let conn = self.ensure_connected()?;
         match conn.call(req, timeout) {
             Ok(r) => Ok(r),
-            Err(
-                e @ (Error::Disconnected(_)
-                | Error::Timeout { .. }
-                | Error::Ipc(_)
-                | Error::Protocol(_)),
-            ) => {
+            Err(e) if e.ends_session() => {
                 // The session is unusable: drop it (the server reclaims its holdings when the
                 // socket closes) and reconnect on the next call.
                 self.conn = None;

@@ -66,6 +66,16 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the session this happened on is unusable after it (no answer came, or one that
+    /// cannot be read): a blocking call then drops it, and the next call reconnects. The
+    /// server reclaims a dropped session's holdings once its copies have finished.
+    pub(crate) fn ends_session(&self) -> bool {
+        matches!(
+            self,
+            Error::Disconnected(_) | Error::Timeout { .. } | Error::Ipc(_) | Error::Protocol(_)
+        )
+    }
+
     /// A stable snake_case name of the variant (for counters and logs); server errors give
     /// their wire code's name.
     pub fn kind(&self) -> &'static str {

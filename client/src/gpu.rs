@@ -34,7 +34,9 @@ const TRANSFER_WINDOW: usize = 2;
 /// theirs changes nothing) and, with those never sent, reported `NotFound`, as every key after
 /// a missing one is. On an error, no further part is sent and every part already sent is
 /// still waited for (so that no copy of this call runs on after it returns, whenever the server
-/// answers); then the first error is returned.
+/// answers); then the first error is returned. An error that ends the session
+/// ([`Error::ends_session`]: no usable answer) returns at once: the caller drops the session,
+/// and the server finishes its copies before reclaiming anything.
 fn pipelined<C, T>(
     ctx: &mut C,
     sizes: &[usize],
@@ -52,6 +54,7 @@ fn pipelined<C, T>(
         while next < sizes.len() && sent.len() < window.max(1) && !missing && failed.is_none() {
             match start(ctx, next) {
                 Ok(t) => sent.push_back(t),
+                Err(e) if e.ends_session() => return Err(e),
                 Err(e) => failed = Some(e),
             }
             next += 1;
@@ -64,6 +67,7 @@ fn pipelined<C, T>(
                 missing = prefix && outcomes.iter().any(|o| *o != ChunkOutcome::Done);
                 all.extend(outcomes);
             }
+            Err(e) if e.ends_session() => return Err(e),
             // Sent only in case the prefix went on: its keys are reported missing anyway.
             Err(_) if missing => {}
             Err(e) => failed = Some(e),
@@ -210,14 +214,20 @@ impl Client {
         };
         let prefix = matches!(way, Way::Load);
         let sizes: Vec<usize> = parts.iter().map(|(k, _)| k.len()).collect();
-        pipelined(
+        let out = pipelined(
             self,
             &sizes,
             window,
             prefix,
             |c: &mut Client, i| c.start(way, r, parts[i].0, parts[i].1),
             |c: &mut Client, t: Transfer| c.wait_transfer(&t),
-        )
+        );
+        if out.as_ref().is_err_and(Error::ends_session) {
+            // As every blocking call does: drop the unusable session (its copies finish on the
+            // server before anything is reclaimed) and reconnect on the next call.
+            self.conn = None;
+        }
+        out
     }
 
     /// Copies engine blocks into new chunks and commits them: chunk `i` is
@@ -340,11 +350,22 @@ mod tests {
         most_in_flight: usize,
         fail_start: Option<usize>,
         fail_wait: Option<usize>,
+        /// The failures end the session (no usable answer) instead of being the server's.
+        fatal: bool,
     }
 
     impl Mock {
         fn new(answers: Vec<Vec<ChunkOutcome>>) -> Self {
             Self { answers, ..Self::default() }
+        }
+
+        /// The error a failure gives: the session's end, or the server's answer.
+        fn error(&self, message: String) -> Error {
+            if self.fatal {
+                Error::Disconnected(message)
+            } else {
+                Error::Server { code: ErrorCode::DeviceError, message }
+            }
         }
 
         fn run(&mut self, window: usize, prefix: bool) -> Result<Vec<ChunkOutcome>, Error> {
@@ -356,7 +377,7 @@ mod tests {
                 prefix,
                 |m: &mut Mock, i| {
                     if m.fail_start == Some(i) {
-                        return Err(Error::Disconnected(format!("start {i}")));
+                        return Err(m.error(format!("start {i}")));
                     }
                     m.sent.push(i);
                     m.in_flight += 1;
@@ -366,8 +387,12 @@ mod tests {
                 |m: &mut Mock, i: usize| {
                     m.in_flight -= 1;
                     if m.fail_wait == Some(i) {
-                        let after = std::time::Duration::from_millis(i as u64);
-                        return Err(Error::Timeout { op: "load", after });
+                        return Err(if m.fatal {
+                            let after = std::time::Duration::from_millis(i as u64);
+                            Error::Timeout { op: "load", after }
+                        } else {
+                            m.error(format!("wait {i}"))
+                        });
                     }
                     Ok(m.answers[i].clone())
                 },
@@ -410,18 +435,33 @@ mod tests {
     fn an_error_ends_the_transfer_once_nothing_sent_is_still_running() {
         let mut m = Mock::new(vec![vec![DONE]; 4]);
         m.fail_wait = Some(1);
-        let timeout = |r: Result<_, Error>| matches!(r, Err(Error::Timeout { after, .. }) if after.as_millis() == 1);
-        assert!(timeout(m.run(2, false)));
+        assert!(
+            matches!(m.run(2, false), Err(Error::Server { message, .. }) if message == "wait 1")
+        );
         assert_eq!(m.sent, vec![0, 1, 2], "part 2 was in flight; part 3 never went");
         assert_eq!(m.in_flight, 0, "part 2 was waited for before the error came back");
         let mut m = Mock::new(vec![vec![DONE]; 4]);
         m.fail_start = Some(2);
-        assert!(matches!(m.run(2, false), Err(Error::Disconnected(w)) if w == "start 2"));
+        assert!(
+            matches!(m.run(2, false), Err(Error::Server { message, .. }) if message == "start 2")
+        );
         assert_eq!((m.sent.clone(), m.in_flight), (vec![0, 1], 0));
         let mut m = Mock::new(vec![vec![DONE]; 4]);
         m.fail_start = Some(1);
         assert!(m.run(2, false).is_err());
         assert_eq!((m.sent.clone(), m.in_flight), (vec![0], 0), "part 0 was waited for");
+    }
+
+    #[test]
+    fn an_error_that_ends_the_session_returns_at_once() {
+        let mut m = Mock::new(vec![vec![DONE]; 4]);
+        (m.fail_wait, m.fatal) = (Some(0), true);
+        assert!(matches!(m.run(2, false), Err(Error::Timeout { .. })));
+        assert_eq!((m.sent.clone(), m.in_flight), (vec![0, 1], 1), "part 1 left to the session");
+        let mut m = Mock::new(vec![vec![DONE]; 4]);
+        (m.fail_start, m.fatal) = (Some(1), true);
+        assert!(matches!(m.run(2, false), Err(Error::Disconnected(_))));
+        assert_eq!((m.sent.clone(), m.in_flight), (vec![0], 1));
     }
 
     #[test]
