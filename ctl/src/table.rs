@@ -22,18 +22,27 @@ pub fn stats(v: &Value) -> String {
     );
     let g = &v["gpu_transfers"];
     if g.is_object() {
+        // Host-side copies per job, when the server counts them and has run a job.
+        let runs =
+            |way: &str, jobs: &str| match (g[format!("{way}_host_runs")].as_u64(), u64_of(g, jobs))
+            {
+                (Some(r), j) if j > 0 => format!(", {:.1} host copies/job", r as f64 / j as f64),
+                _ => String::new(),
+            };
         let _ = writeln!(
             out,
-            "gpu {} device(s), {} registration(s)  saves {} ({}, busy {:.1}s)  loads {} ({}, \
-             busy {:.1}s)  failed {}  checksums {}  copy {}",
+            "gpu {} device(s), {} registration(s)  saves {} ({}, busy {:.1}s{})  loads {} ({}, \
+             busy {:.1}s{})  failed {}  checksums {}  copy {}",
             u64_of(g, "devices"),
             u64_of(g, "registrations"),
             u64_of(g, "save_jobs"),
             format_bytes(u64_of(g, "saved_bytes")),
             g["save_busy_s"].as_f64().unwrap_or(0.0),
+            runs("save", "save_jobs"),
             u64_of(g, "load_jobs"),
             format_bytes(u64_of(g, "loaded_bytes")),
             g["load_busy_s"].as_f64().unwrap_or(0.0),
+            runs("load", "load_jobs"),
             u64_of(g, "failed_jobs"),
             g["checksums"].as_str().unwrap_or("?"),
             g["copy"].as_str().unwrap_or("?"),
@@ -205,14 +214,17 @@ mod tests {
             "state": "serving", "sessions": 0, "arena_bytes": 1u64 << 30, "uptime_s": 1.0, "pid": 7,
             "gpu_transfers": {"devices": 1, "registrations": 2, "save_jobs": 3, "saved_bytes": 3u64 << 26,
                               "load_jobs": 4, "loaded_bytes": 1u64 << 28, "failed_jobs": 0,
-                              "checksums": "gpu", "copy": "batched", "save_busy_s": 0.25},
+                              "checksums": "gpu", "copy": "batched", "save_busy_s": 0.25,
+                              "save_host_runs": 12, "load_host_runs": 0},
             "shards": []
         });
         let t = stats(&v);
         let gpu = t.lines().nth(1).unwrap();
         assert!(gpu.starts_with("gpu 1 device(s), 2 registration(s)"), "{t}");
         assert!(
-            gpu.contains("saves 3 (192.0 MiB, busy 0.2s)") && gpu.contains("copy batched"),
+            gpu.contains("saves 3 (192.0 MiB, busy 0.2s, 4.0 host copies/job)")
+                && gpu.contains("loads 4 (256.0 MiB, busy 0.0s, 0.0 host copies/job)")
+                && gpu.contains("copy batched"),
             "{t}"
         );
         assert!(!t.contains("timeline"), "{t}");
