@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{chain, namespace, value_for, TestServer};
+use common::{chain, namespace, put_values, TestServer};
 
 #[test]
 fn sleeping_shards_are_woken_by_requests() {
@@ -11,7 +11,6 @@ fn sleeping_shards_are_woken_by_requests() {
     let mut c = server.client("sleepy");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 11, 16);
-    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 8192)).collect();
     for round in 0..3 {
         // Let every shard fall asleep on its doorbell.
         server.wait_for("both shards asleep", |s| {
@@ -24,8 +23,7 @@ fn sleeping_shards_are_woken_by_requests() {
         });
         std::thread::sleep(std::time::Duration::from_millis(50));
         // Keys span both shards: the home shard is woken by the client, the other by the mesh.
-        let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
-        c.put(&items).unwrap();
+        put_values(&mut c, &keys, 8192);
         assert_eq!(c.lookup(&keys).unwrap().len(), keys.len());
     }
     let v = server.admin("stats");
@@ -47,9 +45,7 @@ fn a_shard_with_nothing_in_flight_sleeps_without_napping_first() {
     let mut c = server.client("no-naps");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 12, 4);
-    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 8192)).collect();
-    let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
-    c.put(&items).unwrap();
+    put_values(&mut c, &keys, 8192);
     let shard =
         |s: &TestServer, field: &str| s.admin("stats")["shards"][0][field].as_u64().unwrap();
     let asleep_after = |s: &TestServer, sleeps: u64| {

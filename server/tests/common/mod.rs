@@ -242,6 +242,13 @@ pub fn chain(ns: u64, seed: u32, n: usize) -> Vec<ChunkKey> {
         .collect()
 }
 
+/// Puts `keys` with their [`value_for`] bytes of `len` each; panics if the put call fails.
+pub fn put_values(c: &mut Client, keys: &[ChunkKey], len: usize) {
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, len)).collect();
+    let items: Vec<_> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.as_slice())).collect();
+    c.put(&items).unwrap();
+}
+
 /// Deterministic bytes for a key.
 pub fn value_for(key: &ChunkKey, len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(len);
