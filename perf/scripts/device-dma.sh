@@ -47,3 +47,5 @@ run intf-nhd-32k-s256 --layout flash-nhd --layers 32 --block-tokens 16 --kv-head
 run intf-sglang-2k-e4 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference
 run intf-sglang-2k-e64 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference --engine-batch 64MiB
 run intf-sglang-2k-e8 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference --engine-depth 8
+# The engine-side copies at 32 KiB pages (the default 4 x 32 MiB batches in flight).
+run intf-nhd-32k-e4 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --interference
