@@ -3,7 +3,7 @@
 # Usage: gpu/kernels/build-ptx.sh [NAME [OUTPUT]]   NAME: copy_segments (default),
 # scatter_uniform or chunk_checksum; OUTPUT defaults to NAME.ptx next to the source.
 # Without the toolkit, build-ptx-nvrtc.py does the same with NVRTC from PyPI
-# (chunk_checksum.ptx and scatter_uniform.ptx are built that way: their headers say so).
+# (the embedded PTX files are built that way: their headers say so).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 name=${1:-copy_segments}

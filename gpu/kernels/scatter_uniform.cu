@@ -8,11 +8,11 @@
 // Built into scatter_uniform.ptx by build-ptx-nvrtc.py (NVRTC from PyPI, or build-ptx.sh
 // with nvcc).
 
-// One warp per segment, as orbitkv_copy_segments: 16 bytes per lane per step when the
-// addresses and the length are 16-byte aligned, byte by byte otherwise. The copy loop is that
-// kernel's, repeated rather than shared: copy_segments.ptx is built with nvcc (measured as
-// built), this one with NVRTC, and a shared header would change a source whose PTX is not
-// rebuilt here.
+// One warp per segment: 16 bytes per lane per step when the addresses and the length are
+// 16-byte aligned, byte by byte otherwise, as orbitkv_copy_segments copies each of its
+// descriptors. The table lies in device memory (it came up with the batch), so each warp
+// reads its own 8 bytes rather than a group's. The copy loop is repeated rather than shared:
+// each kernel is one self-contained source, built and measured as it stands.
 extern "C" __global__ void orbitkv_scatter_uniform(const unsigned long long* __restrict__ dsts,
                                                    unsigned int count,
                                                    unsigned long long src,

@@ -6,6 +6,7 @@
 # the runs to those names.
 # MPS=1 runs everything under a CUDA MPS daemon started here (and stopped at the end), so the
 # copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
+# PERF names another orbitkv-perf binary (to compare builds in one call).
 B=.device-bin
 if [ "$MPS" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/okv-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/okv-mps/log
@@ -13,7 +14,7 @@ if [ "$MPS" = 1 ]; then
   nvidia-cuda-mps-control -d >> $OUT/dma.log 2>&1; echo "mps daemon rc=$?" >> $OUT/dma.log
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
 fi
-P="$B/orbitkv-perf dma --json --iterations 5"
+P="${PERF:-$B/orbitkv-perf} dma --json --iterations 5"
 run() {
   name=$1; shift
   if [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]]; then return; fi

@@ -478,7 +478,7 @@ impl CopyEngine {
         for (d, slot) in descs.iter().zip(table.bytes_mut().chunks_exact_mut(KernelDesc::BYTES)) {
             d.write_to(slot);
         }
-        let grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
+        let grid = CopyKernel::grid(n, THREADS, MAX_GRID);
         // SAFETY: descriptors name engine pieces and their arena slots through the device
         // mapping (submit's contract); the table stays untouched until `used` has passed.
         unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, grid, THREADS)? };
@@ -518,8 +518,10 @@ impl CopyEngine {
             b.segments.len() * KernelDesc::BYTES
         };
         let n = b.segments.len() as u32;
-        // One warp per descriptor, eight per block.
-        let grid = n.div_ceil(THREADS / 32).min(MAX_GRID);
+        // The segment kernel: a warp per group of descriptors; the uniform scatter: a warp
+        // per segment. Eight warps per block.
+        let grid = CopyKernel::grid(n, THREADS, MAX_GRID);
+        let uniform_grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
         // Host side of the batch: one batched call for its runs.
         self.dsts.clear();
         self.srcs.clear();
@@ -618,7 +620,9 @@ impl CopyEngine {
                     (Some(len), Some(k)) => {
                         // SAFETY: staging filled (waited); the table holds the `n` segments'
                         // engine addresses, each `len` bytes at staging + d * len (uniform).
-                        unsafe { k.launch(kernel_stream, table, n, staging, len, grid, THREADS)? }
+                        unsafe {
+                            k.launch(kernel_stream, table, n, staging, len, uniform_grid, THREADS)?
+                        }
                     }
                     _ => {
                         // SAFETY: staging filled (waited); the table holds the `n` segment

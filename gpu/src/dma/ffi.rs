@@ -223,10 +223,20 @@ pub(crate) struct CopyKernel {
     _module: PtxModule,
 }
 
-/// The PTX of `gpu/kernels/copy_segments.cu` (built by `gpu/kernels/build-ptx.sh`).
+/// The PTX of `gpu/kernels/copy_segments.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
 const COPY_SEGMENTS_PTX: &str = include_str!("../../kernels/copy_segments.ptx");
 
+/// Descriptors one warp of the segment copy kernel reads together and copies in turn (`GROUP`
+/// in `copy_segments.cu`).
+pub(crate) const COPY_GROUP: u32 = 8;
+
 impl CopyKernel {
+    /// Blocks of `threads` threads that give each group of [`COPY_GROUP`] descriptors of
+    /// `count` its own warp, between 1 and `max` (the kernel strides over the rest).
+    pub(crate) fn grid(count: u32, threads: u32, max: u32) -> u32 {
+        count.div_ceil((threads / 32).max(1) * COPY_GROUP).clamp(1, max)
+    }
+
     /// Loads the embedded kernel, or the PTX file named by `ORBITKV_COPY_KERNEL_PTX`.
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
         let module = PtxModule::load(
@@ -597,6 +607,23 @@ mod tests {
                     .map(|p| p.split(' ').next().unwrap_or("").to_string())
             })
             .collect()
+    }
+
+    #[test]
+    fn segment_kernel_grids_give_each_descriptor_group_a_warp() {
+        // 256 threads: 8 warps of 8 descriptors each per block.
+        assert_eq!(super::CopyKernel::grid(1, 256, 4096), 1);
+        assert_eq!(super::CopyKernel::grid(64, 256, 4096), 1);
+        assert_eq!(super::CopyKernel::grid(65, 256, 4096), 2);
+        assert_eq!(super::CopyKernel::grid(16384, 256, 4096), 256);
+        assert_eq!(super::CopyKernel::grid(u32::MAX, 256, 4096), 4096);
+        assert_eq!(super::CopyKernel::grid(0, 256, 4096), 1);
+        // The kernel's group is the one the grid assumes.
+        let src = include_str!("../../kernels/copy_segments.cu");
+        assert!(
+            src.contains(&format!("#define GROUP {}u", super::COPY_GROUP)),
+            "GROUP in copy_segments.cu"
+        );
     }
 
     #[test]

@@ -218,7 +218,7 @@ impl ChunkHasher {
                 // SAFETY: the pinned tables and descriptors and the device tables belong to
                 // the slot, free (waited on `done` above) until `done` is recorded below.
                 Some(k) => unsafe {
-                    let grid = (pull_count as u32).div_ceil(8).max(1);
+                    let grid = CopyKernel::grid(pull_count as u32, 256, u32::MAX);
                     k.launch(stream, slot.pull_descs.addr(), pull_count as u32, grid, 256)?;
                 },
                 // SAFETY: as above.
