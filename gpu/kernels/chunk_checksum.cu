@@ -228,8 +228,10 @@ ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
 // the chunk's last row, lane j. The chain is sequential, so what it costs is its length (a
 // 2 MiB chunk has 2048 full blocks) times each step, and a step must not wait for memory: the
 // next group of row sums is loaded while the current one is folded. Loading a group, then
-// folding it, paid a memory round trip per eight steps, and the kernels hashed 2 MiB chunks at
-// about 195 GB/s (perf dma on the H200).
+// folding it, paid a memory round trip per eight steps. Measured on the H200 (perf dma, 2 MiB
+// chunks of 2 KiB pages, before / after): alone about the same (155-197 / 191-217 GB/s);
+// beside a bf16 matmul loop, where the chain shares its SM, checksummed saves ran at 20 / 23-28
+// GB/s under MPS and cost the matmul 17-18.5% / 14-15% without it.
 ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64* scratch) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 k = t >> 3;
