@@ -117,11 +117,11 @@ fn kernels_match_chunk_checksum() {
     let emu = emulator();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     // XXH3 edges: the shortest long input, around 1 KiB blocks and 64-byte stripes.
-    // Full blocks around the fold's groups of 16 rows too (16, 17, 31, 32, 33, 48, 64).
+    // Around the fold's groups of 16 rows too: 15, 16, 17, 31, 32, 33, 48, 63 and 64 full
+    // blocks (16_384 .. 65_537).
     let lens = [
-        241u64, 255, 256, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4096 + 7,
-        16 * 1024, 16 * 1024 + 1, 17 * 1024 + 100, 32 * 1024, 32 * 1024 + 1, 33 * 1024 + 5,
-        48 * 1024 + 1, 65_536, 65_537,
+        241u64, 255, 256, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4103, 16_384, 16_385,
+        17_508, 32_768, 32_769, 33_797, 49_153, 65_536, 65_537,
     ];
     for &len in &lens {
         for shape in 0..3 {
