@@ -379,17 +379,27 @@ impl ChecksumKernels {
         out: u64,
     ) -> Result<(), DmaError> {
         const THREADS: u32 = 256;
+        // The fold's threads are sequential chains (one per chunk and lane): one warp per
+        // block spreads a job's chains over the SMs instead of stacking eight warps on one.
+        // Beside an engine's kernels (MPS) the chains set the checksums' pace (a faster fold
+        // step alone raised saves there from 20 to 23-28 GB/s).
+        const FOLD_THREADS: u32 = 32;
         // Every thread has its row or chunk: a grid past CUDA's limit (2^31 - 1 blocks, about
         // 64 TiB of chunks) is refused, and the shards compute those checksums.
-        let grid = |threads: u64| {
-            u32::try_from(threads.div_ceil(u64::from(THREADS)))
+        let grid_of = |threads: u64, per_block: u32| {
+            u32::try_from(threads.div_ceil(u64::from(per_block)))
                 .ok()
                 .filter(|g| *g <= i32::MAX as u32)
                 .ok_or_else(|| {
                     DmaError::Invalid(format!("{threads} checksum threads exceed a CUDA grid"))
                 })
         };
-        let grids = (grid(rows * 8)?, grid(u64::from(nchunks) * 8)?, grid(u64::from(nchunks))?);
+        let grid = |threads: u64| grid_of(threads, THREADS);
+        let grids = (
+            grid(rows * 8)?,
+            grid_of(u64::from(nchunks) * 8, FOLD_THREADS)?,
+            grid(u64::from(nchunks))?,
+        );
         let (mut c, mut n, mut s, mut sc, mut r, mut o) =
             (chunks, nchunks, segs, scratch, rows, out);
         let mut blocks: [*mut c_void; 5] = [
@@ -406,7 +416,7 @@ impl ChecksumKernels {
             [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
         // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*)`, eight threads per
         // chunk.
-        unsafe { launch(self.fold, stream, grids.1, THREADS, &mut fold, "checksum fold")? };
+        unsafe { launch(self.fold, stream, grids.1, FOLD_THREADS, &mut fold, "checksum fold")? };
         let mut merge: [*mut c_void; 4] =
             [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
         // SAFETY: matches `orbitkv_xxh3_merge(const HashChunk*, u32, const u64*, u64*)`.
