@@ -3,10 +3,18 @@
 # the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
 # with SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs
 # also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4);
-# SERVER names another server binary (to compare builds in one call). Stripped release binaries
-# in .device-bin; results go to $OUT.
+# SERVER names another server binary (to compare builds in one call). INTF=1 adds runs with
+# --interference: a bf16 matmul loop (PyTorch) beside the server's saves and loads, then beside
+# the engine-side copies (about 40 s each; MPS=1 starts an MPS daemon for the server and the
+# loop to share). Stripped release binaries in .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
+if [ "$MPS" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/okv-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/okv-mps/log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d >> $OUT/gpu.log 2>&1; echo "mps daemon rc=$?" >> $OUT/gpu.log
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
@@ -20,6 +28,10 @@ run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
 run mla-18k --layout mla --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
 run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
+if [ "$INTF" = 1 ]; then
+  run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --interference
+  run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --interference
+fi
 # The engine-side path without CUDA IPC (the engine's own copies into its mapping of the arena).
 run engine-copies-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --seed 5 --engine-copies
 stats > $OUT/${TAG}gpu-stats-before-kill.json

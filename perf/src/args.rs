@@ -168,8 +168,10 @@ pub(crate) struct DmaArgs {
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`), 3 s per strategy and
     /// direction; last, the engine-side gather: that process gathers this layout's pages into
-    /// staging and copies them itself, in its own CUDA context (about a minute in all).
-    #[arg(long, conflicts_with = "socket")]
+    /// staging and copies them itself, in its own CUDA context (about a minute in all). With
+    /// `--socket`: beside saves (each after an evict) and loads through the server, as the
+    /// server runs them (its `--gpu-copy`, `--gpu-checksums`), then the engine-side gather.
+    #[arg(long)]
     pub interference: bool,
     /// With `--interference`: staging batches the engine-side copies keep in flight (default: 4).
     #[arg(long, value_name = "N", default_value_t = 4, requires = "interference",

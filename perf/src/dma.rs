@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
-use crate::dma_interference::{EngineSide, InterferenceResult, InterferenceRow, MatmulLoop};
+use crate::dma_interference::{EngineSide, InterferenceResult, MatmulLoop};
 use crate::dma_server::median;
 use crate::error::Error;
 use crate::report::Report;
@@ -605,25 +605,28 @@ impl Bench {
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
-    /// The matmul loop's rate alone and while saves, then loads, run back to back.
+    /// The shape of the engine-side copies of `--interference`: pages of this layout's
+    /// typical piece length, as many as the run moves.
+    fn engine_side_shape(&self, a: &DmaArgs) -> EngineSide {
+        let sample = &self.pieces[..self.pieces.len().min(1024)];
+        let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
+        EngineSide {
+            page_bytes: (mean / 2).max(1) * 2,
+            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_half() as u64),
+            pool_bytes: self.bytes,
+            depth: a.engine_depth,
+        }
+    }
+
     /// The matmul loop's rate alone, then beside back-to-back copies: the contiguous
-    /// ceiling copy, then each strategy, saves then loads.
+    /// ceiling copy, then each strategy, saves then loads; then saves with GPU checksums, and
+    /// the engine-side copies.
     fn interference(
         &mut self,
         a: &DmaArgs,
         strategies: &[(&'static str, Strategy)],
     ) -> Result<InterferenceResult, Error> {
-        // The engine-side gather moves pages of this layout's typical piece length.
-        let sample = &self.pieces[..self.pieces.len().min(1024)];
-        let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
-        let engine = EngineSide {
-            page_bytes: (mean / 2).max(1) * 2,
-            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_half() as u64),
-            pool_bytes: self.bytes,
-            depth: a.engine_depth,
-        };
-        let device = a.device;
-        let mut matmul = MatmulLoop::start(device, Some(engine))?;
+        let mut matmul = MatmulLoop::start(a.device, Some(self.engine_side_shape(a)))?;
         let alone = matmul.alone();
         let mut measured = Vec::new();
         let ways = std::iter::once(("contiguous", None))
@@ -634,35 +637,19 @@ impl Bench {
                     None => self.contiguous_once(direction),
                     Some(s) => self.once(direction, s),
                 })?;
-                measured.push((name, direction, rate, median(runs)));
+                let way = if direction == Direction::Save { "save" } else { "load" };
+                measured.push((name, way, rate, median(runs)));
             }
         }
         // Saves as the server runs them by default: checksums on the GPU beside the copy.
         if let Ok(mut hasher) = ChunkHasher::new(self.engine.context()) {
             let jobs = self.job_ranges();
             let (rate, runs) = matmul.during(|| self.save_with_checksums(&mut hasher, &jobs))?;
-            measured.push(("auto+checksums", Direction::Save, rate, median(runs)));
+            measured.push(("auto+checksums", "save", rate, median(runs)));
         }
-        // The engine-side gather: the matmul's own process gathers and copies (nothing runs
-        // here meanwhile).
-        for direction in [Direction::Save, Direction::Load] {
-            let op = if direction == Direction::Save { "save" } else { "load" };
-            let (rate, gbps) = matmul.engine_side(op)?;
-            measured.push(("engine-side", direction, rate, gbps));
-        }
+        measured.extend(matmul.engine_side_rows()?);
         let after = matmul.alone();
-        let base = alone.max(after);
-        let rows = measured
-            .into_iter()
-            .map(|(strategy, direction, rate, copy_gbps)| InterferenceRow {
-                strategy,
-                direction: if direction == Direction::Save { "save" } else { "load" },
-                matmul_per_s: rate,
-                slowdown: if base > 0.0 { 1.0 - rate / base } else { 0.0 },
-                copy_gbps,
-            })
-            .collect();
-        Ok(InterferenceResult { matmul_per_s_alone: alone, matmul_per_s_alone_after: after, rows })
+        Ok(crate::dma_interference::summarize(alone, after, measured))
     }
 
     /// One save (`auto`) with the chunks' checksums computed beside it, job by job; GB/s.
@@ -1213,6 +1200,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         let save_ceiling = bench.ceiling(Direction::Save)?;
         let load_ceiling = bench.ceiling(Direction::Load)?;
         let duplex_ceiling = if a.duplex { Some(bench.duplex_ceiling(&ctx, a)?) } else { None };
+        let shape = a.interference.then(|| bench.engine_side_shape(a));
         let engine = crate::dma_server::Engine {
             memory: &bench.memory,
             originals: &bench.originals,
@@ -1220,7 +1208,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             chunk_len: bench.chunk_len,
             device_uuid: &info.uuid,
         };
-        let mut served = crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling)?;
+        let (mut served, beside) =
+            crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling, shape)?;
+        interference = beside;
         if a.engine_copies {
             engine_copies = Some(crate::dma_engine_copies::run(
                 a,

@@ -150,9 +150,10 @@ pub(crate) struct InterferenceResult {
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct InterferenceRow {
     /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, `auto+checksums`
-    /// (saves with the GPU checksums beside them, as the server runs them by default), or
-    /// `engine-side` (the matmul's own process gathers into staging and copies, as an engine
-    /// with the engine-side gather does).
+    /// (saves with the GPU checksums beside them, as the server runs them by default),
+    /// `server` (saves and loads through orbitkv-server, `--socket`), or `engine-side` (the
+    /// matmul's own process gathers into staging and copies, as an engine with the
+    /// engine-side gather does).
     pub strategy: &'static str,
     /// `save` or `load`.
     pub direction: &'static str,
@@ -162,6 +163,27 @@ pub(crate) struct InterferenceRow {
     pub slowdown: f64,
     /// Median GB/s of the copies meanwhile.
     pub copy_gbps: f64,
+}
+
+/// The result of the rates measured beside each (strategy, direction): (matmul products per
+/// second, copy GB/s) each, against the better of the loop's rates alone before and after.
+pub(crate) fn summarize(
+    alone: f64,
+    after: f64,
+    measured: Vec<(&'static str, &'static str, f64, f64)>,
+) -> InterferenceResult {
+    let base = alone.max(after);
+    let rows = measured
+        .into_iter()
+        .map(|(strategy, direction, rate, copy_gbps)| InterferenceRow {
+            strategy,
+            direction,
+            matmul_per_s: rate,
+            slowdown: if base > 0.0 { 1.0 - rate / base } else { 0.0 },
+            copy_gbps,
+        })
+        .collect();
+    InterferenceResult { matmul_per_s_alone: alone, matmul_per_s_alone_after: after, rows }
 }
 
 /// The running matmul loop.
@@ -268,6 +290,20 @@ impl MatmulLoop {
             _ => 0.0,
         };
         Ok((self.rate(m0, m1), gbps))
+    }
+
+    /// The engine-side copies, saves then loads, the matmul's own process gathering and
+    /// copying (nothing else runs meanwhile): ("engine-side", direction, products per second,
+    /// GB/s) each.
+    pub(crate) fn engine_side_rows(
+        &mut self,
+    ) -> Result<Vec<(&'static str, &'static str, f64, f64)>, Error> {
+        let mut rows = Vec::new();
+        for op in ["save", "load"] {
+            let (rate, gbps) = self.engine_side(op)?;
+            rows.push(("engine-side", op, rate, gbps));
+        }
+        Ok(rows)
     }
 
     /// Sends one command line to the engine-side copies.

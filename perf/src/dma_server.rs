@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg};
 use crate::barrier::Barrier;
+use crate::dma_interference::{summarize, EngineSide, InterferenceResult, MatmulLoop};
 use crate::error::Error;
 
 /// What the server run adds to the report.
@@ -309,12 +310,15 @@ pub(crate) fn chunk_keys(ns: u64, seed: u64, n: usize) -> Vec<ChunkKey> {
 }
 
 /// Runs the save/load series through the server.
+/// The server series; with `interference` (`--interference`: the engine-side copies' shape),
+/// also the matmul loop's slowdown beside them.
 pub(crate) fn run(
     a: &DmaArgs,
     e: &Engine<'_>,
     barrier: Option<&Barrier>,
     duplex_ceiling: Option<f64>,
-) -> Result<ServedResult, Error> {
+    interference: Option<EngineSide>,
+) -> Result<(ServedResult, Option<InterferenceResult>), Error> {
     let meet = |phase: &str| barrier.map_or(Ok(()), |b| b.wait(phase));
     let socket = a.socket.as_ref().expect("server mode has a socket");
     let layout = *e.memory.layout();
@@ -406,6 +410,10 @@ pub(crate) fn run(
         load_mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
     }
 
+    let interference = match interference {
+        Some(shape) => Some(served_interference(a, e, &mut client, &reg, (&keys, &blocks), shape)?),
+        None => None,
+    };
     let duplex = match duplex_ceiling {
         Some(ceiling) => Some(duplex(a, e, &mut client, &reg, (&keys, &blocks), ceiling)?),
         None => None,
@@ -427,7 +435,7 @@ pub(crate) fn run(
         &layout,
         &tensors,
     )?;
-    Ok(ServedResult {
+    let served = ServedResult {
         save_gbps: median(save_runs),
         load_gbps: median(load_runs),
         save_failures,
@@ -453,7 +461,51 @@ pub(crate) fn run(
         load_timeline: load_sums.timeline(),
         save_runs_per_job: save_sums.runs_per_job(),
         load_runs_per_job: load_sums.runs_per_job(),
-    })
+    };
+    Ok((served, interference))
+}
+
+/// `--interference` through the server: the matmul loop's rate alone, beside back-to-back
+/// saves (each after an evict) and then loads of every chunk through the server (its copies,
+/// its checksums), then beside the engine-side copies in the loop's own process. Every save
+/// and load must complete whole.
+fn served_interference(
+    a: &DmaArgs,
+    e: &Engine<'_>,
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    (keys, blocks): (&[ChunkKey], &[u64]),
+    shape: EngineSide,
+) -> Result<InterferenceResult, Error> {
+    let bytes = e.chunk_len * keys.len() as u64;
+    let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
+    let alone = matmul.alone();
+    let mut measured = Vec::new();
+    for way in ["save", "load"] {
+        let (rate, runs) = matmul.during(|| {
+            if way == "save" {
+                client.evict(keys).map_err(client_err("evict"))?;
+            }
+            let t = Instant::now();
+            let outcomes = if way == "save" {
+                client.save(reg, keys, blocks)
+            } else {
+                client.load(reg, keys, blocks)
+            }
+            .map_err(client_err(way))?;
+            let failed = not_done(&outcomes);
+            if failed > 0 {
+                return Err(Error::Gpu(format!(
+                    "--interference: a {way} through the server left {failed} chunks not done"
+                )));
+            }
+            Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
+        })?;
+        measured.push(("server", way, rate, median(runs)));
+    }
+    measured.extend(matmul.engine_side_rows()?);
+    let after = matmul.alone();
+    Ok(summarize(alone, after, measured))
 }
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,

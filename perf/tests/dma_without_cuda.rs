@@ -27,6 +27,10 @@ fn without_cuda_it_exits_2_saying_so() {
     let (code, err) = dma(&["--blocks", "16", "--duplex"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no CUDA device"), "{err}");
+    // `--interference` runs beside a server's copies too: accepted with `--socket`.
+    let (code, err) = dma(&["--blocks", "16", "--socket", "/nonexistent", "--interference"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no CUDA device"), "{err}");
 }
 
 #[test]
