@@ -13,29 +13,31 @@ struct CopyDesc {
     unsigned long long len;  // bytes
 };
 
-// Descriptors one warp reads together and then copies one after the other.
-#define GROUP 8u
+// Most descriptors one warp reads together (their 24 words fit the warp's lanes).
+#define MAX_GROUP 8u
 
-// Warp w of the grid takes descriptor groups w, w + warps, ... (GROUP descriptors each). The
-// group's table entries are read by the warp's lanes together, one 8-byte word per lane, and
-// handed round with shuffles: a save's table is read in place from mapped host memory, across
-// PCIe, and a read per descriptor (three words, every lane asking for the same ones) sent read
-// requests upstream per page beside the save's data; a group's 192 contiguous bytes go in two
-// or three. Measured on the H200 (perf dma, 2 KiB pages): saves 0.970-0.972 of the contiguous
-// ceiling before, 0.975-0.976 after.
+// Warp w of the grid takes descriptor groups w, w + warps, ... (`group` descriptors each, 1 to
+// MAX_GROUP). The group's table entries are read by the warp's lanes together, one 8-byte word
+// per lane, and handed round with shuffles; the warp then copies them one after the other. A
+// save's table is read in place from mapped host memory, across PCIe, and a read per
+// descriptor (three words, every lane asking for the same ones) sent read requests upstream
+// per page beside the save's data; a group of eight's 192 contiguous bytes go in two or three.
+// Measured on the H200 (perf dma, 2 KiB pages, groups of eight): saves 0.970-0.972 of the
+// contiguous ceiling before, 0.975-0.976 after. Long descriptors go in groups of one: a warp
+// keeps only 2 KiB of loads in flight, and a batch of few long pieces needs many warps.
 // Its 32 lanes copy 16 bytes each per step when every address and the length are 16-byte
 // aligned (the common case: KV pages are), byte by byte otherwise.
 extern "C" __global__ void orbitkv_copy_segments(const CopyDesc* __restrict__ descs,
-                                                 unsigned int count) {
+                                                 unsigned int count, unsigned int group) {
     const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int g = group < 1u ? 1u : (group > MAX_GROUP ? MAX_GROUP : group);
     const unsigned long long warps = (gridDim.x * blockDim.x) >> 5;
     const unsigned long long* __restrict__ words =
         reinterpret_cast<const unsigned long long*>(descs);
     for (unsigned long long first =
-             ((unsigned long long)(blockIdx.x * blockDim.x + threadIdx.x) >> 5) * GROUP;
-         first < count; first += warps * GROUP) {
-        const unsigned int here =
-            count - first < GROUP ? (unsigned int)(count - first) : GROUP;
+             ((unsigned long long)(blockIdx.x * blockDim.x + threadIdx.x) >> 5) * g;
+         first < count; first += warps * g) {
+        const unsigned int here = count - first < g ? (unsigned int)(count - first) : g;
         // Lane l holds word l of the group: descriptor l / 3, field l % 3.
         unsigned long long w = 0;
         if (lane < here * 3u) {

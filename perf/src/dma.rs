@@ -1052,7 +1052,6 @@ fn unsafe_checksums(
 /// tensors first: seconds for tens of GiB).
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Runs `dma`.
 /// `num / den`, or 0 when `den` is not positive (a rate or ceiling that was not measured).
 fn ratio(num: f64, den: f64) -> f64 {
     if den > 0.0 {
@@ -1062,6 +1061,7 @@ fn ratio(num: f64, den: f64) -> f64 {
     }
 }
 
+/// Runs `dma`.
 pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let (layout, layout_name) = layout_of(a)?;
     if a.blocks_per_chunk == 0 || !a.blocks.is_multiple_of(a.blocks_per_chunk) {

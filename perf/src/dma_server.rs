@@ -25,13 +25,15 @@ pub(crate) struct ServedResult {
     pub save_gbps: f64,
     /// Median GB/s of a load of every chunk.
     pub load_gbps: f64,
-    /// Chunks whose save outcome was not `Done` (over all iterations).
+    /// Chunks whose save outcome was not `Done` (over all iterations, and the saves beside
+    /// `--interference`'s matmul loop).
     pub save_failures: u64,
-    /// Chunks whose load outcome was not `Done`.
+    /// Chunks whose load outcome was not `Done` (likewise).
     pub load_failures: u64,
     /// Mismatched bytes in the chunks read back through the arena after the last save.
     pub save_mismatched_bytes: u64,
-    /// Mismatched bytes in the tensors after the last load.
+    /// Mismatched bytes in the tensors after the last timed load, and after the last load
+    /// beside `--interference`'s matmul loop.
     pub load_mismatched_bytes: u64,
     /// With `--cancel-check`: whether a save dropped during its copy still completed with the
     /// right bytes.
@@ -309,9 +311,8 @@ pub(crate) fn chunk_keys(ns: u64, seed: u64, n: usize) -> Vec<ChunkKey> {
         .collect()
 }
 
-/// Runs the save/load series through the server.
-/// The server series; with `interference` (`--interference`: the engine-side copies' shape),
-/// also the matmul loop's slowdown beside them.
+/// Runs the save/load series through the server; with `interference` (`--interference`: the
+/// engine-side copies' shape), also the matmul loop's slowdown beside them.
 pub(crate) fn run(
     a: &DmaArgs,
     e: &Engine<'_>,
@@ -403,15 +404,19 @@ pub(crate) fn run(
         }
         load_failures += not_done(&o);
     }
-    let mut load_mismatched_bytes = 0;
-    let mut got = vec![0u8; e.originals[0].len()];
-    for (i, want) in e.originals.iter().enumerate() {
-        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
-        load_mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
-    }
+    let mut load_mismatched_bytes = tensor_mismatches(e)?;
 
     let interference = match interference {
-        Some(shape) => Some(served_interference(a, e, &mut client, &reg, (&keys, &blocks), shape)?),
+        Some(shape) => {
+            // Each rank's matmul loop beside its own copies, all ranks at once.
+            meet("interference")?;
+            let (result, failed) =
+                served_interference(a, e, &mut client, &reg, (&keys, &blocks), shape)?;
+            save_failures += failed.0;
+            load_failures += failed.1;
+            load_mismatched_bytes += tensor_mismatches(e)?;
+            Some(result)
+        }
         None => None,
     };
     let duplex = match duplex_ceiling {
@@ -465,10 +470,22 @@ pub(crate) fn run(
     Ok((served, interference))
 }
 
+/// Mismatched bytes between the engine's tensors and what they held before any load.
+fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
+    let mut bad = 0;
+    let mut got = vec![0u8; e.originals[0].len()];
+    for (i, want) in e.originals.iter().enumerate() {
+        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
+        bad += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
+    }
+    Ok(bad)
+}
+
 /// `--interference` through the server: the matmul loop's rate alone, beside back-to-back
-/// saves (each after an evict) and then loads of every chunk through the server (its copies,
-/// its checksums), then beside the engine-side copies in the loop's own process. Every save
-/// and load must complete whole.
+/// saves and then loads of every chunk through the server (its copies, its checksums), then
+/// beside the engine-side copies in the loop's own process. Each save follows an evict, inside
+/// the loop's window: a few milliseconds without copies per save, so the save row understates
+/// the slowdown slightly. Also returns the chunks not done, saves and loads.
 fn served_interference(
     a: &DmaArgs,
     e: &Engine<'_>,
@@ -476,11 +493,12 @@ fn served_interference(
     reg: &orbitkv_client::GpuRegistration,
     (keys, blocks): (&[ChunkKey], &[u64]),
     shape: EngineSide,
-) -> Result<InterferenceResult, Error> {
+) -> Result<(InterferenceResult, (u64, u64)), Error> {
     let bytes = e.chunk_len * keys.len() as u64;
     let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
     let alone = matmul.alone();
     let mut measured = Vec::new();
+    let mut failed = (0, 0);
     for way in ["save", "load"] {
         let (rate, runs) = matmul.during(|| {
             if way == "save" {
@@ -493,19 +511,20 @@ fn served_interference(
                 client.load(reg, keys, blocks)
             }
             .map_err(client_err(way))?;
-            let failed = not_done(&outcomes);
-            if failed > 0 {
-                return Err(Error::Gpu(format!(
-                    "--interference: a {way} through the server left {failed} chunks not done"
-                )));
-            }
-            Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
+            let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+            Ok((gbps, not_done(&outcomes)))
         })?;
-        measured.push(("server", way, rate, median(runs)));
+        let not_done: u64 = runs.iter().map(|r| r.1).sum();
+        if way == "save" {
+            failed.0 += not_done;
+        } else {
+            failed.1 += not_done;
+        }
+        measured.push(("server", way, rate, median(runs.into_iter().map(|r| r.0).collect())));
     }
     measured.extend(matmul.engine_side_rows()?);
     let after = matmul.alone();
-    Ok(summarize(alone, after, measured))
+    Ok((summarize(alone, after, measured), failed))
 }
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,

@@ -478,10 +478,11 @@ impl CopyEngine {
         for (d, slot) in descs.iter().zip(table.bytes_mut().chunks_exact_mut(KernelDesc::BYTES)) {
             d.write_to(slot);
         }
-        let grid = CopyKernel::grid(n, THREADS, MAX_GRID);
+        let group = CopyKernel::group(pieces.iter().map(|p| p.len).sum(), descs.len());
+        let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
         // SAFETY: descriptors name engine pieces and their arena slots through the device
         // mapping (submit's contract); the table stays untouched until `used` has passed.
-        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, grid, THREADS)? };
+        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, group, grid, THREADS)? };
         used.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         done.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         shape.bytes = pieces.iter().map(|p| p.len).sum();
@@ -520,7 +521,8 @@ impl CopyEngine {
         let n = b.segments.len() as u32;
         // The segment kernel: a warp per group of descriptors; the uniform scatter: a warp
         // per segment. Eight warps per block.
-        let grid = CopyKernel::grid(n, THREADS, MAX_GRID);
+        let group = CopyKernel::group(b.bytes, b.segments.len());
+        let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
         let uniform_grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
         // Host side of the batch: one batched call for its runs.
         self.dsts.clear();
@@ -589,7 +591,9 @@ impl CopyEngine {
                 // SAFETY: descriptors name engine pieces (submit's contract) and this half's
                 // staging, free since `free` was waited on; the host table stays untouched
                 // until `uploaded`, recorded after the kernel, has passed.
-                unsafe { kernel.launch(kernel_stream, h.descs_host.addr(), n, grid, THREADS)? };
+                unsafe {
+                    kernel.launch(kernel_stream, h.descs_host.addr(), n, group, grid, THREADS)?
+                };
                 h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 mark(1, kernel_stream)?;
                 h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
@@ -627,7 +631,7 @@ impl CopyEngine {
                     _ => {
                         // SAFETY: staging filled (waited); the table holds the `n` segment
                         // descriptors, destinations engine pieces.
-                        unsafe { kernel.launch(kernel_stream, table, n, grid, THREADS)? }
+                        unsafe { kernel.launch(kernel_stream, table, n, group, grid, THREADS)? }
                     }
                 }
                 mark(1, kernel_stream)?;

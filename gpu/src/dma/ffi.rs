@@ -226,15 +226,24 @@ pub(crate) struct CopyKernel {
 /// The PTX of `gpu/kernels/copy_segments.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
 const COPY_SEGMENTS_PTX: &str = include_str!("../../kernels/copy_segments.ptx");
 
-/// Descriptors one warp of the segment copy kernel reads together and copies in turn (`GROUP`
-/// in `copy_segments.cu`).
-pub(crate) const COPY_GROUP: u32 = 8;
+/// Most descriptors one warp of the segment copy kernel reads together and copies in turn
+/// (`MAX_GROUP` in `copy_segments.cu`).
+pub(crate) const MAX_COPY_GROUP: u32 = 8;
 
 impl CopyKernel {
-    /// Blocks of `threads` threads that give each group of [`COPY_GROUP`] descriptors of
-    /// `count` its own warp, between 1 and `max` (the kernel strides over the rest).
-    pub(crate) fn grid(count: u32, threads: u32, max: u32) -> u32 {
-        count.div_ceil((threads / 32).max(1) * COPY_GROUP).clamp(1, max)
+    /// Descriptors per warp for `count` descriptors moving `bytes` in all: eight while they
+    /// average 2 KiB or less (their table is read in fewer requests), fewer as they grow, one
+    /// from 16 KiB (a warp keeps 2 KiB of loads in flight: few long descriptors need a warp
+    /// each).
+    pub(crate) fn group(bytes: u64, count: usize) -> u32 {
+        let mean = bytes / (count as u64).max(1);
+        u32::try_from((16 << 10) / mean.max(1)).unwrap_or(u32::MAX).clamp(1, MAX_COPY_GROUP)
+    }
+
+    /// Blocks of `threads` threads that give each group of `group` descriptors of `count` its
+    /// own warp, between 1 and `max` (the kernel strides over the rest).
+    pub(crate) fn grid(count: u32, group: u32, threads: u32, max: u32) -> u32 {
+        count.div_ceil((threads / 32).max(1) * group.clamp(1, MAX_COPY_GROUP)).clamp(1, max)
     }
 
     /// Loads the embedded kernel, or the PTX file named by `ORBITKV_COPY_KERNEL_PTX`.
@@ -248,7 +257,8 @@ impl CopyKernel {
         Ok(Self { func: module.function("orbitkv_copy_segments")?, _module: module })
     }
 
-    /// Launches the kernel on `stream` over `count` descriptors at device address `descs`.
+    /// Launches the kernel on `stream` over `count` descriptors at device address `descs`,
+    /// `group` per warp ([`CopyKernel::group`]).
     ///
     /// # Safety
     /// `descs` must hold `count` valid descriptors on this context's device when the kernel
@@ -259,15 +269,18 @@ impl CopyKernel {
         stream: &CudaStream,
         descs: u64,
         count: u32,
+        group: u32,
         grid: u32,
         threads: u32,
     ) -> Result<(), DmaError> {
-        let mut descs = descs;
-        let mut count = count;
-        let mut params: [*mut c_void; 2] =
-            [(&raw mut descs).cast::<c_void>(), (&raw mut count).cast::<c_void>()];
-        // SAFETY: parameters match `orbitkv_copy_segments(const CopyDesc*, unsigned int)`;
-        // the caller guarantees the memory they name.
+        let (mut descs, mut count, mut group) = (descs, count, group);
+        let mut params: [*mut c_void; 3] = [
+            (&raw mut descs).cast::<c_void>(),
+            (&raw mut count).cast::<c_void>(),
+            (&raw mut group).cast::<c_void>(),
+        ];
+        // SAFETY: parameters match `orbitkv_copy_segments(const CopyDesc*, unsigned int,
+        // unsigned int)`; the caller guarantees the memory they name.
         unsafe { launch(self.func, stream, grid, threads, &mut params, "segment copy") }
     }
 }
@@ -620,19 +633,32 @@ mod tests {
     }
 
     #[test]
-    fn segment_kernel_grids_give_each_descriptor_group_a_warp() {
-        // 256 threads: 8 warps of 8 descriptors each per block.
-        assert_eq!(super::CopyKernel::grid(1, 256, 4096), 1);
-        assert_eq!(super::CopyKernel::grid(64, 256, 4096), 1);
-        assert_eq!(super::CopyKernel::grid(65, 256, 4096), 2);
-        assert_eq!(super::CopyKernel::grid(16384, 256, 4096), 256);
-        assert_eq!(super::CopyKernel::grid(u32::MAX, 256, 4096), 4096);
-        assert_eq!(super::CopyKernel::grid(0, 256, 4096), 1);
-        // The kernel's group is the one the grid assumes.
+    fn segment_kernel_groups_and_grids() {
+        use super::CopyKernel;
+        const MIB: u64 = 1 << 20;
+        // A 32 MiB batch: 2 KiB pages in groups of eight, 8 KiB in pairs, 16 KiB and longer
+        // one per warp.
+        assert_eq!(CopyKernel::group(32 * MIB, 16384), 8);
+        assert_eq!(CopyKernel::group(32 * MIB, 8192), 4);
+        assert_eq!(CopyKernel::group(32 * MIB, 4096), 2);
+        assert_eq!(CopyKernel::group(32 * MIB, 2048), 1);
+        assert_eq!(CopyKernel::group(32 * MIB, 512), 1);
+        // Tiny descriptors stay at eight; nothing divides by zero.
+        assert_eq!(CopyKernel::group(4096, 64), 8);
+        assert_eq!(CopyKernel::group(0, 0), 8);
+        // 256 threads: 8 warps per block, one group each.
+        assert_eq!(CopyKernel::grid(1, 8, 256, 4096), 1);
+        assert_eq!(CopyKernel::grid(64, 8, 256, 4096), 1);
+        assert_eq!(CopyKernel::grid(65, 8, 256, 4096), 2);
+        assert_eq!(CopyKernel::grid(16384, 8, 256, 4096), 256);
+        assert_eq!(CopyKernel::grid(512, 1, 256, 4096), 64);
+        assert_eq!(CopyKernel::grid(u32::MAX, 1, 256, 4096), 4096);
+        assert_eq!(CopyKernel::grid(0, 8, 256, 4096), 1);
+        // The kernel's bound is the one the groups assume.
         let src = include_str!("../../kernels/copy_segments.cu");
         assert!(
-            src.contains(&format!("#define GROUP {}u", super::COPY_GROUP)),
-            "GROUP in copy_segments.cu"
+            src.contains(&format!("#define MAX_GROUP {}u", super::MAX_COPY_GROUP)),
+            "MAX_GROUP in copy_segments.cu"
         );
     }
 
@@ -640,7 +666,7 @@ mod tests {
     fn embedded_kernels_take_the_parameters_their_launches_pass() {
         assert_eq!(
             entry_params(super::COPY_SEGMENTS_PTX, "orbitkv_copy_segments"),
-            [".u64", ".u32"]
+            [".u64", ".u32", ".u32"]
         );
         // (dsts, count, src, len), as ScatterUniformKernel::launch passes them.
         assert_eq!(

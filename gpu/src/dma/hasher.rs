@@ -222,8 +222,10 @@ impl ChunkHasher {
                 // SAFETY: the pinned tables and descriptors and the device tables belong to
                 // the slot, free (waited on `done` above) until `done` is recorded below.
                 Some(k) => unsafe {
-                    let grid = CopyKernel::grid(pull_count as u32, 256, u32::MAX);
-                    k.launch(stream, slot.pull_descs.addr(), pull_count as u32, grid, 256)?;
+                    // A warp per piece: the reads cross PCIe, and many in flight is what
+                    // brings the tables over quickly.
+                    let grid = CopyKernel::grid(pull_count as u32, 1, 256, u32::MAX);
+                    k.launch(stream, slot.pull_descs.addr(), pull_count as u32, 1, grid, 256)?;
                 },
                 // SAFETY: as above.
                 None => unsafe {
