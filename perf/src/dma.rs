@@ -325,6 +325,14 @@ impl Report for DmaReport {
                      one per shard when each shard's slots were adjacent)"
                 )?;
             }
+            if let (Some(save), Some(load)) = (s.save_submit_us_per_job, s.load_submit_us_per_job) {
+                let wait = s.save_checksum_wait_us_per_job.unwrap_or(0.0);
+                writeln!(
+                    out,
+                    "server DMA threads per job: {save:.0} us handing a save to the GPU, {wait:.0} \
+                     us waiting for its checksums after its copy; {load:.0} us handing a load"
+                )?;
+            }
             for (way, t) in [("saves", &s.save_timeline), ("loads", &s.load_timeline)] {
                 if let Some(t) = t {
                     writeln!(

@@ -83,6 +83,15 @@ pub(crate) struct ServedResult {
     pub save_runs_per_job: Option<f64>,
     /// The same for the timed loads.
     pub load_runs_per_job: Option<f64>,
+    /// Mean microseconds the server's save thread spent handing each job of the timed saves
+    /// to the GPU (planning, enqueueing, starting its checksums: `save_submit_s` / jobs);
+    /// None when the stats do not say.
+    pub save_submit_us_per_job: Option<f64>,
+    /// The same for the timed loads.
+    pub load_submit_us_per_job: Option<f64>,
+    /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
+    /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
+    pub save_checksum_wait_us_per_job: Option<f64>,
 }
 
 /// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
@@ -111,6 +120,9 @@ struct Counters {
     /// Completed jobs and their host-side copies.
     jobs: Option<f64>,
     host_runs: Option<f64>,
+    /// Seconds handing jobs to the GPU, and (saves) waiting for checksums after the copy.
+    submit_s: Option<f64>,
+    checksum_wait_s: Option<f64>,
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -128,6 +140,8 @@ impl Counters {
             requests: f("requests"),
             jobs: f("jobs"),
             host_runs: f("host_runs"),
+            submit_s: f("submit_s"),
+            checksum_wait_s: f("checksum_wait_s"),
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -143,6 +157,8 @@ struct Sums {
     requests: f64,
     jobs: f64,
     host_runs: f64,
+    submit_s: f64,
+    checksum_wait_s: f64,
     timeline: [f64; 5],
 }
 
@@ -154,6 +170,8 @@ impl Sums {
         self.requests += busy_delta(before.requests, after.requests);
         self.jobs += busy_delta(before.jobs, after.jobs);
         self.host_runs += busy_delta(before.host_runs, after.host_runs);
+        self.submit_s += busy_delta(before.submit_s, after.submit_s);
+        self.checksum_wait_s += busy_delta(before.checksum_wait_s, after.checksum_wait_s);
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -178,8 +196,12 @@ impl Sums {
 
     /// Host-side copies per completed job (None without jobs or a reading).
     fn runs_per_job(&self) -> Option<f64> {
-        (self.host_runs.is_finite() && self.jobs.is_finite() && self.jobs > 0.0)
-            .then(|| self.host_runs / self.jobs)
+        self.per_job(self.host_runs)
+    }
+
+    /// `total` per completed job (None without jobs or a reading).
+    fn per_job(&self, total: f64) -> Option<f64> {
+        (total.is_finite() && self.jobs.is_finite() && self.jobs > 0.0).then(|| total / self.jobs)
     }
 
     /// Mean microseconds per request of `total_s` (None without requests or a reading).
@@ -466,6 +488,9 @@ pub(crate) fn run(
         load_timeline: load_sums.timeline(),
         save_runs_per_job: save_sums.runs_per_job(),
         load_runs_per_job: load_sums.runs_per_job(),
+        save_submit_us_per_job: save_sums.per_job(save_sums.submit_s * 1e6),
+        load_submit_us_per_job: load_sums.per_job(load_sums.submit_s * 1e6),
+        save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
     };
     Ok((served, interference))
 }
@@ -784,5 +809,24 @@ mod tests {
         let mut idle = Sums::default();
         idle.add(at(3.0, 9.0), at(3.0, 9.0));
         assert_eq!(idle.runs_per_job(), None, "no job");
+    }
+
+    #[test]
+    fn submit_and_checksum_wait_are_given_per_job() {
+        let at = |jobs: f64, submit: f64, wait: Option<f64>| Counters {
+            jobs: Some(jobs),
+            submit_s: Some(submit),
+            checksum_wait_s: wait,
+            ..Counters::default()
+        };
+        let mut sums = Sums::default();
+        sums.add(at(10.0, 1.0, Some(0.5)), at(30.0, 1.002, Some(0.5006)));
+        sums.add(at(30.0, 1.002, Some(0.5006)), at(50.0, 1.004, Some(0.5008)));
+        assert!((sums.per_job(sums.submit_s * 1e6).unwrap() - 100.0).abs() < 1e-6);
+        assert!((sums.per_job(sums.checksum_wait_s * 1e6).unwrap() - 20.0).abs() < 1e-6);
+        // Loads have no checksum wait: the server does not report one.
+        let mut loads = Sums::default();
+        loads.add(at(1.0, 0.0, None), at(2.0, 0.001, None));
+        assert_eq!(loads.per_job(loads.checksum_wait_s), None);
     }
 }

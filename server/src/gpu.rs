@@ -101,6 +101,8 @@ struct Running {
     host_runs: u64,
     /// Completes when the copy has landed.
     event: CudaEvent,
+    /// When the copy was first seen landed while its checksums were still running.
+    copied_at: Option<Instant>,
     /// A save's checksums being computed on the GPU. Declared before the memory: fields drop
     /// in order, and the ticket's drop waits for the kernels reading that memory.
     checksums: Option<ChecksumTicket>,
@@ -110,6 +112,16 @@ struct Running {
 
 /// Jobs on the GPU, oldest first.
 type InFlight = VecDeque<Running>;
+
+/// `d` in nanoseconds, saturating.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Nanoseconds since `t`, saturating.
+fn nanos_since(t: Instant) -> u64 {
+    nanos(t.elapsed())
+}
 
 /// A copy job from a shard.
 pub struct GpuJob {
@@ -165,6 +177,16 @@ pub struct GpuCounters {
     pub save_busy_ns: AtomicU64,
     /// The same for the load thread.
     pub load_busy_ns: AtomicU64,
+    /// Nanoseconds the save thread spent handing jobs to the GPU: planning each job, enqueueing
+    /// its copies and starting its checksums (waiting for a free checksum slot included).
+    /// Against `save_busy_ns`, the host side of the pipeline.
+    pub save_submit_ns: AtomicU64,
+    /// The same for the load thread (no checksums).
+    pub load_submit_ns: AtomicU64,
+    /// Nanoseconds, summed over save jobs, from their copy landing to their GPU checksums
+    /// being ready (as the thread polls, within about 10 us): what the checksums add to a
+    /// job's completion.
+    pub save_checksum_wait_ns: AtomicU64,
     /// Save requests that queued at least one job (the requests the two below describe).
     pub save_requests: AtomicU64,
     /// Nanoseconds, summed over those requests, from the request's start on its shard to its
@@ -278,7 +300,7 @@ impl RequestPhases {
         let (Some(first), Some(last)) = (self.first_submit.get(), self.last_done.get()) else {
             return;
         };
-        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        let ns = nanos;
         let (requests, lead, tail) = match direction {
             Direction::Save => {
                 (&counters.save_requests, &counters.save_lead_ns, &counters.save_tail_ns)
@@ -599,9 +621,9 @@ impl GpuService {
         let mut idle_since = Instant::now();
         // Since when at least one job has been on the GPU (None while none is).
         let mut busy_since: Option<Instant> = None;
-        let busy_ns = match direction {
-            Direction::Save => &self.counters.save_busy_ns,
-            Direction::Load => &self.counters.load_busy_ns,
+        let (busy_ns, submit_ns) = match direction {
+            Direction::Save => (&self.counters.save_busy_ns, &self.counters.save_submit_ns),
+            Direction::Load => (&self.counters.load_busy_ns, &self.counters.load_submit_ns),
         };
         loop {
             let mut progressed = self.deliver(doorbells, undelivered);
@@ -628,6 +650,7 @@ impl GpuService {
                             bytes,
                             host_runs: shape.host_runs as u64,
                             event,
+                            copied_at: None,
                             checksums: None,
                             _memory: memory,
                         });
@@ -636,6 +659,7 @@ impl GpuService {
                             let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
+                        submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
                     }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
@@ -647,13 +671,19 @@ impl GpuService {
                     }
                 }
             }
-            while let Some(job) = inflight.front() {
+            while let Some(job) = inflight.front_mut() {
                 let result = match job.event.try_is_complete() {
                     Ok(false) => break,
                     Ok(true) => {
                         // A save is answered once its checksums are in too.
                         if let Some(Ok(false)) = job.checksums.as_ref().map(|t| t.is_complete()) {
+                            job.copied_at.get_or_insert_with(Instant::now);
                             break;
+                        }
+                        if let Some(t) = job.copied_at {
+                            self.counters
+                                .save_checksum_wait_ns
+                                .fetch_add(nanos_since(t), Ordering::Relaxed);
                         }
                         let (c, b, r) = match direction {
                             Direction::Save => (
@@ -695,8 +725,7 @@ impl GpuService {
             // an interval ends once no job is in flight.
             if let Some(t) = busy_since {
                 let now = Instant::now();
-                let ns = u64::try_from(now.duration_since(t).as_nanos()).unwrap_or(u64::MAX);
-                busy_ns.fetch_add(ns, Ordering::Relaxed);
+                busy_ns.fetch_add(nanos(now.duration_since(t)), Ordering::Relaxed);
                 busy_since = (!inflight.is_empty()).then_some(now);
             }
             progressed |= self.deliver(doorbells, undelivered);
