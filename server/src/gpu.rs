@@ -300,7 +300,6 @@ impl RequestPhases {
         let (Some(first), Some(last)) = (self.first_submit.get(), self.last_done.get()) else {
             return;
         };
-        let ns = nanos;
         let (requests, lead, tail) = match direction {
             Direction::Save => {
                 (&counters.save_requests, &counters.save_lead_ns, &counters.save_tail_ns)
@@ -310,8 +309,8 @@ impl RequestPhases {
             }
         };
         requests.fetch_add(1, Ordering::Relaxed);
-        lead.fetch_add(ns(first.saturating_duration_since(self.start)), Ordering::Relaxed);
-        tail.fetch_add(ns(end.saturating_duration_since(last)), Ordering::Relaxed);
+        lead.fetch_add(nanos(first.saturating_duration_since(self.start)), Ordering::Relaxed);
+        tail.fetch_add(nanos(end.saturating_duration_since(last)), Ordering::Relaxed);
     }
 }
 
