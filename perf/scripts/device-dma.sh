@@ -8,12 +8,7 @@
 # copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
 # PERF names another orbitkv-perf binary (to compare builds in one call).
 B=.device-bin
-if [ "$MPS" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/okv-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/okv-mps/log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d >> $OUT/dma.log 2>&1; echo "mps daemon rc=$?" >> $OUT/dma.log
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
-fi
+. perf/scripts/mps.sh $OUT/dma.log
 P="${PERF:-$B/orbitkv-perf} dma --json --iterations 5"
 run() {
   name=$1; shift

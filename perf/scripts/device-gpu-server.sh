@@ -9,12 +9,7 @@
 # loop to share). Stripped release binaries in .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
-if [ "$MPS" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/okv-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/okv-mps/log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d >> $OUT/gpu.log 2>&1; echo "mps daemon rc=$?" >> $OUT/gpu.log
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
-fi
+. perf/scripts/mps.sh $OUT/gpu.log
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }

@@ -1061,7 +1061,7 @@ fn unsafe_checksums(
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `num / den`, or 0 when `den` is not positive (a rate or ceiling that was not measured).
-fn ratio(num: f64, den: f64) -> f64 {
+pub(crate) fn ratio(num: f64, den: f64) -> f64 {
     if den > 0.0 {
         num / den
     } else {

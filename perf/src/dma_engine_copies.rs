@@ -14,8 +14,10 @@ use orbitkv_gpu::dma::{ChecksumTicket, ChunkHasher, CopyEngine, Direction, Strat
 use serde::Serialize;
 
 use crate::args::DmaArgs;
+use crate::dma::ratio;
 use crate::dma_server::{
-    chunk_keys, client_err, descriptor, median, not_done, saved_mismatches, Engine,
+    chunk_keys, client_err, descriptor, median, not_done, saved_mismatches, tensor_mismatches,
+    Engine,
 };
 use crate::error::Error;
 
@@ -183,16 +185,11 @@ pub(crate) fn run(
             load_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
     }
-    let mut got = vec![0u8; e.originals[0].len()];
-    for (i, want) in e.originals.iter().enumerate() {
-        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
-        mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
-    }
+    mismatched_bytes += tensor_mismatches(e)?;
     // Unregistered before the client (and its mapping) goes.
     drop(registration);
     drop(client);
     let (save_gbps, load_gbps) = (median(save_runs), median(load_runs));
-    let ratio = |g: f64, c: f64| if c > 0.0 { g / c } else { 0.0 };
     Ok(EngineCopiesResult {
         register_ms,
         save_gbps,

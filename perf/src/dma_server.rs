@@ -496,7 +496,7 @@ pub(crate) fn run(
 }
 
 /// Mismatched bytes between the engine's tensors and what they held before any load.
-fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
+pub(crate) fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
     let mut bad = 0;
     let mut got = vec![0u8; e.originals[0].len()];
     for (i, want) in e.originals.iter().enumerate() {
@@ -636,12 +636,8 @@ fn duplex(
         }
         failures += not_done(&saved) + not_done(&loaded);
     }
-    let mut mismatched_bytes = saved_mismatches(client, e, save_keys, &e.chunks[..half])?;
-    let mut got = vec![0u8; e.originals[0].len()];
-    for (i, want) in e.originals.iter().enumerate() {
-        e.memory.read_tensor(i, &mut got).map_err(|x| Error::Gpu(x.to_string()))?;
-        mismatched_bytes += got.iter().zip(want).filter(|(x, y)| x != y).count() as u64;
-    }
+    let mismatched_bytes =
+        saved_mismatches(client, e, save_keys, &e.chunks[..half])? + tensor_mismatches(e)?;
     let gbps = median(runs);
     Ok(DuplexResult {
         save_bytes,
