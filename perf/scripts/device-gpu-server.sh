@@ -6,7 +6,8 @@
 # SERVER names another server binary (to compare builds in one call). INTF=1 adds runs with
 # --interference: a bf16 matmul loop (PyTorch) beside the server's saves and loads, then beside
 # the engine-side copies (about 40 s each; MPS=1 starts an MPS daemon for the server and the
-# loop to share). Stripped release binaries in .device-bin; results go to $OUT.
+# loop to share). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
+# engine and the run after it (for A/B calls). Stripped release binaries in .device-bin; results go to $OUT.
 B=.device-bin
 S=/tmp/okvg/s.sock
 . perf/scripts/mps.sh $OUT/gpu.log
@@ -17,7 +18,7 @@ ${SERVER:-$B/orbitkv-server} --socket $S --shards ${SHARDS:-4} --dram 16GiB --gp
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
-run() { name=$1; shift; echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
+run() { name=$1; shift; [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]] && return; echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
 run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check --duplex
 run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check --duplex
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
@@ -30,6 +31,7 @@ fi
 # The engine-side path without CUDA IPC (the engine's own copies into its mapping of the arena).
 run engine-copies-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --seed 5 --engine-copies
 stats > $OUT/${TAG}gpu-stats-before-kill.json
+if [ "$NOKILL" != 1 ]; then
 # An engine dies during a save: start a large run, kill it once its registration exists.
 $D --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 9 > $OUT/${TAG}gpu-killed.json 2>&1 &
 K=$!
@@ -45,5 +47,6 @@ for i in $(seq 200); do [ "$(stats | field 'd["sessions"]')" = "0" ] && break; s
 stats > $OUT/${TAG}gpu-stats-after-kill.json
 $B/orbitkv-ctl --socket $S health >> $OUT/gpu.log 2>&1; echo "health rc=$?" >> $OUT/gpu.log
 run after-kill --layout flash-nhd --layers 8 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 512 --cancel-check
+fi
 stats > $OUT/${TAG}gpu-stats-end.json
 kill -TERM $P; wait $P; echo "server exit=$?" >> $OUT/gpu.log

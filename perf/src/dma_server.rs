@@ -92,6 +92,24 @@ pub(crate) struct ServedResult {
     /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
     /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
     pub save_checksum_wait_us_per_job: Option<f64>,
+    /// With `--interference`: the same server counters over the saves and loads beside the
+    /// matmul loop (where the GPU checksums compete with the engine's kernels for SMs).
+    pub beside_matmul: Option<BesideMatmul>,
+}
+
+/// The server's counters over the saves and loads run beside `--interference`'s matmul loop.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct BesideMatmul {
+    /// The saves' bytes over the save thread's busy time, GB/s.
+    pub save_busy_gbps: Option<f64>,
+    /// Mean microseconds per save job handing it to the GPU.
+    pub save_submit_us_per_job: Option<f64>,
+    /// Mean microseconds per save job between its copy landing and its checksums being ready.
+    pub save_checksum_wait_us_per_job: Option<f64>,
+    /// The loads' bytes over the load thread's busy time, GB/s.
+    pub load_busy_gbps: Option<f64>,
+    /// Mean microseconds per load job handing it to the GPU.
+    pub load_submit_us_per_job: Option<f64>,
 }
 
 /// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
@@ -432,14 +450,18 @@ pub(crate) fn run(
         Some(shape) => {
             // Each rank's matmul loop beside its own copies, all ranks at once.
             meet("interference")?;
-            let (result, failed) =
+            let (result, failed, counters) =
                 served_interference(a, e, &mut client, &reg, (&keys, &blocks), shape)?;
             save_failures += failed.0;
             load_failures += failed.1;
             load_mismatched_bytes += tensor_mismatches(e)?;
-            Some(result)
+            Some((result, counters))
         }
         None => None,
+    };
+    let (interference, beside_matmul) = match interference {
+        Some((result, counters)) => (Some(result), Some(counters)),
+        None => (None, None),
     };
     let duplex = match duplex_ceiling {
         Some(ceiling) => Some(duplex(a, e, &mut client, &reg, (&keys, &blocks), ceiling)?),
@@ -491,6 +513,7 @@ pub(crate) fn run(
         save_submit_us_per_job: save_sums.per_job(save_sums.submit_s * 1e6),
         load_submit_us_per_job: load_sums.per_job(load_sums.submit_s * 1e6),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
+        beside_matmul,
     };
     Ok((served, interference))
 }
@@ -508,9 +531,11 @@ pub(crate) fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
 
 /// `--interference` through the server: the matmul loop's rate alone, beside back-to-back
 /// saves and then loads of every chunk through the server (its copies, its checksums), then
-/// beside the engine-side copies in the loop's own process. Each save follows an evict, inside
-/// the loop's window: a few milliseconds without copies per save, so the save row understates
-/// the slowdown slightly. Also returns the chunks not done, saves and loads.
+/// beside the engine-side copies in the loop's own process. Each save follows an evict, and
+/// each save and load is framed by two readings of the server's stats, inside the loop's
+/// window: a few milliseconds without copies per save, so the rows understate the slowdown
+/// slightly. Also returns the chunks not done (saves, loads) and the server's
+/// counters over the saves and loads beside the loop.
 fn served_interference(
     a: &DmaArgs,
     e: &Engine<'_>,
@@ -518,17 +543,21 @@ fn served_interference(
     reg: &orbitkv_client::GpuRegistration,
     (keys, blocks): (&[ChunkKey], &[u64]),
     shape: EngineSide,
-) -> Result<(InterferenceResult, (u64, u64)), Error> {
+) -> Result<(InterferenceResult, (u64, u64), BesideMatmul), Error> {
+    let socket = a.socket.as_ref().expect("server mode has a socket");
     let bytes = e.chunk_len * keys.len() as u64;
     let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
     let alone = matmul.alone();
     let mut measured = Vec::new();
     let mut failed = (0, 0);
-    for way in ["save", "load"] {
+    let mut sums = [Sums::default(), Sums::default()];
+    let mut copied = [0u64, 0];
+    for (w, way) in ["save", "load"].into_iter().enumerate() {
         let (rate, runs) = matmul.during(|| {
             if way == "save" {
                 client.evict(keys).map_err(client_err("evict"))?;
             }
+            let before = Counters::read(socket, way);
             let t = Instant::now();
             let outcomes = if way == "save" {
                 client.save(reg, keys, blocks)
@@ -537,6 +566,8 @@ fn served_interference(
             }
             .map_err(client_err(way))?;
             let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+            sums[w].add(before, Counters::read(socket, way));
+            copied[w] += bytes;
             Ok((gbps, not_done(&outcomes)))
         })?;
         let not_done: u64 = runs.iter().map(|r| r.1).sum();
@@ -549,7 +580,15 @@ fn served_interference(
     }
     measured.extend(matmul.engine_side_rows()?);
     let after = matmul.alone();
-    Ok((summarize(alone, after, measured), failed))
+    let [save, load] = sums;
+    let counters = BesideMatmul {
+        save_busy_gbps: busy_gbps(copied[0], save.busy_s),
+        save_submit_us_per_job: save.per_job(save.submit_s * 1e6),
+        save_checksum_wait_us_per_job: save.per_job(save.checksum_wait_s * 1e6),
+        load_busy_gbps: busy_gbps(copied[1], load.busy_s),
+        load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
+    };
+    Ok((summarize(alone, after, measured), failed, counters))
 }
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,
