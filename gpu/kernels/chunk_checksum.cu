@@ -5,19 +5,29 @@
 // XXH3 keeps 8 accumulator lanes and walks the input in 1 KiB blocks of 16 stripes of 64
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
-// sequential, and it is per lane. Hence three kernels:
-//   orbitkv_xxh3_blocks: eight threads per block of every chunk (one per lane): the lane sums
-//     of its stripes (the chunk's last block also takes the final stripe with its own secret);
+// sequential, and it is per lane. Hence two kernels:
+//   orbitkv_xxh3_blocks: eight threads per block ("row") of every chunk (one per lane): the
+//     lane sums of its stripes (the chunk's last row also takes the final stripe with its own
+//     secret) into the scratch rows;
 //   orbitkv_xxh3_fold: eight threads per chunk: each lane from its initial value through "add
-//     the block's sum, scramble" for each full block, plus the last block's sum;
-//   orbitkv_xxh3_merge: one thread per chunk: the final merge of the lanes and avalanche.
+//     the row's sum, scramble" for each full block, plus the last row's sum; the last of the
+//     chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche) into
+//     the chunk's checksum.
+// Beside an engine's kernels (MPS) every launch waits for SMs to free up, and a block that
+// stays resident keeps an SM from the engine: the fold (a sequential chain, tens of
+// microseconds) runs in as few blocks as possible, the merge inside it rather than as a
+// launch of its own, and the sums' kernel has no chain. (One kernel doing all three held up
+// to a block per chunk resident through its chain: saves beside a bf16 matmul loop ran at 48
+// instead of 38 GB/s, and cost the matmul 8% instead of 3.5%.)
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
-// address) in order, each running to the next segment's start (the last to the chunk's length).
+// address) in order, each running to the next segment's start (the last to the chunk's
+// length); a row table names the segment holding each row's first byte.
 //
 // Built into chunk_checksum.ptx by build-ptx-nvrtc.py (NVRTC from PyPI; build-ptx.sh does the
 // same with nvcc). The file is also valid C (no C++ features): the CPU test of orbitkv-gpu
-// compiles it with a C compiler and runs all three kernels thread by thread against
-// `orbitkv_proto::chunk_checksum`.
+// compiles it with a C compiler and runs the kernels thread by thread against
+// `orbitkv_proto::chunk_checksum` (their threads never wait for each other, so running them one
+// after another is a valid execution).
 
 #ifdef __CUDACC__
 #define ORBITKV_KERNEL extern "C" __global__
@@ -31,6 +41,25 @@
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
+
+#ifdef __CUDACC__
+#define ORBITKV_FENCE() __threadfence()
+#define ORBITKV_COUNT(p) atomicAdd((p), 1u)
+// Another thread's result: read from L2, where every SM's writes meet, never from L1.
+#define ORBITKV_SHARED_READ(p) __ldcg(p)
+#define ORBITKV_UNROLL _Pragma("unroll")
+#else
+#define ORBITKV_FENCE() ((void)0)
+#define ORBITKV_COUNT(p) orbitkv_count(p)
+#define ORBITKV_SHARED_READ(p) (*(p))
+#define ORBITKV_UNROLL
+// The threads run one after another: a plain increment, returning the old value.
+static inline u32 orbitkv_count(u32* p) {
+    u32 old = *p;
+    *p = old + 1;
+    return old;
+}
+#endif
 
 // Per chunk (five little-endian u64; see gpu/src/dma/checksum.rs).
 typedef struct {
@@ -153,13 +182,138 @@ ORBITKV_DEVICE u64 full_blocks(u64 len) {
     return (len - 1) / 1024;
 }
 
-// Eight threads per row (thread j: accumulator lane j), `rows` rows over `nchunks` chunks
-// (row_first ascending): lane j's sum over the row's stripes of the partner word (j ^ 1) plus
-// the 32x32-bit product of its own word mixed with the secret. The eight threads of a row read
-// its 64-byte stripes together (16 bytes each, shared by a lane pair), so a warp reads four
-// rows' stripes at once. Writes scratch[8 * row + j].
-ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
-                                        const HashSeg* segs, u64* scratch, u64 rows) {
+// One stripe's effect on lane j: the partner word (j ^ 1) plus the 32x32-bit product of its
+// own word mixed with the secret word `key`. (w0, w1) are the lane pair's 16 bytes.
+ORBITKV_DEVICE u64 stripe_lane(u64 w0, u64 w1, u32 j, u64 key) {
+    u64 own = (j & 1u) ? w1 : w0;
+    u64 partner = (j & 1u) ? w0 : w1;
+    u64 k = own ^ key;
+    return partner + (k & 0xffffffffull) * (k >> 32);
+}
+
+// Lane j's sum over the first `n` stripes of the row at chunk offset `base`; the cursor is on
+// the segment holding `base`. The eight threads of a row read its 64-byte stripes together
+// (16 bytes each, shared by a lane pair), so a warp reads four rows' stripes at once.
+ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j) {
+    u64 in_stripe = 16ull * (j >> 1);
+    u64 a = c->addr + (base - c->start) + in_stripe;
+    u64 sum = 0;
+    if (n == 16 && base + 1024 <= c->end && (a & 15ull) == 0) {
+        // The whole block in one segment, aligned (every row of pages of 1 KiB multiples):
+        // eight loads in flight at a time instead of one, no segment checks.
+        for (u32 h = 0; h < 16; h += 8) {
+            u64 w[16];
+            ORBITKV_UNROLL
+            for (u32 s = 0; s < 8; s++) {
+                u64 at = a + 64ull * (h + s);
+#ifdef __CUDACC__
+                ulonglong2 v = *(const ulonglong2*)at;
+                w[2 * s] = v.x;
+                w[2 * s + 1] = v.y;
+#else
+                w[2 * s] = ((const u64*)at)[0];
+                w[2 * s + 1] = ((const u64*)at)[1];
+#endif
+            }
+            ORBITKV_UNROLL
+            for (u32 s = 0; s < 8; s++) {
+                sum += stripe_lane(w[2 * s], w[2 * s + 1], j, W[h + s + j]);
+            }
+        }
+        return sum;
+    }
+    for (u32 s = 0; s < n; s++) {
+        u64 w0, w1;
+        pair(c, base + 64ull * s + in_stripe, &w0, &w1);
+        sum += stripe_lane(w0, w1, j, W[s + j]);
+    }
+    return sum;
+}
+
+// One full block's step of lane accumulator `acc`: add the block's sum, scramble.
+ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
+    u64 a = acc + sum;
+    a ^= a >> 47;
+    a ^= key;
+    return a * XXH_PRIME32_1;
+}
+
+// Rows folded per step of the pipeline below; two such groups are in flight.
+#define FOLD_GROUP 16
+
+// Lane j's accumulator from its initial value through "add the row's sum, scramble" for each
+// of the chunk's `nb` full blocks; `lane` is the chunk's first row, lane j (rows 64 bytes
+// apart, summed by an earlier kernel). The chain is sequential, so what it costs is its length (a 2 MiB chunk has 2048
+// full blocks) times each step, and a step must not wait for memory: the next group of row
+// sums is loaded while the current one is folded. Loading a group, then folding it, paid a
+// memory round trip per eight steps (measured on the H200, perf dma, 2 MiB chunks of 2 KiB
+// pages: beside a bf16 matmul loop, checksummed saves ran at 20 / 23-28 GB/s under MPS before /
+// after, and cost the matmul 17-18.5% / 14-15% without it).
+ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j) {
+    const u64 key = W[16 + j];
+    u64 acc = INIT[j];
+    u64 b = 0;
+    u64 cur[FOLD_GROUP];
+    u64 next[FOLD_GROUP];
+    if (nb >= FOLD_GROUP) {
+        for (u32 i = 0; i < FOLD_GROUP; i++) {
+            cur[i] = lane[8 * i];
+        }
+        for (;;) {
+            // cur holds rows b .. b + FOLD_GROUP; load the group after it, if whole, first.
+            int more = b + 2 * FOLD_GROUP <= nb;
+            if (more) {
+                for (u32 i = 0; i < FOLD_GROUP; i++) {
+                    next[i] = lane[8 * (b + FOLD_GROUP + i)];
+                }
+            }
+            for (u32 i = 0; i < FOLD_GROUP; i++) {
+                acc = fold_step(acc, cur[i], key);
+            }
+            b += FOLD_GROUP;
+            if (!more) {
+                break;
+            }
+            for (u32 i = 0; i < FOLD_GROUP; i++) {
+                cur[i] = next[i];
+            }
+        }
+    }
+    for (; b < nb; b++) {
+        acc = fold_step(acc, lane[8 * b], key);
+    }
+    return acc;
+}
+
+ORBITKV_DEVICE u64 mul_fold(u64 a, u64 b) {
+#ifdef __CUDACC__
+    return (a * b) ^ __umul64hi(a, b);
+#else
+    unsigned __int128 p = (unsigned __int128)a * b;
+    return (u64)p ^ (u64)(p >> 64);
+#endif
+}
+
+// The merge of a chunk's 8 folded lanes (`acc`, written by other threads) and the final
+// avalanche: the chunk's checksum.
+ORBITKV_DEVICE u64 merge(u64 len, const u64* acc) {
+    u64 h = len * XXH_PRIME64_1;
+    for (u32 i = 0; i < 4; i++) {
+        u64 a = ORBITKV_SHARED_READ(&acc[2 * i]);
+        u64 b = ORBITKV_SHARED_READ(&acc[2 * i + 1]);
+        h += mul_fold(a ^ M[2 * i], b ^ M[2 * i + 1]);
+    }
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ull;
+    h ^= h >> 32;
+    return h;
+}
+
+// Eight threads per row (thread j: lane j), `rows` rows over `nchunks` chunks (row_first
+// ascending); `row_segs[r]` is the segment holding row r's first byte. Writes
+// scratch[8 * row + j].
+ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks, const HashSeg* segs,
+                                        const u32* row_segs, u64* scratch, u64 rows) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 r = t >> 3;
     u32 j = (u32)(t & 7u);
@@ -183,20 +337,10 @@ ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
     c.segs = segs + ch.seg_first;
     c.count = ch.seg_count;
     c.len = ch.len;
+    enter(&c, row_segs[r] - ch.seg_first);
     u64 base = b * 1024;
-    // This lane's pair of words within a stripe: bytes 16 * (j / 2) .. + 16.
-    u64 in_stripe = 16ull * (j >> 1);
-    seek(&c, base + in_stripe);
-    u64 sum = 0;
     u32 n = b < nb ? 16 : (u32)(((ch.len - 1) - nb * 1024) / 64);
-    for (u32 s = 0; s < n; s++) {
-        u64 w0, w1;
-        pair(&c, base + 64ull * s + in_stripe, &w0, &w1);
-        u64 own = (j & 1u) ? w1 : w0;
-        u64 partner = (j & 1u) ? w0 : w1;
-        u64 k = own ^ W[s + j];
-        sum += partner + (k & 0xffffffffull) * (k >> 32);
-    }
+    u64 sum = row_sum(&c, base, n, j);
     if (b == nb) {
         // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
         // need not be 16-byte aligned).
@@ -204,35 +348,17 @@ ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks,
         seek(&c, o);
         u64 w0 = word_slow(&c, o);
         u64 w1 = word_slow(&c, o + 8);
-        u64 own = (j & 1u) ? w1 : w0;
-        u64 partner = (j & 1u) ? w0 : w1;
-        u64 k = own ^ L[j];
-        sum += partner + (k & 0xffffffffull) * (k >> 32);
+        sum += stripe_lane(w0, w1, j, L[j]);
     }
     scratch[8 * r + j] = sum;
 }
 
-// One full block's step of lane accumulator `acc`: add the block's sum, scramble.
-ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
-    u64 a = acc + sum;
-    a ^= a >> 47;
-    a ^= key;
-    return a * XXH_PRIME32_1;
-}
-
-// Rows folded per step of the pipeline below; two such groups are in flight.
-#define FOLD_GROUP 16
-
-// Eight threads per chunk (thread j: lane j): lane j's accumulator from its initial value
-// through "add the row's sum, scramble" for each full block, plus the last row's sum; left in
-// the chunk's last row, lane j. The chain is sequential, so what it costs is its length (a
-// 2 MiB chunk has 2048 full blocks) times each step, and a step must not wait for memory: the
-// next group of row sums is loaded while the current one is folded. Loading a group, then
-// folding it, paid a memory round trip per eight steps. Measured on the H200 (perf dma, 2 MiB
-// chunks of 2 KiB pages, before / after): alone about the same (155-197 / 191-217 GB/s);
-// beside a bf16 matmul loop, where the chain shares its SM, checksummed saves ran at 20 / 23-28
-// GB/s under MPS and cost the matmul 17-18.5% / 14-15% without it.
-ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64* scratch) {
+// Eight threads per chunk (thread j: lane j): lane j's accumulator, folded, left in the
+// chunk's last row; the last lane of the chunk to get there merges the eight into out[chunk].
+// `counters` holds a zero per chunk and holds it again when the kernel has finished (put back
+// by the thread that saw the last count).
+ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64* scratch,
+                                      u32* counters, u64* out) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 k = t >> 3;
     u32 j = (u32)(t & 7u);
@@ -241,67 +367,14 @@ ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64*
     }
     const HashChunk ch = chunks[k];
     u64 nb = full_blocks(ch.len);
-    u64* row = scratch + 8 * ch.row_first + j;
-    const u64 key = W[16 + j];
-    u64 acc = INIT[j];
-    u64 b = 0;
-    u64 cur[FOLD_GROUP];
-    u64 next[FOLD_GROUP];
-    if (nb >= FOLD_GROUP) {
-        for (u32 i = 0; i < FOLD_GROUP; i++) {
-            cur[i] = row[8 * i];
-        }
-        for (;;) {
-            // cur holds rows b .. b + FOLD_GROUP; load the group after it, if whole, first.
-            int more = b + 2 * FOLD_GROUP <= nb;
-            if (more) {
-                for (u32 i = 0; i < FOLD_GROUP; i++) {
-                    next[i] = row[8 * (b + FOLD_GROUP + i)];
-                }
-            }
-            for (u32 i = 0; i < FOLD_GROUP; i++) {
-                acc = fold_step(acc, cur[i], key);
-            }
-            b += FOLD_GROUP;
-            if (!more) {
-                break;
-            }
-            for (u32 i = 0; i < FOLD_GROUP; i++) {
-                cur[i] = next[i];
-            }
-        }
-    }
-    for (; b < nb; b++) {
-        acc = fold_step(acc, row[8 * b], key);
-    }
-    row[8 * nb] = acc + row[8 * nb];
-}
-
-ORBITKV_DEVICE u64 mul_fold(u64 a, u64 b) {
-#ifdef __CUDACC__
-    return (a * b) ^ __umul64hi(a, b);
-#else
-    unsigned __int128 p = (unsigned __int128)a * b;
-    return (u64)p ^ (u64)(p >> 64);
-#endif
-}
-
-// One thread per chunk: the merge of its 8 lanes (its last row) and the final avalanche;
-// writes out[chunk].
-ORBITKV_KERNEL void orbitkv_xxh3_merge(const HashChunk* chunks, u32 nchunks, const u64* scratch,
-                                       u64* out) {
-    u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= nchunks) {
+    u64* lane = scratch + 8 * ch.row_first + j;
+    lane[8 * nb] += fold_lane(lane, nb, j);
+    // The chunk's lanes all folded (each fenced before it counted): merge them.
+    ORBITKV_FENCE();
+    if (ORBITKV_COUNT(&counters[k]) != 7u) {
         return;
     }
-    const HashChunk ch = chunks[k];
-    const u64* acc = scratch + 8 * (ch.row_first + full_blocks(ch.len));
-    u64 h = ch.len * XXH_PRIME64_1;
-    for (u32 i = 0; i < 4; i++) {
-        h += mul_fold(acc[2 * i] ^ M[2 * i], acc[2 * i + 1] ^ M[2 * i + 1]);
-    }
-    h ^= h >> 37;
-    h *= 0x165667919E3779F9ull;
-    h ^= h >> 32;
-    out[k] = h;
+    counters[k] = 0;
+    ORBITKV_FENCE();
+    out[k] = merge(ch.len, scratch + 8 * (ch.row_first + nb));
 }

@@ -66,12 +66,13 @@ fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> 
 }
 
 /// Cuts `n` chunks of `chunk_len` bytes into pieces (lengths from `piece_len`) placed at
-/// random, non-overlapping places of a data buffer; returns the data, the pieces and each
-/// chunk's bytes.
+/// random, non-overlapping places of a data buffer, each at a multiple of `align` bytes;
+/// returns the data, the pieces and each chunk's bytes.
 fn scatter(
     rng: &mut Rng,
     n: usize,
     chunk_len: u64,
+    align: u64,
     mut piece_len: impl FnMut(&mut Rng) -> u64,
 ) -> (Vec<u8>, Vec<Piece>, Vec<Vec<u8>>) {
     let mut lens = Vec::new();
@@ -91,7 +92,7 @@ fn scatter(
     let mut place = vec![0u64; lens.len()];
     let mut at = 0u64;
     for &i in &order {
-        at += rng.below(10);
+        at = (at + rng.below(10)).next_multiple_of(align);
         place[i] = at;
         at += lens[i];
     }
@@ -125,7 +126,7 @@ fn kernels_match_chunk_checksum() {
     ];
     for &len in &lens {
         for shape in 0..3 {
-            let (data, pieces, chunks) = scatter(&mut rng, 3, len, |r| match shape {
+            let (data, pieces, chunks) = scatter(&mut rng, 3, len, 1, |r| match shape {
                 0 => len,                    // one segment per chunk
                 1 => 1 + r.below(40),        // tiny segments: words straddle them
                 _ => 64 * (1 + r.below(20)), // page-like
@@ -136,10 +137,20 @@ fn kernels_match_chunk_checksum() {
         }
     }
     // KV-like: 64 chunks of 64 KiB in 2 KiB pages, and 2 chunks of 1 MiB + 13 bytes.
-    let (data, pieces, chunks) = scatter(&mut rng, 64, 64 << 10, |_| 2048);
+    let (data, pieces, chunks) = scatter(&mut rng, 64, 64 << 10, 1, |_| 2048);
     let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
     assert_eq!(run(&emu, &data, &pieces, 64 << 10), want);
-    let (data, pieces, chunks) = scatter(&mut rng, 2, (1 << 20) + 13, |r| 1 + r.below(70_000));
+    // Pages as engines allocate them (16-byte aligned), whose whole rows take the kernel's
+    // fast path: 2 KiB pages, 18 KiB pages, and 3 KiB pages in 40 KiB + 512 byte chunks (rows
+    // that straddle pages, and a partial last row).
+    for (page, chunk_len) in
+        [(2048u64, 64u64 << 10), (18 << 10, 576 << 10), (3072, (40 << 10) + 512)]
+    {
+        let (data, pieces, chunks) = scatter(&mut rng, 8, chunk_len, 16, |_| page);
+        let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
+        assert_eq!(run(&emu, &data, &pieces, chunk_len), want, "{page}-byte pages");
+    }
+    let (data, pieces, chunks) = scatter(&mut rng, 2, (1 << 20) + 13, 1, |r| 1 + r.below(70_000));
     let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
     assert_eq!(run(&emu, &data, &pieces, (1 << 20) + 13), want);
     let _ = std::fs::remove_file(emu);

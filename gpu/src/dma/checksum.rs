@@ -23,6 +23,14 @@ pub const SEG_RECORD: usize = 16;
 /// Bytes of one scratch row (8 lane sums of one 1 KiB block).
 pub const ROW_BYTES: u64 = 64;
 
+/// Bytes of one row record (the index of the segment holding the row's first byte, a
+/// little-endian u32).
+pub const ROW_RECORD: usize = 4;
+
+/// Counters per chunk in the fold kernel's counter table (`u32`): its lanes folded. Zero
+/// between submissions (the kernel puts it back).
+pub const COUNTERS_PER_CHUNK: usize = 1;
+
 /// Scratch rows of a chunk of `len` bytes: one per full block before the last, and the last.
 pub fn rows_of(len: u64) -> u64 {
     (len - 1) / 1024 + 1
@@ -35,6 +43,9 @@ pub struct HashTables {
     pub chunks: Vec<[u64; 5]>,
     /// Per segment: start within its chunk, device address.
     pub segs: Vec<[u64; 2]>,
+    /// Per row: the index (into `segs`) of the segment holding its first byte, so that a
+    /// row's threads start reading at once instead of searching the chunk's segments.
+    pub row_segs: Vec<u32>,
     /// Scratch rows of all chunks.
     pub rows: u64,
 }
@@ -44,6 +55,7 @@ impl HashTables {
     pub fn clear(&mut self) {
         self.chunks.clear();
         self.segs.clear();
+        self.row_segs.clear();
         self.rows = 0;
     }
 
@@ -51,12 +63,13 @@ impl HashTables {
     /// `chunk_len` bytes each, as `chunk_pieces` appends them). Returns how many were added.
     /// On an error the tables are as they were before the call.
     pub fn add_chunks(&mut self, pieces: &[Piece], chunk_len: u64) -> Result<usize, DmaError> {
-        let before = (self.chunks.len(), self.segs.len(), self.rows);
+        let before = (self.chunks.len(), self.segs.len(), self.row_segs.len(), self.rows);
         let added = self.append(pieces, chunk_len);
         if added.is_err() {
             self.chunks.truncate(before.0);
             self.segs.truncate(before.1);
-            self.rows = before.2;
+            self.row_segs.truncate(before.2);
+            self.rows = before.3;
         }
         added
     }
@@ -70,6 +83,7 @@ impl HashTables {
         }
         let mut added = 0;
         let mut at = 0u64; // bytes of the current chunk so far
+        let mut next_row = 0u64; // chunk offset of the next row without its segment
         for p in pieces {
             if p.len == 0 {
                 continue;
@@ -96,8 +110,20 @@ impl HashTables {
                 }
             }
             at += p.len;
+            let seg = u32::try_from(self.segs.len() - 1).map_err(|_| {
+                DmaError::Invalid(format!(
+                    "{} segments in one checksum submission",
+                    self.segs.len()
+                ))
+            })?;
+            // Rows start every 1 KiB, each below the chunk's end (`rows_of`).
+            while next_row < at {
+                self.row_segs.push(seg);
+                next_row += 1024;
+            }
             if at == chunk_len {
                 at = 0;
+                next_row = 0;
             }
         }
         if at != 0 {
@@ -108,16 +134,31 @@ impl HashTables {
         Ok(added)
     }
 
-    /// Bytes of the encoded tables: chunk records, then segment records.
-    pub fn encoded_len(&self) -> usize {
-        self.chunks.len() * CHUNK_RECORD + self.segs.len() * SEG_RECORD
+    /// Byte offset of the segment records in the encoded tables.
+    pub fn segs_offset(&self) -> usize {
+        self.chunks.len() * CHUNK_RECORD
     }
 
-    /// Writes the chunk records, then the segment records, into `out[..encoded_len()]`.
+    /// Byte offset of the row records in the encoded tables.
+    pub fn row_segs_offset(&self) -> usize {
+        self.segs_offset() + self.segs.len() * SEG_RECORD
+    }
+
+    /// Bytes of the encoded tables: chunk records, then segment records, then row records.
+    pub fn encoded_len(&self) -> usize {
+        self.row_segs_offset() + self.row_segs.len() * ROW_RECORD
+    }
+
+    /// Writes the chunk records, the segment records, then the row records into
+    /// `out[..encoded_len()]`.
     pub fn encode(&self, out: &mut [u8]) {
-        let words = self.chunks.iter().flatten().chain(self.segs.iter().flatten());
-        for (w, slot) in words.zip(out.chunks_exact_mut(8)) {
+        let (words, rows) = out[..self.encoded_len()].split_at_mut(self.row_segs_offset());
+        let all = self.chunks.iter().flatten().chain(self.segs.iter().flatten());
+        for (w, slot) in all.zip(words.chunks_exact_mut(8)) {
             slot.copy_from_slice(&w.to_le_bytes());
+        }
+        for (r, slot) in self.row_segs.iter().zip(rows.chunks_exact_mut(ROW_RECORD)) {
+            slot.copy_from_slice(&r.to_le_bytes());
         }
     }
 }
@@ -140,17 +181,35 @@ mod tests {
         assert_eq!(t.chunks, vec![[2024, 0, 2, 0, 0], [2024, 2, 1, 2, 0]]);
         assert_eq!(t.segs, vec![[0, 1000], [1024, 9000], [0, 50_000]]);
         assert_eq!(t.rows, 4);
-        assert_eq!(t.encoded_len(), 2 * 40 + 3 * 16);
+        // Chunk 0's rows start at 0 (segment 0) and 1024 (segment 1, which starts there);
+        // chunk 1's at 0 and 1024, both in its one segment (2).
+        assert_eq!(t.row_segs, vec![0, 1, 2, 2]);
+        assert_eq!(t.encoded_len(), 2 * 40 + 3 * 16 + 4 * 4);
         let mut img = vec![0u8; t.encoded_len()];
         t.encode(&mut img);
         assert_eq!(&img[0..8], &2024u64.to_le_bytes());
         assert_eq!(&img[80..88], &0u64.to_le_bytes());
         assert_eq!(&img[88..96], &1000u64.to_le_bytes());
+        assert_eq!(t.row_segs_offset(), 128);
+        assert_eq!(&img[128..144], &[0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0]);
         // A second group continues the rows and segments.
         t.add_chunks(&[piece(7, 241)], 241).unwrap();
         assert_eq!(t.chunks[2], [241, 3, 1, 4, 0]);
+        assert_eq!(t.row_segs[4..], [3]);
         t.clear();
-        assert_eq!((t.chunks.len(), t.segs.len(), t.rows), (0, 0, 0));
+        assert_eq!((t.chunks.len(), t.segs.len(), t.row_segs.len(), t.rows), (0, 0, 0, 0));
+    }
+
+    #[test]
+    fn each_row_names_the_segment_holding_its_first_byte() {
+        // A 3000-byte chunk in pieces of 700, 700 (device-contiguous with the first), 1000 and
+        // 600: segments start at 0 and 1400 and 2400; rows at 0, 1024 and 2048.
+        let mut t = HashTables::default();
+        let pieces = [piece(0, 700), piece(700, 700), piece(5000, 1000), piece(9000, 600)];
+        t.add_chunks(&pieces, 3000).unwrap();
+        assert_eq!(t.segs, vec![[0, 0], [1400, 5000], [2400, 9000]]);
+        assert_eq!(t.row_segs, vec![0, 0, 1]);
+        assert_eq!(t.row_segs.len() as u64, t.rows);
     }
 
     #[test]
@@ -173,7 +232,10 @@ mod tests {
         let kept = t.clone();
         let e = t.add_chunks(&[piece(0, 300)], 500).unwrap_err().to_string();
         assert!(e.contains("end 300 bytes into"), "{e}");
-        // A refused list leaves the tables as they were.
+        assert_eq!(t, kept);
+        // A refused list leaves the tables as they were, the rows it had added too.
+        let e = t.add_chunks(&[piece(0, 1500), piece(9000, 300)], 1600).unwrap_err().to_string();
+        assert!(e.contains("crosses the end"), "{e}");
         assert_eq!(t, kept);
     }
 }

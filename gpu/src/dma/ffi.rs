@@ -42,6 +42,15 @@ impl DeviceBuffer {
         Ok(Self { ptr, len, ctx: Arc::clone(ctx) })
     }
 
+    /// Allocates `len` bytes on `ctx`'s device, all zero (set before this returns).
+    pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DmaError> {
+        let buf = Self::new(ctx, len)?;
+        // SAFETY: sets the bytes of the allocation just made (at least `len` of them), which
+        // nothing else uses yet; synchronous.
+        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(buf.ptr, 0, len.max(1)) })?;
+        Ok(buf)
+    }
+
     /// Device address.
     pub fn ptr(&self) -> u64 {
         self.ptr
@@ -350,12 +359,28 @@ unsafe impl Send for ScatterUniformKernel {}
 pub(crate) struct ChecksumKernels {
     blocks: sys::CUfunction,
     fold: sys::CUfunction,
-    merge: sys::CUfunction,
     _module: PtxModule,
 }
 
 /// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
 const CHUNK_CHECKSUM_PTX: &str = include_str!("../../kernels/chunk_checksum.ptx");
+
+/// Where one checksum submission's tables and buffers lie on the device (see
+/// [`ChecksumKernels::launch`]).
+pub(crate) struct ChecksumLaunch {
+    /// The chunk records and how many.
+    pub chunks: (u64, u32),
+    /// The segment records.
+    pub segs: u64,
+    /// The row records (one u32 per row).
+    pub row_segs: u64,
+    /// Scratch rows (64 bytes each) and how many.
+    pub scratch: (u64, u64),
+    /// `checksum::COUNTERS_PER_CHUNK` u32 counters per chunk, all zero.
+    pub counters: u64,
+    /// One u64 per chunk for the checksums.
+    pub out: u64,
+}
 
 impl ChecksumKernels {
     /// Loads the embedded kernels, or the PTX file named by `ORBITKV_CHECKSUM_KERNEL_PTX`.
@@ -369,71 +394,76 @@ impl ChecksumKernels {
         Ok(Self {
             blocks: module.function("orbitkv_xxh3_blocks")?,
             fold: module.function("orbitkv_xxh3_fold")?,
-            merge: module.function("orbitkv_xxh3_merge")?,
             _module: module,
         })
     }
 
-    /// Launches the three kernels on `stream`: lane sums of `rows` rows into `scratch`, each
-    /// chunk's lanes folded there, then one checksum per chunk into `out` (`nchunks` u64).
+    /// Launches the two kernels on `stream`: the lane sums of every row into the scratch rows,
+    /// then each chunk's lanes folded there and one checksum per chunk into `out`; the
+    /// counters are zero again once the fold has finished.
     ///
     /// # Safety
-    /// `chunks` and `segs` must hold the tables (`checksum::HashTables::encode`) on this
-    /// context's device, `scratch` `rows` x 64 bytes of device memory and `out` `nchunks` x 8
-    /// bytes the device can write (device memory, or pinned host memory at its address under
-    /// unified addressing), nothing else using either until the stream passes the launches,
-    /// and every segment must name device memory that stays valid until then.
+    /// `chunks`, `segs` and `row_segs` must hold the tables (`checksum::HashTables::encode`)
+    /// on this context's device, `scratch` `rows` x 64 bytes of device memory, `counters` the
+    /// chunks' zeroed counters in device memory and `out` `nchunks` x 8 bytes the device can
+    /// write (device memory, or pinned host memory at its address under unified addressing),
+    /// nothing else using any of them until the stream passes the launch, and every segment
+    /// must name device memory that stays valid until then.
     pub(crate) unsafe fn launch(
         &self,
         stream: &CudaStream,
-        (chunks, nchunks): (u64, u32),
-        segs: u64,
-        (scratch, rows): (u64, u64),
-        out: u64,
+        l: &ChecksumLaunch,
     ) -> Result<(), DmaError> {
         const THREADS: u32 = 256;
-        // The fold's threads are sequential chains (one per chunk and lane): one warp per
-        // block spreads a job's chains over the SMs instead of stacking eight warps on one.
-        // Beside an engine's kernels (MPS) the chains set the checksums' pace (a faster fold
-        // step alone raised saves there from 20 to 23-28 GB/s).
-        const FOLD_THREADS: u32 = 32;
-        // Every thread has its row or chunk: a grid past CUDA's limit (2^31 - 1 blocks, about
-        // 64 TiB of chunks) is refused, and the shards compute those checksums.
-        let grid_of = |threads: u64, per_block: u32| {
-            u32::try_from(threads.div_ceil(u64::from(per_block)))
+        let (chunks, nchunks) = l.chunks;
+        let (scratch, rows) = l.scratch;
+        // Every thread has its row or chunk lane: a grid past CUDA's limit (2^31 - 1 blocks,
+        // about 64 TiB of chunks) is refused, and the shards compute those checksums.
+        let grid = |threads: u64| {
+            u32::try_from(threads.div_ceil(u64::from(THREADS)))
                 .ok()
                 .filter(|g| *g <= i32::MAX as u32)
                 .ok_or_else(|| {
                     DmaError::Invalid(format!("{threads} checksum threads exceed a CUDA grid"))
                 })
         };
-        let grid = |threads: u64| grid_of(threads, THREADS);
-        let grids = (
-            grid(rows * 8)?,
-            grid_of(u64::from(nchunks) * 8, FOLD_THREADS)?,
-            grid(u64::from(nchunks))?,
-        );
-        let (mut c, mut n, mut s, mut sc, mut r, mut o) =
-            (chunks, nchunks, segs, scratch, rows, out);
-        let mut blocks: [*mut c_void; 5] = [
+        let (mut c, mut n, mut s, mut rs, mut sc, mut r, mut co, mut o) =
+            (chunks, nchunks, l.segs, l.row_segs, scratch, rows, l.counters, l.out);
+        let mut blocks: [*mut c_void; 6] = [
             (&raw mut c).cast(),
             (&raw mut n).cast(),
             (&raw mut s).cast(),
+            (&raw mut rs).cast(),
             (&raw mut sc).cast(),
             (&raw mut r).cast(),
         ];
-        // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, u64*,
-        // u64)`, eight threads per row; memory per this function's contract.
-        unsafe { launch(self.blocks, stream, grids.0, THREADS, &mut blocks, "checksum blocks")? };
-        let mut fold: [*mut c_void; 3] =
-            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
-        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*)`, eight threads per
-        // chunk.
-        unsafe { launch(self.fold, stream, grids.1, FOLD_THREADS, &mut fold, "checksum fold")? };
-        let mut merge: [*mut c_void; 4] =
-            [(&raw mut c).cast(), (&raw mut n).cast(), (&raw mut sc).cast(), (&raw mut o).cast()];
-        // SAFETY: matches `orbitkv_xxh3_merge(const HashChunk*, u32, const u64*, u64*)`.
-        unsafe { launch(self.merge, stream, grids.2, THREADS, &mut merge, "checksum merge") }
+        // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, const
+        // u32*, u64*, u64)`, eight threads per row; memory per this function's contract.
+        unsafe {
+            launch(self.blocks, stream, grid(rows * 8)?, THREADS, &mut blocks, "checksum blocks")?
+        };
+        // The fold's chains (eight per chunk) in blocks of 256 threads: a 64 MiB job of 2 MiB
+        // chunks folds on one SM; the chains are latency-bound, and share it without waiting
+        // for each other.
+        let mut fold: [*mut c_void; 5] = [
+            (&raw mut c).cast(),
+            (&raw mut n).cast(),
+            (&raw mut sc).cast(),
+            (&raw mut co).cast(),
+            (&raw mut o).cast(),
+        ];
+        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*, u32*, u64*)`, eight
+        // threads per chunk; memory per this function's contract.
+        unsafe {
+            launch(
+                self.fold,
+                stream,
+                grid(u64::from(nchunks) * 8)?,
+                THREADS,
+                &mut fold,
+                "checksum fold",
+            )
+        }
     }
 }
 

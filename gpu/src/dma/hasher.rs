@@ -1,5 +1,5 @@
-//! Chunk checksums on the GPU of one device: the three kernels of `gpu/kernels/chunk_checksum.cu` on
-//! streams of their own, beside the copies of a save (they read the engine's pages in GPU memory,
+//! Chunk checksums on the GPU of one device: the kernel of `gpu/kernels/chunk_checksum.cu` on
+//! streams of its own, beside the copies of a save (they read the engine's pages in GPU memory,
 //! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
 //! checksums once its event has completed.
 
@@ -9,16 +9,18 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::checksum::{HashTables, CHUNK_RECORD, MIN_LEN, ROW_BYTES};
-use super::ffi::{self, ChecksumKernels, CopyKernel, DeviceBuffer, PinnedHost, Way};
+use super::checksum::{HashTables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
+use super::ffi::{
+    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, Way,
+};
 use super::plan::{KernelDesc, Piece};
 use super::DmaError;
 
 /// Submissions in flight at once, each on its own stream; the next one waits for the oldest
-/// (its tables and scratch). Each submission ends in a fold, a sequential chain per chunk;
-/// beside an engine's kernels (MPS) those chains set the checksums' pace, and on one stream
-/// the jobs' chains ran one after the other (saves with checksums there: 20-28 GB/s, against
-/// 52-53 without).
+/// (its tables and scratch). Beside an engine's kernels (MPS) each launch waits for SMs to
+/// free up, so submissions waiting side by side is what keeps checksummed saves going there
+/// (on one stream: 20-28 GB/s; on four, with four launches per submission: 32-39; without
+/// checksums 52-53).
 const SLOTS: usize = 4;
 /// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
 const PULL_PIECE: usize = 4096;
@@ -32,6 +34,8 @@ struct Slot {
     pull_descs: PinnedHost,
     tables: DeviceBuffer,
     scratch: DeviceBuffer,
+    /// The kernel's counters: zero whenever no submission of the slot runs.
+    counters: DeviceBuffer,
     /// The slot's last submission finished (tables and scratch reusable).
     done: CudaEvent,
 }
@@ -137,6 +141,7 @@ impl ChunkHasher {
                 pull_descs: PinnedHost::new(ctx, 4 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
+                counters: DeviceBuffer::zeroed(ctx, 64 << 10)?,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
             });
         }
@@ -186,6 +191,10 @@ impl ChunkHasher {
         }
         at_least(&self.ctx, &mut slot.tables, table_len)?;
         at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
+        let counters_len = n * COUNTERS_PER_CHUNK * 4;
+        if slot.counters.len() < counters_len {
+            slot.counters = DeviceBuffer::zeroed(&self.ctx, counters_len.next_power_of_two())?;
+        }
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
         if self.pull.is_some() {
@@ -209,10 +218,16 @@ impl ChunkHasher {
         let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let stream = &slot.stream;
         let chunks_at = slot.tables.ptr();
-        let segs_at = chunks_at + (n * CHUNK_RECORD) as u64;
+        let launch = ChecksumLaunch {
+            chunks: (chunks_at, nchunks),
+            segs: chunks_at + self.tables.segs_offset() as u64,
+            row_segs: chunks_at + self.tables.row_segs_offset() as u64,
+            scratch: (slot.scratch.ptr(), self.tables.rows),
+            counters: slot.counters.ptr(),
+            out: results.addr(),
+        };
         let kernels = &self.kernels;
         let pull = self.pull.as_ref();
-        let rows = self.tables.rows;
         let enqueue = || -> Result<(), DmaError> {
             match pull {
                 // The tables come over by the copy kernel, its warps reading the mapped pinned
@@ -238,22 +253,15 @@ impl ChunkHasher {
                     )?;
                 },
             }
-            // The merge kernel writes the checksums straight into the pinned results (host
-            // memory is mapped at the same address under unified addressing): a copy back
-            // would queue behind the saves' data on the device-to-host copy engine and hold
-            // the slot until a whole staging batch had crossed.
-            // SAFETY: tables uploaded earlier on this stream; scratch is the slot's; `results`
-            // is pinned, owned by the ticket until its event completes; the pieces' memory is
-            // the caller's contract.
-            unsafe {
-                kernels.launch(
-                    stream,
-                    (chunks_at, nchunks),
-                    segs_at,
-                    (slot.scratch.ptr(), rows),
-                    results.addr(),
-                )?;
-            }
+            // The kernel writes the checksums straight into the pinned results (host memory is
+            // mapped at the same address under unified addressing): a copy back would queue
+            // behind the saves' data on the device-to-host copy engine and hold the slot until
+            // a whole staging batch had crossed.
+            // SAFETY: tables uploaded earlier on this stream; scratch and counters are the
+            // slot's (the counters zero: set so at allocation, and put back by every launch,
+            // the slot's last one finished); `results` is pinned, owned by the ticket until its
+            // event completes; the pieces' memory is the caller's contract.
+            unsafe { kernels.launch(stream, &launch)? };
             slot.done.record(stream).map_err(drv("cuEventRecord"))?;
             event.record(stream).map_err(drv("cuEventRecord"))
         };

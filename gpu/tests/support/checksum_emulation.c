@@ -1,8 +1,9 @@
 // Runs gpu/kernels/chunk_checksum.cu's kernels on the CPU, thread by thread, for the test
-// suite (tests/checksum_kernel_on_cpu.rs). Reads from stdin, all little-endian u64:
-// nchunks, nsegs, rows, data_len, then nchunks records of 5 words (HashChunk), nsegs records
-// of 2 words (HashSeg, addresses as offsets into the data), then data_len bytes of data.
-// Prints one checksum per chunk, in hex, one per line.
+// suite (tests/checksum_kernel_on_cpu.rs). Reads from stdin, little-endian: nchunks, nsegs,
+// rows, data_len (u64 each), then nchunks records of 5 u64 (HashChunk), nsegs records of 2 u64
+// (HashSeg, addresses as offsets into the data), rows u32 (each row's segment), then data_len
+// bytes of data. Prints one checksum per chunk, in hex, one per line; exits 3 when the fold
+// left a counter non-zero, 4 when the two runs disagree, 5 when a chunk merged early.
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -27,35 +28,64 @@ int main(void) {
     u64 nchunks = head[0], nsegs = head[1], rows = head[2], data_len = head[3];
     HashChunk* chunks = read_exact(nchunks * sizeof(HashChunk));
     HashSeg* segs = read_exact(nsegs * sizeof(HashSeg));
-    // 8 spare bytes in front so that offsets map to unaligned addresses too when the test
-    // asks (the data starts at base + 0 with base 8-aligned from malloc).
-    unsigned char* data = read_exact(data_len);
+    u32* row_segs = read_exact(rows * sizeof(u32));
+    // The data 64-byte aligned, so that offsets aligned in the test are aligned addresses.
+    unsigned char* data = aligned_alloc(64, (data_len + 64) / 64 * 64);
+    if (!data || fread(data, 1, data_len, stdin) != data_len) {
+        fprintf(stderr, "short input\n");
+        return 2;
+    }
     for (u64 i = 0; i < nsegs; i++) {
         segs[i].addr += (u64)data;
     }
     u64* scratch = calloc(rows * 8, sizeof(u64));
     u64* out = calloc(nchunks ? nchunks : 1, sizeof(u64));
+    u64* again = calloc(nchunks ? nchunks : 1, sizeof(u64));
+    u32* counters = calloc(nchunks ? nchunks : 1, sizeof(u32));
+    // Lanes of each chunk folded so far: a checksum written before all eight is a merge of
+    // unfolded lanes (on a GPU a race, even when a later merge would overwrite it here).
+    u32* folded = calloc(nchunks ? nchunks : 1, sizeof(u32));
+    const u64 unset = 0x5a5a5a5a5a5a5a5aull;
     const u32 threads = 128;
     blockDim.x = threads;
-    // Each kernel's threads, one after another (the kernels use neither shared memory nor
-    // barriers, so any order of threads is a valid execution).
-    for (u64 t = 0; t < rows * 8; t++) {
-        blockIdx.x = (u32)(t / threads);
-        threadIdx.x = (u32)(t % threads);
-        orbitkv_xxh3_blocks(chunks, (u32)nchunks, segs, scratch, rows);
-    }
-    for (u64 t = 0; t < nchunks * 8; t++) {
-        blockIdx.x = (u32)(t / threads);
-        threadIdx.x = (u32)(t % threads);
-        orbitkv_xxh3_fold(chunks, (u32)nchunks, scratch);
-    }
-    for (u64 t = 0; t < nchunks; t++) {
-        blockIdx.x = (u32)(t / threads);
-        threadIdx.x = (u32)(t % threads);
-        orbitkv_xxh3_merge(chunks, (u32)nchunks, scratch, out);
+    // Each kernel's threads one after another (the kernels use neither shared memory nor
+    // barriers, so any order of threads is a valid execution); twice: the fold in order, then
+    // in reverse order (another lane merges), with the counters the first run put back.
+    for (int round = 0; round < 2; round++) {
+        u64* dst = round == 0 ? out : again;
+        for (u64 i = 0; i < nchunks; i++) {
+            dst[i] = unset;
+            folded[i] = 0;
+        }
+        for (u64 t = 0; t < rows * 8; t++) {
+            blockIdx.x = (u32)(t / threads);
+            threadIdx.x = (u32)(t % threads);
+            orbitkv_xxh3_blocks(chunks, (u32)nchunks, segs, row_segs, scratch, rows);
+        }
+        for (u64 i = 0; i < nchunks * 8; i++) {
+            u64 t = round == 0 ? i : nchunks * 8 - 1 - i;
+            blockIdx.x = (u32)(t / threads);
+            threadIdx.x = (u32)(t % threads);
+            orbitkv_xxh3_fold(chunks, (u32)nchunks, scratch, counters, dst);
+            u64 k = t / 8;
+            if (k < nchunks && ++folded[k] < 8 && dst[k] != unset) {
+                fprintf(stderr, "chunk %llu merged after %u of its 8 lanes\n", k, folded[k]);
+                return 5;
+            }
+        }
     }
     for (u64 i = 0; i < nchunks; i++) {
         printf("%016llx\n", out[i]);
+        if (again[i] != out[i]) {
+            fprintf(stderr, "chunk %llu: %016llx in order, %016llx in reverse\n", i, out[i], again[i]);
+            return 4;
+        }
+    }
+    for (u64 i = 0; i < nchunks; i++) {
+        if (counters[i] != 0) {
+            fprintf(stderr, "counter %llu left at %u\n", i, counters[i]);
+            return 3;
+        }
     }
     return 0;
 }
