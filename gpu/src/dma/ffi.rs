@@ -42,12 +42,20 @@ impl DeviceBuffer {
         Ok(Self { ptr, len, ctx: Arc::clone(ctx) })
     }
 
-    /// Allocates `len` bytes on `ctx`'s device, all zero (set before this returns).
-    pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, DmaError> {
+    /// Allocates `len` bytes on `ctx`'s device and zeroes them on `stream`: the zeros are in
+    /// place for whatever `stream` runs next (not for other streams: ours do not wait for the
+    /// legacy default stream, where a plain memset would run).
+    pub fn zeroed_on(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        stream: &CudaStream,
+    ) -> Result<Self, DmaError> {
         let buf = Self::new(ctx, len)?;
         // SAFETY: sets the bytes of the allocation just made (at least `len` of them), which
-        // nothing else uses yet; synchronous.
-        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(buf.ptr, 0, len.max(1)) })?;
+        // nothing else uses before `stream` passes the memset.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(buf.ptr, 0, len.max(1), stream.cu_stream())
+        })?;
         Ok(buf)
     }
 

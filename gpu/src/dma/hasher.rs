@@ -133,16 +133,17 @@ impl ChunkHasher {
             .ok();
         let mut slots = Vec::with_capacity(SLOTS);
         for _ in 0..SLOTS {
+            // Default, i.e. lowest, priority: the copy engine's gather and scatter kernels take
+            // SMs first.
+            let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
             slots.push(Slot {
-                // Default, i.e. lowest, priority: the copy engine's gather and scatter kernels
-                // take SMs first.
-                stream: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
                 tables_host: PinnedHost::new(ctx, 64 << 10)?,
                 pull_descs: PinnedHost::new(ctx, 4 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
-                counters: DeviceBuffer::zeroed(ctx, 64 << 10)?,
+                counters: DeviceBuffer::zeroed_on(ctx, 64 << 10, &stream)?,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+                stream,
             });
         }
         Ok(Self {
@@ -193,7 +194,8 @@ impl ChunkHasher {
         at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
         if slot.counters.len() < counters_len {
-            slot.counters = DeviceBuffer::zeroed(&self.ctx, counters_len.next_power_of_two())?;
+            slot.counters =
+                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
         }
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
@@ -258,8 +260,8 @@ impl ChunkHasher {
             // behind the saves' data on the device-to-host copy engine and hold the slot until
             // a whole staging batch had crossed.
             // SAFETY: tables uploaded earlier on this stream; scratch and counters are the
-            // slot's (the counters zero: set so at allocation, and put back by every launch,
-            // the slot's last one finished); `results` is pinned, owned by the ticket until its
+            // slot's (the counters zero: zeroed on this stream at allocation, and put back by
+            // every launch, the slot's last one finished); `results` is pinned, owned by the ticket until its
             // event completes; the pieces' memory is the caller's contract.
             unsafe { kernels.launch(stream, &launch)? };
             slot.done.record(stream).map_err(drv("cuEventRecord"))?;
