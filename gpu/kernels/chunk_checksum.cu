@@ -33,10 +33,17 @@
 #define ORBITKV_KERNEL extern "C" __global__
 #define ORBITKV_DEVICE __device__ static inline
 #define ORBITKV_CONST __constant__ static const
+// A table each lane of a warp reads at its own index: in global memory, read through L1, where
+// the warp's eight words come in one request (constant memory serves one address at a time:
+// eight lanes asking for eight words wait eight turns).
+#define ORBITKV_LANE_TABLE __device__ static const
+#define ORBITKV_LANE_READ(p) __ldg(p)
 #else
 #define ORBITKV_KERNEL
 #define ORBITKV_DEVICE static inline
 #define ORBITKV_CONST static const
+#define ORBITKV_LANE_TABLE static const
+#define ORBITKV_LANE_READ(p) (*(p))
 #endif
 
 typedef unsigned long long u64;
@@ -81,7 +88,7 @@ typedef struct {
 
 // secret[8k..8k+8] as little-endian words, k < 24: stripe s, lane i uses W[s + i]; the
 // scramble uses W[16 + i] (the secret's last 64 bytes).
-ORBITKV_CONST u64 W[24] = {
+ORBITKV_LANE_TABLE u64 W[24] = {
     0xbe4ba423396cfeb8ull, 0x1cad21f72c81017cull, 0xdb979083e96dd4deull,
     0x1f67b3b7a4a44072ull, 0x78e5c0cc4ee679cbull, 0x2172ffcc7dd05a82ull,
     0x8e2443f7744608b8ull, 0x4c263a81e69035e0ull, 0xcb00c391bb52283cull,
@@ -217,7 +224,7 @@ ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j) {
             }
             ORBITKV_UNROLL
             for (u32 s = 0; s < 8; s++) {
-                sum += stripe_lane(w[2 * s], w[2 * s + 1], j, W[h + s + j]);
+                sum += stripe_lane(w[2 * s], w[2 * s + 1], j, ORBITKV_LANE_READ(&W[h + s + j]));
             }
         }
         return sum;
@@ -225,7 +232,7 @@ ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j) {
     for (u32 s = 0; s < n; s++) {
         u64 w0, w1;
         pair(c, base + 64ull * s + in_stripe, &w0, &w1);
-        sum += stripe_lane(w0, w1, j, W[s + j]);
+        sum += stripe_lane(w0, w1, j, ORBITKV_LANE_READ(&W[s + j]));
     }
     return sum;
 }
@@ -239,43 +246,58 @@ ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
 }
 
 // Rows folded per step of the pipeline below; two such groups are in flight.
-#define FOLD_GROUP 16
+#define FOLD_GROUP 32
+
+// Row r, or the chunk's last row when r is past it.
+ORBITKV_DEVICE u64 row_within(u64 r, u64 last) {
+    return r < last ? r : last;
+}
 
 // Lane j's accumulator from its initial value through "add the row's sum, scramble" for each
 // of the chunk's `nb` full blocks; `lane` is the chunk's first row, lane j (rows 64 bytes
-// apart, summed by an earlier kernel). The chain is sequential, so what it costs is its length (a 2 MiB chunk has 2048
-// full blocks) times each step, and a step must not wait for memory: the next group of row
-// sums is loaded while the current one is folded. Loading a group, then folding it, paid a
-// memory round trip per eight steps (measured on the H200, perf dma, 2 MiB chunks of 2 KiB
-// pages: beside a bf16 matmul loop, checksummed saves ran at 20 / 23-28 GB/s under MPS before /
-// after, and cost the matmul 17-18.5% / 14-15% without it).
+// apart, summed by an earlier kernel). The chain is sequential, so what it costs is its length
+// (a 2 MiB chunk has 2048 full blocks) times each step, and a step must not wait for memory:
+// the next group of row sums is loaded while the current one is folded, into the other of two
+// register groups that take turns, without a branch around the loads (behind one, the
+// compiler placed them after the fold). (Copying the loaded group into the folded one made each
+// step's copy wait for its load: the machine code showed a wait on the loads early in every
+// group, and the fold of a 64 MiB job of 2 MiB chunks took 76-86 us on the H200, about 80
+// cycles a step, for a chain of four dependent instructions.)
 ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j) {
-    const u64 key = W[16 + j];
+    const u64 key = ORBITKV_LANE_READ(&W[16 + j]);
     u64 acc = INIT[j];
     u64 b = 0;
-    u64 cur[FOLD_GROUP];
-    u64 next[FOLD_GROUP];
+    u64 x[FOLD_GROUP];
+    u64 y[FOLD_GROUP];
     if (nb >= FOLD_GROUP) {
         for (u32 i = 0; i < FOLD_GROUP; i++) {
-            cur[i] = lane[8 * i];
+            x[i] = lane[8 * i];
         }
         for (;;) {
-            // cur holds rows b .. b + FOLD_GROUP; load the group after it, if whole, first.
+            // x holds rows b .. b + FOLD_GROUP: load the group after it into y (when it is
+            // not whole, rows past the last are not used: each load stays within the chunk).
             int more = b + 2 * FOLD_GROUP <= nb;
-            if (more) {
-                for (u32 i = 0; i < FOLD_GROUP; i++) {
-                    next[i] = lane[8 * (b + FOLD_GROUP + i)];
-                }
+            for (u32 i = 0; i < FOLD_GROUP; i++) {
+                y[i] = lane[8 * row_within(b + FOLD_GROUP + i, nb)];
             }
             for (u32 i = 0; i < FOLD_GROUP; i++) {
-                acc = fold_step(acc, cur[i], key);
+                acc = fold_step(acc, x[i], key);
             }
             b += FOLD_GROUP;
             if (!more) {
                 break;
             }
+            // Now y holds rows b .. b + FOLD_GROUP: the same with the groups' roles swapped.
+            more = b + 2 * FOLD_GROUP <= nb;
             for (u32 i = 0; i < FOLD_GROUP; i++) {
-                cur[i] = next[i];
+                x[i] = lane[8 * row_within(b + FOLD_GROUP + i, nb)];
+            }
+            for (u32 i = 0; i < FOLD_GROUP; i++) {
+                acc = fold_step(acc, y[i], key);
+            }
+            b += FOLD_GROUP;
+            if (!more) {
+                break;
             }
         }
     }
