@@ -1,5 +1,5 @@
-//! Chunk checksums on the GPU of one device: the kernel of `gpu/kernels/chunk_checksum.cu` on
-//! streams of its own, beside the copies of a save (they read the engine's pages in GPU memory,
+//! Chunk checksums on the GPU of one device: the kernels of `gpu/kernels/chunk_checksum.cu` on
+//! streams of their own, beside the copies of a save (they read the engine's pages in GPU memory,
 //! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
 //! checksums once its event has completed.
 
@@ -19,8 +19,8 @@ use super::DmaError;
 /// Submissions in flight at once, each on its own stream; the next one waits for the oldest
 /// (its tables and scratch). Beside an engine's kernels (MPS) each launch waits for SMs to
 /// free up, so submissions waiting side by side is what keeps checksummed saves going there
-/// (on one stream: 20-28 GB/s; on four, with four launches per submission: 32-39; without
-/// checksums 52-53).
+/// (on one stream: 20-28 GB/s; on four, with four launches per submission: 32-39; with three:
+/// 48-50; without checksums 52-53).
 const SLOTS: usize = 4;
 /// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
 const PULL_PIECE: usize = 4096;
@@ -34,7 +34,7 @@ struct Slot {
     pull_descs: PinnedHost,
     tables: DeviceBuffer,
     scratch: DeviceBuffer,
-    /// The kernel's counters: zero whenever no submission of the slot runs.
+    /// The fold kernel's counters: zero whenever no submission of the slot runs.
     counters: DeviceBuffer,
     /// The slot's last submission finished (tables and scratch reusable).
     done: CudaEvent,
@@ -255,14 +255,14 @@ impl ChunkHasher {
                     )?;
                 },
             }
-            // The kernel writes the checksums straight into the pinned results (host memory is
-            // mapped at the same address under unified addressing): a copy back would queue
+            // The fold kernel writes the checksums straight into the pinned results (host memory
+            // is mapped at the same address under unified addressing): a copy back would queue
             // behind the saves' data on the device-to-host copy engine and hold the slot until
             // a whole staging batch had crossed.
             // SAFETY: tables uploaded earlier on this stream; scratch and counters are the
             // slot's (the counters zero: zeroed on this stream at allocation, and put back by
-            // every launch, the slot's last one finished); `results` is pinned, owned by the ticket until its
-            // event completes; the pieces' memory is the caller's contract.
+            // every fold, the slot's last one finished); `results` is pinned, owned by the
+            // ticket until its event completes; the pieces' memory is the caller's contract.
             unsafe { kernels.launch(stream, &launch)? };
             slot.done.record(stream).map_err(drv("cuEventRecord"))?;
             event.record(stream).map_err(drv("cuEventRecord"))
