@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU kernels' own numbers on the device machine: registers and spills of each embedded PTX
+# (ptxas -v, sm_90), then Nsight Compute (ncu, clocks left alone) on a local sglang save of
+# 2 KiB pages, 64 MiB jobs of 2 MiB chunks: the checksum kernels and the segment copy kernel,
+# their duration, registers and occupancy. Without ncu or ptxas on the machine, says so and
+# goes on. Stripped release binaries in .device-bin; results go to $OUT (kernels-$TAG*.txt).
+# PTX names another chunk_checksum.ptx to profile instead of the embedded one (the same
+# kernels' signatures; e.g. `git show COMMIT:gpu/kernels/chunk_checksum.ptx`), PERF another
+# orbitkv-perf binary. The same variable reaches orbitkv-server (ORBITKV_CHECKSUM_KERNEL_PTX)
+# when exported for perf/scripts/device-gpu-server.sh: that is how to compare checksum kernels
+# through the server with one binary.
+B=.device-bin
+P=${PERF:-$B/orbitkv-perf}
+R=$OUT/kernels-$TAG
+if [ -n "$PTX" ]; then export ORBITKV_CHECKSUM_KERNEL_PTX=$PTX; fi
+if command -v ptxas >/dev/null; then
+  for f in gpu/kernels/*.ptx ${PTX:+$PTX}; do
+    echo "== $f" >> $R-ptxas.txt
+    ptxas -arch=sm_90 -v "$f" -o /tmp/okv-kernel.cubin >> $R-ptxas.txt 2>&1
+  done
+else
+  echo "no ptxas on this machine" > $R-ptxas.txt
+fi
+A="dma --json --iterations 1 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto"
+if command -v ncu >/dev/null; then
+  S="--clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats"
+  # Past the first submissions (module load, first use of each slot).
+  timeout 120 ncu $S -k regex:xxh3 --launch-skip 8 --launch-count 6 $P $A > $R-checksum.txt 2>&1
+  echo "rc=$?" >> $R-checksum.txt
+  timeout 120 ncu $S -k regex:copy_segments --launch-skip 8 --launch-count 3 $P $A > $R-copy.txt 2>&1
+  echo "rc=$?" >> $R-copy.txt
+  grep -hE "^  orbitkv_|Duration|Registers Per|Achieved Occ" $R-checksum.txt $R-copy.txt > $R-summary.txt
+else
+  echo "no ncu on this machine" > $R-summary.txt
+fi
