@@ -333,6 +333,19 @@ impl Report for DmaReport {
                      us waiting for its checksums after its copy; {load:.0} us handing a load"
                 )?;
             }
+            if let Some(b) = &s.beside_matmul {
+                let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
+                writeln!(
+                    out,
+                    "server beside the matmul: saves {} GB/s busy, {} us per job handing them to \
+                     the GPU, {} us waiting for checksums; loads {} GB/s busy, {} us per job",
+                    f(b.save_busy_gbps),
+                    f(b.save_submit_us_per_job),
+                    f(b.save_checksum_wait_us_per_job),
+                    f(b.load_busy_gbps),
+                    f(b.load_submit_us_per_job)
+                )?;
+            }
             for (way, t) in [("saves", &s.save_timeline), ("loads", &s.load_timeline)] {
                 if let Some(t) = t {
                     writeln!(
