@@ -7,6 +7,7 @@
 # MPS=1 runs everything under a CUDA MPS daemon started here (and stopped at the end), so the
 # copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
 # PERF names another orbitkv-perf binary (to compare builds in one call).
+# perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
 B=.device-bin
 . perf/scripts/mps.sh $OUT/dma.log
 P="${PERF:-$B/orbitkv-perf} dma --json --iterations 5"

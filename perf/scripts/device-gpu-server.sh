@@ -8,6 +8,7 @@
 # the engine-side copies (about 40 s each; MPS=1 starts an MPS daemon for the server and the
 # loop to share). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
 # engine and the run after it (for A/B calls). Stripped release binaries in .device-bin; results go to $OUT.
+# perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
 B=.device-bin
 S=/tmp/okvg/s.sock
 . perf/scripts/mps.sh $OUT/gpu.log

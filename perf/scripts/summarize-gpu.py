@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""One line per result of the device scripts' JSON files in a folder (their $OUT): ratios
+against the ceiling, the checksums, the interference rows, the server's counters and the
+checks of the server's stats. Usage: summarize-gpu.py DIR [DIR ...]. Prints what it finds;
+a file it cannot read is named with the reason."""
+
+import glob
+import json
+import os
+import sys
+
+
+def num(v, fmt="{:.3f}"):
+    return "?" if v is None else fmt.format(v)
+
+
+def local(name, d):
+    """perf/scripts/device-dma.sh: dma-TAGname.json."""
+    for r in d.get("results", []):
+        rows = ", ".join(f"{s['strategy']} {num(s['ratio'])}" for s in r["strategies"])
+        print(f"{name}: {r['direction']} ceiling {num(r['ceiling_gbps'], '{:.1f}')} GB/s: {rows}")
+    c = d.get("checksums")
+    if c:
+        print(
+            f"{name}: checksums {c['chunks']} chunks, {c['mismatches']} wrong, alone "
+            f"{num(c['gbps_alone'], '{:.0f}')} GB/s, save with them {num(c['save_ratio_with_checksums'])}"
+        )
+    interference(name, d.get("interference"))
+
+
+def interference(name, i):
+    if not i:
+        return
+    print(
+        f"{name}: matmul alone {num(i['matmul_per_s_alone'], '{:.1f}')}/s, after "
+        f"{num(i['matmul_per_s_alone_after'], '{:.1f}')}/s"
+    )
+    for r in i["rows"]:
+        print(
+            f"{name}:   beside {r['strategy']} {r['direction']}: slowdown "
+            f"{num(100 * r['slowdown'], '{:.2f}')}% at {num(r['copy_gbps'], '{:.1f}')} GB/s"
+        )
+
+
+def served(name, d):
+    """perf/scripts/device-gpu-server.sh: TAGgpu-name.json."""
+    s = d.get("server") or {}
+    ratios = " / ".join(num(r["strategies"][0]["ratio"]) for r in d.get("results", []))
+    print(
+        f"{name}: save / load {ratios}; failures {s.get('save_failures')} / "
+        f"{s.get('load_failures')}; mismatched bytes {s.get('save_mismatched_bytes')} / "
+        f"{s.get('load_mismatched_bytes')}"
+    )
+    print(
+        f"{name}:   busy {num(s.get('save_busy_gbps'), '{:.1f}')} / "
+        f"{num(s.get('load_busy_gbps'), '{:.1f}')} GB/s; per job submit "
+        f"{num(s.get('save_submit_us_per_job'), '{:.0f}')} / "
+        f"{num(s.get('load_submit_us_per_job'), '{:.0f}')} us, checksum wait "
+        f"{num(s.get('save_checksum_wait_us_per_job'), '{:.0f}')} us; host copies per job "
+        f"{num(s.get('save_runs_per_job'), '{:.1f}')}"
+    )
+    dup = s.get("duplex")
+    if dup:
+        print(f"{name}:   duplex {num(dup['ratio'])} ({num(dup['gbps'], '{:.1f}')} of "
+              f"{num(dup['ceiling_gbps'], '{:.1f}')} GB/s)")
+    interference(name, d.get("interference"))
+    b = s.get("beside_matmul")
+    if b:
+        print(
+            f"{name}:   server beside the matmul: saves {num(b['save_busy_gbps'], '{:.1f}')} GB/s "
+            f"busy, checksum wait {num(b['save_checksum_wait_us_per_job'], '{:.0f}')} us per job; "
+            f"loads {num(b['load_busy_gbps'], '{:.1f}')} GB/s busy"
+        )
+
+
+def stats(name, d):
+    """The server's `orbitkv-ctl stats --json` after a run."""
+    g = d.get("gpu_transfers", {})
+    shards = d.get("shards", [])
+    total = lambda k: sum(x.get(k, 0) for x in shards)
+    print(
+        f"{name}: state {d.get('state')}, sessions {d.get('sessions')}, leases {total('leases')}, "
+        f"registrations {g.get('registrations')}, failed jobs {g.get('failed_jobs')}; GPU "
+        f"checksums {total('gpu_checksums')} ({total('gpu_checksums_verified')} checked, "
+        f"{total('gpu_checksum_mismatches')} wrong)"
+    )
+
+
+def main(dirs):
+    for folder in dirs:
+        for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+            name = os.path.basename(path)[: -len(".json")]
+            try:
+                with open(path) as f:
+                    d = json.load(f)
+            except (OSError, ValueError) as e:
+                print(f"{name}: not read ({e})")
+                continue
+            if "stats" in name:
+                stats(name, d)
+            elif "server" in d and d["server"] is not None:
+                served(name, d)
+            elif "results" in d:
+                local(name, d)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: summarize-gpu.py DIR [DIR ...]")
+    main(sys.argv[1:])
