@@ -6,19 +6,23 @@
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
 // sequential, and it is per lane. Hence two kernels:
-//   orbitkv_xxh3_blocks: eight threads per block ("row") of every chunk (one per lane): the
+//   orbitkv_xxh3_rows: eight threads per block ("row") of every chunk (one per lane): the
 //     lane sums of its stripes (the chunk's last row also takes the final stripe with its own
 //     secret) into the scratch rows;
-//   orbitkv_xxh3_fold: eight threads per chunk: each lane from its initial value through "add
-//     the row's sum, scramble" for each full block, plus the last row's sum; the last of the
-//     chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche) into
-//     the chunk's checksum.
+//   orbitkv_xxh3_fold_merge: eight threads per chunk: each lane from its initial value through
+//     "add the row's sum, scramble" for each full block, plus the last row's sum; the last of
+//     the chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche)
+//     into the chunk's checksum.
+// A kernel whose parameters change gets a new name: the server can load another PTX of these
+// kernels (ORBITKV_CHECKSUM_KERNEL_PTX), and one with other parameters must fail to load
+// rather than run on the wrong arguments.
 // Beside an engine's kernels (MPS) every launch waits for SMs to free up, and a block that
 // stays resident keeps an SM from the engine: the fold (a sequential chain, tens of
 // microseconds) runs in as few blocks as possible, the merge inside it rather than as a
 // launch of its own, and the sums' kernel has no chain. (One kernel doing all three held up
-// to a block per chunk resident through its chain: saves beside a bf16 matmul loop ran at 48
-// instead of 38 GB/s, and cost the matmul 8% instead of 3.5%.)
+// to a block per chunk resident through its chain: beside a bf16 matmul loop on the H200
+// under MPS its saves cost the matmul 8.0%; these two kernels, at the same 48-50 GB/s,
+// 2.9-3.5%, measured on other machines of the same kind.)
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's
 // length); a row table names the segment holding each row's first byte.
@@ -52,7 +56,8 @@ typedef unsigned int u32;
 #ifdef __CUDACC__
 #define ORBITKV_FENCE() __threadfence()
 #define ORBITKV_COUNT(p) atomicAdd((p), 1u)
-// Another thread's result: read from L2, where every SM's writes meet, never from L1.
+// Another lane's result, published by that lane's fence before its count (after this lane's
+// own count and fence a plain load would see it too; this one also skips L1).
 #define ORBITKV_SHARED_READ(p) __ldcg(p)
 #define ORBITKV_UNROLL _Pragma("unroll")
 #else
@@ -206,8 +211,8 @@ ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j) {
     u64 a = c->addr + (base - c->start) + in_stripe;
     u64 sum = 0;
     if (n == 16 && base + 1024 <= c->end && (a & 15ull) == 0) {
-        // The whole block in one segment, aligned (every row of pages of 1 KiB multiples):
-        // eight loads in flight at a time instead of one, no segment checks.
+        // The whole block in one segment, aligned (every row of 16-byte-aligned pages of 1 KiB
+        // multiples): eight loads in flight at a time instead of one, no segment checks.
         for (u32 h = 0; h < 16; h += 8) {
             u64 w[16];
             ORBITKV_UNROLL
@@ -334,7 +339,7 @@ ORBITKV_DEVICE u64 merge(u64 len, const u64* acc) {
 // Eight threads per row (thread j: lane j), `rows` rows over `nchunks` chunks (row_first
 // ascending); `row_segs[r]` is the segment holding row r's first byte. Writes
 // scratch[8 * row + j].
-ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks, const HashSeg* segs,
+ORBITKV_KERNEL void orbitkv_xxh3_rows(const HashChunk* chunks, u32 nchunks, const HashSeg* segs,
                                         const u32* row_segs, u64* scratch, u64 rows) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 r = t >> 3;
@@ -379,7 +384,7 @@ ORBITKV_KERNEL void orbitkv_xxh3_blocks(const HashChunk* chunks, u32 nchunks, co
 // chunk's last row; the last lane of the chunk to get there merges the eight into out[chunk].
 // `counters` holds a zero per chunk and holds it again when the kernel has finished (put back
 // by the thread that saw the last count).
-ORBITKV_KERNEL void orbitkv_xxh3_fold(const HashChunk* chunks, u32 nchunks, u64* scratch,
+ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks, u64* scratch,
                                       u32* counters, u64* out) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 k = t >> 3;

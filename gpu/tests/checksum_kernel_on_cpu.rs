@@ -119,7 +119,8 @@ fn kernels_match_chunk_checksum() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     // XXH3 edges: the shortest long input, around 1 KiB blocks and 64-byte stripes.
     // Around the fold's groups of 32 rows (two in flight) too: 15, 16, 17, 31, 32, 33, 48,
-    // 63, 64, 95, 96, 97, 128 and 192 full blocks (16_384 .. 196_609).
+    // 63, 64, 95, 96, 97, 128 and 192 full blocks (16_384 .. 196_609; 97_281 and 98_304 both
+    // have 95, with a last row of 1 byte and of 1 KiB).
     let lens = [
         241u64, 255, 256, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4103, 16_384, 16_385,
         17_508, 32_768, 32_769, 33_797, 49_153, 65_536, 65_537, 97_281, 98_304, 98_305, 99_329,

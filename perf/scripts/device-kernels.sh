@@ -4,11 +4,12 @@
 # 2 KiB pages, 64 MiB jobs of 2 MiB chunks: the checksum kernels and the segment copy kernel,
 # their duration, registers and occupancy. Without ncu or ptxas on the machine, says so and
 # goes on. Stripped release binaries in .device-bin; results go to $OUT (kernels-$TAG*.txt).
-# PTX names another chunk_checksum.ptx to profile instead of the embedded one (the same
-# kernels' signatures; e.g. `git show COMMIT:gpu/kernels/chunk_checksum.ptx`), PERF another
-# orbitkv-perf binary. The same variable reaches orbitkv-server (ORBITKV_CHECKSUM_KERNEL_PTX)
-# when exported for perf/scripts/device-gpu-server.sh: that is how to compare checksum kernels
-# through the server with one binary.
+# PTX names another chunk_checksum.ptx to profile instead of the embedded one, PERF another
+# orbitkv-perf binary. The PTX must have the same kernels: the same names and parameters (a
+# kernel whose parameters change is renamed, so another one fails to load, naming the kernel).
+# Exported as ORBITKV_CHECKSUM_KERNEL_PTX for perf/scripts/device-gpu-server.sh it reaches
+# orbitkv-server too: that is how to compare checksum kernels through the server with one
+# binary.
 B=.device-bin
 P=${PERF:-$B/orbitkv-perf}
 R=$OUT/kernels-$TAG

@@ -3,9 +3,10 @@
 //! A save's commit stores each chunk's XXH3-64 (`orbitkv_proto::chunk_checksum`). Computing it
 //! on the shards means reading every saved byte once more on the CPU, which bounds saves with
 //! few shards; the GPU reads the engine's pages at HBM speed instead, beside the copy. The
-//! kernels take a chunk table and a segment table (where each chunk's bytes lie, in order);
-//! this module builds them from the same pieces the copy moves. Pure arithmetic: tested on the
-//! CPU against `chunk_checksum` by running the kernel source as C (tests/).
+//! kernels take a chunk table, a segment table (where each chunk's bytes lie, in order) and a
+//! row table (the segment holding each 1 KiB row's first byte); this module builds them from
+//! the same pieces the copy moves. Pure arithmetic: tested on the CPU against `chunk_checksum`
+//! by running the kernel source as C (tests/).
 
 use super::plan::Piece;
 use super::DmaError;

@@ -400,8 +400,8 @@ impl ChecksumKernels {
             "chunk checksum kernels",
         )?;
         Ok(Self {
-            blocks: module.function("orbitkv_xxh3_blocks")?,
-            fold: module.function("orbitkv_xxh3_fold")?,
+            blocks: module.function("orbitkv_xxh3_rows")?,
+            fold: module.function("orbitkv_xxh3_fold_merge")?,
             _module: module,
         })
     }
@@ -445,7 +445,7 @@ impl ChecksumKernels {
             (&raw mut sc).cast(),
             (&raw mut r).cast(),
         ];
-        // SAFETY: matches `orbitkv_xxh3_blocks(const HashChunk*, u32, const HashSeg*, const
+        // SAFETY: matches `orbitkv_xxh3_rows(const HashChunk*, u32, const HashSeg*, const
         // u32*, u64*, u64)`, eight threads per row; memory per this function's contract.
         unsafe {
             launch(self.blocks, stream, grid(rows * 8)?, THREADS, &mut blocks, "checksum blocks")?
@@ -460,7 +460,7 @@ impl ChecksumKernels {
             (&raw mut co).cast(),
             (&raw mut o).cast(),
         ];
-        // SAFETY: matches `orbitkv_xxh3_fold(const HashChunk*, u32, u64*, u32*, u64*)`, eight
+        // SAFETY: matches `orbitkv_xxh3_fold_merge(const HashChunk*, u32, u64*, u32*, u64*)`, eight
         // threads per chunk; memory per this function's contract.
         unsafe {
             launch(

@@ -25,8 +25,8 @@ const SLOTS: usize = 4;
 /// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
 const PULL_PIECE: usize = 4096;
 
-/// Memory and stream of one submission: its tables (pinned and on the device) and scratch
-/// rows. The results go to the ticket's own pinned buffer.
+/// Memory and stream of one submission: its tables (pinned and on the device), scratch rows
+/// and the fold's counters. The results go to the ticket's own pinned buffer.
 struct Slot {
     stream: Arc<CudaStream>,
     tables_host: PinnedHost,
@@ -36,7 +36,7 @@ struct Slot {
     scratch: DeviceBuffer,
     /// The fold kernel's counters: zero whenever no submission of the slot runs.
     counters: DeviceBuffer,
-    /// The slot's last submission finished (tables and scratch reusable).
+    /// The slot's last submission finished (tables, scratch and counters reusable).
     done: CudaEvent,
 }
 
@@ -136,12 +136,16 @@ impl ChunkHasher {
             // Default, i.e. lowest, priority: the copy engine's gather and scatter kernels take
             // SMs first.
             let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+            let counters = DeviceBuffer::zeroed_on(ctx, 64 << 10, &stream)?;
+            // The zeros in place before anything here may be dropped (an error below frees
+            // what was made so far).
+            stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
             slots.push(Slot {
                 tables_host: PinnedHost::new(ctx, 64 << 10)?,
                 pull_descs: PinnedHost::new(ctx, 4 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
-                counters: DeviceBuffer::zeroed_on(ctx, 64 << 10, &stream)?,
+                counters,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
                 stream,
             });

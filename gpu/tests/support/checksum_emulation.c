@@ -3,7 +3,8 @@
 // rows, data_len (u64 each), then nchunks records of 5 u64 (HashChunk), nsegs records of 2 u64
 // (HashSeg, addresses as offsets into the data), rows u32 (each row's segment), then data_len
 // bytes of data. Prints one checksum per chunk, in hex, one per line; exits 3 when the fold
-// left a counter non-zero, 4 when the two runs disagree, 5 when a chunk merged early.
+// left a counter non-zero, 4 when the two runs disagree, 5 when a chunk merged early, 6 when
+// the row table names a segment that does not hold its row's first byte.
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -38,6 +39,21 @@ int main(void) {
     for (u64 i = 0; i < nsegs; i++) {
         segs[i].addr += (u64)data;
     }
+    // Each row's segment holds the row's first byte (a wrong one would only cost the kernel
+    // its fast path: the slow path walks forward from any earlier segment of the chunk).
+    for (u64 k = 0; k < nchunks; k++) {
+        const HashChunk* c = &chunks[k];
+        for (u64 b = 0; b <= full_blocks(c->len); b++) {
+            u64 s = row_segs[c->row_first + b];
+            u64 end = s + 1 < c->seg_first + c->seg_count ? segs[s + 1].start : c->len;
+            if (s < c->seg_first || s >= c->seg_first + c->seg_count || segs[s].start > b * 1024 ||
+                end <= b * 1024) {
+                fprintf(stderr, "chunk %llu row %llu: segment %llu does not hold its first byte\n",
+                        k, b, s);
+                return 6;
+            }
+        }
+    }
     u64* scratch = calloc(rows * 8, sizeof(u64));
     u64* out = calloc(nchunks ? nchunks : 1, sizeof(u64));
     u64* again = calloc(nchunks ? nchunks : 1, sizeof(u64));
@@ -60,13 +76,13 @@ int main(void) {
         for (u64 t = 0; t < rows * 8; t++) {
             blockIdx.x = (u32)(t / threads);
             threadIdx.x = (u32)(t % threads);
-            orbitkv_xxh3_blocks(chunks, (u32)nchunks, segs, row_segs, scratch, rows);
+            orbitkv_xxh3_rows(chunks, (u32)nchunks, segs, row_segs, scratch, rows);
         }
         for (u64 i = 0; i < nchunks * 8; i++) {
             u64 t = round == 0 ? i : nchunks * 8 - 1 - i;
             blockIdx.x = (u32)(t / threads);
             threadIdx.x = (u32)(t % threads);
-            orbitkv_xxh3_fold(chunks, (u32)nchunks, scratch, counters, dst);
+            orbitkv_xxh3_fold_merge(chunks, (u32)nchunks, scratch, counters, dst);
             u64 k = t / 8;
             if (k < nchunks && ++folded[k] < 8 && dst[k] != unset) {
                 fprintf(stderr, "chunk %llu merged after %u of its 8 lanes\n", k, folded[k]);
