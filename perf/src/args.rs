@@ -36,6 +36,10 @@ pub(crate) enum Command {
     /// same bytes in the same run (the PCIe ceiling). Every byte is verified both ways.
     /// Exits 2 on a machine without CUDA.
     Dma(DmaArgs),
+    /// How fast this host's cores compute chunk checksums (xxh3-64, what the shards compute
+    /// when they checksum commits themselves, `--gpu-checksums cpu`), with one to several
+    /// threads at once, compared with a single-thread memcpy measured in the same run.
+    Checksum(ChecksumArgs),
 }
 
 /// Engine KV layouts (see `orbitkv_gpu::KvLayout`).
@@ -335,6 +339,27 @@ pub(crate) struct IdleArgs {
     pub socket: Option<PathBuf>,
     /// How long to sample (default: 10s).
     #[arg(long, value_name = "DUR", value_parser = duration, default_value = "10s")]
+    pub duration: Duration,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `orbitkv-perf checksum`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ChecksumArgs {
+    /// Bytes per chunk hashed (default: 2MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "2MiB")]
+    pub value_size: u64,
+    /// Bytes of the buffer the chunks come from; far larger than the caches, as arena memory
+    /// just written by copy engines is cold (default: 1GiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "1GiB")]
+    pub working_set: u64,
+    /// Thread counts to measure, one after another, comma-separated (1 to 1024 each).
+    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "1,2,4")]
+    pub threads: Vec<usize>,
+    /// How long each thread count hashes (default: 2s).
+    #[arg(long, value_name = "DUR", value_parser = duration, default_value = "2s")]
     pub duration: Duration,
     /// Print one JSON object on stdout.
     #[arg(long)]

@@ -10,6 +10,7 @@ mod admin;
 mod args;
 mod barrier;
 mod baseline;
+mod checksum;
 mod dma;
 mod dma_engine_copies;
 mod dma_interference;
@@ -45,6 +46,7 @@ fn main() -> ExitCode {
         Command::Wake(a) => ("wake", wake::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Ssd(a) => ("ssd", ssd::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Dma(a) => ("dma", dma::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Checksum(a) => ("checksum", checksum::run(&a).and_then(|r| emit(&r, a.json))),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
