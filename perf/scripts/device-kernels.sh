@@ -3,7 +3,9 @@
 # (ptxas -v, sm_90), then Nsight Compute (ncu, clocks left alone) on a local sglang save of
 # 2 KiB pages, 64 MiB jobs of 2 MiB chunks: the checksum kernels and the segment copy kernel,
 # their duration, registers and occupancy. Without ncu or ptxas on the machine, says so and
-# goes on. Stripped release binaries in .device-bin; results go to $OUT (kernels-$TAG*.txt).
+# goes on. Then the host's cores: xxh3-64 of 2 MiB chunks with 1-8 threads (orbitkv-perf
+# checksum), what the shards hash with --gpu-checksums cpu. Stripped release binaries in
+# .device-bin; results go to $OUT (kernels-$TAG*).
 # PTX names another chunk_checksum.ptx to profile instead of the embedded one, PERF another
 # orbitkv-perf binary. The PTX must have the same kernels: the same names and parameters (a
 # kernel whose parameters change is renamed, so another one fails to load, naming the kernel).
@@ -34,3 +36,4 @@ if command -v ncu >/dev/null; then
 else
   echo "no ncu on this machine" > $R-summary.txt
 fi
+$P checksum --threads 1,2,4,8 --duration 2s --json > $R-cpu-checksum.json 2>&1
