@@ -86,6 +86,15 @@ def stats(name, d):
     )
 
 
+def cpu_checksum(name, d):
+    """orbitkv-perf checksum: the host's cores hashing chunks."""
+    rows = ", ".join(
+        f"{r['threads']} threads {num(r['gbps'], '{:.1f}')} GB/s ({num(r['gbps_per_thread'], '{:.1f}')} each)"
+        for r in d["rows"]
+    )
+    print(f"{name}: xxh3 of {d['value_size']}-byte chunks, memcpy {num(d['memcpy_gbps'], '{:.1f}')} GB/s: {rows}")
+
+
 def main(dirs):
     for folder in dirs:
         for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
@@ -98,6 +107,8 @@ def main(dirs):
                 continue
             if "stats" in name:
                 stats(name, d)
+            elif "rows" in d and "memcpy_gbps" in d:
+                cpu_checksum(name, d)
             elif "server" in d and d["server"] is not None:
                 served(name, d)
             elif "results" in d:
