@@ -82,11 +82,30 @@ impl crate::report::Report for ChecksumReport {
 /// Checks the flags, fills the buffer, measures the baseline, then each thread count.
 pub(crate) fn run(a: &ChecksumArgs) -> Result<ChecksumReport, Error> {
     let (value, chunks) = shape(a)?;
+    let bytes = value * chunks;
+    if let Some(free) = mem_available() {
+        if bytes as u64 > free / 2 {
+            return Err(invalid(
+                "--working-set",
+                format!(
+                    "{} is more than half of the memory available here ({})",
+                    format_bytes(bytes as u64),
+                    format_bytes(free)
+                ),
+            ));
+        }
+    }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut buffer: Vec<u8> = Vec::new();
+    buffer.try_reserve_exact(bytes).map_err(|e| {
+        invalid(
+            "--working-set",
+            format!("{} could not be allocated: {e}", format_bytes(bytes as u64)),
+        )
+    })?;
     // A non-zero pattern that differs between chunks: every page is backed (zero pages share
     // one frame), and no two chunks are alike.
-    let buffer: Vec<u8> =
-        (0..value * chunks).map(|i| (i as u64).wrapping_mul(0x9e37) as u8).collect();
+    buffer.extend((0..bytes).map(|i| (i as u64).wrapping_mul(0x9e37) as u8));
     let memcpy_gbps = baseline::memcpy_gbps(value, a.duration.min(Duration::from_secs(1)));
     let rows = a.threads.iter().map(|&t| row(&buffer, value, t, a.duration, memcpy_gbps)).collect();
     Ok(ChecksumReport {
@@ -105,7 +124,10 @@ fn shape(a: &ChecksumArgs) -> Result<(usize, usize), Error> {
     }
     let value = usize::try_from(a.value_size)
         .map_err(|_| invalid("--value-size", "larger than this machine's address space"))?;
-    let chunks = usize::try_from(a.working_set / a.value_size).unwrap_or(usize::MAX);
+    let chunks = usize::try_from(a.working_set / a.value_size)
+        .ok()
+        .filter(|c| c.checked_mul(value).is_some())
+        .ok_or_else(|| invalid("--working-set", "larger than this machine's address space"))?;
     if let Some(&t) = a.threads.iter().find(|&&t| t == 0 || t > MAX_THREADS) {
         return Err(invalid("--threads", format!("{t}: each count must be 1 to {MAX_THREADS}")));
     }
@@ -127,6 +149,14 @@ fn shape(a: &ChecksumArgs) -> Result<(usize, usize), Error> {
         return Err(invalid("--duration", "must be longer than zero"));
     }
     Ok((value, chunks))
+}
+
+/// MemAvailable of /proc/meminfo in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// `threads` threads hashing chunks for `window`: thread t takes chunks t, t + threads, ...

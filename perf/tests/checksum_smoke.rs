@@ -41,6 +41,11 @@ fn checksum_refuses_bad_flags_naming_them() {
         (vec!["--value-size", "0"], "--value-size"),
         (vec!["--value-size", "1MiB", "--working-set", "2MiB", "--threads", "4"], "--working-set"),
         (vec!["--duration", "0s"], "--duration"),
+        // More than this machine can hold: refused before anything is allocated.
+        (
+            vec!["--value-size", "1MiB", "--working-set", "1024TiB", "--threads", "1"],
+            "--working-set",
+        ),
     ] {
         let mut all = vec!["checksum"];
         all.extend(args);
