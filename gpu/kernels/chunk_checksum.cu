@@ -6,9 +6,9 @@
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
 // sequential, and it is per lane. Hence two kernels:
-//   orbitkv_xxh3_rows: eight threads per block ("row") of every chunk (one per lane): the
-//     lane sums of its stripes (the chunk's last row also takes the final stripe with its own
-//     secret) into the scratch rows;
+//   orbitkv_xxh3_row_runs: eight threads (one per lane) per run of consecutive blocks
+//     ("rows") of the chunks: each row's lane sums of its stripes (a chunk's last row also
+//     takes the final stripe with its own secret) into the scratch rows;
 //   orbitkv_xxh3_fold_merge: eight threads per chunk: each lane from its initial value through
 //     "add the row's sum, scramble" for each full block, plus the last row's sum; the last of
 //     the chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche)
@@ -37,17 +37,13 @@
 #define ORBITKV_KERNEL extern "C" __global__
 #define ORBITKV_DEVICE __device__ static inline
 #define ORBITKV_CONST __constant__ static const
-// A table each lane of a warp reads at its own index: in global memory, read through L1, where
-// the warp's eight words come in one request (constant memory serves one address at a time:
-// eight lanes asking for eight words wait eight turns).
-#define ORBITKV_LANE_TABLE __device__ static const
-#define ORBITKV_LANE_READ(p) __ldg(p)
+// A rare path called from an unrolled loop: one copy of it, not one per iteration.
+#define ORBITKV_COLD __device__ __noinline__ static
 #else
 #define ORBITKV_KERNEL
 #define ORBITKV_DEVICE static inline
 #define ORBITKV_CONST static const
-#define ORBITKV_LANE_TABLE static const
-#define ORBITKV_LANE_READ(p) (*(p))
+#define ORBITKV_COLD static
 #endif
 
 typedef unsigned long long u64;
@@ -93,7 +89,7 @@ typedef struct {
 
 // secret[8k..8k+8] as little-endian words, k < 24: stripe s, lane i uses W[s + i]; the
 // scramble uses W[16 + i] (the secret's last 64 bytes).
-ORBITKV_LANE_TABLE u64 W[24] = {
+ORBITKV_CONST u64 W[24] = {
     0xbe4ba423396cfeb8ull, 0x1cad21f72c81017cull, 0xdb979083e96dd4deull,
     0x1f67b3b7a4a44072ull, 0x78e5c0cc4ee679cbull, 0x2172ffcc7dd05a82ull,
     0x8e2443f7744608b8ull, 0x4c263a81e69035e0ull, 0xcb00c391bb52283cull,
@@ -203,41 +199,42 @@ ORBITKV_DEVICE u64 stripe_lane(u64 w0, u64 w1, u32 j, u64 key) {
     return partner + (k & 0xffffffffull) * (k >> 32);
 }
 
-// Lane j's sum over the first `n` stripes of the row at chunk offset `base`; the cursor is on
-// the segment holding `base`. The eight threads of a row read its 64-byte stripes together
-// (16 bytes each, shared by a lane pair), so a warp reads four rows' stripes at once.
-ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j) {
-    u64 in_stripe = 16ull * (j >> 1);
-    u64 a = c->addr + (base - c->start) + in_stripe;
+// Lane j's sum over the 16 stripes of a whole block at device address `a` (its lane pair's 16
+// bytes of the first stripe; 16-byte aligned): eight loads in flight at a time. `key` is the
+// secret (W), where each lane reads its own word at once: shared memory in the kernel.
+ORBITKV_DEVICE u64 block_sum(u64 a, u32 j, const u64* key) {
     u64 sum = 0;
-    if (n == 16 && base + 1024 <= c->end && (a & 15ull) == 0) {
-        // The whole block in one segment, aligned (every row of 16-byte-aligned pages of 1 KiB
-        // multiples): eight loads in flight at a time instead of one, no segment checks.
-        for (u32 h = 0; h < 16; h += 8) {
-            u64 w[16];
-            ORBITKV_UNROLL
-            for (u32 s = 0; s < 8; s++) {
-                u64 at = a + 64ull * (h + s);
+    for (u32 h = 0; h < 16; h += 8) {
+        u64 w[16];
+        ORBITKV_UNROLL
+        for (u32 s = 0; s < 8; s++) {
+            u64 at = a + 64ull * (h + s);
 #ifdef __CUDACC__
-                ulonglong2 v = *(const ulonglong2*)at;
-                w[2 * s] = v.x;
-                w[2 * s + 1] = v.y;
+            ulonglong2 v = *(const ulonglong2*)at;
+            w[2 * s] = v.x;
+            w[2 * s + 1] = v.y;
 #else
-                w[2 * s] = ((const u64*)at)[0];
-                w[2 * s + 1] = ((const u64*)at)[1];
+            w[2 * s] = ((const u64*)at)[0];
+            w[2 * s + 1] = ((const u64*)at)[1];
 #endif
-            }
-            ORBITKV_UNROLL
-            for (u32 s = 0; s < 8; s++) {
-                sum += stripe_lane(w[2 * s], w[2 * s + 1], j, ORBITKV_LANE_READ(&W[h + s + j]));
-            }
         }
-        return sum;
+        ORBITKV_UNROLL
+        for (u32 s = 0; s < 8; s++) {
+            sum += stripe_lane(w[2 * s], w[2 * s + 1], j, key[h + s + j]);
+        }
     }
+    return sum;
+}
+
+// Lane j's sum over the first `n` stripes of the row at chunk offset `base`, word by word
+// across segments; the cursor is on the segment holding `base`.
+ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j, const u64* key) {
+    u64 in_stripe = 16ull * (j >> 1);
+    u64 sum = 0;
     for (u32 s = 0; s < n; s++) {
         u64 w0, w1;
         pair(c, base + 64ull * s + in_stripe, &w0, &w1);
-        sum += stripe_lane(w0, w1, j, ORBITKV_LANE_READ(&W[s + j]));
+        sum += stripe_lane(w0, w1, j, key[s + j]);
     }
     return sum;
 }
@@ -251,58 +248,45 @@ ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
 }
 
 // Rows folded per step of the pipeline below; two such groups are in flight.
-#define FOLD_GROUP 32
-
-// Row r, or the chunk's last row when r is past it.
-ORBITKV_DEVICE u64 row_within(u64 r, u64 last) {
-    return r < last ? r : last;
-}
+#define FOLD_GROUP 16
 
 // Lane j's accumulator from its initial value through "add the row's sum, scramble" for each
 // of the chunk's `nb` full blocks; `lane` is the chunk's first row, lane j (rows 64 bytes
 // apart, summed by an earlier kernel). The chain is sequential, so what it costs is its length
 // (a 2 MiB chunk has 2048 full blocks) times each step, and a step must not wait for memory:
-// the next group of row sums is loaded while the current one is folded, into the other of two
-// register groups that take turns, without a branch around the loads (behind one, the
-// compiler placed them after the fold). (Copying the loaded group into the folded one made each
-// step's copy wait for its load: the machine code showed a wait on the loads early in every
-// group, and the fold of a 64 MiB job of 2 MiB chunks took 76-86 us on the H200, about 80
-// cycles a step, for a chain of four dependent instructions.)
+// the next group of row sums is loaded while the current one is folded. Loading a group, then
+// folding it, paid a memory round trip per eight steps (measured on the H200, perf dma, 2 MiB
+// chunks of 2 KiB pages: beside a bf16 matmul loop, checksummed saves ran at 20 / 23-28 GB/s
+// under MPS before / after, and cost the matmul 17-18.5% / 14-15% without it). Groups of 32
+// taking turns in two register sets, loaded without a branch, were slower on the H200: 114-116
+// us per 64 MiB job of 2 MiB chunks against 81 (ncu).
 ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j) {
-    const u64 key = ORBITKV_LANE_READ(&W[16 + j]);
+    const u64 key = W[16 + j];
     u64 acc = INIT[j];
     u64 b = 0;
-    u64 x[FOLD_GROUP];
-    u64 y[FOLD_GROUP];
+    u64 cur[FOLD_GROUP];
+    u64 next[FOLD_GROUP];
     if (nb >= FOLD_GROUP) {
         for (u32 i = 0; i < FOLD_GROUP; i++) {
-            x[i] = lane[8 * i];
+            cur[i] = lane[8 * i];
         }
         for (;;) {
-            // x holds rows b .. b + FOLD_GROUP: load the group after it into y (when it is
-            // not whole, rows past the last are not used: each load stays within the chunk).
+            // cur holds rows b .. b + FOLD_GROUP; load the group after it, if whole, first.
             int more = b + 2 * FOLD_GROUP <= nb;
-            for (u32 i = 0; i < FOLD_GROUP; i++) {
-                y[i] = lane[8 * row_within(b + FOLD_GROUP + i, nb)];
+            if (more) {
+                for (u32 i = 0; i < FOLD_GROUP; i++) {
+                    next[i] = lane[8 * (b + FOLD_GROUP + i)];
+                }
             }
             for (u32 i = 0; i < FOLD_GROUP; i++) {
-                acc = fold_step(acc, x[i], key);
+                acc = fold_step(acc, cur[i], key);
             }
             b += FOLD_GROUP;
             if (!more) {
                 break;
             }
-            // Now y holds rows b .. b + FOLD_GROUP: the same with the groups' roles swapped.
-            more = b + 2 * FOLD_GROUP <= nb;
             for (u32 i = 0; i < FOLD_GROUP; i++) {
-                x[i] = lane[8 * row_within(b + FOLD_GROUP + i, nb)];
-            }
-            for (u32 i = 0; i < FOLD_GROUP; i++) {
-                acc = fold_step(acc, y[i], key);
-            }
-            b += FOLD_GROUP;
-            if (!more) {
-                break;
+                cur[i] = next[i];
             }
         }
     }
@@ -336,18 +320,8 @@ ORBITKV_DEVICE u64 merge(u64 len, const u64* acc) {
     return h;
 }
 
-// Eight threads per row (thread j: lane j), `rows` rows over `nchunks` chunks (row_first
-// ascending); `row_segs[r]` is the segment holding row r's first byte. Writes
-// scratch[8 * row + j].
-ORBITKV_KERNEL void orbitkv_xxh3_rows(const HashChunk* chunks, u32 nchunks, const HashSeg* segs,
-                                        const u32* row_segs, u64* scratch, u64 rows) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 r = t >> 3;
-    u32 j = (u32)(t & 7u);
-    if (r >= rows) {
-        return;
-    }
-    // The chunk owning row r: the last one whose row_first <= r.
+// The chunk owning row r: the last one whose row_first <= r (chunks in row order).
+ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
     u32 lo = 0, hi = nchunks;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -357,27 +331,105 @@ ORBITKV_KERNEL void orbitkv_xxh3_rows(const HashChunk* chunks, u32 nchunks, cons
             hi = mid;
         }
     }
-    const HashChunk ch = chunks[lo];
-    u64 b = r - ch.row_first;
-    u64 nb = full_blocks(ch.len);
+    return lo;
+}
+
+// Lane j's sum of row r of chunk `ch` by the cursor (rows not whole in one aligned segment,
+// and every chunk's last row, which also takes the final stripe with its own secret).
+ORBITKV_COLD u64 row_by_cursor(const HashChunk* ch, const HashSeg* segs, const u32* row_segs,
+                                 u64 r, u32 j, const u64* key) {
+    u64 b = r - ch->row_first;
+    u64 nb = full_blocks(ch->len);
     Cursor c;
-    c.segs = segs + ch.seg_first;
-    c.count = ch.seg_count;
-    c.len = ch.len;
-    enter(&c, row_segs[r] - ch.seg_first);
+    c.segs = segs + ch->seg_first;
+    c.count = ch->seg_count;
+    c.len = ch->len;
+    enter(&c, row_segs[r] - ch->seg_first);
     u64 base = b * 1024;
-    u32 n = b < nb ? 16 : (u32)(((ch.len - 1) - nb * 1024) / 64);
-    u64 sum = row_sum(&c, base, n, j);
+    u32 n = b < nb ? 16 : (u32)(((ch->len - 1) - nb * 1024) / 64);
+    u64 sum = row_sum(&c, base, n, j, key);
     if (b == nb) {
         // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
         // need not be 16-byte aligned).
-        u64 o = ch.len - 64 + 8ull * (j & ~1u);
+        u64 o = ch->len - 64 + 8ull * (j & ~1u);
         seek(&c, o);
         u64 w0 = word_slow(&c, o);
         u64 w1 = word_slow(&c, o + 8);
         sum += stripe_lane(w0, w1, j, L[j]);
     }
-    scratch[8 * r + j] = sum;
+    return sum;
+}
+
+// Rows whose addresses are looked up together before they are summed.
+#define ROW_BATCH 8
+
+// Eight threads per run of rows (thread j: lane j): the grid's runs split the `rows` rows
+// over `nchunks` chunks (row_first ascending) into contiguous runs of equal length, whatever
+// the grid (the host picks the run length by the grid it launches). `row_segs[r]` is the
+// segment holding row r's first byte. Writes scratch[8 * row + j].
+// A row's sum is a few loads of tables (its chunk, its segment) and then its 1 KiB: one row
+// per thread paid those round trips in turn before every row's data, and left most of the
+// memory idle. Here a thread looks up ROW_BATCH rows' addresses together (their loads
+// independent of each other), then sums them; the secret comes from shared memory, where a
+// warp's eight different words come at once (from constant memory, one after another).
+ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
+                                          const HashSeg* segs, const u32* row_segs,
+                                          u64* scratch, u64 rows) {
+#ifdef __CUDACC__
+    __shared__ u64 key[24];
+    if (threadIdx.x < 24) {
+        key[threadIdx.x] = W[threadIdx.x];
+    }
+    __syncthreads();
+#else
+    const u64* key = W;
+#endif
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 runs = ((u64)gridDim.x * blockDim.x) >> 3;
+    u64 g = t >> 3;
+    u32 j = (u32)(t & 7u);
+    u64 per = (rows + runs - 1) / runs;
+    u64 first = g * per;
+    u64 last = first + per < rows ? first + per : rows;
+    if (first >= last) {
+        return;
+    }
+    u32 k = chunk_of(chunks, nchunks, first);
+    for (u64 r0 = first; r0 < last; r0 += ROW_BATCH) {
+        // Each row's lane-pair address when the row is a whole block, in one segment and
+        // aligned; 0 when it goes by the cursor.
+        u64 at[ROW_BATCH];
+        ORBITKV_UNROLL
+        for (u32 i = 0; i < ROW_BATCH; i++) {
+            u64 r = r0 + i;
+            at[i] = 0;
+            if (r < last) {
+                while (k + 1 < nchunks && chunks[k + 1].row_first <= r) {
+                    k++;
+                }
+                const HashChunk* ch = &chunks[k];
+                u64 b = r - ch->row_first;
+                u64 s = row_segs[r];
+                u64 end = s + 1 < ch->seg_first + ch->seg_count ? segs[s + 1].start : ch->len;
+                u64 base = b * 1024;
+                u64 a = segs[s].addr + (base - segs[s].start) + 16ull * (j >> 1);
+                if (b < full_blocks(ch->len) && base + 1024 <= end && (a & 15ull) == 0) {
+                    at[i] = a;
+                }
+            }
+        }
+        ORBITKV_UNROLL
+        for (u32 i = 0; i < ROW_BATCH; i++) {
+            u64 r = r0 + i;
+            if (r < last) {
+                u64 sum = at[i] != 0
+                              ? block_sum(at[i], j, key)
+                              : row_by_cursor(&chunks[chunk_of(chunks, nchunks, r)], segs,
+                                              row_segs, r, j, key);
+                scratch[8 * r + j] = sum;
+            }
+        }
+    }
 }
 
 // Eight threads per chunk (thread j: lane j): lane j's accumulator, folded, left in the

@@ -363,9 +363,13 @@ impl ScatterUniformKernel {
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for ScatterUniformKernel {}
 
+/// Rows (1 KiB blocks of chunks) each run of the row kernel sums: its eight threads look up
+/// eight rows' addresses at a time, then sum them.
+const ROWS_PER_RUN: u64 = 8;
+
 /// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
 pub(crate) struct ChecksumKernels {
-    blocks: sys::CUfunction,
+    rows: sys::CUfunction,
     fold: sys::CUfunction,
     _module: PtxModule,
 }
@@ -400,7 +404,7 @@ impl ChecksumKernels {
             "chunk checksum kernels",
         )?;
         Ok(Self {
-            blocks: module.function("orbitkv_xxh3_rows")?,
+            rows: module.function("orbitkv_xxh3_row_runs")?,
             fold: module.function("orbitkv_xxh3_fold_merge")?,
             _module: module,
         })
@@ -425,8 +429,8 @@ impl ChecksumKernels {
         const THREADS: u32 = 256;
         let (chunks, nchunks) = l.chunks;
         let (scratch, rows) = l.scratch;
-        // Every thread has its row or chunk lane: a grid past CUDA's limit (2^31 - 1 blocks,
-        // about 64 TiB of chunks) is refused, and the shards compute those checksums.
+        // Every run of rows and every chunk lane has its thread: a grid past CUDA's limit
+        // (2^31 - 1 blocks) is refused, and the shards compute those checksums.
         let grid = |threads: u64| {
             u32::try_from(threads.div_ceil(u64::from(THREADS)))
                 .ok()
@@ -445,10 +449,13 @@ impl ChecksumKernels {
             (&raw mut sc).cast(),
             (&raw mut r).cast(),
         ];
-        // SAFETY: matches `orbitkv_xxh3_rows(const HashChunk*, u32, const HashSeg*, const
-        // u32*, u64*, u64)`, eight threads per row; memory per this function's contract.
+        // Eight threads per run of rows; the kernel splits the rows evenly over the grid's
+        // runs, so the grid alone sets the run length.
+        let runs = rows.div_ceil(ROWS_PER_RUN);
+        // SAFETY: matches `orbitkv_xxh3_row_runs(const HashChunk*, u32, const HashSeg*, const
+        // u32*, u64*, u64)`, any grid; memory per this function's contract.
         unsafe {
-            launch(self.blocks, stream, grid(rows * 8)?, THREADS, &mut blocks, "checksum blocks")?
+            launch(self.rows, stream, grid(runs * 8)?, THREADS, &mut blocks, "checksum rows")?
         };
         // The fold's chains (eight per chunk) in blocks of 256 threads: a 64 MiB job of 2 MiB
         // chunks folds on one SM; the chains are latency-bound, and share it without waiting
