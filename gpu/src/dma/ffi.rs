@@ -364,7 +364,8 @@ impl ScatterUniformKernel {
 unsafe impl Send for ScatterUniformKernel {}
 
 /// Rows (1 KiB blocks of chunks) each run of the row kernel sums: its eight threads look up
-/// eight rows' addresses at a time, then sum them.
+/// eight rows' addresses at a time, then sum them. On the H200 (ncu, 64 MiB of 2 KiB pages):
+/// runs of 4 rows 42 us, of 8 40-41.5 us, of 16 50 us; 8 holds the fewest blocks for its time.
 const ROWS_PER_RUN: u64 = 8;
 
 /// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
