@@ -10,6 +10,7 @@ import ctypes
 import glob
 import os
 import sys
+import zlib
 
 
 def nvrtc():
@@ -49,7 +50,12 @@ def main():
     lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
     ptx = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetPTX(prog, ptx)
-    header = f"// Built from {os.path.basename(src)} by build-ptx-nvrtc.py (NVRTC {major.value}.{minor.value}, compute_75)\n"
+    # The source's CRC-32: a test (gpu/tests/ptx_matches_source.rs) fails when the source
+    # changed and its PTX was not rebuilt.
+    header = (
+        f"// Built from {os.path.basename(src)} by build-ptx-nvrtc.py (NVRTC {major.value}.{minor.value}, compute_75)\n"
+        f"// Source crc32 {zlib.crc32(text):08x}\n"
+    )
     with open(out, "w") as f:
         f.write(header + ptx.value.decode())
     print(f"wrote {out} (NVRTC {major.value}.{minor.value})")
