@@ -22,9 +22,10 @@
 // launch of its own, and the sums' kernel has no chain. (One kernel doing all three held up
 // to a block per chunk resident through its chain: beside a bf16 matmul loop on the H200
 // under MPS its saves cost the matmul 8.0%; two kernels, at the same 48-50 GB/s, 2.9-3.5%.)
-// The row sums likewise hold few blocks: eight threads per run of eight rows rather than per
-// row, an eighth of the blocks, had sglang's 2 KiB saves cost the matmul 3.0-3.2% instead of
-// 3.8-4.0%, measured on other machines of the same kind.
+// The row sums likewise hold few blocks: eight threads per row launched eight times the blocks
+// of a thread per row; runs of eight rows per eight threads (as few blocks as now) had sglang's
+// 2 KiB saves cost the matmul 3.0-3.2% instead of 3.8-4.0%, measured on other machines of the
+// same kind.
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's
 // length); a row table names the segment holding each row's first byte.
@@ -213,7 +214,7 @@ ORBITKV_DEVICE void stripe_pair(u64* acc, u32 p, u64 w0, u64 w1, u32 s) {
 
 // The eight lanes' sums over the 16 stripes of a whole block at device address `a` (16-byte
 // aligned), added to `acc`. Fully unrolled: every secret word's index is a constant, so the
-// words are operands from the constant bank, not loads.
+// words become immediate operands (sm_90 machine code), not loads.
 ORBITKV_DEVICE void block_sums(u64 a, u64* acc) {
     ORBITKV_UNROLL
     for (u32 h = 0; h < 16; h += STRIPES_IN_FLIGHT) {
