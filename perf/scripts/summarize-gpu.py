@@ -59,6 +59,17 @@ def served(name, d):
         f"{num(s.get('save_checksum_wait_us_per_job'), '{:.0f}')} us; host copies per job "
         f"{num(s.get('save_runs_per_job'), '{:.1f}')}"
     )
+    # The requests' time with no copy of theirs running: before the first, after the last
+    # (lead, tail; per request) and between jobs (the rest).
+    idle = lambda way: (
+        1 - s[f"{way}_gbps"] / s[f"{way}_busy_gbps"] if s.get(f"{way}_busy_gbps") else None
+    )
+    print(
+        f"{name}:   idle {num(idle('save') and 100 * idle('save'), '{:.1f}')}% / "
+        f"{num(idle('load') and 100 * idle('load'), '{:.1f}')}% of the requests' time; lead "
+        f"{num(s.get('save_lead_us'), '{:.0f}')} / {num(s.get('load_lead_us'), '{:.0f}')} us, tail "
+        f"{num(s.get('save_tail_us'), '{:.0f}')} / {num(s.get('load_tail_us'), '{:.0f}')} us"
+    )
     dup = s.get("duplex")
     if dup:
         print(f"{name}:   duplex {num(dup['ratio'])} ({num(dup['gbps'], '{:.1f}')} of "
@@ -103,7 +114,11 @@ def main(dirs):
                 with open(path) as f:
                     d = json.load(f)
             except (OSError, ValueError) as e:
-                print(f"{name}: not read ({e})")
+                if "killed" in name:
+                    # The engine killed in the middle of its save writes no result.
+                    print(f"{name}: no result (the engine was killed during its save)")
+                else:
+                    print(f"{name}: not read ({e})")
                 continue
             if "stats" in name:
                 stats(name, d)
