@@ -70,6 +70,15 @@ def served(name, d):
         f"{num(s.get('save_lead_us'), '{:.0f}')} / {num(s.get('load_lead_us'), '{:.0f}')} us, tail "
         f"{num(s.get('save_tail_us'), '{:.0f}')} / {num(s.get('load_tail_us'), '{:.0f}')} us"
     )
+    # With the server's --gpu-timeline: the copies' own rate and the copy stream's idle time.
+    for way in ("save", "load"):
+        t = s.get(f"{way}_timeline")
+        if t:
+            print(
+                f"{name}:   {way} timeline: copies at {num(t['copy_gbps'], '{:.1f}')} GB/s while "
+                f"copying; per request {num(t['span_us'], '{:.0f}')} us on the GPU, copy stream "
+                f"idle {num(t['copy_gaps_us'], '{:.0f}')} us, kernels {num(t['kernel_us'], '{:.0f}')} us"
+            )
     dup = s.get("duplex")
     if dup:
         print(f"{name}:   duplex {num(dup['ratio'])} ({num(dup['gbps'], '{:.1f}')} of "
