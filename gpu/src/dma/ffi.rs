@@ -363,9 +363,6 @@ impl ScatterUniformKernel {
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for ScatterUniformKernel {}
 
-/// Rows (1 KiB blocks of chunks) each thread of the row kernel sums.
-const ROWS_PER_THREAD: u64 = 1;
-
 /// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
 pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
@@ -448,12 +445,11 @@ impl ChecksumKernels {
             (&raw mut sc).cast(),
             (&raw mut r).cast(),
         ];
-        // A thread per run of rows; the kernel splits the rows evenly over the grid's
-        // threads, so the grid alone sets the run length.
-        let runs = rows.div_ceil(ROWS_PER_THREAD);
+        // A thread per row (1 KiB block of a chunk). The kernel splits the rows evenly over
+        // whatever grid it gets, so a smaller grid would give each thread a run of rows.
         // SAFETY: matches `orbitkv_xxh3_row_sums(const HashChunk*, u32, const HashSeg*, const
         // u32*, u64*, u64)`, any grid; memory per this function's contract.
-        unsafe { launch(self.rows, stream, grid(runs)?, THREADS, &mut blocks, "checksum rows")? };
+        unsafe { launch(self.rows, stream, grid(rows)?, THREADS, &mut blocks, "checksum rows")? };
         // The fold's chains (eight per chunk) in blocks of 256 threads: a 64 MiB job of 2 MiB
         // chunks folds on one SM; the chains are latency-bound, and share it without waiting
         // for each other.
