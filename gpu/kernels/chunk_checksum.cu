@@ -6,9 +6,9 @@
 // bytes. Within a block every stripe's effect on a lane is a sum (mod 2^64), so a block's
 // contribution can be computed on its own; only the scramble after each full block is
 // sequential, and it is per lane. Hence two kernels:
-//   orbitkv_xxh3_row_sums: a thread per run of consecutive blocks ("rows") of the chunks:
-//     each row's eight lane sums of its stripes (a chunk's last row also takes the final
-//     stripe with its own secret) into the scratch rows;
+//   orbitkv_xxh3_row_runs: eight threads (one per lane) per run of consecutive blocks
+//     ("rows") of the chunks: each row's lane sums of its stripes (a chunk's last row also
+//     takes the final stripe with its own secret) into the scratch rows;
 //   orbitkv_xxh3_fold_merge: eight threads per chunk: each lane from its initial value through
 //     "add the row's sum, scramble" for each full block, plus the last row's sum; the last of
 //     the chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche)
@@ -22,10 +22,13 @@
 // launch of its own, and the sums' kernel has no chain. (One kernel doing all three held up
 // to a block per chunk resident through its chain: beside a bf16 matmul loop on the H200
 // under MPS its saves cost the matmul 8.0%; two kernels, at the same 48-50 GB/s, 2.9-3.5%.)
-// The row sums likewise hold few blocks: eight threads per row launched eight times the blocks
-// of a thread per row; runs of eight rows per eight threads (as few blocks as now) had sglang's
-// 2 KiB saves cost the matmul 3.0-3.2% instead of 3.8-4.0%, measured on other machines of the
-// same kind.
+// The row sums likewise hold few blocks: a run of rows per eight threads (see
+// orbitkv_xxh3_row_runs) rather than one row, an eighth of the blocks: sglang's 2 KiB saves
+// cost the matmul 3.0-3.2% instead of 3.8-4.0%, measured on other machines of the same kind.
+// A thread per row summing all eight lanes (each byte loaded once, the secret as immediates,
+// 64 registers) lost in one call beside these kernels: alone 60-61 us against 40-43 (ncu,
+// 64 MiB of 2 KiB pages), beside the matmul 5.4-6.0% (sglang 2 KiB) and 4.3-4.7% (nhd 32 KiB)
+// against 3.6-3.9% and 3.1-3.7%.
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's
 // length); a row table names the segment holding each row's first byte.
@@ -202,40 +205,44 @@ ORBITKV_DEVICE u64 stripe_lane(u64 w0, u64 w1, u32 j, u64 key) {
     return partner + (k & 0xffffffffull) * (k >> 32);
 }
 
-// One stripe's effect on the lane pair p (lanes 2p and 2p + 1), whose 16 bytes are (w0, w1),
-// at stripe s of its block.
-ORBITKV_DEVICE void stripe_pair(u64* acc, u32 p, u64 w0, u64 w1, u32 s) {
-    acc[2 * p] += stripe_lane(w0, w1, 2 * p, W[s + 2 * p]);
-    acc[2 * p + 1] += stripe_lane(w0, w1, 2 * p + 1, W[s + 2 * p + 1]);
-}
-
-// Stripes of a block whose loads are in flight at once (16 loads of 16 bytes).
-#define STRIPES_IN_FLIGHT 4
-
-// The eight lanes' sums over the 16 stripes of a whole block at device address `a` (16-byte
-// aligned), added to `acc`. Fully unrolled: every secret word's index is a constant, so the
-// words become immediate operands (sm_90 machine code), not loads.
-ORBITKV_DEVICE void block_sums(u64 a, u64* acc) {
-    ORBITKV_UNROLL
-    for (u32 h = 0; h < 16; h += STRIPES_IN_FLIGHT) {
-        u64 w[8 * STRIPES_IN_FLIGHT];
+// Lane j's sum over the 16 stripes of a whole block at device address `a` (its lane pair's 16
+// bytes of the first stripe; 16-byte aligned): eight loads in flight at a time. `key` is the
+// secret (W), where each lane reads its own word at once: shared memory in the kernel.
+ORBITKV_DEVICE u64 block_sum(u64 a, u32 j, const u64* key) {
+    u64 sum = 0;
+    for (u32 h = 0; h < 16; h += 8) {
+        u64 w[16];
         ORBITKV_UNROLL
-        for (u32 q = 0; q < 4 * STRIPES_IN_FLIGHT; q++) {
-            u64 at = a + 64ull * h + 16ull * q;
+        for (u32 s = 0; s < 8; s++) {
+            u64 at = a + 64ull * (h + s);
 #ifdef __CUDACC__
             ulonglong2 v = *(const ulonglong2*)at;
-            w[2 * q] = v.x;
-            w[2 * q + 1] = v.y;
+            w[2 * s] = v.x;
+            w[2 * s + 1] = v.y;
 #else
-            w[2 * q] = ((const u64*)at)[0];
-            w[2 * q + 1] = ((const u64*)at)[1];
+            w[2 * s] = ((const u64*)at)[0];
+            w[2 * s + 1] = ((const u64*)at)[1];
 #endif
         }
         ORBITKV_UNROLL
-        for (u32 q = 0; q < 4 * STRIPES_IN_FLIGHT; q++) {
-            stripe_pair(acc, q % 4, w[2 * q], w[2 * q + 1], h + q / 4);
+        for (u32 s = 0; s < 8; s++) {
+            sum += stripe_lane(w[2 * s], w[2 * s + 1], j, key[h + s + j]);
         }
     }
+    return sum;
+}
+
+// Lane j's sum over the first `n` stripes of the row at chunk offset `base`, word by word
+// across segments; the cursor is on the segment holding `base`.
+ORBITKV_DEVICE u64 row_sum(Cursor* c, u64 base, u32 n, u32 j, const u64* key) {
+    u64 in_stripe = 16ull * (j >> 1);
+    u64 sum = 0;
+    for (u32 s = 0; s < n; s++) {
+        u64 w0, w1;
+        pair(c, base + 64ull * s + in_stripe, &w0, &w1);
+        sum += stripe_lane(w0, w1, j, key[s + j]);
+    }
+    return sum;
 }
 
 // One full block's step of lane accumulator `acc`: add the block's sum, scramble.
@@ -319,16 +326,8 @@ ORBITKV_DEVICE u64 merge(u64 len, const u64* acc) {
     return h;
 }
 
-// The chunk owning row r: the last one whose row_first <= r (chunks in row order). A
-// submission's chunks usually all have the same length: then it is r / (rows per chunk),
-// checked; otherwise a binary search.
+// The chunk owning row r: the last one whose row_first <= r (chunks in row order).
 ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
-    u64 per = full_blocks(chunks[0].len) + 1;
-    u64 guess = r / per;
-    if (guess < nchunks && chunks[guess].row_first <= r &&
-        (guess + 1 == nchunks || r < chunks[guess + 1].row_first)) {
-        return (u32)guess;
-    }
     u32 lo = 0, hi = nchunks;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
@@ -341,11 +340,10 @@ ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
     return lo;
 }
 
-// The eight lanes' sums of row r of chunk `ch` by the cursor, into out[0..8] (rows not whole in
-// one aligned segment, and every chunk's last row, which also takes the final stripe with its
-// own secret).
-ORBITKV_COLD void row_by_cursor(const HashChunk* ch, const HashSeg* segs, const u32* row_segs,
-                                u64 r, u64* out) {
+// Lane j's sum of row r of chunk `ch` by the cursor (rows not whole in one aligned segment,
+// and every chunk's last row, which also takes the final stripe with its own secret).
+ORBITKV_COLD u64 row_by_cursor(const HashChunk* ch, const HashSeg* segs, const u32* row_segs,
+                                 u64 r, u32 j, const u64* key) {
     u64 b = r - ch->row_first;
     u64 nb = full_blocks(ch->len);
     Cursor c;
@@ -355,79 +353,90 @@ ORBITKV_COLD void row_by_cursor(const HashChunk* ch, const HashSeg* segs, const 
     enter(&c, row_segs[r] - ch->seg_first);
     u64 base = b * 1024;
     u32 n = b < nb ? 16 : (u32)(((ch->len - 1) - nb * 1024) / 64);
-    u64 acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (u32 s = 0; s < n; s++) {
-        for (u32 p = 0; p < 4; p++) {
-            u64 w0, w1;
-            pair(&c, base + 64ull * s + 16ull * p, &w0, &w1);
-            stripe_pair(acc, p, w0, w1, s);
-        }
-    }
+    u64 sum = row_sum(&c, base, n, j, key);
     if (b == nb) {
         // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
         // need not be 16-byte aligned).
-        for (u32 p = 0; p < 4; p++) {
-            u64 o = ch->len - 64 + 16ull * p;
-            seek(&c, o);
-            u64 w0 = word_slow(&c, o);
-            u64 w1 = word_slow(&c, o + 8);
-            acc[2 * p] += stripe_lane(w0, w1, 2 * p, L[2 * p]);
-            acc[2 * p + 1] += stripe_lane(w0, w1, 2 * p + 1, L[2 * p + 1]);
-        }
+        u64 o = ch->len - 64 + 8ull * (j & ~1u);
+        seek(&c, o);
+        u64 w0 = word_slow(&c, o);
+        u64 w1 = word_slow(&c, o + 8);
+        sum += stripe_lane(w0, w1, j, L[j]);
     }
-    for (u32 i = 0; i < 8; i++) {
-        out[i] = acc[i];
-    }
+    return sum;
 }
 
-// A thread per run of rows: the grid's threads split the `rows` rows over `nchunks` chunks
-// (row_first ascending) into contiguous runs of equal length, whatever the grid (the host
-// picks the run length by the grid it launches). `row_segs[r]` is the segment holding row r's
-// first byte. Writes the eight lanes' sums of row r at scratch[8 * r].
-// A thread sums all eight lanes of its rows, each byte loaded once, 16 loads of 16 bytes in
-// flight. (Eight threads per row, one per lane, had the two threads of a lane pair load the
-// same bytes, and each thread kept 128 bytes in flight: on the H200 the kernel was
-// latency-bound, DRAM 35-42% busy, 37-41 us per 64 MiB.)
-ORBITKV_KERNEL void orbitkv_xxh3_row_sums(const HashChunk* chunks, u32 nchunks,
+// Rows whose addresses are looked up together before they are summed.
+#define ROW_BATCH 8
+
+// Eight threads per run of rows (thread j: lane j): the grid's runs split the `rows` rows
+// over `nchunks` chunks (row_first ascending) into contiguous runs of equal length, whatever
+// the grid (the host picks the run length by the grid it launches). `row_segs[r]` is the
+// segment holding row r's first byte. Writes scratch[8 * row + j].
+// A row's sum is a few loads of tables (its chunk, its segment) and then its 1 KiB. With one
+// row per thread the kernel needed eight times the blocks, each short-lived, and beside an
+// engine's kernels (MPS) every block holds an SM the engine waits for. Here a thread looks up
+// ROW_BATCH rows' addresses together (their loads independent of each other), then sums them.
+// Alone it is not faster (on the H200, 64 MiB of 2 KiB pages: 40-41.5 us against 37-39), but
+// beside a bf16 matmul loop checksummed saves cost the matmul 3.0-3.2% instead of 3.8-4.0%.
+// The secret comes from shared memory, where a warp's eight different words come at once
+// (from constant memory, one after another: 35-36 us against 37-38 with one row per thread).
+ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
                                           const HashSeg* segs, const u32* row_segs,
                                           u64* scratch, u64 rows) {
+#ifdef __CUDACC__
+    __shared__ u64 key[24];
+    if (threadIdx.x < 24) {
+        key[threadIdx.x] = W[threadIdx.x];
+    }
+    __syncthreads();
+#else
+    const u64* key = W;
+#endif
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 threads = (u64)gridDim.x * blockDim.x;
-    u64 per = (rows + threads - 1) / threads;
-    u64 first = t * per;
+    u64 runs = ((u64)gridDim.x * blockDim.x) >> 3;
+    u64 g = t >> 3;
+    u32 j = (u32)(t & 7u);
+    u64 per = (rows + runs - 1) / runs;
+    u64 first = g * per;
     u64 last = first + per < rows ? first + per : rows;
     if (first >= last) {
         return;
     }
     u32 k = chunk_of(chunks, nchunks, first);
-    for (u64 r = first; r < last; r++) {
-        while (k + 1 < nchunks && chunks[k + 1].row_first <= r) {
-            k++;
-        }
-        const HashChunk* ch = &chunks[k];
-        u64 b = r - ch->row_first;
-        u64 s = row_segs[r];
-        u64 end = s + 1 < ch->seg_first + ch->seg_count ? segs[s + 1].start : ch->len;
-        u64 base = b * 1024;
-        u64 a = segs[s].addr + (base - segs[s].start);
-        u64* out = scratch + 8 * r;
-        if (b < full_blocks(ch->len) && base + 1024 <= end && (a & 15ull) == 0) {
-            u64 acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            block_sums(a, acc);
-            ORBITKV_UNROLL
-            for (u32 i = 0; i < 8; i += 2) {
-#ifdef __CUDACC__
-                ulonglong2 v;
-                v.x = acc[i];
-                v.y = acc[i + 1];
-                *(ulonglong2*)(out + i) = v;
-#else
-                out[i] = acc[i];
-                out[i + 1] = acc[i + 1];
-#endif
+    for (u64 r0 = first; r0 < last; r0 += ROW_BATCH) {
+        // Each row's lane-pair address when the row is a whole block, in one segment and
+        // aligned; 0 when it goes by the cursor.
+        u64 at[ROW_BATCH];
+        ORBITKV_UNROLL
+        for (u32 i = 0; i < ROW_BATCH; i++) {
+            u64 r = r0 + i;
+            at[i] = 0;
+            if (r < last) {
+                while (k + 1 < nchunks && chunks[k + 1].row_first <= r) {
+                    k++;
+                }
+                const HashChunk* ch = &chunks[k];
+                u64 b = r - ch->row_first;
+                u64 s = row_segs[r];
+                u64 end = s + 1 < ch->seg_first + ch->seg_count ? segs[s + 1].start : ch->len;
+                u64 base = b * 1024;
+                u64 a = segs[s].addr + (base - segs[s].start) + 16ull * (j >> 1);
+                if (b < full_blocks(ch->len) && base + 1024 <= end && (a & 15ull) == 0) {
+                    at[i] = a;
+                }
             }
-        } else {
-            row_by_cursor(ch, segs, row_segs, r, out);
+        }
+        ORBITKV_UNROLL
+        for (u32 i = 0; i < ROW_BATCH; i++) {
+            u64 r = r0 + i;
+            if (r < last) {
+                u64 sum = at[i] != 0
+                              ? block_sum(at[i], j, key)
+                              : row_by_cursor(&chunks[chunk_of(chunks, nchunks, r)], segs,
+                                              row_segs, r, j, key);
+                scratch[8 * r + j] = sum;
+            }
         }
     }
 }

@@ -3,8 +3,8 @@
 // rows, data_len (u64 each), then nchunks records of 5 u64 (HashChunk), nsegs records of 2 u64
 // (HashSeg, addresses as offsets into the data), rows u32 (each row's segment), then data_len
 // bytes of data. Prints one checksum per chunk, in hex, one per line; exits 3 when the fold
-// left a counter non-zero, 4 when the two runs disagree (the second splits the rows into long
-// runs: one block of the row kernel), 5 when a chunk merged early, 6 when the row table
+// left a counter non-zero, 4 when the two runs disagree (the second splits the rows into a few
+// long runs: one block of the row kernel), 5 when a chunk merged early, 6 when the row table
 // names a segment that does not hold its row's first byte, 7 when chunk_of names the wrong
 // chunk for a row of chunks of unequal lengths.
 #include <stdio.h>
@@ -28,7 +28,7 @@ static void* read_exact(size_t n) {
 }
 
 // chunk_of against a walk over chunks of unequal lengths (a submission's chunks are all of one
-// length, so the tables below never reach its binary search).
+// length; the kernel's search must not depend on it).
 static int check_chunk_of(void) {
     HashChunk c[9];
     u64 row = 0;
@@ -97,9 +97,10 @@ int main(void) {
     const u64 unset = 0x5a5a5a5a5a5a5a5aull;
     const u32 threads = 128;
     blockDim.x = threads;
-    // Each kernel's threads one after another (the kernels use neither shared memory nor
-    // barriers, so any order of threads is a valid execution). Twice: a row per thread and the
-    // fold in order, then one block's long runs of rows (crossing chunks) and the fold in
+    // Each kernel's threads one after another (their threads never wait for each other; the
+    // row kernel's barrier only follows its copy of the secret, which the C build does not
+    // make), so any order of threads is a valid execution. Twice: runs of 8 rows and the fold
+    // in order, then one block's few long runs (batches crossing chunks) and the fold in
     // reverse order (another lane merges), with the counters the first run put back.
     for (int round = 0; round < 2; round++) {
         u64* dst = round == 0 ? out : again;
@@ -109,11 +110,11 @@ int main(void) {
         }
         // Rows the row kernel leaves out keep a pattern, not the other round's sums.
         memset(scratch, 0xa5, rows * 8 * sizeof(u64));
-        gridDim.x = round == 0 ? (u32)((rows + threads - 1) / threads) : 1;
+        gridDim.x = round == 0 ? (u32)(((rows + 7) / 8 * 8 + threads - 1) / threads) : 1;
         for (u64 t = 0; t < (u64)gridDim.x * threads; t++) {
             blockIdx.x = (u32)(t / threads);
             threadIdx.x = (u32)(t % threads);
-            orbitkv_xxh3_row_sums(chunks, (u32)nchunks, segs, row_segs, scratch, rows);
+            orbitkv_xxh3_row_runs(chunks, (u32)nchunks, segs, row_segs, scratch, rows);
         }
         gridDim.x = (u32)((nchunks * 8 + threads - 1) / threads);
         for (u64 i = 0; i < nchunks * 8; i++) {
