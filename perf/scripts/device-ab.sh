@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Two server builds compared beside the bf16 matmul on the device machine, alternated A, B, A,
-# B, ... (perf/scripts/device-gpu-server.sh with MPS=1 INTF=1 NOKILL=1 each time, so that both
-# see the machine in the same states). A and B name the server binaries (default: the one in
-# .device-bin, and .device-bin/orbitkv-server-prev); A_PTX / B_PTX optionally name a checksum
-# kernel PTX for that side (ORBITKV_CHECKSUM_KERNEL_PTX). ROUNDS (2) rounds; ONLY the runs
-# ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB"). Results go to $OUT
-# with tags a1-, b1-, a2-, ...; the summary of all of them to $OUT/ab-summary.txt.
+# Server builds or settings compared beside the bf16 matmul on the device machine, alternated
+# A, B, A, B, ... (perf/scripts/device-gpu-server.sh with MPS=1 INTF=1 NOKILL=1 each time, so
+# that all see the machine in the same states). SIDES ("A B") names the sides; each side X has
+# a server binary X (A: the one in .device-bin, others: .device-bin/orbitkv-server-prev), X_PTX
+# optionally a checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX), X_ENV optionally variables
+# for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"). ROUNDS (2)
+# rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB").
+# Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
+# summary of all of them to $OUT/ab-summary.txt.
 set -u
 B_DIR=.device-bin
+SIDES=${SIDES:-"A B"}
 A=${A:-$B_DIR/orbitkv-server}
-B=${B:-$B_DIR/orbitkv-server-prev}
+for side in $SIDES; do
+  [[ "$side" =~ ^[A-Z]$ ]] || { echo "SIDES: $side is not one capital letter" >&2; exit 2; }
+  [ -n "${!side:-}" ] || printf -v "$side" '%s' "$B_DIR/orbitkv-server-prev"
+done
 ROUNDS=${ROUNDS:-2}
 ONLY=${ONLY:-"intf-sglang-2k intf-nhd-32k"}
 ARGS=${SERVER_ARGS:-"--gpu-staging 256MiB"}
-for side in A B; do
+for side in $SIDES; do
   bin=${!side}
   [ -x "$bin" ] || { echo "$side: $bin is not an executable server binary" >&2; exit 2; }
 done
@@ -30,13 +36,14 @@ leftovers() {
   rm -rf /tmp/okvg
 }
 for round in $(seq "$ROUNDS"); do
-  for side in A B; do
-    tag=$(echo "$side" | tr AB ab)$round-
+  for side in $SIDES; do
+    tag=$(echo "$side" | tr '[:upper:]' '[:lower:]')$round-
     ptx_var=${side}_PTX
-    echo "== $tag server ${!side} ${!ptx_var:+PTX ${!ptx_var}}" >> "$OUT/ab.log"
+    env_var=${side}_ENV
+    echo "== $tag server ${!side} ${!ptx_var:+PTX ${!ptx_var}} ${!env_var:+env ${!env_var}}" >> "$OUT/ab.log"
     (
       if [ -n "${!ptx_var:-}" ]; then export ORBITKV_CHECKSUM_KERNEL_PTX=${!ptx_var}; fi
-      SERVER=${!side} MPS=1 INTF=1 NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$ARGS" TAG=$tag \
+      SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=1 INTF=1 NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$ARGS" TAG=$tag \
         timeout 150 bash perf/scripts/device-gpu-server.sh
     )
     echo "rc=$?" >> "$OUT/ab.log"

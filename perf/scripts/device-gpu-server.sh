@@ -3,7 +3,8 @@
 # the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
 # with SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs
 # also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4);
-# SERVER names another server binary (to compare builds in one call). INTF=1 adds runs with
+# SERVER names another server binary (to compare builds in one call), SERVER_ENV
+# variables for the server process alone (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10). INTF=1 adds runs with
 # --interference: a bf16 matmul loop (PyTorch) beside the server's saves and loads, then beside
 # the engine-side copies (about 40 s each; MPS=1 starts an MPS daemon for the server and the
 # loop to share). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
@@ -15,7 +16,7 @@ S=/tmp/okvg/s.sock
 mkdir -p /tmp/okvg
 stats() { $B/orbitkv-ctl --socket $S stats --json; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
-${SERVER:-$B/orbitkv-server} --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
+env $SERVER_ENV ${SERVER:-$B/orbitkv-server} --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
 D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
