@@ -1,7 +1,9 @@
 //! Chunk checksums on the GPU of one device: the kernels of `gpu/kernels/chunk_checksum.cu` on
-//! streams of their own, beside the copies of a save (they read the engine's pages in GPU memory,
-//! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
-//! checksums once its event has completed.
+//! streams of their own, beside the copies of a save. They read the engine's pages in GPU
+//! memory ([`ChunkHasher::submit`]), or, for a job staged in one batch, the staging half the
+//! job's bytes crossed the bus from, right after its gather ([`ChunkHasher::submit_staged`]).
+//! Each submission returns a [`ChecksumTicket`] that yields the checksums once its event has
+//! completed.
 
 #![allow(unsafe_code)]
 
