@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Server builds or settings compared beside the bf16 matmul on the device machine, alternated
 # A, B, A, B, ... (perf/scripts/device-gpu-server.sh with MPS=1 INTF=1 NOKILL=1 each time, so
-# that all see the machine in the same states). SIDES ("A B") names the sides; each side X has
+# that all see the machine in the same states; AB_MPS=0 and AB_INTF=0 leave out MPS and the
+# matmul, e.g. with ONLY="sglang-2k engine-copies-32k"). SIDES ("A B") names the sides; each side X has
 # a server binary X (A: the one in .device-bin, others: .device-bin/orbitkv-server-prev), X_PTX
 # optionally a checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX), X_ENV optionally variables
 # for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"). ROUNDS (2)
 # rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB").
 # Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
-# summary of all of them to $OUT/ab-summary.txt.
+# summary of all of them to $OUT/ab-summary.txt. The runs' files are then packed into
+# $OUT/ab-runs.tgz (the device tool brings back only so many files; extract it for
+# summarize-gpu.py), leaving the log, the summary and the archive.
 set -u
 B_DIR=.device-bin
 SIDES=${SIDES:-"A B"}
@@ -43,7 +46,7 @@ for round in $(seq "$ROUNDS"); do
     echo "== $tag server ${!side} ${!ptx_var:+PTX ${!ptx_var}} ${!env_var:+env ${!env_var}}" >> "$OUT/ab.log"
     (
       if [ -n "${!ptx_var:-}" ]; then export ORBITKV_CHECKSUM_KERNEL_PTX=${!ptx_var}; fi
-      SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=1 INTF=1 NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$ARGS" TAG=$tag \
+      SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=${AB_MPS:-1} INTF=${AB_INTF:-1} NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$ARGS" TAG=$tag \
         timeout 150 bash perf/scripts/device-gpu-server.sh
     )
     echo "rc=$?" >> "$OUT/ab.log"
@@ -51,3 +54,8 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 python3 perf/scripts/summarize-gpu.py "$OUT" > "$OUT/ab-summary.txt" 2>&1
+runs=$(cd "$OUT" && ls | grep -vxE 'ab\.log|ab-summary\.txt|ab-runs\.tgz')
+if [ -n "$runs" ]; then
+  # shellcheck disable=SC2086 # one name per word: the scripts' file names have no spaces
+  tar czf "$OUT/ab-runs.tgz" -C "$OUT" $runs && (cd "$OUT" && rm -rf $runs)
+fi
