@@ -454,8 +454,6 @@ impl ChecksumKernels {
         stream: &CudaStream,
         l: &ChecksumLaunch,
     ) -> Result<(), DmaError> {
-        const THREADS: u32 = CHECKSUM_THREADS;
-        let grid = checksum_grid;
         let (chunks, nchunks) = l.chunks;
         let (scratch, rows) = l.scratch;
         let (mut c, mut n, mut s, mut rs, mut sc, mut r, mut co, mut o) =
@@ -474,7 +472,14 @@ impl ChecksumKernels {
         // SAFETY: matches `orbitkv_xxh3_row_runs(const HashChunk*, u32, const HashSeg*, const
         // u32*, u64*, u64)`, any grid; memory per this function's contract.
         unsafe {
-            launch(self.rows, stream, grid(runs * 8)?, THREADS, &mut blocks, "checksum rows")?
+            launch(
+                self.rows,
+                stream,
+                checksum_grid(runs * 8)?,
+                CHECKSUM_THREADS,
+                &mut blocks,
+                "checksum rows",
+            )?
         };
         // The fold's chains (eight per chunk) in blocks of 256 threads: a 64 MiB job of 2 MiB
         // chunks folds on one SM; the chains are latency-bound, and share it without waiting
@@ -492,8 +497,8 @@ impl ChecksumKernels {
             launch(
                 self.fold,
                 stream,
-                grid(u64::from(nchunks) * 8)?,
-                THREADS,
+                checksum_grid(u64::from(nchunks) * 8)?,
+                CHECKSUM_THREADS,
                 &mut fold,
                 "checksum fold",
             )
