@@ -192,21 +192,13 @@ impl ChunkHasher {
             .map_err(|_| DmaError::Invalid(format!("{n} chunks in one checksum submission")))?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let results = self.pinned_results(n * 8)?;
-        let slot = &mut self.slots[self.next];
-        self.next = (self.next + 1) % SLOTS;
-        // The slot's tables and scratch are free once its last use finished.
-        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        let slot = self.next_slot(self.tables.rows, n)?;
+        let slot = &mut self.slots[slot];
         let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
         }
         at_least(&self.ctx, &mut slot.tables, table_len)?;
-        at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
-        let counters_len = n * COUNTERS_PER_CHUNK * 4;
-        if slot.counters.len() < counters_len {
-            slot.counters =
-                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
-        }
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
         if self.pull.is_some() {
@@ -324,17 +316,8 @@ impl ChunkHasher {
         };
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let results = self.pinned_results(count * 8)?;
-        let slot = &mut self.slots[self.next];
-        self.next = (self.next + 1) % SLOTS;
-        // The slot's scratch and counters are free once its last use finished.
-        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
-        let rows = rows_of(chunk_len) * count as u64;
-        at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
-        let counters_len = count * COUNTERS_PER_CHUNK * 4;
-        if slot.counters.len() < counters_len {
-            slot.counters =
-                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
-        }
+        let slot = self.next_slot(rows_of(chunk_len) * count as u64, count)?;
+        let slot = &mut self.slots[slot];
         let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let kernels = &self.kernels;
         let enqueue = || -> Result<(), DmaError> {
@@ -372,6 +355,22 @@ impl ChunkHasher {
             count,
             pool: Arc::clone(&self.pool),
         }))
+    }
+
+    /// The next slot in turn, once its last submission has finished (so its tables, scratch
+    /// and counters are free), with scratch for `rows` rows and counters for `chunks` chunks.
+    fn next_slot(&mut self, rows: u64, chunks: usize) -> Result<usize, DmaError> {
+        let i = self.next;
+        self.next = (i + 1) % SLOTS;
+        let slot = &mut self.slots[i];
+        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
+        let counters_len = chunks * COUNTERS_PER_CHUNK * 4;
+        if slot.counters.len() < counters_len {
+            slot.counters =
+                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
+        }
+        Ok(i)
     }
 
     /// A pinned buffer of at least `len` bytes from the pool, or a new one.
