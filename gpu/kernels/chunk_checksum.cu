@@ -13,10 +13,6 @@
 //     "add the row's sum, scramble" for each full block, plus the last row's sum; the last of
 //     the chunk's lanes to finish (a counter per chunk) merges the eight (final avalanche)
 //     into the chunk's checksum.
-// A save staged in one batch (its chunks one after another in the staging buffer) has its row
-// sums taken from there instead, right after the gather, on the gather's stream
-// (orbitkv_xxh3_staged_rows: no tables, a row's address is arithmetic; the bytes just went
-// through L2), and folded by orbitkv_xxh3_fold_uniform.
 // A kernel whose parameters change gets a new name: the server can load another PTX of these
 // kernels (ORBITKV_CHECKSUM_KERNEL_PTX), and one with other parameters must fail to load
 // rather than run on the wrong arguments.
@@ -344,79 +340,34 @@ ORBITKV_DEVICE u32 chunk_of(const HashChunk* chunks, u32 nchunks, u64 r) {
     return lo;
 }
 
-// Lane j's sum of row b of a chunk of `len` bytes by the cursor `c` (on any segment at or
-// before the one holding the row's first byte): rows not whole in one aligned segment, and
-// every chunk's last row, which also takes the final stripe with its own secret.
-ORBITKV_DEVICE u64 cursor_row(Cursor* c, u64 len, u64 b, u32 j, const u64* key) {
-    u64 nb = full_blocks(len);
-    u64 base = b * 1024;
-    u32 n = b < nb ? 16 : (u32)(((len - 1) - nb * 1024) / 64);
-    u64 sum = row_sum(c, base, n, j, key);
-    if (b == nb) {
-        // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
-        // need not be 16-byte aligned).
-        u64 o = len - 64 + 8ull * (j & ~1u);
-        seek(c, o);
-        u64 w0 = word_slow(c, o);
-        u64 w1 = word_slow(c, o + 8);
-        sum += stripe_lane(w0, w1, j, L[j]);
-    }
-    return sum;
-}
-
-// Lane j's sum of row r of chunk `ch` by the cursor, from the segment the row table names.
+// Lane j's sum of row r of chunk `ch` by the cursor (rows not whole in one aligned segment,
+// and every chunk's last row, which also takes the final stripe with its own secret).
 ORBITKV_COLD u64 row_by_cursor(const HashChunk* ch, const HashSeg* segs, const u32* row_segs,
                                  u64 r, u32 j, const u64* key) {
+    u64 b = r - ch->row_first;
+    u64 nb = full_blocks(ch->len);
     Cursor c;
     c.segs = segs + ch->seg_first;
     c.count = ch->seg_count;
     c.len = ch->len;
     enter(&c, row_segs[r] - ch->seg_first);
-    return cursor_row(&c, ch->len, r - ch->row_first, j, key);
-}
-
-// Lane j's sum of row b of a chunk of `len` bytes lying contiguously at device address `at`,
-// by a cursor over that one segment (the last row, or a chunk not 16-byte aligned).
-ORBITKV_COLD u64 contiguous_row(u64 at, u64 len, u64 b, u32 j, const u64* key) {
-    HashSeg one;
-    one.start = 0;
-    one.addr = at;
-    Cursor c;
-    c.segs = &one;
-    c.count = 1;
-    c.len = len;
-    enter(&c, 0);
-    return cursor_row(&c, len, b, j, key);
+    u64 base = b * 1024;
+    u32 n = b < nb ? 16 : (u32)(((ch->len - 1) - nb * 1024) / 64);
+    u64 sum = row_sum(&c, base, n, j, key);
+    if (b == nb) {
+        // The final stripe: the chunk's last 64 bytes (it may overlap the stripes above, and
+        // need not be 16-byte aligned).
+        u64 o = ch->len - 64 + 8ull * (j & ~1u);
+        seek(&c, o);
+        u64 w0 = word_slow(&c, o);
+        u64 w1 = word_slow(&c, o + 8);
+        sum += stripe_lane(w0, w1, j, L[j]);
+    }
+    return sum;
 }
 
 // Rows whose addresses are looked up together before they are summed.
 #define ROW_BATCH 8
-
-// The secret (W) in shared memory as `key`: a warp's eight different words come at once
-// (from constant memory, one after another). The C build reads W itself.
-#ifdef __CUDACC__
-#define ORBITKV_SECRET_IN_SHARED(key)         \
-    __shared__ u64 key[24];                   \
-    if (threadIdx.x < 24) {                   \
-        key[threadIdx.x] = W[threadIdx.x];    \
-    }                                         \
-    __syncthreads()
-#else
-#define ORBITKV_SECRET_IN_SHARED(key) const u64* key = W
-#endif
-
-// This thread's lane `j` and run of rows [first, last): the grid's runs (eight threads each)
-// split `rows` rows into contiguous runs of equal length, whatever the grid. False when the
-// run is empty.
-ORBITKV_DEVICE int my_run(u64 rows, u32* j, u64* first, u64* last) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 runs = ((u64)gridDim.x * blockDim.x) >> 3;
-    u64 per = (rows + runs - 1) / runs;
-    *j = (u32)(t & 7u);
-    *first = (t >> 3) * per;
-    *last = *first + per < rows ? *first + per : rows;
-    return *first < *last;
-}
 
 // Eight threads per run of rows (thread j: lane j): the grid's runs split the `rows` rows
 // over `nchunks` chunks (row_first ascending) into contiguous runs of equal length, whatever
@@ -433,10 +384,23 @@ ORBITKV_DEVICE int my_run(u64 rows, u32* j, u64* first, u64* last) {
 ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
                                           const HashSeg* segs, const u32* row_segs,
                                           u64* scratch, u64 rows) {
-    ORBITKV_SECRET_IN_SHARED(key);
-    u32 j;
-    u64 first, last;
-    if (!my_run(rows, &j, &first, &last)) {
+#ifdef __CUDACC__
+    __shared__ u64 key[24];
+    if (threadIdx.x < 24) {
+        key[threadIdx.x] = W[threadIdx.x];
+    }
+    __syncthreads();
+#else
+    const u64* key = W;
+#endif
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 runs = ((u64)gridDim.x * blockDim.x) >> 3;
+    u64 g = t >> 3;
+    u32 j = (u32)(t & 7u);
+    u64 per = (rows + runs - 1) / runs;
+    u64 first = g * per;
+    u64 last = first + per < rows ? first + per : rows;
+    if (first >= last) {
         return;
     }
     u32 k = chunk_of(chunks, nchunks, first);
@@ -477,43 +441,21 @@ ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
     }
 }
 
-// The row sums of `nchunks` chunks of `len` bytes lying one after another from device address
-// `base`: a save's staging buffer, read right after the gather kernel filled it (much of it
-// still in L2), rather than the engine's pages through tables. Chunk k's rows go to scratch
-// rows k * (full_blocks(len) + 1) on, as orbitkv_xxh3_fold_uniform reads them. Eight threads
-// per run of rows, as orbitkv_xxh3_row_runs; a row's address is arithmetic.
-ORBITKV_KERNEL void orbitkv_xxh3_staged_rows(u64 base, u64 len, u32 nchunks, u64* scratch) {
-    ORBITKV_SECRET_IN_SHARED(key);
-    u64 per_chunk = full_blocks(len) + 1;
-    u32 j;
-    u64 first, last;
-    if (!my_run(per_chunk * nchunks, &j, &first, &last)) {
-        return;
-    }
-    u64 k = first / per_chunk;
-    u64 b = first - k * per_chunk;
-    for (u64 r = first; r < last; r++) {
-        u64 at = base + k * len;
-        u64 a = at + b * 1024 + 16ull * (j >> 1);
-        scratch[8 * r + j] = b + 1 < per_chunk && (a & 15ull) == 0
-                                 ? block_sum(a, j, key)
-                                 : contiguous_row(at, len, b, j, key);
-        if (++b == per_chunk) {
-            b = 0;
-            k++;
-        }
-    }
-}
-
 // Eight threads per chunk (thread j: lane j): lane j's accumulator, folded, left in the
 // chunk's last row; the last lane of the chunk to get there merges the eight into out[chunk].
 // `counters` holds a zero per chunk and holds it again when the kernel has finished (put back
 // by the thread that saw the last count).
-// Chunk k (`len` bytes, rows from `row_first`), lane j: folded, and merged by the last lane.
-ORBITKV_DEVICE void fold_chunk(u64 len, u64 row_first, u64 k, u32 j, u64* scratch,
-                               u32* counters, u64* out) {
-    u64 nb = full_blocks(len);
-    u64* lane = scratch + 8 * row_first + j;
+ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks, u64* scratch,
+                                      u32* counters, u64* out) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 k = t >> 3;
+    u32 j = (u32)(t & 7u);
+    if (k >= nchunks) {
+        return;
+    }
+    const HashChunk ch = chunks[k];
+    u64 nb = full_blocks(ch.len);
+    u64* lane = scratch + 8 * ch.row_first + j;
     lane[8 * nb] += fold_lane(lane, nb, j);
     // The chunk's lanes all folded (each fenced before it counted): merge them.
     ORBITKV_FENCE();
@@ -522,27 +464,5 @@ ORBITKV_DEVICE void fold_chunk(u64 len, u64 row_first, u64 k, u32 j, u64* scratc
     }
     counters[k] = 0;
     ORBITKV_FENCE();
-    out[k] = merge(len, scratch + 8 * (row_first + nb));
-}
-
-ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks, u64* scratch,
-                                      u32* counters, u64* out) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 k = t >> 3;
-    if (k >= nchunks) {
-        return;
-    }
-    fold_chunk(chunks[k].len, chunks[k].row_first, k, (u32)(t & 7u), scratch, counters, out);
-}
-
-// orbitkv_xxh3_fold_merge for the rows of orbitkv_xxh3_staged_rows: `nchunks` chunks of `len`
-// bytes, chunk k's rows from k * (full_blocks(len) + 1).
-ORBITKV_KERNEL void orbitkv_xxh3_fold_uniform(u64 len, u32 nchunks, u64* scratch, u32* counters,
-                                        u64* out) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 k = t >> 3;
-    if (k >= nchunks) {
-        return;
-    }
-    fold_chunk(len, k * (full_blocks(len) + 1), k, (u32)(t & 7u), scratch, counters, out);
+    out[k] = merge(ch.len, scratch + 8 * (ch.row_first + nb));
 }

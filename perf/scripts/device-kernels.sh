@@ -32,11 +32,7 @@ if command -v ncu >/dev/null; then
   echo "rc=$?" >> $R-checksum.txt
   timeout 120 ncu $S -k regex:copy_segments --launch-skip 8 --launch-count 3 $P $A > $R-copy.txt 2>&1
   echo "rc=$?" >> $R-copy.txt
-  # Saves staged in one batch (a 64 MiB job in a 128 MiB half) hash the staging buffer: the
-  # staged kernels, from the saves with checksums beside them.
-  timeout 120 ncu $S -k regex:"staged_rows|fold_uniform" --launch-skip 8 --launch-count 6 $P $A --staging 256MiB > $R-staged.txt 2>&1
-  echo "rc=$?" >> $R-staged.txt
-  grep -hE "^  orbitkv_|Duration|Registers Per|Achieved Occ" $R-checksum.txt $R-copy.txt $R-staged.txt > $R-summary.txt
+  grep -hE "^  orbitkv_|Duration|Registers Per|Achieved Occ" $R-checksum.txt $R-copy.txt > $R-summary.txt
 else
   echo "no ncu on this machine" > $R-summary.txt
 fi

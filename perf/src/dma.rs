@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
     JobShape, Strategy, BATCHED_FROM, JOB_BYTES,
@@ -205,12 +205,9 @@ pub(crate) struct DuplexRow {
 pub(crate) struct ChecksumResult {
     /// Chunks checksummed (0 when the chunks are too short for the kernels).
     pub chunks: usize,
-    /// Chunks whose GPU checksum differed from the CPU's, alone or beside a save (added to
-    /// `mismatched_bytes` too, one per chunk).
+    /// Chunks whose GPU checksum differed from the CPU's (added to `mismatched_bytes` too,
+    /// one per chunk).
     pub mismatches: u64,
-    /// Jobs of a save with checksums whose checksums were taken from the staging buffer (the
-    /// job went in one staged batch), as the server does; the others from the engine's pages.
-    pub staged_jobs: usize,
     /// Median GB/s of checksumming every chunk, nothing else running.
     pub gbps_alone: f64,
     /// Median GB/s of a save (`auto`) with the checksums computed beside it.
@@ -668,8 +665,7 @@ impl Bench {
         // Saves as the server runs them by default: checksums on the GPU beside the copy.
         if let Ok(mut hasher) = ChunkHasher::new(self.engine.context()) {
             let jobs = self.job_ranges();
-            let (rate, runs) =
-                matmul.during(|| Ok(self.save_with_checksums(&mut hasher, &jobs)?.0))?;
+            let (rate, runs) = matmul.during(|| self.save_with_checksums(&mut hasher, &jobs))?;
             measured.push(("auto+checksums", "save", rate, median(runs)));
         }
         measured.extend(matmul.engine_side_rows()?);
@@ -677,40 +673,30 @@ impl Bench {
         Ok(crate::dma_interference::summarize(alone, after, measured))
     }
 
-    /// One save (`auto`) with the chunks' checksums computed beside it, job by job: GB/s, the
-    /// checksums in chunk order (empty when the chunks are too short for the kernels), and how
-    /// many jobs were hashed from the staging buffer.
+    /// One save (`auto`) with the chunks' checksums computed beside it, job by job; GB/s.
     fn save_with_checksums(
         &mut self,
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
-    ) -> Result<(f64, Vec<u64>, usize), Error> {
+    ) -> Result<f64, Error> {
         // As the server's DMA thread does: job by job, the copy, then its checksums (which run
-        // beside the next jobs' copies): from the staging buffer, on the gather's stream, when
-        // the job went in one staged batch; from the engine's pages otherwise.
+        // beside the next jobs' copies).
         let t = Instant::now();
         let pieces = std::mem::take(&mut self.pieces);
         let mut copies = Vec::with_capacity(jobs.len());
         let mut tickets = Vec::with_capacity(jobs.len());
-        let mut staged_jobs = 0;
         let submitted = (|| {
             for r in jobs {
-                let job = &pieces[r.clone()];
-                let (event, shape) =
-                    unsafe_submit(&mut self.engine, Direction::Save, job, Strategy::Auto)?;
-                copies.push(event);
-                let bytes: u64 = job.iter().map(|p| p.len).sum();
-                let staged = shape.staged_at.filter(|_| shape.bytes == bytes);
-                let ticket = match staged {
-                    Some(at) => {
-                        staged_jobs += 1;
-                        let count = (bytes / self.chunk_len) as usize;
-                        let stream = Arc::clone(self.engine.kernel_stream());
-                        unsafe_staged_checksums(hasher, &stream, at, count, self.chunk_len)?
-                    }
-                    None => unsafe_checksums(hasher, job, self.chunk_len)?,
-                };
-                tickets.extend(ticket);
+                copies.push(
+                    unsafe_submit(
+                        &mut self.engine,
+                        Direction::Save,
+                        &pieces[r.clone()],
+                        Strategy::Auto,
+                    )?
+                    .0,
+                );
+                tickets.extend(unsafe_checksums(hasher, &pieces[r.clone()], self.chunk_len)?);
             }
             Ok::<(), Error>(())
         })();
@@ -719,12 +705,11 @@ impl Bench {
         for c in copies {
             c.synchronize().map_err(cuda("cuEventSynchronize"))?;
         }
-        let mut sums = Vec::new();
         for k in tickets {
-            sums.extend(k.take().map_err(dma)?);
+            k.take().map_err(dma)?;
         }
         submitted?;
-        Ok((gbps(self.bytes, t.elapsed().as_secs_f64()), sums, staged_jobs))
+        Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
     /// The first half of the chunks' bytes copied device-to-host while the second half's go
@@ -943,7 +928,6 @@ impl Bench {
             return Ok(Some(ChecksumResult {
                 chunks: 0,
                 mismatches: 0,
-                staged_jobs: 0,
                 gbps_alone: 0.0,
                 save_gbps_with_checksums: 0.0,
                 save_ratio_with_checksums: 0.0,
@@ -973,33 +957,19 @@ impl Bench {
         }
         let mut alone = Vec::new();
         let mut with = Vec::new();
-        let mut staged_jobs = 0;
         for _ in 0..self.iterations {
             let t = Instant::now();
             for k in self.submit_checksums(&mut hasher, &jobs)? {
                 k.take().map_err(dma)?;
             }
             alone.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
-            let (rate, sums, staged) = self.save_with_checksums(&mut hasher, &jobs)?;
-            with.push(rate);
-            staged_jobs = staged;
-            // Beside the save (from the staging buffer where it went in one batch) the same
-            // checksums as those just checked against the CPU's.
-            if sums.len() != got.len() {
-                return Err(Error::Gpu(format!(
-                    "{} GPU checksums beside the save, {} alone",
-                    sums.len(),
-                    got.len()
-                )));
-            }
-            mismatches += sums.iter().zip(&got).filter(|(a, b)| a != b).count() as u64;
+            with.push(self.save_with_checksums(&mut hasher, &jobs)?);
         }
         let save = median(with);
         let timeline = if self.timeline {
             self.engine.record_timeline();
             let t = Instant::now();
-            let (_, sums, _) = self.save_with_checksums(&mut hasher, &jobs)?;
-            mismatches += sums.iter().zip(&got).filter(|(a, b)| a != b).count() as u64;
+            self.save_with_checksums(&mut hasher, &jobs)?;
             let total = t.elapsed().as_secs_f64() * 1e6;
             let spans = self.engine.take_timeline().map_err(dma)?;
             // The host's submit time is not separable here (copies and checksums alternate):
@@ -1011,7 +981,6 @@ impl Bench {
         Ok(Some(ChecksumResult {
             chunks: got.len(),
             mismatches,
-            staged_jobs,
             gbps_alone: median(alone),
             save_gbps_with_checksums: save,
             save_ratio_with_checksums: ratio(save, save_ceiling),
@@ -1088,19 +1057,6 @@ fn unsafe_submit(
 ) -> Result<(CudaEvent, orbitkv_gpu::dma::JobShape), Error> {
     // SAFETY: see above.
     unsafe { engine.submit(direction, pieces, strategy) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_staged_checksums(
-    hasher: &mut ChunkHasher,
-    stream: &CudaStream,
-    at: u64,
-    count: usize,
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, Error> {
-    // SAFETY: `at` is the staging half the job just went through whole (JobShape::staged_at,
-    // its bytes checked), `stream` the engine's kernel stream, queued before the next gather.
-    unsafe { hasher.submit_staged(stream, at, count, chunk_len) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
     Strategy, TensorExport, BATCHED_FROM,
@@ -655,14 +655,7 @@ impl GpuService {
                         });
                         busy_since.get_or_insert(submitted);
                         if save {
-                            // A job staged whole in one batch is hashed from the staging
-                            // buffer, on the gather's stream.
-                            let staged = shape
-                                .staged_at
-                                .filter(|_| shape.bytes == bytes)
-                                .zip(engines[job.device].as_ref())
-                                .map(|(at, e)| (Arc::clone(e.kernel_stream()), at));
-                            let ticket = self.gpu_checksums(&mut hashers, &job, &pieces, staged);
+                            let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
                         submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
@@ -788,7 +781,6 @@ impl GpuService {
         hashers: &mut [Option<Option<ChunkHasher>>],
         job: &GpuJob,
         pieces: &[orbitkv_gpu::dma::plan::Piece],
-        staged: Option<(Arc<CudaStream>, u64)>,
     ) -> Option<ChecksumTicket> {
         if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
@@ -803,7 +795,7 @@ impl GpuService {
                 }
             })
             .as_mut()?;
-        match submit_checksums(hasher, pieces, (job.chunks.len(), job.chunk_len), staged) {
+        match submit_checksums(hasher, pieces, job.chunk_len) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, "GPU checksums not started; the shards compute them");
@@ -897,21 +889,12 @@ impl GpuService {
 fn submit_checksums(
     hasher: &mut ChunkHasher,
     pieces: &[orbitkv_gpu::dma::plan::Piece],
-    (count, chunk_len): (usize, u64),
-    staged: Option<(Arc<CudaStream>, u64)>,
+    chunk_len: u64,
 ) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
-    match staged {
-        // SAFETY: `at` is the staging half holding the whole job (JobShape::staged_at, the
-        // job's bytes checked against it), in order, chunk after chunk, and `stream` the
-        // engine's kernel stream, on which they stay in place until the next gather into that
-        // half, queued after this launch.
-        Some((stream, at)) => unsafe { hasher.submit_staged(&stream, at, count, chunk_len) },
-        // SAFETY: the pieces name a save job's engine memory on the hasher's device, held by
-        // the job (its `Running` entry) until both its copy event and this ticket complete;
-        // the engine does not change pages it asked to save before the save is answered (its
-        // contract).
-        None => unsafe { hasher.submit(pieces, chunk_len) },
-    }
+    // SAFETY: the pieces name a save job's engine memory on the hasher's device, held by the
+    // job (its `Running` entry) until both its copy event and this ticket complete; the engine
+    // does not change pages it asked to save before the save is answered (its contract).
+    unsafe { hasher.submit(pieces, chunk_len) }
 }
 
 #[allow(unsafe_code)]

@@ -91,11 +91,6 @@ pub struct JobShape {
     pub host_runs: usize,
     /// The strategy used.
     pub staged: bool,
-    /// A save staged in one batch: the device address of the staging half holding all its
-    /// bytes, in piece order from its start. They stay there for whatever
-    /// [`CopyEngine::kernel_stream`] is given next (the next gather into that half comes after
-    /// it on that stream).
-    pub staged_at: Option<u64>,
 }
 
 /// Copy engine of one device and direction-agnostic pipelines (one per thread).
@@ -323,12 +318,6 @@ impl CopyEngine {
         self.kernel_error.as_deref()
     }
 
-    /// The stream of the gather and scatter kernels: work queued on it after a submission
-    /// runs once that submission's gathers are done, and before the next one's.
-    pub fn kernel_stream(&self) -> &Arc<CudaStream> {
-        &self.kernel_stream
-    }
-
     /// Bytes of one staging half.
     pub fn staging_half(&self) -> usize {
         self.halves[0].staging.len()
@@ -370,14 +359,8 @@ impl CopyEngine {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let staged = self.staged_for(strategy, pieces);
         // `bytes` is counted as the job is enqueued.
-        let mut shape = JobShape {
-            bytes: 0,
-            pieces: pieces.len(),
-            batches: 0,
-            staged,
-            host_runs: 0,
-            staged_at: None,
-        };
+        let mut shape =
+            JobShape { bytes: 0, pieces: pieces.len(), batches: 0, staged, host_runs: 0 };
         if staged && self.kernel.is_none() {
             return Err(DmaError::Invalid(format!(
                 "staged copies need the segment copy kernel, which did not load: {}",
@@ -425,10 +408,6 @@ impl CopyEngine {
             })();
             self.batch = batch;
             result?;
-            if direction == Direction::Save && shape.batches == 1 {
-                // `enqueue_batch` moved `next` on past the half it used.
-                shape.staged_at = Some(self.halves[self.next ^ 1].staging.ptr());
-            }
             // The job is done when the stream that touches its last batch last has passed it.
             let last = match direction {
                 Direction::Save => &self.copy_stream,

@@ -372,32 +372,7 @@ const ROWS_PER_RUN: u64 = 8;
 pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
     fold: sys::CUfunction,
-    staged_rows: sys::CUfunction,
-    fold_uniform: sys::CUfunction,
     _module: PtxModule,
-}
-
-/// Threads per block of the checksum kernels.
-const CHECKSUM_THREADS: u32 = 256;
-
-/// Blocks of [`CHECKSUM_THREADS`] for `threads` threads: a grid past CUDA's limit (2^31 - 1
-/// blocks) is refused, and the shards compute those checksums.
-fn checksum_grid(threads: u64) -> Result<u32, DmaError> {
-    u32::try_from(threads.div_ceil(u64::from(CHECKSUM_THREADS)))
-        .ok()
-        .filter(|g| *g <= i32::MAX as u32)
-        .ok_or_else(|| DmaError::Invalid(format!("{threads} checksum threads exceed a CUDA grid")))
-}
-
-/// Where a save staged in one batch lies for [`ChecksumKernels::launch_staged_rows`] and
-/// [`ChecksumKernels::launch_fold_uniform`]: its chunks one after another.
-pub(crate) struct StagedChunks {
-    /// Device address of the first chunk.
-    pub base: u64,
-    /// Bytes of each chunk.
-    pub len: u64,
-    /// Chunks.
-    pub count: u32,
 }
 
 /// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
@@ -432,8 +407,6 @@ impl ChecksumKernels {
         Ok(Self {
             rows: module.function("orbitkv_xxh3_row_runs")?,
             fold: module.function("orbitkv_xxh3_fold_merge")?,
-            staged_rows: module.function("orbitkv_xxh3_staged_rows")?,
-            fold_uniform: module.function("orbitkv_xxh3_fold_uniform")?,
             _module: module,
         })
     }
@@ -454,8 +427,19 @@ impl ChecksumKernels {
         stream: &CudaStream,
         l: &ChecksumLaunch,
     ) -> Result<(), DmaError> {
+        const THREADS: u32 = 256;
         let (chunks, nchunks) = l.chunks;
         let (scratch, rows) = l.scratch;
+        // Every run of rows and every chunk lane has its thread: a grid past CUDA's limit
+        // (2^31 - 1 blocks) is refused, and the shards compute those checksums.
+        let grid = |threads: u64| {
+            u32::try_from(threads.div_ceil(u64::from(THREADS)))
+                .ok()
+                .filter(|g| *g <= i32::MAX as u32)
+                .ok_or_else(|| {
+                    DmaError::Invalid(format!("{threads} checksum threads exceed a CUDA grid"))
+                })
+        };
         let (mut c, mut n, mut s, mut rs, mut sc, mut r, mut co, mut o) =
             (chunks, nchunks, l.segs, l.row_segs, scratch, rows, l.counters, l.out);
         let mut blocks: [*mut c_void; 6] = [
@@ -472,14 +456,7 @@ impl ChecksumKernels {
         // SAFETY: matches `orbitkv_xxh3_row_runs(const HashChunk*, u32, const HashSeg*, const
         // u32*, u64*, u64)`, any grid; memory per this function's contract.
         unsafe {
-            launch(
-                self.rows,
-                stream,
-                checksum_grid(runs * 8)?,
-                CHECKSUM_THREADS,
-                &mut blocks,
-                "checksum rows",
-            )?
+            launch(self.rows, stream, grid(runs * 8)?, THREADS, &mut blocks, "checksum rows")?
         };
         // The fold's chains (eight per chunk) in blocks of 256 threads: a 64 MiB job of 2 MiB
         // chunks folds on one SM; the chains are latency-bound, and share it without waiting
@@ -497,80 +474,10 @@ impl ChecksumKernels {
             launch(
                 self.fold,
                 stream,
-                checksum_grid(u64::from(nchunks) * 8)?,
-                CHECKSUM_THREADS,
+                grid(u64::from(nchunks) * 8)?,
+                THREADS,
                 &mut fold,
                 "checksum fold",
-            )
-        }
-    }
-
-    /// Launches the row sums of chunks lying one after another in device memory (a save's
-    /// staging buffer) on `stream`, into `scratch`: chunk k's rows from row k x
-    /// `checksum::rows_of(len)`, as [`ChecksumKernels::launch_fold_uniform`] reads them.
-    ///
-    /// # Safety
-    /// `c` must name `c.count` x `c.len` bytes of this context's device memory, holding the
-    /// chunks once the stream reaches the launch and unchanged until it passes it, and
-    /// `scratch` 64 bytes per row of device memory nothing else uses until then.
-    pub(crate) unsafe fn launch_staged_rows(
-        &self,
-        stream: &CudaStream,
-        c: &StagedChunks,
-        scratch: u64,
-    ) -> Result<(), DmaError> {
-        let rows = super::checksum::rows_of(c.len) * u64::from(c.count);
-        let (mut b, mut l, mut n, mut sc) = (c.base, c.len, c.count, scratch);
-        let mut params: [*mut c_void; 4] =
-            [(&raw mut b).cast(), (&raw mut l).cast(), (&raw mut n).cast(), (&raw mut sc).cast()];
-        // Eight threads per run of rows, as the table-driven row kernel.
-        let runs = rows.div_ceil(ROWS_PER_RUN);
-        // SAFETY: matches `orbitkv_xxh3_staged_rows(u64, u64, u32, u64*)`, any grid; memory per
-        // this function's contract.
-        unsafe {
-            launch(
-                self.staged_rows,
-                stream,
-                checksum_grid(runs * 8)?,
-                CHECKSUM_THREADS,
-                &mut params,
-                "staged checksum rows",
-            )
-        }
-    }
-
-    /// Launches the fold of [`ChecksumKernels::launch_staged_rows`]' rows on `stream`: one
-    /// checksum per chunk into `out`; the counters are zero again once it has finished.
-    ///
-    /// # Safety
-    /// As [`ChecksumKernels::launch`] for `scratch`, `counters` and `out`; the rows must have
-    /// been summed into `scratch` before the stream reaches the launch.
-    pub(crate) unsafe fn launch_fold_uniform(
-        &self,
-        stream: &CudaStream,
-        c: &StagedChunks,
-        scratch: u64,
-        counters: u64,
-        out: u64,
-    ) -> Result<(), DmaError> {
-        let (mut l, mut n, mut sc, mut co, mut o) = (c.len, c.count, scratch, counters, out);
-        let mut params: [*mut c_void; 5] = [
-            (&raw mut l).cast(),
-            (&raw mut n).cast(),
-            (&raw mut sc).cast(),
-            (&raw mut co).cast(),
-            (&raw mut o).cast(),
-        ];
-        // SAFETY: matches `orbitkv_xxh3_fold_uniform(u64, u32, u64*, u32*, u64*)`, eight
-        // threads per chunk; memory per this function's contract.
-        unsafe {
-            launch(
-                self.fold_uniform,
-                stream,
-                checksum_grid(u64::from(c.count) * 8)?,
-                CHECKSUM_THREADS,
-                &mut params,
-                "staged checksum fold",
             )
         }
     }

@@ -1,9 +1,7 @@
 //! Chunk checksums on the GPU of one device: the kernels of `gpu/kernels/chunk_checksum.cu` on
-//! streams of their own, beside the copies of a save. They read the engine's pages in GPU
-//! memory ([`ChunkHasher::submit`]), or, for a job staged in one batch, the staging half the
-//! job's bytes crossed the bus from, right after its gather ([`ChunkHasher::submit_staged`]).
-//! Each submission returns a [`ChecksumTicket`] that yields the checksums once its event has
-//! completed.
+//! streams of their own, beside the copies of a save (they read the engine's pages in GPU memory,
+//! not what crossed the bus). Each submission returns a [`ChecksumTicket`] that yields the
+//! checksums once its event has completed.
 
 #![allow(unsafe_code)]
 
@@ -11,9 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::checksum::{rows_of, HashTables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
+use super::checksum::{HashTables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
 use super::ffi::{
-    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, StagedChunks, Way,
+    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, Way,
 };
 use super::plan::{KernelDesc, Piece};
 use super::DmaError;
@@ -40,9 +38,6 @@ struct Slot {
     counters: DeviceBuffer,
     /// The slot's last submission finished (tables, scratch and counters reusable).
     done: CudaEvent,
-    /// A staged submission's row sums finished (on the copy engine's kernel stream): the
-    /// slot's stream waits for it before the fold.
-    rows_done: CudaEvent,
 }
 
 /// Pinned result buffers handed to tickets and given back when they are dropped.
@@ -152,7 +147,6 @@ impl ChunkHasher {
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
                 counters,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
-                rows_done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
                 stream,
             });
         }
@@ -192,13 +186,21 @@ impl ChunkHasher {
             .map_err(|_| DmaError::Invalid(format!("{n} chunks in one checksum submission")))?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let results = self.pinned_results(n * 8)?;
-        let slot = self.next_slot(self.tables.rows, n)?;
-        let slot = &mut self.slots[slot];
+        let slot = &mut self.slots[self.next];
+        self.next = (self.next + 1) % SLOTS;
+        // The slot's tables and scratch are free once its last use finished.
+        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
         let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
         }
         at_least(&self.ctx, &mut slot.tables, table_len)?;
+        at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
+        let counters_len = n * COUNTERS_PER_CHUNK * 4;
+        if slot.counters.len() < counters_len {
+            slot.counters =
+                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
+        }
         self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
         if self.pull.is_some() {
@@ -284,93 +286,6 @@ impl ChunkHasher {
             count: n,
             pool: Arc::clone(&self.pool),
         }))
-    }
-
-    /// Starts computing the checksums of a save staged in one batch: `count` chunks of
-    /// `chunk_len` bytes lying one after another from device address `staged` (the staging
-    /// buffer). The row sums go on `rows_stream`, the stream that fills the staging buffer
-    /// (right after its gather, while the bytes are still largely in L2, and before anything
-    /// it queues later can overwrite them); the fold on the slot's stream once they are done.
-    /// `None` when the chunks are too short for the kernels. May wait for the submission
-    /// before last to finish.
-    ///
-    /// # Safety
-    /// `rows_stream` must be a stream of this context, on which the chunks' bytes are in place
-    /// at `staged` when it reaches the launch, unchanged until it has passed it.
-    pub unsafe fn submit_staged(
-        &mut self,
-        rows_stream: &CudaStream,
-        staged: u64,
-        count: usize,
-        chunk_len: u64,
-    ) -> Result<Option<ChecksumTicket>, DmaError> {
-        if chunk_len < MIN_LEN || count == 0 {
-            return Ok(None);
-        }
-        let chunks = StagedChunks {
-            base: staged,
-            len: chunk_len,
-            count: u32::try_from(count).map_err(|_| {
-                DmaError::Invalid(format!("{count} chunks in one checksum submission"))
-            })?,
-        };
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let results = self.pinned_results(count * 8)?;
-        let slot = self.next_slot(rows_of(chunk_len) * count as u64, count)?;
-        let slot = &mut self.slots[slot];
-        let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        let kernels = &self.kernels;
-        let enqueue = || -> Result<(), DmaError> {
-            // SAFETY: the chunks per this function's contract; the scratch is the slot's, free
-            // (waited on `done` above) until the fold below has passed.
-            unsafe { kernels.launch_staged_rows(rows_stream, &chunks, slot.scratch.ptr())? };
-            slot.rows_done.record(rows_stream).map_err(drv("cuEventRecord"))?;
-            slot.stream.wait(&slot.rows_done).map_err(drv("cuStreamWaitEvent"))?;
-            // SAFETY: rows summed before (waited above); counters zero (as in `submit`);
-            // `results` pinned, owned by the ticket until its event completes.
-            unsafe {
-                kernels.launch_fold_uniform(
-                    &slot.stream,
-                    &chunks,
-                    slot.scratch.ptr(),
-                    slot.counters.ptr(),
-                    results.addr(),
-                )?
-            };
-            slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
-            event.record(&slot.stream).map_err(drv("cuEventRecord"))
-        };
-        if let Err(e) = enqueue() {
-            // Whatever was queued may still use the slot and write `results`.
-            let synced = rows_stream.synchronize().and_then(|()| slot.stream.synchronize());
-            if let Err(sync) = synced {
-                tracing::warn!(error = %sync, "checksum streams failed after a failed submission");
-                std::mem::forget(results);
-            }
-            return Err(e);
-        }
-        Ok(Some(ChecksumTicket {
-            event,
-            results: Some(results),
-            count,
-            pool: Arc::clone(&self.pool),
-        }))
-    }
-
-    /// The next slot in turn, once its last submission has finished (so its tables, scratch
-    /// and counters are free), with scratch for `rows` rows and counters for `chunks` chunks.
-    fn next_slot(&mut self, rows: u64, chunks: usize) -> Result<usize, DmaError> {
-        let i = self.next;
-        self.next = (i + 1) % SLOTS;
-        let slot = &mut self.slots[i];
-        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
-        at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
-        let counters_len = chunks * COUNTERS_PER_CHUNK * 4;
-        if slot.counters.len() < counters_len {
-            slot.counters =
-                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
-        }
-        Ok(i)
     }
 
     /// A pinned buffer of at least `len` bytes from the pool, or a new one.
