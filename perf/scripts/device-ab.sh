@@ -6,7 +6,8 @@
 # a server binary X (A: the one in .device-bin, others: .device-bin/orbitkv-server-prev), X_PTX
 # optionally a checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX), X_ENV optionally variables
 # for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"). ROUNDS (2)
-# rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB").
+# rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB");
+# INTF_ROUNDS the interference runs' own rounds (see device-gpu-server.sh).
 # Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
 # summary of all of them to $OUT/ab-summary.txt. The runs' files are then packed into
 # $OUT/ab-runs.tgz (the device tool brings back only so many files; extract it for

@@ -6,7 +6,8 @@
 # the runs to those names.
 # MPS=1 runs everything under a CUDA MPS daemon started here (and stopped at the end), so the
 # copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
-# PERF names another orbitkv-perf binary (to compare builds in one call).
+# PERF names another orbitkv-perf binary (to compare builds in one call). INTF_ROUNDS=N repeats
+# the --interference runs' measurements N times (--interference-rounds).
 # perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
 B=.device-bin
 . perf/scripts/mps.sh $OUT/dma.log
@@ -14,6 +15,9 @@ P="${PERF:-$B/orbitkv-perf} dma --json --iterations 5"
 run() {
   name=$1; shift
   if [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]]; then return; fi
+  if [[ " $* " == *" --interference "* ]] && [ -n "$INTF_ROUNDS" ]; then
+    set -- "$@" --interference-rounds "$INTF_ROUNDS"
+  fi
   echo "== $TAG$name: $* $EXTRA" >> $OUT/dma.log
   $P "$@" $EXTRA > $OUT/dma-$TAG$name.json 2>> $OUT/dma.log
   echo "rc=$?" >> $OUT/dma.log

@@ -31,14 +31,29 @@ def local(name, d):
 def interference(name, i):
     if not i:
         return
+    # Since the windows alone bracket every measurement (solo_per_s): how far the loop drifted
+    # by itself, and per row the median and range over the rounds.
+    solos = i.get("solo_per_s")
+    drift = (
+        f"; {len(solos)} windows alone {num(100 * i['solo_spread'], '{:.2f}')}% apart at most, "
+        f"{i['rounds']} round(s)"
+        if solos
+        else ""
+    )
     print(
         f"{name}: matmul alone {num(i['matmul_per_s_alone'], '{:.1f}')}/s, after "
-        f"{num(i['matmul_per_s_alone_after'], '{:.1f}')}/s"
+        f"{num(i['matmul_per_s_alone_after'], '{:.1f}')}/s{drift}"
     )
     for r in i["rows"]:
+        spread = (
+            f" (rounds {num(100 * r['slowdown_min'], '{:.2f}')}-"
+            f"{num(100 * r['slowdown_max'], '{:.2f}')}%)"
+            if len(r.get("slowdowns") or []) > 1
+            else ""
+        )
         print(
             f"{name}:   beside {r['strategy']} {r['direction']}: slowdown "
-            f"{num(100 * r['slowdown'], '{:.2f}')}% at {num(r['copy_gbps'], '{:.1f}')} GB/s"
+            f"{num(100 * r['slowdown'], '{:.2f}')}%{spread} at {num(r['copy_gbps'], '{:.1f}')} GB/s"
         )
 
 

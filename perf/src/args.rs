@@ -171,12 +171,20 @@ pub(crate) struct DmaArgs {
     pub engine_copies: bool,
     /// Also measure how much saving and loading slow a concurrent bf16 matmul loop on the same
     /// GPU (a PyTorch process: `python3`, or `$ORBITKV_PYTHON`), 3 s per strategy and
-    /// direction; last, the engine-side gather: that process gathers this layout's pages into
-    /// staging and copies them itself, in its own CUDA context (about a minute in all). With
-    /// `--socket`: beside saves (each after an evict) and loads through the server, as the
-    /// server runs them (its `--gpu-copy`, `--gpu-checksums`), then the engine-side gather.
+    /// direction, each after 3 s of the loop alone and against the windows alone around it;
+    /// last, the engine-side gather: that process gathers this layout's pages into staging
+    /// and copies them itself, in its own CUDA context (about a minute and a half per round).
+    /// With `--socket`: beside saves (each after an evict) and loads through the server, as
+    /// the server runs them (its `--gpu-copy`, `--gpu-checksums`), then the engine-side
+    /// gather.
     #[arg(long)]
     pub interference: bool,
+    /// With `--interference`: how many times to run the whole sequence of measurements
+    /// (each beside a copy, after a window of the loop alone); the table has each row's median
+    /// and range over the rounds.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "interference",
+          value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub interference_rounds: u32,
     /// With `--interference`: staging batches the engine-side copies keep in flight (default: 4).
     #[arg(long, value_name = "N", default_value_t = 4, requires = "interference",
           value_parser = clap::value_parser!(u32).range(2..=64))]

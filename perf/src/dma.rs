@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
-use crate::dma_interference::{EngineSide, InterferenceResult, MatmulLoop};
+use crate::dma_interference::{EngineSide, InterferenceResult, MatmulLoop, Windows};
 use crate::dma_server::median;
 use crate::error::Error;
 use crate::report::Report;
@@ -408,22 +408,29 @@ impl Report for DmaReport {
         if let Some(i) = &self.interference {
             writeln!(
                 out,
-                "matmul loop alone: {:.1}/s before, {:.1}/s after the copies",
-                i.matmul_per_s_alone, i.matmul_per_s_alone_after
+                "matmul loop alone: {:.1}/s first, {:.1}/s last, {} windows {:.1}% apart at \
+                 most; {} round(s), each measurement against the windows alone around it",
+                i.matmul_per_s_alone,
+                i.matmul_per_s_alone_after,
+                i.solo_per_s.len(),
+                100.0 * i.solo_spread,
+                i.rounds
             )?;
             writeln!(
                 out,
-                "{:<6} {:<10} {:>10} {:>9} {:>10}",
-                "dir", "beside", "matmul/s", "slower", "copy GB/s"
+                "{:<6} {:<14} {:>10} {:>9} {:>17} {:>10}",
+                "dir", "beside", "matmul/s", "slower", "rounds' range", "copy GB/s"
             )?;
             for r in &i.rows {
                 writeln!(
                     out,
-                    "{:<6} {:<10} {:>10.1} {:>8.1}% {:>10.2}",
+                    "{:<6} {:<14} {:>10.1} {:>8.2}% {:>7.2}% - {:>5.2}% {:>10.2}",
                     r.direction,
                     r.strategy,
                     r.matmul_per_s,
                     100.0 * r.slowdown,
+                    100.0 * r.slowdown_min,
+                    100.0 * r.slowdown_max,
                     r.copy_gbps
                 )?;
             }
@@ -639,38 +646,46 @@ impl Bench {
         }
     }
 
-    /// The matmul loop's rate alone, then beside back-to-back copies: the contiguous
-    /// ceiling copy, then each strategy, saves then loads; then saves with GPU checksums, and
-    /// the engine-side copies.
+    /// The matmul loop beside back-to-back copies, each measurement after a window of the
+    /// loop alone (and one more at the end): the contiguous ceiling copy, then each strategy,
+    /// saves then loads; then saves with GPU checksums, and the engine-side copies; all of it
+    /// `--interference-rounds` times.
     fn interference(
         &mut self,
         a: &DmaArgs,
         strategies: &[(&'static str, Strategy)],
     ) -> Result<InterferenceResult, Error> {
         let mut matmul = MatmulLoop::start(a.device, Some(self.engine_side_shape(a)))?;
-        let alone = matmul.alone();
-        let mut measured = Vec::new();
-        let ways = std::iter::once(("contiguous", None))
-            .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
-        for (name, strategy) in ways {
-            for direction in [Direction::Save, Direction::Load] {
-                let (rate, runs) = matmul.during(|| match strategy {
-                    None => self.contiguous_once(direction),
-                    Some(s) => self.once(direction, s),
-                })?;
-                let way = if direction == Direction::Save { "save" } else { "load" };
-                measured.push((name, way, rate, median(runs)));
+        let mut windows = Windows::default();
+        // Loaded once: a failure to load them leaves the row out, as it would every round.
+        let mut hasher = ChunkHasher::new(self.engine.context()).ok();
+        let jobs = self.job_ranges();
+        for _ in 0..a.interference_rounds {
+            let ways = std::iter::once(("contiguous", None))
+                .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
+            for (name, strategy) in ways {
+                for direction in [Direction::Save, Direction::Load] {
+                    let way = if direction == Direction::Save { "save" } else { "load" };
+                    windows.measure(&mut matmul, name, way, |m| {
+                        let (rate, runs) = m.during(|| match strategy {
+                            None => self.contiguous_once(direction),
+                            Some(s) => self.once(direction, s),
+                        })?;
+                        Ok((rate, median(runs)))
+                    })?;
+                }
             }
+            // Saves as the server runs them by default: checksums on the GPU beside the copy.
+            if let Some(hasher) = hasher.as_mut() {
+                windows.measure(&mut matmul, "auto+checksums", "save", |m| {
+                    let (rate, runs) = m.during(|| self.save_with_checksums(hasher, &jobs))?;
+                    Ok((rate, median(runs)))
+                })?;
+            }
+            matmul.engine_side_rows(&mut windows)?;
+            windows.end_round();
         }
-        // Saves as the server runs them by default: checksums on the GPU beside the copy.
-        if let Ok(mut hasher) = ChunkHasher::new(self.engine.context()) {
-            let jobs = self.job_ranges();
-            let (rate, runs) = matmul.during(|| self.save_with_checksums(&mut hasher, &jobs))?;
-            measured.push(("auto+checksums", "save", rate, median(runs)));
-        }
-        measured.extend(matmul.engine_side_rows()?);
-        let after = matmul.alone();
-        Ok(crate::dma_interference::summarize(alone, after, measured))
+        Ok(windows.finish(&matmul))
     }
 
     /// One save (`auto`) with the chunks' checksums computed beside it, job by job; GB/s.

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg};
 use crate::barrier::Barrier;
-use crate::dma_interference::{summarize, EngineSide, InterferenceResult, MatmulLoop};
+use crate::dma_interference::{EngineSide, InterferenceResult, MatmulLoop, Windows};
 use crate::error::Error;
 
 /// What the server run adds to the report.
@@ -529,13 +529,14 @@ pub(crate) fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
     Ok(bad)
 }
 
-/// `--interference` through the server: the matmul loop's rate alone, beside back-to-back
-/// saves and then loads of every chunk through the server (its copies, its checksums), then
-/// beside the engine-side copies in the loop's own process. Each save follows an evict, and
-/// each save and load is framed by two readings of the server's stats, inside the loop's
-/// window: a few milliseconds without copies per save, so the rows understate the slowdown
-/// slightly. Also returns the chunks not done (saves, loads) and the server's
-/// counters over the saves and loads beside the loop.
+/// `--interference` through the server: the matmul loop beside back-to-back saves and then
+/// loads of every chunk through the server (its copies, its checksums), then beside the
+/// engine-side copies in the loop's own process, each after a window of the loop alone (one
+/// more at the end), `--interference-rounds` times. Each save follows an evict, and each save
+/// and load is framed by two readings of the server's stats, inside the loop's window: a few
+/// milliseconds without copies per save, so the rows understate the slowdown slightly. Also
+/// returns the chunks not done (saves, loads) and the server's counters over the saves and
+/// loads beside the loop.
 fn served_interference(
     a: &DmaArgs,
     e: &Engine<'_>,
@@ -547,39 +548,43 @@ fn served_interference(
     let socket = a.socket.as_ref().expect("server mode has a socket");
     let bytes = e.chunk_len * keys.len() as u64;
     let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
-    let alone = matmul.alone();
-    let mut measured = Vec::new();
+    let mut windows = Windows::default();
     let mut failed = (0, 0);
     let mut sums = [Sums::default(), Sums::default()];
     let mut copied = [0u64, 0];
-    for (w, way) in ["save", "load"].into_iter().enumerate() {
-        let (rate, runs) = matmul.during(|| {
-            if way == "save" {
-                client.evict(keys).map_err(client_err("evict"))?;
-            }
-            let before = Counters::read(socket, way);
-            let t = Instant::now();
-            let outcomes = if way == "save" {
-                client.save(reg, keys, blocks)
-            } else {
-                client.load(reg, keys, blocks)
-            }
-            .map_err(client_err(way))?;
-            let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
-            sums[w].add(before, Counters::read(socket, way));
-            copied[w] += bytes;
-            Ok((gbps, not_done(&outcomes)))
-        })?;
-        let not_done: u64 = runs.iter().map(|r| r.1).sum();
-        if way == "save" {
-            failed.0 += not_done;
-        } else {
-            failed.1 += not_done;
+    for _ in 0..a.interference_rounds {
+        for (w, way) in ["save", "load"].into_iter().enumerate() {
+            windows.measure(&mut matmul, "server", way, |m| {
+                let (rate, runs) = m.during(|| {
+                    if way == "save" {
+                        client.evict(keys).map_err(client_err("evict"))?;
+                    }
+                    let before = Counters::read(socket, way);
+                    let t = Instant::now();
+                    let outcomes = if way == "save" {
+                        client.save(reg, keys, blocks)
+                    } else {
+                        client.load(reg, keys, blocks)
+                    }
+                    .map_err(client_err(way))?;
+                    let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+                    sums[w].add(before, Counters::read(socket, way));
+                    copied[w] += bytes;
+                    Ok((gbps, not_done(&outcomes)))
+                })?;
+                let not_done: u64 = runs.iter().map(|r| r.1).sum();
+                if way == "save" {
+                    failed.0 += not_done;
+                } else {
+                    failed.1 += not_done;
+                }
+                Ok((rate, median(runs.into_iter().map(|r| r.0).collect())))
+            })?;
         }
-        measured.push(("server", way, rate, median(runs.into_iter().map(|r| r.0).collect())));
+        matmul.engine_side_rows(&mut windows)?;
+        windows.end_round();
     }
-    measured.extend(matmul.engine_side_rows()?);
-    let after = matmul.alone();
+    let result = windows.finish(&matmul);
     let [save, load] = sums;
     let counters = BesideMatmul {
         save_busy_gbps: busy_gbps(copied[0], save.busy_s),
@@ -588,7 +593,7 @@ fn served_interference(
         load_busy_gbps: busy_gbps(copied[1], load.busy_s),
         load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
     };
-    Ok((summarize(alone, after, measured), failed, counters))
+    Ok((result, failed, counters))
 }
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,

@@ -71,6 +71,13 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--interference", "--engine-batch", "4GiB"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--engine-batch") && err.contains("between 1MiB and 1GiB"), "{err}");
+    // Rounds of the interference measurements: with --interference, at least one.
+    let (code, err) = dma(&["--interference-rounds", "3"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--interference"), "{err}");
+    let (code, err) = dma(&["--interference", "--interference-rounds", "0"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--interference-rounds"), "{err}");
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
