@@ -323,6 +323,14 @@ pub(crate) struct ServeArgs {
     /// latency and GB/s are per batch (default: 1).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub get_batch: usize,
+    /// Also measure the memcpy yardstick inside the main phase, on each client's own thread:
+    /// a 0.5 s window first, then one between two gets whenever this long has passed, and a
+    /// last one at the end; each interval's get GB/s is compared with the mean of the two
+    /// windows around it (`ratio_get_vs_memcpy_bracketed`: the median over the intervals).
+    /// For machines whose memory bandwidth drifts during a run. The windows take time from
+    /// the gets (default: off).
+    #[arg(long, value_name = "DUR", value_parser = duration)]
+    pub baseline_every: Option<Duration>,
     /// Keys per batched lookup in a second phase; 0 skips that phase (default: 0).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup_batch: usize,

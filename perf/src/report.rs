@@ -148,7 +148,18 @@ pub(crate) struct ServeReport {
     pub get_gbps_aggregate: f64,
     /// get_gbps / memcpy_gbps.
     pub ratio_get_vs_memcpy: f64,
-    /// Wall time of the main phase.
+    /// `--baseline-every`, in seconds (null without it).
+    pub baseline_every_s: Option<f64>,
+    /// With `--baseline-every`: the median over `bracketed_ratios` (null without it, or
+    /// when no interval had gets).
+    pub ratio_get_vs_memcpy_bracketed: Option<f64>,
+    /// With `--baseline-every`: per interval of each client between two of its windows of the
+    /// yardstick, its get GB/s over the mean of those two windows' GB/s.
+    pub bracketed_ratios: Vec<f64>,
+    /// With `--baseline-every`: GB/s of every window, each client's in order, one client
+    /// after another.
+    pub baseline_windows_gbps: Vec<f64>,
+    /// Wall time of the main phase (without the windows of `--baseline-every`).
     pub main_wall_s: f64,
 }
 
@@ -218,6 +229,24 @@ impl Report for ServeReport {
             "{:<14} {:.2} GB/s copying out of leased chunks alone",
             "", self.get_copy_gbps
         )?;
+        if let Some(every) = self.baseline_every_s {
+            let (lo, hi) = self
+                .bracketed_ratios
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+            writeln!(
+                out,
+                "{:<14} {} x memcpy windows around each interval (median of {}, {}), a window every {every:.1} s",
+                "",
+                self.ratio_get_vs_memcpy_bracketed.map_or("?".to_string(), |r| format!("{r:.2}")),
+                self.bracketed_ratios.len(),
+                if self.bracketed_ratios.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{lo:.2} to {hi:.2}")
+                }
+            )?;
+        }
         writeln!(
             out,
             "errors {}   verify failures {}   puts rejected {}",

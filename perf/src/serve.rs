@@ -79,6 +79,10 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
         lookup,
         get_batch: a.get_batch,
         nkeys: checked.nkeys,
+        // Allocated (and touched) before the clients start, shared by all of them.
+        baseline: a
+            .baseline_every
+            .map(|every| (every, Arc::new(baseline::Source::new(checked.value_size)))),
     });
     let report = measure(a, &plan, &socket, facts, checked.nkeys)?;
     // The server (if embedded) stops here, after every client session closed.
@@ -103,6 +107,14 @@ fn check(a: &ServeArgs) -> Result<Checked, Error> {
     }
     if a.value_size == 0 {
         return Err(invalid("--value-size", "must be positive"));
+    }
+    if let Some(every) = a.baseline_every {
+        if every.is_zero() || every > a.duration {
+            return Err(invalid(
+                "--baseline-every",
+                format!("must be positive and at most --duration ({:?})", a.duration),
+            ));
+        }
     }
     let value_size = usize::try_from(a.value_size)
         .map_err(|_| invalid("--value-size", "does not fit in memory"))?;
@@ -283,8 +295,12 @@ fn measure(
     let shards = evictions_after.or(facts).map(|f| f.shards);
 
     let m = &total.main;
+    // Without the yardstick's windows inside the phase (each client's, spread over them).
+    let windows = m.bracketed.time.as_secs_f64() / a.clients as f64;
     let main_wall =
-        m.ended.map_or(a.duration, |e| e.saturating_duration_since(main_start)).as_secs_f64();
+        (m.ended.map_or(a.duration, |e| e.saturating_duration_since(main_start)).as_secs_f64()
+            - windows)
+            .max(f64::MIN_POSITIVE);
     let gbps = |bytes: u64, time: Duration| {
         let secs = time.as_secs_f64();
         if secs > 0.0 {
@@ -359,6 +375,10 @@ fn measure(
         get_copy_gbps: gbps(m.get_bytes, m.copy_time),
         get_gbps_aggregate: m.get_bytes as f64 / main_wall / 1e9,
         ratio_get_vs_memcpy: if memcpy_gbps > 0.0 { get_gbps / memcpy_gbps } else { 0.0 },
+        baseline_every_s: a.baseline_every.map(|d| d.as_secs_f64()),
+        ratio_get_vs_memcpy_bracketed: baseline::median(&m.bracketed.ratios),
+        bracketed_ratios: m.bracketed.ratios.clone(),
+        baseline_windows_gbps: m.bracketed.windows.clone(),
         main_wall_s: main_wall,
     })
 }

@@ -163,6 +163,8 @@ pub(crate) struct MainStats {
     pub put_rejected: u64,
     /// When this client finished the phase.
     pub ended: Option<Instant>,
+    /// `--baseline-every`: the windows and ratios of every client, one after another.
+    pub bracketed: crate::baseline::Bracketed,
 }
 
 impl MainStats {
@@ -172,6 +174,9 @@ impl MainStats {
         self.put.merge(&o.put);
         self.get_bytes += o.get_bytes;
         self.get_time += o.get_time;
+        self.bracketed.windows.extend_from_slice(&o.bracketed.windows);
+        self.bracketed.ratios.extend_from_slice(&o.bracketed.ratios);
+        self.bracketed.time += o.bracketed.time;
         self.copy_time += o.copy_time;
         self.hits += o.hits;
         self.misses += o.misses;

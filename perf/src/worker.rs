@@ -9,6 +9,7 @@ use orbitkv_proto::chunk_checksum;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::baseline::Bracket;
 use crate::error::Error;
 use crate::gate::Gate;
 use crate::progress::Progress;
@@ -46,6 +47,8 @@ pub(crate) struct Plan {
     pub get_batch: usize,
     /// Main keys.
     pub nkeys: u64,
+    /// `--baseline-every`: how often, and the yardstick's source (shared by the clients).
+    pub baseline: Option<(std::time::Duration, std::sync::Arc<crate::baseline::Source>)>,
 }
 
 /// The batched-lookup phase.
@@ -135,7 +138,12 @@ impl Worker<'_> {
         let errors = &mut stats.errors;
         let mut keys = Vec::with_capacity(n);
         let mut indices = Vec::with_capacity(n);
+        let mut bracket =
+            plan.baseline.as_ref().map(|(every, source)| Bracket::start(source, *every, id));
         while Instant::now() < end {
+            if let Some(b) = bracket.as_mut() {
+                b.between(end);
+            }
             let first = plan.picker.pick(&mut rng);
             indices.clear();
             indices.extend((0..n as u64).map(|k| (first + k) % plan.nkeys));
@@ -186,6 +194,10 @@ impl Worker<'_> {
                 count_release(released, errors);
                 s.get.record(took);
                 s.get_time += took;
+                if let Some(b) = bracket.as_mut() {
+                    let copied_bytes = copied.iter().filter(|c| **c).count() * plan.value_size;
+                    b.got(copied_bytes as u64, took);
+                }
                 for (k, lease) in leases.iter().enumerate() {
                     let buf = &bufs[k];
                     let mismatch = if copied[k] {
@@ -253,6 +265,9 @@ impl Worker<'_> {
             errors.client("release", &e);
         }
         errors.count("release", client.deferred_failures());
+        if let Some(b) = bracket {
+            s.bracketed = b.finish();
+        }
         s.ended = Some(Instant::now());
     }
 }

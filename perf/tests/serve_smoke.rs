@@ -114,6 +114,44 @@ fn gets_of_consecutive_key_runs_verify() {
 }
 
 #[test]
+fn the_yardstick_inside_the_run_brackets_the_gets() {
+    // Two clients, a window every second of a 3 s phase: each client has a window first, one
+    // or more between its gets, and one at the end.
+    let v = serve_with(DRAM, "16MiB", "3s", &["--baseline-every", "1s"]);
+    assert_clean(&v);
+    assert_eq!(num(&v, &["baseline_every_s"]), 1.0, "{v}");
+    let windows = v["baseline_windows_gbps"].as_array().expect("windows");
+    assert!(windows.len() >= 6, "{v}");
+    assert!(windows.iter().all(|w| w.as_f64().is_some_and(|w| w > 0.0)), "{v}");
+    let ratios = v["bracketed_ratios"].as_array().expect("ratios");
+    assert!(!ratios.is_empty() && ratios.len() <= windows.len() - 2, "{v}");
+    assert!(num(&v, &["ratio_get_vs_memcpy_bracketed"]) > 0.0, "{v}");
+    // Without the flag there are none.
+    let plain = serve(DRAM, "1s");
+    assert!(plain["ratio_get_vs_memcpy_bracketed"].is_null(), "{plain}");
+    assert!(plain["bracketed_ratios"].as_array().is_some_and(|r| r.is_empty()), "{plain}");
+    // A period of zero, or longer than the phase, is refused naming the flag.
+    for every in ["0s", "5s"] {
+        let out = run(&[
+            "serve",
+            "--embedded",
+            "--working-set",
+            "1MiB",
+            "--value-size",
+            "64KiB",
+            "--duration",
+            "2s",
+            "--baseline-every",
+            every,
+            "--json",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{every}: {stderr}");
+        assert!(stderr.contains("--baseline-every"), "{stderr}");
+    }
+}
+
+#[test]
 fn an_unreachable_server_is_a_setup_error() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let socket = dir.path().join("nobody.sock");
