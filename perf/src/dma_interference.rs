@@ -472,8 +472,12 @@ mod tests {
     /// The tests point `ORBITKV_PYTHON` (process-wide) at their stand-ins one at a time.
     static PYTHON: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-    /// A stand-in for `python3`: ignores its arguments, says ready, then one line per 10 ms
-    /// whose clock advances 1 s and count 4 per line (so 4 products per second).
+    /// A stand-in loop's body: says ready, then one line per 10 ms whose clock advances 1 s
+    /// and count 4 per line (so 4 products per second).
+    const FOUR_PER_SECOND: &str = "echo ready\ni=0\nt=100\nwhile true; do i=$((i+4)); \
+                                   echo \"$t.0 $i\"; t=$((t+1)); sleep 0.01; done";
+
+    /// A stand-in for `python3` running `body`, whatever its arguments.
     fn fake_python(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
         let path = dir.join("python");
         std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
@@ -530,10 +534,7 @@ mod tests {
     fn a_run_alternates_windows_alone_and_measurements() {
         let _one = PYTHON.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
-        let ok = fake_python(
-            dir.path(),
-            "echo ready\ni=0\nt=100\nwhile true; do i=$((i+4)); echo \"$t.0 $i\"; t=$((t+1)); sleep 0.01; done",
-        );
+        let ok = fake_python(dir.path(), FOUR_PER_SECOND);
         std::env::set_var("ORBITKV_PYTHON", &ok);
         let mut m = MatmulLoop::start(0, None).unwrap();
         let mut w = Windows::default();
@@ -581,10 +582,7 @@ mod tests {
     fn rates_come_from_the_loop_clock_and_a_missing_torch_is_named() {
         let _one = PYTHON.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
-        let ok = fake_python(
-            dir.path(),
-            "echo ready\ni=0\nt=100\nwhile true; do i=$((i+4)); echo \"$t.0 $i\"; t=$((t+1)); sleep 0.01; done",
-        );
+        let ok = fake_python(dir.path(), FOUR_PER_SECOND);
         std::env::set_var("ORBITKV_PYTHON", &ok);
         let m = MatmulLoop::start(0, None).unwrap();
         std::thread::sleep(Duration::from_millis(100));

@@ -95,22 +95,21 @@ fn gets_of_consecutive_key_runs_verify() {
     // Batches hit several keys each once the working set is stored.
     assert!(num(&v, &["hits"]) > 2.0 * num(&v, &["get", "count"]), "{v}");
     // A batch larger than the key count is refused naming the flag.
-    let out = run(&[
-        "serve",
-        "--embedded",
-        "--working-set",
-        "1MiB",
-        "--value-size",
-        "64KiB",
-        "--get-batch",
-        "17",
-        "--duration",
-        "1s",
-        "--json",
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = refused(&["--get-batch", "17", "--duration", "1s"]);
     assert!(stderr.contains("--get-batch"), "{stderr}");
+}
+
+/// Runs an embedded-server benchmark of 16 keys of 64 KiB with `extra`, which must be refused
+/// as a usage error (exit 2) with nothing on stdout; returns its stderr.
+fn refused(extra: &[&str]) -> String {
+    let mut args =
+        vec!["serve", "--embedded", "--working-set", "1MiB", "--value-size", "64KiB", "--json"];
+    args.extend_from_slice(extra);
+    let out = run(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+    assert!(out.stdout.is_empty(), "{extra:?}");
+    stderr
 }
 
 #[test]
@@ -132,21 +131,7 @@ fn the_yardstick_inside_the_run_brackets_the_gets() {
     assert!(plain["bracketed_ratios"].as_array().is_some_and(|r| r.is_empty()), "{plain}");
     // A period of zero, or longer than the phase, is refused naming the flag.
     for every in ["0s", "5s"] {
-        let out = run(&[
-            "serve",
-            "--embedded",
-            "--working-set",
-            "1MiB",
-            "--value-size",
-            "64KiB",
-            "--duration",
-            "2s",
-            "--baseline-every",
-            every,
-            "--json",
-        ]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{every}: {stderr}");
+        let stderr = refused(&["--duration", "2s", "--baseline-every", every]);
         assert!(stderr.contains("--baseline-every"), "{stderr}");
     }
 }
