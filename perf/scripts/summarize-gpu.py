@@ -74,6 +74,12 @@ def served(name, d):
         f"{num(s.get('save_checksum_wait_us_per_job'), '{:.0f}')} us; host copies per job "
         f"{num(s.get('save_runs_per_job'), '{:.1f}')}"
     )
+    if s.get("save_submit_cpu_us_per_job") is not None:
+        print(
+            f"{name}:   DMA threads' own CPU per job "
+            f"{num(s.get('save_submit_cpu_us_per_job'), '{:.0f}')} / "
+            f"{num(s.get('load_submit_cpu_us_per_job'), '{:.0f}')} us"
+        )
     # The requests' time with no copy of theirs running: before the first, after the last
     # (lead, tail; per request) and between jobs (the rest).
     idle = lambda way: (

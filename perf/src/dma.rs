@@ -333,6 +333,15 @@ impl Report for DmaReport {
                      us waiting for its checksums after its copy; {load:.0} us handing a load"
                 )?;
             }
+            if let (Some(save), Some(load)) =
+                (s.save_submit_cpu_us_per_job, s.load_submit_cpu_us_per_job)
+            {
+                writeln!(
+                    out,
+                    "server DMA threads' own CPU time per job: {save:.0} us (saves), {load:.0} us \
+                     (loads)"
+                )?;
+            }
             if let Some(b) = &s.beside_matmul {
                 let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
                 writeln!(

@@ -89,6 +89,12 @@ pub(crate) struct ServedResult {
     pub save_submit_us_per_job: Option<f64>,
     /// The same for the timed loads.
     pub load_submit_us_per_job: Option<f64>,
+    /// Of `save_submit_us_per_job`, the save thread's own CPU time (`save_submit_cpu_s` /
+    /// jobs): against the jobs' copy time, whether the host side keeps up; None when the
+    /// stats do not say.
+    pub save_submit_cpu_us_per_job: Option<f64>,
+    /// The same for the timed loads.
+    pub load_submit_cpu_us_per_job: Option<f64>,
     /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
     /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
     pub save_checksum_wait_us_per_job: Option<f64>,
@@ -141,6 +147,8 @@ struct Counters {
     /// Seconds handing jobs to the GPU, and (saves) waiting for checksums after the copy.
     submit_s: Option<f64>,
     checksum_wait_s: Option<f64>,
+    /// Of `submit_s`, the DMA thread's own CPU time.
+    submit_cpu_s: Option<f64>,
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -160,6 +168,7 @@ impl Counters {
             host_runs: f("host_runs"),
             submit_s: f("submit_s"),
             checksum_wait_s: f("checksum_wait_s"),
+            submit_cpu_s: f("submit_cpu_s"),
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -177,6 +186,7 @@ struct Sums {
     host_runs: f64,
     submit_s: f64,
     checksum_wait_s: f64,
+    submit_cpu_s: f64,
     timeline: [f64; 5],
 }
 
@@ -190,6 +200,7 @@ impl Sums {
         self.host_runs += busy_delta(before.host_runs, after.host_runs);
         self.submit_s += busy_delta(before.submit_s, after.submit_s);
         self.checksum_wait_s += busy_delta(before.checksum_wait_s, after.checksum_wait_s);
+        self.submit_cpu_s += busy_delta(before.submit_cpu_s, after.submit_cpu_s);
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -512,6 +523,8 @@ pub(crate) fn run(
         load_runs_per_job: load_sums.runs_per_job(),
         save_submit_us_per_job: save_sums.per_job(save_sums.submit_s * 1e6),
         load_submit_us_per_job: load_sums.per_job(load_sums.submit_s * 1e6),
+        save_submit_cpu_us_per_job: save_sums.per_job(save_sums.submit_cpu_s * 1e6),
+        load_submit_cpu_us_per_job: load_sums.per_job(load_sums.submit_cpu_s * 1e6),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
         beside_matmul,
     };
@@ -864,6 +877,19 @@ mod tests {
         sums.add(at(30.0, 1.002, Some(0.5006)), at(50.0, 1.004, Some(0.5008)));
         assert!((sums.per_job(sums.submit_s * 1e6).unwrap() - 100.0).abs() < 1e-6);
         assert!((sums.per_job(sums.checksum_wait_s * 1e6).unwrap() - 20.0).abs() < 1e-6);
+        // The DMA thread's own CPU time, per job, from the same readings; an older server
+        // without the counter gives none.
+        let cpu = |jobs: f64, cpu: f64| Counters {
+            jobs: Some(jobs),
+            submit_cpu_s: Some(cpu),
+            ..Counters::default()
+        };
+        let mut sums = Sums::default();
+        sums.add(cpu(10.0, 2.0), cpu(20.0, 2.003));
+        assert!((sums.per_job(sums.submit_cpu_s * 1e6).unwrap() - 300.0).abs() < 1e-6);
+        let mut old = Sums::default();
+        old.add(at(1.0, 0.0, None), at(2.0, 0.001, None));
+        assert_eq!(old.per_job(old.submit_cpu_s * 1e6), None);
         // Loads have no checksum wait: the server does not report one.
         let mut loads = Sums::default();
         loads.add(at(1.0, 0.0, None), at(2.0, 0.001, None));

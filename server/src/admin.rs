@@ -304,6 +304,8 @@ fn stats(shared: &Shared) -> Value {
                 "load_busy_s": n(&c.load_busy_ns) as f64 / 1e9,
                 "save_submit_s": n(&c.save_submit_ns) as f64 / 1e9,
                 "load_submit_s": n(&c.load_submit_ns) as f64 / 1e9,
+                "save_submit_cpu_s": n(&c.save_submit_cpu_ns) as f64 / 1e9,
+                "load_submit_cpu_s": n(&c.load_submit_cpu_ns) as f64 / 1e9,
                 "save_checksum_wait_s": n(&c.save_checksum_wait_ns) as f64 / 1e9,
                 "save_requests": n(&c.save_requests),
                 "save_lead_s": n(&c.save_lead_ns) as f64 / 1e9,

@@ -183,6 +183,11 @@ pub struct GpuCounters {
     pub save_submit_ns: AtomicU64,
     /// The same for the load thread (no checksums).
     pub load_submit_ns: AtomicU64,
+    /// Of `save_submit_ns`, the save thread's own CPU time (its thread CPU clock): against
+    /// the jobs' copy time, whether the host side keeps up (blocking waits are left out).
+    pub save_submit_cpu_ns: AtomicU64,
+    /// The same for the load thread.
+    pub load_submit_cpu_ns: AtomicU64,
     /// Nanoseconds, summed over save jobs, from their copy landing to their GPU checksums
     /// being ready (as the thread polls, within about 10 us): what the checksums add to a
     /// job's completion.
@@ -620,9 +625,10 @@ impl GpuService {
         let mut idle_since = Instant::now();
         // Since when at least one job has been on the GPU (None while none is).
         let mut busy_since: Option<Instant> = None;
-        let (busy_ns, submit_ns) = match direction {
-            Direction::Save => (&self.counters.save_busy_ns, &self.counters.save_submit_ns),
-            Direction::Load => (&self.counters.load_busy_ns, &self.counters.load_submit_ns),
+        let c = &self.counters;
+        let (busy_ns, submit_ns, submit_cpu_ns) = match direction {
+            Direction::Save => (&c.save_busy_ns, &c.save_submit_ns, &c.save_submit_cpu_ns),
+            Direction::Load => (&c.load_busy_ns, &c.load_submit_ns, &c.load_submit_cpu_ns),
         };
         loop {
             let mut progressed = self.deliver(doorbells, undelivered);
@@ -636,6 +642,7 @@ impl GpuService {
                 let (shard, id, bytes) =
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 let submitted = Instant::now();
+                let cpu_at_submit = thread_cpu_ns();
                 match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
                     Ok((event, shape)) => {
@@ -659,6 +666,10 @@ impl GpuService {
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
                         submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
+                        submit_cpu_ns.fetch_add(
+                            thread_cpu_ns().saturating_sub(cpu_at_submit),
+                            Ordering::Relaxed,
+                        );
                     }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
@@ -885,6 +896,15 @@ impl GpuService {
     }
 }
 
+/// CPU time of the calling thread, nanoseconds (0 if the clock cannot be read: the counters
+/// built on it then stay at 0).
+fn thread_cpu_ns() -> u64 {
+    use nix::time::{clock_gettime, ClockId};
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map_or(0, |t| {
+        (t.tv_sec() as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec() as u64)
+    })
+}
+
 #[allow(unsafe_code)]
 fn submit_checksums(
     hasher: &mut ChunkHasher,
@@ -911,6 +931,23 @@ fn submit_pieces(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_thread_cpu_clock_advances_with_work_on_this_thread() {
+        let start = thread_cpu_ns();
+        assert!(start > 0, "the thread CPU clock is readable here");
+        // Busy until it has advanced a millisecond (bounded by wall time, never expected).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut x = 0u64;
+        while thread_cpu_ns() < start + 1_000_000 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            assert!(Instant::now() < deadline, "no CPU time counted in 30 s of spinning");
+        }
+        // It is this thread's clock, not the process's: a new thread starts below it.
+        let before = thread_cpu_ns();
+        let other = std::thread::spawn(thread_cpu_ns).join().unwrap();
+        assert!(other < before, "a new thread's {other} ns against this one's {before}");
+    }
 
     #[test]
     fn timeline_counters_sum_busy_periods_and_show_seconds() {
