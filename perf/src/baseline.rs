@@ -169,17 +169,6 @@ pub(crate) fn ratios(windows: &[f64], intervals: &[(u64, Duration)]) -> Vec<f64>
         .collect()
 }
 
-/// Median of `v` (None when empty).
-pub(crate) fn median(v: &[f64]) -> Option<f64> {
-    let mut v = v.to_vec();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,9 +192,6 @@ mod tests {
             &[(1, s), (1, s), (0, s), (1, Duration::ZERO), (1, s)],
         );
         assert!(r.is_empty(), "{r:?}");
-        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
-        assert_eq!(median(&[]), None);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::Error;
+use crate::stats::median;
 
 /// The matmul loop: two 8192 x 8192 bf16 matrices, four products per line of output
 /// (`<perf_counter seconds> <products so far>`), after a `ready` line. With four more
@@ -228,20 +229,6 @@ impl Windows {
     }
 }
 
-/// Median of `v` (0 when empty).
-fn median_of(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// The rows of a run: each measurement's slowdown against the mean of the windows alone around
 /// it, grouped by (strategy, direction) in the order first measured.
 fn summarize(solos: Vec<f64>, beside: Vec<Beside>, rounds: u32) -> InterferenceResult {
@@ -268,12 +255,13 @@ fn summarize(solos: Vec<f64>, beside: Vec<Beside>, rounds: u32) -> InterferenceR
             InterferenceRow {
                 strategy,
                 direction,
-                matmul_per_s: median_of(bs.iter().map(|b| b.rate).collect()),
-                slowdown: median_of(slowdowns.clone()),
+                matmul_per_s: median(&bs.iter().map(|b| b.rate).collect::<Vec<_>>()).unwrap_or(0.0),
+                slowdown: median(&slowdowns).unwrap_or(0.0),
                 slowdown_min: slowdowns.iter().copied().fold(f64::INFINITY, f64::min),
                 slowdown_max: slowdowns.iter().copied().fold(f64::NEG_INFINITY, f64::max),
                 slowdowns,
-                copy_gbps: median_of(bs.iter().map(|b| b.copy_gbps).collect()),
+                copy_gbps: median(&bs.iter().map(|b| b.copy_gbps).collect::<Vec<_>>())
+                    .unwrap_or(0.0),
             }
         })
         .collect();

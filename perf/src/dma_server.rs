@@ -879,11 +879,7 @@ mod tests {
         assert!((sums.per_job(sums.checksum_wait_s * 1e6).unwrap() - 20.0).abs() < 1e-6);
         // The DMA thread's own CPU time, per job, from the same readings; an older server
         // without the counter gives none.
-        let cpu = |jobs: f64, cpu: f64| Counters {
-            jobs: Some(jobs),
-            submit_cpu_s: Some(cpu),
-            ..Counters::default()
-        };
+        let cpu = |jobs: f64, cpu: f64| Counters { submit_cpu_s: Some(cpu), ..at(jobs, 0.0, None) };
         let mut sums = Sums::default();
         sums.add(cpu(10.0, 2.0), cpu(20.0, 2.003));
         assert!((sums.per_job(sums.submit_cpu_s * 1e6).unwrap() - 300.0).abs() < 1e-6);

@@ -376,7 +376,7 @@ fn measure(
         get_gbps_aggregate: m.get_bytes as f64 / main_wall / 1e9,
         ratio_get_vs_memcpy: if memcpy_gbps > 0.0 { get_gbps / memcpy_gbps } else { 0.0 },
         baseline_every_s: a.baseline_every.map(|d| d.as_secs_f64()),
-        ratio_get_vs_memcpy_bracketed: baseline::median(&m.bracketed.ratios),
+        ratio_get_vs_memcpy_bracketed: crate::stats::median(&m.bracketed.ratios),
         bracketed_ratios: m.bracketed.ratios.clone(),
         baseline_windows_gbps: m.bracketed.windows.clone(),
         main_wall_s: main_wall,
