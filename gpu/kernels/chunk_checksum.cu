@@ -447,12 +447,6 @@ ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
         ORBITKV_UNROLL
         for (u32 i = 0; i < ROW_BATCH; i++) {
             u64 r = r0 + i;
-            // The run's next whole row asked into L2 while this one is summed: the eight
-            // threads of the run a line of 128 bytes each (a thread's own loads of a row go
-            // eight at a time, each group waited for before the next is issued).
-            if (i + 1 < ROW_BATCH && at[i + 1] != 0) {
-                ORBITKV_PREFETCH_L2((const void*)(at[i + 1] - 16ull * (j >> 1) + 128ull * j));
-            }
             if (r < last) {
                 u64 sum = at[i] != 0
                               ? block_sum(at[i], j, key)
