@@ -199,9 +199,8 @@ pub(crate) struct DmaArgs {
     #[arg(long, conflicts_with = "socket")]
     pub timeline: bool,
     /// Submit each series' operation as the server's DMA threads get it: in jobs of at most
-    /// 64 MiB of whole chunks (the first three an eighth, a quarter and a half of that), each
-    /// its own submission, back to back (instead of one submission of every piece). Tells a
-    /// cost of the job split from one of the server.
+    /// 64 MiB of whole chunks, each its own submission, back to back (instead of one
+    /// submission of every piece). Tells a cost of the job split from one of the server.
     #[arg(long, conflicts_with = "socket")]
     pub server_jobs: bool,
     /// Print one JSON object instead of a table.

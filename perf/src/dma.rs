@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
-    job_groups, plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction,
-    EngineMemory, JobShape, Strategy, BATCHED_FROM,
+    plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
+    JobShape, Strategy, BATCHED_FROM, JOB_BYTES,
 };
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
@@ -898,21 +898,16 @@ impl Bench {
         last.map(|e| (e, whole)).ok_or_else(|| Error::Gpu("no pieces to copy".into()))
     }
 
-    /// Piece ranges of the server's jobs (`job_groups`: at most 64 MiB of whole chunks each,
-    /// the first ones smaller).
+    /// Piece ranges of the server's save jobs: at most 64 MiB of whole chunks each.
     fn job_ranges(&self) -> Vec<std::ops::Range<usize>> {
-        let mut ends = job_groups(self.chunks.len(), self.chunk_len)
-            .into_iter()
-            .map(|g| g.end as u64 * self.chunk_len)
-            .peekable();
+        let job = (JOB_BYTES / self.chunk_len).max(1) * self.chunk_len;
         let mut out = Vec::new();
         let (mut from, mut bytes) = (0, 0);
         for (i, p) in self.pieces.iter().enumerate() {
             bytes += p.len;
-            if ends.peek() == Some(&bytes) {
-                ends.next();
+            if bytes == job {
                 out.push(from..i + 1);
-                from = i + 1;
+                (from, bytes) = (i + 1, 0);
             }
         }
         if from < self.pieces.len() {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel;
-use orbitkv_gpu::dma::{job_groups, Direction, EngineMemory};
+use orbitkv_gpu::dma::{Direction, EngineMemory, JOB_BYTES};
 use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
@@ -158,15 +158,14 @@ pub(crate) async fn save(
         };
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
-    // Groups of chunks (`job_groups`: at most JOB_BYTES, the first ones smaller) go to the DMA
-    // thread one after another; each group is committed (its checksums computed on the owning
-    // shards) as soon as its copy completes, while the copy engine works on the next groups.
-    // Each group's slots are reserved just before it goes: the first copy waits for its own
-    // group's reservations only, and the later groups are reserved while the copy engine moves
-    // the ones before (reserving a whole 2 GiB save of 512 KiB chunks first kept the engine
-    // idle for about a millisecond).
-    let groups = job_groups(keys.len(), chunk_len);
-    let jobs = groups.len();
+    // Groups of chunks go to the DMA thread one after another; each group is committed (its
+    // checksums computed on the owning shards) as soon as its copy completes, while the copy
+    // engine works on the next groups. Each group's slots are reserved just before it goes:
+    // the first copy waits for its own group's reservations only, and the later groups are
+    // reserved while the copy engine moves the ones before (reserving a whole 2 GiB save of
+    // 512 KiB chunks first kept the engine idle for about a millisecond).
+    let group = (JOB_BYTES / chunk_len).max(1) as usize;
+    let jobs = keys.len().div_ceil(group);
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
     // Each job's first GPU checksum is checked on its shard (hashing a chunk there), beside the
@@ -176,13 +175,12 @@ pub(crate) async fn save(
     // unchecked when it did (normally known by then) and checks its own otherwise.
     let (verdict_tx, verdict_rx) = local_channel::new_bounded::<bool>(1);
     let (mut verdict_tx, mut verdict_rx) = (Some(verdict_tx), Some(verdict_rx));
-    for (g, range) in groups.into_iter().enumerate() {
+    for (g, group_keys) in keys.chunks(group).enumerate() {
         let last = g + 1 == jobs;
-        let items: Vec<(ChunkKey, u64)> =
-            keys[range.clone()].iter().map(|k| (*k, chunk_len)).collect();
+        let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
         let mut part: Vec<(usize, SlotRef, u64)> = Vec::with_capacity(items.len());
         for (j, s) in reserve(exec, session, &items).await.into_iter().enumerate() {
-            let i = range.start + j;
+            let i = g * group + j;
             match s {
                 Reservation::Slot { offset, generation, .. } => {
                     part.push((i, SlotRef { key: keys[i], generation }, offset))
@@ -302,24 +300,24 @@ pub(crate) async fn load(
         };
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
-    // Jobs of at most JOB_BYTES (the first ones smaller, `job_groups`), queued one after
-    // another: the DMA thread plans one while the copy engine moves the one before. Each job's
-    // chunks are looked up (and leased) just before it goes, so the first copy waits for its
-    // own lookup only and the later lookups run beside the copies. The prefix ends at the first miss: hits after it in its group are
+    // Jobs of at most JOB_BYTES, queued one after another: the DMA thread plans one while the
+    // copy engine moves the one before. Each job's chunks are looked up (and leased) just
+    // before it goes, so the first copy waits for its own lookup only and the later lookups
+    // run beside the copies. The prefix ends at the first miss: hits after it in its group are
     // released unread, and later groups are not looked up (their chunks answer `NotFound`, as
     // chunks past the prefix do). A job's leases are released as soon as its copy has
     // completed; every lease is released before the answer.
+    let group = (JOB_BYTES / chunk_len).max(1) as usize;
     let mut tasks = Vec::new();
     let mut rest = Vec::new();
-    for range in job_groups(keys.len(), chunk_len) {
-        let group_keys = &keys[range.clone()];
+    for (g, group_keys) in keys.chunks(group).enumerate() {
         let hits: Vec<Option<Hit>> = lookup(exec, session, group_keys, true).await;
         let miss = hits.iter().position(Option::is_none);
         let mut chunks = Vec::new();
         let mut copying = Vec::new();
         for (j, (key, h)) in group_keys.iter().zip(&hits).enumerate() {
             let Some(h) = h else { continue };
-            let i = range.start + j;
+            let i = g * group + j;
             let slot = SlotRef { key: *key, generation: h.generation };
             if miss.is_some_and(|m| j >= m) {
                 rest.push(slot);
