@@ -66,6 +66,19 @@ def served(name, d):
         f"{s.get('load_failures')}; mismatched bytes {s.get('save_mismatched_bytes')} / "
         f"{s.get('load_mismatched_bytes')}"
     )
+    # Against the ceiling's copy just before and after each timed save / load.
+    if s.get("save_ratio_bracketed") is not None:
+        span = lambda r: f"{min(r):.3f}-{max(r):.3f}" if r else "-"
+        print(
+            f"{name}:   bracketed {num(s.get('save_ratio_bracketed'))} / "
+            f"{num(s.get('load_ratio_bracketed'))} (each: "
+            f"{span(s.get('save_bracketed_ratios') or [])} / "
+            f"{span(s.get('load_bracketed_ratios') or [])}); ceiling windows "
+            + " ".join(f"{w:.1f}" for w in s.get("save_ceiling_windows_gbps") or [])
+            + " / "
+            + " ".join(f"{w:.1f}" for w in s.get("load_ceiling_windows_gbps") or [])
+            + " GB/s"
+        )
     print(
         f"{name}:   busy {num(s.get('save_busy_gbps'), '{:.1f}')} / "
         f"{num(s.get('load_busy_gbps'), '{:.1f}')} GB/s; per job submit "

@@ -303,6 +303,20 @@ impl Report for DmaReport {
                 s.cancelled_save_completed,
                 s.stale_registration_refused
             )?;
+            if let (Some(save), Some(load)) = (s.save_ratio_bracketed, s.load_ratio_bracketed) {
+                let range = |r: &[f64]| {
+                    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+                    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    format!("{lo:.3}-{hi:.3}")
+                };
+                writeln!(
+                    out,
+                    "server against the ceiling's copy just before and after each: saves \
+                     {save:.3} ({}), loads {load:.3} ({})",
+                    range(&s.save_bracketed_ratios),
+                    range(&s.load_bracketed_ratios)
+                )?;
+            }
             if let (Some(save), Some(load)) = (s.save_busy_gbps, s.load_busy_gbps) {
                 writeln!(
                     out,
@@ -848,14 +862,8 @@ impl Bench {
 
     /// One contiguous copy of the operation's bytes (the ceiling's copy); GB/s.
     fn contiguous_once(&mut self, direction: Direction) -> Result<f64, Error> {
-        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
-        let (device, len) = (self.contiguous.ptr(), self.bytes as usize);
-        let t = Instant::now();
-        // SAFETY (upheld here): as in `ceiling`.
-        unsafe_contiguous(&mut self.engine, direction, device, host, len)?
-            .synchronize()
-            .map_err(cuda("cuEventSynchronize"))?;
-        Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
+        let region = (&self.arena_slice, self.ceiling_at, self.bytes);
+        contiguous_once(&mut self.engine, region, self.contiguous.ptr(), direction)
     }
 
     /// Submits one whole operation: every piece at once, or with `--server-jobs` job by job.
@@ -1060,6 +1068,24 @@ impl Bench {
 // The two calls below hand raw ranges to the GPU. Both are owned by the benchmark for its
 // whole run (tensors, contiguous buffer, arena slots), and every event is awaited before the
 // next use of the same memory.
+/// One contiguous copy between `device` (the bench's contiguous buffer) and the ceiling
+/// region (slice, offset, length) of the arena, waited for; GB/s.
+fn contiguous_once(
+    engine: &mut CopyEngine,
+    (slice, at, len): (&ArenaSlice, u64, u64),
+    device: u64,
+    direction: Direction,
+) -> Result<f64, Error> {
+    let host = slice.raw_range(at, len) as u64;
+    let t = Instant::now();
+    // SAFETY (upheld here): as in `Bench::ceiling`: the buffer is the bench's, the range lies in
+    // the registered arena, and nothing else touches either while the event is awaited.
+    unsafe_contiguous(engine, direction, device, host, len as usize)?
+        .synchronize()
+        .map_err(cuda("cuEventSynchronize"))?;
+    Ok(gbps(len, t.elapsed().as_secs_f64()))
+}
+
 #[allow(unsafe_code)]
 fn unsafe_contiguous(
     engine: &mut CopyEngine,
@@ -1253,8 +1279,16 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             chunk_len: bench.chunk_len,
             device_uuid: &info.uuid,
         };
+        // The ceiling's copy around each timed save and load, alone on the links only when
+        // this process is the server's one engine rank.
+        let (region, device) =
+            ((&bench.arena_slice, bench.ceiling_at, bench.bytes), bench.contiguous.ptr());
+        let copies = &mut bench.engine;
+        let mut copy = |d: Direction| contiguous_once(copies, region, device, d);
+        let ceiling: Option<crate::dma_server::CeilingCopy<'_>> =
+            if barrier.is_none() { Some(&mut copy) } else { None };
         let (mut served, beside) =
-            crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling, shape)?;
+            crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling, shape, ceiling)?;
         interference = beside;
         if a.engine_copies {
             engine_copies = Some(crate::dma_engine_copies::run(

@@ -9,7 +9,7 @@ use orbitkv_client::{
     ChunkKey, ChunkOutcome, Client, ClientOptions, Dtype, GpuTensor, KvLayoutKind, KvLayoutSpec,
     NamespaceDescriptor,
 };
-use orbitkv_gpu::dma::EngineMemory;
+use orbitkv_gpu::dma::{Direction, EngineMemory};
 use orbitkv_gpu::{KvLayout, LayoutDesc};
 use serde::Serialize;
 
@@ -101,6 +101,50 @@ pub(crate) struct ServedResult {
     /// With `--interference`: the same server counters over the saves and loads beside the
     /// matmul loop (where the GPU checksums compete with the engine's kernels for SMs).
     pub beside_matmul: Option<BesideMatmul>,
+    /// Contiguous copies of the series' bytes (the ceiling's copy) in this process just before
+    /// the first timed save and just after each, GB/s. Empty for a rank of a group
+    /// (`--barrier`): its copies would share the links with the other ranks' saves.
+    pub save_ceiling_windows_gbps: Vec<f64>,
+    /// Each timed save's GB/s over the mean of the two windows around it.
+    pub save_bracketed_ratios: Vec<f64>,
+    /// Their median (None without windows): the save ratio free of the bus's drift between
+    /// the run's ceiling measurements and the saves.
+    pub save_ratio_bracketed: Option<f64>,
+    /// The same three for the timed loads.
+    pub load_ceiling_windows_gbps: Vec<f64>,
+    /// See `save_bracketed_ratios`.
+    pub load_bracketed_ratios: Vec<f64>,
+    /// See `save_ratio_bracketed`.
+    pub load_ratio_bracketed: Option<f64>,
+}
+
+/// One contiguous copy of the series' bytes in the engine's process, the way the ceiling is
+/// measured; GB/s.
+pub(crate) type CeilingCopy<'a> = &'a mut dyn FnMut(Direction) -> Result<f64, Error>;
+
+/// The windows around a series' timed operations: the first before the first, then one after
+/// each.
+#[derive(Default)]
+struct Brackets {
+    windows: Vec<f64>,
+    intervals: Vec<(u64, Duration)>,
+}
+
+impl Brackets {
+    /// Measures a window with `copy`, if there is one (none in a group).
+    fn window(&mut self, copy: &mut Option<CeilingCopy<'_>>, d: Direction) -> Result<(), Error> {
+        if let Some(copy) = copy.as_mut() {
+            self.windows.push(copy(d)?);
+        }
+        Ok(())
+    }
+
+    /// (windows, ratios, their median).
+    fn finish(self) -> (Vec<f64>, Vec<f64>, Option<f64>) {
+        let ratios = crate::baseline::ratios(&self.windows, &self.intervals);
+        let m = crate::stats::median(&ratios);
+        (self.windows, ratios, m)
+    }
 }
 
 /// The server's counters over the saves and loads run beside `--interference`'s matmul loop.
@@ -370,6 +414,7 @@ pub(crate) fn run(
     barrier: Option<&Barrier>,
     duplex_ceiling: Option<f64>,
     interference: Option<EngineSide>,
+    mut ceiling: Option<CeilingCopy<'_>>,
 ) -> Result<(ServedResult, Option<InterferenceResult>), Error> {
     let meet = |phase: &str| barrier.map_or(Ok(()), |b| b.wait(phase));
     let socket = a.socket.as_ref().expect("server mode has a socket");
@@ -408,15 +453,21 @@ pub(crate) fn run(
     let mut save_failures = 0;
     // The server's counters over the timed saves.
     let mut save_sums = Sums::default();
+    let mut save_brackets = Brackets::default();
     meet("save")?;
     for i in 0..=a.iterations {
         client.evict(&keys).map_err(client_err("evict"))?;
+        if i == 1 {
+            save_brackets.window(&mut ceiling, Direction::Save)?;
+        }
         let before = Counters::read(socket, "save");
         let t = Instant::now();
         let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
         if i > 0 {
+            save_brackets.intervals.push((bytes, t.elapsed()));
             save_runs.push(gbps(t));
             save_sums.add(before, Counters::read(socket, "save"));
+            save_brackets.window(&mut ceiling, Direction::Save)?;
         }
         save_failures += not_done(&o);
     }
@@ -444,14 +495,20 @@ pub(crate) fn run(
     let mut load_runs = Vec::new();
     let mut load_failures = 0;
     let mut load_sums = Sums::default();
+    let mut load_brackets = Brackets::default();
     meet("load")?;
     for i in 0..=a.iterations {
+        if i == 1 {
+            load_brackets.window(&mut ceiling, Direction::Load)?;
+        }
         let before = Counters::read(socket, "load");
         let t = Instant::now();
         let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
         if i > 0 {
+            load_brackets.intervals.push((bytes, t.elapsed()));
             load_runs.push(gbps(t));
             load_sums.add(before, Counters::read(socket, "load"));
+            load_brackets.window(&mut ceiling, Direction::Load)?;
         }
         load_failures += not_done(&o);
     }
@@ -495,6 +552,10 @@ pub(crate) fn run(
         &layout,
         &tensors,
     )?;
+    let (save_ceiling_windows_gbps, save_bracketed_ratios, save_ratio_bracketed) =
+        save_brackets.finish();
+    let (load_ceiling_windows_gbps, load_bracketed_ratios, load_ratio_bracketed) =
+        load_brackets.finish();
     let served = ServedResult {
         save_gbps: median(save_runs),
         load_gbps: median(load_runs),
@@ -527,6 +588,12 @@ pub(crate) fn run(
         load_submit_cpu_us_per_job: load_sums.per_job(load_sums.submit_cpu_s * 1e6),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
         beside_matmul,
+        save_ceiling_windows_gbps,
+        save_bracketed_ratios,
+        save_ratio_bracketed,
+        load_ceiling_windows_gbps,
+        load_bracketed_ratios,
+        load_ratio_bracketed,
     };
     Ok((served, interference))
 }
@@ -780,7 +847,41 @@ fn cancel_check(
 
 #[cfg(test)]
 mod tests {
-    use super::{busy_delta, busy_gbps, Counters, Sums};
+    use super::{busy_delta, busy_gbps, Brackets, CeilingCopy, Counters, Direction, Sums};
+    use std::time::Duration;
+
+    #[test]
+    fn each_timed_operation_against_the_ceiling_copies_around_it() {
+        // Windows of 50, 60 and 40 GB/s around two 1 GB operations of 25 and 20 ms (40 and 50
+        // GB/s): 40 / 55 and 50 / 50.
+        let mut readings = vec![40.0, 60.0, 50.0];
+        let mut asked = Vec::new();
+        let mut copy = |d: Direction| {
+            asked.push(d);
+            Ok(readings.pop().expect("three windows"))
+        };
+        let mut b = Brackets::default();
+        let mut ceiling: Option<CeilingCopy<'_>> = Some(&mut copy);
+        b.window(&mut ceiling, Direction::Load).unwrap();
+        for ms in [25, 20] {
+            b.intervals.push((1_000_000_000, Duration::from_millis(ms)));
+            b.window(&mut ceiling, Direction::Load).unwrap();
+        }
+        let (windows, ratios, median) = b.finish();
+        assert_eq!(windows, [50.0, 60.0, 40.0]);
+        assert_eq!(asked, [Direction::Load; 3]);
+        assert!((ratios[0] - 40.0 / 55.0).abs() < 1e-9 && (ratios[1] - 1.0).abs() < 1e-9);
+        assert!((median.unwrap() - (40.0 / 55.0 + 1.0) / 2.0).abs() < 1e-9, "{median:?}");
+        // Without a copy (a rank of a group): no windows, no ratios.
+        let mut b = Brackets::default();
+        b.window(&mut None, Direction::Save).unwrap();
+        b.intervals.push((1, Duration::from_millis(1)));
+        assert_eq!(b.finish(), (vec![], vec![], None));
+        // A copy that fails fails the series, naming why.
+        let mut failing = |_: Direction| Err(crate::error::Error::Gpu("copy refused".into()));
+        let e = Brackets::default().window(&mut Some(&mut failing), Direction::Save).unwrap_err();
+        assert!(e.to_string().contains("copy refused"), "{e}");
+    }
 
     #[test]
     fn busy_rate_needs_both_readings_and_time() {
