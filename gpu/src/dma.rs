@@ -66,6 +66,20 @@ impl Strategy {
     }
 }
 
+/// Waits for `event` and adds the time to `waited`: what a submitting thread spent blocked on
+/// the GPU's progress (a staging half, a descriptor table or a checksum slot still in use).
+/// CUDA spins while it waits, so the thread's CPU clock counts this time as work; taking it
+/// apart tells planning from waiting.
+fn wait_for(
+    event: &cudarc::driver::CudaEvent,
+    waited: &mut std::time::Duration,
+) -> Result<(), DmaError> {
+    let t = std::time::Instant::now();
+    let r = event.synchronize().map_err(hasher::drv("cuEventSynchronize"));
+    *waited += t.elapsed();
+    r
+}
+
 /// Failures of the DMA path.
 #[derive(Debug, thiserror::Error)]
 pub enum DmaError {

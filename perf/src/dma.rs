@@ -356,6 +356,15 @@ impl Report for DmaReport {
                      (loads)"
                 )?;
             }
+            if let (Some(save), Some(load)) =
+                (s.save_submit_wait_us_per_job, s.load_submit_wait_us_per_job)
+            {
+                writeln!(
+                    out,
+                    "server DMA threads waiting per job for earlier jobs to free staging, tables \
+                     or checksum slots: {save:.0} us (saves), {load:.0} us (loads)"
+                )?;
+            }
             if let Some(b) = &s.beside_matmul {
                 let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
                 writeln!(

@@ -95,6 +95,12 @@ pub(crate) struct ServedResult {
     pub save_submit_cpu_us_per_job: Option<f64>,
     /// The same for the timed loads.
     pub load_submit_cpu_us_per_job: Option<f64>,
+    /// Of `save_submit_us_per_job`, the time the save thread waited for earlier jobs to free
+    /// staging, tables or checksum slots (`save_submit_wait_s` / jobs; CUDA spins, so the CPU
+    /// time includes it): the rest is planning and enqueueing. None when the stats do not say.
+    pub save_submit_wait_us_per_job: Option<f64>,
+    /// The same for the timed loads.
+    pub load_submit_wait_us_per_job: Option<f64>,
     /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
     /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
     pub save_checksum_wait_us_per_job: Option<f64>,
@@ -191,8 +197,9 @@ struct Counters {
     /// Seconds handing jobs to the GPU, and (saves) waiting for checksums after the copy.
     submit_s: Option<f64>,
     checksum_wait_s: Option<f64>,
-    /// Of `submit_s`, the DMA thread's own CPU time.
+    /// Of `submit_s`, the DMA thread's own CPU time, and the time it waited for the GPU.
     submit_cpu_s: Option<f64>,
+    submit_wait_s: Option<f64>,
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -213,6 +220,7 @@ impl Counters {
             submit_s: f("submit_s"),
             checksum_wait_s: f("checksum_wait_s"),
             submit_cpu_s: f("submit_cpu_s"),
+            submit_wait_s: f("submit_wait_s"),
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -231,6 +239,7 @@ struct Sums {
     submit_s: f64,
     checksum_wait_s: f64,
     submit_cpu_s: f64,
+    submit_wait_s: f64,
     timeline: [f64; 5],
 }
 
@@ -245,6 +254,7 @@ impl Sums {
         self.submit_s += busy_delta(before.submit_s, after.submit_s);
         self.checksum_wait_s += busy_delta(before.checksum_wait_s, after.checksum_wait_s);
         self.submit_cpu_s += busy_delta(before.submit_cpu_s, after.submit_cpu_s);
+        self.submit_wait_s += busy_delta(before.submit_wait_s, after.submit_wait_s);
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -586,6 +596,8 @@ pub(crate) fn run(
         load_submit_us_per_job: load_sums.per_job(load_sums.submit_s * 1e6),
         save_submit_cpu_us_per_job: save_sums.per_job(save_sums.submit_cpu_s * 1e6),
         load_submit_cpu_us_per_job: load_sums.per_job(load_sums.submit_cpu_s * 1e6),
+        save_submit_wait_us_per_job: save_sums.per_job(save_sums.submit_wait_s * 1e6),
+        load_submit_wait_us_per_job: load_sums.per_job(load_sums.submit_wait_s * 1e6),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
         beside_matmul,
         save_ceiling_windows_gbps,
@@ -980,13 +992,19 @@ mod tests {
         assert!((sums.per_job(sums.checksum_wait_s * 1e6).unwrap() - 20.0).abs() < 1e-6);
         // The DMA thread's own CPU time, per job, from the same readings; an older server
         // without the counter gives none.
-        let cpu = |jobs: f64, cpu: f64| Counters { submit_cpu_s: Some(cpu), ..at(jobs, 0.0, None) };
+        let cpu = |jobs: f64, cpu: f64| Counters {
+            submit_cpu_s: Some(cpu),
+            submit_wait_s: Some(cpu / 2.0),
+            ..at(jobs, 0.0, None)
+        };
         let mut sums = Sums::default();
         sums.add(cpu(10.0, 2.0), cpu(20.0, 2.003));
         assert!((sums.per_job(sums.submit_cpu_s * 1e6).unwrap() - 300.0).abs() < 1e-6);
+        assert!((sums.per_job(sums.submit_wait_s * 1e6).unwrap() - 150.0).abs() < 1e-6);
         let mut old = Sums::default();
         old.add(at(1.0, 0.0, None), at(2.0, 0.001, None));
         assert_eq!(old.per_job(old.submit_cpu_s * 1e6), None);
+        assert_eq!(old.per_job(old.submit_wait_s * 1e6), None);
         // Loads have no checksum wait: the server does not report one.
         let mut loads = Sums::default();
         loads.add(at(1.0, 0.0, None), at(2.0, 0.001, None));

@@ -287,40 +287,50 @@ fn stats(shared: &Shared) -> Value {
         "arena_locked": shared.arena_locked,
         "gpu_mode": shared.settings.config.gpu.as_str(),
         "gpu": shared.gpu,
-        "gpu_transfers": shared.gpu_service.get().map(|g| {
-            let c = &g.counters;
-            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-            json!({
-                "devices": g.devices().len(),
-                "registrations": g.registrations(),
-                "save_jobs": n(&c.saves),
-                "load_jobs": n(&c.loads),
-                "saved_bytes": n(&c.saved_bytes),
-                "loaded_bytes": n(&c.loaded_bytes),
-                "save_host_runs": n(&c.save_host_runs),
-                "load_host_runs": n(&c.load_host_runs),
-                "failed_jobs": n(&c.failed_jobs),
-                "save_busy_s": n(&c.save_busy_ns) as f64 / 1e9,
-                "load_busy_s": n(&c.load_busy_ns) as f64 / 1e9,
-                "save_submit_s": n(&c.save_submit_ns) as f64 / 1e9,
-                "load_submit_s": n(&c.load_submit_ns) as f64 / 1e9,
-                "save_submit_cpu_s": n(&c.save_submit_cpu_ns) as f64 / 1e9,
-                "load_submit_cpu_s": n(&c.load_submit_cpu_ns) as f64 / 1e9,
-                "save_checksum_wait_s": n(&c.save_checksum_wait_ns) as f64 / 1e9,
-                "save_requests": n(&c.save_requests),
-                "save_lead_s": n(&c.save_lead_ns) as f64 / 1e9,
-                "save_tail_s": n(&c.save_tail_ns) as f64 / 1e9,
-                "load_requests": n(&c.load_requests),
-                "load_lead_s": n(&c.load_lead_ns) as f64 / 1e9,
-                "load_tail_s": n(&c.load_tail_ns) as f64 / 1e9,
-                "checksums": g.checksum_place().as_str(),
-                "copy": g.copy_strategy().as_str(),
-                "timeline": g.timeline().then(|| json!({
-                    "save": c.save_timeline.json(),
-                    "load": c.load_timeline.json(),
-                })),
-            })
-        }),
+        "gpu_transfers": shared.gpu_service.get().map(gpu_transfers),
         "shards": shards,
     })
+}
+
+/// The GPU service's counters for `stats`: counts as they are, nanosecond counters in seconds.
+fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Value {
+    let c = &g.counters;
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let mut m = json!({
+        "devices": g.devices().len(),
+        "registrations": g.registrations(),
+        "save_jobs": n(&c.saves),
+        "load_jobs": n(&c.loads),
+        "saved_bytes": n(&c.saved_bytes),
+        "loaded_bytes": n(&c.loaded_bytes),
+        "save_host_runs": n(&c.save_host_runs),
+        "load_host_runs": n(&c.load_host_runs),
+        "failed_jobs": n(&c.failed_jobs),
+        "save_requests": n(&c.save_requests),
+        "load_requests": n(&c.load_requests),
+        "checksums": g.checksum_place().as_str(),
+        "copy": g.copy_strategy().as_str(),
+        "timeline": g.timeline().then(|| json!({
+            "save": c.save_timeline.json(),
+            "load": c.load_timeline.json(),
+        })),
+    });
+    for (name, ns) in [
+        ("save_busy_s", &c.save_busy_ns),
+        ("load_busy_s", &c.load_busy_ns),
+        ("save_submit_s", &c.save_submit_ns),
+        ("load_submit_s", &c.load_submit_ns),
+        ("save_submit_cpu_s", &c.save_submit_cpu_ns),
+        ("load_submit_cpu_s", &c.load_submit_cpu_ns),
+        ("save_submit_wait_s", &c.save_submit_wait_ns),
+        ("load_submit_wait_s", &c.load_submit_wait_ns),
+        ("save_checksum_wait_s", &c.save_checksum_wait_ns),
+        ("save_lead_s", &c.save_lead_ns),
+        ("save_tail_s", &c.save_tail_ns),
+        ("load_lead_s", &c.load_lead_ns),
+        ("load_tail_s", &c.load_tail_ns),
+    ] {
+        m[name] = json!(n(ns) as f64 / 1e9);
+    }
+    m
 }

@@ -183,11 +183,18 @@ pub struct GpuCounters {
     pub save_submit_ns: AtomicU64,
     /// The same for the load thread (no checksums).
     pub load_submit_ns: AtomicU64,
-    /// Of `save_submit_ns`, the save thread's own CPU time (its thread CPU clock): against
-    /// the jobs' copy time, whether the host side keeps up (blocking waits are left out).
+    /// Of `save_submit_ns`, the save thread's own CPU time (its thread CPU clock). CUDA spins
+    /// while the thread waits for the GPU, so this includes `save_submit_wait_ns`.
     pub save_submit_cpu_ns: AtomicU64,
     /// The same for the load thread.
     pub load_submit_cpu_ns: AtomicU64,
+    /// Of `save_submit_ns`, the time the save thread waited for earlier jobs to free a staging
+    /// half, a descriptor table or a checksum slot: the thread running ahead of the GPU.
+    /// `save_submit_ns` less this is planning and enqueueing, against the jobs' copy time
+    /// whether the host side keeps up.
+    pub save_submit_wait_ns: AtomicU64,
+    /// The same for the load thread.
+    pub load_submit_wait_ns: AtomicU64,
     /// Nanoseconds, summed over save jobs, from their copy landing to their GPU checksums
     /// being ready (as the thread polls, within about 10 us): what the checksums add to a
     /// job's completion.
@@ -626,9 +633,13 @@ impl GpuService {
         // Since when at least one job has been on the GPU (None while none is).
         let mut busy_since: Option<Instant> = None;
         let c = &self.counters;
-        let (busy_ns, submit_ns, submit_cpu_ns) = match direction {
-            Direction::Save => (&c.save_busy_ns, &c.save_submit_ns, &c.save_submit_cpu_ns),
-            Direction::Load => (&c.load_busy_ns, &c.load_submit_ns, &c.load_submit_cpu_ns),
+        let (busy_ns, submit_ns, submit_cpu_ns, submit_wait_ns) = match direction {
+            Direction::Save => {
+                (&c.save_busy_ns, &c.save_submit_ns, &c.save_submit_cpu_ns, &c.save_submit_wait_ns)
+            }
+            Direction::Load => {
+                (&c.load_busy_ns, &c.load_submit_ns, &c.load_submit_cpu_ns, &c.load_submit_wait_ns)
+            }
         };
         loop {
             let mut progressed = self.deliver(doorbells, undelivered);
@@ -668,6 +679,18 @@ impl GpuService {
                         submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
                         submit_cpu_ns.fetch_add(
                             thread_cpu_ns().saturating_sub(cpu_at_submit),
+                            Ordering::Relaxed,
+                        );
+                        let waited =
+                            engines.iter_mut().flatten().map(|e| e.take_waited()).sum::<Duration>()
+                                + hashers
+                                    .iter_mut()
+                                    .flatten()
+                                    .flatten()
+                                    .map(|h| h.take_waited())
+                                    .sum::<Duration>();
+                        submit_wait_ns.fetch_add(
+                            u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
                             Ordering::Relaxed,
                         );
                     }

@@ -10,13 +10,14 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way};
 use super::hasher::drv;
 use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT};
-use super::{DmaError, Strategy};
+use super::{wait_for, DmaError, Strategy};
 
 /// Threads per block of the segment copy kernel.
 const THREADS: u32 = 256;
@@ -129,6 +130,9 @@ pub struct CopyEngine {
     direct_tables: [Option<(PinnedHost, CudaEvent)>; 2],
     /// The table the next direct job uses.
     direct_next: usize,
+    /// Time `submit` spent waiting for earlier work to free a half or a table, since the last
+    /// `take_waited`.
+    waited: Duration,
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -236,6 +240,7 @@ impl CopyEngine {
             host_mapping: None,
             direct_tables: [None, None],
             direct_next: 0,
+            waited: Duration::ZERO,
         })
     }
 
@@ -321,6 +326,12 @@ impl CopyEngine {
     /// Bytes of one staging half.
     pub fn staging_half(&self) -> usize {
         self.halves[0].staging.len()
+    }
+
+    /// Time `submit` spent blocked on earlier work since the last call (CUDA spins meanwhile:
+    /// the submitting thread's CPU clock counts it), reset to zero.
+    pub fn take_waited(&mut self) -> Duration {
+        std::mem::take(&mut self.waited)
     }
 
     /// Which strategy `strategy` means for these pieces.
@@ -467,7 +478,7 @@ impl CopyEngine {
         self.direct_next ^= 1;
         // A table is rewritten only once the kernel that read it last has finished.
         if let Some((_, used)) = slot.as_ref() {
-            used.synchronize().map_err(drv("cuEventSynchronize"))?;
+            wait_for(used, &mut self.waited)?;
         }
         if slot.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
             let table = PinnedHost::new(&self.ctx, bytes.max(1 << 20))?;
@@ -495,7 +506,7 @@ impl CopyEngine {
         let h = &mut self.halves[self.next];
         self.next ^= 1;
         // The host table is rewritten only after its previous upload finished.
-        h.uploaded.synchronize().map_err(drv("cuEventSynchronize"))?;
+        wait_for(&h.uploaded, &mut self.waited)?;
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
         // A load whose segments share one length goes with the uniform scatter kernel: its

@@ -97,6 +97,8 @@ pub struct ChunkHasher {
     next: usize,
     tables: HashTables,
     pool: Pool,
+    /// Time `submit` spent waiting for a slot's previous use since the last `take_waited`.
+    waited: std::time::Duration,
 }
 
 pub(super) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DmaError {
@@ -158,7 +160,14 @@ impl ChunkHasher {
             next: 0,
             tables: HashTables::default(),
             pool: Arc::new(Mutex::new(Vec::new())),
+            waited: std::time::Duration::ZERO,
         })
+    }
+
+    /// Time `submit` spent waiting for a slot's earlier submission since the last call (CUDA
+    /// spins meanwhile), reset to zero.
+    pub fn take_waited(&mut self) -> std::time::Duration {
+        std::mem::take(&mut self.waited)
     }
 
     /// Starts computing the checksums of the chunks whose bytes `pieces` name in GPU memory
@@ -189,7 +198,7 @@ impl ChunkHasher {
         let slot = &mut self.slots[self.next];
         self.next = (self.next + 1) % SLOTS;
         // The slot's tables and scratch are free once its last use finished.
-        slot.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        super::wait_for(&slot.done, &mut self.waited)?;
         let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
