@@ -93,9 +93,7 @@ def served(name, d):
             f"{num(s.get('save_submit_cpu_us_per_job'), '{:.0f}')} / "
             f"{num(s.get('load_submit_cpu_us_per_job'), '{:.0f}')} us, of which waiting for "
             f"the GPU {num(s.get('save_submit_wait_us_per_job'), '{:.0f}')} / "
-            f"{num(s.get('load_submit_wait_us_per_job'), '{:.0f}')} us; shards planning "
-            f"{num(s.get('save_plan_us_per_job'), '{:.0f}')} / "
-            f"{num(s.get('load_plan_us_per_job'), '{:.0f}')} us"
+            f"{num(s.get('load_submit_wait_us_per_job'), '{:.0f}')} us"
         )
     # The requests' time with no copy of theirs running: before the first, after the last
     # (lead, tail; per request) and between jobs (the rest).

@@ -365,13 +365,6 @@ impl Report for DmaReport {
                      or checksum slots: {save:.0} us (saves), {load:.0} us (loads)"
                 )?;
             }
-            if let (Some(save), Some(load)) = (s.save_plan_us_per_job, s.load_plan_us_per_job) {
-                writeln!(
-                    out,
-                    "server shards planning each job before queueing it: {save:.0} us (saves), \
-                     {load:.0} us (loads)"
-                )?;
-            }
             if let Some(b) = &s.beside_matmul {
                 let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
                 writeln!(

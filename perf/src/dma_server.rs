@@ -101,12 +101,6 @@ pub(crate) struct ServedResult {
     pub save_submit_wait_us_per_job: Option<f64>,
     /// The same for the timed loads.
     pub load_submit_wait_us_per_job: Option<f64>,
-    /// Mean microseconds the server's shards spent planning each job of the timed saves
-    /// before queueing it (pieces, checksum tables: `save_plan_s` / jobs), off the DMA
-    /// thread; None when the stats do not say (an older server plans on the DMA thread).
-    pub save_plan_us_per_job: Option<f64>,
-    /// The same for the timed loads.
-    pub load_plan_us_per_job: Option<f64>,
     /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
     /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
     pub save_checksum_wait_us_per_job: Option<f64>,
@@ -206,8 +200,6 @@ struct Counters {
     /// Of `submit_s`, the DMA thread's own CPU time, and the time it waited for the GPU.
     submit_cpu_s: Option<f64>,
     submit_wait_s: Option<f64>,
-    /// Seconds the shards spent planning the jobs.
-    plan_s: Option<f64>,
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -229,7 +221,6 @@ impl Counters {
             checksum_wait_s: f("checksum_wait_s"),
             submit_cpu_s: f("submit_cpu_s"),
             submit_wait_s: f("submit_wait_s"),
-            plan_s: f("plan_s"),
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -249,7 +240,6 @@ struct Sums {
     checksum_wait_s: f64,
     submit_cpu_s: f64,
     submit_wait_s: f64,
-    plan_s: f64,
     timeline: [f64; 5],
 }
 
@@ -265,7 +255,6 @@ impl Sums {
         self.checksum_wait_s += busy_delta(before.checksum_wait_s, after.checksum_wait_s);
         self.submit_cpu_s += busy_delta(before.submit_cpu_s, after.submit_cpu_s);
         self.submit_wait_s += busy_delta(before.submit_wait_s, after.submit_wait_s);
-        self.plan_s += busy_delta(before.plan_s, after.plan_s);
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -609,8 +598,6 @@ pub(crate) fn run(
         load_submit_cpu_us_per_job: load_sums.per_job(load_sums.submit_cpu_s * 1e6),
         save_submit_wait_us_per_job: save_sums.per_job(save_sums.submit_wait_s * 1e6),
         load_submit_wait_us_per_job: load_sums.per_job(load_sums.submit_wait_s * 1e6),
-        save_plan_us_per_job: save_sums.per_job(save_sums.plan_s * 1e6),
-        load_plan_us_per_job: load_sums.per_job(load_sums.plan_s * 1e6),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
         beside_matmul,
         save_ceiling_windows_gbps,
@@ -1008,14 +995,12 @@ mod tests {
         let cpu = |jobs: f64, cpu: f64| Counters {
             submit_cpu_s: Some(cpu),
             submit_wait_s: Some(cpu / 2.0),
-            plan_s: Some(cpu / 4.0),
             ..at(jobs, 0.0, None)
         };
         let mut sums = Sums::default();
         sums.add(cpu(10.0, 2.0), cpu(20.0, 2.003));
         assert!((sums.per_job(sums.submit_cpu_s * 1e6).unwrap() - 300.0).abs() < 1e-6);
         assert!((sums.per_job(sums.submit_wait_s * 1e6).unwrap() - 150.0).abs() < 1e-6);
-        assert!((sums.per_job(sums.plan_s * 1e6).unwrap() - 75.0).abs() < 1e-6);
         let mut old = Sums::default();
         old.add(at(1.0, 0.0, None), at(2.0, 0.001, None));
         assert_eq!(old.per_job(old.submit_cpu_s * 1e6), None);

@@ -324,8 +324,6 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         ("load_submit_cpu_s", &c.load_submit_cpu_ns),
         ("save_submit_wait_s", &c.save_submit_wait_ns),
         ("load_submit_wait_s", &c.load_submit_wait_ns),
-        ("save_plan_s", &c.save_plan_ns),
-        ("load_plan_s", &c.load_plan_ns),
         ("save_checksum_wait_s", &c.save_checksum_wait_ns),
         ("save_lead_s", &c.save_lead_ns),
         ("save_tail_s", &c.save_tail_ns),

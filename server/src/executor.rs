@@ -147,14 +147,7 @@ pub(crate) struct Exec {
     /// Requests waiting for a GPU copy, by job id.
     gpu_waiters: RefCell<HashMap<u64, LocalSender<crate::gpu::GpuResult>>>,
     gpu_next: Cell<u64>,
-    /// Plan buffers of finished GPU jobs, for the next ones (see `GPU_PLANS_KEPT`).
-    gpu_plans: RefCell<Vec<crate::gpu::JobPlan>>,
 }
-
-/// Plan buffers a shard keeps for its next GPU jobs: a request's jobs go one after another,
-/// a few in flight at a time; keeping them spares each job a few megabytes of fresh
-/// allocation (page faults) at 2 KiB pages.
-const GPU_PLANS_KEPT: usize = 4;
 
 /// This shard's ends of a mesh, or none with one shard.
 async fn join_mesh<T: Send + 'static>(
@@ -247,7 +240,6 @@ async fn run(ctx: ShardContext) {
         doorbell_wakeups: Cell::new(0),
         gpu_waiters: RefCell::new(HashMap::new()),
         gpu_next: Cell::new(1),
-        gpu_plans: RefCell::new(Vec::new()),
     });
     // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
     // so this task cannot deadlock against another shard's.
@@ -664,15 +656,7 @@ impl Exec {
         self.gpu_next.set(id + 1);
         let (tx, rx) = local_channel::new_bounded(1);
         self.gpu_waiters.borrow_mut().insert(id, tx);
-        let plan = Box::new(self.gpu_plans.borrow_mut().pop().unwrap_or_default());
-        let mut job =
-            crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len, plan };
-        // Planned here, on this shard's core, while the DMA thread enqueues earlier jobs.
-        if let Err(e) = gpu.plan(direction, &mut job) {
-            self.gpu_waiters.borrow_mut().remove(&id);
-            gpu.counters.failed_jobs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err((ErrorCode::DeviceError, e));
-        }
+        let mut job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,
         // and so are the jobs a request splits into). The wait ends when the DMA thread takes
         // jobs; it does not end when the client gives up, since the request holds slots.
@@ -693,12 +677,6 @@ impl Exec {
         let mut n = 0;
         while let Some(done) = gpu.completion(self.id) {
             n += 1;
-            // A few jobs' plan buffers kept for the next ones (each up to a few megabytes).
-            let mut plans = self.gpu_plans.borrow_mut();
-            if plans.len() < GPU_PLANS_KEPT {
-                plans.push(*done.plan);
-            }
-            drop(plans);
             match self.gpu_waiters.borrow_mut().remove(&done.id) {
                 Some(tx) => {
                     let _ = tx.try_send(done.result);

@@ -16,8 +16,6 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
-use orbitkv_gpu::dma::checksum::HashTables;
-use orbitkv_gpu::dma::plan::Piece;
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
     Strategy, TensorExport, BATCHED_FROM,
@@ -110,8 +108,6 @@ struct Running {
     checksums: Option<ChecksumTicket>,
     /// The engine memory the copy and the checksums read (held until both finished).
     _memory: Arc<EngineMemory>,
-    /// The job's plan, its buffers going back to its shard with the completion.
-    plan: Box<JobPlan>,
 }
 
 /// Jobs on the GPU, oldest first.
@@ -141,21 +137,6 @@ pub struct GpuJob {
     pub chunks: Vec<(u64, Vec<u64>)>,
     /// Bytes per chunk.
     pub chunk_len: u64,
-    /// The copy as the shard planned it ([`GpuService::plan`]) before queueing the job
-    /// (boxed: jobs move through queues by value).
-    pub plan: Box<JobPlan>,
-}
-
-/// What to copy for a job, worked out on its shard (so that the DMA thread only enqueues:
-/// at 2 KiB pages a 64 MiB job is 32,768 pieces, and planning them and a save's checksum
-/// tables took the DMA thread nearly as long as the job's copy on the H200 host). The
-/// buffers travel back with the completion and are reused for the shard's next job.
-#[derive(Debug, Default)]
-pub struct JobPlan {
-    /// The chunks' pieces, chunk after chunk.
-    pub pieces: Vec<Piece>,
-    /// A save's checksum tables for the GPU kernels; empty when the shards checksum.
-    pub tables: HashTables,
 }
 
 /// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or the
@@ -169,8 +150,6 @@ pub struct GpuDone {
     pub id: u64,
     /// How it ended.
     pub result: GpuResult,
-    /// The job's plan buffers, for the shard's next job.
-    pub plan: Box<JobPlan>,
 }
 
 /// Counters for `ctl stats`.
@@ -216,11 +195,6 @@ pub struct GpuCounters {
     pub save_submit_wait_ns: AtomicU64,
     /// The same for the load thread.
     pub load_submit_wait_ns: AtomicU64,
-    /// Nanoseconds the shards spent planning save jobs before queueing them (pieces and
-    /// checksum tables, [`GpuService::plan`]): off the DMA thread, beside earlier jobs' copies.
-    pub save_plan_ns: AtomicU64,
-    /// The same for load jobs (pieces only).
-    pub load_plan_ns: AtomicU64,
     /// Nanoseconds, summed over save jobs, from their copy landing to their GPU checksums
     /// being ready (as the thread polls, within about 10 us): what the checksums add to a
     /// job's completion.
@@ -623,15 +597,13 @@ impl GpuService {
         tracing::error!(direction = ?direction, "GPU DMA thread panicked; its copies fail from now on");
         let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
         for job in inflight.drain(..) {
-            let plan = Box::default();
-            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed(), plan }));
+            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
         }
         loop {
             for q in &self.workers[index].queues {
                 while let Some(job) = q.pop() {
                     self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                    let (id, plan) = (job.id, job.plan);
-                    undelivered.push_back((job.shard, GpuDone { id, result: failed(), plan }));
+                    undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
                 }
             }
             self.deliver(doorbells, &mut undelivered);
@@ -655,6 +627,7 @@ impl GpuService {
         // not load: checksums then stay on the shards).
         let mut hashers: Vec<Option<Option<ChunkHasher>>> =
             (0..self.devices.len()).map(|_| None).collect();
+        let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
         // Since when at least one job has been on the GPU (None while none is).
@@ -674,14 +647,14 @@ impl GpuService {
             let first = next_queue;
             for k in 0..queues.len() {
                 let q = (first + k) % queues.len();
-                let Some(mut job) = queues[q].pop() else { continue };
+                let Some(job) = queues[q].pop() else { continue };
                 progressed = true;
                 next_queue = q + 1;
                 let (shard, id, bytes) =
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 let submitted = Instant::now();
                 let cpu_at_submit = thread_cpu_ns();
-                match self.start_job(&mut engines, direction, &job) {
+                match self.start_job(&mut engines, direction, &job, &mut pieces) {
                     // The engine memory stays referenced until the event has completed.
                     Ok((event, shape)) => {
                         // In flight first (a panic from here on fails it rather than losing
@@ -697,15 +670,12 @@ impl GpuService {
                             copied_at: None,
                             checksums: None,
                             _memory: memory,
-                            plan: Box::default(),
                         });
                         busy_since.get_or_insert(submitted);
                         if save {
-                            let ticket = self.gpu_checksums(&mut hashers, &job);
+                            let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
-                        inflight.back_mut().expect("just pushed").plan =
-                            std::mem::take(&mut job.plan);
                         submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
                         submit_cpu_ns.fetch_add(
                             thread_cpu_ns().saturating_sub(cpu_at_submit),
@@ -726,8 +696,7 @@ impl GpuService {
                     }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                        let plan = std::mem::take(&mut job.plan);
-                        undelivered.push_back((shard, GpuDone { id, result: Err(e), plan }));
+                        undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
                         // A timeline begun for it must not run on into the next busy period.
                         if inflight.is_empty() && self.limits.timeline {
                             self.close_timelines(&mut engines, direction);
@@ -782,7 +751,7 @@ impl GpuService {
                             .ok()
                     })
                 });
-                undelivered.push_back((job.shard, GpuDone { id: job.id, result, plan: job.plan }));
+                undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
                 progressed = true;
             }
             // Busy time is added as it passes (the counter moves under sustained load too);
@@ -845,8 +814,9 @@ impl GpuService {
         &self,
         hashers: &mut [Option<Option<ChunkHasher>>],
         job: &GpuJob,
+        pieces: &[orbitkv_gpu::dma::plan::Piece],
     ) -> Option<ChecksumTicket> {
-        if self.checksum_place() == ChecksumPlace::Cpu || job.plan.tables.chunks.is_empty() {
+        if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
         }
         let hasher = hashers[job.device]
@@ -859,7 +829,7 @@ impl GpuService {
                 }
             })
             .as_mut()?;
-        match submit_checksums(hasher, &job.plan.tables) {
+        match submit_checksums(hasher, pieces, job.chunk_len) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, "GPU checksums not started; the shards compute them");
@@ -892,6 +862,7 @@ impl GpuService {
         engines: &mut [Option<CopyEngine>],
         direction: Direction,
         job: &GpuJob,
+        pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
     ) -> Result<(CudaEvent, JobShape), String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
@@ -926,23 +897,7 @@ impl GpuService {
         if self.limits.timeline && !engine.recording_timeline() {
             engine.record_timeline_batches(TIMELINE_BATCHES);
         }
-        // SAFETY (contract of `submit`): the pieces (`plan` made them) name the engine's
-        // imported tensors (kept alive by `job.memory` until the event completes: the caller
-        // keeps the job's memory Arc with the event) and arena slots the submitting request
-        // holds until it receives the completion; the arena is registered with CUDA and
-        // outlives this service.
-        submit_pieces(engine, direction, &job.plan.pieces, self.limits.copy)
-    }
-
-    /// Plans `job`'s copy on its shard, into `job.plan` (its buffers reused): the pieces of
-    /// every chunk and, for a save whose checksums the GPU computes, the checksum tables.
-    /// Checks that each chunk lies in the arena and has the reserved length; a job that fails
-    /// here is not queued.
-    pub fn plan(&self, direction: Direction, job: &mut GpuJob) -> Result<(), String> {
-        let t = Instant::now();
-        let plan = &mut job.plan;
-        plan.pieces.clear();
-        plan.tables.clear();
+        pieces.clear();
         let base = self.arena.base_ptr() as u64;
         for (offset, blocks) in &job.chunks {
             if offset.checked_add(job.chunk_len).is_none_or(|end| end > self.arena.len()) {
@@ -950,28 +905,17 @@ impl GpuService {
             }
             let len = job
                 .memory
-                .chunk_pieces(blocks, base + offset, &mut plan.pieces)
+                .chunk_pieces(blocks, base + offset, pieces)
                 .map_err(|e| e.to_string())?;
             if len != job.chunk_len {
                 return Err(format!("chunk of {len} bytes where {} were reserved", job.chunk_len));
             }
         }
-        if direction == Direction::Save
-            && self.checksum_place() != ChecksumPlace::Cpu
-            && job.chunk_len >= orbitkv_gpu::dma::checksum::MIN_LEN
-        {
-            if let Err(e) = plan.tables.add_chunks(&plan.pieces, job.chunk_len) {
-                // Left empty: the shards checksum this job's chunks.
-                tracing::warn!(error = %e, "GPU checksum tables not built; the shards compute them");
-                plan.tables.clear();
-            }
-        }
-        let planned = match direction {
-            Direction::Save => &self.counters.save_plan_ns,
-            Direction::Load => &self.counters.load_plan_ns,
-        };
-        planned.fetch_add(nanos_since(t), Ordering::Relaxed);
-        Ok(())
+        // SAFETY (contract of `submit`): the pieces name the engine's imported tensors (kept
+        // alive by `job.memory` until the event completes: the caller keeps the job's memory
+        // Arc with the event) and arena slots the submitting request holds until it receives
+        // the completion; the arena is registered with CUDA and outlives this service.
+        submit_pieces(engine, direction, pieces, self.limits.copy)
     }
 }
 
@@ -987,12 +931,13 @@ fn thread_cpu_ns() -> u64 {
 #[allow(unsafe_code)]
 fn submit_checksums(
     hasher: &mut ChunkHasher,
-    tables: &HashTables,
+    pieces: &[orbitkv_gpu::dma::plan::Piece],
+    chunk_len: u64,
 ) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
     // SAFETY: the pieces name a save job's engine memory on the hasher's device, held by the
     // job (its `Running` entry) until both its copy event and this ticket complete; the engine
     // does not change pages it asked to save before the save is answered (its contract).
-    unsafe { hasher.submit_tables(tables) }
+    unsafe { hasher.submit(pieces, chunk_len) }
 }
 
 #[allow(unsafe_code)]

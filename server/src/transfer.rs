@@ -300,7 +300,7 @@ pub(crate) async fn load(
         };
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
-    // Jobs of at most JOB_BYTES, queued one after another: this shard plans one while the
+    // Jobs of at most JOB_BYTES, queued one after another: the DMA thread plans one while the
     // copy engine moves the one before. Each job's chunks are looked up (and leased) just
     // before it goes, so the first copy waits for its own lookup only and the later lookups
     // run beside the copies. The prefix ends at the first miss: hits after it in its group are

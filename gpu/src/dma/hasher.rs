@@ -186,27 +186,8 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        let mut tables = std::mem::take(&mut self.tables);
-        tables.clear();
-        // SAFETY: the tables name the pieces' device ranges, the caller's contract.
-        let ticket = tables
-            .add_chunks(pieces, chunk_len)
-            .and_then(|_| unsafe { self.submit_tables(&tables) });
-        self.tables = tables;
-        ticket
-    }
-
-    /// [`ChunkHasher::submit`] with the chunks' tables built beforehand
-    /// ([`HashTables::add_chunks`], e.g. by the thread that planned the copy); `None` when they
-    /// hold no chunk.
-    ///
-    /// # Safety
-    /// As [`ChunkHasher::submit`], for the device ranges the tables' segments name.
-    pub unsafe fn submit_tables(
-        &mut self,
-        tables: &HashTables,
-    ) -> Result<Option<ChecksumTicket>, DmaError> {
-        let n = tables.chunks.len();
+        self.tables.clear();
+        let n = self.tables.add_chunks(pieces, chunk_len)?;
         if n == 0 {
             return Ok(None);
         }
@@ -218,18 +199,18 @@ impl ChunkHasher {
         self.next = (self.next + 1) % SLOTS;
         // The slot's tables and scratch are free once its last use finished.
         super::wait_for(&slot.done, &mut self.waited)?;
-        let table_len = tables.encoded_len();
+        let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
         }
         at_least(&self.ctx, &mut slot.tables, table_len)?;
-        at_least(&self.ctx, &mut slot.scratch, (tables.rows * ROW_BYTES) as usize)?;
+        at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
         if slot.counters.len() < counters_len {
             slot.counters =
                 DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
         }
-        tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
+        self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
         if self.pull.is_some() {
             if slot.pull_descs.len() < pull_count * KernelDesc::BYTES {
@@ -254,9 +235,9 @@ impl ChunkHasher {
         let chunks_at = slot.tables.ptr();
         let launch = ChecksumLaunch {
             chunks: (chunks_at, nchunks),
-            segs: chunks_at + tables.segs_offset() as u64,
-            row_segs: chunks_at + tables.row_segs_offset() as u64,
-            scratch: (slot.scratch.ptr(), tables.rows),
+            segs: chunks_at + self.tables.segs_offset() as u64,
+            row_segs: chunks_at + self.tables.row_segs_offset() as u64,
+            scratch: (slot.scratch.ptr(), self.tables.rows),
             counters: slot.counters.ptr(),
             out: results.addr(),
         };
