@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use orbitkv_gpu::dma::checksum::HashTables;
+use orbitkv_gpu::dma::checksum::{tables_capacity, write_tables, SEG_RECORD};
 use orbitkv_gpu::dma::plan::Piece;
 
 struct Rng(u64);
@@ -43,16 +43,18 @@ fn emulator() -> std::path::PathBuf {
 
 /// Runs the kernels on `data` for the chunks of `pieces` (device addresses are offsets into
 /// `data`).
+/// The tables are those the hasher writes (`write_tables`), their segment records' unused room
+/// left out (the emulation reads the three tables back to back).
 fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> Vec<u64> {
-    let mut t = HashTables::default();
-    t.add_chunks(pieces, chunk_len).unwrap();
+    let (_, capacity) = tables_capacity(pieces, chunk_len).unwrap();
+    let mut img = vec![0u8; capacity];
+    let t = write_tables(pieces, chunk_len, &mut img).unwrap();
     let mut input = Vec::new();
-    for w in [t.chunks.len() as u64, t.segs.len() as u64, t.rows, data.len() as u64] {
+    for w in [t.chunks as u64, t.segs as u64, t.rows, data.len() as u64] {
         input.extend_from_slice(&w.to_le_bytes());
     }
-    let mut img = vec![0u8; t.encoded_len()];
-    t.encode(&mut img);
-    input.extend_from_slice(&img);
+    input.extend_from_slice(&img[..t.segs_offset + t.segs * SEG_RECORD]);
+    input.extend_from_slice(&img[t.row_segs_offset..t.len]);
     input.extend_from_slice(data);
     let mut child = Command::new(emu).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     child.stdin.take().unwrap().write_all(&input).unwrap();

@@ -16,7 +16,9 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way};
 use super::hasher::drv;
-use super::plan::{next_batch, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT};
+use super::plan::{
+    compact_uniform, next_batch_into, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT,
+};
 use super::{wait_for, DmaError, Strategy};
 
 /// Threads per block of the segment copy kernel.
@@ -409,11 +411,28 @@ impl CopyEngine {
             let mut at = StageCursor::default();
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
-                while next_batch(pieces, &mut at, half, self.max_descs, &mut batch) {
+                loop {
+                    // The batch is planned straight into the next half's host table, once the
+                    // batch that last used the table has read it.
+                    let h = &mut self.halves[self.next];
+                    wait_for(&h.uploaded, &mut self.waited)?;
+                    let gather = direction == Direction::Save;
+                    let (n, uniform) = next_batch_into(
+                        pieces,
+                        &mut at,
+                        (half, self.max_descs),
+                        (h.staging.ptr(), gather),
+                        h.descs_host.bytes_mut(),
+                        &mut batch,
+                    );
+                    if n == 0 {
+                        break;
+                    }
+                    self.next ^= 1;
                     shape.batches += 1;
                     shape.bytes += batch.bytes;
                     shape.host_runs += batch.runs.len();
-                    self.enqueue_batch(direction, &batch)?;
+                    self.enqueue_batch(direction, &batch, n, uniform)?;
                 }
                 Ok::<(), DmaError>(())
             })();
@@ -501,38 +520,36 @@ impl CopyEngine {
         Ok(())
     }
 
-    /// Enqueues one staged batch on the next staging half.
-    fn enqueue_batch(&mut self, direction: Direction, b: &StagedBatch) -> Result<(), DmaError> {
-        let h = &mut self.halves[self.next];
-        self.next ^= 1;
-        // The host table is rewritten only after its previous upload finished.
-        wait_for(&h.uploaded, &mut self.waited)?;
+    /// Enqueues one staged batch on the staging half just used (`self.next` has moved past
+    /// it), whose host table `next_batch_into` filled with its `n` descriptors; `uniform`,
+    /// their one length when they share it.
+    fn enqueue_batch(
+        &mut self,
+        direction: Direction,
+        b: &StagedBatch,
+        n: usize,
+        uniform: Option<u64>,
+    ) -> Result<(), DmaError> {
+        let h = &mut self.halves[self.next ^ 1];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
         // A load whose segments share one length goes with the uniform scatter kernel: its
         // table is only the destinations, and it crosses the bus the way the load's data does.
         let uniform = match (direction, &self.scatter_uniform) {
-            (Direction::Load, Some(_)) => b.uniform_len(),
+            (Direction::Load, Some(_)) => uniform,
             _ => None,
         };
         let table_bytes = if uniform.is_some() {
-            for (&(device, _, _), slot) in b.segments.iter().zip(table.chunks_exact_mut(8)) {
-                slot.copy_from_slice(&device.to_le_bytes());
-            }
-            b.segments.len() * 8
+            compact_uniform(table, n);
+            n * 8
         } else {
-            for (d, slot) in b
-                .descs(staging, direction == Direction::Save)
-                .zip(table.chunks_exact_mut(KernelDesc::BYTES))
-            {
-                d.write_to(slot);
-            }
-            b.segments.len() * KernelDesc::BYTES
+            n * KernelDesc::BYTES
         };
-        let n = b.segments.len() as u32;
+        let segments = n;
+        let n = n as u32;
         // The segment kernel: a warp per group of descriptors; the uniform scatter: a warp
         // per segment. Eight warps per block.
-        let group = CopyKernel::group(b.bytes, b.segments.len());
+        let group = CopyKernel::group(b.bytes, segments);
         let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
         let uniform_grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
         // Host side of the batch: one batched call for its runs.

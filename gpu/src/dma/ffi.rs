@@ -416,7 +416,7 @@ impl ChecksumKernels {
     /// counters are zero again once the fold has finished.
     ///
     /// # Safety
-    /// `chunks`, `segs` and `row_segs` must hold the tables (`checksum::HashTables::encode`)
+    /// `chunks`, `segs` and `row_segs` must hold the tables (`checksum::write_tables`)
     /// on this context's device, `scratch` `rows` x 64 bytes of device memory, `counters` the
     /// chunks' zeroed counters in device memory and `out` `nchunks` x 8 bytes the device can
     /// write (device memory, or pinned host memory at its address under unified addressing),

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::checksum::{HashTables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
+use super::checksum::{tables_capacity, write_tables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
 use super::ffi::{
     self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, Way,
 };
@@ -95,7 +95,6 @@ pub struct ChunkHasher {
     pull: Option<CopyKernel>,
     slots: Vec<Slot>,
     next: usize,
-    tables: HashTables,
     pool: Pool,
     /// Time `submit` spent waiting for a slot's previous use since the last `take_waited`.
     waited: std::time::Duration,
@@ -158,7 +157,6 @@ impl ChunkHasher {
             pull,
             slots,
             next: 0,
-            tables: HashTables::default(),
             pool: Arc::new(Mutex::new(Vec::new())),
             waited: std::time::Duration::ZERO,
         })
@@ -186,8 +184,7 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        self.tables.clear();
-        let n = self.tables.add_chunks(pieces, chunk_len)?;
+        let (n, table_len) = tables_capacity(pieces, chunk_len)?;
         if n == 0 {
             return Ok(None);
         }
@@ -199,18 +196,19 @@ impl ChunkHasher {
         self.next = (self.next + 1) % SLOTS;
         // The slot's tables and scratch are free once its last use finished.
         super::wait_for(&slot.done, &mut self.waited)?;
-        let table_len = self.tables.encoded_len();
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
         }
+        // Built straight into the slot's pinned tables, in one pass over the pieces.
+        let image =
+            write_tables(pieces, chunk_len, &mut slot.tables_host.bytes_mut()[..table_len])?;
         at_least(&self.ctx, &mut slot.tables, table_len)?;
-        at_least(&self.ctx, &mut slot.scratch, (self.tables.rows * ROW_BYTES) as usize)?;
+        at_least(&self.ctx, &mut slot.scratch, (image.rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
         if slot.counters.len() < counters_len {
             slot.counters =
                 DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
         }
-        self.tables.encode(&mut slot.tables_host.bytes_mut()[..table_len]);
         let pull_count = table_len.div_ceil(PULL_PIECE);
         if self.pull.is_some() {
             if slot.pull_descs.len() < pull_count * KernelDesc::BYTES {
@@ -235,9 +233,9 @@ impl ChunkHasher {
         let chunks_at = slot.tables.ptr();
         let launch = ChecksumLaunch {
             chunks: (chunks_at, nchunks),
-            segs: chunks_at + self.tables.segs_offset() as u64,
-            row_segs: chunks_at + self.tables.row_segs_offset() as u64,
-            scratch: (slot.scratch.ptr(), self.tables.rows),
+            segs: chunks_at + image.segs_offset as u64,
+            row_segs: chunks_at + image.row_segs_offset as u64,
+            scratch: (slot.scratch.ptr(), image.rows),
             counters: slot.counters.ptr(),
             out: results.addr(),
         };

@@ -150,19 +150,86 @@ pub fn next_batch(
     max_segments: usize,
     batch: &mut StagedBatch,
 ) -> bool {
-    assert!(capacity > 0 && max_segments > 0, "a staging buffer holds something");
+    let mut segments = std::mem::take(&mut batch.segments);
+    segments.clear();
+    fill_batch(pieces, at, capacity, max_segments, batch, |device, off, len| {
+        segments.push((device, off, len))
+    });
+    batch.segments = segments;
+    batch.bytes > 0
+}
+
+/// [`next_batch`] in one pass that writes each segment's kernel descriptor straight into
+/// `table` (the image [`StagedBatch::descs`] gives, with the staging buffer at `staging`:
+/// gathering when `gather`, else scattering) instead of keeping the segments, which is half
+/// the host's work per piece at 2 KiB pages. `batch.segments` is left empty; its runs and
+/// bytes are as `next_batch` makes them. Returns the descriptors written (0 when every piece
+/// has been staged) and, when they all move one length, that length (see
+/// [`compact_uniform`]).
+///
+/// Panics if `table` is shorter than `max_segments` descriptors.
+pub fn next_batch_into(
+    pieces: &[Piece],
+    at: &mut StageCursor,
+    (capacity, max_segments): (u64, usize),
+    (staging, gather): (u64, bool),
+    table: &mut [u8],
+    batch: &mut StagedBatch,
+) -> (usize, Option<u64>) {
+    assert!(table.len() >= max_segments * KernelDesc::BYTES, "a descriptor table per batch");
     batch.segments.clear();
+    let table = &mut table[..max_segments * KernelDesc::BYTES];
+    let (mut n, mut first, mut same) = (0, 0, true);
+    fill_batch(pieces, at, capacity, max_segments, batch, |device, off, len| {
+        let (src, dst) = if gather { (device, staging + off) } else { (staging + off, device) };
+        let slot = &mut table[n * KernelDesc::BYTES..(n + 1) * KernelDesc::BYTES];
+        KernelDesc { src, dst, len }.write_to(slot);
+        if n == 0 {
+            first = len;
+        }
+        same &= len == first;
+        n += 1;
+    });
+    (n, (n > 0 && same).then_some(first))
+}
+
+/// Rewrites the first `n` scatter descriptors of `table` (as [`next_batch_into`] wrote them,
+/// not gathering) as the uniform scatter kernel's table: each segment's engine address, eight
+/// bytes little-endian, segment after segment from the start of `table`.
+pub fn compact_uniform(table: &mut [u8], n: usize) {
+    for d in 0..n {
+        // Descriptor d's destination sits at 24 d + 8, at or after 8 d + 8: each read is of a
+        // descriptor not yet overwritten.
+        let at = d * KernelDesc::BYTES + 8;
+        table.copy_within(at..at + 8, d * 8);
+    }
+}
+
+/// The one walk over the pieces behind [`next_batch`] and [`next_batch_into`]: clears
+/// `batch`'s runs and bytes, hands each segment (device address, staging offset, length) to
+/// `segment`, and fills the runs and bytes.
+fn fill_batch(
+    pieces: &[Piece],
+    at: &mut StageCursor,
+    capacity: u64,
+    max_segments: usize,
+    batch: &mut StagedBatch,
+    mut segment: impl FnMut(u64, u64, u64),
+) {
+    assert!(capacity > 0 && max_segments > 0, "a staging buffer holds something");
     batch.runs.clear();
     batch.bytes = 0;
+    let mut segments = 0;
     while let Some(p) = pieces.get(at.piece) {
-        if batch.bytes == capacity || batch.segments.len() == max_segments {
+        if batch.bytes == capacity || segments == max_segments {
             break;
         }
         // One kernel descriptor (one warp) moves at most MAX_SEGMENT bytes: a long piece
         // becomes several, copied in parallel; its host run stays one.
         let len = (p.len - at.done).min(capacity - batch.bytes).min(MAX_SEGMENT);
         let (device, host, off) = (p.device + at.done, p.host + at.done, batch.bytes);
-        batch.segments.push((device, off, len));
+        segment(device, off, len);
+        segments += 1;
         match batch.runs.last_mut() {
             Some(r) if r.staging + r.len == off && r.host + r.len == host => r.len += len,
             _ => batch.runs.push(HostRun { staging: off, host, len }),
@@ -174,7 +241,6 @@ pub fn next_batch(
             at.done = 0;
         }
     }
-    batch.bytes > 0
 }
 
 /// Packs `pieces` in order into batches of at most `capacity` staged bytes and `max_segments`

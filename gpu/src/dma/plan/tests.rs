@@ -192,3 +192,66 @@ fn a_batch_of_one_segment_length_is_uniform_and_laid_out_by_index() {
     assert_eq!(stage(&mixed, 1 << 30, 1 << 16)[0].uniform_len(), None);
     assert_eq!(StagedBatch::default().uniform_len(), None);
 }
+
+/// Every batch `next_batch_into` plans: the same runs and bytes as `next_batch`'s, and the
+/// table image `descs` would give, both ways.
+fn same_batches_in_one_pass(pieces: &[Piece], capacity: u64, max_segments: usize) {
+    let staging = 1 << 44;
+    for gather in [true, false] {
+        let (mut at, mut at_into) = (StageCursor::default(), StageCursor::default());
+        let (mut want, mut got) = (StagedBatch::default(), StagedBatch::default());
+        let mut table = vec![0xa5u8; max_segments * KernelDesc::BYTES];
+        loop {
+            let more = next_batch(pieces, &mut at, capacity, max_segments, &mut want);
+            let (n, uniform) = next_batch_into(
+                pieces,
+                &mut at_into,
+                (capacity, max_segments),
+                (staging, gather),
+                &mut table,
+                &mut got,
+            );
+            assert_eq!((n > 0, n), (more, want.segments.len()));
+            assert_eq!((&got.runs, got.bytes, at_into), (&want.runs, want.bytes, at));
+            assert!(got.segments.is_empty());
+            assert_eq!(uniform, want.uniform_len());
+            let mut img = Vec::new();
+            want.descs(staging, gather).for_each(|d| d.encode(&mut img));
+            assert_eq!(&table[..img.len()], &img[..]);
+            if !more {
+                break;
+            }
+            if let (false, Some(_)) = (gather, uniform) {
+                compact_uniform(&mut table, n);
+                for (d, &(device, _, _)) in want.segments.iter().enumerate() {
+                    assert_eq!(&table[d * 8..d * 8 + 8], &device.to_le_bytes(), "segment {d}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn batches_planned_into_the_table_match_the_segment_lists() {
+    for l in layouts() {
+        let tensors: Vec<u64> =
+            (0..l.tensor_count() as u64).map(|t| t * l.tensor_bytes().unwrap()).collect();
+        let mut pieces = Vec::new();
+        let blocks: Vec<u64> = (0..l.num_blocks).rev().collect();
+        for (i, c) in blocks.chunks(3).enumerate() {
+            chunk_pieces(&l, &tensors, c, (1 << 40) + i as u64 * (1 << 20), &mut pieces);
+        }
+        for (capacity, max_segments) in [(1 << 20, 1 << 16), (100, 3), (96, 1 << 16), (16, 1)] {
+            same_batches_in_one_pass(&pieces, capacity, max_segments);
+        }
+    }
+    // Scattered 2 KiB pages (uniform batches, compacted for the uniform scatter), and long
+    // pieces cut at MAX_SEGMENT.
+    let pages: Vec<Piece> = (0..300u64)
+        .map(|i| Piece { device: (i * 7919 % 300) << 20, host: 1 << 40 | i << 11, len: 2048 })
+        .collect();
+    same_batches_in_one_pass(&pages, 64 << 10, 1 << 16);
+    same_batches_in_one_pass(&pages, 5000, 7);
+    let long = [Piece { device: 0, host: 1 << 40, len: 3 * MAX_SEGMENT + 100 }];
+    same_batches_in_one_pass(&long, 1 << 30, 2);
+}
