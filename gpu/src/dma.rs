@@ -66,6 +66,27 @@ impl Strategy {
     }
 }
 
+/// Where a submitting thread's time went inside [`CopyEngine::submit`] or
+/// [`ChunkHasher::submit`], summed since the last `take_times`: the rest of a submission's
+/// time is the CUDA calls that enqueue it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SubmitTimes {
+    /// Blocked on earlier work (a staging half, a descriptor table or a checksum slot still in
+    /// use). CUDA spins meanwhile, so a thread CPU clock counts it as work.
+    pub waited: std::time::Duration,
+    /// Planning into pinned host memory: staged batches and their descriptor tables (the
+    /// engine), checksum tables (the hasher).
+    pub planned: std::time::Duration,
+}
+
+impl std::ops::Add for SubmitTimes {
+    type Output = Self;
+
+    fn add(self, o: Self) -> Self {
+        Self { waited: self.waited + o.waited, planned: self.planned + o.planned }
+    }
+}
+
 /// Waits for `event` and adds the time to `waited`: what a submitting thread spent blocked on
 /// the GPU's progress (a staging half, a descriptor table or a checksum slot still in use).
 /// CUDA spins while it waits, so the thread's CPU clock counts this time as work; taking it

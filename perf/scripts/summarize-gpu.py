@@ -95,6 +95,14 @@ def served(name, d):
             f"the GPU {num(s.get('save_submit_wait_us_per_job'), '{:.0f}')} / "
             f"{num(s.get('load_submit_wait_us_per_job'), '{:.0f}')} us"
         )
+    for way in ("save", "load"):
+        p = s.get(f"{way}_submit_parts")
+        if p:
+            print(
+                f"{name}:   {way} thread per job: pieces {p['pieces_us']:.0f} us, staged batches "
+                f"{p['stage_us']:.0f} us, checksum tables {p['tables_us']:.0f} us, CUDA calls "
+                f"and the rest {p['cuda_us']:.0f} us"
+            )
     # The requests' time with no copy of theirs running: before the first, after the last
     # (lead, tail; per request) and between jobs (the rest).
     idle = lambda way: (

@@ -365,6 +365,16 @@ impl Report for DmaReport {
                      or checksum slots: {save:.0} us (saves), {load:.0} us (loads)"
                 )?;
             }
+            for (way, parts) in [("saves", s.save_submit_parts), ("loads", s.load_submit_parts)] {
+                if let Some(p) = parts {
+                    writeln!(
+                        out,
+                        "server DMA thread per job, {way}: pieces {:.0} us, staged batches {:.0} \
+                         us, checksum tables {:.0} us, CUDA calls and the rest {:.0} us",
+                        p.pieces_us, p.stage_us, p.tables_us, p.cuda_us
+                    )?;
+                }
+            }
             if let Some(b) = &s.beside_matmul {
                 let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
                 writeln!(

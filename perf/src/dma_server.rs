@@ -101,6 +101,10 @@ pub(crate) struct ServedResult {
     pub save_submit_wait_us_per_job: Option<f64>,
     /// The same for the timed loads.
     pub load_submit_wait_us_per_job: Option<f64>,
+    /// The rest of `save_submit_us_per_job`, step by step; None when the stats do not say.
+    pub save_submit_parts: Option<SubmitParts>,
+    /// The same for the timed loads (no checksum tables).
+    pub load_submit_parts: Option<SubmitParts>,
     /// Mean microseconds a job of the timed saves waited, its copy landed, for its GPU
     /// checksums (`save_checksum_wait_s` / jobs); None when the stats do not say.
     pub save_checksum_wait_us_per_job: Option<f64>,
@@ -153,6 +157,20 @@ impl Brackets {
     }
 }
 
+/// Where a DMA thread's time per job went besides waiting, microseconds (the server's
+/// `{save,load}_submit_{pieces,stage,tables}_s` over the jobs).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct SubmitParts {
+    /// The chunks' pieces.
+    pub pieces_us: f64,
+    /// Staged batches and their descriptor tables.
+    pub stage_us: f64,
+    /// A save's checksum tables.
+    pub tables_us: f64,
+    /// The rest, not waiting: the CUDA calls that enqueue the job.
+    pub cuda_us: f64,
+}
+
 /// The server's counters over the saves and loads run beside `--interference`'s matmul loop.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub(crate) struct BesideMatmul {
@@ -200,6 +218,8 @@ struct Counters {
     /// Of `submit_s`, the DMA thread's own CPU time, and the time it waited for the GPU.
     submit_cpu_s: Option<f64>,
     submit_wait_s: Option<f64>,
+    /// Of `submit_s`: pieces, staged batches, checksum tables (`submit_parts` in order).
+    submit_parts: [Option<f64>; 3],
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
     timeline: [Option<f64>; 5],
 }
@@ -221,6 +241,12 @@ impl Counters {
             checksum_wait_s: f("checksum_wait_s"),
             submit_cpu_s: f("submit_cpu_s"),
             submit_wait_s: f("submit_wait_s"),
+            // A load has no checksum tables: zero rather than missing.
+            submit_parts: [
+                f("submit_pieces_s"),
+                f("submit_stage_s"),
+                f("submit_tables_s").or(f("submit_stage_s").map(|_| 0.0)),
+            ],
             timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
         }
     }
@@ -240,6 +266,7 @@ struct Sums {
     checksum_wait_s: f64,
     submit_cpu_s: f64,
     submit_wait_s: f64,
+    submit_parts: [f64; 3],
     timeline: [f64; 5],
 }
 
@@ -255,6 +282,13 @@ impl Sums {
         self.checksum_wait_s += busy_delta(before.checksum_wait_s, after.checksum_wait_s);
         self.submit_cpu_s += busy_delta(before.submit_cpu_s, after.submit_cpu_s);
         self.submit_wait_s += busy_delta(before.submit_wait_s, after.submit_wait_s);
+        for (sum, (b, a)) in self
+            .submit_parts
+            .iter_mut()
+            .zip(before.submit_parts.into_iter().zip(after.submit_parts))
+        {
+            *sum += busy_delta(b, a);
+        }
         for (sum, (b, a)) in
             self.timeline.iter_mut().zip(before.timeline.into_iter().zip(after.timeline))
         {
@@ -285,6 +319,18 @@ impl Sums {
     /// `total` per completed job (None without jobs or a reading).
     fn per_job(&self, total: f64) -> Option<f64> {
         (total.is_finite() && self.jobs.is_finite() && self.jobs > 0.0).then(|| total / self.jobs)
+    }
+
+    /// The submit time's parts per job (None when a reading was missing or no job ran).
+    fn submit_parts(&self) -> Option<SubmitParts> {
+        let [pieces, stage, tables] = self.submit_parts.map(|s| self.per_job(s * 1e6));
+        let rest = self.submit_s - self.submit_wait_s - self.submit_parts.iter().sum::<f64>();
+        Some(SubmitParts {
+            pieces_us: pieces?,
+            stage_us: stage?,
+            tables_us: tables?,
+            cuda_us: self.per_job(rest * 1e6)?,
+        })
     }
 
     /// Mean microseconds per request of `total_s` (None without requests or a reading).
@@ -598,6 +644,8 @@ pub(crate) fn run(
         load_submit_cpu_us_per_job: load_sums.per_job(load_sums.submit_cpu_s * 1e6),
         save_submit_wait_us_per_job: save_sums.per_job(save_sums.submit_wait_s * 1e6),
         load_submit_wait_us_per_job: load_sums.per_job(load_sums.submit_wait_s * 1e6),
+        save_submit_parts: save_sums.submit_parts(),
+        load_submit_parts: load_sums.submit_parts(),
         save_checksum_wait_us_per_job: save_sums.per_job(save_sums.checksum_wait_s * 1e6),
         beside_matmul,
         save_ceiling_windows_gbps,
@@ -1001,10 +1049,24 @@ mod tests {
         sums.add(cpu(10.0, 2.0), cpu(20.0, 2.003));
         assert!((sums.per_job(sums.submit_cpu_s * 1e6).unwrap() - 300.0).abs() < 1e-6);
         assert!((sums.per_job(sums.submit_wait_s * 1e6).unwrap() - 150.0).abs() < 1e-6);
+        // The submit time's parts; the rest, past the wait and the planning, is CUDA calls.
+        let parts = |jobs: f64, submit: f64| Counters {
+            submit_wait_s: Some(submit / 2.0),
+            submit_parts: [Some(submit / 8.0), Some(submit / 8.0), Some(submit / 16.0)],
+            ..at(jobs, submit, None)
+        };
+        let mut sums = Sums::default();
+        sums.add(parts(10.0, 1.6), parts(20.0, 1.616));
+        let p = sums.submit_parts().unwrap();
+        let near = |x: f64, y: f64| (x - y).abs() < 1e-6;
+        assert!(near(p.pieces_us, 200.0) && near(p.stage_us, 200.0), "{p:?}");
+        assert!(near(p.tables_us, 100.0) && near(p.cuda_us, 300.0), "{p:?}");
+        assert!(Sums::default().submit_parts().is_none());
         let mut old = Sums::default();
         old.add(at(1.0, 0.0, None), at(2.0, 0.001, None));
         assert_eq!(old.per_job(old.submit_cpu_s * 1e6), None);
         assert_eq!(old.per_job(old.submit_wait_s * 1e6), None);
+        assert!(old.submit_parts().is_none());
         // Loads have no checksum wait: the server does not report one.
         let mut loads = Sums::default();
         loads.add(at(1.0, 0.0, None), at(2.0, 0.001, None));

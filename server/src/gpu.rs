@@ -18,7 +18,7 @@ use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
-    Strategy, TensorExport, BATCHED_FROM,
+    Strategy, SubmitTimes, TensorExport, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -152,6 +152,33 @@ pub struct GpuDone {
     pub result: GpuResult,
 }
 
+/// Where a DMA thread's time handing jobs to the GPU went: nanoseconds summed over its jobs.
+/// `total_ns` less the waits and the three planning steps is the CUDA calls that enqueue the
+/// jobs; against the jobs' copy time, whether the host side keeps up.
+#[derive(Default, Debug)]
+pub struct SubmitCounters {
+    /// Planning each job, enqueueing its copies and starting a save's checksums, waits
+    /// included. Against the thread's busy time, the host side of the pipeline.
+    pub total_ns: AtomicU64,
+    /// Of `total_ns`, the thread's own CPU time (its thread CPU clock). CUDA spins while the
+    /// thread waits, so this includes `wait_ns`.
+    pub cpu_ns: AtomicU64,
+    /// Waiting for earlier jobs to free a staging half, a descriptor table or a checksum slot:
+    /// the thread running ahead of the GPU.
+    pub wait_ns: AtomicU64,
+    /// The chunks' pieces (`chunk_pieces`).
+    pub pieces_ns: AtomicU64,
+    /// Staged batches with their descriptor tables (`plan::next_batch_into`).
+    pub stage_ns: AtomicU64,
+    /// A save's checksum tables (`checksum::write_tables`).
+    pub tables_ns: AtomicU64,
+}
+
+/// Adds `d` to a nanosecond counter.
+fn add_time(counter: &AtomicU64, d: Duration) {
+    counter.fetch_add(nanos(d), Ordering::Relaxed);
+}
+
 /// Counters for `ctl stats`.
 #[derive(Default, Debug)]
 pub struct GpuCounters {
@@ -177,24 +204,10 @@ pub struct GpuCounters {
     pub save_busy_ns: AtomicU64,
     /// The same for the load thread.
     pub load_busy_ns: AtomicU64,
-    /// Nanoseconds the save thread spent handing jobs to the GPU: planning each job, enqueueing
-    /// its copies and starting its checksums (waiting for a free checksum slot included).
-    /// Against `save_busy_ns`, the host side of the pipeline.
-    pub save_submit_ns: AtomicU64,
+    /// Where the save thread's time handing jobs to the GPU went.
+    pub save_submit: SubmitCounters,
     /// The same for the load thread (no checksums).
-    pub load_submit_ns: AtomicU64,
-    /// Of `save_submit_ns`, the save thread's own CPU time (its thread CPU clock). CUDA spins
-    /// while the thread waits for the GPU, so this includes `save_submit_wait_ns`.
-    pub save_submit_cpu_ns: AtomicU64,
-    /// The same for the load thread.
-    pub load_submit_cpu_ns: AtomicU64,
-    /// Of `save_submit_ns`, the time the save thread waited for earlier jobs to free a staging
-    /// half, a descriptor table or a checksum slot: the thread running ahead of the GPU.
-    /// `save_submit_ns` less this is planning and enqueueing, against the jobs' copy time
-    /// whether the host side keeps up.
-    pub save_submit_wait_ns: AtomicU64,
-    /// The same for the load thread.
-    pub load_submit_wait_ns: AtomicU64,
+    pub load_submit: SubmitCounters,
     /// Nanoseconds, summed over save jobs, from their copy landing to their GPU checksums
     /// being ready (as the thread polls, within about 10 us): what the checksums add to a
     /// job's completion.
@@ -633,13 +646,9 @@ impl GpuService {
         // Since when at least one job has been on the GPU (None while none is).
         let mut busy_since: Option<Instant> = None;
         let c = &self.counters;
-        let (busy_ns, submit_ns, submit_cpu_ns, submit_wait_ns) = match direction {
-            Direction::Save => {
-                (&c.save_busy_ns, &c.save_submit_ns, &c.save_submit_cpu_ns, &c.save_submit_wait_ns)
-            }
-            Direction::Load => {
-                (&c.load_busy_ns, &c.load_submit_ns, &c.load_submit_cpu_ns, &c.load_submit_wait_ns)
-            }
+        let (busy_ns, sc) = match direction {
+            Direction::Save => (&c.save_busy_ns, &c.save_submit),
+            Direction::Load => (&c.load_busy_ns, &c.load_submit),
         };
         loop {
             let mut progressed = self.deliver(doorbells, undelivered);
@@ -654,7 +663,9 @@ impl GpuService {
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 let submitted = Instant::now();
                 let cpu_at_submit = thread_cpu_ns();
-                match self.start_job(&mut engines, direction, &job, &mut pieces) {
+                let mut pieces_took = Duration::ZERO;
+                match self.start_job(&mut engines, direction, &job, (&mut pieces, &mut pieces_took))
+                {
                     // The engine memory stays referenced until the event has completed.
                     Ok((event, shape)) => {
                         // In flight first (a panic from here on fails it rather than losing
@@ -676,23 +687,24 @@ impl GpuService {
                             let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
-                        submit_ns.fetch_add(nanos_since(submitted), Ordering::Relaxed);
-                        submit_cpu_ns.fetch_add(
+                        add_time(&sc.total_ns, submitted.elapsed());
+                        sc.cpu_ns.fetch_add(
                             thread_cpu_ns().saturating_sub(cpu_at_submit),
                             Ordering::Relaxed,
                         );
-                        let waited =
-                            engines.iter_mut().flatten().map(|e| e.take_waited()).sum::<Duration>()
-                                + hashers
-                                    .iter_mut()
-                                    .flatten()
-                                    .flatten()
-                                    .map(|h| h.take_waited())
-                                    .sum::<Duration>();
-                        submit_wait_ns.fetch_add(
-                            u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
-                            Ordering::Relaxed,
-                        );
+                        let copies = engines
+                            .iter_mut()
+                            .flatten()
+                            .fold(SubmitTimes::default(), |t, e| t + e.take_times());
+                        let checksums = hashers
+                            .iter_mut()
+                            .flatten()
+                            .flatten()
+                            .fold(SubmitTimes::default(), |t, h| t + h.take_times());
+                        add_time(&sc.wait_ns, copies.waited + checksums.waited);
+                        add_time(&sc.pieces_ns, pieces_took);
+                        add_time(&sc.stage_ns, copies.planned);
+                        add_time(&sc.tables_ns, checksums.planned);
                     }
                     Err(e) => {
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
@@ -862,7 +874,7 @@ impl GpuService {
         engines: &mut [Option<CopyEngine>],
         direction: Direction,
         job: &GpuJob,
-        pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
+        (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
     ) -> Result<(CudaEvent, JobShape), String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
@@ -897,6 +909,7 @@ impl GpuService {
         if self.limits.timeline && !engine.recording_timeline() {
             engine.record_timeline_batches(TIMELINE_BATCHES);
         }
+        let t = Instant::now();
         pieces.clear();
         let base = self.arena.base_ptr() as u64;
         for (offset, blocks) in &job.chunks {
@@ -911,6 +924,7 @@ impl GpuService {
                 return Err(format!("chunk of {len} bytes where {} were reserved", job.chunk_len));
             }
         }
+        *took = t.elapsed();
         // SAFETY (contract of `submit`): the pieces name the engine's imported tensors (kept
         // alive by `job.memory` until the event completes: the caller keeps the job's memory
         // Arc with the event) and arena slots the submitting request holds until it receives

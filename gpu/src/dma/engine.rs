@@ -10,7 +10,7 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
@@ -19,7 +19,7 @@ use super::hasher::drv;
 use super::plan::{
     compact_uniform, next_batch_into, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT,
 };
-use super::{wait_for, DmaError, Strategy};
+use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
 /// Threads per block of the segment copy kernel.
 const THREADS: u32 = 256;
@@ -132,9 +132,8 @@ pub struct CopyEngine {
     direct_tables: [Option<(PinnedHost, CudaEvent)>; 2],
     /// The table the next direct job uses.
     direct_next: usize,
-    /// Time `submit` spent waiting for earlier work to free a half or a table, since the last
-    /// `take_waited`.
-    waited: Duration,
+    /// Where `submit`'s time went since the last `take_times`.
+    times: SubmitTimes,
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -242,7 +241,7 @@ impl CopyEngine {
             host_mapping: None,
             direct_tables: [None, None],
             direct_next: 0,
-            waited: Duration::ZERO,
+            times: SubmitTimes::default(),
         })
     }
 
@@ -330,10 +329,10 @@ impl CopyEngine {
         self.halves[0].staging.len()
     }
 
-    /// Time `submit` spent blocked on earlier work since the last call (CUDA spins meanwhile:
-    /// the submitting thread's CPU clock counts it), reset to zero.
-    pub fn take_waited(&mut self) -> Duration {
-        std::mem::take(&mut self.waited)
+    /// Where `submit`'s time went since the last call (blocked on earlier work; planning
+    /// staged batches into their tables), reset to zero.
+    pub fn take_times(&mut self) -> SubmitTimes {
+        std::mem::take(&mut self.times)
     }
 
     /// Which strategy `strategy` means for these pieces.
@@ -415,8 +414,9 @@ impl CopyEngine {
                     // The batch is planned straight into the next half's host table, once the
                     // batch that last used the table has read it.
                     let h = &mut self.halves[self.next];
-                    wait_for(&h.uploaded, &mut self.waited)?;
+                    wait_for(&h.uploaded, &mut self.times.waited)?;
                     let gather = direction == Direction::Save;
+                    let t = Instant::now();
                     let (n, uniform) = next_batch_into(
                         pieces,
                         &mut at,
@@ -425,6 +425,7 @@ impl CopyEngine {
                         h.descs_host.bytes_mut(),
                         &mut batch,
                     );
+                    self.times.planned += t.elapsed();
                     if n == 0 {
                         break;
                     }
@@ -497,7 +498,7 @@ impl CopyEngine {
         self.direct_next ^= 1;
         // A table is rewritten only once the kernel that read it last has finished.
         if let Some((_, used)) = slot.as_ref() {
-            wait_for(used, &mut self.waited)?;
+            wait_for(used, &mut self.times.waited)?;
         }
         if slot.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
             let table = PinnedHost::new(&self.ctx, bytes.max(1 << 20))?;

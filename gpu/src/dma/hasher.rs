@@ -96,8 +96,8 @@ pub struct ChunkHasher {
     slots: Vec<Slot>,
     next: usize,
     pool: Pool,
-    /// Time `submit` spent waiting for a slot's previous use since the last `take_waited`.
-    waited: std::time::Duration,
+    /// Where `submit`'s time went since the last `take_times`.
+    times: super::SubmitTimes,
 }
 
 pub(super) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DmaError {
@@ -158,14 +158,14 @@ impl ChunkHasher {
             slots,
             next: 0,
             pool: Arc::new(Mutex::new(Vec::new())),
-            waited: std::time::Duration::ZERO,
+            times: super::SubmitTimes::default(),
         })
     }
 
-    /// Time `submit` spent waiting for a slot's earlier submission since the last call (CUDA
-    /// spins meanwhile), reset to zero.
-    pub fn take_waited(&mut self) -> std::time::Duration {
-        std::mem::take(&mut self.waited)
+    /// Where `submit`'s time went since the last call (waiting for a slot's earlier
+    /// submission; writing the checksum tables), reset to zero.
+    pub fn take_times(&mut self) -> super::SubmitTimes {
+        std::mem::take(&mut self.times)
     }
 
     /// Starts computing the checksums of the chunks whose bytes `pieces` name in GPU memory
@@ -195,13 +195,15 @@ impl ChunkHasher {
         let slot = &mut self.slots[self.next];
         self.next = (self.next + 1) % SLOTS;
         // The slot's tables and scratch are free once its last use finished.
-        super::wait_for(&slot.done, &mut self.waited)?;
+        super::wait_for(&slot.done, &mut self.times.waited)?;
         if slot.tables_host.len() < table_len {
             slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
         }
         // Built straight into the slot's pinned tables, in one pass over the pieces.
-        let image =
-            write_tables(pieces, chunk_len, &mut slot.tables_host.bytes_mut()[..table_len])?;
+        let t = std::time::Instant::now();
+        let image = write_tables(pieces, chunk_len, &mut slot.tables_host.bytes_mut()[..table_len]);
+        self.times.planned += t.elapsed();
+        let image = image?;
         at_least(&self.ctx, &mut slot.tables, table_len)?;
         at_least(&self.ctx, &mut slot.scratch, (image.rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
