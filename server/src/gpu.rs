@@ -174,6 +174,18 @@ pub struct SubmitCounters {
     pub tables_ns: AtomicU64,
 }
 
+/// Pins the calling thread to `core`; a refusal is logged and the thread runs unpinned.
+fn pin_to(core: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    let pinned = set
+        .set(core)
+        .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+    match pinned {
+        Ok(()) => tracing::debug!(core, "GPU DMA thread pinned"),
+        Err(e) => tracing::warn!(core, error = %e, "GPU DMA thread not pinned; it runs unpinned"),
+    }
+}
+
 /// Adds `d` to a nanosecond counter.
 fn add_time(counter: &AtomicU64, d: Duration) {
     counter.fetch_add(nanos(d), Ordering::Relaxed);
@@ -440,16 +452,29 @@ impl GpuService {
     /// the threads. One pair per device: a thread submitting to two devices' engines waits for
     /// one device's staging buffer while the other has nothing queued (two ranks saving 2 KiB
     /// pages through one pair reached 0.53 of the two links together).
-    pub fn start(self: &Arc<Self>, doorbells: Arc<Doorbells>) -> Result<(), String> {
+    ///
+    /// `cores`: a core for each thread (device 0's save thread, its load thread, then device
+    /// 1's, ...), which it pins itself to; a thread without one runs unpinned.
+    pub fn start(
+        self: &Arc<Self>,
+        doorbells: Arc<Doorbells>,
+        cores: &[usize],
+    ) -> Result<(), String> {
         for device in 0..self.devices.len() {
             for (name, direction) in [("gpu-d2h", Direction::Save), ("gpu-h2d", Direction::Load)] {
                 let i = worker_of(device, direction);
                 let name = format!("{name}-{device}");
                 let svc = Arc::clone(self);
                 let bells = Arc::clone(&doorbells);
+                let core = cores.get(i).copied();
                 let handle = std::thread::Builder::new()
                     .name(name.clone())
-                    .spawn(move || svc.run_worker(i, direction, &bells))
+                    .spawn(move || {
+                        if let Some(core) = core {
+                            pin_to(core);
+                        }
+                        svc.run_worker(i, direction, &bells)
+                    })
                     .map_err(|e| format!("starting {name}: {e}"))?;
                 let _ = self.workers[i].thread.set(handle.thread().clone());
                 self.handles.lock().expect("never poisoned").push(handle);

@@ -117,6 +117,28 @@ fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), String> {
 }
 
 /// CPUs this process may run on, in order.
+/// Cores for the GPU DMA threads (a save and a load thread per device, in that order): the
+/// allowed cores `cpus` after the shards' own, when pinning is on and there are enough of
+/// them; otherwise none, and the threads run unpinned beside the shards (said in the log).
+fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<usize> {
+    let wanted = shards + 2 * devices;
+    if !pin {
+        return Vec::new();
+    }
+    if wanted > cpus.len() {
+        tracing::info!(
+            shards,
+            dma_threads = 2 * devices,
+            cpus = cpus.len(),
+            "GPU DMA threads run unpinned: fewer cores than shards and DMA threads"
+        );
+        return Vec::new();
+    }
+    let cores = cpus[shards..wanted].to_vec();
+    tracing::info!(?cores, "GPU DMA threads pinned, one core each");
+    cores
+}
+
 fn allowed_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
         Ok(set) => {
@@ -232,7 +254,8 @@ fn run(settings: Settings) -> Result<(), String> {
             timeline: settings.config.gpu_timeline,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
-        service.start(Arc::clone(&shared.doorbells))?;
+        let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
+        service.start(Arc::clone(&shared.doorbells), &cores)?;
         tracing::info!(
             devices = devices.len(),
             "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
@@ -358,4 +381,22 @@ fn run(settings: Settings) -> Result<(), String> {
     ipc::remove_leftovers(&ipc);
     tracing::info!("orbitkv-server stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dma_cores;
+
+    #[test]
+    fn dma_threads_take_the_cores_after_the_shards() {
+        let cpus: Vec<usize> = (0..16).collect();
+        assert_eq!(dma_cores(true, &cpus, 4, 1), vec![4, 5]);
+        assert_eq!(dma_cores(true, &cpus, 4, 2), vec![4, 5, 6, 7]);
+        // The allowed cores need not start at 0 nor be adjacent.
+        assert_eq!(dma_cores(true, &[2, 3, 8, 9, 12], 2, 1), vec![8, 9]);
+        assert_eq!(dma_cores(true, &[0, 1, 2], 1, 1), vec![1, 2]);
+        // Too few cores (CI's two), or pinning off: the threads run unpinned.
+        assert!(dma_cores(true, &[0, 1], 1, 1).is_empty());
+        assert!(dma_cores(false, &cpus, 4, 1).is_empty());
+    }
 }
