@@ -21,9 +21,9 @@ pub use timeline::SpanTotals;
 /// 0.92-0.95 of the ceiling batched against 0.96-0.98 staged, at 2 KiB 0.07 against 0.88).
 pub const BATCHED_FROM: u64 = 1 << 20;
 
-/// Bytes of chunks in one DMA job: the server splits saves and loads into jobs of at most
-/// this many bytes (whole chunks, at least one), so that a save's first commits overlap its
-/// later copies.
+/// Bytes of chunks in one DMA job by default: the server splits saves and loads into jobs of
+/// at most this many bytes (whole chunks, at least one; `--gpu-job` sets it), so that a
+/// save's first commits overlap its later copies.
 pub const JOB_BYTES: u64 = 64 << 20;
 
 /// How pieces cross the bus.

@@ -102,12 +102,16 @@ pub struct ServerConfig {
     /// GPU staging buffer of each DMA thread on each device (two halves; pages are gathered
     /// into it before crossing the bus). Default: `64MiB`.
     pub gpu_staging: String,
+    /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
+    /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
+    /// copy lands while the DMA thread works on the next. Default: `64MiB`.
+    pub gpu_job: String,
     /// GPU copy jobs each shard may have queued for each DMA thread. Default: 64.
     pub gpu_queue_depth: usize,
     /// Engine ranks registered for GPU save/load at once. Default: 256.
     pub max_gpu_registrations: usize,
     /// Where a GPU save's chunk checksums are computed: `gpu` (by kernels beside the copy,
-    /// the first chunk of each 64 MiB job checked again on its shard), `verify` (on the GPU,
+    /// the first chunk of each job checked again on its shard), `verify` (on the GPU,
     /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
     /// Default: `gpu`.
     pub gpu_checksums: String,
@@ -152,6 +156,7 @@ impl Default for ServerConfig {
             ssd_inject_errors_every: 0,
             gpu: orbitkv_gpu::GpuMode::Auto,
             gpu_staging: "64MiB".into(),
+            gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
             gpu_copy: "auto".into(),
@@ -245,6 +250,10 @@ pub struct Args {
     /// GPU staging per DMA thread and device (default: 64MiB).
     #[arg(long, value_name = "SIZE")]
     pub gpu_staging: Option<String>,
+    /// Bytes of chunks per GPU copy job; saves and loads are split into such jobs (default:
+    /// 64MiB).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_job: Option<String>,
     /// GPU copy jobs a shard may queue per DMA thread (default: 64).
     #[arg(long, value_name = "N")]
     pub gpu_queue_depth: Option<usize>,
@@ -296,6 +305,8 @@ pub struct Settings {
     pub ssd: Option<SsdSettings>,
     /// GPU staging bytes per DMA thread and device.
     pub gpu_staging_bytes: u64,
+    /// Bytes of chunks per GPU copy job.
+    pub gpu_job_bytes: u64,
     /// Where GPU saves' checksums are computed.
     pub gpu_checksums: crate::gpu::ChecksumPlace,
     /// How GPU copies cross the bus.
@@ -410,6 +421,7 @@ impl ServerConfig {
             ssd_inject_errors_every,
             gpu,
             gpu_staging,
+            gpu_job,
             gpu_queue_depth,
             max_gpu_registrations,
             gpu_checksums,
@@ -501,6 +513,11 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
             return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
         }
+        let gpu_job_bytes =
+            parse_size(&self.gpu_job).map_err(|e| invalid("--gpu-job", e.to_string()))?;
+        if !(1 << 20..=4 << 30).contains(&gpu_job_bytes) {
+            return Err(invalid("--gpu-job", "must be between 1MiB and 4GiB"));
+        }
         let gpu_checksums =
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
@@ -533,6 +550,7 @@ impl ServerConfig {
             idle_poll_max,
             drain_timeout,
             gpu_staging_bytes,
+            gpu_job_bytes,
             gpu_checksums,
             gpu_copy,
         })
@@ -564,6 +582,10 @@ mod tests {
             .contains("--spin-window"));
         assert!(bad(ServerConfig { gpu_staging: "4KiB".into(), ..Default::default() })
             .contains("--gpu-staging"));
+        for job in ["4KiB", "8GiB", "lots"] {
+            let e = bad(ServerConfig { gpu_job: job.into(), ..Default::default() });
+            assert!(e.contains("--gpu-job"), "{job}: {e}");
+        }
         assert!(bad(ServerConfig { gpu_checksums: "gpu2".into(), ..Default::default() })
             .contains("--gpu-checksums"));
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })

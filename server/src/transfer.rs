@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel;
-use orbitkv_gpu::dma::{Direction, EngineMemory, JOB_BYTES};
+use orbitkv_gpu::dma::{Direction, EngineMemory};
 use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
@@ -164,7 +164,7 @@ pub(crate) async fn save(
     // the first copy waits for its own group's reservations only, and the later groups are
     // reserved while the copy engine moves the ones before (reserving a whole 2 GiB save of
     // 512 KiB chunks first kept the engine idle for about a millisecond).
-    let group = (JOB_BYTES / chunk_len).max(1) as usize;
+    let group = (exec.shared.settings.gpu_job_bytes / chunk_len).max(1) as usize;
     let jobs = keys.len().div_ceil(group);
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
@@ -300,14 +300,14 @@ pub(crate) async fn load(
         };
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
-    // Jobs of at most JOB_BYTES, queued one after another: the DMA thread plans one while the
+    // Jobs of at most `--gpu-job` bytes, queued one after another: the DMA thread plans one while the
     // copy engine moves the one before. Each job's chunks are looked up (and leased) just
     // before it goes, so the first copy waits for its own lookup only and the later lookups
     // run beside the copies. The prefix ends at the first miss: hits after it in its group are
     // released unread, and later groups are not looked up (their chunks answer `NotFound`, as
     // chunks past the prefix do). A job's leases are released as soon as its copy has
     // completed; every lease is released before the answer.
-    let group = (JOB_BYTES / chunk_len).max(1) as usize;
+    let group = (exec.shared.settings.gpu_job_bytes / chunk_len).max(1) as usize;
     let mut tasks = Vec::new();
     let mut rest = Vec::new();
     for (g, group_keys) in keys.chunks(group).enumerate() {
