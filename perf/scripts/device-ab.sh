@@ -5,7 +5,9 @@
 # matmul, e.g. with ONLY="sglang-2k engine-copies-32k"). SIDES ("A B") names the sides; each side X has
 # a server binary X (A: the one in .device-bin, others: .device-bin/orbitkv-server-prev), X_PTX
 # optionally a checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX), X_ENV optionally variables
-# for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"). ROUNDS (2)
+# for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"), X_ARGS
+# optionally its own server arguments instead of SERVER_ARGS (one binary with two settings:
+# A=.device-bin/orbitkv-server B=.device-bin/orbitkv-server B_ARGS="--gpu-job 128MiB"). ROUNDS (2)
 # rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB");
 # INTF_ROUNDS the interference runs' own rounds (see device-gpu-server.sh).
 # Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
@@ -44,10 +46,12 @@ for round in $(seq "$ROUNDS"); do
     tag=$(echo "$side" | tr '[:upper:]' '[:lower:]')$round-
     ptx_var=${side}_PTX
     env_var=${side}_ENV
-    echo "== $tag server ${!side} ${!ptx_var:+PTX ${!ptx_var}} ${!env_var:+env ${!env_var}}" >> "$OUT/ab.log"
+    args_var=${side}_ARGS
+    side_args=${!args_var:-$ARGS}
+    echo "== $tag server ${!side} ${!ptx_var:+PTX ${!ptx_var}} ${!env_var:+env ${!env_var}} args $side_args" >> "$OUT/ab.log"
     (
       if [ -n "${!ptx_var:-}" ]; then export ORBITKV_CHECKSUM_KERNEL_PTX=${!ptx_var}; fi
-      SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=${AB_MPS:-1} INTF=${AB_INTF:-1} NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$ARGS" TAG=$tag \
+      SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=${AB_MPS:-1} INTF=${AB_INTF:-1} NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$side_args" TAG=$tag \
         timeout 150 bash perf/scripts/device-gpu-server.sh
     )
     echo "rc=$?" >> "$OUT/ab.log"
