@@ -116,15 +116,14 @@ fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// CPUs this process may run on, in order.
 /// Cores for the GPU DMA threads (a save and a load thread per device, in that order): the
 /// allowed cores `cpus` after the shards' own, when pinning is on and there are enough of
 /// them; otherwise none, and the threads run unpinned beside the shards (said in the log).
 fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<usize> {
-    let wanted = shards + 2 * devices;
     if !pin {
         return Vec::new();
     }
+    let wanted = shards + 2 * devices;
     if wanted > cpus.len() {
         tracing::info!(
             shards,
@@ -139,6 +138,7 @@ fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<us
     cores
 }
 
+/// CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
         Ok(set) => {
