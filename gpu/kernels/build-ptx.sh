@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds a kernel's PTX from its .cu with nvcc (the CUDA toolkit; no GPU needed).
 # Usage: gpu/kernels/build-ptx.sh [NAME [OUTPUT]]   NAME: copy_segments (default),
-# scatter_uniform or chunk_checksum; OUTPUT defaults to NAME.ptx next to the source.
+# copy_blocks, scatter_uniform or chunk_checksum; OUTPUT defaults to NAME.ptx next to the source.
 # Without the toolkit, build-ptx-nvrtc.py does the same with NVRTC from PyPI
 # (the embedded PTX files are built that way: their headers say so).
 set -euo pipefail

@@ -180,6 +180,47 @@ impl LayoutDesc {
         }
     }
 
+    /// Parts (one layer's K or V slice) per block: `num_layers` for MLA, else twice that.
+    pub fn parts_per_block(&self) -> u64 {
+        self.num_layers as u64 * self.kv()
+    }
+
+    /// Bytes of one part (one layer's K or V slice of one block).
+    pub fn part_len(&self) -> u64 {
+        self.part_bytes()
+    }
+
+    /// The layout as arithmetic: part `p` of block `b` (chunk order, as [`for_each_part`]
+    /// hands them) lies at device address `bases[p] + b * stride`, for the engine tensors at
+    /// `tensors` (numbered as [`tensor_count`]). Every supported layout is one base per part
+    /// and one stride per block, which lets the copy kernel find a block's parts from its id
+    /// alone instead of from a descriptor per part.
+    ///
+    /// [`for_each_part`]: LayoutDesc::for_each_part
+    /// [`tensor_count`]: LayoutDesc::tensor_count
+    pub fn part_bases(&self, tensors: &[u64]) -> (Vec<u64>, u64) {
+        assert!(tensors.len() >= self.tensor_count() as usize, "one address per tensor");
+        let part = self.part_bytes();
+        let mut bases = Vec::with_capacity(self.parts_per_block() as usize);
+        for layer in 0..self.num_layers as u64 {
+            for t in 0..self.kv() {
+                bases.push(match self.layout {
+                    KvLayout::FlashAttnNhd | KvLayout::FlashAttnHnd => {
+                        tensors[layer as usize] + t * self.num_blocks * part
+                    }
+                    KvLayout::CrossLayer => tensors[0] + (layer * 2 + t) * part,
+                    KvLayout::MlaPerLayer => tensors[layer as usize],
+                    KvLayout::SglangPerLayer => tensors[(2 * layer + t) as usize],
+                });
+            }
+        }
+        let stride = match self.layout {
+            KvLayout::CrossLayer => self.num_layers as u64 * 2 * part,
+            _ => part,
+        };
+        (bases, stride)
+    }
+
     /// Where block `block`'s bytes are, in chunk order (layer-major, K before V). Adjacent
     /// segments of one tensor are merged.
     pub fn block_segments(&self, block: u64) -> Vec<Segment> {

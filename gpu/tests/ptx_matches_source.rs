@@ -63,5 +63,5 @@ fn every_embedded_ptx_was_built_from_its_source() {
         );
         checked += 1;
     }
-    assert_eq!(checked, 3, "copy_segments, scatter_uniform and chunk_checksum");
+    assert_eq!(checked, 4, "copy_segments, copy_blocks, scatter_uniform and chunk_checksum");
 }

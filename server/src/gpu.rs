@@ -692,7 +692,7 @@ impl GpuService {
                 match self.start_job(&mut engines, direction, &job, (&mut pieces, &mut pieces_took))
                 {
                     // The engine memory stays referenced until the event has completed.
-                    Ok((event, shape)) => {
+                    Ok((event, shape, blocks)) => {
                         // In flight first (a panic from here on fails it rather than losing
                         // it), then the checksums attached.
                         let save = direction == Direction::Save;
@@ -709,7 +709,8 @@ impl GpuService {
                         });
                         busy_since.get_or_insert(submitted);
                         if save {
-                            let ticket = self.gpu_checksums(&mut hashers, &job, &pieces);
+                            let planned = if blocks { None } else { Some(&pieces[..]) };
+                            let ticket = self.gpu_checksums(&mut hashers, &job, planned);
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
                         add_time(&sc.total_ns, submitted.elapsed());
@@ -844,14 +845,15 @@ impl GpuService {
         }
     }
 
-    /// Starts a save job's chunk checksums on the GPU (`pieces`: the job's, as just planned);
-    /// `None` when they are computed on the shards (`--gpu-checksums cpu`, kernels that did
-    /// not load on this device, chunks too short, a failed launch: logged).
+    /// Starts a save job's chunk checksums on the GPU (`pieces`: the job's, as just planned,
+    /// or None when it went in block form); `None` when they are computed on the shards
+    /// (`--gpu-checksums cpu`, kernels that did not load on this device, chunks too short, a
+    /// failed launch: logged).
     fn gpu_checksums(
         &self,
         hashers: &mut [Option<Option<ChunkHasher>>],
         job: &GpuJob,
-        pieces: &[orbitkv_gpu::dma::plan::Piece],
+        pieces: Option<&[orbitkv_gpu::dma::plan::Piece]>,
     ) -> Option<ChecksumTicket> {
         if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
@@ -866,7 +868,14 @@ impl GpuService {
                 }
             })
             .as_mut()?;
-        match submit_checksums(hasher, pieces, job.chunk_len) {
+        let submitted = match pieces {
+            Some(pieces) => submit_checksums(hasher, pieces, job.chunk_len),
+            None => job
+                .memory
+                .block_job(self.arena.base_ptr() as u64, &job.chunks)
+                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len)),
+        };
+        match submitted {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, "GPU checksums not started; the shards compute them");
@@ -900,7 +909,7 @@ impl GpuService {
         direction: Direction,
         job: &GpuJob,
         (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
-    ) -> Result<(CudaEvent, JobShape), String> {
+    ) -> Result<(CudaEvent, JobShape, bool), String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => {
@@ -937,10 +946,29 @@ impl GpuService {
         let t = Instant::now();
         pieces.clear();
         let base = self.arena.base_ptr() as u64;
-        for (offset, blocks) in &job.chunks {
+        for (offset, _) in &job.chunks {
             if offset.checked_add(job.chunk_len).is_none_or(|end| end > self.arena.len()) {
                 return Err(format!("arena range {offset}+{} is outside the arena", job.chunk_len));
             }
+        }
+        // Block form where it applies (staged copies of blocks that fit a staging half): the
+        // kernel finds each block's parts from its id, and no piece is planned per page.
+        let block_job = job.memory.block_job(base, &job.chunks).map_err(|e| e.to_string())?;
+        if engine.blocks_for(self.limits.copy, &block_job) {
+            let block_bytes = block_job.block_bytes();
+            if let Some((_, ids)) =
+                job.chunks.iter().find(|(_, ids)| ids.len() as u64 * block_bytes != job.chunk_len)
+            {
+                return Err(format!(
+                    "chunk of {} bytes where {} were reserved",
+                    ids.len() as u64 * block_bytes,
+                    job.chunk_len
+                ));
+            }
+            *took = t.elapsed();
+            return submit_blocks(engine, direction, &block_job).map(|(e, s)| (e, s, true));
+        }
+        for (offset, blocks) in &job.chunks {
             let len = job
                 .memory
                 .chunk_pieces(blocks, base + offset, pieces)
@@ -954,7 +982,7 @@ impl GpuService {
         // alive by `job.memory` until the event completes: the caller keeps the job's memory
         // Arc with the event) and arena slots the submitting request holds until it receives
         // the completion; the arena is registered with CUDA and outlives this service.
-        submit_pieces(engine, direction, pieces, self.limits.copy)
+        submit_pieces(engine, direction, pieces, self.limits.copy).map(|(e, s)| (e, s, false))
     }
 }
 
@@ -977,6 +1005,27 @@ fn submit_checksums(
     // job (its `Running` entry) until both its copy event and this ticket complete; the engine
     // does not change pages it asked to save before the save is answered (its contract).
     unsafe { hasher.submit(pieces, chunk_len) }
+}
+
+#[allow(unsafe_code)]
+fn submit_block_checksums(
+    hasher: &mut ChunkHasher,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+    chunk_len: u64,
+) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
+    // SAFETY: as `submit_checksums`, for the job's blocks.
+    unsafe { hasher.submit_blocks(job, chunk_len) }
+}
+
+#[allow(unsafe_code)]
+fn submit_blocks(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+) -> Result<(CudaEvent, JobShape), String> {
+    // SAFETY: see `GpuService::start_job`; the block ids were checked against the engine's
+    // blocks, and the chunks' arena ranges against the arena.
+    unsafe { engine.submit_blocks(direction, job) }.map_err(|e| e.to_string())
 }
 
 #[allow(unsafe_code)]

@@ -8,7 +8,7 @@
 //! the same pieces the copy moves. Pure arithmetic: tested on the CPU against `chunk_checksum`
 //! by running the kernel source as C (tests/).
 
-use super::plan::Piece;
+use super::plan::{BlockJob, Piece};
 use super::DmaError;
 
 /// Shortest chunk the kernels hash: XXH3's long-input path starts above 240 bytes; shorter
@@ -219,18 +219,77 @@ pub fn write_tables(
     out: &mut [u8],
 ) -> Result<TablesImage, DmaError> {
     let (chunks, capacity) = tables_capacity(pieces, chunk_len)?;
+    let parts = pieces.iter().map(|p| (p.device, p.len));
+    write_parts(parts, (chunks, pieces.len(), capacity), chunk_len, out)
+}
+
+/// [`tables_capacity`] for a job in block form: its chunks, and the bytes
+/// [`write_block_tables`] needs (room for one segment per part). Refuses chunks shorter than
+/// [`MIN_LEN`] and chunks whose blocks do not make `chunk_len` bytes.
+pub fn block_tables_capacity(
+    job: &BlockJob<'_>,
+    chunk_len: u64,
+) -> Result<(usize, usize), DmaError> {
+    if chunk_len < MIN_LEN {
+        return Err(DmaError::Invalid(format!(
+            "chunks of {chunk_len} bytes are checksummed on the CPU (the GPU kernels need at \
+             least {MIN_LEN})"
+        )));
+    }
+    let block_bytes = job.block_bytes();
+    if let Some((_, ids)) =
+        job.chunks.iter().find(|(_, ids)| ids.len() as u64 * block_bytes != chunk_len)
+    {
+        return Err(DmaError::Invalid(format!(
+            "a chunk of {} blocks of {block_bytes} bytes where chunks are {chunk_len} bytes",
+            ids.len()
+        )));
+    }
+    let chunks = job.chunks.len();
+    let parts = (chunk_len / block_bytes.max(1)) as usize * job.bases.len() * chunks;
+    let rows = chunks * rows_of(chunk_len) as usize;
+    Ok((chunks, chunks * CHUNK_RECORD + parts * SEG_RECORD + rows * ROW_RECORD))
+}
+
+/// [`write_tables`] for a job in block form: the tables of its parts in chunk order (each
+/// block's parts at `bases[p] + id * stride`), with no list of pieces built first. `out` must
+/// hold [`block_tables_capacity`] bytes.
+pub fn write_block_tables(
+    job: &BlockJob<'_>,
+    chunk_len: u64,
+    out: &mut [u8],
+) -> Result<TablesImage, DmaError> {
+    let (chunks, capacity) = block_tables_capacity(job, chunk_len)?;
+    let (stride, len) = (job.stride, job.part_len);
+    let parts = job.chunks.iter().flat_map(|(_, ids)| {
+        ids.iter().flat_map(move |&id| job.bases.iter().map(move |&b| (b + id * stride, len)))
+    });
+    let room = (chunk_len / job.block_bytes()) as usize * job.bases.len() * chunks;
+    write_parts(parts, (chunks, room, capacity), chunk_len, out)
+}
+
+/// The one pass behind [`write_tables`] and [`write_block_tables`]: `parts` (device address,
+/// length) in chunk order, `chunks` chunks, `room` segment records' room (at least one per
+/// part), `capacity` bytes in all.
+fn write_parts(
+    parts: impl Iterator<Item = (u64, u64)>,
+    (chunks, room, capacity): (usize, usize, usize),
+    chunk_len: u64,
+    out: &mut [u8],
+) -> Result<TablesImage, DmaError> {
     assert!(out.len() >= capacity, "{} bytes for tables of {capacity}", out.len());
     let segs_offset = chunks * CHUNK_RECORD;
-    let row_segs_offset = segs_offset + pieces.len() * SEG_RECORD;
+    let row_segs_offset = segs_offset + room * SEG_RECORD;
     let (records, rest) = out[..capacity].split_at_mut(segs_offset);
-    let (seg_out, row_out) = rest.split_at_mut(pieces.len() * SEG_RECORD);
+    let (seg_out, row_out) = rest.split_at_mut(room * SEG_RECORD);
     let per_chunk_rows = rows_of(chunk_len);
     let (mut chunk, mut segs, mut rows) = (0usize, 0usize, 0usize);
     let mut at = 0u64; // bytes of the current chunk so far
     let mut next_row = 0u64; // chunk offset of the next row without its segment
     let mut first_seg = 0usize; // the current chunk's first segment
     let mut last = (0u64, 0u64); // the current segment's chunk offset and device address
-    for p in pieces.iter().filter(|p| p.len > 0) {
+    for (device, len) in parts.filter(|&(_, len)| len > 0) {
+        let p = Piece { device, host: 0, len };
         if at == 0 {
             first_seg = segs;
         }
@@ -394,6 +453,74 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("end 300"));
+    }
+
+    #[test]
+    fn block_form_tables_match_the_pieces_tables() {
+        use crate::layout::{KvLayout, LayoutDesc};
+        let base = LayoutDesc {
+            layout: KvLayout::FlashAttnNhd,
+            num_layers: 3,
+            num_blocks: 12,
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            elem_bytes: 2,
+        };
+        for l in [
+            base,
+            LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
+            LayoutDesc { layout: KvLayout::CrossLayer, ..base },
+            LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 48, ..base },
+            LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, ..base },
+        ] {
+            let tensor_bytes = l.tensor_bytes().unwrap();
+            // Adjacent tensors: segments merge across them where the pieces do not.
+            let tensors: Vec<u64> =
+                (0..l.tensor_count() as u64).map(|t| 4096 + t * tensor_bytes).collect();
+            let (bases, stride) = l.part_bases(&tensors);
+            // Ids in and out of order, one run of consecutive ones.
+            let chunks: Vec<(u64, Vec<u64>)> =
+                vec![(0, vec![3, 4, 5]), (1 << 20, vec![11, 0, 7]), (2 << 20, vec![2, 2, 9])];
+            let job = BlockJob {
+                parts: 0,
+                bases: &bases,
+                part_len: l.part_len(),
+                stride,
+                host_base: 0,
+                chunks: &chunks,
+            };
+            let chunk_len = 3 * l.block_bytes();
+            let mut pieces = Vec::new();
+            for (host, ids) in &chunks {
+                crate::dma::plan::chunk_pieces(&l, &tensors, ids, *host, &mut pieces);
+            }
+            let (n, cap) = tables_capacity(&pieces, chunk_len).unwrap();
+            let mut want = vec![0u8; cap];
+            let w = write_tables(&pieces, chunk_len, &mut want).unwrap();
+            let (bn, bcap) = block_tables_capacity(&job, chunk_len).unwrap();
+            let mut got = vec![0u8; bcap];
+            let g = write_block_tables(&job, chunk_len, &mut got).unwrap();
+            assert_eq!(
+                (n, w.chunks, w.segs, w.rows),
+                (bn, g.chunks, g.segs, g.rows),
+                "{:?}",
+                l.layout
+            );
+            let records = w.segs_offset + w.segs * SEG_RECORD;
+            assert_eq!(&want[..records], &got[..records], "{:?}", l.layout);
+            assert_eq!(
+                &want[w.row_segs_offset..w.len],
+                &got[g.row_segs_offset..g.len],
+                "{:?}",
+                l.layout
+            );
+            // A chunk of the wrong length is refused, naming it.
+            let short = [(0u64, vec![1u64, 2])];
+            let bad = BlockJob { chunks: &short, ..job };
+            let e = block_tables_capacity(&bad, chunk_len).unwrap_err().to_string();
+            assert!(e.contains("a chunk of 2 blocks"), "{e}");
+        }
     }
 
     #[test]

@@ -14,10 +14,13 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::ffi::{self, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way};
+use super::ffi::{
+    self, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way,
+};
 use super::hasher::drv;
 use super::plan::{
-    compact_uniform, next_batch_into, KernelDesc, Piece, StageCursor, StagedBatch, MAX_SEGMENT,
+    compact_uniform, next_batch_into, next_blocks_into, BlockCursor, BlockJob, KernelDesc, Piece,
+    StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
 };
 use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
@@ -105,6 +108,8 @@ pub struct CopyEngine {
     /// Scatters load batches whose segments share one length from a table a third the size
     /// (None when it did not load: the segment kernel does it).
     scatter_uniform: Option<ScatterUniformKernel>,
+    /// Copies jobs given in block form (None when it did not load: they go as pieces).
+    block_kernel: Option<BlockKernel>,
     kernel_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
     halves: [Half; 2],
@@ -134,6 +139,35 @@ pub struct CopyEngine {
     direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
+}
+
+/// What a staged batch's kernel works from.
+#[derive(Clone, Copy, Debug)]
+enum Work {
+    /// Descriptors (`next_batch_into`), with their one length when they share it.
+    Segments { uniform: Option<u64> },
+    /// Block ids (`next_blocks_into`) and the layout's arithmetic; the table and staging
+    /// addresses are filled in at launch.
+    Blocks(BlockLaunch),
+}
+
+/// Launches the block kernel over `l` with the batch's block ids at `blocks` and the half's
+/// staging at `staging`: `MAX_GRID` blocks at most, a warp per group of units.
+///
+/// # Safety
+/// As [`BlockKernel::launch`].
+unsafe fn launch_blocks(
+    kernel: Option<&BlockKernel>,
+    stream: &CudaStream,
+    l: BlockLaunch,
+    blocks: u64,
+    staging: u64,
+) -> Result<(), DmaError> {
+    let k = kernel.ok_or_else(|| DmaError::Invalid("the block copy kernel did not load".into()))?;
+    let l = BlockLaunch { blocks, staging, ..l };
+    let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
+    // SAFETY: forwarded from the caller.
+    unsafe { k.launch(stream, l, grid, THREADS) }
 }
 
 /// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -197,6 +231,14 @@ impl CopyEngine {
                 None
             }
         };
+        let block_kernel = match BlockKernel::load(ctx) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::warn!(error = %e, "block copy kernel not loaded: staged copies are \
+                    planned a descriptor per page, which costs the DMA threads more per job");
+                None
+            }
+        };
         let mut halves = Vec::with_capacity(2);
         for _ in 0..2 {
             halves.push(Half {
@@ -221,6 +263,7 @@ impl CopyEngine {
             kernel,
             kernel_error,
             scatter_uniform,
+            block_kernel,
             kernel_stream: ctx
                 .new_stream_with_priority(highest)
                 .map_err(drv("cuStreamCreateWithPriority"))?,
@@ -353,6 +396,111 @@ impl CopyEngine {
         }
     }
 
+    /// Whether `job` goes in block form under `strategy` ([`CopyEngine::submit_blocks`]):
+    /// staged (as [`CopyEngine::staged_for`] would decide for its pieces: a block that is one
+    /// contiguous run counts as one piece), the block kernel loaded, a block fitting a staging
+    /// half and a half's units counted in 32 bits. Otherwise its pieces go through
+    /// [`CopyEngine::submit`].
+    pub fn blocks_for(&self, strategy: Strategy, job: &BlockJob<'_>) -> bool {
+        let run = if job.blocks_contiguous() { job.block_bytes() } else { job.part_len };
+        let staged = match strategy {
+            Strategy::Staged => true,
+            Strategy::Batched | Strategy::Direct => false,
+            Strategy::Auto => self.kernel.is_some() && run < self.batched_from,
+        };
+        let half = self.staging_half() as u64;
+        let units = (half / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
+        staged
+            && self.block_kernel.is_some()
+            && job.part_len > 0
+            && job.block_bytes() <= half
+            && units <= u32::MAX as u64
+    }
+
+    /// Enqueues the staged copy of a job in block form (see [`CopyEngine::blocks_for`], which
+    /// must have said yes) and returns the event that completes when every byte has landed.
+    /// May block briefly when both staging halves are busy with earlier work.
+    ///
+    /// # Safety
+    /// As [`CopyEngine::submit`], for every part of every block of the job (device side) and
+    /// every chunk's host range.
+    pub unsafe fn submit_blocks(
+        &mut self,
+        direction: Direction,
+        job: &BlockJob<'_>,
+    ) -> Result<(CudaEvent, JobShape), DmaError> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let pieces =
+            job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
+        let mut shape = JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0 };
+        if let Err(e) = self.enqueue_blocks(direction, job, &mut shape, &done) {
+            if let Err(sync) = self.synchronize() {
+                tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
+            }
+            return Err(e);
+        }
+        Ok((done, shape))
+    }
+
+    /// Enqueues every block of a job, batch by batch, and records `done` after its last copy.
+    fn enqueue_blocks(
+        &mut self,
+        direction: Direction,
+        job: &BlockJob<'_>,
+        shape: &mut JobShape,
+        done: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        if self.block_kernel.is_none() {
+            return Err(DmaError::Invalid("the block copy kernel did not load".into()));
+        }
+        let half = self.staging_half() as u64;
+        let mut at = BlockCursor::default();
+        let mut batch = std::mem::take(&mut self.batch);
+        let result = (|| {
+            loop {
+                let h = &mut self.halves[self.next];
+                wait_for(&h.uploaded, &mut self.times.waited)?;
+                let t = Instant::now();
+                let ids =
+                    next_blocks_into(job, &mut at, half, h.descs_host.bytes_mut(), &mut batch);
+                self.times.planned += t.elapsed();
+                if ids == 0 {
+                    break;
+                }
+                self.next ^= 1;
+                shape.batches += 1;
+                shape.bytes += batch.bytes;
+                shape.host_runs += batch.runs.len();
+                let subs = job.part_len.div_ceil(BLOCK_UNIT).max(1);
+                let units = ids as u64 * job.part_count() * subs;
+                let work = Work::Blocks(BlockLaunch {
+                    parts: job.parts,
+                    blocks: 0, // set per direction by enqueue_batch
+                    stride: job.stride,
+                    part_len: job.part_len,
+                    staging: 0, // the half's, set by enqueue_batch
+                    part_count: u32::try_from(job.part_count())
+                        .map_err(|_| DmaError::Invalid("more than 2^32 parts per block".into()))?,
+                    subs: subs as u32,
+                    count: u32::try_from(units)
+                        .map_err(|_| DmaError::Invalid(format!("{units} units in one batch")))?,
+                    group: CopyKernel::group(batch.bytes, units as usize),
+                    gather: direction == Direction::Save,
+                });
+                self.enqueue_batch(direction, &batch, ids, work)?;
+            }
+            Ok::<(), DmaError>(())
+        })();
+        self.batch = batch;
+        result?;
+        let last = match direction {
+            Direction::Save => &self.copy_stream,
+            Direction::Load => &self.kernel_stream,
+        };
+        done.record(last).map_err(drv("cuEventRecord"))
+    }
+
     /// Enqueues the copy of `pieces` and returns the event that completes when every byte has
     /// landed. May block briefly when both staging halves are busy with earlier work.
     ///
@@ -433,7 +581,7 @@ impl CopyEngine {
                     shape.batches += 1;
                     shape.bytes += batch.bytes;
                     shape.host_runs += batch.runs.len();
-                    self.enqueue_batch(direction, &batch, n, uniform)?;
+                    self.enqueue_batch(direction, &batch, n, Work::Segments { uniform })?;
                 }
                 Ok::<(), DmaError>(())
             })();
@@ -522,29 +670,33 @@ impl CopyEngine {
     }
 
     /// Enqueues one staged batch on the staging half just used (`self.next` has moved past
-    /// it), whose host table `next_batch_into` filled with its `n` descriptors; `uniform`,
-    /// their one length when they share it.
+    /// it), whose host table holds its `n` entries: descriptors as `next_batch_into` wrote
+    /// them (`Work::Segments`, with their one length when they share it), or block ids as
+    /// `next_blocks_into` wrote them (`Work::Blocks`).
     fn enqueue_batch(
         &mut self,
         direction: Direction,
         b: &StagedBatch,
         n: usize,
-        uniform: Option<u64>,
+        work: Work,
     ) -> Result<(), DmaError> {
         let h = &mut self.halves[self.next ^ 1];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
         // A load whose segments share one length goes with the uniform scatter kernel: its
         // table is only the destinations, and it crosses the bus the way the load's data does.
-        let uniform = match (direction, &self.scatter_uniform) {
-            (Direction::Load, Some(_)) => uniform,
+        let uniform = match (direction, &self.scatter_uniform, work) {
+            (Direction::Load, Some(_), Work::Segments { uniform }) => uniform,
             _ => None,
         };
-        let table_bytes = if uniform.is_some() {
-            compact_uniform(table, n);
-            n * 8
-        } else {
-            n * KernelDesc::BYTES
+        let table_bytes = match work {
+            // Block ids, 8 bytes each.
+            Work::Blocks(_) => n * 8,
+            Work::Segments { .. } if uniform.is_some() => {
+                compact_uniform(table, n);
+                n * 8
+            }
+            Work::Segments { .. } => n * KernelDesc::BYTES,
         };
         let segments = n;
         let n = n as u32;
@@ -608,6 +760,7 @@ impl CopyEngine {
         let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
         let kernel =
             self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
+        let block_kernel = self.block_kernel.as_ref();
         match direction {
             Direction::Save => {
                 kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
@@ -617,12 +770,27 @@ impl CopyEngine {
                 // host-to-device copy, and beside a load it queues behind the load's data on
                 // the host-to-device copy engine, so a save beside a load advanced one batch
                 // per load batch (both at half rate; measured with `perf dma --duplex`).
-                // SAFETY: descriptors name engine pieces (submit's contract) and this half's
-                // staging, free since `free` was waited on; the host table stays untouched
-                // until `uploaded`, recorded after the kernel, has passed.
-                unsafe {
-                    kernel.launch(kernel_stream, h.descs_host.addr(), n, group, grid, THREADS)?
-                };
+                // A block-form batch's ids are read in place the same way.
+                match work {
+                    // SAFETY: the block ids and the part table name engine parts
+                    // (submit_blocks' contract); staging and the host table as below.
+                    Work::Blocks(l) => unsafe {
+                        launch_blocks(block_kernel, kernel_stream, l, h.descs_host.addr(), staging)?
+                    },
+                    // SAFETY: descriptors name engine pieces (submit's contract) and this
+                    // half's staging, free since `free` was waited on; the host table stays
+                    // untouched until `uploaded`, recorded after the kernel, has passed.
+                    Work::Segments { .. } => unsafe {
+                        kernel.launch(
+                            kernel_stream,
+                            h.descs_host.addr(),
+                            n,
+                            group,
+                            grid,
+                            THREADS,
+                        )?
+                    },
+                }
                 h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 mark(1, kernel_stream)?;
                 h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
@@ -649,8 +817,13 @@ impl CopyEngine {
                 kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
                 mark(0, kernel_stream)?;
                 let table = h.descs_dev.ptr();
-                match (uniform, &self.scatter_uniform) {
-                    (Some(len), Some(k)) => {
+                match (work, uniform, &self.scatter_uniform) {
+                    // SAFETY: staging filled (waited); the device table holds the batch's
+                    // block ids, the part table names engine parts (submit_blocks' contract).
+                    (Work::Blocks(l), _, _) => unsafe {
+                        launch_blocks(block_kernel, kernel_stream, l, table, staging)?
+                    },
+                    (_, Some(len), Some(k)) => {
                         // SAFETY: staging filled (waited); the table holds the `n` segments'
                         // engine addresses, each `len` bytes at staging + d * len (uniform).
                         unsafe {

@@ -305,6 +305,84 @@ impl CopyKernel {
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for CopyKernel {}
 
+/// The block copy kernel (`gpu/kernels/copy_blocks.cu`): a batch given as block ids and the
+/// layout's part bases.
+pub(crate) struct BlockKernel {
+    func: sys::CUfunction,
+    _module: PtxModule,
+}
+
+/// The PTX of `gpu/kernels/copy_blocks.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
+const COPY_BLOCKS_PTX: &str = include_str!("../../kernels/copy_blocks.ptx");
+
+/// Where one block-copy launch works: the batch and the layout's arithmetic.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockLaunch {
+    /// Device address of the part bases.
+    pub parts: u64,
+    /// Address of the batch's block ids (device memory, or mapped pinned host memory).
+    pub blocks: u64,
+    pub stride: u64,
+    pub part_len: u64,
+    pub staging: u64,
+    pub part_count: u32,
+    /// Units per part (parts longer than `plan::BLOCK_UNIT` are several).
+    pub subs: u32,
+    /// Units of the batch: blocks x part_count x subs.
+    pub count: u32,
+    /// Units per warp (`CopyKernel::group` of the unit length).
+    pub group: u32,
+    /// Engine -> staging (save), else staging -> engine.
+    pub gather: bool,
+}
+
+impl BlockKernel {
+    /// Loads the embedded kernel, or the PTX file named by `ORBITKV_BLOCK_KERNEL_PTX`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
+        let module =
+            PtxModule::load(ctx, COPY_BLOCKS_PTX, "ORBITKV_BLOCK_KERNEL_PTX", "block copy kernel")?;
+        Ok(Self { func: module.function("orbitkv_copy_blocks")?, _module: module })
+    }
+
+    /// Launches the kernel on `stream` over `l`'s units.
+    ///
+    /// # Safety
+    /// `l.parts` must hold `l.part_count` bases and `l.blocks` the batch's block ids when the
+    /// kernel runs, every part they name must be engine memory of this context's device and
+    /// the staging range device memory, none of it written by anyone else until the stream
+    /// passes this launch.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        l: BlockLaunch,
+        grid: u32,
+        threads: u32,
+    ) -> Result<(), DmaError> {
+        let (mut parts, mut blocks, mut stride, mut part_len, mut staging) =
+            (l.parts, l.blocks, l.stride, l.part_len, l.staging);
+        let (mut part_count, mut subs, mut count, mut group, mut gather) =
+            (l.part_count, l.subs, l.count, l.group, u32::from(l.gather));
+        let mut params: [*mut c_void; 10] = [
+            (&raw mut parts).cast::<c_void>(),
+            (&raw mut blocks).cast::<c_void>(),
+            (&raw mut stride).cast::<c_void>(),
+            (&raw mut part_len).cast::<c_void>(),
+            (&raw mut staging).cast::<c_void>(),
+            (&raw mut part_count).cast::<c_void>(),
+            (&raw mut subs).cast::<c_void>(),
+            (&raw mut count).cast::<c_void>(),
+            (&raw mut group).cast::<c_void>(),
+            (&raw mut gather).cast::<c_void>(),
+        ];
+        // SAFETY: parameters match `orbitkv_copy_blocks` (five u64, five u32, in this order);
+        // the caller guarantees the memory they name.
+        unsafe { launch(self.func, stream, grid, threads, &mut params, "block copy") }
+    }
+}
+
+// SAFETY: module and function handles are usable from any thread bound to the context.
+unsafe impl Send for BlockKernel {}
+
 /// The uniform scatter kernel (`gpu/kernels/scatter_uniform.cu`): a load batch whose segments
 /// share one length, from a table of destination addresses only.
 pub(crate) struct ScatterUniformKernel {
@@ -701,11 +779,19 @@ mod tests {
         assert_eq!(CopyKernel::grid(u32::MAX, 1, 256, 4096), 4096);
         assert_eq!(CopyKernel::grid(0, 8, 256, 4096), 1);
         // The kernel's bound is the one the groups assume.
-        let src = include_str!("../../kernels/copy_segments.cu");
-        assert!(
-            src.contains(&format!("#define MAX_GROUP {}u", super::MAX_COPY_GROUP)),
-            "MAX_GROUP in copy_segments.cu"
-        );
+        for (name, src) in [
+            ("copy_segments.cu", include_str!("../../kernels/copy_segments.cu")),
+            ("copy_blocks.cu", include_str!("../../kernels/copy_blocks.cu")),
+        ] {
+            assert!(
+                src.contains(&format!("#define MAX_GROUP {}u", super::MAX_COPY_GROUP)),
+                "MAX_GROUP in {name}"
+            );
+        }
+        // The block kernel's unit is the planner's.
+        let src = include_str!("../../kernels/copy_blocks.cu");
+        let unit = crate::dma::plan::BLOCK_UNIT >> 10;
+        assert!(src.contains(&format!("#define UNIT ({unit}ull << 10)")), "UNIT in copy_blocks.cu");
     }
 
     #[test]
@@ -713,6 +799,11 @@ mod tests {
         assert_eq!(
             entry_params(super::COPY_SEGMENTS_PTX, "orbitkv_copy_segments"),
             [".u64", ".u32", ".u32"]
+        );
+        // Five addresses and lengths, then five counts, as BlockKernel::launch passes them.
+        assert_eq!(
+            entry_params(super::COPY_BLOCKS_PTX, "orbitkv_copy_blocks"),
+            [".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32"]
         );
         // (dsts, count, src, len), as ScatterUniformKernel::launch passes them.
         assert_eq!(

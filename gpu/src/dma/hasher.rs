@@ -9,11 +9,14 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use super::checksum::{tables_capacity, write_tables, COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES};
+use super::checksum::{
+    block_tables_capacity, tables_capacity, write_block_tables, write_tables, TablesImage,
+    COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES,
+};
 use super::ffi::{
     self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, Way,
 };
-use super::plan::{KernelDesc, Piece};
+use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
 
 /// Submissions in flight at once, each on its own stream; the next one waits for the oldest
@@ -184,7 +187,39 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        let (n, table_len) = tables_capacity(pieces, chunk_len)?;
+        let capacity = tables_capacity(pieces, chunk_len)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_tables(capacity, |out| write_tables(pieces, chunk_len, out)) }
+    }
+
+    /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes), the
+    /// tables written from its block ids with no list of pieces.
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::submit`], for every part of every block of the job.
+    pub unsafe fn submit_blocks(
+        &mut self,
+        job: &BlockJob<'_>,
+        chunk_len: u64,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
+        if chunk_len < MIN_LEN {
+            return Ok(None);
+        }
+        let capacity = block_tables_capacity(job, chunk_len)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_tables(capacity, |out| write_block_tables(job, chunk_len, out)) }
+    }
+
+    /// The submission behind both forms: `(chunks, table bytes)` as the capacity functions
+    /// give them, and `write`, which writes the tables into the slot's pinned buffer.
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::submit`], for the device memory the tables name.
+    unsafe fn submit_tables(
+        &mut self,
+        (n, table_len): (usize, usize),
+        write: impl FnOnce(&mut [u8]) -> Result<TablesImage, DmaError>,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
         if n == 0 {
             return Ok(None);
         }
@@ -201,7 +236,7 @@ impl ChunkHasher {
         }
         // Built straight into the slot's pinned tables, in one pass over the pieces.
         let t = std::time::Instant::now();
-        let image = write_tables(pieces, chunk_len, &mut slot.tables_host.bytes_mut()[..table_len]);
+        let image = write(&mut slot.tables_host.bytes_mut()[..table_len]);
         self.times.planned += t.elapsed();
         let image = image?;
         at_least(&self.ctx, &mut slot.tables, table_len)?;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::CudaContext;
 
 use super::ffi::{self, DeviceBuffer, IpcMapping};
-use super::plan::{chunk_pieces, Piece};
+use super::plan::{chunk_pieces, BlockJob, Piece};
 use super::DmaError;
 use crate::layout::LayoutDesc;
 
@@ -35,6 +35,13 @@ enum Backing {
 pub struct EngineMemory {
     layout: LayoutDesc,
     tensors: Vec<u64>,
+    /// Device address of part `p` of block 0, per part (`LayoutDesc::part_bases`).
+    bases: Vec<u64>,
+    /// Bytes from a block's part to the next block's.
+    stride: u64,
+    /// `bases` on the device, for the block copy kernel. Dropped before `backing`, though
+    /// nothing in it points into the tensors' memory by reference.
+    parts: DeviceBuffer,
     backing: Backing,
 }
 
@@ -121,7 +128,7 @@ impl EngineMemory {
             }
             tensors.push(mapping.base() + e.offset);
         }
-        Ok(Self { layout, tensors, backing: Backing::Imported(open.into_values().collect()) })
+        Self::with_parts(ctx, layout, tensors, Backing::Imported(open.into_values().collect()))
     }
 
     /// Allocates the layout's tensors on `ctx`'s device (a stand-in engine).
@@ -132,7 +139,50 @@ impl EngineMemory {
             .map(|_| DeviceBuffer::new(ctx, bytes))
             .collect::<Result<Vec<_>, _>>()?;
         let tensors = bufs.iter().map(DeviceBuffer::ptr).collect();
-        Ok(Self { layout, tensors, backing: Backing::Owned(bufs) })
+        Self::with_parts(ctx, layout, tensors, Backing::Owned(bufs))
+    }
+
+    /// The memory with its part table uploaded (once, at registration: the layout and the
+    /// tensors' addresses never change for it).
+    fn with_parts(
+        ctx: &Arc<CudaContext>,
+        layout: LayoutDesc,
+        tensors: Vec<u64>,
+        backing: Backing,
+    ) -> Result<Self, DmaError> {
+        let (bases, stride) = layout.part_bases(&tensors);
+        let image: Vec<u8> = bases.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let parts = DeviceBuffer::new(ctx, image.len())?;
+        ffi::copy_sync_to_device(&parts, 0, &image)?;
+        Ok(Self { layout, tensors, bases, stride, parts, backing })
+    }
+
+    /// Part `p` of block 0 lies at `part_bases()[p]` (see [`LayoutDesc::part_bases`]).
+    pub fn part_bases(&self) -> &[u64] {
+        &self.bases
+    }
+
+    /// `chunks` (host offsets from `host_base`, block ids) in block form, with this
+    /// memory's part table; block ids are checked.
+    pub fn block_job<'a>(
+        &'a self,
+        host_base: u64,
+        chunks: &'a [(u64, Vec<u64>)],
+    ) -> Result<BlockJob<'a>, DmaError> {
+        let num_blocks = self.layout.num_blocks;
+        if let Some(b) = chunks.iter().flat_map(|(_, ids)| ids).find(|&&b| b >= num_blocks) {
+            return Err(invalid(format!(
+                "block_ids: {b} is out of range (the engine has {num_blocks} blocks)"
+            )));
+        }
+        Ok(BlockJob {
+            parts: self.parts.ptr(),
+            bases: &self.bases,
+            part_len: self.layout.part_len(),
+            stride: self.stride,
+            host_base,
+            chunks,
+        })
     }
 
     /// The layout.

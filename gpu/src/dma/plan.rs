@@ -243,6 +243,133 @@ fn fill_batch(
     }
 }
 
+/// A job in block form: the layout reduced to arithmetic ([`LayoutDesc::part_bases`]) and each
+/// chunk's block ids, with no piece or descriptor per part. The copy kernel finds part `p` of
+/// the block with id `b` at `bases[p] + b * stride` (the bases in device memory at `parts`),
+/// and staging holds the batch's blocks one after another, each part after part.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockJob<'a> {
+    /// Device address of `bases` as the kernel reads them (little-endian u64 each).
+    pub parts: u64,
+    /// Part `p` of block `b` lies at `bases[p] + b * stride` (one base per part).
+    pub bases: &'a [u64],
+    /// Bytes of each part.
+    pub part_len: u64,
+    /// Bytes from one block's part to the next block's same part.
+    pub stride: u64,
+    /// Added to each chunk's offset to give its host address.
+    pub host_base: u64,
+    /// Per chunk: host offset (from `host_base`) and its block ids, packed block after block.
+    pub chunks: &'a [(u64, Vec<u64>)],
+}
+
+impl BlockJob<'_> {
+    /// Parts per block.
+    pub fn part_count(&self) -> u64 {
+        self.bases.len() as u64
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> u64 {
+        self.part_len * self.part_count()
+    }
+
+    /// Whether each block's parts lie one after another on the device, so that a block is
+    /// one contiguous run (the cross-layer layout), which the copy engines move well alone.
+    pub fn blocks_contiguous(&self) -> bool {
+        self.stride == self.block_bytes()
+            && self.bases.windows(2).all(|w| w[0] + self.part_len == w[1])
+    }
+
+    /// Bytes of the whole job.
+    pub fn bytes(&self) -> u64 {
+        self.chunks.iter().map(|(_, b)| b.len() as u64).sum::<u64>() * self.block_bytes()
+    }
+}
+
+/// Where [`next_blocks_into`] continues: the chunk, and the block in it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCursor {
+    chunk: usize,
+    block: usize,
+}
+
+/// Fills `batch` (its runs and bytes; `segments` left empty) with the next whole blocks of
+/// `job` from `at`: at most `capacity` staged bytes and as many blocks as `table` holds ids,
+/// each id written into `table` as a little-endian u64. Returns the blocks taken, 0 when every
+/// block has been staged. The host side is the same runs as the piece form's (a chunk's blocks
+/// are host-contiguous; adjacent slots merge).
+///
+/// Panics if a block is larger than `capacity` or `table` holds no id: callers choose the
+/// block form only where a block fits a staging half.
+pub fn next_blocks_into(
+    job: &BlockJob<'_>,
+    at: &mut BlockCursor,
+    capacity: u64,
+    table: &mut [u8],
+    batch: &mut StagedBatch,
+) -> usize {
+    let block_bytes = job.block_bytes();
+    assert!(block_bytes > 0 && block_bytes <= capacity, "a block fits the staging buffer");
+    let max = table.len() / 8;
+    assert!(max > 0, "room for a block id");
+    batch.segments.clear();
+    batch.runs.clear();
+    batch.bytes = 0;
+    let mut n = 0;
+    while let Some((offset, ids)) = job.chunks.get(at.chunk) {
+        let Some(&id) = ids.get(at.block) else {
+            at.chunk += 1;
+            at.block = 0;
+            continue;
+        };
+        if batch.bytes + block_bytes > capacity || n == max {
+            break;
+        }
+        table[n * 8..n * 8 + 8].copy_from_slice(&id.to_le_bytes());
+        let (host, off) = (job.host_base + offset + at.block as u64 * block_bytes, batch.bytes);
+        match batch.runs.last_mut() {
+            Some(r) if r.staging + r.len == off && r.host + r.len == host => r.len += block_bytes,
+            _ => batch.runs.push(HostRun { staging: off, host, len: block_bytes }),
+        }
+        batch.bytes += block_bytes;
+        at.block += 1;
+        n += 1;
+    }
+    n
+}
+
+/// Longest run of bytes one warp of the block copy kernel moves (`UNIT` in
+/// `copy_blocks.cu`): a longer part is several units, copied in parallel.
+pub const BLOCK_UNIT: u64 = 64 << 10;
+
+/// What the block copy kernel does for a batch of `ids` (the CPU model it is tested against):
+/// the copies of each unit, gathering (engine -> staging at `staging`) when `gather`, else
+/// scattering.
+pub fn block_copies(
+    job: &BlockJob<'_>,
+    ids: &[u64],
+    staging: u64,
+    gather: bool,
+) -> Vec<KernelDesc> {
+    let subs = job.part_len.div_ceil(BLOCK_UNIT).max(1);
+    let mut out = Vec::new();
+    for (i, &id) in ids.iter().enumerate() {
+        for (p, &base) in job.bases.iter().enumerate() {
+            for s in 0..subs {
+                let skip = s * BLOCK_UNIT;
+                let len = (job.part_len - skip).min(BLOCK_UNIT);
+                let engine = base + id * job.stride + skip;
+                let staged =
+                    staging + (i as u64 * job.part_count() + p as u64) * job.part_len + skip;
+                let (src, dst) = if gather { (engine, staged) } else { (staged, engine) };
+                out.push(KernelDesc { src, dst, len });
+            }
+        }
+    }
+    out
+}
+
 /// Packs `pieces` in order into batches of at most `capacity` staged bytes and `max_segments`
 /// kernel descriptors; pieces longer than `capacity` are split.
 pub fn stage(pieces: &[Piece], capacity: u64, max_segments: usize) -> Vec<StagedBatch> {

@@ -143,6 +143,38 @@ fn every_layout_matches_the_reference() {
 }
 
 #[test]
+fn part_bases_and_stride_give_every_part() {
+    // Tensors far apart, as separate allocations are: a base pointing into the wrong tensor
+    // would show.
+    let tensors: Vec<u64> = (0..8).map(|i| (i + 1) << 32).collect();
+    for layout in [
+        KvLayout::FlashAttnNhd,
+        KvLayout::FlashAttnHnd,
+        KvLayout::CrossLayer,
+        KvLayout::MlaPerLayer,
+        KvLayout::SglangPerLayer,
+    ] {
+        let d = desc(layout);
+        let (bases, stride) = d.part_bases(&tensors);
+        assert_eq!(bases.len() as u64, d.parts_per_block(), "{layout:?}");
+        assert_eq!(d.part_len() * d.parts_per_block(), d.block_bytes(), "{layout:?}");
+        for block in 0..d.num_blocks {
+            let mut p = 0;
+            d.for_each_part(block, |seg| {
+                assert_eq!(seg.len, d.part_len(), "{layout:?}");
+                assert_eq!(
+                    bases[p] + block * stride,
+                    tensors[seg.tensor as usize] + seg.offset,
+                    "{layout:?} block {block} part {p}"
+                );
+                p += 1;
+            });
+            assert_eq!(p, bases.len());
+        }
+    }
+}
+
+#[test]
 fn cross_layer_blocks_are_one_segment() {
     let d = desc(KvLayout::CrossLayer);
     assert_eq!(d.block_segments(2).len(), 1);

@@ -255,3 +255,143 @@ fn batches_planned_into_the_table_match_the_segment_lists() {
     let long = [Piece { device: 0, host: 1 << 40, len: 3 * MAX_SEGMENT + 100 }];
     same_batches_in_one_pass(&long, 1 << 30, 2);
 }
+
+/// The block form of [`round_trip`]: chunks planned by `next_blocks_into` and copied by the
+/// kernel's CPU model (`block_copies`) land as the layout's segments say, and load back.
+fn block_round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, table_ids: usize) {
+    let tensor_bytes = l.tensor_bytes().unwrap();
+    let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
+    let engine_end = tensor_bytes * l.tensor_count() as u64;
+    let ids: Vec<u64> = (0..l.num_blocks).map(|b| (b * 5 + 3) % l.num_blocks).collect();
+    let chunk_len = l.block_bytes() * blocks_per_chunk as u64;
+    let n = ids.len() / blocks_per_chunk;
+    // Slots with a gap between them, in reverse order of the chunks; two adjacent (merged).
+    let host_base = engine_end;
+    let chunks: Vec<(u64, Vec<u64>)> = ids
+        .chunks(blocks_per_chunk)
+        .enumerate()
+        .map(|(i, c)| {
+            let gap = if i == 1 { 0 } else { 48 };
+            ((n - 1 - i) as u64 * (chunk_len + 48) + gap, c.to_vec())
+        })
+        .collect();
+    let staging = host_base + n as u64 * (chunk_len + 48) + 48;
+    let (bases, stride) = l.part_bases(&tensors);
+    let job = BlockJob {
+        parts: 0,
+        bases: &bases,
+        part_len: l.part_len(),
+        stride,
+        host_base,
+        chunks: &chunks,
+    };
+    assert_eq!(job.bytes(), chunk_len * n as u64);
+    let mut mem = Memory { bytes: vec![0; (staging + capacity) as usize] };
+    for (i, b) in mem.bytes[..engine_end as usize].iter_mut().enumerate() {
+        *b = (i * 7 + i / 251) as u8;
+    }
+    let original = mem.bytes[..engine_end as usize].to_vec();
+    let mut table = vec![0u8; table_ids * 8];
+    let mut batch = StagedBatch::default();
+    let mut at = BlockCursor::default();
+    let mut batches = Vec::new();
+    loop {
+        let taken = next_blocks_into(&job, &mut at, capacity, &mut table, &mut batch);
+        if taken == 0 {
+            break;
+        }
+        assert!(batch.bytes <= capacity && taken <= table_ids && batch.segments.is_empty());
+        assert_eq!(batch.bytes, taken as u64 * l.block_bytes());
+        let ids: Vec<u64> = table[..taken * 8]
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        for d in block_copies(&job, &ids, staging, true) {
+            assert!(d.len <= BLOCK_UNIT);
+            mem.copy(d.src, d.dst, d.len);
+        }
+        for r in &batch.runs {
+            mem.copy(staging + r.staging, r.host, r.len);
+        }
+        batches.push((ids, batch.clone()));
+    }
+    assert_eq!(batches.iter().map(|(i, _)| i.len()).sum::<usize>(), ids.len());
+    for (offset, c) in &chunks {
+        let mut want = Vec::new();
+        for &block in c {
+            for s in l.block_segments(block) {
+                let at = (tensors[s.tensor as usize] + s.offset) as usize;
+                want.extend_from_slice(&original[at..at + s.len as usize]);
+            }
+        }
+        let at = (host_base + offset) as usize;
+        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk at {offset}", l.layout);
+    }
+    mem.bytes[..engine_end as usize].fill(0xee);
+    for (ids, b) in &batches {
+        for r in &b.runs {
+            mem.copy(r.host, staging + r.staging, r.len);
+        }
+        for d in block_copies(&job, ids, staging, false) {
+            mem.copy(d.src, d.dst, d.len);
+        }
+    }
+    // Every block was loaded back (the ids cover them all).
+    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.layout);
+}
+
+#[test]
+fn every_layout_round_trips_in_block_form() {
+    for l in layouts() {
+        let block = l.block_bytes();
+        for (per_chunk, capacity, table_ids) in
+            [(1, 1 << 20, 1 << 10), (1, block, 1), (7, 3 * block + 5, 1 << 10), (7, 1 << 20, 2)]
+        {
+            if l.num_blocks % per_chunk as u64 == 0 {
+                block_round_trip(&l, per_chunk, capacity, table_ids);
+            }
+        }
+    }
+}
+
+#[test]
+fn block_form_runs_merge_across_adjacent_slots_and_long_parts_split() {
+    // Two chunks of two 4 KiB blocks in adjacent slots: one host run; a third further on.
+    let chunks = vec![(0u64, vec![9u64, 2]), (8192, vec![4, 4]), (20000, vec![1, 0])];
+    let job = BlockJob {
+        parts: 0,
+        bases: &[0, 1 << 20],
+        part_len: 2048,
+        stride: 2048,
+        host_base: 1 << 30,
+        chunks: &chunks,
+    };
+    let mut table = vec![0u8; 64];
+    let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+    assert_eq!(next_blocks_into(&job, &mut at, 1 << 20, &mut table, &mut batch), 6);
+    assert_eq!(
+        batch.runs,
+        vec![
+            HostRun { staging: 0, host: 1 << 30, len: 16384 },
+            HostRun { staging: 16384, host: (1 << 30) + 20000, len: 8192 },
+        ]
+    );
+    assert_eq!(&table[8..16], &2u64.to_le_bytes());
+    assert_eq!(next_blocks_into(&job, &mut at, 1 << 20, &mut table, &mut batch), 0);
+    // A 150 KiB part is three units of at most 64 KiB, in order.
+    let one = [(0u64, vec![1u64])];
+    let long =
+        BlockJob { bases: &[1000], part_len: 150 << 10, stride: 1 << 20, chunks: &one, ..job };
+    // Parts one after another, blocks one after another: one run per block (cross-layer).
+    let packed = BlockJob { bases: &[0, 2048], stride: 4096, ..job };
+    assert!(!job.blocks_contiguous() && !long.blocks_contiguous() && packed.blocks_contiguous());
+    let units = block_copies(&long, &[1], 0, true);
+    assert_eq!(
+        units.iter().map(|d| (d.src, d.dst, d.len)).collect::<Vec<_>>(),
+        vec![
+            (1000 + (1 << 20), 0, 64 << 10),
+            (1000 + (1 << 20) + (64 << 10), 64 << 10, 64 << 10),
+            (1000 + (1 << 20) + (128 << 10), 128 << 10, 22 << 10),
+        ]
+    );
+}
