@@ -203,6 +203,10 @@ pub(crate) struct DmaArgs {
     /// submission of every piece). Tells a cost of the job split from one of the server.
     #[arg(long, conflicts_with = "socket")]
     pub server_jobs: bool,
+    /// Plan staged copies a descriptor per page (the form before block ids; the server uses
+    /// block ids wherever a block fits a staging half). For comparing the two forms locally.
+    #[arg(long, conflicts_with = "socket")]
+    pub pieces: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

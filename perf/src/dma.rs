@@ -586,6 +586,12 @@ struct Bench {
     timeline: bool,
     /// Series submit job by job (`--server-jobs`).
     server_jobs: bool,
+    /// Host address the chunks' slot offsets are from.
+    host_base: u64,
+    /// Index of each chunk's first piece.
+    chunk_pieces: Vec<usize>,
+    /// Staged copies planned a descriptor per page (`--pieces`), not by block ids.
+    pieces_only: bool,
 }
 
 impl Bench {
@@ -668,11 +674,42 @@ impl Bench {
     /// One timed operation with strategy `strategy`; GB/s.
     fn once(&mut self, direction: Direction, strategy: Strategy) -> Result<f64, Error> {
         let t = Instant::now();
-        let pieces = std::mem::take(&mut self.pieces);
-        let r = unsafe_submit(&mut self.engine, direction, &pieces, strategy);
-        self.pieces = pieces;
+        let all = 0..self.chunks.len();
+        let r = self.submit_range(direction, strategy, all);
         r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
+    }
+
+    /// Submits the chunks `chunks` as one job: by block ids where the server would (a staged
+    /// strategy, a block fitting a staging half, not `--pieces`), else their pieces.
+    fn submit_range(
+        &mut self,
+        direction: Direction,
+        strategy: Strategy,
+        chunks: std::ops::Range<usize>,
+    ) -> Result<(CudaEvent, JobShape), Error> {
+        let job =
+            self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
+        if !self.pieces_only && self.engine.blocks_for(strategy, &job) {
+            return unsafe_submit_blocks(&mut self.engine, direction, &job);
+        }
+        let r = self.piece_range(chunks);
+        unsafe_submit(&mut self.engine, direction, &self.pieces[r], strategy)
+    }
+
+    /// The pieces of the chunks `chunks` (each chunk's pieces follow the chunk before's).
+    fn piece_range(&self, chunks: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let at = |c: usize| self.chunk_pieces.get(c).copied().unwrap_or(self.pieces.len());
+        at(chunks.start)..at(chunks.end)
+    }
+
+    /// Chunk ranges of the server's jobs: at most 64 MiB of whole chunks each.
+    fn job_chunks(&self) -> Vec<std::ops::Range<usize>> {
+        let per_job = (JOB_BYTES / self.chunk_len).max(1) as usize;
+        (0..self.chunks.len())
+            .step_by(per_job)
+            .map(|c| c..(c + per_job).min(self.chunks.len()))
+            .collect()
     }
 
     /// The shape of the engine-side copies of `--interference`: pages of this layout's
@@ -701,7 +738,7 @@ impl Bench {
         let mut windows = Windows::default();
         // Loaded once: a failure to load them leaves the row out, as it would every round.
         let mut hasher = ChunkHasher::new(self.engine.context()).ok();
-        let jobs = self.job_ranges();
+        let jobs = self.job_chunks();
         for _ in 0..a.interference_rounds {
             let ways = std::iter::once(("contiguous", None))
                 .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
@@ -730,7 +767,8 @@ impl Bench {
         Ok(windows.finish(&matmul))
     }
 
-    /// One save (`auto`) with the chunks' checksums computed beside it, job by job; GB/s.
+    /// One save (`auto`) with the chunks' checksums computed beside it, job by job (`jobs`:
+    /// chunk ranges); GB/s.
     fn save_with_checksums(
         &mut self,
         hasher: &mut ChunkHasher,
@@ -739,25 +777,15 @@ impl Bench {
         // As the server's DMA thread does: job by job, the copy, then its checksums (which run
         // beside the next jobs' copies).
         let t = Instant::now();
-        let pieces = std::mem::take(&mut self.pieces);
         let mut copies = Vec::with_capacity(jobs.len());
         let mut tickets = Vec::with_capacity(jobs.len());
         let submitted = (|| {
             for r in jobs {
-                copies.push(
-                    unsafe_submit(
-                        &mut self.engine,
-                        Direction::Save,
-                        &pieces[r.clone()],
-                        Strategy::Auto,
-                    )?
-                    .0,
-                );
-                tickets.extend(unsafe_checksums(hasher, &pieces[r.clone()], self.chunk_len)?);
+                copies.push(self.submit_range(Direction::Save, Strategy::Auto, r.clone())?.0);
+                tickets.extend(self.checksums_of(hasher, r.clone())?);
             }
             Ok::<(), Error>(())
         })();
-        self.pieces = pieces;
         // Every submitted copy and checksum is awaited before the pieces' memory is reused.
         for c in copies {
             c.synchronize().map_err(cuda("cuEventSynchronize"))?;
@@ -894,56 +922,25 @@ impl Bench {
         strategy: Strategy,
     ) -> Result<(CudaEvent, JobShape), Error> {
         let jobs = if self.server_jobs {
-            self.job_ranges()
+            self.job_chunks()
         } else {
-            std::iter::once(0..self.pieces.len()).collect()
+            std::iter::once(0..self.chunks.len()).collect()
         };
-        let pieces = std::mem::take(&mut self.pieces);
         let mut last = None;
         let mut whole = JobShape::default();
-        let mut failed = None;
         for r in jobs {
             // A failed submission has waited for what was queued before it.
-            match unsafe_submit(&mut self.engine, direction, &pieces[r], strategy) {
-                Ok((event, s)) => {
-                    whole.bytes += s.bytes;
-                    whole.pieces += s.pieces;
-                    whole.batches += s.batches;
-                    whole.staged = s.staged;
-                    last = Some(event);
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        self.pieces = pieces;
-        if let Some(e) = failed {
-            return Err(e);
+            let (event, s) = self.submit_range(direction, strategy, r)?;
+            whole.bytes += s.bytes;
+            whole.pieces += s.pieces;
+            whole.batches += s.batches;
+            whole.staged = s.staged;
+            last = Some(event);
         }
         last.map(|e| (e, whole)).ok_or_else(|| Error::Gpu("no pieces to copy".into()))
     }
 
-    /// Piece ranges of the server's save jobs: at most 64 MiB of whole chunks each.
-    fn job_ranges(&self) -> Vec<std::ops::Range<usize>> {
-        let job = (JOB_BYTES / self.chunk_len).max(1) * self.chunk_len;
-        let mut out = Vec::new();
-        let (mut from, mut bytes) = (0, 0);
-        for (i, p) in self.pieces.iter().enumerate() {
-            bytes += p.len;
-            if bytes == job {
-                out.push(from..i + 1);
-                (from, bytes) = (i + 1, 0);
-            }
-        }
-        if from < self.pieces.len() {
-            out.push(from..self.pieces.len());
-        }
-        out
-    }
-
-    /// Submits the checksums of every chunk, job by job.
+    /// Submits the checksums of every chunk, job by job (`jobs`: chunk ranges).
     fn submit_checksums(
         &self,
         hasher: &mut ChunkHasher,
@@ -951,12 +948,30 @@ impl Bench {
     ) -> Result<Vec<ChecksumTicket>, Error> {
         let mut tickets = Vec::with_capacity(jobs.len());
         for r in jobs {
-            match unsafe_checksums(hasher, &self.pieces[r.clone()], self.chunk_len)? {
+            match self.checksums_of(hasher, r.clone())? {
                 Some(t) => tickets.push(t),
                 None => return Ok(Vec::new()),
             }
         }
         Ok(tickets)
+    }
+
+    /// Starts the checksums of the chunks `chunks`, from their block ids as the server does
+    /// (or their pieces with `--pieces`).
+    fn checksums_of(
+        &self,
+        hasher: &mut ChunkHasher,
+        chunks: std::ops::Range<usize>,
+    ) -> Result<Option<ChecksumTicket>, Error> {
+        if self.pieces_only {
+            return unsafe_checksums(
+                hasher,
+                &self.pieces[self.piece_range(chunks)],
+                self.chunk_len,
+            );
+        }
+        let job = self.memory.block_job(self.host_base, &self.chunks[chunks]).map_err(dma)?;
+        unsafe_block_checksums(hasher, &job, self.chunk_len)
     }
 
     /// `None` when the kernels do not load on this driver (said on stderr).
@@ -970,7 +985,7 @@ impl Bench {
                 return Ok(None);
             }
         };
-        let jobs = self.job_ranges();
+        let jobs = self.job_chunks();
         let mut got = Vec::new();
         for t in self.submit_checksums(&mut hasher, &jobs)? {
             got.extend(t.take().map_err(dma)?);
@@ -1129,6 +1144,27 @@ fn unsafe_submit(
 }
 
 #[allow(unsafe_code)]
+fn unsafe_submit_blocks(
+    engine: &mut CopyEngine,
+    direction: Direction,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+) -> Result<(CudaEvent, JobShape), Error> {
+    // SAFETY: see above (the blocks are the benchmark's, their ids checked by `block_job`;
+    // the slots its arena's).
+    unsafe { engine.submit_blocks(direction, job) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_block_checksums(
+    hasher: &mut ChunkHasher,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+    chunk_len: u64,
+) -> Result<Option<ChecksumTicket>, Error> {
+    // SAFETY: see above (every ticket is awaited).
+    unsafe { hasher.submit_blocks(job, chunk_len) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
 fn unsafe_checksums(
     hasher: &mut ChunkHasher,
     pieces: &[Piece],
@@ -1246,10 +1282,13 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     }
     let mut pieces = Vec::new();
     let mut chunks = Vec::with_capacity(nchunks as usize);
+    let host_base = arena_slice.raw_range(0, 0) as u64;
+    let mut chunk_pieces = Vec::with_capacity(nchunks as usize);
     for (i, slot) in slots.iter().enumerate() {
         let ids =
             blocks[i * a.blocks_per_chunk as usize..(i + 1) * a.blocks_per_chunk as usize].to_vec();
         let host = arena_slice.raw_range(*slot, chunk_len) as u64;
+        chunk_pieces.push(pieces.len());
         memory.chunk_pieces(&ids, host, &mut pieces).map_err(dma)?;
         chunks.push((*slot, ids));
     }
@@ -1273,6 +1312,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         iterations: a.iterations,
         timeline: a.timeline,
         server_jobs: a.server_jobs,
+        host_base,
+        chunk_pieces,
+        pieces_only: a.pieces,
     };
     let mut results = Vec::new();
     let mut mismatched = 0;
