@@ -483,3 +483,36 @@ ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks
     ORBITKV_FENCE();
     out[k] = merge(ch.len, scratch + 8 * (ch.row_first + nb));
 }
+
+// Block form (a save planned as block ids, see copy_blocks.cu): writes the segment and row
+// tables the kernels above read, on the GPU, instead of the host writing one record per page
+// and the tables crossing the bus (for a 64 MiB job of 2 KiB pages 786 KB of tables, about
+// 300 us of a DMA thread on the H200 host, against 4 KiB of ids). Chunk c is `per_chunk` blocks,
+// their ids at ids[c * per_chunk ...]; part p of the block with id b lies at bases[p] + b *
+// stride, `part_len` bytes; a chunk's segments are its blocks' parts in order (segment k: part
+// k % parts of block k / parts, from chunk offset k * part_len), not merged where adjacent
+// (the cursor walks from one to the next). Row r of a chunk (chunk offset 1024 r) is in its
+// segment 1024 r / part_len. `rows_per_chunk` rows per chunk; the host writes the chunk records
+// (seg_first c * per_chunk * parts, seg_count per_chunk * parts, row_first c * rows_per_chunk).
+// One thread per segment, then per row, striding over the grid.
+ORBITKV_KERNEL void orbitkv_xxh3_expand_blocks(const u64* ids, const u64* bases, u32 parts,
+                                               u64 stride, u64 part_len, u32 per_chunk,
+                                               u32 nchunks, u64 rows_per_chunk, HashSeg* segs,
+                                               u32* row_segs) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 threads = (u64)gridDim.x * blockDim.x;
+    u64 spc = (u64)per_chunk * parts;
+    u64 nsegs = spc * nchunks;
+    for (u64 g = t; g < nsegs; g += threads) {
+        u64 c = g / spc;
+        u64 k = g - c * spc;
+        segs[g].start = k * part_len;
+        segs[g].addr = bases[k % parts] + ids[c * per_chunk + k / parts] * stride;
+    }
+    u64 nrows = rows_per_chunk * nchunks;
+    for (u64 r = t; r < nrows; r += threads) {
+        u64 c = r / rows_per_chunk;
+        u64 b = r - c * rows_per_chunk;
+        row_segs[r] = (u32)(c * spc + (b * 1024) / part_len);
+    }
+}

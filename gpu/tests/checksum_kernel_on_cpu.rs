@@ -6,8 +6,10 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use orbitkv_gpu::dma::checksum::{tables_capacity, write_tables, SEG_RECORD};
-use orbitkv_gpu::dma::plan::Piece;
+use orbitkv_gpu::dma::checksum::{
+    block_tables, rows_of, tables_capacity, write_block_records, write_tables, SEG_RECORD,
+};
+use orbitkv_gpu::dma::plan::{BlockJob, Piece};
 
 struct Rng(u64);
 
@@ -24,10 +26,12 @@ impl Rng {
     }
 }
 
-/// Builds the emulator once per test binary.
-fn emulator() -> std::path::PathBuf {
+/// Builds the emulator for the test `name` (each test its own binary: they run in parallel and
+/// each removes its own when done).
+fn emulator(name: &str) -> std::path::PathBuf {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = std::env::temp_dir().join(format!("orbitkv-checksum-emu-{}", std::process::id()));
+    let out =
+        std::env::temp_dir().join(format!("orbitkv-checksum-emu-{name}-{}", std::process::id()));
     let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
         .args(["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-x", "c"])
         .arg("-I")
@@ -60,6 +64,46 @@ fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> 
     child.stdin.take().unwrap().write_all(&input).unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| u64::from_str_radix(l, 16).unwrap())
+        .collect()
+}
+
+/// Runs the block-form tables (`write_block_records`, then the expansion kernel) and the
+/// kernels on `data` for `job` (its part bases are offsets into `data`).
+fn run_blocks(emu: &std::path::Path, data: &[u8], job: &BlockJob<'_>, chunk_len: u64) -> Vec<u64> {
+    let t = block_tables(job, chunk_len).unwrap();
+    let mut img = vec![0u8; t.host_len];
+    write_block_records(job, &t, chunk_len, &mut img);
+    let mut input = Vec::new();
+    let head = [
+        t.chunks as u64,
+        t.per_chunk as u64,
+        job.part_count(),
+        job.part_len,
+        job.stride,
+        rows_of(chunk_len),
+        data.len() as u64,
+    ];
+    for w in head {
+        input.extend_from_slice(&w.to_le_bytes());
+    }
+    input.extend_from_slice(&img);
+    for b in job.bases {
+        input.extend_from_slice(&b.to_le_bytes());
+    }
+    input.extend_from_slice(data);
+    let mut child = Command::new(emu)
+        .arg("blocks")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "emulation exited {:?}", out.status);
     String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -117,7 +161,7 @@ fn scatter(
 
 #[test]
 fn kernels_match_chunk_checksum() {
-    let emu = emulator();
+    let emu = emulator("segments");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     // XXH3 edges: the shortest long input, around 1 KiB blocks and 64-byte stripes.
     // Around the fold's groups of 32 rows (two in flight) too: 15, 16, 17, 31, 32, 33, 48,
@@ -157,5 +201,73 @@ fn kernels_match_chunk_checksum() {
     let (data, pieces, chunks) = scatter(&mut rng, 2, (1 << 20) + 13, 1, |r| 1 + r.below(70_000));
     let want: Vec<u64> = chunks.iter().map(|c| orbitkv_proto::chunk_checksum(c)).collect();
     assert_eq!(run(&emu, &data, &pieces, (1 << 20) + 13), want);
+    let _ = std::fs::remove_file(emu);
+}
+
+#[test]
+fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
+    use orbitkv_gpu::{KvLayout, LayoutDesc};
+    let emu = emulator("blocks");
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let base = LayoutDesc {
+        layout: KvLayout::FlashAttnNhd,
+        num_layers: 3,
+        num_blocks: 24,
+        block_size: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        elem_bytes: 2,
+    };
+    // 512-byte parts (rows straddle parts), 2 KiB, 768 bytes (MLA), cross-layer (parts one
+    // after another), SGLang's 128-byte token slots.
+    for l in [
+        base,
+        LayoutDesc { block_size: 16, ..base },
+        LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
+        LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 96, ..base },
+        LayoutDesc { layout: KvLayout::CrossLayer, ..base },
+        LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, ..base },
+    ] {
+        let tensor_bytes = l.tensor_bytes().unwrap();
+        let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
+        let data: Vec<u8> =
+            (0..tensor_bytes * l.tensor_count() as u64).map(|_| rng.next() as u8).collect();
+        let (bases, stride) = l.part_bases(&tensors);
+        for per_chunk in [1usize, 3] {
+            let chunk_len = l.block_bytes() * per_chunk as u64;
+            if chunk_len < 241 {
+                continue;
+            }
+            let mut ids: Vec<u64> = (0..l.num_blocks).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let chunks: Vec<(u64, Vec<u64>)> =
+                ids.chunks_exact(per_chunk).map(|c| (0, c.to_vec())).collect();
+            let job = BlockJob {
+                parts: 0,
+                bases: &bases,
+                part_len: l.part_len(),
+                stride,
+                host_base: 0,
+                chunks: &chunks,
+            };
+            let want: Vec<u64> = chunks
+                .iter()
+                .map(|(_, c)| {
+                    let mut bytes = Vec::new();
+                    for &b in c {
+                        l.for_each_part(b, |s| {
+                            let at = (tensors[s.tensor as usize] + s.offset) as usize;
+                            bytes.extend_from_slice(&data[at..at + s.len as usize]);
+                        });
+                    }
+                    orbitkv_proto::chunk_checksum(&bytes)
+                })
+                .collect();
+            let got = run_blocks(&emu, &data, &job, chunk_len);
+            assert_eq!(got, want, "{:?}, {per_chunk} blocks per chunk", l.layout);
+        }
+    }
     let _ = std::fs::remove_file(emu);
 }

@@ -223,13 +223,33 @@ pub fn write_tables(
     write_parts(parts, (chunks, pieces.len(), capacity), chunk_len, out)
 }
 
-/// [`tables_capacity`] for a job in block form: its chunks, and the bytes
-/// [`write_block_tables`] needs (room for one segment per part). Refuses chunks shorter than
-/// [`MIN_LEN`] and chunks whose blocks do not make `chunk_len` bytes.
-pub fn block_tables_capacity(
-    job: &BlockJob<'_>,
-    chunk_len: u64,
-) -> Result<(usize, usize), DmaError> {
+/// A save in block form's tables: the host writes the chunk records and the block ids
+/// ([`write_block_records`]), and the expansion kernel (`orbitkv_xxh3_expand_blocks`) writes
+/// the segment and row records after them on the device. Offsets are from the tables' start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockTables {
+    /// Chunks.
+    pub chunks: usize,
+    /// Blocks per chunk.
+    pub per_chunk: usize,
+    /// Offset of the block ids.
+    pub ids_offset: usize,
+    /// Bytes the host writes (chunk records and ids).
+    pub host_len: usize,
+    /// The segment records (one per part, not merged) and their offset.
+    pub segs: usize,
+    pub segs_offset: usize,
+    /// Rows (scratch rows too) and the row records' offset.
+    pub rows: u64,
+    pub row_segs_offset: usize,
+    /// Bytes of the tables on the device.
+    pub len: usize,
+}
+
+/// The layout of `job`'s tables for chunks of `chunk_len` bytes. Refuses chunks shorter than
+/// [`MIN_LEN`], chunks whose blocks do not make `chunk_len` bytes, and more segments than a
+/// row record can name.
+pub fn block_tables(job: &BlockJob<'_>, chunk_len: u64) -> Result<BlockTables, DmaError> {
     if chunk_len < MIN_LEN {
         return Err(DmaError::Invalid(format!(
             "chunks of {chunk_len} bytes are checksummed on the CPU (the GPU kernels need at \
@@ -246,29 +266,50 @@ pub fn block_tables_capacity(
         )));
     }
     let chunks = job.chunks.len();
-    let parts = (chunk_len / block_bytes.max(1)) as usize * job.bases.len() * chunks;
-    let rows = chunks * rows_of(chunk_len) as usize;
-    Ok((chunks, chunks * CHUNK_RECORD + parts * SEG_RECORD + rows * ROW_RECORD))
+    let per_chunk = (chunk_len / block_bytes) as usize;
+    let segs = per_chunk * job.bases.len() * chunks;
+    if u32::try_from(segs).is_err() {
+        return Err(DmaError::Invalid(format!("{segs} segments in one checksum submission")));
+    }
+    let rows = chunks as u64 * rows_of(chunk_len);
+    let ids_offset = chunks * CHUNK_RECORD;
+    let host_len = ids_offset + chunks * per_chunk * 8;
+    let segs_offset = host_len;
+    let row_segs_offset = segs_offset + segs * SEG_RECORD;
+    let len = row_segs_offset + rows as usize * ROW_RECORD;
+    Ok(BlockTables {
+        chunks,
+        per_chunk,
+        ids_offset,
+        host_len,
+        segs,
+        segs_offset,
+        rows,
+        row_segs_offset,
+        len,
+    })
 }
 
-/// [`write_tables`] for a job in block form: the tables of its parts in chunk order (each
-/// block's parts at `bases[p] + id * stride`), with no list of pieces built first. `out` must
-/// hold [`block_tables_capacity`] bytes.
-pub fn write_block_tables(
-    job: &BlockJob<'_>,
-    chunk_len: u64,
-    out: &mut [u8],
-) -> Result<TablesImage, DmaError> {
-    let (chunks, capacity) = block_tables_capacity(job, chunk_len)?;
-    let (stride, len) = (job.stride, job.part_len);
-    let parts = job.chunks.iter().flat_map(|(_, ids)| {
-        ids.iter().flat_map(move |&id| job.bases.iter().map(move |&b| (b + id * stride, len)))
-    });
-    let room = (chunk_len / job.block_bytes()) as usize * job.bases.len() * chunks;
-    write_parts(parts, (chunks, room, capacity), chunk_len, out)
+/// Writes `job`'s chunk records and block ids (as [`block_tables`] lays them out) into
+/// `out[..host_len]`: per chunk its length, first segment, segments, first row; then every
+/// chunk's ids in order.
+pub fn write_block_records(job: &BlockJob<'_>, t: &BlockTables, chunk_len: u64, out: &mut [u8]) {
+    let spc = (t.per_chunk * job.bases.len()) as u64;
+    let rpc = rows_of(chunk_len);
+    let (records, ids) = out[..t.host_len].split_at_mut(t.ids_offset);
+    for (c, slot) in records.chunks_exact_mut(CHUNK_RECORD).enumerate() {
+        let c = c as u64;
+        for (w, b) in [chunk_len, c * spc, spc, c * rpc, 0].iter().zip(slot.chunks_exact_mut(8)) {
+            b.copy_from_slice(&w.to_le_bytes());
+        }
+    }
+    let all = job.chunks.iter().flat_map(|(_, ids)| ids);
+    for (id, slot) in all.zip(ids.chunks_exact_mut(8)) {
+        slot.copy_from_slice(&id.to_le_bytes());
+    }
 }
 
-/// The one pass behind [`write_tables`] and [`write_block_tables`]: `parts` (device address,
+/// The one pass behind [`write_tables`]: `parts` (device address,
 /// length) in chunk order, `chunks` chunks, `room` segment records' room (at least one per
 /// part), `capacity` bytes in all.
 fn write_parts(
@@ -456,71 +497,33 @@ mod tests {
     }
 
     #[test]
-    fn block_form_tables_match_the_pieces_tables() {
-        use crate::layout::{KvLayout, LayoutDesc};
-        let base = LayoutDesc {
-            layout: KvLayout::FlashAttnNhd,
-            num_layers: 3,
-            num_blocks: 12,
-            block_size: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            elem_bytes: 2,
+    fn block_form_records_and_layout() {
+        let bases = [1000u64, 9000];
+        let chunks = vec![(0u64, vec![3u64, 4]), (1 << 20, vec![11, 0])];
+        let job = BlockJob {
+            parts: 0,
+            bases: &bases,
+            part_len: 2048,
+            stride: 2048,
+            host_base: 0,
+            chunks: &chunks,
         };
-        for l in [
-            base,
-            LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
-            LayoutDesc { layout: KvLayout::CrossLayer, ..base },
-            LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 48, ..base },
-            LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, ..base },
-        ] {
-            let tensor_bytes = l.tensor_bytes().unwrap();
-            // Adjacent tensors: segments merge across them where the pieces do not.
-            let tensors: Vec<u64> =
-                (0..l.tensor_count() as u64).map(|t| 4096 + t * tensor_bytes).collect();
-            let (bases, stride) = l.part_bases(&tensors);
-            // Ids in and out of order, one run of consecutive ones.
-            let chunks: Vec<(u64, Vec<u64>)> =
-                vec![(0, vec![3, 4, 5]), (1 << 20, vec![11, 0, 7]), (2 << 20, vec![2, 2, 9])];
-            let job = BlockJob {
-                parts: 0,
-                bases: &bases,
-                part_len: l.part_len(),
-                stride,
-                host_base: 0,
-                chunks: &chunks,
-            };
-            let chunk_len = 3 * l.block_bytes();
-            let mut pieces = Vec::new();
-            for (host, ids) in &chunks {
-                crate::dma::plan::chunk_pieces(&l, &tensors, ids, *host, &mut pieces);
-            }
-            let (n, cap) = tables_capacity(&pieces, chunk_len).unwrap();
-            let mut want = vec![0u8; cap];
-            let w = write_tables(&pieces, chunk_len, &mut want).unwrap();
-            let (bn, bcap) = block_tables_capacity(&job, chunk_len).unwrap();
-            let mut got = vec![0u8; bcap];
-            let g = write_block_tables(&job, chunk_len, &mut got).unwrap();
-            assert_eq!(
-                (n, w.chunks, w.segs, w.rows),
-                (bn, g.chunks, g.segs, g.rows),
-                "{:?}",
-                l.layout
-            );
-            let records = w.segs_offset + w.segs * SEG_RECORD;
-            assert_eq!(&want[..records], &got[..records], "{:?}", l.layout);
-            assert_eq!(
-                &want[w.row_segs_offset..w.len],
-                &got[g.row_segs_offset..g.len],
-                "{:?}",
-                l.layout
-            );
-            // A chunk of the wrong length is refused, naming it.
-            let short = [(0u64, vec![1u64, 2])];
-            let bad = BlockJob { chunks: &short, ..job };
-            let e = block_tables_capacity(&bad, chunk_len).unwrap_err().to_string();
-            assert!(e.contains("a chunk of 2 blocks"), "{e}");
-        }
+        let t = block_tables(&job, 8192).unwrap();
+        assert_eq!((t.chunks, t.per_chunk, t.segs, t.rows), (2, 2, 8, 16));
+        assert_eq!((t.ids_offset, t.host_len, t.segs_offset), (80, 112, 112));
+        assert_eq!((t.row_segs_offset, t.len), (112 + 128, 112 + 128 + 64));
+        let mut out = vec![0u8; t.host_len];
+        write_block_records(&job, &t, 8192, &mut out);
+        let words: Vec<u64> =
+            out.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())).collect();
+        assert_eq!(&words[..5], &[8192, 0, 4, 0, 0]);
+        assert_eq!(&words[5..10], &[8192, 4, 4, 8, 0]);
+        assert_eq!(&words[10..], &[3, 4, 11, 0]);
+        // Refused: a short chunk, a chunk of the wrong length.
+        assert!(block_tables(&job, 240).unwrap_err().to_string().contains("CPU"));
+        let short = [(0u64, vec![1u64])];
+        let e = block_tables(&BlockJob { chunks: &short, ..job }, 8192).unwrap_err().to_string();
+        assert!(e.contains("a chunk of 1 blocks"), "{e}");
     }
 
     #[test]

@@ -450,7 +450,27 @@ const ROWS_PER_RUN: u64 = 8;
 pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
     fold: sys::CUfunction,
+    expand: sys::CUfunction,
     _module: PtxModule,
+}
+
+/// A save in block form, for the kernel that writes its checksum tables on the device
+/// ([`ChecksumKernels::launch_expand`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpandLaunch {
+    /// The chunks' block ids, `per_chunk` per chunk (device memory).
+    pub ids: u64,
+    /// The layout's part bases (device memory) and how many.
+    pub bases: (u64, u32),
+    pub stride: u64,
+    pub part_len: u64,
+    pub per_chunk: u32,
+    pub nchunks: u32,
+    pub rows_per_chunk: u64,
+    /// Where the segment records go (`per_chunk * parts * nchunks` of them).
+    pub segs: u64,
+    /// Where the row records go (`rows_per_chunk * nchunks`).
+    pub row_segs: u64,
 }
 
 /// The PTX of `gpu/kernels/chunk_checksum.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
@@ -485,8 +505,48 @@ impl ChecksumKernels {
         Ok(Self {
             rows: module.function("orbitkv_xxh3_row_runs")?,
             fold: module.function("orbitkv_xxh3_fold_merge")?,
+            expand: module.function("orbitkv_xxh3_expand_blocks")?,
             _module: module,
         })
+    }
+
+    /// Launches the kernel that writes a block-form save's segment and row records on the
+    /// device, on `stream` (before [`ChecksumKernels::launch`] on the same stream).
+    ///
+    /// # Safety
+    /// `l.ids` and `l.bases` must hold the ids and bases on this context's device when the
+    /// kernel runs, and `l.segs` / `l.row_segs` room for the records in device memory that
+    /// nothing else uses until the stream passes the launch.
+    pub(crate) unsafe fn launch_expand(
+        &self,
+        stream: &CudaStream,
+        l: &ExpandLaunch,
+    ) -> Result<(), DmaError> {
+        const THREADS: u32 = 256;
+        let (mut ids, (mut bases, mut parts)) = (l.ids, l.bases);
+        let (mut stride, mut part_len, mut per_chunk, mut nchunks) =
+            (l.stride, l.part_len, l.per_chunk, l.nchunks);
+        let (mut rows_per_chunk, mut segs, mut row_segs) = (l.rows_per_chunk, l.segs, l.row_segs);
+        let mut params: [*mut c_void; 10] = [
+            (&raw mut ids).cast(),
+            (&raw mut bases).cast(),
+            (&raw mut parts).cast(),
+            (&raw mut stride).cast(),
+            (&raw mut part_len).cast(),
+            (&raw mut per_chunk).cast(),
+            (&raw mut nchunks).cast(),
+            (&raw mut rows_per_chunk).cast(),
+            (&raw mut segs).cast(),
+            (&raw mut row_segs).cast(),
+        ];
+        // A thread per segment (the rows, fewer or as many, share them): a 64 MiB job of 2 KiB
+        // pages is 32,768 segments, 128 blocks; the kernel strides past the grid's cap.
+        let nsegs = u64::from(l.per_chunk) * u64::from(parts) * u64::from(l.nchunks);
+        let work = nsegs.max(l.rows_per_chunk * u64::from(l.nchunks));
+        let grid = work.div_ceil(u64::from(THREADS)).clamp(1, 1024) as u32;
+        // SAFETY: matches `orbitkv_xxh3_expand_blocks(const u64*, const u64*, u32, u64, u64,
+        // u32, u32, u64, HashSeg*, u32*)`, any grid; memory per this function's contract.
+        unsafe { launch(self.expand, stream, grid, THREADS, &mut params, "checksum tables") }
     }
 
     /// Launches the two kernels on `stream`: the lane sums of every row into the scratch rows,
@@ -804,6 +864,11 @@ mod tests {
         assert_eq!(
             entry_params(super::COPY_BLOCKS_PTX, "orbitkv_copy_blocks"),
             [".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32"]
+        );
+        // As ChecksumKernels::launch_expand passes them.
+        assert_eq!(
+            entry_params(super::CHUNK_CHECKSUM_PTX, "orbitkv_xxh3_expand_blocks"),
+            [".u64", ".u64", ".u32", ".u64", ".u64", ".u32", ".u32", ".u64", ".u64", ".u64"]
         );
         // (dsts, count, src, len), as ScatterUniformKernel::launch passes them.
         assert_eq!(

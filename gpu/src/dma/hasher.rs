@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::checksum::{
-    block_tables_capacity, tables_capacity, write_block_tables, write_tables, TablesImage,
-    COUNTERS_PER_CHUNK, MIN_LEN, ROW_BYTES,
+    block_tables, tables_capacity, write_block_records, write_tables, COUNTERS_PER_CHUNK, MIN_LEN,
+    ROW_BYTES,
 };
 use super::ffi::{
-    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, PinnedHost, Way,
+    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch, PinnedHost, Way,
 };
 use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
@@ -41,6 +41,16 @@ struct Slot {
     counters: DeviceBuffer,
     /// The slot's last submission finished (tables, scratch and counters reusable).
     done: CudaEvent,
+}
+
+/// The tables of one submission: chunks, the bytes the host writes (and the pull brings
+/// over), the bytes they take on the device, and for a block-form save the expansion that
+/// writes the rest there.
+struct Shape {
+    chunks: usize,
+    host_len: usize,
+    device_len: usize,
+    expand: Option<ExpandLaunch>,
 }
 
 /// Pinned result buffers handed to tickets and given back when they are dropped.
@@ -187,13 +197,20 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        let capacity = tables_capacity(pieces, chunk_len)?;
+        let (n, table_len) = tables_capacity(pieces, chunk_len)?;
+        let shape = Shape { chunks: n, host_len: table_len, device_len: table_len, expand: None };
         // SAFETY: forwarded from the caller.
-        unsafe { self.submit_tables(capacity, |out| write_tables(pieces, chunk_len, out)) }
+        unsafe {
+            self.submit_tables(shape, |out| {
+                let t = write_tables(pieces, chunk_len, out)?;
+                Ok((t.segs_offset, t.row_segs_offset, t.rows))
+            })
+        }
     }
 
-    /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes), the
-    /// tables written from its block ids with no list of pieces.
+    /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes): the
+    /// host writes the chunk records and block ids, the device the segment and row records
+    /// (`orbitkv_xxh3_expand_blocks`), with no list of pieces.
     ///
     /// # Safety
     /// As [`ChunkHasher::submit`], for every part of every block of the job.
@@ -205,21 +222,49 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        let capacity = block_tables_capacity(job, chunk_len)?;
+        let t = block_tables(job, chunk_len)?;
+        let count = |what: &str, v: u64| {
+            u32::try_from(v).map_err(|_| DmaError::Invalid(format!("{v} {what} in one submission")))
+        };
+        // Offsets from the device tables' start; `submit_tables` adds where they are.
+        let expand = ExpandLaunch {
+            ids: t.ids_offset as u64,
+            bases: (job.parts, count("parts per block", job.part_count())?),
+            stride: job.stride,
+            part_len: job.part_len,
+            per_chunk: count("blocks per chunk", t.per_chunk as u64)?,
+            nchunks: count("chunks", t.chunks as u64)?,
+            rows_per_chunk: super::checksum::rows_of(chunk_len),
+            segs: t.segs_offset as u64,
+            row_segs: t.row_segs_offset as u64,
+        };
+        let shape = Shape {
+            chunks: t.chunks,
+            host_len: t.host_len,
+            device_len: t.len,
+            expand: Some(expand),
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.submit_tables(capacity, |out| write_block_tables(job, chunk_len, out)) }
+        unsafe {
+            self.submit_tables(shape, |out| {
+                write_block_records(job, &t, chunk_len, out);
+                Ok((t.segs_offset, t.row_segs_offset, t.rows))
+            })
+        }
     }
 
-    /// The submission behind both forms: `(chunks, table bytes)` as the capacity functions
-    /// give them, and `write`, which writes the tables into the slot's pinned buffer.
+    /// The submission behind both forms: the tables' `shape`, and `write`, which writes the
+    /// host's part of them into the slot's pinned buffer and says where the segment and row
+    /// records are and how many rows.
     ///
     /// # Safety
     /// As [`ChunkHasher::submit`], for the device memory the tables name.
     unsafe fn submit_tables(
         &mut self,
-        (n, table_len): (usize, usize),
-        write: impl FnOnce(&mut [u8]) -> Result<TablesImage, DmaError>,
+        shape: Shape,
+        write: impl FnOnce(&mut [u8]) -> Result<(usize, usize, u64), DmaError>,
     ) -> Result<Option<ChecksumTicket>, DmaError> {
+        let (n, table_len) = (shape.chunks, shape.host_len);
         if n == 0 {
             return Ok(None);
         }
@@ -238,9 +283,9 @@ impl ChunkHasher {
         let t = std::time::Instant::now();
         let image = write(&mut slot.tables_host.bytes_mut()[..table_len]);
         self.times.planned += t.elapsed();
-        let image = image?;
-        at_least(&self.ctx, &mut slot.tables, table_len)?;
-        at_least(&self.ctx, &mut slot.scratch, (image.rows * ROW_BYTES) as usize)?;
+        let (segs_offset, row_segs_offset, rows) = image?;
+        at_least(&self.ctx, &mut slot.tables, shape.device_len)?;
+        at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
         if slot.counters.len() < counters_len {
             slot.counters =
@@ -270,12 +315,18 @@ impl ChunkHasher {
         let chunks_at = slot.tables.ptr();
         let launch = ChecksumLaunch {
             chunks: (chunks_at, nchunks),
-            segs: chunks_at + image.segs_offset as u64,
-            row_segs: chunks_at + image.row_segs_offset as u64,
-            scratch: (slot.scratch.ptr(), image.rows),
+            segs: chunks_at + segs_offset as u64,
+            row_segs: chunks_at + row_segs_offset as u64,
+            scratch: (slot.scratch.ptr(), rows),
             counters: slot.counters.ptr(),
             out: results.addr(),
         };
+        let expand = shape.expand.map(|e| ExpandLaunch {
+            ids: chunks_at + e.ids,
+            segs: chunks_at + e.segs,
+            row_segs: chunks_at + e.row_segs,
+            ..e
+        });
         let kernels = &self.kernels;
         let pull = self.pull.as_ref();
         let enqueue = || -> Result<(), DmaError> {
@@ -302,6 +353,12 @@ impl ChunkHasher {
                         stream,
                     )?;
                 },
+            }
+            if let Some(e) = &expand {
+                // SAFETY: the ids came up with the tables, earlier on this stream; the segment
+                // and row records go to the slot's device tables, free as above; the bases
+                // are the job's memory (the caller's contract).
+                unsafe { kernels.launch_expand(stream, e)? };
             }
             // The fold kernel writes the checksums straight into the pinned results (host memory
             // is mapped at the same address under unified addressing): a copy back would queue

@@ -7,6 +7,11 @@
 // long runs: one block of the row kernel), 5 when a chunk merged early, 6 when the row table
 // names a segment that does not hold its row's first byte, 7 when chunk_of names the wrong
 // chunk for a row of chunks of unequal lengths.
+// With the argument `blocks`, the input is a save in block form instead: nchunks, per_chunk,
+// parts, part_len, stride, rows_per_chunk, data_len (u64 each), the nchunks chunk records,
+// nchunks x per_chunk block ids, parts part bases (offsets into the data), then the data; the
+// segment and row tables are written by orbitkv_xxh3_expand_blocks (run thread by thread on a
+// small grid, so that its threads stride) before the kernels above run on them.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,23 +59,60 @@ static int check_chunk_of(void) {
     return 1;
 }
 
-int main(void) {
-    if (!check_chunk_of()) {
-        return 7;
-    }
-    u64* head = read_exact(4 * sizeof(u64));
-    u64 nchunks = head[0], nsegs = head[1], rows = head[2], data_len = head[3];
-    HashChunk* chunks = read_exact(nchunks * sizeof(HashChunk));
-    HashSeg* segs = read_exact(nsegs * sizeof(HashSeg));
-    u32* row_segs = read_exact(rows * sizeof(u32));
-    // The data 64-byte aligned, so that offsets aligned in the test are aligned addresses.
+// The data, 64-byte aligned, so that offsets aligned in the test are aligned addresses.
+static unsigned char* read_data(u64 data_len) {
     unsigned char* data = aligned_alloc(64, (data_len + 64) / 64 * 64);
     if (!data || fread(data, 1, data_len, stdin) != data_len) {
         fprintf(stderr, "short input\n");
-        return 2;
+        exit(2);
     }
-    for (u64 i = 0; i < nsegs; i++) {
-        segs[i].addr += (u64)data;
+    return data;
+}
+
+int main(int argc, char** argv) {
+    if (!check_chunk_of()) {
+        return 7;
+    }
+    u64 nchunks, nsegs, rows;
+    HashChunk* chunks;
+    HashSeg* segs;
+    u32* row_segs;
+    if (argc > 1 && strcmp(argv[1], "blocks") == 0) {
+        u64* head = read_exact(7 * sizeof(u64));
+        u64 per_chunk = head[1], parts = head[2], part_len = head[3], stride = head[4];
+        u64 rows_per_chunk = head[5], data_len = head[6];
+        nchunks = head[0];
+        nsegs = nchunks * per_chunk * parts;
+        rows = nchunks * rows_per_chunk;
+        chunks = read_exact(nchunks * sizeof(HashChunk));
+        u64* ids = read_exact(nchunks * per_chunk * sizeof(u64));
+        u64* bases = read_exact(parts * sizeof(u64));
+        unsigned char* data = read_data(data_len);
+        for (u64 p = 0; p < parts; p++) {
+            bases[p] += (u64)data;
+        }
+        segs = malloc((nsegs ? nsegs : 1) * sizeof(HashSeg));
+        row_segs = malloc((rows ? rows : 1) * sizeof(u32));
+        blockDim.x = 32;
+        gridDim.x = 2;
+        for (u64 t = 0; t < 64; t++) {
+            blockIdx.x = (u32)(t / 32);
+            threadIdx.x = (u32)(t % 32);
+            orbitkv_xxh3_expand_blocks(ids, bases, (u32)parts, stride, part_len, (u32)per_chunk,
+                                       (u32)nchunks, rows_per_chunk, segs, row_segs);
+        }
+    } else {
+        u64* head = read_exact(4 * sizeof(u64));
+        nchunks = head[0];
+        nsegs = head[1];
+        rows = head[2];
+        chunks = read_exact(nchunks * sizeof(HashChunk));
+        segs = read_exact(nsegs * sizeof(HashSeg));
+        row_segs = read_exact(rows * sizeof(u32));
+        unsigned char* data = read_data(head[3]);
+        for (u64 i = 0; i < nsegs; i++) {
+            segs[i].addr += (u64)data;
+        }
     }
     // Each row's segment holds the row's first byte (a wrong one would only cost the kernel
     // its fast path: the slow path walks forward from any earlier segment of the chunk).
