@@ -141,6 +141,31 @@ pub struct CopyEngine {
     times: SubmitTimes,
 }
 
+/// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
+/// block kernels loaded, `batched_from` the engine's threshold and `half` its staging half.
+fn block_form(
+    strategy: Strategy,
+    (segment_kernel, block_kernel): (bool, bool),
+    batched_from: u64,
+    half: u64,
+    job: &BlockJob<'_>,
+) -> bool {
+    // What `staged_for` would see as the job's typical piece: a part, or a whole block where
+    // its parts lie one after another.
+    let run = if job.blocks_contiguous() { job.block_bytes() } else { job.part_len };
+    let staged = match strategy {
+        Strategy::Staged => true,
+        Strategy::Batched | Strategy::Direct => false,
+        Strategy::Auto => segment_kernel && run < batched_from,
+    };
+    let units = (half / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
+    staged
+        && block_kernel
+        && job.part_len > 0
+        && job.block_bytes() <= half
+        && units <= u32::MAX as u64
+}
+
 /// What a staged batch's kernel works from.
 #[derive(Clone, Copy, Debug)]
 enum Work {
@@ -402,19 +427,8 @@ impl CopyEngine {
     /// half and a half's units counted in 32 bits. Otherwise its pieces go through
     /// [`CopyEngine::submit`].
     pub fn blocks_for(&self, strategy: Strategy, job: &BlockJob<'_>) -> bool {
-        let run = if job.blocks_contiguous() { job.block_bytes() } else { job.part_len };
-        let staged = match strategy {
-            Strategy::Staged => true,
-            Strategy::Batched | Strategy::Direct => false,
-            Strategy::Auto => self.kernel.is_some() && run < self.batched_from,
-        };
-        let half = self.staging_half() as u64;
-        let units = (half / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
-        staged
-            && self.block_kernel.is_some()
-            && job.part_len > 0
-            && job.block_bytes() <= half
-            && units <= u32::MAX as u64
+        let kernels = (self.kernel.is_some(), self.block_kernel.is_some());
+        block_form(strategy, kernels, self.batched_from, self.staging_half() as u64, job)
     }
 
     /// Enqueues the staged copy of a job in block form (see [`CopyEngine::blocks_for`], which
@@ -888,6 +902,43 @@ impl Drop for CopyEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_form_where_a_staged_copy_of_whole_blocks_fits() {
+        const MIB: u64 = 1 << 20;
+        let chunks = [(0u64, vec![0u64])];
+        // 2 KiB parts in two tensors (sglang-like): staged under auto.
+        let bases = [0u64, 1 << 40];
+        let sglang = BlockJob {
+            parts: 0,
+            bases: &bases,
+            part_len: 2048,
+            stride: 2048,
+            host_base: 0,
+            chunks: &chunks,
+        };
+        let both = (true, true);
+        assert!(block_form(Strategy::Auto, both, MIB, 32 * MIB, &sglang));
+        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &sglang));
+        assert!(!block_form(Strategy::Batched, both, MIB, 32 * MIB, &sglang));
+        assert!(!block_form(Strategy::Direct, both, MIB, 32 * MIB, &sglang));
+        // Without the block kernel, pieces; without the segment kernel, auto copies batched.
+        assert!(!block_form(Strategy::Auto, (true, false), MIB, 32 * MIB, &sglang));
+        assert!(!block_form(Strategy::Auto, (false, true), MIB, 32 * MIB, &sglang));
+        assert!(block_form(Strategy::Staged, (false, true), MIB, 32 * MIB, &sglang));
+        // Cross-layer: 64 parts of 32 KiB one after another, a 2 MiB run per block, which the
+        // copy engines move alone under auto; staged when asked.
+        let cross: Vec<u64> = (0..64).map(|p| p * (32 << 10)).collect();
+        let packed = BlockJob { bases: &cross, part_len: 32 << 10, stride: 2 * MIB, ..sglang };
+        assert!(packed.blocks_contiguous());
+        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &packed));
+        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &packed));
+        // A block larger than a staging half goes as pieces.
+        assert!(!block_form(Strategy::Staged, both, MIB, MIB, &packed));
+        // Parts of 1 MiB or more: batched under auto.
+        let long = BlockJob { part_len: MIB, stride: MIB, ..sglang };
+        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &long));
+    }
 
     #[test]
     fn direct_descriptors_split_long_pieces_and_point_at_the_device_mapping() {
