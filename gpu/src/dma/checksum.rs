@@ -219,8 +219,62 @@ pub fn write_tables(
     out: &mut [u8],
 ) -> Result<TablesImage, DmaError> {
     let (chunks, capacity) = tables_capacity(pieces, chunk_len)?;
-    let parts = pieces.iter().map(|p| (p.device, p.len));
-    write_parts(parts, (chunks, pieces.len(), capacity), chunk_len, out)
+    assert!(out.len() >= capacity, "{} bytes for tables of {capacity}", out.len());
+    let segs_offset = chunks * CHUNK_RECORD;
+    let row_segs_offset = segs_offset + pieces.len() * SEG_RECORD;
+    let (records, rest) = out[..capacity].split_at_mut(segs_offset);
+    let (seg_out, row_out) = rest.split_at_mut(pieces.len() * SEG_RECORD);
+    let per_chunk_rows = rows_of(chunk_len);
+    let (mut chunk, mut segs, mut rows) = (0usize, 0usize, 0usize);
+    let mut at = 0u64; // bytes of the current chunk so far
+    let mut next_row = 0u64; // chunk offset of the next row without its segment
+    let mut first_seg = 0usize; // the current chunk's first segment
+    let mut last = (0u64, 0u64); // the current segment's chunk offset and device address
+    for p in pieces.iter().filter(|p| p.len > 0) {
+        if at == 0 {
+            first_seg = segs;
+        }
+        if at + p.len > chunk_len {
+            return Err(DmaError::Invalid(format!(
+                "a piece of {} bytes crosses the end of a {chunk_len}-byte chunk",
+                p.len
+            )));
+        }
+        if segs == first_seg || last.1 + (at - last.0) != p.device {
+            let slot = &mut seg_out[segs * SEG_RECORD..(segs + 1) * SEG_RECORD];
+            slot[..8].copy_from_slice(&at.to_le_bytes());
+            slot[8..].copy_from_slice(&p.device.to_le_bytes());
+            last = (at, p.device);
+            segs += 1;
+        }
+        at += p.len;
+        let seg = u32::try_from(segs - 1).map_err(|_| {
+            DmaError::Invalid(format!("{segs} segments in one checksum submission"))
+        })?;
+        while next_row < at {
+            row_out[rows * ROW_RECORD..(rows + 1) * ROW_RECORD].copy_from_slice(&seg.to_le_bytes());
+            rows += 1;
+            next_row += 1024;
+        }
+        if at == chunk_len {
+            let record = [
+                chunk_len,
+                first_seg as u64,
+                (segs - first_seg) as u64,
+                chunk as u64 * per_chunk_rows,
+                0,
+            ];
+            let slot = &mut records[chunk * CHUNK_RECORD..(chunk + 1) * CHUNK_RECORD];
+            for (w, b) in record.iter().zip(slot.chunks_exact_mut(8)) {
+                b.copy_from_slice(&w.to_le_bytes());
+            }
+            chunk += 1;
+            at = 0;
+            next_row = 0;
+        }
+    }
+    debug_assert_eq!((chunk, rows), (chunks, chunks * per_chunk_rows as usize));
+    Ok(TablesImage { chunks, segs, rows: rows as u64, segs_offset, row_segs_offset, len: capacity })
 }
 
 /// A save in block form's tables: the host writes the chunk records and the block ids
@@ -307,74 +361,6 @@ pub fn write_block_records(job: &BlockJob<'_>, t: &BlockTables, chunk_len: u64, 
     for (id, slot) in all.zip(ids.chunks_exact_mut(8)) {
         slot.copy_from_slice(&id.to_le_bytes());
     }
-}
-
-/// The one pass behind [`write_tables`]: `parts` (device address,
-/// length) in chunk order, `chunks` chunks, `room` segment records' room (at least one per
-/// part), `capacity` bytes in all.
-fn write_parts(
-    parts: impl Iterator<Item = (u64, u64)>,
-    (chunks, room, capacity): (usize, usize, usize),
-    chunk_len: u64,
-    out: &mut [u8],
-) -> Result<TablesImage, DmaError> {
-    assert!(out.len() >= capacity, "{} bytes for tables of {capacity}", out.len());
-    let segs_offset = chunks * CHUNK_RECORD;
-    let row_segs_offset = segs_offset + room * SEG_RECORD;
-    let (records, rest) = out[..capacity].split_at_mut(segs_offset);
-    let (seg_out, row_out) = rest.split_at_mut(room * SEG_RECORD);
-    let per_chunk_rows = rows_of(chunk_len);
-    let (mut chunk, mut segs, mut rows) = (0usize, 0usize, 0usize);
-    let mut at = 0u64; // bytes of the current chunk so far
-    let mut next_row = 0u64; // chunk offset of the next row without its segment
-    let mut first_seg = 0usize; // the current chunk's first segment
-    let mut last = (0u64, 0u64); // the current segment's chunk offset and device address
-    for (device, len) in parts.filter(|&(_, len)| len > 0) {
-        let p = Piece { device, host: 0, len };
-        if at == 0 {
-            first_seg = segs;
-        }
-        if at + p.len > chunk_len {
-            return Err(DmaError::Invalid(format!(
-                "a piece of {} bytes crosses the end of a {chunk_len}-byte chunk",
-                p.len
-            )));
-        }
-        if segs == first_seg || last.1 + (at - last.0) != p.device {
-            let slot = &mut seg_out[segs * SEG_RECORD..(segs + 1) * SEG_RECORD];
-            slot[..8].copy_from_slice(&at.to_le_bytes());
-            slot[8..].copy_from_slice(&p.device.to_le_bytes());
-            last = (at, p.device);
-            segs += 1;
-        }
-        at += p.len;
-        let seg = u32::try_from(segs - 1).map_err(|_| {
-            DmaError::Invalid(format!("{segs} segments in one checksum submission"))
-        })?;
-        while next_row < at {
-            row_out[rows * ROW_RECORD..(rows + 1) * ROW_RECORD].copy_from_slice(&seg.to_le_bytes());
-            rows += 1;
-            next_row += 1024;
-        }
-        if at == chunk_len {
-            let record = [
-                chunk_len,
-                first_seg as u64,
-                (segs - first_seg) as u64,
-                chunk as u64 * per_chunk_rows,
-                0,
-            ];
-            let slot = &mut records[chunk * CHUNK_RECORD..(chunk + 1) * CHUNK_RECORD];
-            for (w, b) in record.iter().zip(slot.chunks_exact_mut(8)) {
-                b.copy_from_slice(&w.to_le_bytes());
-            }
-            chunk += 1;
-            at = 0;
-            next_row = 0;
-        }
-    }
-    debug_assert_eq!((chunk, rows), (chunks, chunks * per_chunk_rows as usize));
-    Ok(TablesImage { chunks, segs, rows: rows as u64, segs_offset, row_segs_offset, len: capacity })
 }
 
 #[cfg(test)]
