@@ -39,8 +39,7 @@ pub struct EngineMemory {
     bases: Vec<u64>,
     /// Bytes from a block's part to the next block's.
     stride: u64,
-    /// `bases` on the device, for the block copy kernel. Dropped before `backing`, though
-    /// nothing in it points into the tensors' memory by reference.
+    /// `bases` on the device, for the block copy and checksum table kernels.
     parts: DeviceBuffer,
     backing: Backing,
 }
@@ -155,11 +154,6 @@ impl EngineMemory {
         let parts = DeviceBuffer::new(ctx, image.len())?;
         ffi::copy_sync_to_device(&parts, 0, &image)?;
         Ok(Self { layout, tensors, bases, stride, parts, backing })
-    }
-
-    /// Part `p` of block 0 lies at `part_bases()[p]` (see [`LayoutDesc::part_bases`]).
-    pub fn part_bases(&self) -> &[u64] {
-        &self.bases
     }
 
     /// `chunks` (host offsets from `host_base`, block ids) in block form, with this
