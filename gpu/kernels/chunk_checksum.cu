@@ -484,24 +484,33 @@ ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks
     out[k] = merge(ch.len, scratch + 8 * (ch.row_first + nb));
 }
 
-// Block form (a save planned as block ids, see copy_blocks.cu): writes the segment and row
-// tables the kernels above read, on the GPU, instead of the host writing one record per page
-// and the tables crossing the bus (for a 64 MiB job of 2 KiB pages 786 KB of tables, about
-// 300 us of a DMA thread on the H200 host, against 4 KiB of ids). Chunk c is `per_chunk` blocks,
-// their ids at ids[c * per_chunk ...]; part p of the block with id b lies at bases[p] + b *
-// stride, `part_len` bytes; a chunk's segments are its blocks' parts in order (segment k: part
-// k % parts of block k / parts, from chunk offset k * part_len), not merged where adjacent
-// (the cursor walks from one to the next). Row r of a chunk (chunk offset 1024 r) is in its
-// segment 1024 r / part_len. `rows_per_chunk` rows per chunk; the host writes the chunk records
-// (seg_first c * per_chunk * parts, seg_count per_chunk * parts, row_first c * rows_per_chunk).
-// One thread per segment, then per row, striding over the grid.
+// Block form (a save planned as block ids, see copy_blocks.cu): writes the chunk, segment and
+// row tables the kernels above read, on the GPU, from the job's block ids alone, instead of the
+// host writing a record per page and the tables crossing the bus before the sums (for a 64 MiB
+// job of 2 KiB pages: 786 KB of tables, about 300 us of a DMA thread on the H200 host, and a
+// launch to pull them, against 4 KiB of ids read where the host wrote them, mapped pinned
+// memory). Chunk c is `per_chunk` blocks, their ids at ids[c * per_chunk ...]; part p of the
+// block with id b lies at bases[p] + b * stride, `part_len` bytes; a chunk's segments are its
+// blocks' parts in order (segment k: part k % parts of block k / parts, from chunk offset
+// k * part_len), not merged where adjacent (the cursor walks from one to the next). Row r of a
+// chunk (chunk offset 1024 r) is in its segment 1024 r / part_len. One thread per segment, per
+// row and per chunk record, striding over the grid.
 ORBITKV_KERNEL void orbitkv_xxh3_expand_blocks(const u64* ids, const u64* bases, u32 parts,
                                                u64 stride, u64 part_len, u32 per_chunk,
-                                               u32 nchunks, u64 rows_per_chunk, HashSeg* segs,
+                                               u32 nchunks, HashChunk* chunks, HashSeg* segs,
                                                u32* row_segs) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 threads = (u64)gridDim.x * blockDim.x;
     u64 spc = (u64)per_chunk * parts;
+    u64 len = spc * part_len;
+    u64 rpc = full_blocks(len) + 1;
+    for (u64 c = t; c < nchunks; c += threads) {
+        chunks[c].len = len;
+        chunks[c].seg_first = c * spc;
+        chunks[c].seg_count = spc;
+        chunks[c].row_first = c * rpc;
+        chunks[c].unused = 0;
+    }
     u64 nsegs = spc * nchunks;
     for (u64 g = t; g < nsegs; g += threads) {
         u64 c = g / spc;
@@ -509,10 +518,10 @@ ORBITKV_KERNEL void orbitkv_xxh3_expand_blocks(const u64* ids, const u64* bases,
         segs[g].start = k * part_len;
         segs[g].addr = bases[k % parts] + ids[c * per_chunk + k / parts] * stride;
     }
-    u64 nrows = rows_per_chunk * nchunks;
+    u64 nrows = rpc * nchunks;
     for (u64 r = t; r < nrows; r += threads) {
-        u64 c = r / rows_per_chunk;
-        u64 b = r - c * rows_per_chunk;
+        u64 c = r / rpc;
+        u64 b = r - c * rpc;
         row_segs[r] = (u32)(c * spc + (b * 1024) / part_len);
     }
 }

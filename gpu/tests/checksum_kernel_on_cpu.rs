@@ -7,7 +7,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use orbitkv_gpu::dma::checksum::{
-    block_tables, rows_of, tables_capacity, write_block_records, write_tables, SEG_RECORD,
+    block_tables, tables_capacity, write_block_ids, write_tables, SEG_RECORD,
 };
 use orbitkv_gpu::dma::plan::{BlockJob, Piece};
 
@@ -71,12 +71,12 @@ fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> 
         .collect()
 }
 
-/// Runs the block-form tables (`write_block_records`, then the expansion kernel) and the
-/// kernels on `data` for `job` (its part bases are offsets into `data`).
+/// Runs the block-form tables (`write_block_ids`, then the expansion kernel) and the kernels
+/// on `data` for `job` (its part bases are offsets into `data`).
 fn run_blocks(emu: &std::path::Path, data: &[u8], job: &BlockJob<'_>, chunk_len: u64) -> Vec<u64> {
     let t = block_tables(job, chunk_len).unwrap();
-    let mut img = vec![0u8; t.host_len];
-    write_block_records(job, &t, chunk_len, &mut img);
+    let mut ids = vec![0u8; t.ids_len];
+    write_block_ids(job, &mut ids);
     let mut input = Vec::new();
     let head = [
         t.chunks as u64,
@@ -84,13 +84,12 @@ fn run_blocks(emu: &std::path::Path, data: &[u8], job: &BlockJob<'_>, chunk_len:
         job.part_count(),
         job.part_len,
         job.stride,
-        rows_of(chunk_len),
         data.len() as u64,
     ];
     for w in head {
         input.extend_from_slice(&w.to_le_bytes());
     }
-    input.extend_from_slice(&img);
+    input.extend_from_slice(&ids);
     for b in job.bases {
         input.extend_from_slice(&b.to_le_bytes());
     }

@@ -277,19 +277,17 @@ pub fn write_tables(
     Ok(TablesImage { chunks, segs, rows: rows as u64, segs_offset, row_segs_offset, len: capacity })
 }
 
-/// A save in block form's tables: the host writes the chunk records and the block ids
-/// ([`write_block_records`]), and the expansion kernel (`orbitkv_xxh3_expand_blocks`) writes
-/// the segment and row records after them on the device. Offsets are from the tables' start.
+/// A save in block form's tables: the host writes only the block ids ([`write_block_ids`],
+/// read in place by the expansion kernel, `orbitkv_xxh3_expand_blocks`), which writes the
+/// chunk, segment and row records on the device. Offsets are from the device tables' start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockTables {
-    /// Chunks.
+    /// Chunks (their records from offset 0).
     pub chunks: usize,
     /// Blocks per chunk.
     pub per_chunk: usize,
-    /// Offset of the block ids.
-    pub ids_offset: usize,
-    /// Bytes the host writes (chunk records and ids).
-    pub host_len: usize,
+    /// Bytes of the ids the host writes.
+    pub ids_len: usize,
     /// The segment records (one per part, not merged) and their offset.
     pub segs: usize,
     pub segs_offset: usize,
@@ -326,16 +324,13 @@ pub fn block_tables(job: &BlockJob<'_>, chunk_len: u64) -> Result<BlockTables, D
         return Err(DmaError::Invalid(format!("{segs} segments in one checksum submission")));
     }
     let rows = chunks as u64 * rows_of(chunk_len);
-    let ids_offset = chunks * CHUNK_RECORD;
-    let host_len = ids_offset + chunks * per_chunk * 8;
-    let segs_offset = host_len;
+    let segs_offset = chunks * CHUNK_RECORD;
     let row_segs_offset = segs_offset + segs * SEG_RECORD;
     let len = row_segs_offset + rows as usize * ROW_RECORD;
     Ok(BlockTables {
         chunks,
         per_chunk,
-        ids_offset,
-        host_len,
+        ids_len: chunks * per_chunk * 8,
         segs,
         segs_offset,
         rows,
@@ -344,21 +339,10 @@ pub fn block_tables(job: &BlockJob<'_>, chunk_len: u64) -> Result<BlockTables, D
     })
 }
 
-/// Writes `job`'s chunk records and block ids (as [`block_tables`] lays them out) into
-/// `out[..host_len]`: per chunk its length, first segment, segments, first row; then every
-/// chunk's ids in order.
-pub fn write_block_records(job: &BlockJob<'_>, t: &BlockTables, chunk_len: u64, out: &mut [u8]) {
-    let spc = (t.per_chunk * job.bases.len()) as u64;
-    let rpc = rows_of(chunk_len);
-    let (records, ids) = out[..t.host_len].split_at_mut(t.ids_offset);
-    for (c, slot) in records.chunks_exact_mut(CHUNK_RECORD).enumerate() {
-        let c = c as u64;
-        for (w, b) in [chunk_len, c * spc, spc, c * rpc, 0].iter().zip(slot.chunks_exact_mut(8)) {
-            b.copy_from_slice(&w.to_le_bytes());
-        }
-    }
+/// Writes `job`'s block ids, chunk after chunk, as little-endian u64 into the start of `out`.
+pub fn write_block_ids(job: &BlockJob<'_>, out: &mut [u8]) {
     let all = job.chunks.iter().flat_map(|(_, ids)| ids);
-    for (id, slot) in all.zip(ids.chunks_exact_mut(8)) {
+    for (id, slot) in all.zip(out.chunks_exact_mut(8)) {
         slot.copy_from_slice(&id.to_le_bytes());
     }
 }
@@ -483,7 +467,7 @@ mod tests {
     }
 
     #[test]
-    fn block_form_records_and_layout() {
+    fn block_form_layout_and_ids() {
         let bases = [1000u64, 9000];
         let chunks = vec![(0u64, vec![3u64, 4]), (1 << 20, vec![11, 0])];
         let job = BlockJob {
@@ -495,16 +479,13 @@ mod tests {
             chunks: &chunks,
         };
         let t = block_tables(&job, 8192).unwrap();
-        assert_eq!((t.chunks, t.per_chunk, t.segs, t.rows), (2, 2, 8, 16));
-        assert_eq!((t.ids_offset, t.host_len, t.segs_offset), (80, 112, 112));
-        assert_eq!((t.row_segs_offset, t.len), (112 + 128, 112 + 128 + 64));
-        let mut out = vec![0u8; t.host_len];
-        write_block_records(&job, &t, 8192, &mut out);
+        assert_eq!((t.chunks, t.per_chunk, t.segs, t.rows, t.ids_len), (2, 2, 8, 16, 32));
+        assert_eq!((t.segs_offset, t.row_segs_offset, t.len), (80, 80 + 128, 80 + 128 + 64));
+        let mut out = vec![0u8; t.ids_len];
+        write_block_ids(&job, &mut out);
         let words: Vec<u64> =
             out.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())).collect();
-        assert_eq!(&words[..5], &[8192, 0, 4, 0, 0]);
-        assert_eq!(&words[5..10], &[8192, 4, 4, 8, 0]);
-        assert_eq!(&words[10..], &[3, 4, 11, 0]);
+        assert_eq!(words, [3, 4, 11, 0]);
         // Refused: a short chunk, a chunk of the wrong length.
         assert!(block_tables(&job, 240).unwrap_err().to_string().contains("CPU"));
         let short = [(0u64, vec![1u64])];

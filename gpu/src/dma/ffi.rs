@@ -458,7 +458,8 @@ pub(crate) struct ChecksumKernels {
 /// ([`ChecksumKernels::launch_expand`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ExpandLaunch {
-    /// The chunks' block ids, `per_chunk` per chunk (device memory).
+    /// The chunks' block ids, `per_chunk` per chunk (mapped pinned host memory, read in
+    /// place, or device memory).
     pub ids: u64,
     /// The layout's part bases (device memory) and how many.
     pub bases: (u64, u32),
@@ -466,10 +467,11 @@ pub(crate) struct ExpandLaunch {
     pub part_len: u64,
     pub per_chunk: u32,
     pub nchunks: u32,
-    pub rows_per_chunk: u64,
+    /// Where the chunk records go (`nchunks`).
+    pub chunks: u64,
     /// Where the segment records go (`per_chunk * parts * nchunks` of them).
     pub segs: u64,
-    /// Where the row records go (`rows_per_chunk * nchunks`).
+    /// Where the row records go (one per 1 KiB row of every chunk).
     pub row_segs: u64,
 }
 
@@ -514,9 +516,9 @@ impl ChecksumKernels {
     /// device, on `stream` (before [`ChecksumKernels::launch`] on the same stream).
     ///
     /// # Safety
-    /// `l.ids` and `l.bases` must hold the ids and bases on this context's device when the
-    /// kernel runs, and `l.segs` / `l.row_segs` room for the records in device memory that
-    /// nothing else uses until the stream passes the launch.
+    /// `l.ids` and `l.bases` must hold the ids and bases where this context's device reads
+    /// them when the kernel runs, and `l.chunks`, `l.segs` and `l.row_segs` room for the
+    /// records in device memory that nothing else uses until the stream passes the launch.
     pub(crate) unsafe fn launch_expand(
         &self,
         stream: &CudaStream,
@@ -526,7 +528,7 @@ impl ChecksumKernels {
         let (mut ids, (mut bases, mut parts)) = (l.ids, l.bases);
         let (mut stride, mut part_len, mut per_chunk, mut nchunks) =
             (l.stride, l.part_len, l.per_chunk, l.nchunks);
-        let (mut rows_per_chunk, mut segs, mut row_segs) = (l.rows_per_chunk, l.segs, l.row_segs);
+        let (mut chunks, mut segs, mut row_segs) = (l.chunks, l.segs, l.row_segs);
         let mut params: [*mut c_void; 10] = [
             (&raw mut ids).cast(),
             (&raw mut bases).cast(),
@@ -535,17 +537,19 @@ impl ChecksumKernels {
             (&raw mut part_len).cast(),
             (&raw mut per_chunk).cast(),
             (&raw mut nchunks).cast(),
-            (&raw mut rows_per_chunk).cast(),
+            (&raw mut chunks).cast(),
             (&raw mut segs).cast(),
             (&raw mut row_segs).cast(),
         ];
-        // A thread per segment (the rows, fewer or as many, share them): a 64 MiB job of 2 KiB
-        // pages is 32,768 segments, 128 blocks; the kernel strides past the grid's cap.
+        // A thread per segment or row, whichever are more: a 64 MiB job of 2 KiB pages is
+        // 32,768 segments and 65,536 rows, 256 blocks; the kernel strides past the grid's cap.
         let nsegs = u64::from(l.per_chunk) * u64::from(parts) * u64::from(l.nchunks);
-        let work = nsegs.max(l.rows_per_chunk * u64::from(l.nchunks));
-        let grid = work.div_ceil(u64::from(THREADS)).clamp(1, 1024) as u32;
+        let chunk_len = u64::from(l.per_chunk) * u64::from(parts) * l.part_len;
+        let rows = super::checksum::rows_of(chunk_len.max(1)) * u64::from(l.nchunks);
+        let grid = nsegs.max(rows).div_ceil(u64::from(THREADS)).clamp(1, 1024) as u32;
         // SAFETY: matches `orbitkv_xxh3_expand_blocks(const u64*, const u64*, u32, u64, u64,
-        // u32, u32, u64, HashSeg*, u32*)`, any grid; memory per this function's contract.
+        // u32, u32, HashChunk*, HashSeg*, u32*)`, any grid; memory per this function's
+        // contract.
         unsafe { launch(self.expand, stream, grid, THREADS, &mut params, "checksum tables") }
     }
 

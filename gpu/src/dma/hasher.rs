@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::checksum::{
-    block_tables, tables_capacity, write_block_records, write_tables, COUNTERS_PER_CHUNK, MIN_LEN,
+    block_tables, tables_capacity, write_block_ids, write_tables, COUNTERS_PER_CHUNK, MIN_LEN,
     ROW_BYTES,
 };
 use super::ffi::{
@@ -43,9 +43,9 @@ struct Slot {
     done: CudaEvent,
 }
 
-/// The tables of one submission: chunks, the bytes the host writes (and the pull brings
-/// over), the bytes they take on the device, and for a block-form save the expansion that
-/// writes the rest there.
+/// The tables of one submission: chunks, the bytes the host writes (the pull brings them
+/// over, or for a block-form save the expansion reads them in place), the bytes the tables
+/// take on the device, and for a block-form save the expansion that writes them there.
 struct Shape {
     chunks: usize,
     host_len: usize,
@@ -209,8 +209,8 @@ impl ChunkHasher {
     }
 
     /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes): the
-    /// host writes the chunk records and block ids, the device the segment and row records
-    /// (`orbitkv_xxh3_expand_blocks`), with no list of pieces.
+    /// host writes the block ids, the device every record from them
+    /// (`orbitkv_xxh3_expand_blocks`), with no list of pieces and no tables crossing the bus.
     ///
     /// # Safety
     /// As [`ChunkHasher::submit`], for every part of every block of the job.
@@ -226,28 +226,29 @@ impl ChunkHasher {
         let count = |what: &str, v: u64| {
             u32::try_from(v).map_err(|_| DmaError::Invalid(format!("{v} {what} in one submission")))
         };
-        // Offsets from the device tables' start; `submit_tables` adds where they are.
+        // Addresses filled in by `submit_tables`: the ids where it writes them, the records in
+        // the slot's device tables.
         let expand = ExpandLaunch {
-            ids: t.ids_offset as u64,
+            ids: 0,
             bases: (job.parts, count("parts per block", job.part_count())?),
             stride: job.stride,
             part_len: job.part_len,
             per_chunk: count("blocks per chunk", t.per_chunk as u64)?,
             nchunks: count("chunks", t.chunks as u64)?,
-            rows_per_chunk: super::checksum::rows_of(chunk_len),
-            segs: t.segs_offset as u64,
-            row_segs: t.row_segs_offset as u64,
+            chunks: 0,
+            segs: 0,
+            row_segs: 0,
         };
         let shape = Shape {
             chunks: t.chunks,
-            host_len: t.host_len,
+            host_len: t.ids_len,
             device_len: t.len,
             expand: Some(expand),
         };
         // SAFETY: forwarded from the caller.
         unsafe {
             self.submit_tables(shape, |out| {
-                write_block_records(job, &t, chunk_len, out);
+                write_block_ids(job, out);
                 Ok((t.segs_offset, t.row_segs_offset, t.rows))
             })
         }
@@ -291,8 +292,9 @@ impl ChunkHasher {
             slot.counters =
                 DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
         }
-        let pull_count = table_len.div_ceil(PULL_PIECE);
-        if self.pull.is_some() {
+        // A block-form save's records are written on the device (no tables to bring over).
+        let pull_count = if shape.expand.is_some() { 0 } else { table_len.div_ceil(PULL_PIECE) };
+        if self.pull.is_some() && pull_count > 0 {
             if slot.pull_descs.len() < pull_count * KernelDesc::BYTES {
                 slot.pull_descs = PinnedHost::new(
                     &self.ctx,
@@ -322,29 +324,36 @@ impl ChunkHasher {
             out: results.addr(),
         };
         let expand = shape.expand.map(|e| ExpandLaunch {
-            ids: chunks_at + e.ids,
-            segs: chunks_at + e.segs,
-            row_segs: chunks_at + e.row_segs,
+            ids: slot.tables_host.addr(),
+            chunks: chunks_at,
+            segs: chunks_at + segs_offset as u64,
+            row_segs: chunks_at + row_segs_offset as u64,
             ..e
         });
         let kernels = &self.kernels;
         let pull = self.pull.as_ref();
         let enqueue = || -> Result<(), DmaError> {
-            match pull {
+            match (&expand, pull) {
+                // The expansion reads the ids where they were written (mapped pinned memory,
+                // 8 bytes per block) and writes every record on the device.
+                // SAFETY: the pinned ids and the device tables belong to the slot, free
+                // (waited on `done` above) until `done` is recorded below; the bases are the
+                // job's memory (the caller's contract).
+                (Some(e), _) => unsafe { kernels.launch_expand(stream, e)? },
                 // The tables come over by the copy kernel, its warps reading the mapped pinned
                 // tables (and their own descriptors) in place. A copy would be a host-to-device
                 // copy, which beside a load queues behind the load's data on the copy engine,
                 // and the save's checksums (so the save) would wait a whole load batch.
                 // SAFETY: the pinned tables and descriptors and the device tables belong to
                 // the slot, free (waited on `done` above) until `done` is recorded below.
-                Some(k) => unsafe {
+                (None, Some(k)) => unsafe {
                     // A warp per piece: the reads cross PCIe, and many in flight is what
                     // brings the tables over quickly.
                     let grid = CopyKernel::grid(pull_count as u32, 1, 256, u32::MAX);
                     k.launch(stream, slot.pull_descs.addr(), pull_count as u32, 1, grid, 256)?;
                 },
                 // SAFETY: as above.
-                None => unsafe {
+                (None, None) => unsafe {
                     ffi::copy_async(
                         Way::HostToDevice,
                         chunks_at,
@@ -353,12 +362,6 @@ impl ChunkHasher {
                         stream,
                     )?;
                 },
-            }
-            if let Some(e) = &expand {
-                // SAFETY: the ids came up with the tables, earlier on this stream; the segment
-                // and row records go to the slot's device tables, free as above; the bases
-                // are the job's memory (the caller's contract).
-                unsafe { kernels.launch_expand(stream, e)? };
             }
             // The fold kernel writes the checksums straight into the pinned results (host memory
             // is mapped at the same address under unified addressing): a copy back would queue

@@ -8,10 +8,10 @@
 // names a segment that does not hold its row's first byte, 7 when chunk_of names the wrong
 // chunk for a row of chunks of unequal lengths.
 // With the argument `blocks`, the input is a save in block form instead: nchunks, per_chunk,
-// parts, part_len, stride, rows_per_chunk, data_len (u64 each), the nchunks chunk records,
-// nchunks x per_chunk block ids, parts part bases (offsets into the data), then the data; the
-// segment and row tables are written by orbitkv_xxh3_expand_blocks (run thread by thread on a
-// small grid, so that its threads stride) before the kernels above run on them.
+// parts, part_len, stride, data_len (u64 each), nchunks x per_chunk block ids, parts part
+// bases (offsets into the data), then the data; the chunk, segment and row tables are written
+// by orbitkv_xxh3_expand_blocks (run thread by thread on a small grid, so that its threads
+// stride) before the kernels above run on them.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,13 +78,13 @@ int main(int argc, char** argv) {
     HashSeg* segs;
     u32* row_segs;
     if (argc > 1 && strcmp(argv[1], "blocks") == 0) {
-        u64* head = read_exact(7 * sizeof(u64));
+        u64* head = read_exact(6 * sizeof(u64));
         u64 per_chunk = head[1], parts = head[2], part_len = head[3], stride = head[4];
-        u64 rows_per_chunk = head[5], data_len = head[6];
+        u64 data_len = head[5];
         nchunks = head[0];
         nsegs = nchunks * per_chunk * parts;
-        rows = nchunks * rows_per_chunk;
-        chunks = read_exact(nchunks * sizeof(HashChunk));
+        rows = nchunks * (full_blocks(per_chunk * parts * part_len) + 1);
+        chunks = malloc((nchunks ? nchunks : 1) * sizeof(HashChunk));
         u64* ids = read_exact(nchunks * per_chunk * sizeof(u64));
         u64* bases = read_exact(parts * sizeof(u64));
         unsigned char* data = read_data(data_len);
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
             blockIdx.x = (u32)(t / 32);
             threadIdx.x = (u32)(t % 32);
             orbitkv_xxh3_expand_blocks(ids, bases, (u32)parts, stride, part_len, (u32)per_chunk,
-                                       (u32)nchunks, rows_per_chunk, segs, row_segs);
+                                       (u32)nchunks, chunks, segs, row_segs);
         }
     } else {
         u64* head = read_exact(4 * sizeof(u64));
