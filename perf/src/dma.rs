@@ -34,6 +34,11 @@ pub(crate) struct StrategyResult {
     pub strategy: &'static str,
     /// Whether the staging kernel was used.
     pub staged: bool,
+    /// Whether the staged copies went in block form (block ids and the part table, as the
+    /// server plans them) rather than a descriptor per piece (`--pieces`); not known for the
+    /// server's rows (the server decides).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<bool>,
     /// Median GB/s (10^9 bytes/s) over the timed iterations.
     pub gbps: f64,
     /// Best iteration.
@@ -840,9 +845,12 @@ impl Bench {
         strategies: &[(&'static str, Strategy)],
     ) -> Result<LocalDuplex, Error> {
         let nchunks = self.chunks.len();
-        let per_chunk = self.pieces.len() / nchunks.max(1);
-        let split = per_chunk * (nchunks / 2);
+        let split = self.piece_range(0..nchunks / 2).end;
         let half = self.chunk_len * (nchunks as u64 / 2);
+        // The halves in block form, as the server's DMA threads get them (unless `--pieces`).
+        let (save_chunks, load_chunks) = self.chunks.split_at(nchunks / 2);
+        let save_job = self.memory.block_job(self.host_base, save_chunks).map_err(dma)?;
+        let load_job = self.memory.block_job(self.host_base, load_chunks).map_err(dma)?;
         let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
         let device = self.contiguous.ptr();
         let whole = [
@@ -859,6 +867,10 @@ impl Bench {
             };
             let checked = strategy.is_some();
             let strategy = strategy.unwrap_or(Strategy::Batched);
+            let blocks = checked
+                && !self.pieces_only
+                && other.blocks_for(strategy, &save_job)
+                && self.engine.blocks_for(strategy, &load_job);
             let (mut both, mut saves, mut loads) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..=self.iterations {
                 // Each way from its own thread, as the server's two DMA threads: submitting a
@@ -868,12 +880,20 @@ impl Bench {
                 let engine = &mut self.engine;
                 let (save_s, load_s) = std::thread::scope(|scope| {
                     let save = scope.spawn(|| -> Result<f64, Error> {
-                        let e = unsafe_submit(other, Direction::Save, save_pieces, strategy)?.0;
+                        let e = if blocks {
+                            unsafe_submit_blocks(other, Direction::Save, &save_job)?.0
+                        } else {
+                            unsafe_submit(other, Direction::Save, save_pieces, strategy)?.0
+                        };
                         e.synchronize().map_err(cuda("cuEventSynchronize"))?;
                         Ok(t.elapsed().as_secs_f64())
                     });
                     let load = (|| -> Result<f64, Error> {
-                        let e = unsafe_submit(engine, Direction::Load, load_pieces, strategy)?.0;
+                        let e = if blocks {
+                            unsafe_submit_blocks(engine, Direction::Load, &load_job)?.0
+                        } else {
+                            unsafe_submit(engine, Direction::Load, load_pieces, strategy)?.0
+                        };
                         e.synchronize().map_err(cuda("cuEventSynchronize"))?;
                         Ok(t.elapsed().as_secs_f64())
                     })();
@@ -935,6 +955,7 @@ impl Bench {
             whole.pieces += s.pieces;
             whole.batches += s.batches;
             whole.staged = s.staged;
+            whole.blocks = s.blocks;
             last = Some(event);
         }
         last.map(|e| (e, whole)).ok_or_else(|| Error::Gpu("no pieces to copy".into()))
@@ -1089,6 +1110,7 @@ impl Bench {
         Ok(StrategyResult {
             strategy: name,
             staged: shape.staged,
+            blocks: Some(shape.blocks),
             gbps: median(runs),
             best_gbps: best,
             ratio: 0.0,
@@ -1380,6 +1402,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {
             strategy: "server",
             staged,
+            blocks: None,
             gbps,
             best_gbps: gbps,
             ratio: ratio(gbps, ceiling),

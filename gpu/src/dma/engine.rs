@@ -97,6 +97,8 @@ pub struct JobShape {
     pub host_runs: usize,
     /// The strategy used.
     pub staged: bool,
+    /// Staged in block form ([`CopyEngine::submit_blocks`]) rather than a descriptor per piece.
+    pub blocks: bool,
 }
 
 /// Copy engine of one device and direction-agnostic pipelines (one per thread).
@@ -447,7 +449,8 @@ impl CopyEngine {
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let pieces =
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
-        let mut shape = JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0 };
+        let mut shape =
+            JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0, blocks: true };
         if let Err(e) = self.enqueue_blocks(direction, job, &mut shape, &done) {
             if let Err(sync) = self.synchronize() {
                 tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
@@ -533,8 +536,14 @@ impl CopyEngine {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let staged = self.staged_for(strategy, pieces);
         // `bytes` is counted as the job is enqueued.
-        let mut shape =
-            JobShape { bytes: 0, pieces: pieces.len(), batches: 0, staged, host_runs: 0 };
+        let mut shape = JobShape {
+            bytes: 0,
+            pieces: pieces.len(),
+            batches: 0,
+            staged,
+            host_runs: 0,
+            blocks: false,
+        };
         if staged && self.kernel.is_none() {
             return Err(DmaError::Invalid(format!(
                 "staged copies need the segment copy kernel, which did not load: {}",
