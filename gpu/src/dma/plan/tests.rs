@@ -395,3 +395,126 @@ fn block_form_runs_merge_across_adjacent_slots_and_long_parts_split() {
         ]
     );
 }
+
+/// Every byte's (engine address -> host address) under a plan: the block form's (ids through
+/// the kernel's CPU model, then the host runs) and the piece form's must agree for any layout,
+/// ids and staging size.
+#[test]
+fn block_form_and_piece_form_move_every_byte_alike() {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rand = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let kinds = [
+        KvLayout::FlashAttnNhd,
+        KvLayout::FlashAttnHnd,
+        KvLayout::CrossLayer,
+        KvLayout::MlaPerLayer,
+        KvLayout::SglangPerLayer,
+    ];
+    for round in 0..200 {
+        let layout = kinds[round % kinds.len()];
+        let l = LayoutDesc {
+            layout,
+            num_layers: 1 + rand(4) as u32,
+            num_blocks: 1 + rand(12),
+            block_size: if layout == KvLayout::SglangPerLayer { 1 } else { 1 + rand(3) as u32 },
+            kv_heads: if layout == KvLayout::MlaPerLayer { 1 } else { 1 + rand(3) as u32 },
+            head_dim: 1 + rand(8) as u32,
+            elem_bytes: [1, 2, 4][rand(3) as usize],
+        };
+        l.validate().unwrap();
+        let tensor_bytes = l.tensor_bytes().unwrap();
+        // Tensors apart from each other (as allocations are), the host far above.
+        let tensors: Vec<u64> =
+            (0..l.tensor_count() as u64).map(|t| t * (tensor_bytes + 64)).collect();
+        let per_chunk = 1 + rand(3) as usize;
+        let nchunks = 1 + rand(5) as usize;
+        let chunk_len = l.block_bytes() * per_chunk as u64;
+        let host_base = 1 << 40;
+        let chunks: Vec<(u64, Vec<u64>)> = (0..nchunks)
+            .map(|c| {
+                let ids = (0..per_chunk).map(|_| rand(l.num_blocks)).collect();
+                // Slots in any order, some adjacent.
+                let slot = (nchunks - 1 - c) as u64 * chunk_len * (1 + rand(2));
+                (slot, ids)
+            })
+            .collect();
+        // Slots must not overlap: keep the round only if they do not.
+        let mut spans: Vec<(u64, u64)> = chunks.iter().map(|(o, _)| (*o, o + chunk_len)).collect();
+        spans.sort();
+        if spans.windows(2).any(|w| w[0].1 > w[1].0) {
+            continue;
+        }
+        let staging = 1u64 << 50;
+        let capacity = l.block_bytes() * (1 + rand(4)) + rand(7);
+        // The piece form.
+        let mut want = std::collections::BTreeMap::new();
+        let mut pieces = Vec::new();
+        for (off, ids) in &chunks {
+            chunk_pieces(&l, &tensors, ids, host_base + off, &mut pieces);
+        }
+        for b in stage(&pieces, capacity, 1 << 20) {
+            for d in b.descs(staging, true) {
+                for k in 0..d.len {
+                    want.insert(d.src + k, d.dst + k - staging);
+                }
+            }
+            let mut out = std::collections::BTreeMap::new();
+            for r in &b.runs {
+                for k in 0..r.len {
+                    out.insert(r.staging + k, r.host + k);
+                }
+            }
+            for v in want.values_mut() {
+                if let Some(h) = out.get(v) {
+                    *v = *h | (1 << 63);
+                }
+            }
+        }
+        // The block form.
+        let (bases, stride) = l.part_bases(&tensors);
+        let job = BlockJob {
+            parts: 0,
+            bases: &bases,
+            part_len: l.part_len(),
+            stride,
+            host_base,
+            chunks: &chunks,
+        };
+        let mut got = std::collections::BTreeMap::new();
+        let mut table = vec![0u8; 8 * (1 + rand(6) as usize)];
+        let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+        loop {
+            let n = next_blocks_into(&job, &mut at, capacity, &mut table, &mut batch);
+            if n == 0 {
+                break;
+            }
+            let ids: Vec<u64> = table[..n * 8]
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                .collect();
+            let mut staged = std::collections::BTreeMap::new();
+            for d in block_copies(&job, &ids, staging, true) {
+                for k in 0..d.len {
+                    staged.insert(d.src + k, d.dst + k - staging);
+                }
+            }
+            let mut out = std::collections::BTreeMap::new();
+            for r in &batch.runs {
+                for k in 0..r.len {
+                    out.insert(r.staging + k, r.host + k);
+                }
+            }
+            for (src, st) in staged {
+                got.insert(src, out[&st] | (1 << 63));
+            }
+        }
+        // A block id repeated within a job maps its bytes twice in both forms; the maps keep
+        // the last, the same in both (the forms walk chunks and blocks in the same order).
+        assert_eq!(got, want, "{l:?}, {chunks:?}, capacity {capacity}");
+    }
+}
