@@ -17,7 +17,12 @@ def num(v, fmt="{:.3f}"):
 def local(name, d):
     """perf/scripts/device-dma.sh: dma-TAGname.json."""
     for r in d.get("results", []):
-        rows = ", ".join(f"{s['strategy']} {num(s['ratio'])}" for s in r["strategies"])
+        # "(blocks)" / "(pieces)": how a staged strategy was planned, where the JSON says.
+        form = lambda s: (
+            "" if not s.get("staged") or s.get("blocks") is None
+            else " (blocks)" if s["blocks"] else " (pieces)"
+        )
+        rows = ", ".join(f"{s['strategy']}{form(s)} {num(s['ratio'])}" for s in r["strategies"])
         print(f"{name}: {r['direction']} ceiling {num(r['ceiling_gbps'], '{:.1f}')} GB/s: {rows}")
     c = d.get("checksums")
     if c:
