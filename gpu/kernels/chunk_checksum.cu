@@ -525,3 +525,159 @@ ORBITKV_KERNEL void orbitkv_xxh3_expand_blocks(const u64* ids, const u64* bases,
         row_segs[r] = (u32)(c * spc + (b * 1024) / part_len);
     }
 }
+
+// Fused form (`--gpu-checksums fused`, an experiment): the gather of a block-form save sums
+// each 1 KiB row's lanes from the bytes it already holds in registers, instead of the row-sum
+// kernel reading the job's bytes again from the engine's pages; only the fold runs after it.
+// It needs every part a multiple of 1 KiB (so a chunk is too) and 16-byte aligned addresses.
+
+// Adds one 16-byte piece's effect on its lane pair: lanes 2q and 2q+1 (q = (o / 16) % 4) of
+// the row holding it, `o` its offset in the row (a multiple of 16), (w0, w1) its two words.
+// In a chunk's last row (`last`), stripe 15 is XXH3's final stripe (the chunk's last 64 bytes)
+// and takes the final secret `fin` (L) in place of the row's stripe secret: the chunk is a
+// multiple of 1 KiB, so its last row has 15 stripes of its own (row_by_cursor's n) and then
+// the final one over the same 64 bytes.
+ORBITKV_DEVICE void piece_sums(u64 w0, u64 w1, u32 o, int last, const u64* key, const u64* fin,
+                               u64* a, u64* b) {
+    u32 stripe = o >> 6;
+    u32 j = 2u * ((o >> 4) & 3u);
+    if (last && stripe == 15u) {
+        *a += stripe_lane(w0, w1, j, fin[j]);
+        *b += stripe_lane(w0, w1, j + 1u, fin[j + 1u]);
+    } else {
+        *a += stripe_lane(w0, w1, j, key[stripe + j]);
+        *b += stripe_lane(w0, w1, j + 1u, key[stripe + j + 1u]);
+    }
+}
+
+// orbitkv_xxh3_fold_merge for chunks all of `len` bytes (a multiple of 1 KiB), chunk k's rows
+// from k * (full_blocks(len) + 1): no chunk table.
+ORBITKV_KERNEL void orbitkv_xxh3_fold_uniform(u64 len, u32 nchunks, u64* scratch, u32* counters,
+                                              u64* out) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 k = t >> 3;
+    u32 j = (u32)(t & 7u);
+    if (k >= nchunks) {
+        return;
+    }
+    u64 nb = full_blocks(len);
+    u64* lane = scratch + 8 * (k * (nb + 1)) + j;
+    lane[8 * nb] += fold_lane(lane, nb, j);
+    ORBITKV_FENCE();
+    if (ORBITKV_COUNT(&counters[k]) != 7u) {
+        return;
+    }
+    counters[k] = 0;
+    ORBITKV_FENCE();
+    out[k] = merge(len, scratch + 8 * (k * (nb + 1) + nb));
+}
+
+#ifdef __CUDACC__
+// The block copy kernel's gather (copy_blocks.cu: unit u is piece u % subs of part
+// (u / subs) % part_count of the batch's block u / subs / part_count, a warp per group of up
+// to eight units) with each 1 KiB row's lane sums written to scratch[8 * row + lane], the row
+// numbered in the job: the batch's first block is the job's block `first_block`, chunk c of the
+// job is blocks c * per_chunk ..., its rows c * rows_per_chunk .... A row is two 16-byte loads
+// per thread of the warp: thread T's first is stripe T / 4, lane pair T % 4, its second stripe
+// 8 + T / 4; three xor-shuffles over the thread bits above the pair sum each pair's stripes,
+// and threads 0-3 write the row's eight lanes.
+#define SUM_UNIT (64ull << 10)
+#define SUM_GROUP 8u
+ORBITKV_DEVICE u64 warp_pair_sum(u64 v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    return v;
+}
+
+extern "C" __global__ void orbitkv_copy_blocks_summed(
+    const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
+    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs,
+    u32 count, u32 group, u32 first_block, u32 per_chunk) {
+    __shared__ u64 key[24];
+    __shared__ u64 fin[8];
+    if (threadIdx.x < 24) {
+        key[threadIdx.x] = W[threadIdx.x];
+    }
+    if (threadIdx.x < 8) {
+        fin[threadIdx.x] = L[threadIdx.x];
+    }
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u;
+    const u32 g = group < 1u ? 1u : (group > SUM_GROUP ? SUM_GROUP : group);
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 first = (((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * g; first < count;
+         first += warps * g) {
+        const u32 here = count - first < g ? (u32)(count - first) : g;
+        u64 src = 0, dst = 0, len = 0, row = 0, last_row = 0;
+        if (lane < here) {
+            const u32 u = (u32)first + lane;
+            const u32 r = u / subs;
+            const u32 p = r % part_count;
+            const u32 i = r / part_count;
+            const u64 skip = (u64)(u % subs) * SUM_UNIT;
+            const u64 left = part_len - skip;
+            len = left < SUM_UNIT ? left : SUM_UNIT;
+            src = parts[p] + blocks[i] * stride + skip;
+            dst = staging + (u64)r * part_len + skip;
+            const u64 b = (u64)first_block + i;
+            const u64 c = b / per_chunk;
+            const u64 in_chunk = ((b - c * per_chunk) * part_count + p) * part_len + skip;
+            row = c * rows_per_chunk + in_chunk / 1024;
+            last_row = c * rows_per_chunk + rows_per_chunk - 1;
+        }
+        for (u32 j = 0; j < here; j++) {
+            const ulonglong2* __restrict__ s =
+                reinterpret_cast<const ulonglong2*>(__shfl_sync(0xffffffffu, src, j));
+            ulonglong2* __restrict__ t =
+                reinterpret_cast<ulonglong2*>(__shfl_sync(0xffffffffu, dst, j));
+            const u64 rows = __shfl_sync(0xffffffffu, len, j) >> 10;
+            const u64 row0 = __shfl_sync(0xffffffffu, row, j);
+            const u64 last = __shfl_sync(0xffffffffu, last_row, j);
+            u64 k = 0;
+            // Two rows at a time: four loads in flight per thread before their stores.
+            for (; k + 1 < rows; k += 2) {
+                const ulonglong2 x0 = s[64 * k + lane];
+                const ulonglong2 y0 = s[64 * k + 32 + lane];
+                const ulonglong2 x1 = s[64 * k + 64 + lane];
+                const ulonglong2 y1 = s[64 * k + 96 + lane];
+                t[64 * k + lane] = x0;
+                t[64 * k + 32 + lane] = y0;
+                t[64 * k + 64 + lane] = x1;
+                t[64 * k + 96 + lane] = y1;
+                u64 a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+                piece_sums(x0.x, x0.y, 16u * lane, row0 + k == last, key, fin, &a0, &b0);
+                piece_sums(y0.x, y0.y, 512u + 16u * lane, row0 + k == last, key, fin, &a0, &b0);
+                piece_sums(x1.x, x1.y, 16u * lane, row0 + k + 1 == last, key, fin, &a1, &b1);
+                piece_sums(y1.x, y1.y, 512u + 16u * lane, row0 + k + 1 == last, key, fin, &a1,
+                           &b1);
+                a0 = warp_pair_sum(a0);
+                b0 = warp_pair_sum(b0);
+                a1 = warp_pair_sum(a1);
+                b1 = warp_pair_sum(b1);
+                if (lane < 4u) {
+                    scratch[8 * (row0 + k) + 2 * lane] = a0;
+                    scratch[8 * (row0 + k) + 2 * lane + 1] = b0;
+                    scratch[8 * (row0 + k + 1) + 2 * lane] = a1;
+                    scratch[8 * (row0 + k + 1) + 2 * lane + 1] = b1;
+                }
+            }
+            for (; k < rows; k++) {
+                const ulonglong2 x = s[64 * k + lane];
+                const ulonglong2 y = s[64 * k + 32 + lane];
+                t[64 * k + lane] = x;
+                t[64 * k + 32 + lane] = y;
+                u64 a = 0, b = 0;
+                piece_sums(x.x, x.y, 16u * lane, row0 + k == last, key, fin, &a, &b);
+                piece_sums(y.x, y.y, 512u + 16u * lane, row0 + k == last, key, fin, &a, &b);
+                a = warp_pair_sum(a);
+                b = warp_pair_sum(b);
+                if (lane < 4u) {
+                    scratch[8 * (row0 + k) + 2 * lane] = a;
+                    scratch[8 * (row0 + k) + 2 * lane + 1] = b;
+                }
+            }
+        }
+    }
+}
+#endif

@@ -270,3 +270,37 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
     }
     let _ = std::fs::remove_file(emu);
 }
+
+#[test]
+fn fused_row_sums_and_the_uniform_fold_give_chunk_checksum() {
+    let emu = emulator("fused");
+    let mut rng = Rng(0x1357_9bdf_2468_ace0);
+    // One row, two, the fold's groups of 16 rows around their edges, 2 MiB.
+    for (nchunks, len) in
+        [(3u64, 1024u64), (2, 2048), (4, 16 << 10), (2, 17 << 10), (3, 33 << 10), (1, 2 << 20)]
+    {
+        let data: Vec<u8> = (0..nchunks * len).map(|_| rng.next() as u8).collect();
+        let mut input = Vec::new();
+        for w in [nchunks, len] {
+            input.extend_from_slice(&w.to_le_bytes());
+        }
+        input.extend_from_slice(&data);
+        let mut child = Command::new(&emu)
+            .arg("fused")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(&input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "emulation exited {:?}", out.status);
+        let got: Vec<u64> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| u64::from_str_radix(l, 16).unwrap())
+            .collect();
+        let want: Vec<u64> = data.chunks(len as usize).map(orbitkv_proto::chunk_checksum).collect();
+        assert_eq!(got, want, "{nchunks} chunks of {len} bytes");
+    }
+    let _ = std::fs::remove_file(emu);
+}

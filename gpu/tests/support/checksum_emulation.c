@@ -69,9 +69,54 @@ static unsigned char* read_data(u64 data_len) {
     return data;
 }
 
+// The fused form's arithmetic (argument `fused`): input nchunks, chunk_len (a multiple of
+// 1 KiB), then the chunks' bytes one after another. Each row's lane sums are the sums of
+// piece_sums over its 64 pieces of 16 bytes (what the warp's threads add up with shuffles in
+// orbitkv_copy_blocks_summed), then orbitkv_xxh3_fold_uniform folds them, thread by thread in
+// reverse order; prints one checksum per chunk; exits 3 when a counter is left non-zero.
+static int fused(void) {
+    u64* head = read_exact(2 * sizeof(u64));
+    u64 nchunks = head[0], len = head[1];
+    unsigned char* data = read_data(nchunks * len);
+    u64 rpc = full_blocks(len) + 1;
+    u64* scratch = calloc(nchunks * rpc * 8 + 1, sizeof(u64));
+    u32* counters = calloc(nchunks + 1, sizeof(u32));
+    u64* out = calloc(nchunks + 1, sizeof(u64));
+    for (u64 c = 0; c < nchunks; c++) {
+        for (u64 r = 0; r < rpc; r++) {
+            const unsigned char* row = data + c * len + r * 1024;
+            u64* lanes = scratch + 8 * (c * rpc + r);
+            for (u32 o = 0; o < 1024; o += 16) {
+                u64 w[2];
+                memcpy(w, row + o, 16);
+                u32 q = (o >> 4) & 3u;
+                piece_sums(w[0], w[1], o, r + 1 == rpc, W, L, &lanes[2 * q], &lanes[2 * q + 1]);
+            }
+        }
+    }
+    blockDim.x = 128;
+    gridDim.x = (u32)((nchunks * 8 + 127) / 128);
+    for (u64 i = 0; i < nchunks * 8; i++) {
+        u64 t = nchunks * 8 - 1 - i;
+        blockIdx.x = (u32)(t / 128);
+        threadIdx.x = (u32)(t % 128);
+        orbitkv_xxh3_fold_uniform(len, (u32)nchunks, scratch, counters, out);
+    }
+    for (u64 c = 0; c < nchunks; c++) {
+        printf("%016llx\n", out[c]);
+        if (counters[c] != 0) {
+            return 3;
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (!check_chunk_of()) {
         return 7;
+    }
+    if (argc > 1 && strcmp(argv[1], "fused") == 0) {
+        return fused();
     }
     u64 nchunks, nsegs, rows;
     HashChunk* chunks;
