@@ -11,7 +11,7 @@ mod timeline;
 
 pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
-pub use hasher::{ChecksumTicket, ChunkHasher};
+pub use hasher::{ChecksumTicket, ChunkHasher, SummedSave};
 pub use memory::{EngineMemory, TensorExport};
 pub use timeline::SpanTotals;
 

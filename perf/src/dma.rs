@@ -1173,7 +1173,7 @@ fn unsafe_submit_blocks(
 ) -> Result<(CudaEvent, JobShape), Error> {
     // SAFETY: see above (the blocks are the benchmark's, their ids checked by `block_job`;
     // the slots its arena's).
-    unsafe { engine.submit_blocks(direction, job) }.map_err(dma)
+    unsafe { engine.submit_blocks(direction, job, None) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]

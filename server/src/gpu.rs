@@ -18,7 +18,7 @@ use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
-    Strategy, SubmitTimes, TensorExport, BATCHED_FROM,
+    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -59,6 +59,9 @@ pub enum ChecksumPlace {
     Verify,
     /// On the shards, from the bytes in the arena.
     Cpu,
+    /// As `Gpu`, the rows summed by the save's gather itself where the layout allows (parts
+    /// a multiple of 1 KiB): an experiment, to be measured against `Gpu`.
+    Fused,
 }
 
 impl ChecksumPlace {
@@ -68,15 +71,17 @@ impl ChecksumPlace {
             Self::Gpu => "gpu",
             Self::Verify => "verify",
             Self::Cpu => "cpu",
+            Self::Fused => "fused",
         }
     }
 
-    /// Parses `gpu`, `verify` or `cpu`.
+    /// Parses `gpu`, `verify`, `cpu` or `fused`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "gpu" => Some(Self::Gpu),
             "verify" => Some(Self::Verify),
             "cpu" => Some(Self::Cpu),
+            "fused" => Some(Self::Fused),
             _ => None,
         }
     }
@@ -689,10 +694,15 @@ impl GpuService {
                 let submitted = Instant::now();
                 let cpu_at_submit = thread_cpu_ns();
                 let mut pieces_took = Duration::ZERO;
-                match self.start_job(&mut engines, direction, &job, (&mut pieces, &mut pieces_took))
-                {
+                let started = self.start_job(
+                    (&mut engines, &mut hashers),
+                    direction,
+                    &job,
+                    (&mut pieces, &mut pieces_took),
+                );
+                match started {
                     // The engine memory stays referenced until the event has completed.
-                    Ok((event, shape, blocks)) => {
+                    Ok((event, shape, planned)) => {
                         // In flight first (a panic from here on fails it rather than losing
                         // it), then the checksums attached.
                         let save = direction == Direction::Save;
@@ -709,8 +719,13 @@ impl GpuService {
                         });
                         busy_since.get_or_insert(submitted);
                         if save {
-                            let planned = if blocks { None } else { Some(&pieces[..]) };
-                            let ticket = self.gpu_checksums(&mut hashers, &job, planned);
+                            let ticket = match planned {
+                                Planned::Summed(ticket) => ticket,
+                                Planned::Blocks => self.gpu_checksums(&mut hashers, &job, None),
+                                Planned::Pieces => {
+                                    self.gpu_checksums(&mut hashers, &job, Some(&pieces))
+                                }
+                            };
                             inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
                         add_time(&sc.total_ns, submitted.elapsed());
@@ -858,16 +873,7 @@ impl GpuService {
         if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
         }
-        let hasher = hashers[job.device]
-            .get_or_insert_with(|| match ChunkHasher::new(&self.contexts[job.device]) {
-                Ok(h) => Some(h),
-                Err(e) => {
-                    tracing::warn!(device = %self.devices[job.device].uuid, error = %e,
-                        "GPU checksum kernels not loaded: saves' checksums are computed on the shards");
-                    None
-                }
-            })
-            .as_mut()?;
+        let hasher = self.hasher(hashers, job.device)?;
         let submitted = match pieces {
             Some(pieces) => submit_checksums(hasher, pieces, job.chunk_len),
             None => job
@@ -882,6 +888,25 @@ impl GpuService {
                 None
             }
         }
+    }
+
+    /// The checksum kernels of `device`, loaded at the first use (None when they did not load:
+    /// logged once, and the shards compute saves' checksums).
+    fn hasher<'h>(
+        &self,
+        hashers: &'h mut [Option<Option<ChunkHasher>>],
+        device: usize,
+    ) -> Option<&'h mut ChunkHasher> {
+        hashers[device]
+            .get_or_insert_with(|| match ChunkHasher::new(&self.contexts[device]) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(device = %self.devices[device].uuid, error = %e,
+                        "GPU checksum kernels not loaded: saves' checksums are computed on the shards");
+                    None
+                }
+            })
+            .as_mut()
     }
 
     /// Hands completions to their shards' queues, oldest first, ringing each shard; keeps
@@ -905,11 +930,11 @@ impl GpuService {
     /// Plans and enqueues a job; the event completes when its bytes have landed.
     fn start_job(
         &self,
-        engines: &mut [Option<CopyEngine>],
+        (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
         direction: Direction,
         job: &GpuJob,
         (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
-    ) -> Result<(CudaEvent, JobShape, bool), String> {
+    ) -> Result<(CudaEvent, JobShape, Planned), String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => {
@@ -966,7 +991,29 @@ impl GpuService {
                 ));
             }
             *took = t.elapsed();
-            return submit_blocks(engine, direction, &block_job).map(|(e, s)| (e, s, true));
+            // `--gpu-checksums fused`: the save's gather sums the rows, the fold follows it.
+            let fused =
+                direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused;
+            let mut hasher = if fused { self.hasher(hashers, job.device) } else { None };
+            let summed = match hasher.as_mut().map(|h| h.begin_summed(&block_job, job.chunk_len)) {
+                Some(Ok(s)) => s,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "fused GPU checksums not started; the usual kernels compute them");
+                    None
+                }
+                None => None,
+            };
+            let (event, shape) = submit_blocks(engine, direction, &block_job, summed.as_ref())?;
+            let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
+            let hasher = hasher.expect("a summed save has its hasher");
+            let ticket = engine
+                .kernels_done()
+                .and_then(|gathered| finish_summed(hasher, s, &gathered))
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them")
+                })
+                .ok();
+            return Ok((event, shape, Planned::Summed(ticket)));
         }
         for (offset, blocks) in &job.chunks {
             let len = job
@@ -982,7 +1029,8 @@ impl GpuService {
         // alive by `job.memory` until the event completes: the caller keeps the job's memory
         // Arc with the event) and arena slots the submitting request holds until it receives
         // the completion; the arena is registered with CUDA and outlives this service.
-        submit_pieces(engine, direction, pieces, self.limits.copy).map(|(e, s)| (e, s, false))
+        submit_pieces(engine, direction, pieces, self.limits.copy)
+            .map(|(e, s)| (e, s, Planned::Pieces))
     }
 }
 
@@ -1022,10 +1070,33 @@ fn submit_blocks(
     engine: &mut CopyEngine,
     direction: Direction,
     job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+    summed: Option<&SummedSave>,
 ) -> Result<(CudaEvent, JobShape), String> {
     // SAFETY: see `GpuService::start_job`; the block ids were checked against the engine's
     // blocks, and the chunks' arena ranges against the arena.
-    unsafe { engine.submit_blocks(direction, job) }.map_err(|e| e.to_string())
+    unsafe { engine.submit_blocks(direction, job, summed) }.map_err(|e| e.to_string())
+}
+
+#[allow(unsafe_code)]
+fn finish_summed(
+    hasher: &mut ChunkHasher,
+    s: SummedSave,
+    gathered: &CudaEvent,
+) -> Result<ChecksumTicket, orbitkv_gpu::dma::DmaError> {
+    // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` was
+    // recorded on the copy engine's kernel stream after that job's last gather.
+    unsafe { hasher.finish_summed(s, gathered) }
+}
+
+/// How a job went to the GPU, for its checksums.
+enum Planned {
+    /// As pieces (the job's, in the DMA thread's piece list).
+    Pieces,
+    /// In block form.
+    Blocks,
+    /// In block form with the rows summed by its gather (`--gpu-checksums fused`): the
+    /// fold's ticket, None when it could not be started (the shards compute them).
+    Summed(Option<ChecksumTicket>),
 }
 
 #[allow(unsafe_code)]
@@ -1042,6 +1113,17 @@ fn submit_pieces(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checksum_places_parse_as_they_are_spelled() {
+        for p in
+            [ChecksumPlace::Gpu, ChecksumPlace::Verify, ChecksumPlace::Cpu, ChecksumPlace::Fused]
+        {
+            assert_eq!(ChecksumPlace::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(ChecksumPlace::parse("GPU"), None);
+        assert_eq!(ChecksumPlace::parse(""), None);
+    }
 
     #[test]
     fn the_thread_cpu_clock_advances_with_work_on_this_thread() {

@@ -15,9 +15,11 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{
-    self, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel, Way,
+    self, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel,
+    SummedGather, Way,
 };
 use super::hasher::drv;
+use super::hasher::SummedSave;
 use super::plan::{
     compact_uniform, next_batch_into, next_blocks_into, BlockCursor, BlockJob, KernelDesc, Piece,
     StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
@@ -176,6 +178,9 @@ enum Work {
     /// Block ids (`next_blocks_into`) and the layout's arithmetic; the table and staging
     /// addresses are filled in at launch.
     Blocks(BlockLaunch),
+    /// As `Blocks`, a save's gather summing its rows too (the fused form), the batch's first
+    /// block being the job's block of that number.
+    Summed(BlockLaunch, SummedGather, u32),
 }
 
 /// Launches the block kernel over `l` with the batch's block ids at `blocks` and the half's
@@ -444,14 +449,17 @@ impl CopyEngine {
         &mut self,
         direction: Direction,
         job: &BlockJob<'_>,
+        summed: Option<&SummedSave>,
     ) -> Result<(CudaEvent, JobShape), DmaError> {
+        // The fused form sums rows as a save gathers them.
+        let summed = summed.filter(|_| direction == Direction::Save).map(SummedSave::gather);
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let pieces =
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
         let mut shape =
             JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0, blocks: true };
-        if let Err(e) = self.enqueue_blocks(direction, job, &mut shape, &done) {
+        if let Err(e) = self.enqueue_blocks(direction, job, summed, &mut shape, &done) {
             if let Err(sync) = self.synchronize() {
                 tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
             }
@@ -465,6 +473,7 @@ impl CopyEngine {
         &mut self,
         direction: Direction,
         job: &BlockJob<'_>,
+        summed: Option<SummedGather>,
         shape: &mut JobShape,
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
@@ -474,6 +483,8 @@ impl CopyEngine {
         let half = self.staging_half() as u64;
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
+        // The job's blocks staged before this batch (the fused gather numbers rows in the job).
+        let mut first_block = 0u32;
         let result = (|| {
             loop {
                 let h = &mut self.halves[self.next];
@@ -491,7 +502,7 @@ impl CopyEngine {
                 shape.host_runs += batch.runs.len();
                 let subs = job.part_len.div_ceil(BLOCK_UNIT).max(1);
                 let units = ids as u64 * job.part_count() * subs;
-                let work = Work::Blocks(BlockLaunch {
+                let launch = BlockLaunch {
                     parts: job.parts,
                     blocks: 0, // set per direction by enqueue_batch
                     stride: job.stride,
@@ -504,8 +515,14 @@ impl CopyEngine {
                         .map_err(|_| DmaError::Invalid(format!("{units} units in one batch")))?,
                     group: CopyKernel::group(batch.bytes, units as usize),
                     gather: direction == Direction::Save,
-                });
+                };
+                let work = match summed {
+                    Some(g) => Work::Summed(launch, g, first_block),
+                    None => Work::Blocks(launch),
+                };
                 self.enqueue_batch(direction, &batch, ids, work)?;
+                first_block = u32::try_from(u64::from(first_block) + ids as u64)
+                    .map_err(|_| DmaError::Invalid("more than 2^32 blocks in one job".into()))?;
             }
             Ok::<(), DmaError>(())
         })();
@@ -516,6 +533,14 @@ impl CopyEngine {
             Direction::Load => &self.kernel_stream,
         };
         done.record(last).map_err(drv("cuEventRecord"))
+    }
+
+    /// An event recorded on the kernel stream now: it completes once every gather or scatter
+    /// enqueued so far has run (for a fused save, once its row sums are all written).
+    pub fn kernels_done(&self) -> Result<CudaEvent, DmaError> {
+        let e = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        e.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
+        Ok(e)
     }
 
     /// Enqueues the copy of `pieces` and returns the event that completes when every byte has
@@ -714,7 +739,7 @@ impl CopyEngine {
         };
         let table_bytes = match work {
             // Block ids, 8 bytes each.
-            Work::Blocks(_) => n * 8,
+            Work::Blocks(_) | Work::Summed(..) => n * 8,
             Work::Segments { .. } if uniform.is_some() => {
                 compact_uniform(table, n);
                 n * 8
@@ -800,6 +825,13 @@ impl CopyEngine {
                     Work::Blocks(l) => unsafe {
                         launch_blocks(block_kernel, kernel_stream, l, h.descs_host.addr(), staging)?
                     },
+                    // SAFETY: as the block gather; the row sums go to the job's scratch rows,
+                    // which its checksum submission holds (`SummedSave`) until its fold.
+                    Work::Summed(l, g, first) => unsafe {
+                        let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..l };
+                        let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
+                        ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
+                    },
                     // SAFETY: descriptors name engine pieces (submit's contract) and this
                     // half's staging, free since `free` was waited on; the host table stays
                     // untouched until `uploaded`, recorded after the kernel, has passed.
@@ -843,7 +875,8 @@ impl CopyEngine {
                 match (work, uniform, &self.scatter_uniform) {
                     // SAFETY: staging filled (waited); the device table holds the batch's
                     // block ids, the part table names engine parts (submit_blocks' contract).
-                    (Work::Blocks(l), _, _) => unsafe {
+                    // Loads are never summed (`submit_blocks` keeps the fused form to saves).
+                    (Work::Blocks(l) | Work::Summed(l, ..), _, _) => unsafe {
                         launch_blocks(block_kernel, kernel_stream, l, table, staging)?
                     },
                     (_, Some(len), Some(k)) => {

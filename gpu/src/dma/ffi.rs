@@ -380,6 +380,44 @@ impl BlockKernel {
     }
 }
 
+/// Launches the fused gather `g` on `stream` over `l`'s units (a save: `l.gather` is ignored),
+/// the batch's first block being the job's block `first_block`.
+///
+/// # Safety
+/// As [`BlockKernel::launch`], and `g.scratch` must hold the job's rows in device memory that
+/// nothing else uses until the stream passes the launch.
+pub(crate) unsafe fn launch_summed(
+    stream: &CudaStream,
+    l: BlockLaunch,
+    g: &SummedGather,
+    first_block: u32,
+    (grid, threads): (u32, u32),
+) -> Result<(), DmaError> {
+    let (mut parts, mut blocks, mut stride, mut part_len, mut staging) =
+        (l.parts, l.blocks, l.stride, l.part_len, l.staging);
+    let (mut scratch, mut rows_per_chunk) = (g.scratch, g.rows_per_chunk);
+    let (mut part_count, mut subs, mut count, mut group) = (l.part_count, l.subs, l.count, l.group);
+    let (mut first_block, mut per_chunk) = (first_block, g.per_chunk);
+    let mut params: [*mut c_void; 13] = [
+        (&raw mut parts).cast::<c_void>(),
+        (&raw mut blocks).cast::<c_void>(),
+        (&raw mut stride).cast::<c_void>(),
+        (&raw mut part_len).cast::<c_void>(),
+        (&raw mut staging).cast::<c_void>(),
+        (&raw mut scratch).cast::<c_void>(),
+        (&raw mut rows_per_chunk).cast::<c_void>(),
+        (&raw mut part_count).cast::<c_void>(),
+        (&raw mut subs).cast::<c_void>(),
+        (&raw mut count).cast::<c_void>(),
+        (&raw mut group).cast::<c_void>(),
+        (&raw mut first_block).cast::<c_void>(),
+        (&raw mut per_chunk).cast::<c_void>(),
+    ];
+    // SAFETY: parameters match `orbitkv_copy_blocks_summed` (seven u64, six u32, in this
+    // order); the caller guarantees the memory they name.
+    unsafe { launch(g.func, stream, grid, threads, &mut params, "summed block gather") }
+}
+
 // SAFETY: module and function handles are usable from any thread bound to the context.
 unsafe impl Send for BlockKernel {}
 
@@ -451,7 +489,23 @@ pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
     fold: sys::CUfunction,
     expand: sys::CUfunction,
+    /// The fused form's gather and fold (`--gpu-checksums fused`); None when the PTX lacks
+    /// them (one loaded from `ORBITKV_CHECKSUM_KERNEL_PTX` before they existed).
+    fused: Option<(sys::CUfunction, sys::CUfunction)>,
     _module: PtxModule,
+}
+
+/// The fused form's part of a block-form save's gather ([`ChecksumKernels::summed_gather`]):
+/// the kernel, and where the job's row sums go.
+#[derive(Clone, Copy, Debug)]
+pub struct SummedGather {
+    func: sys::CUfunction,
+    /// Scratch rows of the job (64 bytes each, device memory).
+    pub(crate) scratch: u64,
+    /// Rows per chunk (the chunk length / 1 KiB).
+    pub(crate) rows_per_chunk: u64,
+    /// Blocks per chunk.
+    pub(crate) per_chunk: u32,
 }
 
 /// A save in block form, for the kernel that writes its checksum tables on the device
@@ -508,8 +562,57 @@ impl ChecksumKernels {
             rows: module.function("orbitkv_xxh3_row_runs")?,
             fold: module.function("orbitkv_xxh3_fold_merge")?,
             expand: module.function("orbitkv_xxh3_expand_blocks")?,
+            fused: module
+                .function("orbitkv_copy_blocks_summed")
+                .and_then(|g| Ok((g, module.function("orbitkv_xxh3_fold_uniform")?)))
+                .ok(),
             _module: module,
         })
+    }
+
+    /// The fused gather for a job whose row sums go to `scratch` (None without the kernels).
+    pub(crate) fn summed_gather(
+        &self,
+        scratch: u64,
+        rows_per_chunk: u64,
+        per_chunk: u32,
+    ) -> Option<SummedGather> {
+        let (func, _) = self.fused?;
+        Some(SummedGather { func, scratch, rows_per_chunk, per_chunk })
+    }
+
+    /// Launches the uniform fold on `stream`: `nchunks` chunks of `len` bytes whose row sums
+    /// are in `scratch`, one checksum each into `out`; `counters` zero, and zero again after.
+    ///
+    /// # Safety
+    /// As [`ChecksumKernels::launch`] for the scratch rows (all written before the stream
+    /// reaches this launch), the counters and `out`.
+    pub(crate) unsafe fn launch_fold_uniform(
+        &self,
+        stream: &CudaStream,
+        (len, nchunks): (u64, u32),
+        scratch: u64,
+        counters: u64,
+        out: u64,
+    ) -> Result<(), DmaError> {
+        const THREADS: u32 = 256;
+        let (_, fold) = self.fused.ok_or_else(|| {
+            DmaError::Invalid("the fused checksum kernels are not in this PTX".into())
+        })?;
+        let (mut len, mut n, mut sc, mut co, mut o) = (len, nchunks, scratch, counters, out);
+        let mut params: [*mut c_void; 5] = [
+            (&raw mut len).cast(),
+            (&raw mut n).cast(),
+            (&raw mut sc).cast(),
+            (&raw mut co).cast(),
+            (&raw mut o).cast(),
+        ];
+        let grid = (u64::from(nchunks) * 8).div_ceil(u64::from(THREADS)).max(1);
+        let grid = u32::try_from(grid)
+            .map_err(|_| DmaError::Invalid(format!("{nchunks} chunks exceed a CUDA grid")))?;
+        // SAFETY: matches `orbitkv_xxh3_fold_uniform(u64, u32, u64*, u32*, u64*)`, eight
+        // threads per chunk; memory per this function's contract.
+        unsafe { launch(fold, stream, grid, THREADS, &mut params, "checksum uniform fold") }
     }
 
     /// Launches the kernel that writes a block-form save's segment and row records on the
@@ -868,6 +971,18 @@ mod tests {
         assert_eq!(
             entry_params(super::COPY_BLOCKS_PTX, "orbitkv_copy_blocks"),
             [".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32"]
+        );
+        // As launch_summed and ChecksumKernels::launch_fold_uniform pass them.
+        assert_eq!(
+            entry_params(super::CHUNK_CHECKSUM_PTX, "orbitkv_copy_blocks_summed"),
+            [
+                ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32",
+                ".u32", ".u32", ".u32"
+            ]
+        );
+        assert_eq!(
+            entry_params(super::CHUNK_CHECKSUM_PTX, "orbitkv_xxh3_fold_uniform"),
+            [".u64", ".u32", ".u64", ".u64", ".u64"]
         );
         // As ChecksumKernels::launch_expand passes them.
         assert_eq!(

@@ -14,7 +14,8 @@ use super::checksum::{
     ROW_BYTES,
 };
 use super::ffi::{
-    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch, PinnedHost, Way,
+    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch, PinnedHost,
+    SummedGather, Way,
 };
 use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
@@ -51,6 +52,23 @@ struct Shape {
     host_len: usize,
     device_len: usize,
     expand: Option<ExpandLaunch>,
+}
+
+/// A fused-form save's checksums in the making ([`ChunkHasher::begin_summed`]): the slot whose
+/// scratch rows the job's gather writes, and the results buffer the fold will fill.
+pub struct SummedSave {
+    slot: usize,
+    results: PinnedHost,
+    nchunks: u32,
+    chunk_len: u64,
+    gather: SummedGather,
+}
+
+impl SummedSave {
+    /// What the copy engine's gather needs to sum the job's rows.
+    pub(crate) fn gather(&self) -> SummedGather {
+        self.gather
+    }
 }
 
 /// Pinned result buffers handed to tickets and given back when they are dropped.
@@ -252,6 +270,100 @@ impl ChunkHasher {
                 Ok((t.segs_offset, t.row_segs_offset, t.rows))
             })
         }
+    }
+
+    /// The fused form (`--gpu-checksums fused`, an experiment): reserves a slot whose scratch
+    /// rows the save's gather fills as it copies ([`super::CopyEngine::submit_blocks`] with
+    /// the returned value), then [`ChunkHasher::finish_summed`] folds them. None where the form
+    /// does not apply: the kernels missing from the PTX, parts not a multiple of 1 KiB or
+    /// addresses not 16-byte aligned (then [`ChunkHasher::submit_blocks`]). May wait for the
+    /// submission before last to finish.
+    pub fn begin_summed(
+        &mut self,
+        job: &BlockJob<'_>,
+        chunk_len: u64,
+    ) -> Result<Option<SummedSave>, DmaError> {
+        let aligned =
+            job.stride.is_multiple_of(16) && job.bases.iter().all(|b| b.is_multiple_of(16));
+        let kernels = self.kernels.summed_gather(0, 0, 0).is_some();
+        if !kernels || !job.part_len.is_multiple_of(1024) || job.part_len == 0 || !aligned {
+            return Ok(None);
+        }
+        // The same checks as the tables' (chunk lengths, counts), none of their bytes.
+        let t = block_tables(job, chunk_len)?;
+        let nchunks = u32::try_from(t.chunks)
+            .map_err(|_| DmaError::Invalid(format!("{} chunks in one submission", t.chunks)))?;
+        let per_chunk = u32::try_from(t.per_chunk)
+            .map_err(|_| DmaError::Invalid(format!("{} blocks per chunk", t.per_chunk)))?;
+        if nchunks == 0 {
+            return Ok(None);
+        }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let results = self.pinned_results(t.chunks * 8)?;
+        let index = self.next;
+        let slot = &mut self.slots[index];
+        // The slot's scratch and counters are free once its last use finished.
+        super::wait_for(&slot.done, &mut self.times.waited)?;
+        at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
+        let counters_len = t.chunks * COUNTERS_PER_CHUNK * 4;
+        if slot.counters.len() < counters_len {
+            slot.counters =
+                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
+        }
+        let Some(gather) =
+            self.kernels.summed_gather(slot.scratch.ptr(), chunk_len / 1024, per_chunk)
+        else {
+            return Ok(None);
+        };
+        self.next = (self.next + 1) % SLOTS;
+        Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
+    }
+
+    /// Folds a fused-form save's rows once `gathered` (recorded after its last gather) has
+    /// completed, on the slot's stream; the ticket yields the checksums.
+    ///
+    /// # Safety
+    /// `s` must have gone to the copy engine's `submit_blocks` for its job, and `gathered`
+    /// been recorded after that job's last gather.
+    pub unsafe fn finish_summed(
+        &mut self,
+        s: SummedSave,
+        gathered: &CudaEvent,
+    ) -> Result<ChecksumTicket, DmaError> {
+        let slot = &self.slots[s.slot];
+        let stream = &slot.stream;
+        let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let kernels = &self.kernels;
+        let enqueue = || -> Result<(), DmaError> {
+            stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+            // SAFETY: the rows are written once `gathered` has passed (waited just above);
+            // scratch and counters are the slot's, reserved by `begin_summed`; the results
+            // are pinned, owned by the ticket until its event completes.
+            unsafe {
+                kernels.launch_fold_uniform(
+                    stream,
+                    (s.chunk_len, s.nchunks),
+                    slot.scratch.ptr(),
+                    slot.counters.ptr(),
+                    s.results.addr(),
+                )?
+            };
+            slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+            event.record(stream).map_err(drv("cuEventRecord"))
+        };
+        if let Err(e) = enqueue() {
+            if let Err(sync) = stream.synchronize() {
+                tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
+                std::mem::forget(s.results);
+            }
+            return Err(e);
+        }
+        Ok(ChecksumTicket {
+            event,
+            results: Some(s.results),
+            count: s.nchunks as usize,
+            pool: Arc::clone(&self.pool),
+        })
     }
 
     /// The submission behind both forms: the tables' `shape`, and `write`, which writes the
