@@ -459,13 +459,20 @@ impl CopyEngine {
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
         let mut shape =
             JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0, blocks: true };
-        if let Err(e) = self.enqueue_blocks(direction, job, summed, &mut shape, &done) {
+        let enqueued = self.enqueue_blocks(direction, job, summed, &mut shape, &done);
+        self.settle(enqueued)?;
+        Ok((done, shape))
+    }
+
+    /// `enqueued`, after letting whatever a failed submission had put on the GPU finish (the
+    /// caller gives the memory back on an error).
+    fn settle(&self, enqueued: Result<(), DmaError>) -> Result<(), DmaError> {
+        if enqueued.is_err() {
             if let Err(sync) = self.synchronize() {
                 tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
             }
-            return Err(e);
         }
-        Ok((done, shape))
+        enqueued
     }
 
     /// Enqueues every block of a job, batch by batch, and records `done` after its last copy.
@@ -582,14 +589,8 @@ impl CopyEngine {
         } else {
             self.enqueue_job(direction, pieces, &mut shape, &done)
         };
-        if let Err(e) = enqueued {
-            // Part of the job may already be on the GPU: let it finish before the caller
-            // gives the memory back.
-            if let Err(sync) = self.synchronize() {
-                tracing::warn!(error = %sync, "copy engine: synchronizing after a failed submission");
-            }
-            return Err(e);
-        }
+        // Part of the job may already be on the GPU: it finishes before an error returns.
+        self.settle(enqueued)?;
         Ok((done, shape))
     }
 

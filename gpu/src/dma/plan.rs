@@ -280,11 +280,6 @@ impl BlockJob<'_> {
         self.stride == self.block_bytes()
             && self.bases.windows(2).all(|w| w[0] + self.part_len == w[1])
     }
-
-    /// Bytes of the whole job.
-    pub fn bytes(&self) -> u64 {
-        self.chunks.iter().map(|(_, b)| b.len() as u64).sum::<u64>() * self.block_bytes()
-    }
 }
 
 /// Where [`next_blocks_into`] continues: the chunk, and the block in it.
