@@ -517,3 +517,81 @@ fn block_form_and_piece_form_move_every_byte_alike() {
         assert_eq!(got, want, "{l:?}, {chunks:?}, capacity {capacity}");
     }
 }
+
+/// The fused gather's row numbering (`orbitkv_copy_blocks_summed` in chunk_checksum.cu,
+/// mirrored here): over a job's batches, its units name every 1 KiB row of every chunk once,
+/// each at the chunk offset whose bytes the unit copies, and flag each chunk's last row.
+#[test]
+fn fused_gather_rows_cover_each_chunk_once_in_order() {
+    const UNIT: u64 = BLOCK_UNIT;
+    let mut x = 0x0123_4567_89ab_cdefu64;
+    let mut rand = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for _ in 0..100 {
+        // Parts a multiple of 1 KiB, some longer than a unit.
+        let part_len = 1024 * [1, 2, 18, 64, 130][rand(5) as usize];
+        let part_count = 1 + rand(5);
+        let per_chunk = 1 + rand(3) as usize;
+        let nchunks = 1 + rand(6) as usize;
+        let bases: Vec<u64> = (0..part_count).map(|p| (p + 1) << 36).collect();
+        let chunks: Vec<(u64, Vec<u64>)> = (0..nchunks)
+            .map(|c| (c as u64 * 10, (0..per_chunk).map(|_| rand(50)).collect()))
+            .collect();
+        let job = BlockJob {
+            parts: 0,
+            bases: &bases,
+            part_len,
+            stride: part_len,
+            host_base: 0,
+            chunks: &chunks,
+        };
+        let block_bytes = job.block_bytes();
+        let chunk_len = block_bytes * per_chunk as u64;
+        let rpc = chunk_len / 1024;
+        let capacity = block_bytes * (1 + rand(4));
+        let mut table = vec![0u8; 8 * 64];
+        let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+        let mut first_block = 0u64;
+        // (row in the job) -> (chunk, chunk offset, last) as the units claim them.
+        let mut rows = std::collections::BTreeMap::new();
+        loop {
+            let n = next_blocks_into(&job, &mut at, capacity, &mut table, &mut batch) as u64;
+            if n == 0 {
+                break;
+            }
+            let subs = part_len.div_ceil(UNIT);
+            for u in 0..n * part_count * subs {
+                // As the kernel works it out per unit.
+                let r = u / subs;
+                let p = r % part_count;
+                let i = r / part_count;
+                let skip = (u % subs) * UNIT;
+                let len = (part_len - skip).min(UNIT);
+                let b = first_block + i;
+                let c = b / per_chunk as u64;
+                let in_chunk = ((b - c * per_chunk as u64) * part_count + p) * part_len + skip;
+                let row = c * rpc + in_chunk / 1024;
+                let last_row = c * rpc + rpc - 1;
+                // The unit copies the id the planner put at batch position i: the chunk's
+                // block that the row numbering says it is.
+                let id = u64::from_le_bytes(table[i as usize * 8..][..8].try_into().unwrap());
+                let in_chunk_block = (b - c * per_chunk as u64) as usize;
+                assert_eq!(id, chunks[c as usize].1[in_chunk_block]);
+                for k in 0..len / 1024 {
+                    let claim = (c, in_chunk + 1024 * k, row + k == last_row);
+                    assert!(rows.insert(row + k, claim).is_none(), "row {} twice", row + k);
+                }
+            }
+            first_block += n;
+        }
+        assert_eq!(rows.len() as u64, nchunks as u64 * rpc);
+        for (row, (c, off, last)) in rows {
+            assert_eq!((c, off), (row / rpc, (row % rpc) * 1024), "row {row}");
+            assert_eq!(last, row % rpc == rpc - 1);
+        }
+    }
+}
