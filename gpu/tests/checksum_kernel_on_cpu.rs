@@ -45,6 +45,21 @@ fn emulator(name: &str) -> std::path::PathBuf {
     out
 }
 
+/// Runs the emulator (with `mode` as its argument, if any) on `input`; the checksums it
+/// prints, one per chunk.
+fn emulate(emu: &std::path::Path, mode: Option<&str>, input: &[u8]) -> Vec<u64> {
+    let mut child =
+        Command::new(emu).args(mode).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "emulation exited {:?}", out.status);
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| u64::from_str_radix(l, 16).unwrap())
+        .collect()
+}
+
 /// Runs the kernels on `data` for the chunks of `pieces` (device addresses are offsets into
 /// `data`).
 /// The tables are those the hasher writes (`write_tables`), their segment records' unused room
@@ -60,15 +75,7 @@ fn run(emu: &std::path::Path, data: &[u8], pieces: &[Piece], chunk_len: u64) -> 
     input.extend_from_slice(&img[..t.segs_offset + t.segs * SEG_RECORD]);
     input.extend_from_slice(&img[t.row_segs_offset..t.len]);
     input.extend_from_slice(data);
-    let mut child = Command::new(emu).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    child.stdin.take().unwrap().write_all(&input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| u64::from_str_radix(l, 16).unwrap())
-        .collect()
+    emulate(emu, None, &input)
 }
 
 /// Runs the block-form tables (`write_block_ids`, then the expansion kernel) and the kernels
@@ -94,20 +101,7 @@ fn run_blocks(emu: &std::path::Path, data: &[u8], job: &BlockJob<'_>, chunk_len:
         input.extend_from_slice(&b.to_le_bytes());
     }
     input.extend_from_slice(data);
-    let mut child = Command::new(emu)
-        .arg("blocks")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(&input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "emulation exited {:?}", out.status);
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| u64::from_str_radix(l, 16).unwrap())
-        .collect()
+    emulate(emu, Some("blocks"), &input)
 }
 
 /// Cuts `n` chunks of `chunk_len` bytes into pieces (lengths from `piece_len`) placed at
@@ -285,20 +279,7 @@ fn fused_row_sums_and_the_uniform_fold_give_chunk_checksum() {
             input.extend_from_slice(&w.to_le_bytes());
         }
         input.extend_from_slice(&data);
-        let mut child = Command::new(&emu)
-            .arg("fused")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(&input).unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "emulation exited {:?}", out.status);
-        let got: Vec<u64> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| u64::from_str_radix(l, 16).unwrap())
-            .collect();
+        let got = emulate(&emu, Some("fused"), &input);
         let want: Vec<u64> = data.chunks(len as usize).map(orbitkv_proto::chunk_checksum).collect();
         assert_eq!(got, want, "{nchunks} chunks of {len} bytes");
     }
