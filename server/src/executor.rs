@@ -19,7 +19,7 @@ use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
-use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
+use orbitkv_shards::{HashRange, SessionId, ShardCore, ShardOp, ShardReply};
 
 use crate::doorbell::{Doorbells, LoopStage};
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
@@ -45,6 +45,9 @@ pub enum IdlePolicy {
 }
 /// Longest doorbell sleep before looking around anyway.
 const DEEP_SLEEP: Duration = Duration::from_millis(250);
+/// Bytes of a commit's chunks hashed between two turns of the shard's other work (about
+/// 50-100 us of one core); commits hashing less run in one go.
+const HASH_PIECE: u64 = 1 << 20;
 
 /// Everything a shard executor starts with.
 pub struct ShardContext {
@@ -249,9 +252,12 @@ async fn run(ctx: ShardContext) {
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
                     e.shared.doorbells.mesh_received(e.id);
-                    // A lookup may wait for SSD promotions: run it in its own task so that
-                    // later ops from the same peer are not queued behind it.
-                    if matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().has_ssd() {
+                    // A lookup may wait for SSD promotions, and a commit of long chunks hashes
+                    // them a piece at a time: run such an op in its own task so that later
+                    // ops from the same peer are not queued behind it.
+                    if (matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().has_ssd())
+                        || e.hashes_long(&op)
+                    {
                         let e = Rc::clone(&e);
                         e.active.set(e.active.get() + 1);
                         glommio::spawn_local(async move {
@@ -584,8 +590,53 @@ impl Exec {
                 }
                 ShardReply::Hits(self.core.borrow_mut().finish_lookup(session, &keys, lease, first))
             }
+            op @ (ShardOp::Commit { .. } | ShardOp::CommitSummed { .. }) => {
+                let ranges = self.core.borrow().hash_ranges(&op);
+                if ranges.iter().map(|r| r.len).sum::<u64>() < HASH_PIECE {
+                    return self.core.borrow_mut().apply(op);
+                }
+                self.active.set(self.active.get() + 1);
+                let hashed = self.hash_in_pieces(&ranges).await;
+                self.active.set(self.active.get() - 1);
+                self.core.borrow_mut().apply_hashed(op, &hashed)
+            }
             op => self.core.borrow_mut().apply(op),
         }
+    }
+
+    /// Whether `op` hashes enough of the arena (a commit of long chunks) to be hashed a piece
+    /// at a time ([`Exec::hash_in_pieces`]) rather than in one go.
+    fn hashes_long(&self, op: &ShardOp) -> bool {
+        matches!(op, ShardOp::Commit { .. } | ShardOp::CommitSummed { .. })
+            && self.core.borrow().hash_ranges(op).iter().map(|r| r.len).sum::<u64>() >= HASH_PIECE
+    }
+
+    /// The checksums of `ranges` of this shard's arena, hashed [`HASH_PIECE`] bytes at a time
+    /// with this shard's other work between the pieces: ops from other shards included, which
+    /// arrive through glommio's reactor. In one go, an 8 MiB chunk (a commit's check of a GPU
+    /// save's checksum) held the shard for about a millisecond, and a save's next
+    /// reservations, which need every shard, waited behind it while the GPU ran out of jobs.
+    async fn hash_in_pieces(&self, ranges: &[HashRange]) -> Vec<(HashRange, u64)> {
+        let reader = self.core.borrow().reader();
+        let mut out = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let mut h = orbitkv_proto::ChunkChecksum::new();
+            let mut at = 0;
+            while at < r.len {
+                let n = (r.len - at).min(HASH_PIECE);
+                h.update(reader.bytes(r.offset + at, n));
+                at += n;
+                if self.shards > 1 {
+                    // Through the reactor, as the shard's main loop yields (a plain yield
+                    // would not poll it).
+                    glommio::timer::sleep(Duration::from_micros(1)).await;
+                } else {
+                    glommio::executor().yield_now().await;
+                }
+            }
+            out.push((*r, h.finish()));
+        }
+        out
     }
 
     /// Executes `op` on shard `shard`: here directly, elsewhere over the mesh.

@@ -188,6 +188,41 @@ impl Drop for Arena {
     }
 }
 
+/// `[offset, offset + len)` of the slice of `slice_len` bytes at `start` in `arena`.
+fn range_bytes(arena: &Arena, start: u64, slice_len: u64, offset: u64, len: u64) -> &[u8] {
+    assert!(
+        offset.checked_add(len).is_some_and(|end| end <= slice_len),
+        "range {offset}+{len} inside the {slice_len}-byte slice"
+    );
+    // SAFETY: the range is inside the slice (checked above), the slice is inside the live
+    // mapping (built by `Arena::split`), and the mapping outlives `arena`'s borrow.
+    unsafe {
+        std::slice::from_raw_parts(
+            (arena.base.as_ptr() as *const u8).add((start + offset) as usize),
+            len as usize,
+        )
+    }
+}
+
+/// Read access to one shard's slice that does not borrow the shard ([`ArenaSlice::reader`]).
+/// The bytes of a range whose reservation goes away while they are read (its session closed)
+/// may change under the reader; what it computed from them is then dropped, as the commit it
+/// was for fails on the reservation.
+#[derive(Debug, Clone)]
+pub struct SliceReader {
+    arena: Arc<Arena>,
+    offset: u64,
+    len: u64,
+}
+
+impl SliceReader {
+    /// The bytes at `[offset, offset + len)` of the slice (slice-relative offsets), as
+    /// [`ArenaSlice::bytes`].
+    pub fn bytes(&self, offset: u64, len: u64) -> &[u8] {
+        range_bytes(&self.arena, self.offset, self.len, offset, len)
+    }
+}
+
 /// One shard's disjoint range of the arena.
 #[derive(Debug)]
 pub struct ArenaSlice {
@@ -219,19 +254,13 @@ impl ArenaSlice {
     /// that breaks it only changes bytes (the memfd's size is sealed, so the range stays
     /// mapped and readable).
     pub fn bytes(&self, offset: u64, len: u64) -> &[u8] {
-        assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.len),
-            "range {offset}+{len} inside the {}-byte slice",
-            self.len
-        );
-        // SAFETY: the range is inside this slice (checked above), the slice is inside the live
-        // mapping (built by `Arena::split`), and the mapping outlives `&self` via the Arc.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self.arena.base.as_ptr() as *const u8).add((self.offset + offset) as usize),
-                len as usize,
-            )
-        }
+        range_bytes(&self.arena, self.offset, self.len, offset, len)
+    }
+
+    /// A handle on this slice's bytes for reading them outside a borrow of its shard: a long
+    /// chunk's checksum hashed a piece at a time, other work running between the pieces.
+    pub fn reader(&self) -> SliceReader {
+        SliceReader { arena: Arc::clone(&self.arena), offset: self.offset, len: self.len }
     }
 
     /// The arena this slice belongs to (I/O in flight holds it so the mapping outlives it).

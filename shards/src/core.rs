@@ -23,6 +23,20 @@ pub struct ShardConfig {
     pub max_namespaces: usize,
 }
 
+/// A chunk a commit hashes ([`ShardCore::hash_ranges`]): its key and its bytes' place in the
+/// shard's slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HashRange {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Its reservation's generation.
+    pub generation: u64,
+    /// Slice-relative offset of its bytes.
+    pub offset: u64,
+    /// Its length.
+    pub len: u64,
+}
+
 /// Most victims one reservation may evict (more when the chunk spans more pages).
 const MAX_EVICTIONS_PER_RESERVATION: u64 = 64;
 
@@ -146,13 +160,8 @@ impl ShardCore {
             ShardOp::Reserve { session, keys, lens } => {
                 ShardReply::Reserved(self.reserve(session, &keys, &lens))
             }
-            ShardOp::Commit { session, slots } => {
-                ShardReply::Outcomes(self.each(&slots, |s, slot| s.commit(session, slot, None)))
-            }
-            ShardOp::CommitSummed { session, slots } => {
-                ShardReply::Outcomes(self.each(&slots, |s, (slot, sum, verify)| {
-                    s.commit(session, slot, Some((*sum, *verify)))
-                }))
+            op @ (ShardOp::Commit { .. } | ShardOp::CommitSummed { .. }) => {
+                self.apply_hashed(op, &[])
             }
             ShardOp::Abort { session, slots } => {
                 ShardReply::Outcomes(self.each(&slots, |s, slot| s.abort(session, slot)))
@@ -165,6 +174,62 @@ impl ShardCore {
                 let (leases, reservations) = self.close_session(session);
                 ShardReply::Closed { leases, reservations }
             }
+        }
+    }
+
+    /// The chunks `op` hashes when applied (a commit computing its checksums, or verifying
+    /// given ones), for a caller that hashes them a piece at a time with other work between
+    /// the pieces (through [`ShardCore::reader`]) and then applies `op` with
+    /// [`ShardCore::apply_hashed`]. Slots that are not the session's reservations hash nothing
+    /// (their commit fails).
+    pub fn hash_ranges(&self, op: &ShardOp) -> Vec<HashRange> {
+        let (session, hashed): (SessionId, Vec<&SlotRef>) = match op {
+            ShardOp::Commit { session, slots } => (*session, slots.iter().collect()),
+            ShardOp::CommitSummed { session, slots } => {
+                (*session, slots.iter().filter(|s| s.2).map(|s| &s.0).collect())
+            }
+            _ => return Vec::new(),
+        };
+        hashed
+            .into_iter()
+            .filter_map(|slot| {
+                let e = self.entries.get(self.owned_reservation(session, slot).ok()?);
+                Some(HashRange {
+                    key: slot.key,
+                    generation: slot.generation,
+                    offset: e.extent.offset(),
+                    len: e.len,
+                })
+            })
+            .collect()
+    }
+
+    /// Read access to this shard's slice that outlives a borrow of the shard.
+    pub fn reader(&self) -> crate::arena::SliceReader {
+        self.slice.reader()
+    }
+
+    /// Applies `op` as [`ShardCore::apply`] does, taking the checksums `hashed` names (of the
+    /// ranges [`ShardCore::hash_ranges`] gave) as the bytes' own. A range that is no longer
+    /// the slot's (the reservation went away and came back meanwhile) is hashed again here.
+    pub fn apply_hashed(&mut self, op: ShardOp, hashed: &[(HashRange, u64)]) -> ShardReply {
+        let own = |s: &Self, slot: &SlotRef, offset: u64, len: u64| {
+            let this = HashRange { key: slot.key, generation: slot.generation, offset, len };
+            hashed
+                .iter()
+                .find(|(r, _)| *r == this)
+                .map_or_else(|| Self::hash_here(s, slot, offset, len), |h| h.1)
+        };
+        match op {
+            ShardOp::Commit { session, slots } => ShardReply::Outcomes(
+                self.each(&slots, |s, slot| s.commit(session, slot, None, own)),
+            ),
+            ShardOp::CommitSummed { session, slots } => {
+                ShardReply::Outcomes(self.each(&slots, |s, (slot, sum, verify)| {
+                    s.commit(session, slot, Some((*sum, *verify)), own)
+                }))
+            }
+            op => self.apply(op),
         }
     }
 
@@ -447,11 +512,19 @@ impl ShardCore {
 
     /// Commits a reservation. `summed`: a checksum computed elsewhere (the GPU) and whether to
     /// verify it against the bytes; without one, the shard computes it.
+    /// The checksum of a slot's bytes (at a slice offset, of a length), hashed now.
+    fn hash_here(&self, _slot: &SlotRef, offset: u64, len: u64) -> u64 {
+        orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len))
+    }
+
+    /// `own` gives the checksum of the slot's bytes (at a slice offset, of a length):
+    /// [`ShardCore::hash_here`], or one hashed before.
     fn commit(
         &mut self,
         session: SessionId,
         slot: &SlotRef,
         summed: Option<(u64, bool)>,
+        own: impl Fn(&Self, &SlotRef, u64, u64) -> u64,
     ) -> Result<(), ErrorCode> {
         let idx = self.owned_reservation(session, slot)?;
         let (offset, len) = {
@@ -459,11 +532,11 @@ impl ShardCore {
             (e.extent.offset(), e.len)
         };
         let checksum = match summed {
-            None => orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len)),
+            None => own(self, slot, offset, len),
             Some((sum, verify)) => {
                 if verify {
                     self.metrics.given_checksums_verified += 1;
-                    let own = orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len));
+                    let own = own(self, slot, offset, len);
                     if own != sum {
                         // The writer (the GPU, or an engine) hashed its pages, this the bytes
                         // that landed: either is wrong, and a cache can afford the miss. Not

@@ -19,8 +19,8 @@ pub mod ssd;
 mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
-pub use arena::{Arena, ArenaSlice, DOORBELL_STRIDE, HEADER_BYTES};
-pub use core::{EvictSummary, ShardConfig, ShardCore};
+pub use arena::{Arena, ArenaSlice, SliceReader, DOORBELL_STRIDE, HEADER_BYTES};
+pub use core::{EvictSummary, HashRange, ShardConfig, ShardCore};
 pub use error::Error;
 pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};

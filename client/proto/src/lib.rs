@@ -17,7 +17,7 @@ mod namespace;
 mod paths;
 mod units;
 
-pub use checksum::chunk_checksum;
+pub use checksum::{chunk_checksum, ChunkChecksum};
 pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeError, MAX_FRAME};
 pub use error::ErrorCode;
 pub use hashing::{prefix_digests, PrefixHasher, PREFIX_SEED};

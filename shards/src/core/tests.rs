@@ -142,12 +142,16 @@ fn reserved_chunks_are_invisible_and_owned() {
     assert!(core.lookup(1, &[k], false)[0].is_none());
     assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::Busy));
     let slot = SlotRef { key: k, generation };
-    assert_eq!(core.commit(2, &slot, None), Err(ErrorCode::NotFound), "not the owner");
     assert_eq!(
-        core.commit(1, &SlotRef { generation: generation + 1, ..slot }, None),
+        core.commit(2, &slot, None, ShardCore::hash_here),
+        Err(ErrorCode::NotFound),
+        "not the owner"
+    );
+    assert_eq!(
+        core.commit(1, &SlotRef { generation: generation + 1, ..slot }, None, ShardCore::hash_here),
         Err(ErrorCode::StaleGeneration)
     );
-    assert_eq!(core.commit(1, &slot, None), Ok(()));
+    assert_eq!(core.commit(1, &slot, None, ShardCore::hash_here), Ok(()));
     assert_eq!(core.reserve(2, &[k], &[4096])[0], Reservation::Failed(ErrorCode::AlreadyPresent));
     assert_eq!(core.reservations(), 0);
 }
@@ -502,4 +506,92 @@ fn a_key_named_twice_does_not_grow_the_run() {
     assert!(matches!(r[0], Reservation::Slot { .. }), "{r:?}");
     assert!(r[1..].iter().all(|r| *r == Reservation::Failed(ErrorCode::Busy)), "{r:?}");
     assert_eq!(core.metrics.evictions, 1, "one chunk needs one victim");
+}
+
+/// A commit's chunks hashed outside the shard (a piece at a time through its reader) and then
+/// applied: the same checksums as the shard computes itself; a range whose reservation went
+/// away meanwhile fails its commit and frees its pages; a hash for another generation of the
+/// same key is not taken.
+#[test]
+fn commits_hashed_outside_the_shard() {
+    let (mut core, ns) = shard(64);
+    let len = 16_000u64;
+    let mut slots = Vec::new();
+    for i in 1..=3 {
+        let Reservation::Slot { offset, generation, .. } =
+            core.reserve(5, &[key(ns, i)], &[len])[0]
+        else {
+            panic!("reserve failed")
+        };
+        core.slice.write(offset - core.slice.offset(), &fill(i, len));
+        slots.push(SlotRef { key: key(ns, i), generation });
+    }
+    let used = core.stats().dram_used_bytes;
+    let op = ShardOp::Commit { session: 5, slots: slots.clone() };
+    let ranges = core.hash_ranges(&op);
+    assert_eq!(ranges.len(), 3);
+    let reader = core.reader();
+    let mut hashed: Vec<(HashRange, u64)> = ranges
+        .iter()
+        .map(|r| {
+            let mut h = orbitkv_proto::ChunkChecksum::new();
+            for at in (0..r.len).step_by(4096) {
+                h.update(reader.bytes(r.offset + at, (r.len - at).min(4096)));
+            }
+            (*r, h.finish())
+        })
+        .collect();
+    // Key 3's hash is for an older reservation of it: recomputed, not taken.
+    hashed[2].0.generation += 1;
+    hashed[2].1 = 42;
+    // Key 2's session-held reservation is aborted while the hashes run.
+    assert_eq!(core.abort(5, &slots[1]), Ok(()));
+    match core.apply_hashed(op, &hashed) {
+        ShardReply::Outcomes(o) => assert_eq!(
+            o,
+            vec![ChunkOutcome::Done, ChunkOutcome::Failed(ErrorCode::NotFound), ChunkOutcome::Done]
+        ),
+        other => panic!("{other:?}"),
+    }
+    let hits = core.lookup(6, &[key(ns, 1), key(ns, 2), key(ns, 3)], false);
+    assert_eq!(hits[0].unwrap().checksum, xxhash_rust::xxh3::xxh3_64(&fill(1, len)));
+    assert!(hits[1].is_none());
+    assert_eq!(hits[2].unwrap().checksum, xxhash_rust::xxh3::xxh3_64(&fill(3, len)));
+    let st = core.stats();
+    assert_eq!((st.commits, st.reservations), (2, 0));
+    assert!(st.dram_used_bytes < used, "the aborted slot's pages are free again");
+}
+
+/// Given checksums: only those to verify are hashed, and a wrong given one is caught by the
+/// hash made outside the shard.
+#[test]
+fn verified_commits_hashed_outside_the_shard() {
+    let (mut core, ns) = shard(64);
+    let mut slots = Vec::new();
+    for (i, sum, verify) in [(1, 7, false), (2, 9, true)] {
+        let Reservation::Slot { offset, generation, .. } =
+            core.reserve(5, &[key(ns, i)], &[5000])[0]
+        else {
+            panic!("reserve failed")
+        };
+        core.slice.write(offset - core.slice.offset(), &fill(i, 5000));
+        slots.push((SlotRef { key: key(ns, i), generation }, sum, verify));
+    }
+    let op = ShardOp::CommitSummed { session: 5, slots };
+    let ranges = core.hash_ranges(&op);
+    assert_eq!(ranges.len(), 1);
+    assert_eq!(ranges[0].key, key(ns, 2));
+    let sum = orbitkv_proto::chunk_checksum(core.reader().bytes(ranges[0].offset, ranges[0].len));
+    match core.apply_hashed(op, &[(ranges[0], sum)]) {
+        ShardReply::Outcomes(o) => assert_eq!(
+            o,
+            vec![ChunkOutcome::Done, ChunkOutcome::Failed(ErrorCode::ChecksumMismatch)]
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(core.stats().given_checksum_mismatches, 1);
+    // Nothing to hash in ops that are not commits, or for slots not reserved by the session.
+    assert!(core.hash_ranges(&ShardOp::Evict { keys: vec![key(ns, 1)] }).is_empty());
+    let gone = SlotRef { key: key(ns, 2), generation: 1 };
+    assert!(core.hash_ranges(&ShardOp::Commit { session: 5, slots: vec![gone] }).is_empty());
 }
