@@ -168,13 +168,16 @@ pub(crate) async fn save(
     let jobs = keys.len().div_ceil(group);
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
-    // Each job's first GPU checksum is checked on its shard (hashing a chunk there), beside the
-    // next job's copy; the last job's would instead delay the answer by that hash (0.1-0.4 ms
-    // for 0.5-2 MiB chunks, about 1% of a 2 GiB save). So the first job that is not the last
-    // says whether its check passed, and the last job, once its copy is done, commits
-    // unchecked when it did (normally known by then) and checks its own otherwise.
+    // A job's first GPU checksum is checked on its shard (hashing a chunk there), beside the
+    // next jobs' copies: the first job's, then one per `SpotChecks` share of chunks (every job
+    // of 64 MiB in chunks of up to 2 MiB). The last job's would instead delay the answer by
+    // that hash (0.1-0.4 ms for 0.5-2 MiB chunks, about 1% of a 2 GiB save). So the first job
+    // that is not the last says whether its check passed, and the last job, once its copy is
+    // done, commits unchecked when it did (normally known by then) and checks its own
+    // otherwise.
     let (verdict_tx, verdict_rx) = local_channel::new_bounded::<bool>(1);
     let (mut verdict_tx, mut verdict_rx) = (Some(verdict_tx), Some(verdict_rx));
+    let mut spot = SpotChecks::default();
     for (g, group_keys) in keys.chunks(group).enumerate() {
         let last = g + 1 == jobs;
         let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
@@ -193,6 +196,7 @@ pub(crate) async fn save(
         }
         let report = if last { None } else { verdict_tx.take() };
         let verdict = if last && verdict_tx.is_none() { verdict_rx.take() } else { None };
+        let checked = spot.job(part.len(), report.is_some(), last);
         // In arena order within the job: slots a shard allocated one after another then sit
         // side by side in the staging buffer too, and their host copies merge into one (a
         // copy per chunk under a megabyte costs the device-to-host engine a few percent).
@@ -209,7 +213,9 @@ pub(crate) async fn save(
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
             let check = match verdict {
                 Some(rx) if rx.recv().await == Some(true) => Check::Nothing,
-                _ => Check::First,
+                Some(_) => Check::First,
+                None if checked => Check::First,
+                None => Check::Nothing,
             };
             let results: Vec<ChunkOutcome> = match copied {
                 Ok(Some(sums)) if sums.len() == refs.len() => {
@@ -247,6 +253,30 @@ pub(crate) async fn save(
         phases.finish(&gpu.counters, Direction::Save, Instant::now());
     }
     Response::Outcomes { outcomes }
+}
+
+/// Which jobs of a GPU save check their first chunk's GPU checksum on its shard: hashing a
+/// chunk there costs a core about a millisecond per 8 MiB (on the H200 host), and checking every
+/// job of 8 MiB chunks hashed an eighth of a save's bytes, its last checks delaying the answer.
+/// A job checks when it reports the request's verdict (the first that goes), when it is the
+/// last with no verdict to wait for, or when `CHUNKS_PER_CHECK` chunks went unchecked since the
+/// last check (counting that job's own).
+#[derive(Default)]
+struct SpotChecks {
+    unchecked: usize,
+}
+
+impl SpotChecks {
+    /// At most one check per this many chunks a save commits.
+    const CHUNKS_PER_CHECK: usize = 32;
+
+    /// Whether the next job, of `chunks` chunks, checks (a last job's verdict, when it has
+    /// one, decides instead).
+    fn job(&mut self, chunks: usize, reports: bool, last: bool) -> bool {
+        let check = reports || last || self.unchecked >= Self::CHUNKS_PER_CHECK;
+        self.unchecked = if check { chunks } else { self.unchecked + chunks };
+        check
+    }
 }
 
 /// Commits a save job's slots with the checksums the GPU computed. With `check` (`First`) the
@@ -397,6 +427,26 @@ mod tests {
             Err(Response::Error { code: ErrorCode::InvalidArgument, message }) => message,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    /// The jobs of one save that check a chunk, for `jobs` jobs of `chunks` chunks each.
+    fn checked_jobs(jobs: usize, chunks: usize) -> Vec<usize> {
+        let mut spot = SpotChecks::default();
+        (0..jobs).filter(|&g| spot.job(chunks, g == 0 && jobs > 1, g + 1 == jobs)).collect()
+    }
+
+    #[test]
+    fn saves_check_one_chunk_per_share() {
+        // 64 MiB jobs of 2 MiB (or 1 MiB) chunks: every job.
+        assert_eq!(checked_jobs(5, 32), vec![0, 1, 2, 3, 4]);
+        assert_eq!(checked_jobs(3, 64), vec![0, 1, 2]);
+        // Of 8 MiB chunks: one job in four, and the last (whose verdict, when it has one,
+        // decides instead).
+        assert_eq!(checked_jobs(10, 8), vec![0, 4, 8, 9]);
+        // Jobs of one chunk: every 32nd.
+        assert_eq!(checked_jobs(70, 1), vec![0, 32, 64, 69]);
+        // One job: it checks its own.
+        assert_eq!(checked_jobs(1, 8), vec![0]);
     }
 
     #[test]
