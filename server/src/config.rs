@@ -111,7 +111,7 @@ pub struct ServerConfig {
     /// Engine ranks registered for GPU save/load at once. Default: 256.
     pub max_gpu_registrations: usize,
     /// Where a GPU save's chunk checksums are computed: `gpu` (by kernels beside the copy,
-    /// the first chunk of each job checked again on its shard), `verify` (on the GPU,
+    /// one chunk per 32 checked again on its shard), `verify` (on the GPU,
     /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
     /// Default: `gpu`.
     pub gpu_checksums: String,

@@ -53,7 +53,8 @@ pub struct GpuLimits {
 /// Where a GPU save's chunk checksums are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChecksumPlace {
-    /// On the GPU beside the copy; the first chunk of each job checked again on its shard.
+    /// On the GPU beside the copy; a job's first chunk checked again on its shard, one
+    /// chunk per 32 (`transfer::SpotChecks`).
     Gpu,
     /// On the GPU; every chunk checked again on its shard.
     Verify,
