@@ -26,10 +26,21 @@ def local(name, d):
         print(f"{name}: {r['direction']} ceiling {num(r['ceiling_gbps'], '{:.1f}')} GB/s: {rows}")
     c = d.get("checksums")
     if c:
+        # The form (--checksum-form) where the JSON names it; the saved bytes' check of a fused one.
+        wrong_bytes = c.get("mismatched_bytes")
         print(
-            f"{name}: checksums {c['chunks']} chunks, {c['mismatches']} wrong, alone "
+            f"{name}: checksums{' (' + c['form'] + ')' if c.get('form') else ''} {c['chunks']} "
+            f"chunks, {c['mismatches']} wrong"
+            f"{'' if wrong_bytes is None else f', {wrong_bytes} wrong bytes saved'}, alone "
             f"{num(c['gbps_alone'], '{:.0f}')} GB/s, save with them {num(c['save_ratio_with_checksums'])}"
         )
+        t = c.get("timeline")
+        if t:
+            print(
+                f"{name}:   checksummed save timeline: copies at {num(t['copy_gbps'], '{:.1f}')} "
+                f"GB/s while copying, gaps {num(t['copy_gaps_us'], '{:.0f}')} us, kernel "
+                f"{num(t['kernel_mean_us'], '{:.0f}')} us mean"
+            )
     interference(name, d.get("interference"))
 
 

@@ -207,9 +207,28 @@ pub(crate) struct DmaArgs {
     /// block ids wherever a block fits a staging half). For comparing the two forms locally.
     #[arg(long, conflicts_with = "socket")]
     pub pieces: bool,
+    /// How the checksums row computes a save's GPU checksums: `tables` (row-sum and fold
+    /// kernels beside the copy, as the server's `--gpu-checksums gpu`), `fused` (the save's
+    /// gather sums the rows and only the fold follows, as `--gpu-checksums fused`), or
+    /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of
+    /// what the summing gather alone does to the copies, with `--timeline`).
+    #[arg(long, value_enum, default_value = "tables", conflicts_with_all = ["socket", "pieces"])]
+    pub checksum_form: ChecksumForm,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How `dma`'s checksums row computes GPU checksums (`--checksum-form`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum ChecksumForm {
+    /// Row-sum and fold kernels beside the copy.
+    Tables,
+    /// The save's gather sums the rows; the fold follows.
+    Fused,
+    /// The summing gather without the fold.
+    GatherOnly,
 }
 
 /// Arena slot placement of `dma`.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
-    JobShape, Strategy, BATCHED_FROM, JOB_BYTES,
+    JobShape, Strategy, SummedSave, BATCHED_FROM, JOB_BYTES,
 };
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
@@ -208,12 +208,16 @@ pub(crate) struct DuplexRow {
 /// them running beside it (as the server's saves do).
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct ChecksumResult {
-    /// Chunks checksummed (0 when the chunks are too short for the kernels).
+    /// How they were computed (`--checksum-form`).
+    pub form: crate::args::ChecksumForm,
+    /// Chunks checksummed (0 when the chunks are too short for the kernels, or with
+    /// `gather-only`).
     pub chunks: usize,
     /// Chunks whose GPU checksum differed from the CPU's (added to `mismatched_bytes` too,
     /// one per chunk).
     pub mismatches: u64,
-    /// Median GB/s of checksumming every chunk, nothing else running.
+    /// Median GB/s of checksumming every chunk, nothing else running (0 for the fused form,
+    /// whose sums come with the save's copy).
     pub gbps_alone: f64,
     /// Median GB/s of a save (`auto`) with the checksums computed beside it.
     pub save_gbps_with_checksums: f64,
@@ -222,6 +226,9 @@ pub(crate) struct ChecksumResult {
     /// With `--timeline`: one more save with checksums beside it, batch by batch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
+    /// Fused forms: wrong bytes in the saved slots after their saves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mismatched_bytes: Option<u64>,
 }
 
 impl Report for DmaReport {
@@ -291,9 +298,16 @@ impl Report for DmaReport {
         if let Some(c) = &self.checksums {
             writeln!(
                 out,
-                "GPU checksums: {} chunks, {} wrong, {:.1} GB/s alone; save beside them {:.2} GB/s ({:.3})",
-                c.chunks, c.mismatches, c.gbps_alone, c.save_gbps_with_checksums, c.save_ratio_with_checksums
+                "GPU checksums ({:?}): {} chunks, {} wrong, {:.1} GB/s alone; save beside them {:.2} GB/s ({:.3})",
+                c.form, c.chunks, c.mismatches, c.gbps_alone, c.save_gbps_with_checksums, c.save_ratio_with_checksums
             )?;
+            if let Some(t) = &c.timeline {
+                writeln!(
+                    out,
+                    "  timeline: copies at {:.2} GB/s while copying, gaps {:.0} us, kernel {:.0} us mean",
+                    t.copy_gbps, t.copy_gaps_us, t.kernel_mean_us
+                )?;
+            }
         }
         if let Some(s) = &self.server {
             writeln!(
@@ -597,6 +611,8 @@ struct Bench {
     chunk_pieces: Vec<usize>,
     /// Staged copies planned a descriptor per page (`--pieces`), not by block ids.
     pieces_only: bool,
+    /// How the checksums row computes them (`--checksum-form`).
+    checksum_form: crate::args::ChecksumForm,
 }
 
 impl Bench {
@@ -1007,18 +1023,23 @@ impl Bench {
             }
         };
         let jobs = self.job_chunks();
+        if self.checksum_form != crate::args::ChecksumForm::Tables {
+            return self.fused_checksums(&mut hasher, &jobs, save_ceiling).map(Some);
+        }
         let mut got = Vec::new();
         for t in self.submit_checksums(&mut hasher, &jobs)? {
             got.extend(t.take().map_err(dma)?);
         }
         if got.is_empty() {
             return Ok(Some(ChecksumResult {
+                form: self.checksum_form,
                 chunks: 0,
                 mismatches: 0,
                 gbps_alone: 0.0,
                 save_gbps_with_checksums: 0.0,
                 save_ratio_with_checksums: 0.0,
                 timeline: None,
+                mismatched_bytes: None,
             }));
         }
         if got.len() != self.chunks.len() {
@@ -1028,20 +1049,7 @@ impl Bench {
                 self.chunks.len()
             )));
         }
-        // The chunks in piece order are the chunks in slot order of `self.chunks`.
-        let layout = *self.memory.layout();
-        let mut want = Vec::with_capacity(self.chunk_len as usize);
-        let mut mismatches = 0;
-        for ((_, blocks), sum) in self.chunks.iter().zip(&got) {
-            want.clear();
-            for &block in blocks {
-                for s in layout.block_segments(block) {
-                    let t = &self.originals[s.tensor as usize];
-                    want.extend_from_slice(&t[s.offset as usize..(s.offset + s.len) as usize]);
-                }
-            }
-            mismatches += u64::from(orbitkv_proto::chunk_checksum(&want) != *sum);
-        }
+        let mismatches = self.wrong_checksums(&got);
         let mut alone = Vec::new();
         let mut with = Vec::new();
         for _ in 0..self.iterations {
@@ -1066,13 +1074,137 @@ impl Bench {
             None
         };
         Ok(Some(ChecksumResult {
+            form: self.checksum_form,
             chunks: got.len(),
             mismatches,
             gbps_alone: median(alone),
             save_gbps_with_checksums: save,
             save_ratio_with_checksums: ratio(save, save_ceiling),
             timeline,
+            mismatched_bytes: None,
         }))
+    }
+
+    /// Chunks (in the order of `self.chunks`) whose checksum in `got` is not
+    /// `orbitkv_proto::chunk_checksum` of their expected bytes.
+    fn wrong_checksums(&self, got: &[u64]) -> u64 {
+        let layout = *self.memory.layout();
+        let mut want = Vec::with_capacity(self.chunk_len as usize);
+        let mut mismatches = 0;
+        for ((_, blocks), sum) in self.chunks.iter().zip(got) {
+            want.clear();
+            for &block in blocks {
+                for s in layout.block_segments(block) {
+                    let t = &self.originals[s.tensor as usize];
+                    want.extend_from_slice(&t[s.offset as usize..(s.offset + s.len) as usize]);
+                }
+            }
+            mismatches += u64::from(orbitkv_proto::chunk_checksum(&want) != *sum);
+        }
+        mismatches
+    }
+
+    /// The checksums row in a fused form (`--checksum-form fused|gather-only`): saves whose
+    /// gather sums the rows, job by job as the server's DMA thread submits them, the fold
+    /// after each job's gathers (not with `gather-only`); the saved bytes and the checksums
+    /// checked after the first.
+    fn fused_checksums(
+        &mut self,
+        hasher: &mut ChunkHasher,
+        jobs: &[std::ops::Range<usize>],
+        save_ceiling: f64,
+    ) -> Result<ChecksumResult, Error> {
+        let fold = self.checksum_form == crate::args::ChecksumForm::Fused;
+        self.scribble(Direction::Save)?;
+        let (_, got) = self.save_fused(hasher, jobs, fold)?;
+        let mismatched_bytes = self.verify(Direction::Save)?;
+        if fold && got.len() != self.chunks.len() {
+            return Err(Error::Gpu(format!(
+                "fused GPU checksums for {} chunks, the run has {}",
+                got.len(),
+                self.chunks.len()
+            )));
+        }
+        let mismatches = self.wrong_checksums(&got);
+        let mut with = Vec::new();
+        for _ in 0..self.iterations {
+            with.push(self.save_fused(hasher, jobs, fold)?.0);
+        }
+        let save = median(with);
+        let timeline = if self.timeline {
+            self.engine.record_timeline();
+            let t = Instant::now();
+            self.save_fused(hasher, jobs, fold)?;
+            let total = t.elapsed().as_secs_f64() * 1e6;
+            let spans = self.engine.take_timeline().map_err(dma)?;
+            (!spans.is_empty()).then(|| Timeline::summarize(spans, total, total))
+        } else {
+            None
+        };
+        Ok(ChecksumResult {
+            form: self.checksum_form,
+            chunks: got.len(),
+            mismatches,
+            gbps_alone: 0.0,
+            save_gbps_with_checksums: save,
+            save_ratio_with_checksums: ratio(save, save_ceiling),
+            timeline,
+            mismatched_bytes: Some(mismatched_bytes),
+        })
+    }
+
+    /// One save in the fused form, job by job (`jobs`: chunk ranges): each job's gather sums
+    /// its rows, and with `fold` the fold follows its last gather. GB/s, and the checksums in
+    /// chunk order (none without `fold`). An error where a job cannot go in the fused form
+    /// (not in block form, parts not a multiple of 1 KiB, unaligned, kernels missing).
+    fn save_fused(
+        &mut self,
+        hasher: &mut ChunkHasher,
+        jobs: &[std::ops::Range<usize>],
+        fold: bool,
+    ) -> Result<(f64, Vec<u64>), Error> {
+        let t = Instant::now();
+        let mut copies = Vec::with_capacity(jobs.len());
+        let mut tickets = Vec::with_capacity(jobs.len());
+        let submitted = (|| {
+            for r in jobs {
+                let job =
+                    self.memory.block_job(self.host_base, &self.chunks[r.clone()]).map_err(dma)?;
+                if !self.engine.blocks_for(Strategy::Auto, &job) {
+                    return Err(Error::Gpu(
+                        "the fused form needs staged block-form saves (blocks under 1 MiB that \
+                         fit a staging half)"
+                            .into(),
+                    ));
+                }
+                let summed =
+                    hasher.begin_summed(&job, self.chunk_len).map_err(dma)?.ok_or_else(|| {
+                        Error::Gpu(
+                            "the fused form does not apply: parts not a multiple of 1 KiB, \
+                             unaligned, or its kernels missing"
+                                .into(),
+                        )
+                    })?;
+                copies.push(unsafe_submit_summed(&mut self.engine, &job, &summed)?);
+                let gathered = self.engine.kernels_done().map_err(dma)?;
+                if fold {
+                    tickets.push(unsafe_finish_summed(hasher, summed, &gathered)?);
+                } else {
+                    unsafe_drop_summed(hasher, summed, &gathered)?;
+                }
+            }
+            Ok::<(), Error>(())
+        })();
+        // Every submitted copy and fold is awaited before the memory is reused.
+        for c in copies {
+            c.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        }
+        let mut sums = Vec::with_capacity(self.chunks.len());
+        for k in tickets {
+            sums.extend(k.take().map_err(dma)?);
+        }
+        submitted?;
+        Ok((gbps(self.bytes, t.elapsed().as_secs_f64()), sums))
     }
 
     fn series(
@@ -1174,6 +1306,38 @@ fn unsafe_submit_blocks(
     // SAFETY: see above (the blocks are the benchmark's, their ids checked by `block_job`;
     // the slots its arena's).
     unsafe { engine.submit_blocks(direction, job, None) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_submit_summed(
+    engine: &mut CopyEngine,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+    summed: &SummedSave,
+) -> Result<CudaEvent, Error> {
+    // SAFETY: as `unsafe_submit_blocks`; the rows go to the scratch `summed` holds.
+    unsafe { engine.submit_blocks(Direction::Save, job, Some(summed)) }.map(|r| r.0).map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_finish_summed(
+    hasher: &mut ChunkHasher,
+    summed: SummedSave,
+    gathered: &CudaEvent,
+) -> Result<ChecksumTicket, Error> {
+    // SAFETY: `summed` went with its job to `submit_blocks` just before, and `gathered` was
+    // recorded on the engine's kernel stream after that job's last gather; every ticket is
+    // awaited.
+    unsafe { hasher.finish_summed(summed, gathered) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
+fn unsafe_drop_summed(
+    hasher: &mut ChunkHasher,
+    summed: SummedSave,
+    gathered: &CudaEvent,
+) -> Result<(), Error> {
+    // SAFETY: as `unsafe_finish_summed`.
+    unsafe { hasher.drop_summed(summed, gathered) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]
@@ -1337,6 +1501,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         host_base,
         chunk_pieces,
         pieces_only: a.pieces,
+        checksum_form: a.checksum_form,
     };
     let mut results = Vec::new();
     let mut mismatched = 0;

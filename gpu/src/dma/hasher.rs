@@ -366,6 +366,25 @@ impl ChunkHasher {
         })
     }
 
+    /// Gives back a fused-form save's slot without folding its rows (no checksums: what the
+    /// summing gather alone costs, for `orbitkv-perf dma --checksum-form gather-only`): the
+    /// slot's scratch is reusable once `gathered` has passed.
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::finish_summed`].
+    pub unsafe fn drop_summed(
+        &mut self,
+        s: SummedSave,
+        gathered: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        let slot = &self.slots[s.slot];
+        slot.stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+        slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
+        // The results buffer was never handed to a kernel.
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
+        Ok(())
+    }
+
     /// The submission behind both forms: the tables' `shape`, and `write`, which writes the
     /// host's part of them into the slot's pinned buffer and says where the segment and row
     /// records are and how many rows.
