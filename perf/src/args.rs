@@ -207,7 +207,8 @@ pub(crate) struct DmaArgs {
     /// block ids wherever a block fits a staging half). For comparing the two forms locally.
     #[arg(long, conflicts_with = "socket")]
     pub pieces: bool,
-    /// How the checksums row computes a save's GPU checksums: `tables` (row-sum and fold
+    /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
+    /// GPU checksums: `tables` (row-sum and fold
     /// kernels beside the copy, as the server's `--gpu-checksums gpu`), `fused` (the save's
     /// gather sums the rows and only the fold follows, as `--gpu-checksums fused`), or
     /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of

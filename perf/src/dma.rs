@@ -775,10 +775,19 @@ impl Bench {
                     })?;
                 }
             }
-            // Saves as the server runs them by default: checksums on the GPU beside the copy.
+            // Saves as the server runs them: checksums on the GPU beside the copy (by default),
+            // or summed by the gather (`--checksum-form`).
             if let Some(hasher) = hasher.as_mut() {
-                windows.measure(&mut matmul, "auto+checksums", "save", |m| {
-                    let (rate, runs) = m.during(|| self.save_with_checksums(hasher, &jobs))?;
+                let (row, fold) = match self.checksum_form {
+                    crate::args::ChecksumForm::Tables => ("auto+checksums", None),
+                    crate::args::ChecksumForm::Fused => ("auto+fused", Some(true)),
+                    crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(false)),
+                };
+                windows.measure(&mut matmul, row, "save", |m| {
+                    let (rate, runs) = m.during(|| match fold {
+                        None => self.save_with_checksums(hasher, &jobs),
+                        Some(fold) => self.save_fused(hasher, &jobs, fold).map(|r| r.0),
+                    })?;
                     Ok((rate, median(runs)))
                 })?;
             }
