@@ -510,15 +510,15 @@ impl ShardCore {
         self.reservations -= 1;
     }
 
-    /// Commits a reservation. `summed`: a checksum computed elsewhere (the GPU) and whether to
-    /// verify it against the bytes; without one, the shard computes it.
     /// The checksum of a slot's bytes (at a slice offset, of a length), hashed now.
     fn hash_here(&self, _slot: &SlotRef, offset: u64, len: u64) -> u64 {
         orbitkv_proto::chunk_checksum(self.slice.bytes(offset, len))
     }
 
-    /// `own` gives the checksum of the slot's bytes (at a slice offset, of a length):
-    /// [`ShardCore::hash_here`], or one hashed before.
+    /// Commits a reservation. `summed`: a checksum computed elsewhere (the GPU) and whether to
+    /// verify it against the bytes; without one, the shard computes it. `own` gives the
+    /// checksum of the slot's bytes (at a slice offset, of a length): [`ShardCore::hash_here`],
+    /// or one hashed before.
     fn commit(
         &mut self,
         session: SessionId,
