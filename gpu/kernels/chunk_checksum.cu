@@ -29,6 +29,9 @@
 // 64 registers) lost in one call beside these kernels: alone 60-61 us against 40-43 (ncu,
 // 64 MiB of 2 KiB pages), beside the matmul 5.4-6.0% (sglang 2 KiB) and 4.3-4.7% (nhd 32 KiB)
 // against 3.6-3.9% and 3.1-3.7%.
+// A block-form save whose parts are whole 1 KiB rows goes instead by orbitkv_xxh3_block_rows
+// (below: the block gather's walk over the job's units, a warp per unit, no tables) and
+// orbitkv_xxh3_fold_uniform.
 // Chunk bytes are read where they lie: a chunk is a list of segments (logical start, device
 // address) in order, each running to the next segment's start (the last to the chunk's
 // length); a row table names the segment holding each row's first byte.
@@ -590,19 +593,13 @@ ORBITKV_DEVICE u64 warp_pair_sum(u64 v) {
     return v;
 }
 
-extern "C" __global__ void orbitkv_copy_blocks_summed(
+// The units' walk shared by the fused gather and the block row sums: `store` copies each unit
+// to staging too (the gather); without it only the rows are summed.
+__device__ __forceinline__ static void sum_units(
     const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
     u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs,
-    u32 count, u32 group, u32 first_block, u32 per_chunk) {
-    __shared__ u64 key[24];
-    __shared__ u64 fin[8];
-    if (threadIdx.x < 24) {
-        key[threadIdx.x] = W[threadIdx.x];
-    }
-    if (threadIdx.x < 8) {
-        fin[threadIdx.x] = L[threadIdx.x];
-    }
-    __syncthreads();
+    u32 count, u32 group, u32 first_block, u32 per_chunk, const u64* key, const u64* fin,
+    const int store) {
     const u32 lane = threadIdx.x & 31u;
     const u32 g = group < 1u ? 1u : (group > SUM_GROUP ? SUM_GROUP : group);
     const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -641,10 +638,12 @@ extern "C" __global__ void orbitkv_copy_blocks_summed(
                 const ulonglong2 y0 = s[64 * k + 32 + lane];
                 const ulonglong2 x1 = s[64 * k + 64 + lane];
                 const ulonglong2 y1 = s[64 * k + 96 + lane];
-                t[64 * k + lane] = x0;
-                t[64 * k + 32 + lane] = y0;
-                t[64 * k + 64 + lane] = x1;
-                t[64 * k + 96 + lane] = y1;
+                if (store) {
+                    t[64 * k + lane] = x0;
+                    t[64 * k + 32 + lane] = y0;
+                    t[64 * k + 64 + lane] = x1;
+                    t[64 * k + 96 + lane] = y1;
+                }
                 u64 a0 = 0, b0 = 0, a1 = 0, b1 = 0;
                 piece_sums(x0.x, x0.y, 16u * lane, row0 + k == last, key, fin, &a0, &b0);
                 piece_sums(y0.x, y0.y, 512u + 16u * lane, row0 + k == last, key, fin, &a0, &b0);
@@ -665,8 +664,10 @@ extern "C" __global__ void orbitkv_copy_blocks_summed(
             for (; k < rows; k++) {
                 const ulonglong2 x = s[64 * k + lane];
                 const ulonglong2 y = s[64 * k + 32 + lane];
-                t[64 * k + lane] = x;
-                t[64 * k + 32 + lane] = y;
+                if (store) {
+                    t[64 * k + lane] = x;
+                    t[64 * k + 32 + lane] = y;
+                }
                 u64 a = 0, b = 0;
                 piece_sums(x.x, x.y, 16u * lane, row0 + k == last, key, fin, &a, &b);
                 piece_sums(y.x, y.y, 512u + 16u * lane, row0 + k == last, key, fin, &a, &b);
@@ -679,5 +680,42 @@ extern "C" __global__ void orbitkv_copy_blocks_summed(
             }
         }
     }
+}
+
+// The secret words in shared memory, where a warp's eight different words come at once.
+#define SUM_KEYS()                          \
+    __shared__ u64 key[24];                 \
+    __shared__ u64 fin[8];                  \
+    if (threadIdx.x < 24) {                 \
+        key[threadIdx.x] = W[threadIdx.x];  \
+    }                                       \
+    if (threadIdx.x < 8) {                  \
+        fin[threadIdx.x] = L[threadIdx.x];  \
+    }                                       \
+    __syncthreads()
+
+extern "C" __global__ void orbitkv_copy_blocks_summed(
+    const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
+    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs,
+    u32 count, u32 group, u32 first_block, u32 per_chunk) {
+    SUM_KEYS();
+    sum_units(parts, blocks, stride, part_len, staging, scratch, rows_per_chunk, part_count, subs,
+              count, group, first_block, per_chunk, key, fin, 1);
+}
+
+// A block-form save's row sums read from the engine's pages, the fused gather's walk without
+// its copy: a warp per group of units, each 1 KiB row as two coalesced 16-byte loads per
+// thread and three xor-shuffles per value, into the scratch rows the uniform fold reads
+// (orbitkv_xxh3_fold_uniform). `blocks` is the whole job's block ids (its first block is block
+// 0); no segment or row tables. Replaces the expansion and the table-driven row sums where
+// parts are a multiple of 1 KiB and 16-byte aligned: on the H200 those took 40 us per 64 MiB
+// job of 2 KiB pages reading at 1.7 TB/s, latency-bound on their table lookups.
+extern "C" __global__ void orbitkv_xxh3_block_rows(
+    const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
+    u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs, u32 count,
+    u32 group, u32 per_chunk) {
+    SUM_KEYS();
+    sum_units(parts, blocks, stride, part_len, 0, scratch, rows_per_chunk, part_count, subs,
+              count, group, 0, per_chunk, key, fin, 0);
 }
 #endif

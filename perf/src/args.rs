@@ -208,12 +208,12 @@ pub(crate) struct DmaArgs {
     #[arg(long, conflicts_with = "socket")]
     pub pieces: bool,
     /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
-    /// GPU checksums: `tables` (row-sum and fold
-    /// kernels beside the copy, as the server's `--gpu-checksums gpu`), `fused` (the save's
-    /// gather sums the rows and only the fold follows, as `--gpu-checksums fused`), or
-    /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of
-    /// what the summing gather alone does to the copies, with `--timeline`).
-    #[arg(long, value_enum, default_value = "tables", conflicts_with_all = ["socket", "pieces"])]
+    /// GPU checksums: `gpu` (row sums and fold kernels beside the copy, as the server's
+    /// `--gpu-checksums gpu`), `fused` (the save's gather sums the rows and only the fold
+    /// follows, as `--gpu-checksums fused`), or `gather-only` (the fused form's gather without
+    /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
+    /// copies, with `--timeline`).
+    #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]
     pub checksum_form: ChecksumForm,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -224,8 +224,8 @@ pub(crate) struct DmaArgs {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub(crate) enum ChecksumForm {
-    /// Row-sum and fold kernels beside the copy.
-    Tables,
+    /// Row sums and fold kernels beside the copy.
+    Gpu,
     /// The save's gather sums the rows; the fold follows.
     Fused,
     /// The summing gather without the fold.

@@ -779,7 +779,7 @@ impl Bench {
             // or summed by the gather (`--checksum-form`).
             if let Some(hasher) = hasher.as_mut() {
                 let (row, fold) = match self.checksum_form {
-                    crate::args::ChecksumForm::Tables => ("auto+checksums", None),
+                    crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
                     crate::args::ChecksumForm::Fused => ("auto+fused", Some(true)),
                     crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(false)),
                 };
@@ -1032,7 +1032,7 @@ impl Bench {
             }
         };
         let jobs = self.job_chunks();
-        if self.checksum_form != crate::args::ChecksumForm::Tables {
+        if self.checksum_form != crate::args::ChecksumForm::Gpu {
             return self.fused_checksums(&mut hasher, &jobs, save_ceiling).map(Some);
         }
         let mut got = Vec::new();

@@ -21,6 +21,9 @@ pub const CHUNK_RECORD: usize = 40;
 /// Bytes of one segment record (`HashSeg`: two little-endian u64).
 pub const SEG_RECORD: usize = 16;
 
+/// Bytes of one row: one of XXH3's 1 KiB blocks of a chunk.
+pub const ROW_LEN: u64 = 1024;
+
 /// Bytes of one scratch row (8 lane sums of one 1 KiB block).
 pub const ROW_BYTES: u64 = 64;
 

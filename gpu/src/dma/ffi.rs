@@ -484,6 +484,11 @@ unsafe impl Send for ScatterUniformKernel {}
 /// runs of 4 rows 42 us, of 8 40-41.5 us, of 16 50 us; 8 holds the fewest blocks for its time.
 const ROWS_PER_RUN: u64 = 8;
 
+/// Most blocks (of 256 threads) the block row sums run in: as many as the table-driven row
+/// kernel held, each warp with four 16-byte loads in flight per thread rather than table
+/// lookups before its loads (beside an engine's kernels, the blocks held are what it loses).
+const BLOCK_ROWS_GRID: u32 = 256;
+
 /// The chunk checksum kernels (`gpu/kernels/chunk_checksum.cu`).
 pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
@@ -492,7 +497,26 @@ pub(crate) struct ChecksumKernels {
     /// The fused form's gather and fold (`--gpu-checksums fused`); None when the PTX lacks
     /// them (one loaded from `ORBITKV_CHECKSUM_KERNEL_PTX` before they existed).
     fused: Option<(sys::CUfunction, sys::CUfunction)>,
+    /// The block row sums (`orbitkv_xxh3_block_rows`), None when the PTX lacks them.
+    block_rows: Option<sys::CUfunction>,
     _module: PtxModule,
+}
+
+/// A block-form save's row sums read from the engine's pages by
+/// [`ChecksumKernels::launch_block_rows`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockRowsLaunch {
+    /// The layout's part bases (device memory) and how many.
+    pub parts: (u64, u32),
+    /// The job's block ids, in chunk order (mapped pinned host memory, read in place).
+    pub blocks: u64,
+    pub stride: u64,
+    pub part_len: u64,
+    /// Scratch rows (64 bytes each, device memory), and rows per chunk (chunk length / 1 KiB).
+    pub scratch: (u64, u64),
+    /// Blocks of the job, and per chunk.
+    pub nblocks: u32,
+    pub per_chunk: u32,
 }
 
 /// The fused form's part of a block-form save's gather ([`ChecksumKernels::summed_gather`]):
@@ -566,6 +590,7 @@ impl ChecksumKernels {
                 .function("orbitkv_copy_blocks_summed")
                 .and_then(|g| Ok((g, module.function("orbitkv_xxh3_fold_uniform")?)))
                 .ok(),
+            block_rows: module.function("orbitkv_xxh3_block_rows").ok(),
             _module: module,
         })
     }
@@ -579,6 +604,58 @@ impl ChecksumKernels {
     ) -> Option<SummedGather> {
         let (func, _) = self.fused?;
         Some(SummedGather { func, scratch, rows_per_chunk, per_chunk })
+    }
+
+    /// Whether the block row sums and the uniform fold are in the PTX.
+    pub(crate) fn has_block_rows(&self) -> bool {
+        self.block_rows.is_some() && self.fused.is_some()
+    }
+
+    /// Launches the block row sums on `stream` (a warp per group of up to eight units of at most
+    /// 64 KiB, as the block gather; `BLOCK_ROWS_GRID` blocks at most, the warps striding over
+    /// the rest).
+    ///
+    /// # Safety
+    /// Every part of every block named must be device memory of this context that stays
+    /// unchanged until the stream passes the launch, the ids readable there, and the scratch
+    /// rows device memory nothing else uses meanwhile.
+    pub(crate) unsafe fn launch_block_rows(
+        &self,
+        stream: &CudaStream,
+        l: &BlockRowsLaunch,
+    ) -> Result<(), DmaError> {
+        const THREADS: u32 = 256;
+        let func = self.block_rows.ok_or_else(|| {
+            DmaError::Invalid("the block row-sum kernel is not in this PTX".into())
+        })?;
+        let subs = l.part_len.div_ceil(super::plan::BLOCK_UNIT).max(1);
+        let units = u64::from(l.nblocks) * u64::from(l.parts.1) * subs;
+        let count = u32::try_from(units)
+            .map_err(|_| DmaError::Invalid(format!("{units} units in one checksum submission")))?;
+        let bytes = u64::from(l.nblocks) * u64::from(l.parts.1) * l.part_len;
+        let group = CopyKernel::group(bytes, units as usize);
+        let grid = CopyKernel::grid(count, group, THREADS, BLOCK_ROWS_GRID);
+        let (mut parts, mut blocks, mut stride, mut part_len) =
+            (l.parts.0, l.blocks, l.stride, l.part_len);
+        let (mut scratch, mut rows_per_chunk) = l.scratch;
+        let (mut part_count, mut subs, mut count, mut group, mut per_chunk) =
+            (l.parts.1, subs as u32, count, group, l.per_chunk);
+        let mut params: [*mut c_void; 11] = [
+            (&raw mut parts).cast(),
+            (&raw mut blocks).cast(),
+            (&raw mut stride).cast(),
+            (&raw mut part_len).cast(),
+            (&raw mut scratch).cast(),
+            (&raw mut rows_per_chunk).cast(),
+            (&raw mut part_count).cast(),
+            (&raw mut subs).cast(),
+            (&raw mut count).cast(),
+            (&raw mut group).cast(),
+            (&raw mut per_chunk).cast(),
+        ];
+        // SAFETY: matches `orbitkv_xxh3_block_rows` (six u64, five u32, in this order); memory
+        // per this function's contract.
+        unsafe { launch(func, stream, grid, THREADS, &mut params, "checksum block rows") }
     }
 
     /// Launches the uniform fold on `stream`: `nchunks` chunks of `len` bytes whose row sums

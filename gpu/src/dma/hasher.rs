@@ -11,11 +11,11 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::checksum::{
     block_tables, tables_capacity, write_block_ids, write_tables, COUNTERS_PER_CHUNK, MIN_LEN,
-    ROW_BYTES,
+    ROW_BYTES, ROW_LEN,
 };
 use super::ffi::{
-    self, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch, PinnedHost,
-    SummedGather, Way,
+    self, BlockRowsLaunch, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch,
+    PinnedHost, SummedGather, Way,
 };
 use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
@@ -69,6 +69,23 @@ impl SummedSave {
     pub(crate) fn gather(&self) -> SummedGather {
         self.gather
     }
+}
+
+/// Whether a block-form job's rows can be summed unit by unit, as the block gather walks it
+/// (the fused gather, the block row sums): every part a whole number of 1 KiB rows (so every
+/// chunk too), and every part 16-byte aligned.
+fn rows_by_units(job: &BlockJob<'_>) -> bool {
+    let aligned = job.stride.is_multiple_of(16) && job.bases.iter().all(|b| b.is_multiple_of(16));
+    job.part_len != 0 && job.part_len.is_multiple_of(ROW_LEN) && aligned
+}
+
+/// Makes room in `slot`'s counters for the fold of `chunks` chunks (zeroed on its stream).
+fn counters_for(ctx: &Arc<CudaContext>, slot: &mut Slot, chunks: usize) -> Result<(), DmaError> {
+    let len = chunks * COUNTERS_PER_CHUNK * 4;
+    if slot.counters.len() < len {
+        slot.counters = DeviceBuffer::zeroed_on(ctx, len.next_power_of_two(), &slot.stream)?;
+    }
+    Ok(())
 }
 
 /// Pinned result buffers handed to tickets and given back when they are dropped.
@@ -240,6 +257,10 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
+        // SAFETY: forwarded from the caller.
+        if let Some(ticket) = unsafe { self.submit_block_rows(job, chunk_len)? } {
+            return Ok(Some(ticket));
+        }
         let t = block_tables(job, chunk_len)?;
         let count = |what: &str, v: u64| {
             u32::try_from(v).map_err(|_| DmaError::Invalid(format!("{v} {what} in one submission")))
@@ -283,10 +304,8 @@ impl ChunkHasher {
         job: &BlockJob<'_>,
         chunk_len: u64,
     ) -> Result<Option<SummedSave>, DmaError> {
-        let aligned =
-            job.stride.is_multiple_of(16) && job.bases.iter().all(|b| b.is_multiple_of(16));
         let kernels = self.kernels.summed_gather(0, 0, 0).is_some();
-        if !kernels || !job.part_len.is_multiple_of(1024) || job.part_len == 0 || !aligned {
+        if !kernels || !rows_by_units(job) {
             return Ok(None);
         }
         // The same checks as the tables' (chunk lengths, counts), none of their bytes.
@@ -305,11 +324,7 @@ impl ChunkHasher {
         // The slot's scratch and counters are free once its last use finished.
         super::wait_for(&slot.done, &mut self.times.waited)?;
         at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
-        let counters_len = t.chunks * COUNTERS_PER_CHUNK * 4;
-        if slot.counters.len() < counters_len {
-            slot.counters =
-                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
-        }
+        counters_for(&self.ctx, slot, t.chunks)?;
         let Some(gather) =
             self.kernels.summed_gather(slot.scratch.ptr(), chunk_len / 1024, per_chunk)
         else {
@@ -364,6 +379,94 @@ impl ChunkHasher {
             count: s.nchunks as usize,
             pool: Arc::clone(&self.pool),
         })
+    }
+
+    /// [`ChunkHasher::submit_blocks`] by the block row sums (`orbitkv_xxh3_block_rows`: the
+    /// fused gather's walk over the job's units, reading the engine's pages without copying
+    /// them) and the uniform fold: two launches, no segment or row tables, the host writing
+    /// the block ids only. None where it does not apply (the kernels missing from the PTX,
+    /// parts not a multiple of 1 KiB, addresses not 16-byte aligned): then the expansion and
+    /// the table-driven kernels.
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::submit_blocks`].
+    unsafe fn submit_block_rows(
+        &mut self,
+        job: &BlockJob<'_>,
+        chunk_len: u64,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
+        if !self.kernels.has_block_rows() || !rows_by_units(job) {
+            return Ok(None);
+        }
+        // The same checks as the tables' (chunk lengths, counts), none of their bytes.
+        let t = block_tables(job, chunk_len)?;
+        if t.chunks == 0 {
+            return Ok(None);
+        }
+        let count = |what: &str, v: usize| {
+            u32::try_from(v).map_err(|_| DmaError::Invalid(format!("{v} {what} in one submission")))
+        };
+        let nchunks = count("chunks", t.chunks)?;
+        let per_chunk = count("blocks per chunk", t.per_chunk)?;
+        let nblocks = count("blocks", t.chunks * t.per_chunk)?;
+        let part_count = count("parts per block", job.bases.len())?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let results = self.pinned_results(t.chunks * 8)?;
+        let slot = &mut self.slots[self.next];
+        self.next = (self.next + 1) % SLOTS;
+        // The slot's ids, scratch and counters are free once its last use finished.
+        super::wait_for(&slot.done, &mut self.times.waited)?;
+        if slot.tables_host.len() < t.ids_len {
+            slot.tables_host = PinnedHost::new(&self.ctx, t.ids_len.next_power_of_two())?;
+        }
+        let started = std::time::Instant::now();
+        write_block_ids(job, &mut slot.tables_host.bytes_mut()[..t.ids_len]);
+        self.times.planned += started.elapsed();
+        at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
+        counters_for(&self.ctx, slot, t.chunks)?;
+        let launch = BlockRowsLaunch {
+            parts: (job.parts, part_count),
+            blocks: slot.tables_host.addr(),
+            stride: job.stride,
+            part_len: job.part_len,
+            scratch: (slot.scratch.ptr(), chunk_len / ROW_LEN),
+            nblocks,
+            per_chunk,
+        };
+        let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let (kernels, stream) = (&self.kernels, &slot.stream);
+        let enqueue = || -> Result<(), DmaError> {
+            // SAFETY: the ids (mapped pinned, read in place), scratch and counters are the
+            // slot's, free (waited on `done` above) until `done` is recorded below; the parts
+            // are the job's memory (the caller's contract); `results` is pinned, owned by the
+            // ticket until its event completes.
+            unsafe {
+                kernels.launch_block_rows(stream, &launch)?;
+                kernels.launch_fold_uniform(
+                    stream,
+                    (chunk_len, nchunks),
+                    slot.scratch.ptr(),
+                    slot.counters.ptr(),
+                    results.addr(),
+                )?;
+            }
+            slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+            event.record(stream).map_err(drv("cuEventRecord"))
+        };
+        if let Err(e) = enqueue() {
+            // Whatever was queued may still read the slot and write `results`.
+            if let Err(sync) = stream.synchronize() {
+                tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
+                std::mem::forget(results);
+            }
+            return Err(e);
+        }
+        Ok(Some(ChecksumTicket {
+            event,
+            results: Some(results),
+            count: t.chunks,
+            pool: Arc::clone(&self.pool),
+        }))
     }
 
     /// Gives back a fused-form save's slot without folding its rows (no checksums: what the

@@ -518,29 +518,90 @@ fn block_form_and_piece_form_move_every_byte_alike() {
     }
 }
 
-/// The fused gather's row numbering (`orbitkv_copy_blocks_summed` in chunk_checksum.cu,
-/// mirrored here): over a job's batches, its units name every 1 KiB row of every chunk once,
-/// each at the chunk offset whose bytes the unit copies, and flag each chunk's last row.
-#[test]
-fn fused_gather_rows_cover_each_chunk_once_in_order() {
+/// A random block-form job's part bases and part length (a multiple of 1 KiB, some longer
+/// than a unit), its chunks (host offset, block ids), and a staging capacity.
+type SummableJob = (Vec<u64>, u64, Vec<(u64, Vec<u64>)>, u64);
+
+fn summable_job(rand: &mut impl FnMut(u64) -> u64) -> SummableJob {
+    let part_len = 1024 * [1, 2, 18, 64, 130][rand(5) as usize];
+    let part_count = 1 + rand(5);
+    let per_chunk = 1 + rand(3) as usize;
+    let nchunks = 1 + rand(6) as usize;
+    let bases: Vec<u64> = (0..part_count).map(|p| (p + 1) << 36).collect();
+    let chunks: Vec<(u64, Vec<u64>)> =
+        (0..nchunks).map(|c| (c as u64 * 10, (0..per_chunk).map(|_| rand(50)).collect())).collect();
+    let capacity = part_len * part_count * per_chunk as u64 * (1 + rand(4));
+    (bases, part_len, chunks, capacity)
+}
+
+/// The rows the units of one launch name, as `sum_units` in chunk_checksum.cu works them out
+/// per unit (the fused gather, the block row sums): `n` blocks from the job's block
+/// `first_block`, the id of batch position i read from `ids`. Each row goes into `rows` (row in
+/// the job -> chunk, chunk offset, whether the chunk's last row), named once; each id read is
+/// checked to be the chunk's block the numbering says it is.
+fn claim_rows(
+    job: &BlockJob<'_>,
+    (first_block, n): (u64, u64),
+    ids: &[u8],
+    rows: &mut std::collections::BTreeMap<u64, (u64, u64, bool)>,
+) {
     const UNIT: u64 = BLOCK_UNIT;
+    let (part_len, part_count) = (job.part_len, job.part_count());
+    let per_chunk = job.chunks[0].1.len() as u64;
+    let rpc = job.block_bytes() * per_chunk / 1024;
+    let subs = part_len.div_ceil(UNIT);
+    for u in 0..n * part_count * subs {
+        let r = u / subs;
+        let p = r % part_count;
+        let i = r / part_count;
+        let skip = (u % subs) * UNIT;
+        let len = (part_len - skip).min(UNIT);
+        let b = first_block + i;
+        let c = b / per_chunk;
+        let in_chunk = ((b - c * per_chunk) * part_count + p) * part_len + skip;
+        let row = c * rpc + in_chunk / 1024;
+        let last_row = c * rpc + rpc - 1;
+        let id = u64::from_le_bytes(ids[i as usize * 8..][..8].try_into().unwrap());
+        assert_eq!(id, job.chunks[c as usize].1[(b - c * per_chunk) as usize]);
+        for k in 0..len / 1024 {
+            let claim = (c, in_chunk + 1024 * k, row + k == last_row);
+            assert!(rows.insert(row + k, claim).is_none(), "row {} twice", row + k);
+        }
+    }
+}
+
+/// Every row of every chunk named once, at its own chunk offset, the last of each flagged.
+fn assert_rows_cover(
+    rows: &std::collections::BTreeMap<u64, (u64, u64, bool)>,
+    chunks: u64,
+    rpc: u64,
+) {
+    assert_eq!(rows.len() as u64, chunks * rpc);
+    for (&row, &(c, off, last)) in rows {
+        assert_eq!((c, off), (row / rpc, (row % rpc) * 1024), "row {row}");
+        assert_eq!(last, row % rpc == rpc - 1);
+    }
+}
+
+fn xorshift() -> impl FnMut(u64) -> u64 {
     let mut x = 0x0123_4567_89ab_cdefu64;
-    let mut rand = move |n: u64| {
+    move |n: u64| {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         x % n
-    };
+    }
+}
+
+/// The fused gather's row numbering (`orbitkv_copy_blocks_summed` in chunk_checksum.cu,
+/// mirrored by `claim_rows`): over a job's batches, its units name every 1 KiB row of every
+/// chunk once, each at the chunk offset whose bytes the unit copies, and flag each chunk's last
+/// row.
+#[test]
+fn fused_gather_rows_cover_each_chunk_once_in_order() {
+    let mut rand = xorshift();
     for _ in 0..100 {
-        // Parts a multiple of 1 KiB, some longer than a unit.
-        let part_len = 1024 * [1, 2, 18, 64, 130][rand(5) as usize];
-        let part_count = 1 + rand(5);
-        let per_chunk = 1 + rand(3) as usize;
-        let nchunks = 1 + rand(6) as usize;
-        let bases: Vec<u64> = (0..part_count).map(|p| (p + 1) << 36).collect();
-        let chunks: Vec<(u64, Vec<u64>)> = (0..nchunks)
-            .map(|c| (c as u64 * 10, (0..per_chunk).map(|_| rand(50)).collect()))
-            .collect();
+        let (bases, part_len, chunks, capacity) = summable_job(&mut rand);
         let job = BlockJob {
             parts: 0,
             bases: &bases,
@@ -549,49 +610,45 @@ fn fused_gather_rows_cover_each_chunk_once_in_order() {
             host_base: 0,
             chunks: &chunks,
         };
-        let block_bytes = job.block_bytes();
-        let chunk_len = block_bytes * per_chunk as u64;
-        let rpc = chunk_len / 1024;
-        let capacity = block_bytes * (1 + rand(4));
         let mut table = vec![0u8; 8 * 64];
         let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
         let mut first_block = 0u64;
-        // (row in the job) -> (chunk, chunk offset, last) as the units claim them.
         let mut rows = std::collections::BTreeMap::new();
         loop {
             let n = next_blocks_into(&job, &mut at, capacity, &mut table, &mut batch) as u64;
             if n == 0 {
                 break;
             }
-            let subs = part_len.div_ceil(UNIT);
-            for u in 0..n * part_count * subs {
-                // As the kernel works it out per unit.
-                let r = u / subs;
-                let p = r % part_count;
-                let i = r / part_count;
-                let skip = (u % subs) * UNIT;
-                let len = (part_len - skip).min(UNIT);
-                let b = first_block + i;
-                let c = b / per_chunk as u64;
-                let in_chunk = ((b - c * per_chunk as u64) * part_count + p) * part_len + skip;
-                let row = c * rpc + in_chunk / 1024;
-                let last_row = c * rpc + rpc - 1;
-                // The unit copies the id the planner put at batch position i: the chunk's
-                // block that the row numbering says it is.
-                let id = u64::from_le_bytes(table[i as usize * 8..][..8].try_into().unwrap());
-                let in_chunk_block = (b - c * per_chunk as u64) as usize;
-                assert_eq!(id, chunks[c as usize].1[in_chunk_block]);
-                for k in 0..len / 1024 {
-                    let claim = (c, in_chunk + 1024 * k, row + k == last_row);
-                    assert!(rows.insert(row + k, claim).is_none(), "row {} twice", row + k);
-                }
-            }
+            // The unit copies the id the planner put at batch position i.
+            claim_rows(&job, (first_block, n), &table, &mut rows);
             first_block += n;
         }
-        assert_eq!(rows.len() as u64, nchunks as u64 * rpc);
-        for (row, (c, off, last)) in rows {
-            assert_eq!((c, off), (row / rpc, (row % rpc) * 1024), "row {row}");
-            assert_eq!(last, row % rpc == rpc - 1);
-        }
+        let rpc = job.block_bytes() * chunks[0].1.len() as u64 / 1024;
+        assert_rows_cover(&rows, chunks.len() as u64, rpc);
+    }
+}
+
+/// The block row sums (`orbitkv_xxh3_block_rows`): one launch over the whole job, its block ids
+/// as the hasher writes them (`write_block_ids`), the same numbering from block 0.
+#[test]
+fn block_rows_cover_each_chunk_once_in_order() {
+    let mut rand = xorshift();
+    for _ in 0..100 {
+        let (bases, part_len, chunks, _) = summable_job(&mut rand);
+        let job = BlockJob {
+            parts: 0,
+            bases: &bases,
+            part_len,
+            stride: part_len,
+            host_base: 0,
+            chunks: &chunks,
+        };
+        let blocks: usize = chunks.iter().map(|c| c.1.len()).sum();
+        let mut ids = vec![0u8; 8 * blocks];
+        crate::dma::checksum::write_block_ids(&job, &mut ids);
+        let mut rows = std::collections::BTreeMap::new();
+        claim_rows(&job, (0, blocks as u64), &ids, &mut rows);
+        let rpc = job.block_bytes() * chunks[0].1.len() as u64 / 1024;
+        assert_rows_cover(&rows, chunks.len() as u64, rpc);
     }
 }
