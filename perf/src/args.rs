@@ -209,7 +209,8 @@ pub(crate) struct DmaArgs {
     pub pieces: bool,
     /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
     /// GPU checksums: `gpu` (row sums and fold kernels beside the copy, as the server's
-    /// `--gpu-checksums gpu`), `fused` (the save's gather sums the rows and only the fold
+    /// `--gpu-checksums gpu`), `rows` (the same with the block row sums, as `--gpu-checksums
+    /// rows`), `fused` (the save's gather sums the rows and only the fold
     /// follows, as `--gpu-checksums fused`), or `gather-only` (the fused form's gather without
     /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
     /// copies, with `--timeline`).
@@ -226,6 +227,8 @@ pub(crate) struct DmaArgs {
 pub(crate) enum ChecksumForm {
     /// Row sums and fold kernels beside the copy.
     Gpu,
+    /// As `Gpu`, the block row sums (a warp per unit, no tables) where they apply.
+    Rows,
     /// The save's gather sums the rows; the fold follows.
     Fused,
     /// The summing gather without the fold.

@@ -780,6 +780,7 @@ impl Bench {
             if let Some(hasher) = hasher.as_mut() {
                 let (row, fold) = match self.checksum_form {
                     crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
+                    crate::args::ChecksumForm::Rows => ("auto+rows", None),
                     crate::args::ChecksumForm::Fused => ("auto+fused", Some(true)),
                     crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(false)),
                 };
@@ -1017,7 +1018,8 @@ impl Bench {
             );
         }
         let job = self.memory.block_job(self.host_base, &self.chunks[chunks]).map_err(dma)?;
-        unsafe_block_checksums(hasher, &job, self.chunk_len)
+        let rows = self.checksum_form == crate::args::ChecksumForm::Rows;
+        unsafe_block_checksums(hasher, &job, self.chunk_len, rows)
     }
 
     /// `None` when the kernels do not load on this driver (said on stderr).
@@ -1032,7 +1034,8 @@ impl Bench {
             }
         };
         let jobs = self.job_chunks();
-        if self.checksum_form != crate::args::ChecksumForm::Gpu {
+        use crate::args::ChecksumForm;
+        if !matches!(self.checksum_form, ChecksumForm::Gpu | ChecksumForm::Rows) {
             return self.fused_checksums(&mut hasher, &jobs, save_ceiling).map(Some);
         }
         let mut got = Vec::new();
@@ -1354,9 +1357,10 @@ fn unsafe_block_checksums(
     hasher: &mut ChunkHasher,
     job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
     chunk_len: u64,
+    rows: bool,
 ) -> Result<Option<ChecksumTicket>, Error> {
     // SAFETY: see above (every ticket is awaited).
-    unsafe { hasher.submit_blocks(job, chunk_len) }.map_err(dma)
+    unsafe { hasher.submit_blocks_by(job, chunk_len, rows) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]

@@ -261,8 +261,9 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub max_gpu_registrations: Option<usize>,
     /// Where GPU saves' chunk checksums are computed: gpu, verify (gpu, all rechecked on the
-    /// shards), cpu, or fused (gpu, rows summed by the save's own gather: an experiment)
-    /// (default: gpu).
+    /// shards), cpu, fused (gpu, rows summed by the save's own gather: an experiment), or
+    /// rows (gpu, a block-form save's rows summed a warp per unit, no tables: not yet
+    /// measured) (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
     /// How GPU copies cross the bus: auto, staged (gather/scatter kernel), batched (copy
@@ -523,7 +524,7 @@ impl ServerConfig {
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
                     "--gpu-checksums",
-                    format!("{:?} is not one of gpu, verify, cpu, fused", self.gpu_checksums),
+                    format!("{:?} is not one of gpu, verify, cpu, fused, rows", self.gpu_checksums),
                 )
             })?;
         let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {

@@ -63,6 +63,10 @@ pub enum ChecksumPlace {
     /// As `Gpu`, the rows summed by the save's gather itself where the layout allows (parts
     /// a multiple of 1 KiB): an experiment, to be measured against `Gpu`.
     Fused,
+    /// As `Gpu`, the rows of a block-form save summed by a warp per unit of the block gather's
+    /// walk, with no tables, where the layout allows (parts a multiple of 1 KiB): to be
+    /// measured against `Gpu` before it becomes the default.
+    Rows,
 }
 
 impl ChecksumPlace {
@@ -73,16 +77,18 @@ impl ChecksumPlace {
             Self::Verify => "verify",
             Self::Cpu => "cpu",
             Self::Fused => "fused",
+            Self::Rows => "rows",
         }
     }
 
-    /// Parses `gpu`, `verify`, `cpu` or `fused`.
+    /// Parses `gpu`, `verify`, `cpu`, `fused` or `rows`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "gpu" => Some(Self::Gpu),
             "verify" => Some(Self::Verify),
             "cpu" => Some(Self::Cpu),
             "fused" => Some(Self::Fused),
+            "rows" => Some(Self::Rows),
             _ => None,
         }
     }
@@ -874,13 +880,14 @@ impl GpuService {
         if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
         }
+        let rows = self.checksum_place() == ChecksumPlace::Rows;
         let hasher = self.hasher(hashers, job.device)?;
         let submitted = match pieces {
             Some(pieces) => submit_checksums(hasher, pieces, job.chunk_len),
             None => job
                 .memory
                 .block_job(self.arena.base_ptr() as u64, &job.chunks)
-                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len)),
+                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len, rows)),
         };
         match submitted {
             Ok(t) => t,
@@ -1061,9 +1068,10 @@ fn submit_block_checksums(
     hasher: &mut ChunkHasher,
     job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
     chunk_len: u64,
+    rows: bool,
 ) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
     // SAFETY: as `submit_checksums`, for the job's blocks.
-    unsafe { hasher.submit_blocks(job, chunk_len) }
+    unsafe { hasher.submit_blocks_by(job, chunk_len, rows) }
 }
 
 #[allow(unsafe_code)]
@@ -1117,9 +1125,13 @@ mod tests {
 
     #[test]
     fn checksum_places_parse_as_they_are_spelled() {
-        for p in
-            [ChecksumPlace::Gpu, ChecksumPlace::Verify, ChecksumPlace::Cpu, ChecksumPlace::Fused]
-        {
+        for p in [
+            ChecksumPlace::Gpu,
+            ChecksumPlace::Verify,
+            ChecksumPlace::Cpu,
+            ChecksumPlace::Fused,
+            ChecksumPlace::Rows,
+        ] {
             assert_eq!(ChecksumPlace::parse(p.as_str()), Some(p));
         }
         assert_eq!(ChecksumPlace::parse("GPU"), None);

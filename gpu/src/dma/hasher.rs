@@ -257,10 +257,6 @@ impl ChunkHasher {
         if chunk_len < MIN_LEN {
             return Ok(None);
         }
-        // SAFETY: forwarded from the caller.
-        if let Some(ticket) = unsafe { self.submit_block_rows(job, chunk_len)? } {
-            return Ok(Some(ticket));
-        }
         let t = block_tables(job, chunk_len)?;
         let count = |what: &str, v: u64| {
             u32::try_from(v).map_err(|_| DmaError::Invalid(format!("{v} {what} in one submission")))
@@ -381,12 +377,33 @@ impl ChunkHasher {
         })
     }
 
+    /// [`ChunkHasher::submit_blocks`], by the block row sums where they apply when `rows`
+    /// (`--gpu-checksums rows`, until measured against the tables).
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::submit_blocks`].
+    pub unsafe fn submit_blocks_by(
+        &mut self,
+        job: &BlockJob<'_>,
+        chunk_len: u64,
+        rows: bool,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
+        if rows {
+            // SAFETY: forwarded from the caller.
+            if let Some(ticket) = unsafe { self.submit_block_rows(job, chunk_len)? } {
+                return Ok(Some(ticket));
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_blocks(job, chunk_len) }
+    }
+
     /// [`ChunkHasher::submit_blocks`] by the block row sums (`orbitkv_xxh3_block_rows`: the
     /// fused gather's walk over the job's units, reading the engine's pages without copying
     /// them) and the uniform fold: two launches, no segment or row tables, the host writing
     /// the block ids only. None where it does not apply (the kernels missing from the PTX,
-    /// parts not a multiple of 1 KiB, addresses not 16-byte aligned): then the expansion and
-    /// the table-driven kernels.
+    /// parts not a multiple of 1 KiB, addresses not 16-byte aligned, chunks too short for the
+    /// kernels). May wait for the submission before last to finish.
     ///
     /// # Safety
     /// As [`ChunkHasher::submit_blocks`].
@@ -395,7 +412,7 @@ impl ChunkHasher {
         job: &BlockJob<'_>,
         chunk_len: u64,
     ) -> Result<Option<ChecksumTicket>, DmaError> {
-        if !self.kernels.has_block_rows() || !rows_by_units(job) {
+        if chunk_len < MIN_LEN || !self.kernels.has_block_rows() || !rows_by_units(job) {
             return Ok(None);
         }
         // The same checks as the tables' (chunk lengths, counts), none of their bytes.
