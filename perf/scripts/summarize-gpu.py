@@ -175,6 +175,17 @@ def cpu_checksum(name, d):
     print(f"{name}: xxh3 of {d['value_size']}-byte chunks, memcpy {num(d['memcpy_gbps'], '{:.1f}')} GB/s: {rows}")
 
 
+def residency(name, d):
+    """perf/scripts/device-residency.py: the matmul beside kernels that only wait."""
+    for r in d["rows"]:
+        print(
+            f"{name}: {r['grid']} blocks for {r['dur_us']} us every {r['period_us']} us: slowdown "
+            f"{num(100 * r['slowdown'], '{:.2f}')}% (resident {num(100 * r['resident_share'], '{:.1f}')}% "
+            f"of the time, SM time {num(100 * r['sm_time_share'], '{:.2f}')}%; solo windows "
+            f"{num(100 * r['alone_spread'], '{:.2f}')}% apart)"
+        )
+
+
 def main(dirs):
     for folder in dirs:
         for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
@@ -193,6 +204,8 @@ def main(dirs):
                 stats(name, d)
             elif "rows" in d and "memcpy_gbps" in d:
                 cpu_checksum(name, d)
+            elif "rows" in d and name == "residency":
+                residency(name, d)
             elif "server" in d and d["server"] is not None:
                 served(name, d)
             elif "results" in d:
