@@ -267,7 +267,17 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
 
 #[test]
 fn fused_row_sums_and_the_uniform_fold_give_chunk_checksum() {
-    let emu = emulator("fused");
+    uniform_fold_gives_chunk_checksum("fused");
+}
+
+/// The same rows folded as several jobs in one launch (`orbitkv_xxh3_fold_uniform_jobs`).
+#[test]
+fn the_uniform_fold_of_several_jobs_gives_chunk_checksum() {
+    uniform_fold_gives_chunk_checksum("fused-jobs");
+}
+
+fn uniform_fold_gives_chunk_checksum(mode: &str) {
+    let emu = emulator(mode);
     let mut rng = Rng(0x1357_9bdf_2468_ace0);
     // One row, two, the fold's groups of 16 rows around their edges, 2 MiB.
     for (nchunks, len) in
@@ -279,7 +289,7 @@ fn fused_row_sums_and_the_uniform_fold_give_chunk_checksum() {
             input.extend_from_slice(&w.to_le_bytes());
         }
         input.extend_from_slice(&data);
-        let got = emulate(&emu, Some("fused"), &input);
+        let got = emulate(&emu, Some(mode), &input);
         let want: Vec<u64> = data.chunks(len as usize).map(orbitkv_proto::chunk_checksum).collect();
         assert_eq!(got, want, "{nchunks} chunks of {len} bytes");
     }

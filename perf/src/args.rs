@@ -216,6 +216,11 @@ pub(crate) struct DmaArgs {
     /// copies, with `--timeline`).
     #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]
     pub checksum_form: ChecksumForm,
+    /// With `--checksum-form rows`: fold this many jobs' rows in one launch (1-4), their
+    /// chains side by side, instead of one fold per job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4),
+          conflicts_with = "socket")]
+    pub fold_jobs: u8,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

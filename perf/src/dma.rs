@@ -613,6 +613,8 @@ struct Bench {
     pieces_only: bool,
     /// How the checksums row computes them (`--checksum-form`).
     checksum_form: crate::args::ChecksumForm,
+    /// Jobs per fold with the block row sums (`--fold-jobs`).
+    fold_jobs: usize,
 }
 
 impl Bench {
@@ -813,8 +815,9 @@ impl Bench {
         let submitted = (|| {
             for r in jobs {
                 copies.push(self.submit_range(Direction::Save, Strategy::Auto, r.clone())?.0);
-                tickets.extend(self.checksums_of(hasher, r.clone())?);
+                tickets.extend(self.job_checksums(hasher, r.clone())?);
             }
+            tickets.extend(hasher.flush_folds().map_err(dma)?);
             Ok::<(), Error>(())
         })();
         // Every submitted copy and checksum is awaited before the pieces' memory is reused.
@@ -995,12 +998,33 @@ impl Bench {
     ) -> Result<Vec<ChecksumTicket>, Error> {
         let mut tickets = Vec::with_capacity(jobs.len());
         for r in jobs {
-            match self.checksums_of(hasher, r.clone())? {
-                Some(t) => tickets.push(t),
-                None => return Ok(Vec::new()),
+            let got = self.job_checksums(hasher, r.clone())?;
+            if got.is_empty() && self.fold_jobs == 1 {
+                return Ok(Vec::new());
+            }
+            tickets.extend(got);
+        }
+        tickets.extend(hasher.flush_folds().map_err(dma)?);
+        Ok(tickets)
+    }
+
+    /// The checksums of one job's chunks: its ticket, or with `--fold-jobs` over 1 those of
+    /// the grouped folds this job completed (none while its group fills; the caller flushes
+    /// the rest with `flush_folds`).
+    fn job_checksums(
+        &self,
+        hasher: &mut ChunkHasher,
+        chunks: std::ops::Range<usize>,
+    ) -> Result<Vec<ChecksumTicket>, Error> {
+        if self.fold_jobs > 1 && self.checksum_form == crate::args::ChecksumForm::Rows {
+            let job =
+                self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
+            if let Some(t) = unsafe_grouped_checksums(hasher, &job, self.chunk_len, self.fold_jobs)?
+            {
+                return Ok(t);
             }
         }
-        Ok(tickets)
+        Ok(self.checksums_of(hasher, chunks)?.into_iter().collect())
     }
 
     /// Starts the checksums of the chunks `chunks`, from their block ids as the server does
@@ -1343,6 +1367,17 @@ fn unsafe_finish_summed(
 }
 
 #[allow(unsafe_code)]
+fn unsafe_grouped_checksums(
+    hasher: &mut ChunkHasher,
+    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
+    chunk_len: u64,
+    group: usize,
+) -> Result<Option<Vec<ChecksumTicket>>, Error> {
+    // SAFETY: see above (every ticket is awaited, the last ones after `flush_folds`).
+    unsafe { hasher.submit_block_rows_grouped(job, chunk_len, group) }.map_err(dma)
+}
+
+#[allow(unsafe_code)]
 fn unsafe_drop_summed(
     hasher: &mut ChunkHasher,
     summed: SummedSave,
@@ -1393,6 +1428,12 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         return Err(Error::InvalidArgument {
             flag: "--blocks-per-chunk",
             reason: format!("must divide --blocks {}", a.blocks),
+        });
+    }
+    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Rows {
+        return Err(Error::InvalidArgument {
+            flag: "--fold-jobs",
+            reason: "groups the folds of the block row sums: needs --checksum-form rows".into(),
         });
     }
     if a.iterations == 0 {
@@ -1515,6 +1556,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         chunk_pieces,
         pieces_only: a.pieces,
         checksum_form: a.checksum_form,
+        fold_jobs: usize::from(a.fold_jobs),
     };
     let mut results = Vec::new();
     let mut mismatched = 0;

@@ -61,6 +61,16 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--strategy", "direct"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--strategy") && err.contains("--gpu-copy direct"), "{err}");
+    // Checksum forms are local, and grouped folds belong to the block row sums.
+    let (code, err) = dma(&["--socket", "/nonexistent", "--checksum-form", "fused"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--checksum-form") && err.contains("--socket"), "{err}");
+    let (code, err) = dma(&["--fold-jobs", "2"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form rows"), "{err}");
+    let (code, err) = dma(&["--checksum-form", "rows", "--fold-jobs", "5"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--fold-jobs"), "{err}");
     // The engine-side copies' shape belongs to --interference, within bounds.
     let (code, err) = dma(&["--engine-depth", "8"]);
     assert_eq!(code, Some(2), "{err}");
