@@ -465,6 +465,23 @@ ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
 // chunk's last row; the last lane of the chunk to get there merges the eight into out[chunk].
 // `counters` holds a zero per chunk and holds it again when the kernel has finished (put back
 // by the thread that saw the last count).
+// Lane j of chunk k (`len` bytes, its rows from scratch row `row_first`) folded and left in
+// the chunk's last row; the last lane of the chunk to get there merges the eight into out[k].
+ORBITKV_DEVICE void fold_chunk_lane(u64 len, u64 row_first, u64 k, u32 j, u64* scratch,
+                                    u32* counters, u64* out) {
+    u64 nb = full_blocks(len);
+    u64* lane = scratch + 8 * row_first + j;
+    lane[8 * nb] += fold_lane(lane, nb, j);
+    // The chunk's lanes all folded (each fenced before it counted): merge them.
+    ORBITKV_FENCE();
+    if (ORBITKV_COUNT(&counters[k]) != 7u) {
+        return;
+    }
+    counters[k] = 0;
+    ORBITKV_FENCE();
+    out[k] = merge(len, scratch + 8 * (row_first + nb));
+}
+
 ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks, u64* scratch,
                                       u32* counters, u64* out) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -474,17 +491,7 @@ ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks
         return;
     }
     const HashChunk ch = chunks[k];
-    u64 nb = full_blocks(ch.len);
-    u64* lane = scratch + 8 * ch.row_first + j;
-    lane[8 * nb] += fold_lane(lane, nb, j);
-    // The chunk's lanes all folded (each fenced before it counted): merge them.
-    ORBITKV_FENCE();
-    if (ORBITKV_COUNT(&counters[k]) != 7u) {
-        return;
-    }
-    counters[k] = 0;
-    ORBITKV_FENCE();
-    out[k] = merge(ch.len, scratch + 8 * (ch.row_first + nb));
+    fold_chunk_lane(ch.len, ch.row_first, k, j, scratch, counters, out);
 }
 
 // Block form (a save planned as block ids, see copy_blocks.cu): writes the chunk, segment and
@@ -557,16 +564,7 @@ ORBITKV_DEVICE void piece_sums(u64 w0, u64 w1, u32 o, int last, const u64* key, 
 // scratch + 8 * k * (full_blocks(len) + 1): folded, then merged by the chunk's last lane.
 ORBITKV_DEVICE void fold_uniform_lane(u64 len, u64 k, u32 j, u64* scratch, u32* counters,
                                       u64* out) {
-    u64 nb = full_blocks(len);
-    u64* lane = scratch + 8 * (k * (nb + 1)) + j;
-    lane[8 * nb] += fold_lane(lane, nb, j);
-    ORBITKV_FENCE();
-    if (ORBITKV_COUNT(&counters[k]) != 7u) {
-        return;
-    }
-    counters[k] = 0;
-    ORBITKV_FENCE();
-    out[k] = merge(len, scratch + 8 * (k * (nb + 1) + nb));
+    fold_chunk_lane(len, k * (full_blocks(len) + 1), k, j, scratch, counters, out);
 }
 
 // orbitkv_xxh3_fold_merge for chunks all of `len` bytes (a multiple of 1 KiB), chunk k's rows
