@@ -534,6 +534,11 @@ fn summable_job(rand: &mut impl FnMut(u64) -> u64) -> SummableJob {
     (bases, part_len, chunks, capacity)
 }
 
+/// A job over `chunks` whose parts lie at `bases`, one part length apart per block id.
+fn packed_job<'a>(bases: &'a [u64], part_len: u64, chunks: &'a [(u64, Vec<u64>)]) -> BlockJob<'a> {
+    BlockJob { parts: 0, bases, part_len, stride: part_len, host_base: 0, chunks }
+}
+
 /// The rows the units of one launch name, as `sum_units` in chunk_checksum.cu works them out
 /// per unit (the fused gather, the block row sums): `n` blocks from the job's block
 /// `first_block`, the id of batch position i read from `ids`. Each row goes into `rows` (row in
@@ -602,14 +607,7 @@ fn fused_gather_rows_cover_each_chunk_once_in_order() {
     let mut rand = xorshift();
     for _ in 0..100 {
         let (bases, part_len, chunks, capacity) = summable_job(&mut rand);
-        let job = BlockJob {
-            parts: 0,
-            bases: &bases,
-            part_len,
-            stride: part_len,
-            host_base: 0,
-            chunks: &chunks,
-        };
+        let job = packed_job(&bases, part_len, &chunks);
         let mut table = vec![0u8; 8 * 64];
         let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
         let mut first_block = 0u64;
@@ -635,14 +633,7 @@ fn block_rows_cover_each_chunk_once_in_order() {
     let mut rand = xorshift();
     for _ in 0..100 {
         let (bases, part_len, chunks, _) = summable_job(&mut rand);
-        let job = BlockJob {
-            parts: 0,
-            bases: &bases,
-            part_len,
-            stride: part_len,
-            host_base: 0,
-            chunks: &chunks,
-        };
+        let job = packed_job(&bases, part_len, &chunks);
         let blocks: usize = chunks.iter().map(|c| c.1.len()).sum();
         let mut ids = vec![0u8; 8 * blocks];
         crate::dma::checksum::write_block_ids(&job, &mut ids);
