@@ -138,6 +138,7 @@ def served(name, d):
                 f"{name}:   {way} timeline: copies at {num(t['copy_gbps'], '{:.1f}')} GB/s while "
                 f"copying; per request {num(t['span_us'], '{:.0f}')} us on the GPU, copy stream "
                 f"idle {num(t['copy_gaps_us'], '{:.0f}')} us, kernels {num(t['kernel_us'], '{:.0f}')} us"
+                f"{'' if t.get('periods_per_request') is None else ', busy periods ' + num(t['periods_per_request'], '{:.2f}')}"
             )
     dup = s.get("duplex")
     if dup:

@@ -412,8 +412,13 @@ impl Report for DmaReport {
                     writeln!(
                         out,
                         "server GPU timeline, {way}: copies at {:.2} GB/s while copying; per \
-                         request {:.0} us on the GPU, copy stream idle {:.0} us, kernels {:.0} us",
-                        t.copy_gbps, t.span_us, t.copy_gaps_us, t.kernel_us
+                         request {:.0} us on the GPU, copy stream idle {:.0} us, kernels {:.0} us, \
+                         busy periods {}",
+                        t.copy_gbps,
+                        t.span_us,
+                        t.copy_gaps_us,
+                        t.kernel_us,
+                        t.periods_per_request.map_or("?".into(), |p| format!("{p:.2}"))
                     )?;
                 }
             }

@@ -198,6 +198,10 @@ pub(crate) struct GpuTimeline {
     pub copy_gaps_us: f64,
     /// Microseconds per request the gather or scatter kernels ran.
     pub kernel_us: f64,
+    /// The DMA thread's busy periods per request (more than one: it ran out of jobs in the
+    /// middle of a request for longer than its spin; None from a server that does not count
+    /// them).
+    pub periods_per_request: Option<f64>,
 }
 
 /// The server's `gpu_transfers` counters of one direction (`save` or `load`): seconds its DMA
@@ -220,8 +224,9 @@ struct Counters {
     submit_wait_s: Option<f64>,
     /// Of `submit_s`: pieces, staged batches, checksum tables (`submit_parts` in order).
     submit_parts: [Option<f64>; 3],
-    /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds.
-    timeline: [Option<f64>; 5],
+    /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds, busy
+    /// periods.
+    timeline: [Option<f64>; 6],
 }
 
 impl Counters {
@@ -247,7 +252,8 @@ impl Counters {
                 f("submit_stage_s"),
                 f("submit_tables_s").or(f("submit_stage_s").map(|_| 0.0)),
             ],
-            timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s"].map(t),
+            timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s", "periods"]
+                .map(t),
         }
     }
 }
@@ -267,7 +273,7 @@ struct Sums {
     submit_cpu_s: f64,
     submit_wait_s: f64,
     submit_parts: [f64; 3],
-    timeline: [f64; 5],
+    timeline: [f64; 6],
 }
 
 impl Sums {
@@ -299,7 +305,7 @@ impl Sums {
     /// The `--gpu-timeline` sums per request (None when the server did not time its batches,
     /// a reading was missing, or no batch was timed).
     fn timeline(&self) -> Option<GpuTimeline> {
-        let [bytes, span, busy, gaps, kernel] = self.timeline;
+        let [bytes, span, busy, gaps, kernel, periods] = self.timeline;
         if !(bytes > 0.0 && busy > 0.0) {
             return None;
         }
@@ -308,6 +314,7 @@ impl Sums {
             span_us: self.per_request_us(span)?,
             copy_gaps_us: self.per_request_us(gaps)?,
             kernel_us: self.per_request_us(kernel)?,
+            periods_per_request: self.per_request_us(periods).map(|p| p / 1e6),
         })
     }
 
@@ -980,29 +987,33 @@ mod tests {
 
     #[test]
     fn the_server_timeline_is_summed_over_runs_and_given_per_request() {
-        // (requests, bytes, span, copy busy, copy gaps, kernel seconds) so far.
-        let at = |r: f64, t: [f64; 5]| Counters {
+        // (requests, bytes, span, copy busy, copy gaps, kernel seconds, busy periods) so far.
+        let at = |r: f64, t: [f64; 6]| Counters {
             requests: Some(r),
             timeline: t.map(Some),
             ..Counters::default()
         };
         let mut sums = Sums::default();
-        sums.add(at(4.0, [1e9, 1.0, 1.0, 0.1, 0.2]), at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002]));
         sums.add(
-            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002]),
-            at(6.0, [5e9, 1.1, 1.08, 0.1003, 0.2004]),
+            at(4.0, [1e9, 1.0, 1.0, 0.1, 0.2, 7.0]),
+            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0]),
+        );
+        sums.add(
+            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0]),
+            at(6.0, [5e9, 1.1, 1.08, 0.1003, 0.2004, 11.0]),
         );
         let t = sums.timeline().expect("timed");
         assert!((t.copy_gbps - 4e9 / 0.08 / 1e9).abs() < 1e-6, "{t:?}");
         assert!((t.span_us - 50_000.0).abs() < 1e-3, "{t:?}");
         assert!((t.copy_gaps_us - 150.0).abs() < 1e-3, "{t:?}");
         assert!((t.kernel_us - 200.0).abs() < 1e-3, "{t:?}");
+        assert_eq!(t.periods_per_request, Some(2.0), "one, then three busy periods");
         // A server without --gpu-timeline (no such counters), or nothing timed: none.
         let mut plain = Sums::default();
-        plain.add(at(1.0, [0.0; 5]), Counters { requests: Some(2.0), ..Counters::default() });
+        plain.add(at(1.0, [0.0; 6]), Counters { requests: Some(2.0), ..Counters::default() });
         assert_eq!(plain.timeline(), None);
         let mut none = Sums::default();
-        none.add(at(1.0, [7.0, 1.0, 1.0, 0.0, 0.0]), at(2.0, [7.0, 1.0, 1.0, 0.0, 0.0]));
+        none.add(at(1.0, [7.0, 1.0, 1.0, 0.0, 0.0, 1.0]), at(2.0, [7.0, 1.0, 1.0, 0.0, 0.0, 1.0]));
         assert_eq!(none.timeline(), None);
     }
 

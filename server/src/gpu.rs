@@ -268,6 +268,10 @@ const IDLE_SPIN_US: u64 = 200;
 /// nanoseconds.
 #[derive(Debug, Default)]
 pub struct TimelineCounters {
+    /// Busy periods timed: a DMA thread that waits longer than `IDLE_SPIN_US` for its next
+    /// job starts a new one, so more than one per request means the GPU ran out of work in
+    /// the middle of it.
+    pub periods: AtomicU64,
     /// Staged batches timed.
     pub batches: AtomicU64,
     /// Their bytes.
@@ -287,6 +291,7 @@ impl TimelineCounters {
     pub fn add(&self, t: &SpanTotals) {
         let ns = |us: f64| (us * 1e3).round().clamp(0.0, u64::MAX as f64) as u64;
         for (c, v) in [
+            (&self.periods, 1),
             (&self.batches, t.batches),
             (&self.bytes, t.bytes),
             (&self.span_ns, ns(t.span_us)),
@@ -304,6 +309,7 @@ impl TimelineCounters {
         let s = |a: &AtomicU64| n(a) as f64 / 1e9;
         let busy = s(&self.copy_busy_ns);
         serde_json::json!({
+            "periods": n(&self.periods),
             "batches": n(&self.batches),
             "bytes": n(&self.bytes),
             "span_s": s(&self.span_ns),
@@ -1172,6 +1178,7 @@ mod tests {
         c.add(&period);
         c.add(&period);
         let j = c.json();
+        assert_eq!(j["periods"], 2);
         assert_eq!(j["batches"], 4);
         assert_eq!(j["bytes"], 128u64 << 20);
         let close = |k: &str, want: f64| {
