@@ -115,6 +115,9 @@ pub struct ServerConfig {
     /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
     /// Default: `gpu`.
     pub gpu_checksums: String,
+    /// With `gpu-checksums = "rows"`: save jobs whose rows are folded in one launch (1-4), the
+    /// fold's chains side by side; an experiment. Default: 1.
+    pub gpu_fold_jobs: usize,
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
     /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
     /// only: no SM time, so no time-slicing against an engine computing in another process,
@@ -159,6 +162,7 @@ impl Default for ServerConfig {
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
+            gpu_fold_jobs: 1,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
             max_gpu_registrations: 256,
@@ -266,6 +270,10 @@ pub struct Args {
     /// measured) (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
+    /// With --gpu-checksums rows: save jobs folded in one launch, 1-4 (an experiment;
+    /// default: 1).
+    #[arg(long, value_name = "N")]
+    pub gpu_fold_jobs: Option<usize>,
     /// How GPU copies cross the bus: auto, staged (gather/scatter kernel), batched (copy
     /// engines only, no SM time) or direct (an experiment that lost on a PCIe host: the
     /// kernel alone, through the arena's device mapping) (default: auto).
@@ -427,6 +435,7 @@ impl ServerConfig {
             gpu_queue_depth,
             max_gpu_registrations,
             gpu_checksums,
+            gpu_fold_jobs,
             gpu_copy
         );
         if a.no_lock_arena {
@@ -527,6 +536,15 @@ impl ServerConfig {
                     format!("{:?} is not one of gpu, verify, cpu, fused, rows", self.gpu_checksums),
                 )
             })?;
+        if !(1..=4).contains(&self.gpu_fold_jobs) {
+            return Err(invalid("--gpu-fold-jobs", "must be between 1 and 4"));
+        }
+        if self.gpu_fold_jobs > 1 && gpu_checksums != crate::gpu::ChecksumPlace::Rows {
+            return Err(invalid(
+                "--gpu-fold-jobs",
+                "groups the folds of the block row sums: needs --gpu-checksums rows",
+            ));
+        }
         let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {
             invalid(
                 "--gpu-copy",
@@ -590,6 +608,15 @@ mod tests {
         }
         assert!(bad(ServerConfig { gpu_checksums: "gpu2".into(), ..Default::default() })
             .contains("--gpu-checksums"));
+        for n in [0, 5] {
+            assert!(bad(ServerConfig { gpu_fold_jobs: n, ..Default::default() })
+                .contains("--gpu-fold-jobs"));
+        }
+        let e = bad(ServerConfig { gpu_fold_jobs: 2, ..Default::default() });
+        assert!(e.contains("--gpu-fold-jobs") && e.contains("--gpu-checksums rows"), "{e}");
+        let rows =
+            ServerConfig { gpu_fold_jobs: 4, gpu_checksums: "rows".into(), ..Default::default() };
+        assert!(rows.validate().is_ok());
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
             .contains("--gpu-copy"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })
