@@ -118,6 +118,9 @@ pub struct ServerConfig {
     /// With `gpu-checksums = "rows"`: save jobs whose rows are folded in one launch (1-4), the
     /// fold's chains side by side; an experiment. Default: 1.
     pub gpu_fold_jobs: usize,
+    /// Percent of GPU save jobs (0-90) whose checksums the shards compute from the arena
+    /// instead of the GPU: host cores taking SM time off the engine. Default: 0.
+    pub gpu_shard_checksums: u32,
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
     /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
     /// only: no SM time, so no time-slicing against an engine computing in another process,
@@ -163,6 +166,7 @@ impl Default for ServerConfig {
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
             gpu_fold_jobs: 1,
+            gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
             max_gpu_registrations: 256,
@@ -274,6 +278,10 @@ pub struct Args {
     /// default: 1).
     #[arg(long, value_name = "N")]
     pub gpu_fold_jobs: Option<usize>,
+    /// Percent of GPU save jobs whose checksums the shards compute instead of the GPU, 0-90
+    /// (default: 0).
+    #[arg(long, value_name = "PERCENT")]
+    pub gpu_shard_checksums: Option<u32>,
     /// How GPU copies cross the bus: auto, staged (gather/scatter kernel), batched (copy
     /// engines only, no SM time) or direct (an experiment that lost on a PCIe host: the
     /// kernel alone, through the arena's device mapping) (default: auto).
@@ -436,6 +444,7 @@ impl ServerConfig {
             max_gpu_registrations,
             gpu_checksums,
             gpu_fold_jobs,
+            gpu_shard_checksums,
             gpu_copy
         );
         if a.no_lock_arena {
@@ -536,6 +545,9 @@ impl ServerConfig {
                     format!("{:?} is not one of gpu, verify, cpu, fused, rows", self.gpu_checksums),
                 )
             })?;
+        if self.gpu_shard_checksums > 90 {
+            return Err(invalid("--gpu-shard-checksums", "must be a percent from 0 to 90"));
+        }
         if !(1..=4).contains(&self.gpu_fold_jobs) {
             return Err(invalid("--gpu-fold-jobs", "must be between 1 and 4"));
         }
@@ -612,6 +624,8 @@ mod tests {
             assert!(bad(ServerConfig { gpu_fold_jobs: n, ..Default::default() })
                 .contains("--gpu-fold-jobs"));
         }
+        assert!(bad(ServerConfig { gpu_shard_checksums: 91, ..Default::default() })
+            .contains("--gpu-shard-checksums"));
         let e = bad(ServerConfig { gpu_fold_jobs: 2, ..Default::default() });
         assert!(e.contains("--gpu-fold-jobs") && e.contains("--gpu-checksums rows"), "{e}");
         let rows =

@@ -690,14 +690,15 @@ impl Exec {
 
     /// Runs a GPU copy on the DMA thread for `direction` and waits for its completion (the CUDA
     /// event). Whatever the requester does meanwhile, the caller holds the arena slots until
-    /// this returns.
+    /// this returns. `shard_sums`: a save whose checksums the shards will compute (the GPU
+    /// computes none for it).
     pub(crate) async fn gpu_run(
         &self,
         direction: orbitkv_gpu::dma::Direction,
         device: usize,
         memory: Arc<orbitkv_gpu::dma::EngineMemory>,
-        chunks: Vec<(u64, Vec<u64>)>,
-        chunk_len: u64,
+        (chunks, chunk_len): (Vec<(u64, Vec<u64>)>, u64),
+        shard_sums: bool,
     ) -> Result<Option<Vec<u64>>, (orbitkv_proto::ErrorCode, String)> {
         use orbitkv_proto::ErrorCode;
         let Some(gpu) = self.shared.gpu_service.get() else {
@@ -707,7 +708,15 @@ impl Exec {
         self.gpu_next.set(id + 1);
         let (tx, rx) = local_channel::new_bounded(1);
         self.gpu_waiters.borrow_mut().insert(id, tx);
-        let mut job = crate::gpu::GpuJob { shard: self.id, id, device, memory, chunks, chunk_len };
+        let mut job = crate::gpu::GpuJob {
+            shard: self.id,
+            id,
+            device,
+            memory,
+            chunks,
+            chunk_len,
+            shard_sums,
+        };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,
         // and so are the jobs a request splits into). The wait ends when the DMA thread takes
         // jobs; it does not end when the client gives up, since the request holds slots.

@@ -154,6 +154,9 @@ pub struct GpuJob {
     pub chunks: Vec<(u64, Vec<u64>)>,
     /// Bytes per chunk.
     pub chunk_len: u64,
+    /// A save whose checksums the shards compute from the arena (`--gpu-shard-checksums`)
+    /// rather than the GPU beside the copy.
+    pub shard_sums: bool,
 }
 
 /// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or the
@@ -740,25 +743,26 @@ impl GpuService {
                             _memory: memory,
                         });
                         busy_since.get_or_insert(submitted);
-                        if save {
+                        // The shards hash this save's chunks (`--gpu-shard-checksums`), except
+                        // where its gather summed them already.
+                        let shard_sums = job.shard_sums && !matches!(planned, Planned::Summed(_));
+                        if save && !shard_sums {
                             let grouped = matches!(planned, Planned::Blocks)
-                                && self.grouped_checksums(&mut hashers, &job, (shard, id)).is_some_and(
-                                    |flushed| {
+                                && self
+                                    .grouped_checksums(&mut hashers, &job, (shard, id))
+                                    .is_some_and(|flushed| {
                                         inflight.back_mut().expect("just pushed").folding = true;
                                         folding[job.device].push_back((shard, id));
                                         attach_folds(flushed, &mut folding[job.device], inflight);
                                         true
-                                    },
-                                );
+                                    });
                             if !grouped {
                                 // No other submission while folds wait (one could take a
                                 // waiting job's checksum slot).
                                 self.flush_folds(&mut hashers, job.device, &mut folding, inflight);
                                 let ticket = match planned {
                                     Planned::Summed(ticket) => ticket,
-                                    Planned::Blocks => {
-                                        self.gpu_checksums(&mut hashers, &job, None)
-                                    }
+                                    Planned::Blocks => self.gpu_checksums(&mut hashers, &job, None),
                                     Planned::Pieces => {
                                         self.gpu_checksums(&mut hashers, &job, Some(&pieces))
                                     }
