@@ -209,14 +209,15 @@ pub(crate) struct DmaArgs {
     pub pieces: bool,
     /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
     /// GPU checksums: `gpu` (row sums and fold kernels beside the copy, as the server's
-    /// `--gpu-checksums gpu`), `rows` (the same with the block row sums, as `--gpu-checksums
-    /// rows`), `fused` (the save's gather sums the rows and only the fold
+    /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply),
+    /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), `fused`
+    /// (the save's gather sums the rows and only the fold
     /// follows, as `--gpu-checksums fused`), or `gather-only` (the fused form's gather without
     /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
     /// copies, with `--timeline`).
     #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]
     pub checksum_form: ChecksumForm,
-    /// With `--checksum-form rows`: fold this many jobs' rows in one launch (1-4), their
+    /// With `--checksum-form gpu`: fold this many jobs' rows in one launch (1-4), their
     /// chains side by side, instead of one fold per job.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4),
           conflicts_with = "socket")]
@@ -230,10 +231,11 @@ pub(crate) struct DmaArgs {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub(crate) enum ChecksumForm {
-    /// Row sums and fold kernels beside the copy.
+    /// Row sums and fold kernels beside the copy: the block row sums (a warp per unit, no
+    /// tables) where they apply.
     Gpu,
-    /// As `Gpu`, the block row sums (a warp per unit, no tables) where they apply.
-    Rows,
+    /// As `Gpu`, always by the table-driven row sums.
+    Tables,
     /// The save's gather sums the rows; the fold follows.
     Fused,
     /// The summing gather without the fold.

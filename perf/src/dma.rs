@@ -787,7 +787,7 @@ impl Bench {
             if let Some(hasher) = hasher.as_mut() {
                 let (row, fold) = match self.checksum_form {
                     crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
-                    crate::args::ChecksumForm::Rows => ("auto+rows", None),
+                    crate::args::ChecksumForm::Tables => ("auto+tables", None),
                     crate::args::ChecksumForm::Fused => ("auto+fused", Some(true)),
                     crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(false)),
                 };
@@ -1021,7 +1021,7 @@ impl Bench {
         hasher: &mut ChunkHasher,
         chunks: std::ops::Range<usize>,
     ) -> Result<Vec<ChecksumTicket>, Error> {
-        if self.fold_jobs > 1 && self.checksum_form == crate::args::ChecksumForm::Rows {
+        if self.fold_jobs > 1 && self.checksum_form == crate::args::ChecksumForm::Gpu {
             let job =
                 self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
             if let Some(t) = unsafe_grouped_checksums(hasher, &job, self.chunk_len, self.fold_jobs)?
@@ -1047,7 +1047,7 @@ impl Bench {
             );
         }
         let job = self.memory.block_job(self.host_base, &self.chunks[chunks]).map_err(dma)?;
-        let rows = self.checksum_form == crate::args::ChecksumForm::Rows;
+        let rows = self.checksum_form == crate::args::ChecksumForm::Gpu;
         unsafe_block_checksums(hasher, &job, self.chunk_len, rows)
     }
 
@@ -1064,7 +1064,7 @@ impl Bench {
         };
         let jobs = self.job_chunks();
         use crate::args::ChecksumForm;
-        if !matches!(self.checksum_form, ChecksumForm::Gpu | ChecksumForm::Rows) {
+        if !matches!(self.checksum_form, ChecksumForm::Gpu | ChecksumForm::Tables) {
             return self.fused_checksums(&mut hasher, &jobs, save_ceiling).map(Some);
         }
         let mut got = Vec::new();
@@ -1435,10 +1435,10 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: format!("must divide --blocks {}", a.blocks),
         });
     }
-    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Rows {
+    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Gpu {
         return Err(Error::InvalidArgument {
             flag: "--fold-jobs",
-            reason: "groups the folds of the block row sums: needs --checksum-form rows".into(),
+            reason: "groups the folds of the block row sums: needs --checksum-form gpu".into(),
         });
     }
     if a.iterations == 0 {

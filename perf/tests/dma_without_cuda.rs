@@ -65,10 +65,13 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--checksum-form", "fused"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--checksum-form") && err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--fold-jobs", "2"]);
+    let (code, err) = dma(&["--checksum-form", "tables", "--fold-jobs", "2"]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form rows"), "{err}");
-    let (code, err) = dma(&["--checksum-form", "rows", "--fold-jobs", "5"]);
+    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form gpu"), "{err}");
+    let (code, err) = dma(&["--checksum-form", "rows"]);
+    assert_eq!(code, Some(2), "the block row sums are `gpu` now: {err}");
+    assert!(err.contains("--checksum-form"), "{err}");
+    let (code, err) = dma(&["--fold-jobs", "5"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--fold-jobs"), "{err}");
     // The engine-side copies' shape belongs to --interference, within bounds.

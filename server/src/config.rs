@@ -111,11 +111,12 @@ pub struct ServerConfig {
     /// Engine ranks registered for GPU save/load at once. Default: 256.
     pub max_gpu_registrations: usize,
     /// Where a GPU save's chunk checksums are computed: `gpu` (by kernels beside the copy,
-    /// one chunk per 32 checked again on its shard), `verify` (on the GPU,
-    /// every chunk checked again on its shard: for testing), or `cpu` (on the shards).
-    /// Default: `gpu`.
+    /// one chunk per 32 checked again on its shard), `tables` (as `gpu`, always by the
+    /// table-driven row sums: to compare), `verify` (on the GPU, every chunk checked again on
+    /// its shard: for testing), `cpu` (on the shards), or `fused` (the save's gather sums the
+    /// rows: an experiment). Default: `gpu`.
     pub gpu_checksums: String,
-    /// With `gpu-checksums = "rows"`: save jobs whose rows are folded in one launch (1-4), the
+    /// With `gpu-checksums = "gpu"`: save jobs whose rows are folded in one launch (1-4), the
     /// fold's chains side by side; an experiment. Default: 1.
     pub gpu_fold_jobs: usize,
     /// Percent of GPU save jobs (0-90) whose checksums the shards compute from the arena
@@ -268,13 +269,12 @@ pub struct Args {
     /// Engine ranks registered for GPU save/load at once (default: 256).
     #[arg(long, value_name = "N")]
     pub max_gpu_registrations: Option<usize>,
-    /// Where GPU saves' chunk checksums are computed: gpu, verify (gpu, all rechecked on the
-    /// shards), cpu, fused (gpu, rows summed by the save's own gather: an experiment), or
-    /// rows (gpu, a block-form save's rows summed a warp per unit, no tables: not yet
-    /// measured) (default: gpu).
+    /// Where GPU saves' chunk checksums are computed: gpu, tables (gpu, by the table-driven
+    /// row sums: to compare), verify (gpu, all rechecked on the shards), cpu, or fused (gpu,
+    /// rows summed by the save's own gather: an experiment) (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
-    /// With --gpu-checksums rows: save jobs folded in one launch, 1-4 (an experiment;
+    /// With --gpu-checksums gpu: save jobs folded in one launch, 1-4 (an experiment;
     /// default: 1).
     #[arg(long, value_name = "N")]
     pub gpu_fold_jobs: Option<usize>,
@@ -542,7 +542,10 @@ impl ServerConfig {
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
                     "--gpu-checksums",
-                    format!("{:?} is not one of gpu, verify, cpu, fused, rows", self.gpu_checksums),
+                    format!(
+                        "{:?} is not one of gpu, tables, verify, cpu, fused",
+                        self.gpu_checksums
+                    ),
                 )
             })?;
         if self.gpu_shard_checksums > 90 {
@@ -551,10 +554,10 @@ impl ServerConfig {
         if !(1..=4).contains(&self.gpu_fold_jobs) {
             return Err(invalid("--gpu-fold-jobs", "must be between 1 and 4"));
         }
-        if self.gpu_fold_jobs > 1 && gpu_checksums != crate::gpu::ChecksumPlace::Rows {
+        if self.gpu_fold_jobs > 1 && gpu_checksums != crate::gpu::ChecksumPlace::Gpu {
             return Err(invalid(
                 "--gpu-fold-jobs",
-                "groups the folds of the block row sums: needs --gpu-checksums rows",
+                "groups the folds of the block row sums: needs --gpu-checksums gpu",
             ));
         }
         let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {
@@ -626,11 +629,15 @@ mod tests {
         }
         assert!(bad(ServerConfig { gpu_shard_checksums: 91, ..Default::default() })
             .contains("--gpu-shard-checksums"));
-        let e = bad(ServerConfig { gpu_fold_jobs: 2, ..Default::default() });
-        assert!(e.contains("--gpu-fold-jobs") && e.contains("--gpu-checksums rows"), "{e}");
-        let rows =
-            ServerConfig { gpu_fold_jobs: 4, gpu_checksums: "rows".into(), ..Default::default() };
-        assert!(rows.validate().is_ok());
+        let e = bad(ServerConfig {
+            gpu_fold_jobs: 2,
+            gpu_checksums: "tables".into(),
+            ..Default::default()
+        });
+        assert!(e.contains("--gpu-fold-jobs") && e.contains("--gpu-checksums gpu"), "{e}");
+        assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
+            .contains("--gpu-checksums"));
+        assert!(ServerConfig { gpu_fold_jobs: 4, ..Default::default() }.validate().is_ok());
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
             .contains("--gpu-copy"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })

@@ -293,7 +293,7 @@ struct ShardShare {
 }
 
 impl ShardShare {
-    const TAIL_JOBS: usize = 4;
+    const TAIL_JOBS: usize = 8;
 
     fn new(percent: u32) -> Self {
         Self { percent, owed: 0 }
@@ -492,11 +492,11 @@ mod tests {
             (0..jobs).filter(|&g| s.job(g, jobs, g == 0)).collect()
         };
         assert!(shard_jobs(0, 32).is_empty());
-        // A quarter, spread over the jobs between the first and the last four.
-        assert_eq!(shard_jobs(25, 32), vec![4, 8, 12, 16, 20, 24]);
-        assert_eq!(shard_jobs(50, 10), vec![2, 4]);
+        // A quarter, spread over the jobs between the first and the last eight.
+        assert_eq!(shard_jobs(25, 32), vec![4, 8, 12, 16, 20]);
+        assert_eq!(shard_jobs(50, 14), vec![2, 4]);
         // Short requests keep every job on the GPU.
-        assert!(shard_jobs(90, 5).is_empty());
+        assert!(shard_jobs(90, 9).is_empty());
     }
 
     #[test]

@@ -427,7 +427,7 @@ impl ChunkHasher {
     }
 
     /// [`ChunkHasher::submit_blocks`], by the block row sums where they apply when `rows`
-    /// (`--gpu-checksums rows`, until measured against the tables).
+    /// (the server's `--gpu-checksums gpu`; `tables` keeps the table-driven row sums).
     ///
     /// # Safety
     /// As [`ChunkHasher::submit_blocks`].
