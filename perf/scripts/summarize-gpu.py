@@ -130,9 +130,12 @@ def served(name, d):
         f"{num(s.get('save_lead_us'), '{:.0f}')} / {num(s.get('load_lead_us'), '{:.0f}')} us, tail "
         f"{num(s.get('save_tail_us'), '{:.0f}')} / {num(s.get('load_tail_us'), '{:.0f}')} us"
     )
-    # With the server's --gpu-timeline: the copies' own rate and the copy stream's idle time.
-    for way in ("save", "load"):
-        t = s.get(f"{way}_timeline")
+    # With the server's --gpu-timeline: the copies' own rate and the copy stream's idle time,
+    # alone and (with --interference) beside the matmul.
+    beside = s.get("beside_matmul") or {}
+    for way, t in (("save", s.get("save_timeline")), ("load", s.get("load_timeline")),
+                   ("beside-matmul save", beside.get("save_timeline")),
+                   ("beside-matmul load", beside.get("load_timeline"))):
         if t:
             print(
                 f"{name}:   {way} timeline: copies at {num(t['copy_gbps'], '{:.1f}')} GB/s while "

@@ -407,7 +407,13 @@ impl Report for DmaReport {
                     f(b.load_submit_us_per_job)
                 )?;
             }
-            for (way, t) in [("saves", &s.save_timeline), ("loads", &s.load_timeline)] {
+            let beside = s.beside_matmul.as_ref();
+            for (way, t) in [
+                ("saves", s.save_timeline.as_ref()),
+                ("loads", s.load_timeline.as_ref()),
+                ("saves beside the matmul", beside.and_then(|b| b.save_timeline.as_ref())),
+                ("loads beside the matmul", beside.and_then(|b| b.load_timeline.as_ref())),
+            ] {
                 if let Some(t) = t {
                     writeln!(
                         out,

@@ -184,6 +184,11 @@ pub(crate) struct BesideMatmul {
     pub load_busy_gbps: Option<f64>,
     /// Mean microseconds per load job handing it to the GPU.
     pub load_submit_us_per_job: Option<f64>,
+    /// With the server's `--gpu-timeline`: the saves' batches beside the matmul (whether they
+    /// lose their rate there by slower copies or by the copy stream waiting for gathers).
+    pub save_timeline: Option<GpuTimeline>,
+    /// The same for the loads (waiting for uploads, or scatters waiting for SMs).
+    pub load_timeline: Option<GpuTimeline>,
 }
 
 /// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
@@ -739,6 +744,8 @@ fn served_interference(
         save_checksum_wait_us_per_job: save.per_job(save.checksum_wait_s * 1e6),
         load_busy_gbps: busy_gbps(copied[1], load.busy_s),
         load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
+        save_timeline: save.timeline(),
+        load_timeline: load.timeline(),
     };
     Ok((result, failed, counters))
 }
