@@ -116,9 +116,6 @@ pub struct ServerConfig {
     /// its shard: for testing), `cpu` (on the shards), or `fused` (the save's gather sums the
     /// rows: an experiment). Default: `gpu`.
     pub gpu_checksums: String,
-    /// With `gpu-checksums = "gpu"`: save jobs whose rows are folded in one launch (1-4), the
-    /// fold's chains side by side; an experiment. Default: 1.
-    pub gpu_fold_jobs: usize,
     /// Percent of GPU save jobs (0-90) whose checksums the shards compute from the arena
     /// instead of the GPU: host cores taking SM time off the engine. Default: 0.
     pub gpu_shard_checksums: u32,
@@ -166,7 +163,6 @@ impl Default for ServerConfig {
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
-            gpu_fold_jobs: 1,
             gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
@@ -274,10 +270,6 @@ pub struct Args {
     /// rows summed by the save's own gather: an experiment) (default: gpu).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
-    /// With --gpu-checksums gpu: save jobs folded in one launch, 1-4 (an experiment;
-    /// default: 1).
-    #[arg(long, value_name = "N")]
-    pub gpu_fold_jobs: Option<usize>,
     /// Percent of GPU save jobs whose checksums the shards compute instead of the GPU, 0-90
     /// (default: 0).
     #[arg(long, value_name = "PERCENT")]
@@ -443,7 +435,6 @@ impl ServerConfig {
             gpu_queue_depth,
             max_gpu_registrations,
             gpu_checksums,
-            gpu_fold_jobs,
             gpu_shard_checksums,
             gpu_copy
         );
@@ -551,15 +542,6 @@ impl ServerConfig {
         if self.gpu_shard_checksums > 90 {
             return Err(invalid("--gpu-shard-checksums", "must be a percent from 0 to 90"));
         }
-        if !(1..=4).contains(&self.gpu_fold_jobs) {
-            return Err(invalid("--gpu-fold-jobs", "must be between 1 and 4"));
-        }
-        if self.gpu_fold_jobs > 1 && gpu_checksums != crate::gpu::ChecksumPlace::Gpu {
-            return Err(invalid(
-                "--gpu-fold-jobs",
-                "groups the folds of the block row sums: needs --gpu-checksums gpu",
-            ));
-        }
         let gpu_copy = orbitkv_gpu::dma::Strategy::parse(&self.gpu_copy).ok_or_else(|| {
             invalid(
                 "--gpu-copy",
@@ -623,21 +605,10 @@ mod tests {
         }
         assert!(bad(ServerConfig { gpu_checksums: "gpu2".into(), ..Default::default() })
             .contains("--gpu-checksums"));
-        for n in [0, 5] {
-            assert!(bad(ServerConfig { gpu_fold_jobs: n, ..Default::default() })
-                .contains("--gpu-fold-jobs"));
-        }
         assert!(bad(ServerConfig { gpu_shard_checksums: 91, ..Default::default() })
             .contains("--gpu-shard-checksums"));
-        let e = bad(ServerConfig {
-            gpu_fold_jobs: 2,
-            gpu_checksums: "tables".into(),
-            ..Default::default()
-        });
-        assert!(e.contains("--gpu-fold-jobs") && e.contains("--gpu-checksums gpu"), "{e}");
         assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
             .contains("--gpu-checksums"));
-        assert!(ServerConfig { gpu_fold_jobs: 4, ..Default::default() }.validate().is_ok());
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
             .contains("--gpu-copy"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })

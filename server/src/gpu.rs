@@ -41,8 +41,6 @@ pub struct GpuLimits {
     pub staging_bytes: usize,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
-    /// Save jobs whose block row sums are folded in one launch (`--gpu-fold-jobs`).
-    pub fold_jobs: usize,
     /// How copies cross the bus (`--gpu-copy`).
     pub copy: Strategy,
     /// The arena's device mapping (what to add to a host address), registered for
@@ -116,9 +114,6 @@ pub fn off_shard(f: impl FnOnce() + Send + 'static) {
 struct Running {
     shard: usize,
     id: u64,
-    /// A save whose block row sums wait for a grouped fold (`--gpu-fold-jobs`): its ticket
-    /// comes when the fold is launched.
-    folding: bool,
     bytes: u64,
     /// Host-side copies its bytes went in (see `JobShape::host_runs`).
     host_runs: u64,
@@ -698,9 +693,6 @@ impl GpuService {
         let mut hashers: Vec<Option<Option<ChunkHasher>>> =
             (0..self.devices.len()).map(|_| None).collect();
         let mut pieces = Vec::new();
-        // Per device: the save jobs (shard, id) whose rows wait for a grouped fold, in order.
-        let mut folding: Vec<VecDeque<(usize, u64)>> =
-            (0..self.devices.len()).map(|_| VecDeque::new()).collect();
         let mut next_queue = 0;
         let mut idle_since = Instant::now();
         // Since when at least one job has been on the GPU (None while none is).
@@ -740,7 +732,6 @@ impl GpuService {
                         inflight.push_back(Running {
                             shard,
                             id,
-                            folding: false,
                             bytes,
                             host_runs: shape.host_runs as u64,
                             event,
@@ -753,28 +744,14 @@ impl GpuService {
                         // where its gather summed them already.
                         let shard_sums = job.shard_sums && !matches!(planned, Planned::Summed(_));
                         if save && !shard_sums {
-                            let grouped = matches!(planned, Planned::Blocks)
-                                && self
-                                    .grouped_checksums(&mut hashers, &job, (shard, id))
-                                    .is_some_and(|flushed| {
-                                        inflight.back_mut().expect("just pushed").folding = true;
-                                        folding[job.device].push_back((shard, id));
-                                        attach_folds(flushed, &mut folding[job.device], inflight);
-                                        true
-                                    });
-                            if !grouped {
-                                // No other submission while folds wait (one could take a
-                                // waiting job's checksum slot).
-                                self.flush_folds(&mut hashers, job.device, &mut folding, inflight);
-                                let ticket = match planned {
-                                    Planned::Summed(ticket) => ticket,
-                                    Planned::Blocks => self.gpu_checksums(&mut hashers, &job, None),
-                                    Planned::Pieces => {
-                                        self.gpu_checksums(&mut hashers, &job, Some(&pieces))
-                                    }
-                                };
-                                inflight.back_mut().expect("just pushed").checksums = ticket;
-                            }
+                            let ticket = match planned {
+                                Planned::Summed(ticket) => ticket,
+                                Planned::Blocks => self.gpu_checksums(&mut hashers, &job, None),
+                                Planned::Pieces => {
+                                    self.gpu_checksums(&mut hashers, &job, Some(&pieces))
+                                }
+                            };
+                            inflight.back_mut().expect("just pushed").checksums = ticket;
                         }
                         add_time(&sc.total_ns, submitted.elapsed());
                         sc.cpu_ns.fetch_add(
@@ -805,22 +782,7 @@ impl GpuService {
                     }
                 }
             }
-            // Folds left waiting go as soon as no save job is queued behind them.
-            if queues.iter().all(|q| q.is_empty()) {
-                for device in 0..folding.len() {
-                    self.flush_folds(&mut hashers, device, &mut folding, inflight);
-                }
-            }
             while let Some(job) = inflight.front_mut() {
-                // A job waiting for its grouped fold stays until it has the fold's ticket,
-                // even if its copy failed: the ticket's drop is what waits for the kernels
-                // that read its memory.
-                if job.folding {
-                    if let Ok(true) = job.event.try_is_complete() {
-                        job.copied_at.get_or_insert_with(Instant::now);
-                    }
-                    break;
-                }
                 let result = match job.event.try_is_complete() {
                     Ok(false) => break,
                     Ok(true) => {
@@ -919,64 +881,6 @@ impl GpuService {
                 Err(e) => {
                     tracing::warn!(error = %e, "--gpu-timeline: reading the timing events failed")
                 }
-            }
-        }
-    }
-
-    /// With `--gpu-fold-jobs` over 1: a block-form save job's row sums, its fold grouped with
-    /// the next jobs' (`job_ref` names it). The tickets of the folds this submission launched,
-    /// or None where the grouped form does not apply (then the usual submission).
-    fn grouped_checksums(
-        &self,
-        hashers: &mut [Option<Option<ChunkHasher>>],
-        job: &GpuJob,
-        job_ref: (usize, u64),
-    ) -> Option<Vec<ChecksumTicket>> {
-        if self.limits.fold_jobs < 2 || self.checksum_place() != ChecksumPlace::Gpu {
-            return None;
-        }
-        let hasher = self.hasher(hashers, job.device)?;
-        let submitted = job
-            .memory
-            .block_job(self.arena.base_ptr() as u64, &job.chunks)
-            .and_then(|b| submit_grouped(hasher, &b, job.chunk_len, self.limits.fold_jobs));
-        match submitted {
-            Ok(flushed) => flushed,
-            Err(e) => {
-                tracing::warn!(job = ?job_ref, error = %e, "grouped GPU checksums not started; the usual kernels compute them");
-                None
-            }
-        }
-    }
-
-    /// Folds the rows waiting on `device`'s checksum kernels and hands each waiting job its
-    /// ticket; on a failure those jobs' checksums go to the shards.
-    fn flush_folds(
-        &self,
-        hashers: &mut [Option<Option<ChunkHasher>>],
-        device: usize,
-        folding: &mut [VecDeque<(usize, u64)>],
-        inflight: &mut InFlight,
-    ) {
-        let waiting = &mut folding[device];
-        if waiting.is_empty() {
-            return;
-        }
-        let flushed = match hashers[device].as_mut().and_then(Option::as_mut) {
-            Some(h) => h.flush_folds(),
-            None => Err(orbitkv_gpu::dma::DmaError::Invalid("no checksum kernels".into())),
-        };
-        match flushed {
-            Ok(tickets) => attach_folds(tickets, waiting, inflight),
-            Err(e) => {
-                tracing::warn!(error = %e, "grouped GPU checksums not folded; the shards compute them");
-            }
-        }
-        // Every fold that waited has gone: a job still waiting lost its rows (a failed
-        // grouped submission) and its checksums go to the shards.
-        for job_ref in waiting.drain(..) {
-            if let Some(j) = inflight.iter_mut().find(|j| (j.shard, j.id) == job_ref) {
-                j.folding = false;
             }
         }
     }
@@ -1209,37 +1113,6 @@ fn finish_summed(
     // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` was
     // recorded on the copy engine's kernel stream after that job's last gather.
     unsafe { hasher.finish_summed(s, gathered) }
-}
-
-/// Hands the tickets of launched folds to the jobs waiting for them, oldest first (a job gone
-/// meanwhile, its copy failed, leaves its ticket to be dropped: dropping waits for its fold).
-fn attach_folds(
-    tickets: Vec<ChecksumTicket>,
-    waiting: &mut VecDeque<(usize, u64)>,
-    inflight: &mut InFlight,
-) {
-    for ticket in tickets {
-        let Some(job_ref) = waiting.pop_front() else {
-            tracing::error!("a grouped checksum fold without a waiting job");
-            return;
-        };
-        if let Some(j) = inflight.iter_mut().find(|j| (j.shard, j.id) == job_ref) {
-            j.checksums = Some(ticket);
-            j.folding = false;
-        }
-    }
-}
-
-#[allow(unsafe_code)]
-fn submit_grouped(
-    hasher: &mut ChunkHasher,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    chunk_len: u64,
-    group: usize,
-) -> Result<Option<Vec<ChecksumTicket>>, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: as `submit_checksums`, for the job's blocks (the job's memory is held by its
-    // in-flight entry until its ticket completes).
-    unsafe { hasher.submit_block_rows_grouped(job, chunk_len, group) }
 }
 
 /// How a job went to the GPU, for its checksums.

@@ -249,7 +249,6 @@ fn run(settings: Settings) -> Result<(), String> {
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
             checksums: settings.gpu_checksums,
-            fold_jobs: settings.config.gpu_fold_jobs,
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
             timeline: settings.config.gpu_timeline,
