@@ -753,7 +753,7 @@ impl Bench {
         let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
         EngineSide {
             page_bytes: (mean / 2).max(1) * 2,
-            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_half() as u64),
+            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_part() as u64),
             pool_bytes: self.bytes,
             depth: a.engine_depth,
         }
@@ -846,7 +846,9 @@ impl Bench {
     /// host-to-device, each contiguous, on two copy engines at once (what a save beside a load
     /// can reach); median GB/s of both together.
     fn duplex_ceiling(&mut self, ctx: &Arc<CudaContext>, a: &DmaArgs) -> Result<f64, Error> {
-        let mut other = CopyEngine::new(ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+        let mut other =
+            CopyEngine::new(ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
+                .map_err(dma)?;
         let half = self.chunk_len * (self.chunks.len() as u64 / 2);
         let rest = self.bytes - half;
         let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
@@ -1544,7 +1546,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         chunks.push((*slot, ids));
     }
     let bytes = chunk_len * nchunks;
-    let mut engine = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+    let mut engine =
+        CopyEngine::new(&ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
+            .map_err(dma)?;
     if let Some(offset) = registration.device_offset {
         engine.set_host_mapping(offset);
     }
@@ -1685,7 +1689,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         mismatched += checksums.as_ref().map_or(0, |c| c.mismatches);
         if a.duplex {
             let ceiling = bench.duplex_ceiling(&ctx, a)?;
-            let mut other = CopyEngine::new(&ctx, a.staging as usize, BATCHED_FROM).map_err(dma)?;
+            let mut other =
+                CopyEngine::new(&ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
+                    .map_err(dma)?;
             if let Some(offset) = registration.device_offset {
                 other.set_host_mapping(offset);
             }

@@ -74,6 +74,15 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--fold-jobs", "5"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--fold-jobs"), "{err}");
+    // The staging's parts: 2 to 8, and the server's own through a socket.
+    for depth in ["1", "9"] {
+        let (code, err) = dma(&["--staging-depth", depth]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("--staging-depth"), "{err}");
+    }
+    let (code, err) = dma(&["--socket", "/nonexistent", "--staging-depth", "4"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--staging-depth") && err.contains("--socket"), "{err}");
     // The engine-side copies' shape belongs to --interference, within bounds.
     let (code, err) = dma(&["--engine-depth", "8"]);
     assert_eq!(code, Some(2), "{err}");

@@ -99,9 +99,13 @@ pub struct ServerConfig {
     /// Use CUDA: `auto` (when a device exists), `off`, or `required` (refuse to start without
     /// one). Default: `auto`.
     pub gpu: orbitkv_gpu::GpuMode,
-    /// GPU staging buffer of each DMA thread on each device (two halves; pages are gathered
-    /// into it before crossing the bus). Default: `64MiB`.
+    /// GPU staging buffer of each DMA thread on each device (pages are gathered into it
+    /// before crossing the bus). Default: `64MiB`.
     pub gpu_staging: String,
+    /// Equal parts of the GPU staging buffer (2-8), used in turn: a save's gathers may run up
+    /// to this many batches less one ahead of its copies (a load's copies ahead of its
+    /// scatters). Default: 2.
+    pub gpu_staging_depth: usize,
     /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
     /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
     /// copy lands while the DMA thread works on the next. Default: `64MiB`.
@@ -160,6 +164,7 @@ impl Default for ServerConfig {
             ssd_inject_errors_every: 0,
             gpu: orbitkv_gpu::GpuMode::Auto,
             gpu_staging: "64MiB".into(),
+            gpu_staging_depth: 2,
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
@@ -255,6 +260,10 @@ pub struct Args {
     /// GPU staging per DMA thread and device (default: 64MiB).
     #[arg(long, value_name = "SIZE")]
     pub gpu_staging: Option<String>,
+    /// Parts of the GPU staging buffer, 2-8: batches a save's gathers may run ahead of its
+    /// copies, plus one (default: 2).
+    #[arg(long, value_name = "N")]
+    pub gpu_staging_depth: Option<usize>,
     /// Bytes of chunks per GPU copy job; saves and loads are split into such jobs (default:
     /// 64MiB).
     #[arg(long, value_name = "SIZE")]
@@ -431,6 +440,7 @@ impl ServerConfig {
             ssd_inject_errors_every,
             gpu,
             gpu_staging,
+            gpu_staging_depth,
             gpu_job,
             gpu_queue_depth,
             max_gpu_registrations,
@@ -524,6 +534,13 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
             return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
         }
+        let depths = orbitkv_gpu::dma::CopyEngine::DEPTHS;
+        if !depths.contains(&self.gpu_staging_depth) {
+            return Err(invalid(
+                "--gpu-staging-depth",
+                format!("must be between {} and {}", depths.start(), depths.end()),
+            ));
+        }
         let gpu_job_bytes =
             parse_size(&self.gpu_job).map_err(|e| invalid("--gpu-job", e.to_string()))?;
         if !(1 << 20..=4 << 30).contains(&gpu_job_bytes) {
@@ -599,6 +616,11 @@ mod tests {
             .contains("--spin-window"));
         assert!(bad(ServerConfig { gpu_staging: "4KiB".into(), ..Default::default() })
             .contains("--gpu-staging"));
+        for depth in [0, 1, 9] {
+            let e = bad(ServerConfig { gpu_staging_depth: depth, ..Default::default() });
+            assert!(e.contains("--gpu-staging-depth") && e.contains("between 2 and 8"), "{e}");
+        }
+        assert!(ServerConfig { gpu_staging_depth: 8, ..Default::default() }.validate().is_ok());
         for job in ["4KiB", "8GiB", "lots"] {
             let e = bad(ServerConfig { gpu_job: job.into(), ..Default::default() });
             assert!(e.contains("--gpu-job"), "{job}: {e}");

@@ -37,8 +37,10 @@ pub struct GpuLimits {
     pub queue_depth: usize,
     /// Registrations at once (`--max-gpu-registrations`).
     pub max_registrations: usize,
-    /// GPU staging per device and thread, both halves (`--gpu-staging`).
+    /// GPU staging per device and thread, all its parts (`--gpu-staging`).
     pub staging_bytes: usize,
+    /// Parts of the staging, used in turn (`--gpu-staging-depth`).
+    pub staging_depth: usize,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
@@ -967,6 +969,7 @@ impl GpuService {
                 let mut e = CopyEngine::new(
                     &self.contexts[job.device],
                     self.limits.staging_bytes,
+                    self.limits.staging_depth,
                     BATCHED_FROM,
                 )
                 .map_err(|e| format!("creating the copy engine: {e}"))?;

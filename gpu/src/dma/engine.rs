@@ -1,9 +1,10 @@
-//! A copy engine on one device: a kernel stream and a copy stream, two staging halves, and
-//! the pipelines that move pieces between engine GPU memory and the registered arena.
+//! A copy engine on one device: a kernel stream and a copy stream, a staging buffer in equal
+//! parts (two by default), and the pipelines that move pieces between engine GPU memory and
+//! the registered arena.
 //!
-//! Staged (save): the kernel gathers a batch of pieces into a staging half, then the copy
-//! stream moves that half to the arena in host-contiguous runs, while the kernel fills the
-//! other half. Load runs the same pipeline backwards. Batched: `cuMemcpyBatchAsync` straight
+//! Staged (save): the kernel gathers a batch of pieces into a staging part, then the copy
+//! stream moves that part to the arena in host-contiguous runs, while the kernel fills the
+//! next parts. Load runs the same pipeline backwards. Batched: `cuMemcpyBatchAsync` straight
 //! between engine pages and arena slots (copy engines only, no SM). Every submission ends in
 //! an event; until it completes, the caller keeps the engine memory and the arena slots.
 
@@ -45,16 +46,17 @@ pub enum Direction {
     Load,
 }
 
-struct Half {
+/// One part of the staging buffer, with the tables and events of the batch in it.
+struct Part {
     staging: DeviceBuffer,
     descs_dev: DeviceBuffer,
     descs_host: PinnedHost,
     /// The host descriptor table is read (reusable): uploaded for a load, gathered from for a
     /// save (whose kernel reads it in place).
     uploaded: CudaEvent,
-    /// The staging half is filled (gather done / host data arrived).
+    /// The staging part is filled (gather done / host data arrived).
     filled: CudaEvent,
-    /// The staging half is no longer used (reusable).
+    /// The staging part is no longer used (reusable).
     free: CudaEvent,
 }
 
@@ -116,7 +118,9 @@ pub struct CopyEngine {
     block_kernel: Option<BlockKernel>,
     kernel_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
-    halves: [Half; 2],
+    /// The staging parts, used in turn: a batch's kernel may run up to `parts.len() - 1`
+    /// batches ahead of the copies (or, for a load, the copies ahead of the scatters).
+    parts: Vec<Part>,
     next: usize,
     max_descs: usize,
     /// Pieces at least this long are copied batched when the strategy is `Auto`.
@@ -146,12 +150,12 @@ pub struct CopyEngine {
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
-/// block kernels loaded, `batched_from` the engine's threshold and `half` its staging half.
+/// block kernels loaded, `batched_from` the engine's threshold and `part` its staging part.
 fn block_form(
     strategy: Strategy,
     (segment_kernel, block_kernel): (bool, bool),
     batched_from: u64,
-    half: u64,
+    part: u64,
     job: &BlockJob<'_>,
 ) -> bool {
     // What `staged_for` would see as the job's typical piece: a part, or a whole block where
@@ -162,11 +166,11 @@ fn block_form(
         Strategy::Batched | Strategy::Direct => false,
         Strategy::Auto => segment_kernel && run < batched_from,
     };
-    let units = (half / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
+    let units = (part / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
     staged
         && block_kernel
         && job.part_len > 0
-        && job.block_bytes() <= half
+        && job.block_bytes() <= part
         && units <= u32::MAX as u64
 }
 
@@ -183,7 +187,7 @@ enum Work {
     Summed(BlockLaunch, SummedGather, u32),
 }
 
-/// Launches the block kernel over `l` with the batch's block ids at `blocks` and the half's
+/// Launches the block kernel over `l` with the batch's block ids at `blocks` and the part's
 /// staging at `staging`: `MAX_GRID` blocks at most, a warp per group of units.
 ///
 /// # Safety
@@ -202,7 +206,7 @@ unsafe fn launch_blocks(
     unsafe { k.launch(stream, l, grid, THREADS) }
 }
 
-/// Copies a staging half's host-side runs in one `cuMemcpyBatchAsync` call (each separate
+/// Copies a staging part's host-side runs in one `cuMemcpyBatchAsync` call (each separate
 /// `cuMemcpyAsync` costs a few microseconds of copy-engine setup; a batch pays it once).
 ///
 /// # Safety
@@ -238,15 +242,27 @@ pub(crate) fn direct_descs(direction: Direction, pieces: &[Piece], offset: u64) 
 }
 
 impl CopyEngine {
-    /// An engine on `ctx` with `staging_bytes` of GPU staging (two halves).
+    /// Fewest and most parts of the staging buffer.
+    pub const DEPTHS: std::ops::RangeInclusive<usize> = 2..=8;
+
+    /// An engine on `ctx` with `staging_bytes` of GPU staging in `depth` equal parts (see
+    /// [`CopyEngine::DEPTHS`]).
     pub fn new(
         ctx: &Arc<CudaContext>,
         staging_bytes: usize,
+        depth: usize,
         batched_from: u64,
     ) -> Result<Self, DmaError> {
-        let half_bytes = (staging_bytes / 2).max(1 << 16) / 16 * 16;
+        if !Self::DEPTHS.contains(&depth) {
+            return Err(DmaError::Invalid(format!(
+                "staging depth {depth}: must be {} to {}",
+                Self::DEPTHS.start(),
+                Self::DEPTHS.end()
+            )));
+        }
+        let part_bytes = (staging_bytes / depth).max(1 << 16) / 16 * 16;
         // One descriptor per 2 KiB of staging on average, at least 4096.
-        let max_descs = (half_bytes / 2048).max(4096);
+        let max_descs = (part_bytes / 2048).max(4096);
         let (kernel, kernel_error) = match CopyKernel::load(ctx) {
             Ok(k) => (Some(k), None),
             Err(e) => {
@@ -271,10 +287,10 @@ impl CopyEngine {
                 None
             }
         };
-        let mut halves = Vec::with_capacity(2);
-        for _ in 0..2 {
-            halves.push(Half {
-                staging: DeviceBuffer::new(ctx, half_bytes)?,
+        let mut parts = Vec::with_capacity(depth);
+        for _ in 0..depth {
+            parts.push(Part {
+                staging: DeviceBuffer::new(ctx, part_bytes)?,
                 descs_dev: DeviceBuffer::new(ctx, max_descs * KernelDesc::BYTES)?,
                 descs_host: PinnedHost::new(ctx, max_descs * KernelDesc::BYTES)?,
                 uploaded: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
@@ -282,8 +298,6 @@ impl CopyEngine {
                 free: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
             });
         }
-        let halves: [Half; 2] =
-            halves.try_into().map_err(|_| DmaError::Invalid("two halves".into()))?;
         // The copy pipeline's streams get the context's highest priority: other work of this
         // process on the device (the chunk checksum kernels, on a default-priority stream)
         // then gets SMs only when the gather/scatter kernels leave them.
@@ -302,7 +316,7 @@ impl CopyEngine {
             copy_stream: ctx
                 .new_stream_with_priority(highest)
                 .map_err(drv("cuStreamCreateWithPriority"))?,
-            halves,
+            parts,
             next: 0,
             max_descs,
             batched_from,
@@ -399,9 +413,9 @@ impl CopyEngine {
         self.kernel_error.as_deref()
     }
 
-    /// Bytes of one staging half.
-    pub fn staging_half(&self) -> usize {
-        self.halves[0].staging.len()
+    /// Bytes of one staging part (what one staged batch holds at most).
+    pub fn staging_part(&self) -> usize {
+        self.parts[0].staging.len()
     }
 
     /// Where `submit`'s time went since the last call (blocked on earlier work; planning
@@ -431,11 +445,11 @@ impl CopyEngine {
     /// Whether `job` goes in block form under `strategy` ([`CopyEngine::submit_blocks`]):
     /// staged (as [`CopyEngine::staged_for`] would decide for its pieces: a block that is one
     /// contiguous run counts as one piece), the block kernel loaded, a block fitting a staging
-    /// half and a half's units counted in 32 bits. Otherwise its pieces go through
+    /// part and a part's units counted in 32 bits. Otherwise its pieces go through
     /// [`CopyEngine::submit`].
     pub fn blocks_for(&self, strategy: Strategy, job: &BlockJob<'_>) -> bool {
         let kernels = (self.kernel.is_some(), self.block_kernel.is_some());
-        block_form(strategy, kernels, self.batched_from, self.staging_half() as u64, job)
+        block_form(strategy, kernels, self.batched_from, self.staging_part() as u64, job)
     }
 
     /// Enqueues the staged copy of a job in block form (see [`CopyEngine::blocks_for`], which
@@ -487,23 +501,23 @@ impl CopyEngine {
         if self.block_kernel.is_none() {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
-        let half = self.staging_half() as u64;
+        let part = self.staging_part() as u64;
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
         // The job's blocks staged before this batch (the fused gather numbers rows in the job).
         let mut first_block = 0u32;
         let result = (|| {
             loop {
-                let h = &mut self.halves[self.next];
+                let h = &mut self.parts[self.next];
                 wait_for(&h.uploaded, &mut self.times.waited)?;
                 let t = Instant::now();
                 let ids =
-                    next_blocks_into(job, &mut at, half, h.descs_host.bytes_mut(), &mut batch);
+                    next_blocks_into(job, &mut at, part, h.descs_host.bytes_mut(), &mut batch);
                 self.times.planned += t.elapsed();
                 if ids == 0 {
                     break;
                 }
-                self.next ^= 1;
+                self.next = (self.next + 1) % self.parts.len();
                 shape.batches += 1;
                 shape.bytes += batch.bytes;
                 shape.host_runs += batch.runs.len();
@@ -514,7 +528,7 @@ impl CopyEngine {
                     blocks: 0, // set per direction by enqueue_batch
                     stride: job.stride,
                     part_len: job.part_len,
-                    staging: 0, // the half's, set by enqueue_batch
+                    staging: 0, // the part's, set by enqueue_batch
                     part_count: u32::try_from(job.part_count())
                         .map_err(|_| DmaError::Invalid("more than 2^32 parts per block".into()))?,
                     subs: subs as u32,
@@ -603,21 +617,21 @@ impl CopyEngine {
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
         if shape.staged {
-            let half = self.staging_half() as u64;
+            let part = self.staging_part() as u64;
             let mut at = StageCursor::default();
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
                 loop {
-                    // The batch is planned straight into the next half's host table, once the
+                    // The batch is planned straight into the next part's host table, once the
                     // batch that last used the table has read it.
-                    let h = &mut self.halves[self.next];
+                    let h = &mut self.parts[self.next];
                     wait_for(&h.uploaded, &mut self.times.waited)?;
                     let gather = direction == Direction::Save;
                     let t = Instant::now();
                     let (n, uniform) = next_batch_into(
                         pieces,
                         &mut at,
-                        (half, self.max_descs),
+                        (part, self.max_descs),
                         (h.staging.ptr(), gather),
                         h.descs_host.bytes_mut(),
                         &mut batch,
@@ -626,7 +640,7 @@ impl CopyEngine {
                     if n == 0 {
                         break;
                     }
-                    self.next ^= 1;
+                    self.next = (self.next + 1) % self.parts.len();
                     shape.batches += 1;
                     shape.bytes += batch.bytes;
                     shape.host_runs += batch.runs.len();
@@ -718,7 +732,7 @@ impl CopyEngine {
         Ok(())
     }
 
-    /// Enqueues one staged batch on the staging half just used (`self.next` has moved past
+    /// Enqueues one staged batch on the staging part just used (`self.next` has moved past
     /// it), whose host table holds its `n` entries: descriptors as `next_batch_into` wrote
     /// them (`Work::Segments`, with their one length when they share it), or block ids as
     /// `next_blocks_into` wrote them (`Work::Blocks`).
@@ -729,7 +743,8 @@ impl CopyEngine {
         n: usize,
         work: Work,
     ) -> Result<(), DmaError> {
-        let h = &mut self.halves[self.next ^ 1];
+        let n_parts = self.parts.len();
+        let h = &mut self.parts[(self.next + n_parts - 1) % n_parts];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
         // A load whose segments share one length goes with the uniform scatter kernel: its
@@ -834,7 +849,7 @@ impl CopyEngine {
                         ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
                     },
                     // SAFETY: descriptors name engine pieces (submit's contract) and this
-                    // half's staging, free since `free` was waited on; the host table stays
+                    // part's staging, free since `free` was waited on; the host table stays
                     // untouched until `uploaded`, recorded after the kernel, has passed.
                     Work::Segments { .. } => unsafe {
                         kernel.launch(
@@ -859,11 +874,11 @@ impl CopyEngine {
                 h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Load => {
-                // The half's staging and device table are free once the scatter that last read
+                // The part's staging and device table are free once the scatter that last read
                 // them has passed.
                 copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
                 mark(2, copy_stream)?;
-                // SAFETY: the half is free (waited); the first copy is the half's own pinned
+                // SAFETY: the part is free (waited); the first copy is the part's own pinned
                 // table into its device table, the others host ranges per submit's contract.
                 unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
                 // The host table has been read once the call's copies are done.
@@ -976,7 +991,7 @@ mod tests {
         assert!(packed.blocks_contiguous());
         assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &packed));
         assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &packed));
-        // A block larger than a staging half goes as pieces.
+        // A block larger than a staging part goes as pieces.
         assert!(!block_form(Strategy::Staged, both, MIB, MIB, &packed));
         // Parts of 1 MiB or more: batched under auto.
         let long = BlockJob { part_len: MIB, stride: MIB, ..sglang };
