@@ -659,4 +659,20 @@ mod tests {
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
     }
+
+    #[test]
+    fn the_shipped_config_file_parses_and_states_the_gpu_defaults() {
+        let c: ServerConfig = toml::from_str(include_str!("../../deploy/orbitkv.toml"))
+            .expect("deploy/orbitkv.toml: a key the server no longer knows?");
+        c.validate().expect("deploy/orbitkv.toml validates");
+        let d = ServerConfig::default();
+        assert_eq!(c.gpu_staging, d.gpu_staging);
+        assert_eq!(c.gpu_staging_depth, d.gpu_staging_depth);
+        assert_eq!(c.gpu_job, d.gpu_job);
+        assert_eq!(c.gpu_queue_depth, d.gpu_queue_depth);
+        assert_eq!(c.gpu_checksums, d.gpu_checksums);
+        assert_eq!(c.gpu_shard_checksums, d.gpu_shard_checksums);
+        assert_eq!(c.gpu_copy, d.gpu_copy);
+        assert_eq!(c.gpu_timeline, d.gpu_timeline);
+    }
 }
