@@ -150,12 +150,13 @@ pub struct CopyEngine {
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
-/// block kernels loaded, `batched_from` the engine's threshold and `part` its staging part.
+/// block kernels loaded, `batched_from` the engine's threshold and `staging_part` the bytes of
+/// one part of its staging.
 fn block_form(
     strategy: Strategy,
     (segment_kernel, block_kernel): (bool, bool),
     batched_from: u64,
-    part: u64,
+    staging_part: u64,
     job: &BlockJob<'_>,
 ) -> bool {
     // What `staged_for` would see as the job's typical piece: a part, or a whole block where
@@ -166,11 +167,11 @@ fn block_form(
         Strategy::Batched | Strategy::Direct => false,
         Strategy::Auto => segment_kernel && run < batched_from,
     };
-    let units = (part / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
+    let units = (staging_part / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
     staged
         && block_kernel
         && job.part_len > 0
-        && job.block_bytes() <= part
+        && job.block_bytes() <= staging_part
         && units <= u32::MAX as u64
 }
 
@@ -501,7 +502,7 @@ impl CopyEngine {
         if self.block_kernel.is_none() {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
-        let part = self.staging_part() as u64;
+        let part_bytes = self.staging_part() as u64;
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
         // The job's blocks staged before this batch (the fused gather numbers rows in the job).
@@ -511,8 +512,13 @@ impl CopyEngine {
                 let h = &mut self.parts[self.next];
                 wait_for(&h.uploaded, &mut self.times.waited)?;
                 let t = Instant::now();
-                let ids =
-                    next_blocks_into(job, &mut at, part, h.descs_host.bytes_mut(), &mut batch);
+                let ids = next_blocks_into(
+                    job,
+                    &mut at,
+                    part_bytes,
+                    h.descs_host.bytes_mut(),
+                    &mut batch,
+                );
                 self.times.planned += t.elapsed();
                 if ids == 0 {
                     break;
@@ -617,7 +623,7 @@ impl CopyEngine {
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
         if shape.staged {
-            let part = self.staging_part() as u64;
+            let part_bytes = self.staging_part() as u64;
             let mut at = StageCursor::default();
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
@@ -631,7 +637,7 @@ impl CopyEngine {
                     let (n, uniform) = next_batch_into(
                         pieces,
                         &mut at,
-                        (part, self.max_descs),
+                        (part_bytes, self.max_descs),
                         (h.staging.ptr(), gather),
                         h.descs_host.bytes_mut(),
                         &mut batch,
