@@ -523,10 +523,7 @@ impl CopyEngine {
                 if ids == 0 {
                     break;
                 }
-                self.next = (self.next + 1) % self.parts.len();
-                shape.batches += 1;
-                shape.bytes += batch.bytes;
-                shape.host_runs += batch.runs.len();
+                self.planned_into_next(shape, &batch);
                 let subs = job.part_len.div_ceil(BLOCK_UNIT).max(1);
                 let units = ids as u64 * job.part_count() * subs;
                 let launch = BlockLaunch {
@@ -646,10 +643,7 @@ impl CopyEngine {
                     if n == 0 {
                         break;
                     }
-                    self.next = (self.next + 1) % self.parts.len();
-                    shape.batches += 1;
-                    shape.bytes += batch.bytes;
-                    shape.host_runs += batch.runs.len();
+                    self.planned_into_next(shape, &batch);
                     self.enqueue_batch(direction, &batch, n, Work::Segments { uniform })?;
                 }
                 Ok::<(), DmaError>(())
@@ -738,6 +732,15 @@ impl CopyEngine {
         Ok(())
     }
 
+    /// `batch` was planned into the next staging part's table: the part after it is next, and
+    /// the job's shape counts the batch.
+    fn planned_into_next(&mut self, shape: &mut JobShape, batch: &StagedBatch) {
+        self.next = (self.next + 1) % self.parts.len();
+        shape.batches += 1;
+        shape.bytes += batch.bytes;
+        shape.host_runs += batch.runs.len();
+    }
+
     /// Enqueues one staged batch on the staging part just used (`self.next` has moved past
     /// it), whose host table holds its `n` entries: descriptors as `next_batch_into` wrote
     /// them (`Work::Segments`, with their one length when they share it), or block ids as
@@ -749,8 +752,8 @@ impl CopyEngine {
         n: usize,
         work: Work,
     ) -> Result<(), DmaError> {
-        let n_parts = self.parts.len();
-        let h = &mut self.parts[(self.next + n_parts - 1) % n_parts];
+        let last = (self.next + self.parts.len() - 1) % self.parts.len();
+        let h = &mut self.parts[last];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
         // A load whose segments share one length goes with the uniform scatter kernel: its
