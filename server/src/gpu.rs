@@ -84,9 +84,10 @@ impl ChecksumPlace {
         }
     }
 
-    /// Whether a block-form save's rows are summed by the block row sums where they apply.
+    /// Whether a block-form save's rows are summed by the block row sums where they apply
+    /// (for `Fused`, where its gather did not sum them).
     pub fn block_rows(self) -> bool {
-        matches!(self, Self::Gpu | Self::Verify)
+        matches!(self, Self::Gpu | Self::Verify | Self::Fused)
     }
 
     /// Parses `gpu`, `tables`, `verify`, `cpu` or `fused`.
