@@ -142,6 +142,8 @@ def served(name, d):
                 f"copying; per request {num(t['span_us'], '{:.0f}')} us on the GPU, copy stream "
                 f"idle {num(t['copy_gaps_us'], '{:.0f}')} us, kernels {num(t['kernel_us'], '{:.0f}')} us"
                 f"{'' if t.get('periods_per_request') is None else ', busy periods ' + num(t['periods_per_request'], '{:.2f}')}"
+                f"{'' if t.get('lead_us') is None else ', before the first copy ' + num(t['lead_us'], '{:.0f}') + ' us'}"
+                f"{'' if t.get('tail_us') is None else ', after the last ' + num(t['tail_us'], '{:.0f}') + ' us'}"
             )
     dup = s.get("duplex")
     if dup:

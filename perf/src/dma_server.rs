@@ -207,6 +207,12 @@ pub(crate) struct GpuTimeline {
     /// middle of a request for longer than its spin; None from a server that does not count
     /// them).
     pub periods_per_request: Option<f64>,
+    /// Microseconds per request from the first batch's start to the first copy's (a save's
+    /// first gather; None from a server that does not report it).
+    pub lead_us: Option<f64>,
+    /// Microseconds per request from the last copy's end to the last kernel's (a load's last
+    /// scatter; None likewise).
+    pub tail_us: Option<f64>,
 }
 
 /// The server's `gpu_transfers` counters of one direction (`save` or `load`): seconds its DMA
@@ -230,8 +236,8 @@ struct Counters {
     /// Of `submit_s`: pieces, staged batches, checksum tables (`submit_parts` in order).
     submit_parts: [Option<f64>; 3],
     /// `--gpu-timeline` sums: bytes, span, copy busy, copy gaps, kernel seconds, busy
-    /// periods.
-    timeline: [Option<f64>; 6],
+    /// periods, lead and tail seconds.
+    timeline: [Option<f64>; 8],
 }
 
 impl Counters {
@@ -257,8 +263,36 @@ impl Counters {
                 f("submit_stage_s"),
                 f("submit_tables_s").or(f("submit_stage_s").map(|_| 0.0)),
             ],
-            timeline: ["bytes", "span_s", "copy_busy_s", "copy_gaps_s", "kernel_busy_s", "periods"]
-                .map(t),
+            timeline: [
+                "bytes",
+                "span_s",
+                "copy_busy_s",
+                "copy_gaps_s",
+                "kernel_busy_s",
+                "periods",
+                "lead_s",
+                "tail_s",
+            ]
+            .map(t),
+        }
+    }
+
+    /// As [`Counters::read`], after a run that `before` was read ahead of: with the server's
+    /// `--gpu-timeline`, once the run's busy period is summed too (the DMA thread sums it
+    /// after idling a moment; read too soon, it would count towards the next run, or none),
+    /// waiting at most 50 ms.
+    fn read_after(socket: &std::path::Path, direction: &str, before: &Self) -> Self {
+        let deadline = Instant::now() + Duration::from_millis(50);
+        loop {
+            let after = Self::read(socket, direction);
+            let summed = match (before.timeline[5], after.timeline[5]) {
+                (Some(b), Some(a)) => a > b,
+                _ => true,
+            };
+            if summed || Instant::now() >= deadline {
+                return after;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
@@ -278,7 +312,7 @@ struct Sums {
     submit_cpu_s: f64,
     submit_wait_s: f64,
     submit_parts: [f64; 3],
-    timeline: [f64; 6],
+    timeline: [f64; 8],
 }
 
 impl Sums {
@@ -310,7 +344,7 @@ impl Sums {
     /// The `--gpu-timeline` sums per request (None when the server did not time its batches,
     /// a reading was missing, or no batch was timed).
     fn timeline(&self) -> Option<GpuTimeline> {
-        let [bytes, span, busy, gaps, kernel, periods] = self.timeline;
+        let [bytes, span, busy, gaps, kernel, periods, lead, tail] = self.timeline;
         if !(bytes > 0.0 && busy > 0.0) {
             return None;
         }
@@ -320,6 +354,8 @@ impl Sums {
             copy_gaps_us: self.per_request_us(gaps)?,
             kernel_us: self.per_request_us(kernel)?,
             periods_per_request: self.per_request_us(periods).map(|p| p / 1e6),
+            lead_us: self.per_request_us(lead),
+            tail_us: self.per_request_us(tail),
         })
     }
 
@@ -534,7 +570,7 @@ pub(crate) fn run(
         if i > 0 {
             save_brackets.intervals.push((bytes, t.elapsed()));
             save_runs.push(gbps(t));
-            save_sums.add(before, Counters::read(socket, "save"));
+            save_sums.add(before, Counters::read_after(socket, "save", &before));
             save_brackets.window(&mut ceiling, Direction::Save)?;
         }
         save_failures += not_done(&o);
@@ -575,7 +611,7 @@ pub(crate) fn run(
         if i > 0 {
             load_brackets.intervals.push((bytes, t.elapsed()));
             load_runs.push(gbps(t));
-            load_sums.add(before, Counters::read(socket, "load"));
+            load_sums.add(before, Counters::read_after(socket, "load", &before));
             load_brackets.window(&mut ceiling, Direction::Load)?;
         }
         load_failures += not_done(&o);
@@ -720,7 +756,7 @@ fn served_interference(
                     }
                     .map_err(client_err(way))?;
                     let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
-                    sums[w].add(before, Counters::read(socket, way));
+                    sums[w].add(before, Counters::read_after(socket, way, &before));
                     copied[w] += bytes;
                     Ok((gbps, not_done(&outcomes)))
                 })?;
@@ -994,20 +1030,21 @@ mod tests {
 
     #[test]
     fn the_server_timeline_is_summed_over_runs_and_given_per_request() {
-        // (requests, bytes, span, copy busy, copy gaps, kernel seconds, busy periods) so far.
-        let at = |r: f64, t: [f64; 6]| Counters {
+        // (requests, bytes, span, copy busy, copy gaps, kernel seconds, busy periods, lead,
+        // tail) so far.
+        let at = |r: f64, t: [f64; 8]| Counters {
             requests: Some(r),
             timeline: t.map(Some),
             ..Counters::default()
         };
         let mut sums = Sums::default();
         sums.add(
-            at(4.0, [1e9, 1.0, 1.0, 0.1, 0.2, 7.0]),
-            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0]),
+            at(4.0, [1e9, 1.0, 1.0, 0.1, 0.2, 7.0, 0.5, 0.25]),
+            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0, 0.5001, 0.25]),
         );
         sums.add(
-            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0]),
-            at(6.0, [5e9, 1.1, 1.08, 0.1003, 0.2004, 11.0]),
+            at(5.0, [3e9, 1.05, 1.04, 0.1001, 0.2002, 8.0, 0.5001, 0.25]),
+            at(6.0, [5e9, 1.1, 1.08, 0.1003, 0.2004, 11.0, 0.5004, 0.2501]),
         );
         let t = sums.timeline().expect("timed");
         assert!((t.copy_gbps - 4e9 / 0.08 / 1e9).abs() < 1e-6, "{t:?}");
@@ -1015,13 +1052,30 @@ mod tests {
         assert!((t.copy_gaps_us - 150.0).abs() < 1e-3, "{t:?}");
         assert!((t.kernel_us - 200.0).abs() < 1e-3, "{t:?}");
         assert_eq!(t.periods_per_request, Some(2.0), "one, then three busy periods");
+        assert!((t.lead_us.unwrap() - 200.0).abs() < 1e-3, "{t:?}");
+        assert!((t.tail_us.unwrap() - 50.0).abs() < 1e-3, "{t:?}");
         // A server without --gpu-timeline (no such counters), or nothing timed: none.
         let mut plain = Sums::default();
-        plain.add(at(1.0, [0.0; 6]), Counters { requests: Some(2.0), ..Counters::default() });
+        plain.add(at(1.0, [0.0; 8]), Counters { requests: Some(2.0), ..Counters::default() });
         assert_eq!(plain.timeline(), None);
         let mut none = Sums::default();
-        none.add(at(1.0, [7.0, 1.0, 1.0, 0.0, 0.0, 1.0]), at(2.0, [7.0, 1.0, 1.0, 0.0, 0.0, 1.0]));
+        let idle = [7.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0];
+        none.add(at(1.0, idle), at(2.0, idle));
         assert_eq!(none.timeline(), None);
+        // A server from before the lead and tail: the rest, without them.
+        let old = |r: f64, t: [f64; 6]| {
+            let mut c = at(r, [0.0; 8]);
+            c.timeline = [t.map(Some).as_slice(), &[None, None]].concat().try_into().unwrap();
+            c
+        };
+        let mut older = Sums::default();
+        older.add(
+            old(1.0, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+            old(2.0, [1e9, 0.1, 0.1, 0.0, 0.0, 1.0]),
+        );
+        let t = older.timeline().expect("timed");
+        assert_eq!((t.lead_us, t.tail_us), (None, None));
+        assert!((t.copy_gbps - 10.0).abs() < 1e-9, "{t:?}");
     }
 
     #[test]

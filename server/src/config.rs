@@ -106,6 +106,11 @@ pub struct ServerConfig {
     /// to this many batches less one ahead of its copies (a load's copies ahead of its
     /// scatters). Default: 2.
     pub gpu_staging_depth: usize,
+    /// Most bytes of a save's first staged batch after its copies ran dry (`0`: whole staging
+    /// parts from the start); each next batch may hold half as much again, up to a part, so
+    /// the first copy waits only for a small gather while the larger ones run ahead.
+    /// Default: `0`.
+    pub gpu_first_batch: String,
     /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
     /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
     /// copy lands while the DMA thread works on the next. Default: `64MiB`.
@@ -165,6 +170,7 @@ impl Default for ServerConfig {
             gpu: orbitkv_gpu::GpuMode::Auto,
             gpu_staging: "64MiB".into(),
             gpu_staging_depth: 2,
+            gpu_first_batch: "0".into(),
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
@@ -264,6 +270,10 @@ pub struct Args {
     /// copies, plus one (default: 2).
     #[arg(long, value_name = "N")]
     pub gpu_staging_depth: Option<usize>,
+    /// Most bytes of a GPU save's first staged batch after its copies ran dry, growing by
+    /// half per batch up to a staging part; 0 for whole parts (default: 0).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_first_batch: Option<String>,
     /// Bytes of chunks per GPU copy job; saves and loads are split into such jobs (default:
     /// 64MiB).
     #[arg(long, value_name = "SIZE")]
@@ -326,6 +336,8 @@ pub struct Settings {
     pub gpu_staging_bytes: u64,
     /// Bytes of chunks per GPU copy job.
     pub gpu_job_bytes: u64,
+    /// A GPU save's first staged batch after its copies ran dry (0: a whole part).
+    pub gpu_first_batch_bytes: u64,
     /// Where GPU saves' checksums are computed.
     pub gpu_checksums: crate::gpu::ChecksumPlace,
     /// How GPU copies cross the bus.
@@ -441,6 +453,7 @@ impl ServerConfig {
             gpu,
             gpu_staging,
             gpu_staging_depth,
+            gpu_first_batch,
             gpu_job,
             gpu_queue_depth,
             max_gpu_registrations,
@@ -546,6 +559,16 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_job_bytes) {
             return Err(invalid("--gpu-job", "must be between 1MiB and 4GiB"));
         }
+        let gpu_first_batch_bytes = parse_size(&self.gpu_first_batch)
+            .map_err(|e| invalid("--gpu-first-batch", e.to_string()))?;
+        if gpu_first_batch_bytes != 0
+            && !(64 << 10..=gpu_staging_bytes).contains(&gpu_first_batch_bytes)
+        {
+            return Err(invalid(
+                "--gpu-first-batch",
+                "must be 0 (whole staging parts) or between 64KiB and --gpu-staging",
+            ));
+        }
         let gpu_checksums =
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
@@ -585,6 +608,7 @@ impl ServerConfig {
             drain_timeout,
             gpu_staging_bytes,
             gpu_job_bytes,
+            gpu_first_batch_bytes,
             gpu_checksums,
             gpu_copy,
         })
@@ -668,6 +692,7 @@ mod tests {
         let d = ServerConfig::default();
         assert_eq!(c.gpu_staging, d.gpu_staging);
         assert_eq!(c.gpu_staging_depth, d.gpu_staging_depth);
+        assert_eq!(c.gpu_first_batch, d.gpu_first_batch);
         assert_eq!(c.gpu_job, d.gpu_job);
         assert_eq!(c.gpu_queue_depth, d.gpu_queue_depth);
         assert_eq!(c.gpu_checksums, d.gpu_checksums);

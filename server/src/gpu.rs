@@ -41,6 +41,9 @@ pub struct GpuLimits {
     pub staging_bytes: usize,
     /// Parts of the staging, used in turn (`--gpu-staging-depth`).
     pub staging_depth: usize,
+    /// A save's first staged batch after its copies ran dry, 0 for a whole part
+    /// (`--gpu-first-batch`).
+    pub first_batch: u64,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
@@ -290,6 +293,10 @@ pub struct TimelineCounters {
     pub bytes: AtomicU64,
     /// GPU time from each busy period's first batch to its last copy or kernel.
     pub span_ns: AtomicU64,
+    /// Of that, before the first copy started (a save's first gather).
+    pub lead_ns: AtomicU64,
+    /// And after the last copy ended (a load's last scatter).
+    pub tail_ns: AtomicU64,
     /// Host-side copies running.
     pub copy_busy_ns: AtomicU64,
     /// The copy stream idle between consecutive copies within a busy period.
@@ -307,6 +314,8 @@ impl TimelineCounters {
             (&self.batches, t.batches),
             (&self.bytes, t.bytes),
             (&self.span_ns, ns(t.span_us)),
+            (&self.lead_ns, ns(t.first_copy_start_us)),
+            (&self.tail_ns, ns(t.after_last_copy_us)),
             (&self.copy_busy_ns, ns(t.copy_busy_us)),
             (&self.copy_gaps_ns, ns(t.copy_gaps_us)),
             (&self.kernel_busy_ns, ns(t.kernel_busy_us)),
@@ -325,6 +334,8 @@ impl TimelineCounters {
             "batches": n(&self.batches),
             "bytes": n(&self.bytes),
             "span_s": s(&self.span_ns),
+            "lead_s": s(&self.lead_ns),
+            "tail_s": s(&self.tail_ns),
             "copy_busy_s": busy,
             "copy_gaps_s": s(&self.copy_gaps_ns),
             "kernel_busy_s": s(&self.kernel_busy_ns),
@@ -977,6 +988,7 @@ impl GpuService {
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
                 }
+                e.set_first_batch(self.limits.first_batch);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {
@@ -1186,6 +1198,7 @@ mod tests {
             bytes: 64 << 20,
             span_us: 1300.0,
             first_copy_start_us: 40.0,
+            after_last_copy_us: 7.0,
             copy_busy_us: 1200.0,
             copy_gaps_us: 2.5,
             copy_gap_max_us: 2.0,
@@ -1203,6 +1216,8 @@ mod tests {
             assert!((got - want).abs() < 1e-12, "{k}: {got} != {want}");
         };
         close("span_s", 2.6e-3);
+        close("lead_s", 8e-5);
+        close("tail_s", 1.4e-5);
         close("copy_busy_s", 2.4e-3);
         close("copy_gaps_s", 5e-6);
         close("kernel_busy_s", 1.2e-4);

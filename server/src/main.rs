@@ -249,6 +249,7 @@ fn run(settings: Settings) -> Result<(), String> {
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
             staging_depth: settings.config.gpu_staging_depth,
+            first_batch: settings.gpu_first_batch_bytes,
             checksums: settings.gpu_checksums,
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),

@@ -17,6 +17,8 @@ pub struct SpanTotals {
     pub span_us: f64,
     /// When the first copy started.
     pub first_copy_start_us: f64,
+    /// From the last copy's end to the span's end (a load's last scatter).
+    pub after_last_copy_us: f64,
     /// Sum of the batches' host-side copy times.
     pub copy_busy_us: f64,
     /// Sum of the copy stream's idle time between consecutive copies.
@@ -37,11 +39,14 @@ impl SpanTotals {
         copies.sort_by(|a, b| a.0.total_cmp(&b.0));
         let gaps = copies.windows(2).map(|w| (w[1].0 - w[0].1).max(0.0));
         let kernels = spans.iter().map(|s| s.kernel_end_us - s.kernel_start_us);
+        let span_us = spans.iter().map(|s| s.copy_end_us.max(s.kernel_end_us)).fold(0.0, f64::max);
+        let last_copy_end = copies.iter().map(|c| c.1).fold(0.0, f64::max);
         Self {
             batches: spans.len() as u64,
             bytes: spans.iter().map(|s| s.bytes).sum(),
-            span_us: spans.iter().map(|s| s.copy_end_us.max(s.kernel_end_us)).fold(0.0, f64::max),
+            span_us,
             first_copy_start_us: copies.first().map_or(0.0, |c| c.0),
+            after_last_copy_us: if copies.is_empty() { 0.0 } else { span_us - last_copy_end },
             copy_busy_us: copies.iter().map(|c| c.1 - c.0).sum(),
             copy_gaps_us: gaps.clone().sum(),
             copy_gap_max_us: gaps.fold(0.0, f64::max),
@@ -88,6 +93,7 @@ mod tests {
         assert_eq!((t.batches, t.bytes), (3, 4000));
         assert_eq!(t.span_us, 230.0);
         assert_eq!(t.first_copy_start_us, 10.0);
+        assert_eq!(t.after_last_copy_us, 0.0, "a save ends with its last copy");
         assert_eq!(t.copy_busy_us, 90.0 + 75.0 + 31.0);
         assert_eq!(t.copy_gaps_us, 25.0, "100 -> 125, then none (199 < 200)");
         assert_eq!(t.copy_gap_max_us, 25.0);
@@ -97,6 +103,7 @@ mod tests {
         // A load's last kernel may end after its last copy.
         let load = [span(10, (50.0, 90.0), (0.0, 40.0))];
         assert_eq!(SpanTotals::of(&load).span_us, 90.0);
+        assert_eq!(SpanTotals::of(&load).after_last_copy_us, 50.0);
     }
 
     #[test]
