@@ -139,11 +139,6 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
           conflicts_with = "socket")]
     pub first_batch: u64,
-    /// Threads per block of the gather and scatter kernels: 64, 128, 256 or 512 (as the
-    /// server's `--gpu-kernel-threads`; through a server, its flag decides) (default: 256).
-    #[arg(long, value_name = "N", default_value_t = 256,
-          value_parser = kernel_threads, conflicts_with = "socket")]
-    pub kernel_threads: u32,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,
@@ -488,14 +483,6 @@ pub(crate) fn socket_or_default(socket: &Option<PathBuf>) -> PathBuf {
     socket
         .clone()
         .unwrap_or_else(|| orbitkv_proto::default_socket_path(nix::unistd::getuid().as_raw()))
-}
-
-fn kernel_threads(s: &str) -> Result<u32, String> {
-    let allowed = orbitkv_gpu::dma::CopyEngine::KERNEL_THREADS;
-    s.parse()
-        .ok()
-        .filter(|n| allowed.contains(n))
-        .ok_or_else(|| format!("must be one of {allowed:?}"))
 }
 
 fn size(s: &str) -> Result<u64, String> {

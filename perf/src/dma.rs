@@ -1553,7 +1553,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         engine.set_host_mapping(offset);
     }
     engine.set_first_batch(a.first_batch);
-    engine.set_kernel_threads(a.kernel_threads).map_err(dma)?;
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1698,7 +1697,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
                 other.set_host_mapping(offset);
             }
             other.set_first_batch(a.first_batch);
-            other.set_kernel_threads(a.kernel_threads).map_err(dma)?;
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

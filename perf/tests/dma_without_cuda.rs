@@ -83,13 +83,6 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--staging-depth", "4"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--staging-depth") && err.contains("--socket"), "{err}");
-    // The kernels' block size: one of four, and the server's own through a socket.
-    let (code, err) = dma(&["--kernel-threads", "100"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--kernel-threads"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--kernel-threads", "64"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--kernel-threads") && err.contains("--socket"), "{err}");
     // The first batch's cap: a size, and the server's own through a socket.
     let (code, err) = dma(&["--first-batch", "some"]);
     assert_eq!(code, Some(2), "{err}");

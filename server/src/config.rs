@@ -111,10 +111,6 @@ pub struct ServerConfig {
     /// the first copy waits only for a small gather while the larger ones run ahead.
     /// Default: `0`.
     pub gpu_first_batch: String,
-    /// Threads per block of the gather and scatter kernels (64, 128, 256 or 512): smaller
-    /// blocks may fit on an SM beside an engine's kernel where larger ones wait for it to
-    /// end. Default: 256.
-    pub gpu_kernel_threads: u32,
     /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
     /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
     /// copy lands while the DMA thread works on the next. Default: `64MiB`.
@@ -175,7 +171,6 @@ impl Default for ServerConfig {
             gpu_staging: "64MiB".into(),
             gpu_staging_depth: 2,
             gpu_first_batch: "0".into(),
-            gpu_kernel_threads: 256,
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
@@ -279,10 +274,6 @@ pub struct Args {
     /// half per batch up to a staging part; 0 for whole parts (default: 0).
     #[arg(long, value_name = "SIZE")]
     pub gpu_first_batch: Option<String>,
-    /// Threads per block of the GPU gather and scatter kernels: 64, 128, 256 or 512
-    /// (default: 256).
-    #[arg(long, value_name = "N")]
-    pub gpu_kernel_threads: Option<u32>,
     /// Bytes of chunks per GPU copy job; saves and loads are split into such jobs (default:
     /// 64MiB).
     #[arg(long, value_name = "SIZE")]
@@ -463,7 +454,6 @@ impl ServerConfig {
             gpu_staging,
             gpu_staging_depth,
             gpu_first_batch,
-            gpu_kernel_threads,
             gpu_job,
             gpu_queue_depth,
             max_gpu_registrations,
@@ -579,10 +569,6 @@ impl ServerConfig {
                 "must be 0 (whole staging parts) or between 64KiB and --gpu-staging",
             ));
         }
-        let threads = orbitkv_gpu::dma::CopyEngine::KERNEL_THREADS;
-        if !threads.contains(&self.gpu_kernel_threads) {
-            return Err(invalid("--gpu-kernel-threads", format!("must be one of {threads:?}")));
-        }
         let gpu_checksums =
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
@@ -659,19 +645,6 @@ mod tests {
             assert!(e.contains("--gpu-staging-depth") && e.contains("between 2 and 8"), "{e}");
         }
         assert!(ServerConfig { gpu_staging_depth: 8, ..Default::default() }.validate().is_ok());
-        for first in ["4KiB", "65MiB", "a lot"] {
-            let e = bad(ServerConfig { gpu_first_batch: first.into(), ..Default::default() });
-            assert!(e.contains("--gpu-first-batch"), "{first}: {e}");
-        }
-        for (first, bytes) in [("0", 0), ("64KiB", 64 << 10), ("4MiB", 4 << 20)] {
-            let s = ServerConfig { gpu_first_batch: first.into(), ..Default::default() };
-            assert_eq!(s.validate().unwrap().gpu_first_batch_bytes, bytes);
-        }
-        for threads in [0, 32, 100, 1024] {
-            let e = bad(ServerConfig { gpu_kernel_threads: threads, ..Default::default() });
-            assert!(e.contains("--gpu-kernel-threads"), "{threads}: {e}");
-        }
-        assert!(ServerConfig { gpu_kernel_threads: 64, ..Default::default() }.validate().is_ok());
         for job in ["4KiB", "8GiB", "lots"] {
             let e = bad(ServerConfig { gpu_job: job.into(), ..Default::default() });
             assert!(e.contains("--gpu-job"), "{job}: {e}");
@@ -720,7 +693,6 @@ mod tests {
         assert_eq!(c.gpu_staging, d.gpu_staging);
         assert_eq!(c.gpu_staging_depth, d.gpu_staging_depth);
         assert_eq!(c.gpu_first_batch, d.gpu_first_batch);
-        assert_eq!(c.gpu_kernel_threads, d.gpu_kernel_threads);
         assert_eq!(c.gpu_job, d.gpu_job);
         assert_eq!(c.gpu_queue_depth, d.gpu_queue_depth);
         assert_eq!(c.gpu_checksums, d.gpu_checksums);

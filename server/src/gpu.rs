@@ -44,8 +44,6 @@ pub struct GpuLimits {
     /// A save's first staged batch after its copies ran dry, 0 for a whole part
     /// (`--gpu-first-batch`).
     pub first_batch: u64,
-    /// Threads per block of the gather and scatter kernels (`--gpu-kernel-threads`).
-    pub kernel_threads: u32,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
@@ -991,8 +989,6 @@ impl GpuService {
                     e.set_host_mapping(offset);
                 }
                 e.set_first_batch(self.limits.first_batch);
-                e.set_kernel_threads(self.limits.kernel_threads)
-                    .map_err(|e| format!("creating the copy engine: {e}"))?;
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {

@@ -250,7 +250,6 @@ fn run(settings: Settings) -> Result<(), String> {
             staging_bytes: settings.gpu_staging_bytes as usize,
             staging_depth: settings.config.gpu_staging_depth,
             first_batch: settings.gpu_first_batch_bytes,
-            kernel_threads: settings.config.gpu_kernel_threads,
             checksums: settings.gpu_checksums,
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),

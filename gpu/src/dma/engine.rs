@@ -27,8 +27,7 @@ use super::plan::{
 };
 use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
-/// Threads per block of the copy kernels, unless set otherwise
-/// ([`CopyEngine::set_kernel_threads`]).
+/// Threads per block of the segment copy kernel.
 const THREADS: u32 = 256;
 /// Most thread blocks per launch (the kernel strides over the descriptors).
 const MAX_GRID: u32 = 4096;
@@ -153,8 +152,6 @@ pub struct CopyEngine {
     first_batch: u64,
     /// The cap of the save batch planned last.
     ramp: u64,
-    /// Threads per block of the gather and scatter kernels.
-    threads: u32,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -197,7 +194,7 @@ enum Work {
 }
 
 /// Launches the block kernel over `l` with the batch's block ids at `blocks` and the part's
-/// staging at `staging`: `MAX_GRID` blocks of `threads` at most, a warp per group of units.
+/// staging at `staging`: `MAX_GRID` blocks at most, a warp per group of units.
 ///
 /// # Safety
 /// As [`BlockKernel::launch`].
@@ -205,14 +202,14 @@ unsafe fn launch_blocks(
     kernel: Option<&BlockKernel>,
     stream: &CudaStream,
     l: BlockLaunch,
-    (blocks, staging): (u64, u64),
-    threads: u32,
+    blocks: u64,
+    staging: u64,
 ) -> Result<(), DmaError> {
     let k = kernel.ok_or_else(|| DmaError::Invalid("the block copy kernel did not load".into()))?;
     let l = BlockLaunch { blocks, staging, ..l };
-    let grid = CopyKernel::grid(l.count, l.group, threads, MAX_GRID);
+    let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
     // SAFETY: forwarded from the caller.
-    unsafe { k.launch(stream, l, grid, threads) }
+    unsafe { k.launch(stream, l, grid, THREADS) }
 }
 
 /// The next save batch's cap while ramping up from `first` (see
@@ -264,8 +261,6 @@ pub(crate) fn direct_descs(direction: Direction, pieces: &[Piece], offset: u64) 
 impl CopyEngine {
     /// Fewest and most parts of the staging buffer.
     pub const DEPTHS: std::ops::RangeInclusive<usize> = 2..=8;
-    /// The copy kernels' block sizes [`CopyEngine::set_kernel_threads`] takes.
-    pub const KERNEL_THREADS: [u32; 4] = [64, 128, 256, 512];
 
     /// An engine on `ctx` with `staging_bytes` of GPU staging in `depth` equal parts (see
     /// [`CopyEngine::DEPTHS`]).
@@ -355,7 +350,6 @@ impl CopyEngine {
             times: SubmitTimes::default(),
             first_batch: 0,
             ramp: 0,
-            threads: THREADS,
         })
     }
 
@@ -367,20 +361,6 @@ impl CopyEngine {
     /// the growing ones stay ahead of them.
     pub fn set_first_batch(&mut self, bytes: u64) {
         self.first_batch = bytes.div_ceil(1 << 16) << 16;
-    }
-
-    /// Threads per block of the gather and scatter kernels (default 256): fewer, smaller
-    /// blocks may fit on an SM beside an engine's kernel where larger ones wait for it to end.
-    /// `threads` must be one of [`CopyEngine::KERNEL_THREADS`].
-    pub fn set_kernel_threads(&mut self, threads: u32) -> Result<(), DmaError> {
-        if !Self::KERNEL_THREADS.contains(&threads) {
-            return Err(DmaError::Invalid(format!(
-                "{threads} threads per copy kernel block: must be one of {:?}",
-                Self::KERNEL_THREADS
-            )));
-        }
-        self.threads = threads;
-        Ok(())
     }
 
     /// The bytes the next staged batch may hold: a part, or while a save ramps up (see
@@ -776,10 +756,10 @@ impl CopyEngine {
             d.write_to(slot);
         }
         let group = CopyKernel::group(pieces.iter().map(|p| p.len).sum(), descs.len());
-        let grid = CopyKernel::grid(n, group, self.threads, MAX_GRID);
+        let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
         // SAFETY: descriptors name engine pieces and their arena slots through the device
         // mapping (submit's contract); the table stays untouched until `used` has passed.
-        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, group, grid, self.threads)? };
+        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, group, grid, THREADS)? };
         used.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         done.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         shape.bytes = pieces.iter().map(|p| p.len).sum();
@@ -831,9 +811,8 @@ impl CopyEngine {
         // The segment kernel: a warp per group of descriptors; the uniform scatter: a warp
         // per segment. Eight warps per block.
         let group = CopyKernel::group(b.bytes, segments);
-        let threads = self.threads;
-        let grid = CopyKernel::grid(n, group, threads, MAX_GRID);
-        let uniform_grid = n.div_ceil(threads / 32).clamp(1, MAX_GRID);
+        let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
+        let uniform_grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
         // Host side of the batch: one batched call for its runs.
         self.dsts.clear();
         self.srcs.clear();
@@ -904,20 +883,14 @@ impl CopyEngine {
                     // SAFETY: the block ids and the part table name engine parts
                     // (submit_blocks' contract); staging and the host table as below.
                     Work::Blocks(l) => unsafe {
-                        launch_blocks(
-                            block_kernel,
-                            kernel_stream,
-                            l,
-                            (h.descs_host.addr(), staging),
-                            threads,
-                        )?
+                        launch_blocks(block_kernel, kernel_stream, l, h.descs_host.addr(), staging)?
                     },
                     // SAFETY: as the block gather; the row sums go to the job's scratch rows,
                     // which its checksum submission holds (`SummedSave`) until its fold.
                     Work::Summed(l, g, first) => unsafe {
                         let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..l };
-                        let grid = CopyKernel::grid(l.count, l.group, threads, MAX_GRID);
-                        ffi::launch_summed(kernel_stream, l, &g, first, (grid, threads))?
+                        let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
+                        ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
                     },
                     // SAFETY: descriptors name engine pieces (submit's contract) and this
                     // part's staging, free since `free` was waited on; the host table stays
@@ -929,7 +902,7 @@ impl CopyEngine {
                             n,
                             group,
                             grid,
-                            threads,
+                            THREADS,
                         )?
                     },
                 }
@@ -964,19 +937,19 @@ impl CopyEngine {
                     // block ids, the part table names engine parts (submit_blocks' contract).
                     // Loads are never summed (`submit_blocks` keeps the fused form to saves).
                     (Work::Blocks(l) | Work::Summed(l, ..), _, _) => unsafe {
-                        launch_blocks(block_kernel, kernel_stream, l, (table, staging), threads)?
+                        launch_blocks(block_kernel, kernel_stream, l, table, staging)?
                     },
                     (_, Some(len), Some(k)) => {
                         // SAFETY: staging filled (waited); the table holds the `n` segments'
                         // engine addresses, each `len` bytes at staging + d * len (uniform).
                         unsafe {
-                            k.launch(kernel_stream, table, n, staging, len, uniform_grid, threads)?
+                            k.launch(kernel_stream, table, n, staging, len, uniform_grid, THREADS)?
                         }
                     }
                     _ => {
                         // SAFETY: staging filled (waited); the table holds the `n` segment
                         // descriptors, destinations engine pieces.
-                        unsafe { kernel.launch(kernel_stream, table, n, group, grid, threads)? }
+                        unsafe { kernel.launch(kernel_stream, table, n, group, grid, THREADS)? }
                     }
                 }
                 mark(1, kernel_stream)?;
