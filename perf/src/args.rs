@@ -133,12 +133,6 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "N", default_value_t = 2,
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
     pub staging_depth: u8,
-    /// Most bytes of a save's first staged batch after its copies ran dry, each next half as
-    /// large again up to a part (as the server's `--gpu-first-batch`; through a server, its
-    /// flag decides); 0 for whole parts (default: 0).
-    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
-          conflicts_with = "socket")]
-    pub first_batch: u64,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,

@@ -1552,7 +1552,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     if let Some(offset) = registration.device_offset {
         engine.set_host_mapping(offset);
     }
-    engine.set_first_batch(a.first_batch);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1696,7 +1695,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             if let Some(offset) = registration.device_offset {
                 other.set_host_mapping(offset);
             }
-            other.set_first_batch(a.first_batch);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

@@ -83,13 +83,6 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--staging-depth", "4"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--staging-depth") && err.contains("--socket"), "{err}");
-    // The first batch's cap: a size, and the server's own through a socket.
-    let (code, err) = dma(&["--first-batch", "some"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--first-batch"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--first-batch", "4MiB"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--first-batch") && err.contains("--socket"), "{err}");
     // The engine-side copies' shape belongs to --interference, within bounds.
     let (code, err) = dma(&["--engine-depth", "8"]);
     assert_eq!(code, Some(2), "{err}");

@@ -104,13 +104,9 @@ pub struct ServerConfig {
     pub gpu_staging: String,
     /// Equal parts of the GPU staging buffer (2-8), used in turn: a save's gathers may run up
     /// to this many batches less one ahead of its copies (a load's copies ahead of its
-    /// scatters). Default: 2.
-    pub gpu_staging_depth: usize,
-    /// Most bytes of a save's first staged batch after its copies ran dry (`0`: whole staging
-    /// parts from the start); each next batch may hold half as much again, up to a part, so
-    /// the first copy waits only for a small gather while the larger ones run ahead.
-    /// Default: `0`.
-    pub gpu_first_batch: String,
+    /// scatters). Default: as many parts as the staging holds jobs (`gpu_job`), 2 to 8 (2 with
+    /// the default 64 MiB of each, 4 with `--gpu-staging 256MiB`).
+    pub gpu_staging_depth: Option<usize>,
     /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
     /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
     /// copy lands while the DMA thread works on the next. Default: `64MiB`.
@@ -169,8 +165,7 @@ impl Default for ServerConfig {
             ssd_inject_errors_every: 0,
             gpu: orbitkv_gpu::GpuMode::Auto,
             gpu_staging: "64MiB".into(),
-            gpu_staging_depth: 2,
-            gpu_first_batch: "0".into(),
+            gpu_staging_depth: None,
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
             gpu_checksums: "gpu".into(),
@@ -267,13 +262,9 @@ pub struct Args {
     #[arg(long, value_name = "SIZE")]
     pub gpu_staging: Option<String>,
     /// Parts of the GPU staging buffer, 2-8: batches a save's gathers may run ahead of its
-    /// copies, plus one (default: 2).
+    /// copies, plus one (default: as many as the staging holds jobs, 2 to 8).
     #[arg(long, value_name = "N")]
     pub gpu_staging_depth: Option<usize>,
-    /// Most bytes of a GPU save's first staged batch after its copies ran dry, growing by
-    /// half per batch up to a staging part; 0 for whole parts (default: 0).
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_first_batch: Option<String>,
     /// Bytes of chunks per GPU copy job; saves and loads are split into such jobs (default:
     /// 64MiB).
     #[arg(long, value_name = "SIZE")]
@@ -336,8 +327,8 @@ pub struct Settings {
     pub gpu_staging_bytes: u64,
     /// Bytes of chunks per GPU copy job.
     pub gpu_job_bytes: u64,
-    /// A GPU save's first staged batch after its copies ran dry (0: a whole part).
-    pub gpu_first_batch_bytes: u64,
+    /// Parts of the GPU staging (as given, or derived from the staging and job sizes).
+    pub gpu_staging_depth: usize,
     /// Where GPU saves' checksums are computed.
     pub gpu_checksums: crate::gpu::ChecksumPlace,
     /// How GPU copies cross the bus.
@@ -452,8 +443,6 @@ impl ServerConfig {
             ssd_inject_errors_every,
             gpu,
             gpu_staging,
-            gpu_staging_depth,
-            gpu_first_batch,
             gpu_job,
             gpu_queue_depth,
             max_gpu_registrations,
@@ -461,6 +450,9 @@ impl ServerConfig {
             gpu_shard_checksums,
             gpu_copy
         );
+        if let Some(d) = a.gpu_staging_depth {
+            self.gpu_staging_depth = Some(d);
+        }
         if a.no_lock_arena {
             self.lock_arena = false;
         }
@@ -547,28 +539,26 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
             return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
         }
-        let depths = orbitkv_gpu::dma::CopyEngine::DEPTHS;
-        if !depths.contains(&self.gpu_staging_depth) {
-            return Err(invalid(
-                "--gpu-staging-depth",
-                format!("must be between {} and {}", depths.start(), depths.end()),
-            ));
-        }
         let gpu_job_bytes =
             parse_size(&self.gpu_job).map_err(|e| invalid("--gpu-job", e.to_string()))?;
         if !(1 << 20..=4 << 30).contains(&gpu_job_bytes) {
             return Err(invalid("--gpu-job", "must be between 1MiB and 4GiB"));
         }
-        let gpu_first_batch_bytes = parse_size(&self.gpu_first_batch)
-            .map_err(|e| invalid("--gpu-first-batch", e.to_string()))?;
-        if gpu_first_batch_bytes != 0
-            && !(64 << 10..=gpu_staging_bytes).contains(&gpu_first_batch_bytes)
-        {
-            return Err(invalid(
-                "--gpu-first-batch",
-                "must be 0 (whole staging parts) or between 64KiB and --gpu-staging",
-            ));
-        }
+        let depths = orbitkv_gpu::dma::CopyEngine::DEPTHS;
+        let gpu_staging_depth = match self.gpu_staging_depth {
+            Some(d) if !depths.contains(&d) => {
+                return Err(invalid(
+                    "--gpu-staging-depth",
+                    format!("must be between {} and {}", depths.start(), depths.end()),
+                ))
+            }
+            Some(d) => d,
+            // As many parts as the staging holds jobs: no part larger than a job (a job is
+            // a batch of its own), so none goes half unused.
+            None => usize::try_from(gpu_staging_bytes / gpu_job_bytes)
+                .unwrap_or(usize::MAX)
+                .clamp(*depths.start(), *depths.end()),
+        };
         let gpu_checksums =
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
                 invalid(
@@ -608,7 +598,7 @@ impl ServerConfig {
             drain_timeout,
             gpu_staging_bytes,
             gpu_job_bytes,
-            gpu_first_batch_bytes,
+            gpu_staging_depth,
             gpu_checksums,
             gpu_copy,
         })
@@ -641,10 +631,25 @@ mod tests {
         assert!(bad(ServerConfig { gpu_staging: "4KiB".into(), ..Default::default() })
             .contains("--gpu-staging"));
         for depth in [0, 1, 9] {
-            let e = bad(ServerConfig { gpu_staging_depth: depth, ..Default::default() });
+            let e = bad(ServerConfig { gpu_staging_depth: Some(depth), ..Default::default() });
             assert!(e.contains("--gpu-staging-depth") && e.contains("between 2 and 8"), "{e}");
         }
-        assert!(ServerConfig { gpu_staging_depth: 8, ..Default::default() }.validate().is_ok());
+        let depth = |staging: &str, depth: Option<usize>| {
+            let c = ServerConfig {
+                gpu_staging: staging.into(),
+                gpu_staging_depth: depth,
+                ..Default::default()
+            };
+            c.validate().unwrap().gpu_staging_depth
+        };
+        assert_eq!(depth("64MiB", Some(8)), 8);
+        // Unset: as many parts as the staging holds 64 MiB jobs, 2 to 8.
+        assert_eq!(depth("64MiB", None), 2);
+        assert_eq!(depth("16MiB", None), 2);
+        assert_eq!(depth("256MiB", None), 4);
+        assert_eq!(depth("200MiB", None), 3);
+        assert_eq!(depth("4GiB", None), 8);
+        assert_eq!(depth("256MiB", Some(2)), 2);
         for job in ["4KiB", "8GiB", "lots"] {
             let e = bad(ServerConfig { gpu_job: job.into(), ..Default::default() });
             assert!(e.contains("--gpu-job"), "{job}: {e}");
@@ -682,6 +687,12 @@ mod tests {
         assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
+        // The staging depth: unset unless given, from the file or the flag.
+        assert_eq!(c.gpu_staging_depth, None);
+        let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
+        assert_eq!(f.gpu_staging_depth, Some(3));
+        c.apply_args(&Args { gpu_staging_depth: Some(4), ..Default::default() });
+        assert_eq!(c.gpu_staging_depth, Some(4));
     }
 
     #[test]
@@ -692,7 +703,6 @@ mod tests {
         let d = ServerConfig::default();
         assert_eq!(c.gpu_staging, d.gpu_staging);
         assert_eq!(c.gpu_staging_depth, d.gpu_staging_depth);
-        assert_eq!(c.gpu_first_batch, d.gpu_first_batch);
         assert_eq!(c.gpu_job, d.gpu_job);
         assert_eq!(c.gpu_queue_depth, d.gpu_queue_depth);
         assert_eq!(c.gpu_checksums, d.gpu_checksums);

@@ -41,9 +41,6 @@ pub struct GpuLimits {
     pub staging_bytes: usize,
     /// Parts of the staging, used in turn (`--gpu-staging-depth`).
     pub staging_depth: usize,
-    /// A save's first staged batch after its copies ran dry, 0 for a whole part
-    /// (`--gpu-first-batch`).
-    pub first_batch: u64,
     /// Where saves' checksums are computed (`--gpu-checksums`).
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
@@ -988,7 +985,6 @@ impl GpuService {
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
                 }
-                e.set_first_batch(self.limits.first_batch);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {

@@ -248,8 +248,7 @@ fn run(settings: Settings) -> Result<(), String> {
             queue_depth: settings.config.gpu_queue_depth,
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
-            staging_depth: settings.config.gpu_staging_depth,
-            first_batch: settings.gpu_first_batch_bytes,
+            staging_depth: settings.gpu_staging_depth,
             checksums: settings.gpu_checksums,
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
@@ -260,6 +259,9 @@ fn run(settings: Settings) -> Result<(), String> {
         service.start(Arc::clone(&shared.doorbells), &cores)?;
         tracing::info!(
             devices = devices.len(),
+            staging = settings.gpu_staging_bytes,
+            staging_depth = settings.gpu_staging_depth,
+            job = settings.gpu_job_bytes,
             "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
         );
         let _ = shared.gpu_service.set(service);

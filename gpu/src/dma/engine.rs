@@ -147,11 +147,6 @@ pub struct CopyEngine {
     direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
-    /// A save's first staged batch after its copy stream ran dry holds at most this many
-    /// bytes, each next one half as much again, up to a part (0: whole parts from the start).
-    first_batch: u64,
-    /// The cap of the save batch planned last.
-    ramp: u64,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -210,17 +205,6 @@ unsafe fn launch_blocks(
     let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
     // SAFETY: forwarded from the caller.
     unsafe { k.launch(stream, l, grid, THREADS) }
-}
-
-/// The next save batch's cap while ramping up from `first` (see
-/// [`CopyEngine::set_first_batch`]): `first` again once the copy stream ran `dry`, else half
-/// as much again as the `last` cap (the caller clamps it to a part).
-fn ramp_step(first: u64, last: u64, dry: bool) -> u64 {
-    if dry {
-        first
-    } else {
-        last.saturating_add(last / 2).max(first)
-    }
 }
 
 /// Copies a staging part's host-side runs in one `cuMemcpyBatchAsync` call (each separate
@@ -348,32 +332,7 @@ impl CopyEngine {
             direct_tables: [None, None],
             direct_next: 0,
             times: SubmitTimes::default(),
-            first_batch: 0,
-            ramp: 0,
         })
-    }
-
-    /// Caps a save's first staged batch after its copy stream ran dry at `bytes` (rounded up
-    /// to 64 KiB and to a whole block where a job goes in block form), each next batch
-    /// half as much again up to a part; 0 (the default) stages whole parts from the start.
-    /// A save's first copy waits for its batch's gather, which beside an engine's kernels
-    /// waits for SMs: a smaller first batch starts the copies sooner while the gathers of
-    /// the growing ones stay ahead of them.
-    pub fn set_first_batch(&mut self, bytes: u64) {
-        self.first_batch = bytes.div_ceil(1 << 16) << 16;
-    }
-
-    /// The bytes the next staged batch may hold: a part, or while a save ramps up (see
-    /// [`CopyEngine::set_first_batch`]) less, never under `least` (one whole block).
-    fn batch_cap(&mut self, direction: Direction, least: u64) -> u64 {
-        let part = self.staging_part() as u64;
-        if direction != Direction::Save || self.first_batch == 0 || self.first_batch >= part {
-            return part;
-        }
-        // Copies run in stream order: once the part used last is free, the stream is dry.
-        let last = &self.parts[(self.next + self.parts.len() - 1) % self.parts.len()];
-        self.ramp = ramp_step(self.first_batch, self.ramp, last.free.is_complete());
-        self.ramp.clamp(least.min(part), part)
     }
 
     /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
@@ -543,17 +502,23 @@ impl CopyEngine {
         if self.block_kernel.is_none() {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
+        let part_bytes = self.staging_part() as u64;
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
         // The job's blocks staged before this batch (the fused gather numbers rows in the job).
         let mut first_block = 0u32;
         let result = (|| {
             loop {
-                wait_for(&self.parts[self.next].uploaded, &mut self.times.waited)?;
-                let cap = self.batch_cap(direction, job.block_bytes());
                 let h = &mut self.parts[self.next];
+                wait_for(&h.uploaded, &mut self.times.waited)?;
                 let t = Instant::now();
-                let ids = next_blocks_into(job, &mut at, cap, h.descs_host.bytes_mut(), &mut batch);
+                let ids = next_blocks_into(
+                    job,
+                    &mut at,
+                    part_bytes,
+                    h.descs_host.bytes_mut(),
+                    &mut batch,
+                );
                 self.times.planned += t.elapsed();
                 if ids == 0 {
                     break;
@@ -655,21 +620,21 @@ impl CopyEngine {
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
         if shape.staged {
+            let part_bytes = self.staging_part() as u64;
             let mut at = StageCursor::default();
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
                 loop {
                     // The batch is planned straight into the next part's host table, once the
                     // batch that last used the table has read it.
-                    wait_for(&self.parts[self.next].uploaded, &mut self.times.waited)?;
-                    let cap = self.batch_cap(direction, 0);
                     let h = &mut self.parts[self.next];
+                    wait_for(&h.uploaded, &mut self.times.waited)?;
                     let gather = direction == Direction::Save;
                     let t = Instant::now();
                     let (n, uniform) = next_batch_into(
                         pieces,
                         &mut at,
-                        (cap, self.max_descs),
+                        (part_bytes, self.max_descs),
                         (h.staging.ptr(), gather),
                         h.descs_host.bytes_mut(),
                         &mut batch,
@@ -1004,23 +969,6 @@ impl Drop for CopyEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_save_ramps_up_by_half_from_its_first_batch_and_starts_over_when_dry() {
-        const MIB: u64 = 1 << 20;
-        let mut cap = 0;
-        let mut caps = Vec::new();
-        for dry in [true, false, false, false, false, true, false] {
-            cap = ramp_step(4 * MIB, cap, dry);
-            caps.push(cap);
-        }
-        assert_eq!(caps, [4 * MIB, 6 * MIB, 9 * MIB, 27 * MIB / 2, 81 * MIB / 4, 4 * MIB, 6 * MIB]);
-        // From nothing (the engine's first batch, its events never recorded) or after a
-        // change of the first batch, never under it.
-        assert_eq!(ramp_step(4 * MIB, 0, false), 4 * MIB);
-        // Capped by the caller, so the sum cannot wrap.
-        assert_eq!(ramp_step(MIB, u64::MAX, false), u64::MAX);
-    }
 
     #[test]
     fn block_form_where_a_staged_copy_of_whole_blocks_fits() {
