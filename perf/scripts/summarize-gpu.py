@@ -156,6 +156,9 @@ def served(name, d):
             f"{name}:   server beside the matmul: saves {num(b['save_busy_gbps'], '{:.1f}')} GB/s "
             f"busy, checksum wait {num(b['save_checksum_wait_us_per_job'], '{:.0f}')} us per job; "
             f"loads {num(b['load_busy_gbps'], '{:.1f}')} GB/s busy"
+            + (f"; streamed saves {num(b['stream_save_busy_gbps'], '{:.1f}')}, loads "
+               f"{num(b['stream_load_busy_gbps'], '{:.1f}')} GB/s busy"
+               if "stream_save_busy_gbps" in b else "")
         )
 
 

@@ -399,12 +399,15 @@ impl Report for DmaReport {
                 writeln!(
                     out,
                     "server beside the matmul: saves {} GB/s busy, {} us per job handing them to \
-                     the GPU, {} us waiting for checksums; loads {} GB/s busy, {} us per job",
+                     the GPU, {} us waiting for checksums; loads {} GB/s busy, {} us per job; \
+                     streamed saves {} GB/s busy, loads {}",
                     f(b.save_busy_gbps),
                     f(b.save_submit_us_per_job),
                     f(b.save_checksum_wait_us_per_job),
                     f(b.load_busy_gbps),
-                    f(b.load_submit_us_per_job)
+                    f(b.load_submit_us_per_job),
+                    f(b.stream_save_busy_gbps),
+                    f(b.stream_load_busy_gbps)
                 )?;
             }
             let beside = s.beside_matmul.as_ref();

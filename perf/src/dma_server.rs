@@ -189,6 +189,11 @@ pub(crate) struct BesideMatmul {
     pub save_timeline: Option<GpuTimeline>,
     /// The same for the loads (waiting for uploads, or scatters waiting for SMs).
     pub load_timeline: Option<GpuTimeline>,
+    /// The streamed saves' bytes (`server-stream` rows: requests back to back, two in
+    /// flight) over the save thread's busy time, GB/s.
+    pub stream_save_busy_gbps: Option<f64>,
+    /// The same for the streamed loads.
+    pub stream_load_busy_gbps: Option<f64>,
 }
 
 /// The server's `--gpu-timeline` sums over the timed runs of one direction, per request.
@@ -718,13 +723,14 @@ pub(crate) fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
 }
 
 /// `--interference` through the server: the matmul loop beside back-to-back saves and then
-/// loads of every chunk through the server (its copies, its checksums), then beside the
-/// engine-side copies in the loop's own process, each after a window of the loop alone (one
-/// more at the end), `--interference-rounds` times. Each save follows an evict, and each save
-/// and load is framed by two readings of the server's stats, inside the loop's window: a few
-/// milliseconds without copies per save, so the rows understate the slowdown slightly. Also
-/// returns the chunks not done (saves, loads) and the server's counters over the saves and
-/// loads beside the loop.
+/// loads of every chunk through the server (its copies, its checksums), then beside the same
+/// streamed (`server-stream`: see [`streamed`]), then beside the engine-side copies in the
+/// loop's own process, each after a window of the loop alone (one more at the end),
+/// `--interference-rounds` times. Each save follows an evict, and each save and load is framed
+/// by two readings of the server's stats, inside the loop's window: a few milliseconds without
+/// copies per save, so the `server` rows understate the slowdown slightly. Also returns the
+/// chunks not done (saves, loads) and the server's counters over the saves and loads beside
+/// the loop.
 fn served_interference(
     a: &DmaArgs,
     e: &Engine<'_>,
@@ -740,6 +746,8 @@ fn served_interference(
     let mut failed = (0, 0);
     let mut sums = [Sums::default(), Sums::default()];
     let mut copied = [0u64, 0];
+    let mut stream_sums = [Sums::default(), Sums::default()];
+    let mut stream_copied = [0u64, 0];
     for _ in 0..a.interference_rounds {
         for (w, way) in ["save", "load"].into_iter().enumerate() {
             windows.measure(&mut matmul, "server", way, |m| {
@@ -769,6 +777,23 @@ fn served_interference(
                 Ok((rate, median(runs.into_iter().map(|r| r.0).collect())))
             })?;
         }
+        for (w, way) in ["save", "load"].into_iter().enumerate() {
+            windows.measure(&mut matmul, "server-stream", way, |m| {
+                let before = Counters::read(socket, way);
+                let (rate, runs) =
+                    m.during(|| streamed(client, reg, (keys, blocks, e.chunk_len), way))?;
+                stream_sums[w].add(before, Counters::read_after(socket, way, &before));
+                let (moved, not_done, took) =
+                    runs.iter().fold((0, 0, 0.0), |t, r| (t.0 + r.0, t.1 + r.1, t.2 + r.2));
+                stream_copied[w] += moved;
+                if way == "save" {
+                    failed.0 += not_done;
+                } else {
+                    failed.1 += not_done;
+                }
+                Ok((rate, moved as f64 / took / 1e9))
+            })?;
+        }
         matmul.engine_side_rows(&mut windows)?;
         windows.end_round();
     }
@@ -782,8 +807,79 @@ fn served_interference(
         load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
         save_timeline: save.timeline(),
         load_timeline: load.timeline(),
+        stream_save_busy_gbps: busy_gbps(stream_copied[0], stream_sums[0].busy_s),
+        stream_load_busy_gbps: busy_gbps(stream_copied[1], stream_sums[1].busy_s),
     };
     Ok((result, failed, counters))
+}
+
+/// Groups a streamed run splits the chunks into: two in flight, and a group saved again only
+/// after its previous save has answered (and been evicted).
+const STREAM_GROUPS: usize = 4;
+
+/// Saves (`way` "save", each group evicted just before) or loads of `keys` for a matmul
+/// window, in [`STREAM_GROUPS`] requests of a quarter of the chunks each, started back to back
+/// with two in flight: the next request is queued before the one running ends, so the DMA
+/// thread never runs dry between them, as for an engine saving (or loading) as it computes.
+/// Returns the bytes moved (of `chunk_len` each), the chunks not done and the seconds taken.
+fn streamed(
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    (keys, blocks, chunk_len): (&[ChunkKey], &[u64], u64),
+    way: &'static str,
+) -> Result<(u64, u64, f64), Error> {
+    let per_chunk = blocks.len() / keys.len().max(1);
+    let size = keys.len().div_ceil(STREAM_GROUPS).max(1);
+    let groups: Vec<(&[ChunkKey], &[u64])> =
+        keys.chunks(size).zip(blocks.chunks(size * per_chunk)).collect();
+    let start = Instant::now();
+    let (mut moved, mut not_done_) = (0, 0);
+    round_robin(
+        client,
+        groups.len(),
+        || start.elapsed() < crate::dma_interference::WINDOW,
+        |client, g| {
+            let (k, b) = groups[g];
+            if way == "save" {
+                client.evict(k).map_err(client_err("evict"))?;
+                client.start_save(reg, k, b)
+            } else {
+                client.start_load(reg, k, b)
+            }
+            .map_err(client_err(way))
+        },
+        |client, g, t| {
+            let outcomes = client.wait_transfer(&t).map_err(client_err(way))?;
+            moved += groups[g].0.len() as u64 * chunk_len;
+            not_done_ += not_done(&outcomes);
+            Ok(())
+        },
+    )?;
+    Ok((moved, not_done_, start.elapsed().as_secs_f64()))
+}
+
+/// Starts group 0, 1, ... of `groups` (round robin) while `more()` says so, two in flight at
+/// most, and waits for each in the order started (also those in flight once `more()` stops).
+/// A group is started again only after its previous start was waited for, given `groups` >= 3.
+fn round_robin<C, T>(
+    ctx: &mut C,
+    groups: usize,
+    mut more: impl FnMut() -> bool,
+    mut start: impl FnMut(&mut C, usize) -> Result<T, Error>,
+    mut wait: impl FnMut(&mut C, usize, T) -> Result<(), Error>,
+) -> Result<(), Error> {
+    assert!(groups >= 3, "a group must have answered before it goes again");
+    let mut inflight = std::collections::VecDeque::new();
+    let mut next = 0;
+    loop {
+        while inflight.len() < 2 && more() {
+            let g = next % groups;
+            next += 1;
+            inflight.push_back((g, start(ctx, g)?));
+        }
+        let Some((g, t)) = inflight.pop_front() else { return Ok(()) };
+        wait(ctx, g, t)?;
+    }
 }
 
 /// Counts the bytes of chunks `keys` (blocks `chunks`) that differ from what the engine saved,
@@ -957,7 +1053,9 @@ fn cancel_check(
 
 #[cfg(test)]
 mod tests {
-    use super::{busy_delta, busy_gbps, Brackets, CeilingCopy, Counters, Direction, Sums};
+    use super::{
+        busy_delta, busy_gbps, round_robin, Brackets, CeilingCopy, Counters, Direction, Error, Sums,
+    };
     use std::time::Duration;
 
     #[test]
@@ -1076,6 +1174,59 @@ mod tests {
         let t = older.timeline().expect("timed");
         assert_eq!((t.lead_us, t.tail_us), (None, None));
         assert!((t.copy_gbps - 10.0).abs() < 1e-9, "{t:?}");
+    }
+
+    #[test]
+    fn streamed_groups_go_round_robin_two_in_flight_never_one_twice() {
+        // The events as (started?, group), and what is in flight, checked at every start.
+        let mut log: (Vec<(bool, usize)>, Vec<usize>) = (Vec::new(), Vec::new());
+        let mut starts = 0;
+        round_robin(
+            &mut log,
+            4,
+            || {
+                starts += 1;
+                starts <= 10
+            },
+            |(events, inflight), g| {
+                assert!(!inflight.contains(&g), "group {g} started while in flight");
+                assert!(inflight.len() < 2, "three in flight: {inflight:?}");
+                inflight.push(g);
+                events.push((true, g));
+                Ok(g * 10)
+            },
+            |(events, inflight), g, t| {
+                assert_eq!(t, g * 10, "each wait gets its own start's transfer");
+                assert_eq!(inflight.remove(0), g, "waited in the order started");
+                events.push((false, g));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let started: Vec<usize> = log.0.iter().filter(|e| e.0).map(|e| e.1).collect();
+        assert_eq!(started, [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
+        assert!(log.1.is_empty(), "every start waited for");
+        assert_eq!(log.0.len(), 20);
+        // The second start comes before the first wait: the next request is queued early.
+        assert_eq!(&log.0[..3], &[(true, 0), (true, 1), (false, 0)]);
+        // A failed start ends it, after nothing else is started.
+        let mut n = 0;
+        let e = round_robin(
+            &mut n,
+            3,
+            || true,
+            |n, g| {
+                *n += 1;
+                if g == 2 {
+                    Err(Error::InvalidArgument { flag: "--test", reason: "start failed".into() })
+                } else {
+                    Ok(())
+                }
+            },
+            |_, _, ()| Ok(()),
+        );
+        assert!(e.is_err());
+        assert_eq!(n, 3);
     }
 
     #[test]
