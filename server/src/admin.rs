@@ -310,6 +310,8 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "load_requests": n(&c.load_requests),
         "checksums": g.checksum_place().as_str(),
         "copy": g.copy_strategy().as_str(),
+        "staging_bytes": g.staging().0,
+        "staging_depth": g.staging().1,
         "timeline": g.timeline().then(|| json!({
             "save": c.save_timeline.json(),
             "load": c.load_timeline.json(),

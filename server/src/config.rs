@@ -553,8 +553,8 @@ impl ServerConfig {
                 ))
             }
             Some(d) => d,
-            // As many parts as the staging holds jobs: no part larger than a job (a job is
-            // a batch of its own), so none goes half unused.
+            // As many parts as the staging holds jobs (up to eight): a part holds a whole
+            // job rather than leaving half of itself unused behind one.
             None => usize::try_from(gpu_staging_bytes / gpu_job_bytes)
                 .unwrap_or(usize::MAX)
                 .clamp(*depths.start(), *depths.end()),

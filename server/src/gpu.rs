@@ -539,6 +539,11 @@ impl GpuService {
         self.limits.copy
     }
 
+    /// The staging per DMA thread and device, and its parts (`--gpu-staging`, its depth).
+    pub fn staging(&self) -> (usize, usize) {
+        (self.limits.staging_bytes, self.limits.staging_depth)
+    }
+
     /// Whether staged batches are timed (`--gpu-timeline`).
     pub fn timeline(&self) -> bool {
         self.limits.timeline
