@@ -50,6 +50,8 @@ pub struct GpuLimits {
     pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
+    /// A standby block copy for each save engine while idle (`--gpu-standby`).
+    pub standby: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -876,6 +878,16 @@ impl GpuService {
                 if self.limits.timeline && queues.iter().all(|q| q.is_empty()) {
                     self.close_timelines(&mut engines, direction);
                 }
+                // With nothing queued: the standby copy waits on the GPU for the next save
+                // (launched after the timeline's read, which needs no kernel stream event
+                // behind it).
+                if self.limits.standby && queues.iter().all(|q| q.is_empty()) {
+                    for e in engines.iter_mut().flatten() {
+                        if let Err(err) = e.arm_standby() {
+                            tracing::warn!(error = %err, "--gpu-standby: the standby copy did not launch");
+                        }
+                    }
+                }
                 // Shards unpark the thread when they queue a job.
                 std::thread::park_timeout(Duration::from_millis(50));
             }
@@ -989,6 +1001,12 @@ impl GpuService {
                 .map_err(|e| format!("creating the copy engine: {e}"))?;
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
+                }
+                if self.limits.standby && direction == Direction::Save {
+                    if let Err(err) = e.enable_standby() {
+                        tracing::warn!(device = job.device, error = %err, "--gpu-standby: \
+                            no standby copy; saves start with a launched gather");
+                    }
                 }
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())

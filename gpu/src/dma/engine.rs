@@ -10,14 +10,15 @@
 
 #![allow(unsafe_code)]
 
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{
-    self, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel,
-    SummedGather, Way,
+    self, standby_words, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost,
+    ScatterUniformKernel, SummedGather, Way, STANDBY_QUIT, STANDBY_WORDS,
 };
 use super::hasher::drv;
 use super::hasher::SummedSave;
@@ -105,6 +106,57 @@ pub struct JobShape {
     pub blocks: bool,
 }
 
+/// The standby block copy of an engine that saves (`--gpu-standby`): a block copy launched
+/// while the engine is idle, which waits for SMs then (beside another process's kernels under
+/// MPS) when nothing waits for it, and gathers the first batch of the next block-form save as
+/// soon as the host hands it over through the mailbox.
+struct Standby {
+    /// What the kernel polls: [`STANDBY_WORDS`] words (mapped pinned host memory).
+    mailbox: PinnedHost,
+    /// Where block 0 hands the mailbox's words to the others (device memory).
+    relay: DeviceBuffer,
+    /// The launch's number, which the relay's word 0 takes once the words are in place.
+    generation: u64,
+    /// One block per SM.
+    grid: u32,
+    /// Launched, and neither handed a batch nor told to return yet: the kernel stream is
+    /// blocked behind it until one of those.
+    armed: AtomicBool,
+}
+
+impl Standby {
+    /// Writes mailbox word `i` (the GPU reads it; volatile so that each write happens).
+    fn write(&self, i: usize, value: u64) {
+        assert!(i < STANDBY_WORDS, "a mailbox word");
+        // SAFETY: the mailbox is STANDBY_WORDS aligned u64 words of pinned memory owned by
+        // self; only the GPU reads it besides this thread.
+        unsafe { std::ptr::write_volatile((self.mailbox.addr() as *mut u64).add(i), value) }
+    }
+
+    /// Hands `l` to the waiting kernel, if it is waiting: true when it now copies the batch.
+    fn take(&self, l: &BlockLaunch) -> bool {
+        if !self.armed.swap(false, Ordering::AcqRel) {
+            return false;
+        }
+        let words = standby_words(l);
+        for (i, w) in words.iter().enumerate().skip(1) {
+            self.write(i, *w);
+        }
+        // The launch's words before the state that says they are there (the kernel reads the
+        // state with acquire semantics).
+        fence(Ordering::SeqCst);
+        self.write(0, words[0]);
+        true
+    }
+
+    /// Tells a waiting kernel to return without copying.
+    fn release(&self) {
+        if self.armed.swap(false, Ordering::AcqRel) {
+            self.write(0, STANDBY_QUIT);
+        }
+    }
+}
+
 /// Copy engine of one device and direction-agnostic pipelines (one per thread).
 pub struct CopyEngine {
     ctx: Arc<CudaContext>,
@@ -147,6 +199,8 @@ pub struct CopyEngine {
     direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
+    /// The standby block copy, once enabled ([`CopyEngine::enable_standby`]).
+    standby: Option<Standby>,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -332,7 +386,88 @@ impl CopyEngine {
             direct_tables: [None, None],
             direct_next: 0,
             times: SubmitTimes::default(),
+            standby: None,
         })
+    }
+
+    /// Lets this engine's block-form saves start with a standby block copy (see
+    /// [`CopyEngine::arm_standby`]). Only under MPS: without it, a kernel of ours always
+    /// resident keeps this process's time slices against an engine's. Fails when the block
+    /// copy kernel did not load.
+    pub fn enable_standby(&mut self) -> Result<(), DmaError> {
+        if self.standby.is_some() {
+            return Ok(());
+        }
+        if self.block_kernel.is_none() {
+            return Err(DmaError::Invalid(
+                "the standby copy needs the block copy kernel, which did not load".into(),
+            ));
+        }
+        let sms = self
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("cuDeviceGetAttribute"))?;
+        let relay = DeviceBuffer::zeroed_on(&self.ctx, 12 * 8, &self.kernel_stream)?;
+        self.standby = Some(Standby {
+            mailbox: PinnedHost::new(&self.ctx, STANDBY_WORDS * 8)?,
+            relay,
+            generation: 0,
+            grid: u32::try_from(sms).unwrap_or(1).max(1),
+            armed: AtomicBool::new(false),
+        });
+        Ok(())
+    }
+
+    /// With the standby copy enabled and not waiting already: launches it on the kernel
+    /// stream, so that it waits for SMs now, while the engine is idle, and gathers the first
+    /// batch of the next block-form save without waiting then. Anything else this engine
+    /// submits first tells it to return. Call when the engine has nothing to do.
+    pub fn arm_standby(&mut self) -> Result<(), DmaError> {
+        let Some(s) = self.standby.as_mut() else { return Ok(()) };
+        if s.armed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let k = self.block_kernel.as_ref().expect("enable_standby checked it");
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        s.write(0, 0);
+        s.generation += 1;
+        // SAFETY: the mailbox and relay live in `self.standby` until the engine is dropped,
+        // and drop tells the kernel to return before synchronizing; a batch handed over meets
+        // the launch contract (`enqueue_batch`), and every other submission releases it first.
+        let launched = unsafe {
+            k.launch_standby(
+                &self.kernel_stream,
+                (s.mailbox.addr(), s.relay.ptr(), s.generation),
+                s.grid,
+                THREADS,
+            )
+        };
+        match launched {
+            Ok(()) => {
+                s.armed.store(true, Ordering::Release);
+                Ok(())
+            }
+            Err(e) => {
+                // Not tried again: saves go on with launched gathers.
+                self.standby = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether a standby copy is waiting for a batch.
+    pub fn standby_armed(&self) -> bool {
+        self.standby.as_ref().is_some_and(|s| s.armed.load(Ordering::Acquire))
+    }
+
+    /// Tells a waiting standby copy to return, before anything else goes on the kernel stream
+    /// (which would otherwise wait behind it for good).
+    fn release_standby(&self) {
+        if let Some(s) = &self.standby {
+            s.release();
+        }
     }
 
     /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
@@ -469,6 +604,9 @@ impl CopyEngine {
         // The fused form sums rows as a save gathers them.
         let summed = summed.filter(|_| direction == Direction::Save).map(SummedSave::gather);
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        if direction != Direction::Save || summed.is_some() {
+            self.release_standby();
+        }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let pieces =
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
@@ -562,6 +700,7 @@ impl CopyEngine {
     /// An event recorded on the kernel stream now: it completes once every gather or scatter
     /// enqueued so far has run (for a fused save, once its row sums are all written).
     pub fn kernels_done(&self) -> Result<CudaEvent, DmaError> {
+        self.release_standby();
         let e = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         e.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         Ok(e)
@@ -583,6 +722,8 @@ impl CopyEngine {
         // Raw copies and launches below use the thread's current context: make it this one
         // (a thread may drive engines of several devices).
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // Only a block-form save's first batch goes to the standby copy.
+        self.release_standby();
         let staged = self.staged_for(strategy, pieces);
         // `bytes` is counted as the job is enqueued.
         let mut shape = JobShape {
@@ -753,6 +894,20 @@ impl CopyEngine {
         work: Work,
     ) -> Result<(), DmaError> {
         let last = (self.next + self.parts.len() - 1) % self.parts.len();
+        // A block-form save batch goes to the standby copy when one waits (the first of a
+        // busy period: it is armed only while the engine is idle) and its part is free, which
+        // it is then; otherwise the standby copy is told to return first.
+        let standby = match (direction, work, &self.standby) {
+            (Direction::Save, Work::Blocks(l), Some(s)) if s.armed.load(Ordering::Acquire) => {
+                if self.parts[last].free.is_complete() {
+                    Some(l)
+                } else {
+                    s.release();
+                    None
+                }
+            }
+            _ => None,
+        };
         let h = &mut self.parts[last];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
@@ -813,9 +968,10 @@ impl CopyEngine {
                 };
                 if start.is_none() {
                     let s = new()?;
+                    // A standby copy's batch starts now: the kernel stream is behind it.
                     let first = match direction {
-                        Direction::Save => &self.kernel_stream,
-                        Direction::Load => &self.copy_stream,
+                        Direction::Save if standby.is_none() => &self.kernel_stream,
+                        _ => &self.copy_stream,
                     };
                     s.record(first).map_err(drv("cuEventRecord"))?;
                     *start = Some(s);
@@ -835,6 +991,25 @@ impl CopyEngine {
             self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
         let block_kernel = self.block_kernel.as_ref();
         match direction {
+            Direction::Save if standby.is_some() => {
+                let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..standby.unwrap() };
+                // The batch starts as it is handed over (the copy stream is idle: nothing was
+                // in flight); the kernel stream's events after the standby copy complete once
+                // it has gathered the batch and returned.
+                mark(0, copy_stream)?;
+                let taken = self.standby.as_ref().is_some_and(|s| s.take(&l));
+                assert!(taken, "armed, and nothing else takes it on this thread");
+                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                mark(1, kernel_stream)?;
+                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                mark(2, copy_stream)?;
+                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
+                // registered arena slots.
+                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                mark(3, copy_stream)?;
+                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
+            }
             Direction::Save => {
                 kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
                 mark(0, kernel_stream)?;
@@ -950,8 +1125,9 @@ impl CopyEngine {
         Ok(done)
     }
 
-    /// Waits for everything submitted so far.
+    /// Waits for everything submitted so far (a standby copy still waiting is told to return).
     pub fn synchronize(&self) -> Result<(), DmaError> {
+        self.release_standby();
         self.kernel_stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
         self.copy_stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }
