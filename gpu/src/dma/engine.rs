@@ -457,11 +457,6 @@ impl CopyEngine {
         }
     }
 
-    /// Whether a standby copy is waiting for a batch.
-    pub fn standby_armed(&self) -> bool {
-        self.standby.as_ref().is_some_and(|s| s.armed.load(Ordering::Acquire))
-    }
-
     /// Tells a waiting standby copy to return, before anything else goes on the kernel stream
     /// (which would otherwise wait behind it for good).
     fn release_standby(&self) {
