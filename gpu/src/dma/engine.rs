@@ -122,6 +122,12 @@ struct Standby {
     /// Launched, and neither handed a batch nor told to return yet: the kernel stream is
     /// blocked behind it until one of those.
     armed: AtomicBool,
+    /// Recorded on the kernel stream after each launch: complete once that kernel has
+    /// returned. Until then the mailbox is its (one told to return may not have read it
+    /// yet: clearing it for the next would leave it waiting for good).
+    returned: CudaEvent,
+    /// No more launches (an event could not be recorded).
+    disabled: bool,
 }
 
 impl Standby {
@@ -416,17 +422,20 @@ impl CopyEngine {
             generation: 0,
             grid: u32::try_from(sms).unwrap_or(1).max(1),
             armed: AtomicBool::new(false),
+            returned: self.ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+            disabled: false,
         });
         Ok(())
     }
 
-    /// With the standby copy enabled and not waiting already: launches it on the kernel
-    /// stream, so that it waits for SMs now, while the engine is idle, and gathers the first
-    /// batch of the next block-form save without waiting then. Anything else this engine
-    /// submits first tells it to return. Call when the engine has nothing to do.
+    /// With the standby copy enabled, not waiting already and the last one returned: launches
+    /// it on the kernel stream, so that it waits for SMs now, while the engine is idle, and
+    /// gathers the first batch of the next block-form save without waiting then. Anything
+    /// else this engine submits first tells it to return. Call when the engine has nothing
+    /// to do (again later when the last one had not returned yet).
     pub fn arm_standby(&mut self) -> Result<(), DmaError> {
         let Some(s) = self.standby.as_mut() else { return Ok(()) };
-        if s.armed.load(Ordering::Acquire) {
+        if s.disabled || s.armed.load(Ordering::Acquire) || !s.returned.is_complete() {
             return Ok(());
         }
         let k = self.block_kernel.as_ref().expect("enable_standby checked it");
@@ -444,17 +453,20 @@ impl CopyEngine {
                 THREADS,
             )
         };
-        match launched {
-            Ok(()) => {
-                s.armed.store(true, Ordering::Release);
-                Ok(())
-            }
-            Err(e) => {
-                // Not tried again: saves go on with launched gathers.
-                self.standby = None;
-                Err(e)
-            }
+        if let Err(e) = launched {
+            // Nothing launched, and not tried again: saves go on with launched gathers.
+            self.standby = None;
+            return Err(e);
         }
+        s.armed.store(true, Ordering::Release);
+        if let Err(e) = s.returned.record(&self.kernel_stream) {
+            // Without the event there is no telling when it has returned: tell it to return
+            // now and launch no more (its mailbox stays until drop waits for it).
+            s.release();
+            s.disabled = true;
+            return Err(drv("cuEventRecord")(e));
+        }
+        Ok(())
     }
 
     /// Tells a waiting standby copy to return, before anything else goes on the kernel stream
