@@ -1006,18 +1006,9 @@ impl CopyEngine {
                 mark(0, copy_stream)?;
                 let taken = self.standby.as_ref().is_some_and(|s| s.take(&l));
                 assert!(taken, "armed, and nothing else takes it on this thread");
-                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-                mark(1, kernel_stream)?;
-                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                mark(2, copy_stream)?;
-                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
-                // registered arena slots.
-                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-                mark(3, copy_stream)?;
-                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Save => {
+                // The part's staging is free once the copy that last read it has passed.
                 kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
                 mark(0, kernel_stream)?;
                 // The gather reads its table straight from the mapped pinned host copy (at its
@@ -1053,16 +1044,6 @@ impl CopyEngine {
                         )?
                     },
                 }
-                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-                mark(1, kernel_stream)?;
-                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                mark(2, copy_stream)?;
-                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
-                // registered arena slots.
-                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-                mark(3, copy_stream)?;
-                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Load => {
                 // The part's staging and device table are free once the scatter that last read
@@ -1102,6 +1083,20 @@ impl CopyEngine {
                 mark(1, kernel_stream)?;
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
+        }
+        if direction == Direction::Save {
+            // Either way, the gather has read the table and filled the part once the kernel
+            // stream passes here; the copy follows it.
+            h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+            mark(1, kernel_stream)?;
+            h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+            copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+            mark(2, copy_stream)?;
+            // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
+            // registered arena slots.
+            unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+            mark(3, copy_stream)?;
+            h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
         }
         if let (Some(events), Some((_, batches))) = (timed, &mut self.timeline) {
             batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
