@@ -859,8 +859,9 @@ fn streamed(
 }
 
 /// Starts group 0, 1, ... of `groups` (round robin) while `more()` says so, two in flight at
-/// most, and waits for each in the order started (also those in flight once `more()` stops).
-/// A group is started again only after its previous start was waited for, given `groups` >= 3.
+/// most (one with fewer than three groups), and waits for each in the order started (also
+/// those in flight once `more()` stops): a group is started again only after its previous
+/// start was waited for.
 fn round_robin<C, T>(
     ctx: &mut C,
     groups: usize,
@@ -868,11 +869,11 @@ fn round_robin<C, T>(
     mut start: impl FnMut(&mut C, usize) -> Result<T, Error>,
     mut wait: impl FnMut(&mut C, usize, T) -> Result<(), Error>,
 ) -> Result<(), Error> {
-    assert!(groups >= 3, "a group must have answered before it goes again");
+    let most = if groups >= 3 { 2 } else { 1 };
     let mut inflight = std::collections::VecDeque::new();
     let mut next = 0;
     loop {
-        while inflight.len() < 2 && more() {
+        while inflight.len() < most && more() {
             let g = next % groups;
             next += 1;
             inflight.push_back((g, start(ctx, g)?));
@@ -1227,6 +1228,29 @@ mod tests {
         );
         assert!(e.is_err());
         assert_eq!(n, 3);
+        // Two groups (a run of fewer than four chunks): one at a time.
+        let mut log: (Vec<usize>, Option<usize>) = (Vec::new(), None);
+        let mut left = 5;
+        round_robin(
+            &mut log,
+            2,
+            || {
+                left -= 1;
+                left >= 0
+            },
+            |(started, inflight), g| {
+                assert_eq!(*inflight, None, "one at a time");
+                *inflight = Some(g);
+                started.push(g);
+                Ok(())
+            },
+            |(_, inflight), g, ()| {
+                assert_eq!(inflight.take(), Some(g));
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(log.0, [0, 1, 0, 1, 0]);
     }
 
     #[test]
