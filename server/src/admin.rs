@@ -312,6 +312,7 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "copy": g.copy_strategy().as_str(),
         "staging_bytes": g.staging().0,
         "staging_depth": g.staging().1,
+        "standby": g.standby(),
         "timeline": g.timeline().then(|| json!({
             "save": c.save_timeline.json(),
             "load": c.load_timeline.json(),

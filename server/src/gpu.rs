@@ -546,6 +546,11 @@ impl GpuService {
         (self.limits.staging_bytes, self.limits.staging_depth)
     }
 
+    /// Whether save engines keep a standby copy while idle (`--gpu-standby`).
+    pub fn standby(&self) -> bool {
+        self.limits.standby
+    }
+
     /// Whether staged batches are timed (`--gpu-timeline`).
     pub fn timeline(&self) -> bool {
         self.limits.timeline
