@@ -195,6 +195,33 @@ def residency(name, d):
         )
 
 
+def standby(name, d):
+    """perf/scripts/device-standby.py: launched against resident copy kernels beside the matmul."""
+
+    def times(r):
+        if not r or "error" in r:
+            return (r or {}).get("error", "no result")
+        timed = "; ".join(
+            f"{what} median {num(s['median'], '{:.0f}')} us, p90 {num(s['p90'], '{:.0f}')}"
+            for what, s in (("host", r.get("host_us")), ("GPU", r.get("gpu_us")))
+            if s
+        ) or "nothing timed"
+        return timed + (f" ({r['failed']} not answered within 1 s)" if r.get("failed") else "")
+
+    for r in d["rows"]:
+        m = r.get("matmul")
+        cost = (
+            f"; matmul slowdown {num(100 * m['slowdown'], '{:.2f}')}% (solo windows "
+            f"{num(100 * m['alone_spread'], '{:.2f}')}% apart)"
+            if m
+            else ""
+        )
+        print(
+            f"{name}: {r['mode']} {r['mib']} MiB, {r['grid']} blocks, every {r['period_us']} us: "
+            f"alone {times(r.get('alone'))}; beside the matmul {times(r.get('beside'))}{cost}"
+        )
+
+
 def main(dirs):
     for folder in dirs:
         for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
@@ -215,6 +242,8 @@ def main(dirs):
                 cpu_checksum(name, d)
             elif "rows" in d and name == "residency":
                 residency(name, d)
+            elif "rows" in d and name == "standby":
+                standby(name, d)
             elif "server" in d and d["server"] is not None:
                 served(name, d)
             elif "results" in d:
