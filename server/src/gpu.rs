@@ -883,9 +883,7 @@ impl GpuService {
                 if self.limits.timeline && queues.iter().all(|q| q.is_empty()) {
                     self.close_timelines(&mut engines, direction);
                 }
-                // With nothing queued: the standby copy waits on the GPU for the next save
-                // (launched after the timeline's read, which needs no kernel stream event
-                // behind it).
+                // With nothing queued: the standby copy waits on the GPU for the next save.
                 if self.limits.standby && queues.iter().all(|q| q.is_empty()) {
                     for e in engines.iter_mut().flatten() {
                         if let Err(err) = e.arm_standby() {

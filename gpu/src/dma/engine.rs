@@ -107,10 +107,13 @@ pub struct JobShape {
 }
 
 /// The standby block copy of an engine that saves (`--gpu-standby`): a block copy launched
-/// while the engine is idle, which waits for SMs then (beside another process's kernels under
-/// MPS) when nothing waits for it, and gathers the first batch of the next block-form save as
-/// soon as the host hands it over through the mailbox.
+/// while the engine is idle, on a stream of its own, which waits for SMs then (beside another
+/// process's kernels under MPS) when nothing waits for it, and gathers the first batch of the
+/// next block-form save as soon as the host hands it over through the mailbox. Nothing else
+/// runs on its stream, so nothing waits behind it but what waits for that batch.
 struct Standby {
+    /// Its stream (the copy pipeline's priority).
+    stream: Arc<CudaStream>,
     /// What the kernel polls: [`STANDBY_WORDS`] words (mapped pinned host memory).
     mailbox: PinnedHost,
     /// Where block 0 hands the mailbox's words to the others (device memory).
@@ -119,11 +122,9 @@ struct Standby {
     generation: u64,
     /// One block per SM.
     grid: u32,
-    /// Launched, and neither handed a batch nor told to return yet: the kernel stream is
-    /// blocked behind it until one of those.
+    /// Launched, and neither handed a batch nor told to return yet.
     armed: AtomicBool,
-    /// Recorded on the kernel stream after each launch: complete once that kernel has
-    /// returned. Until then the mailbox is its (one told to return may not have read it
+    /// Recorded on its stream after each launch: complete once that kernel has returned. Until then the mailbox is its (one told to return may not have read it
     /// yet: clearing it for the next would leave it waiting for good).
     returned: CudaEvent,
     /// No more launches (an event could not be recorded).
@@ -415,8 +416,15 @@ impl CopyEngine {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .map_err(drv("cuDeviceGetAttribute"))?;
-        let relay = DeviceBuffer::zeroed_on(&self.ctx, 12 * 8, &self.kernel_stream)?;
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(drv("cuCtxGetStreamPriorityRange"))?;
+        let stream = self
+            .ctx
+            .new_stream_with_priority(highest)
+            .map_err(drv("cuStreamCreateWithPriority"))?;
+        let relay = DeviceBuffer::zeroed_on(&self.ctx, 12 * 8, &stream)?;
         self.standby = Some(Standby {
+            stream,
             mailbox: PinnedHost::new(&self.ctx, STANDBY_WORDS * 8)?,
             relay,
             generation: 0,
@@ -429,10 +437,9 @@ impl CopyEngine {
     }
 
     /// With the standby copy enabled, not waiting already and the last one returned: launches
-    /// it on the kernel stream, so that it waits for SMs now, while the engine is idle, and
-    /// gathers the first batch of the next block-form save without waiting then. Anything
-    /// else this engine submits first tells it to return. Call when the engine has nothing
-    /// to do (again later when the last one had not returned yet).
+    /// it on its stream, so that it waits for SMs now, while the engine is idle, and gathers
+    /// the first batch of the next block-form save without waiting then. Call when the engine
+    /// has nothing to do (again later when the last one had not returned yet).
     pub fn arm_standby(&mut self) -> Result<(), DmaError> {
         let Some(s) = self.standby.as_mut() else { return Ok(()) };
         if s.disabled || s.armed.load(Ordering::Acquire) || !s.returned.is_complete() {
@@ -443,11 +450,11 @@ impl CopyEngine {
         s.write(0, 0);
         s.generation += 1;
         // SAFETY: the mailbox and relay live in `self.standby` until the engine is dropped,
-        // and drop tells the kernel to return before synchronizing; a batch handed over meets
-        // the launch contract (`enqueue_batch`), and every other submission releases it first.
+        // and drop tells the kernel to return before synchronizing its stream; a batch handed
+        // over meets the launch contract (`enqueue_batch`).
         let launched = unsafe {
             k.launch_standby(
-                &self.kernel_stream,
+                &s.stream,
                 (s.mailbox.addr(), s.relay.ptr(), s.generation),
                 s.grid,
                 THREADS,
@@ -459,7 +466,7 @@ impl CopyEngine {
             return Err(e);
         }
         s.armed.store(true, Ordering::Release);
-        if let Err(e) = s.returned.record(&self.kernel_stream) {
+        if let Err(e) = s.returned.record(&s.stream) {
             // Without the event there is no telling when it has returned: tell it to return
             // now and launch no more (its mailbox stays until drop waits for it).
             s.release();
@@ -467,14 +474,6 @@ impl CopyEngine {
             return Err(drv("cuEventRecord")(e));
         }
         Ok(())
-    }
-
-    /// Tells a waiting standby copy to return, before anything else goes on the kernel stream
-    /// (which would otherwise wait behind it for good).
-    fn release_standby(&self) {
-        if let Some(s) = &self.standby {
-            s.release();
-        }
     }
 
     /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
@@ -611,9 +610,6 @@ impl CopyEngine {
         // The fused form sums rows as a save gathers them.
         let summed = summed.filter(|_| direction == Direction::Save).map(SummedSave::gather);
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        if direction != Direction::Save || summed.is_some() {
-            self.release_standby();
-        }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let pieces =
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
@@ -707,7 +703,6 @@ impl CopyEngine {
     /// An event recorded on the kernel stream now: it completes once every gather or scatter
     /// enqueued so far has run (for a fused save, once its row sums are all written).
     pub fn kernels_done(&self) -> Result<CudaEvent, DmaError> {
-        self.release_standby();
         let e = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         e.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
         Ok(e)
@@ -729,8 +724,6 @@ impl CopyEngine {
         // Raw copies and launches below use the thread's current context: make it this one
         // (a thread may drive engines of several devices).
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // Only a block-form save's first batch goes to the standby copy.
-        self.release_standby();
         let staged = self.staged_for(strategy, pieces);
         // `bytes` is counted as the job is enqueued.
         let mut shape = JobShape {
@@ -903,15 +896,12 @@ impl CopyEngine {
         let last = (self.next + self.parts.len() - 1) % self.parts.len();
         // A block-form save batch goes to the standby copy when one waits (the first of a
         // busy period: it is armed only while the engine is idle) and its part is free, which
-        // it is then; otherwise the standby copy is told to return first.
+        // it is then (the standby copy does not wait for the part's last copy on the GPU).
         let standby = match (direction, work, &self.standby) {
-            (Direction::Save, Work::Blocks(l), Some(s)) if s.armed.load(Ordering::Acquire) => {
-                if self.parts[last].free.is_complete() {
-                    Some(l)
-                } else {
-                    s.release();
-                    None
-                }
+            (Direction::Save, Work::Blocks(l), Some(s))
+                if s.armed.load(Ordering::Acquire) && self.parts[last].free.is_complete() =>
+            {
+                Some(l)
             }
             _ => None,
         };
@@ -1001,8 +991,8 @@ impl CopyEngine {
             Direction::Save if standby.is_some() => {
                 let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..standby.unwrap() };
                 // The batch starts as it is handed over (the copy stream is idle: nothing was
-                // in flight); the kernel stream's events after the standby copy complete once
-                // it has gathered the batch and returned.
+                // in flight); the standby stream's events below complete once the standby copy
+                // has gathered the batch and returned.
                 mark(0, copy_stream)?;
                 let taken = self.standby.as_ref().is_some_and(|s| s.take(&l));
                 assert!(taken, "armed, and nothing else takes it on this thread");
@@ -1085,11 +1075,15 @@ impl CopyEngine {
             }
         }
         if direction == Direction::Save {
-            // Either way, the gather has read the table and filled the part once the kernel
-            // stream passes here; the copy follows it.
-            h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-            mark(1, kernel_stream)?;
-            h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+            // Either way, the gather has read the table and filled the part once its stream
+            // passes here; the copy follows it.
+            let gathered = match (standby, &self.standby) {
+                (Some(_), Some(s)) => &s.stream,
+                _ => kernel_stream,
+            };
+            h.uploaded.record(gathered).map_err(drv("cuEventRecord"))?;
+            mark(1, gathered)?;
+            h.filled.record(gathered).map_err(drv("cuEventRecord"))?;
             copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
             mark(2, copy_stream)?;
             // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
@@ -1129,7 +1123,10 @@ impl CopyEngine {
 
     /// Waits for everything submitted so far (a standby copy still waiting is told to return).
     pub fn synchronize(&self) -> Result<(), DmaError> {
-        self.release_standby();
+        if let Some(s) = &self.standby {
+            s.release();
+            s.stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
+        }
         self.kernel_stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
         self.copy_stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }
