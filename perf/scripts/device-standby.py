@@ -218,6 +218,7 @@ def show(label, r):
 def main():
     out = sys.argv[1]
     cases = [tuple(s.split(":")) for s in sys.argv[2:]] or [
+        ("launch", "0", "1", "2000"),  # one block, no work: the wait for an SM alone
         ("launch", "4", "1024", "2000"),
         ("launch", "64", "1024", "4000"),
         ("standby-idle", "64", "132", "0"),
