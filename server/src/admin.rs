@@ -296,6 +296,7 @@ fn stats(shared: &Shared) -> Value {
 fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Value {
     let c = &g.counters;
     let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let (staging_bytes, staging_depth) = g.staging();
     let mut m = json!({
         "devices": g.devices().len(),
         "registrations": g.registrations(),
@@ -310,8 +311,8 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "load_requests": n(&c.load_requests),
         "checksums": g.checksum_place().as_str(),
         "copy": g.copy_strategy().as_str(),
-        "staging_bytes": g.staging().0,
-        "staging_depth": g.staging().1,
+        "staging_bytes": staging_bytes,
+        "staging_depth": staging_depth,
         "standby": g.standby(),
         "timeline": g.timeline().then(|| json!({
             "save": c.save_timeline.json(),
