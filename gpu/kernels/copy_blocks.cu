@@ -23,13 +23,14 @@
 // staging (save), else staging -> engine (load). The parts table is in device memory; the
 // block ids are read where the host put them (a save's in mapped pinned memory, a load's
 // uploaded with its batch).
-__device__ __forceinline__ void copy_units(const unsigned long long* __restrict__ parts,
-                                           const unsigned long long* __restrict__ blocks,
-                                           unsigned long long stride,
-                                           unsigned long long part_len,
-                                           unsigned long long staging, unsigned int part_count,
-                                           unsigned int subs, unsigned int count,
-                                           unsigned int group, unsigned int gather) {
+extern "C" __global__ void orbitkv_copy_blocks(const unsigned long long* __restrict__ parts,
+                                               const unsigned long long* __restrict__ blocks,
+                                               unsigned long long stride,
+                                               unsigned long long part_len,
+                                               unsigned long long staging,
+                                               unsigned int part_count, unsigned int subs,
+                                               unsigned int count, unsigned int group,
+                                               unsigned int gather) {
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int g = group < 1u ? 1u : (group > MAX_GROUP ? MAX_GROUP : group);
     const unsigned long long warps = (gridDim.x * blockDim.x) >> 5;
@@ -83,77 +84,4 @@ __device__ __forceinline__ void copy_units(const unsigned long long* __restrict_
             }
         }
     }
-}
-
-extern "C" __global__ void orbitkv_copy_blocks(const unsigned long long* __restrict__ parts,
-                                               const unsigned long long* __restrict__ blocks,
-                                               unsigned long long stride,
-                                               unsigned long long part_len,
-                                               unsigned long long staging,
-                                               unsigned int part_count, unsigned int subs,
-                                               unsigned int count, unsigned int group,
-                                               unsigned int gather) {
-    copy_units(parts, blocks, stride, part_len, staging, part_count, subs, count, group, gather);
-}
-
-// The standby block copy (`--gpu-standby`): launched while the DMA thread is idle, so that it
-// waits for SMs beside an engine's kernels when nothing waits for it, then waits until the
-// host fills in a batch and sets word 0 of `box` (mapped pinned host memory, eleven 8-byte
-// words): 1 = copy the batch that words 1-10 describe (orbitkv_copy_blocks's parameters in
-// order), then return; 2 = return at once. Only block 0 reads the host's memory (one read of
-// word 0 every 2 us, with acquire semantics so that the words after it are the host's, written
-// before it); it hands the words to the other blocks through `relay` (twelve words of device
-// memory), word 0 set to this launch's `generation` last, which they poll in device memory.
-#define STANDBY_GO 1ull
-#define STANDBY_QUIT 2ull
-extern "C" __global__ void orbitkv_copy_blocks_standby(const unsigned long long* box,
-                                                       unsigned long long* relay,
-                                                       unsigned long long generation) {
-    __shared__ unsigned long long w[11];
-    if (threadIdx.x == 0) {
-        if (blockIdx.x == 0) {
-            unsigned long long state;
-            while (true) {
-                asm volatile("ld.acquire.sys.global.u64 %0, [%1];"
-                             : "=l"(state)
-                             : "l"(box)
-                             : "memory");
-                if (state == STANDBY_GO || state == STANDBY_QUIT) {
-                    break;
-                }
-                __nanosleep(2000);
-            }
-            w[0] = state;
-            for (int i = 1; i < 11; i++) {
-                w[i] = ((const volatile unsigned long long*)box)[i];
-            }
-            for (int i = 0; i < 11; i++) {
-                relay[i + 1] = w[i];
-            }
-            asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(relay), "l"(generation)
-                         : "memory");
-        } else {
-            unsigned long long g;
-            while (true) {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];"
-                             : "=l"(g)
-                             : "l"(relay)
-                             : "memory");
-                if (g == generation) {
-                    break;
-                }
-                __nanosleep(500);
-            }
-            for (int i = 0; i < 11; i++) {
-                w[i] = ((const volatile unsigned long long*)relay)[i + 1];
-            }
-        }
-    }
-    __syncthreads();
-    if (w[0] != STANDBY_GO) {
-        return;
-    }
-    copy_units((const unsigned long long*)w[1], (const unsigned long long*)w[2], w[3], w[4], w[5],
-               (unsigned int)w[6], (unsigned int)w[7], (unsigned int)w[8], (unsigned int)w[9],
-               (unsigned int)w[10]);
 }

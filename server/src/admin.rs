@@ -313,7 +313,6 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "copy": g.copy_strategy().as_str(),
         "staging_bytes": staging_bytes,
         "staging_depth": staging_depth,
-        "standby": g.standby(),
         "timeline": g.timeline().then(|| json!({
             "save": c.save_timeline.json(),
             "load": c.load_timeline.json(),

@@ -135,11 +135,6 @@ pub struct ServerConfig {
     /// in `stats` (`gpu_transfers.timeline.save` and `.load`): the copies' own rate, the
     /// copy streams' idle gaps and the kernels' time. Default: false.
     pub gpu_timeline: bool,
-    /// An experiment, under MPS only: while the save thread is idle, a block copy waits on
-    /// the GPU for the next save's first batch, so that batch's gather does not wait for SMs
-    /// behind an engine's kernels (without MPS, that always-resident kernel would keep our
-    /// time slices against the engine's). Default: false.
-    pub gpu_standby: bool,
 }
 
 impl Default for ServerConfig {
@@ -177,7 +172,6 @@ impl Default for ServerConfig {
             gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
-            gpu_standby: false,
             max_gpu_registrations: 256,
         }
     }
@@ -299,10 +293,6 @@ pub struct Args {
     /// `stats` (the copies' own rate, the copy streams' idle gaps, the kernels' time).
     #[arg(long)]
     pub gpu_timeline: bool,
-    /// An experiment, under MPS only: a block copy waits on the GPU while the save thread is
-    /// idle, to gather the next save's first batch without waiting for SMs.
-    #[arg(long)]
-    pub gpu_standby: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -468,9 +458,6 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
-        }
-        if a.gpu_standby {
-            self.gpu_standby = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -700,11 +687,6 @@ mod tests {
         assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
-        // The standby copy: off unless asked for.
-        assert!(!c.gpu_standby);
-        assert!(toml::from_str::<ServerConfig>("gpu-standby = true").unwrap().gpu_standby);
-        c.apply_args(&Args { gpu_standby: true, ..Default::default() });
-        assert!(c.gpu_standby);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -727,6 +709,5 @@ mod tests {
         assert_eq!(c.gpu_shard_checksums, d.gpu_shard_checksums);
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
-        assert_eq!(c.gpu_standby, d.gpu_standby);
     }
 }

@@ -50,8 +50,6 @@ pub struct GpuLimits {
     pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
-    /// A standby block copy for each save engine while idle (`--gpu-standby`).
-    pub standby: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -546,11 +544,6 @@ impl GpuService {
         (self.limits.staging_bytes, self.limits.staging_depth)
     }
 
-    /// Whether save engines keep a standby copy while idle (`--gpu-standby`).
-    pub fn standby(&self) -> bool {
-        self.limits.standby
-    }
-
     /// Whether staged batches are timed (`--gpu-timeline`).
     pub fn timeline(&self) -> bool {
         self.limits.timeline
@@ -883,14 +876,6 @@ impl GpuService {
                 if self.limits.timeline && queues.iter().all(|q| q.is_empty()) {
                     self.close_timelines(&mut engines, direction);
                 }
-                // With nothing queued: the standby copy waits on the GPU for the next save.
-                if self.limits.standby && queues.iter().all(|q| q.is_empty()) {
-                    for e in engines.iter_mut().flatten() {
-                        if let Err(err) = e.arm_standby() {
-                            tracing::warn!(error = %err, "--gpu-standby: the standby copy did not launch");
-                        }
-                    }
-                }
                 // Shards unpark the thread when they queue a job.
                 std::thread::park_timeout(Duration::from_millis(50));
             }
@@ -1004,12 +989,6 @@ impl GpuService {
                 .map_err(|e| format!("creating the copy engine: {e}"))?;
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
-                }
-                if self.limits.standby && direction == Direction::Save {
-                    if let Err(err) = e.enable_standby() {
-                        tracing::warn!(device = job.device, error = %err, "--gpu-standby: \
-                            no standby copy; saves start with a launched gather");
-                    }
                 }
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())

@@ -10,15 +10,14 @@
 
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::ffi::{
-    self, standby_words, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost,
-    ScatterUniformKernel, SummedGather, Way, STANDBY_QUIT, STANDBY_WORDS,
+    self, BlockKernel, BlockLaunch, CopyKernel, DeviceBuffer, PinnedHost, ScatterUniformKernel,
+    SummedGather, Way,
 };
 use super::hasher::drv;
 use super::hasher::SummedSave;
@@ -106,64 +105,6 @@ pub struct JobShape {
     pub blocks: bool,
 }
 
-/// The standby block copy of an engine that saves (`--gpu-standby`): a block copy launched
-/// while the engine is idle, on a stream of its own, which waits for SMs then (beside another
-/// process's kernels under MPS) when nothing waits for it, and gathers the first batch of the
-/// next block-form save as soon as the host hands it over through the mailbox. Nothing else
-/// runs on its stream, so nothing waits behind it but what waits for that batch.
-struct Standby {
-    /// Its stream (the copy pipeline's priority).
-    stream: Arc<CudaStream>,
-    /// What the kernel polls: [`STANDBY_WORDS`] words (mapped pinned host memory).
-    mailbox: PinnedHost,
-    /// Where block 0 hands the mailbox's words to the others (device memory).
-    relay: DeviceBuffer,
-    /// The launch's number, which the relay's word 0 takes once the words are in place.
-    generation: u64,
-    /// One block per SM.
-    grid: u32,
-    /// Launched, and neither handed a batch nor told to return yet.
-    armed: AtomicBool,
-    /// Recorded on its stream after each launch: complete once that kernel has returned. Until then the mailbox is its (one told to return may not have read it
-    /// yet: clearing it for the next would leave it waiting for good).
-    returned: CudaEvent,
-    /// No more launches (an event could not be recorded).
-    disabled: bool,
-}
-
-impl Standby {
-    /// Writes mailbox word `i` (the GPU reads it; volatile so that each write happens).
-    fn write(&self, i: usize, value: u64) {
-        assert!(i < STANDBY_WORDS, "a mailbox word");
-        // SAFETY: the mailbox is STANDBY_WORDS aligned u64 words of pinned memory owned by
-        // self; only the GPU reads it besides this thread.
-        unsafe { std::ptr::write_volatile((self.mailbox.addr() as *mut u64).add(i), value) }
-    }
-
-    /// Hands `l` to the waiting kernel, if it is waiting: true when it now copies the batch.
-    fn take(&self, l: &BlockLaunch) -> bool {
-        if !self.armed.swap(false, Ordering::AcqRel) {
-            return false;
-        }
-        let words = standby_words(l);
-        for (i, w) in words.iter().enumerate().skip(1) {
-            self.write(i, *w);
-        }
-        // The launch's words before the state that says they are there (the kernel reads the
-        // state with acquire semantics).
-        fence(Ordering::SeqCst);
-        self.write(0, words[0]);
-        true
-    }
-
-    /// Tells a waiting kernel to return without copying.
-    fn release(&self) {
-        if self.armed.swap(false, Ordering::AcqRel) {
-            self.write(0, STANDBY_QUIT);
-        }
-    }
-}
-
 /// Copy engine of one device and direction-agnostic pipelines (one per thread).
 pub struct CopyEngine {
     ctx: Arc<CudaContext>,
@@ -206,8 +147,6 @@ pub struct CopyEngine {
     direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
-    /// The standby block copy, once enabled ([`CopyEngine::enable_standby`]).
-    standby: Option<Standby>,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -393,87 +332,7 @@ impl CopyEngine {
             direct_tables: [None, None],
             direct_next: 0,
             times: SubmitTimes::default(),
-            standby: None,
         })
-    }
-
-    /// Lets this engine's block-form saves start with a standby block copy (see
-    /// [`CopyEngine::arm_standby`]). Only under MPS: without it, a kernel of ours always
-    /// resident keeps this process's time slices against an engine's. Fails when the block
-    /// copy kernel did not load.
-    pub fn enable_standby(&mut self) -> Result<(), DmaError> {
-        if self.standby.is_some() {
-            return Ok(());
-        }
-        if self.block_kernel.is_none() {
-            return Err(DmaError::Invalid(
-                "the standby copy needs the block copy kernel, which did not load".into(),
-            ));
-        }
-        let sms = self
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(drv("cuDeviceGetAttribute"))?;
-        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(drv("cuCtxGetStreamPriorityRange"))?;
-        let stream = self
-            .ctx
-            .new_stream_with_priority(highest)
-            .map_err(drv("cuStreamCreateWithPriority"))?;
-        let relay = DeviceBuffer::zeroed_on(&self.ctx, 12 * 8, &stream)?;
-        self.standby = Some(Standby {
-            stream,
-            mailbox: PinnedHost::new(&self.ctx, STANDBY_WORDS * 8)?,
-            relay,
-            generation: 0,
-            grid: u32::try_from(sms).unwrap_or(1).max(1),
-            armed: AtomicBool::new(false),
-            returned: self.ctx.new_event(None).map_err(drv("cuEventCreate"))?,
-            disabled: false,
-        });
-        Ok(())
-    }
-
-    /// With the standby copy enabled, not waiting already and the last one returned: launches
-    /// it on its stream, so that it waits for SMs now, while the engine is idle, and gathers
-    /// the first batch of the next block-form save without waiting then. Call when the engine
-    /// has nothing to do (again later when the last one had not returned yet).
-    pub fn arm_standby(&mut self) -> Result<(), DmaError> {
-        let Some(s) = self.standby.as_mut() else { return Ok(()) };
-        if s.disabled || s.armed.load(Ordering::Acquire) || !s.returned.is_complete() {
-            return Ok(());
-        }
-        let k = self.block_kernel.as_ref().expect("enable_standby checked it");
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        s.write(0, 0);
-        s.generation += 1;
-        // SAFETY: the mailbox and relay live in `self.standby` until the engine is dropped,
-        // and drop tells the kernel to return before synchronizing its stream; a batch handed
-        // over meets the launch contract (`enqueue_batch`).
-        let launched = unsafe {
-            k.launch_standby(
-                &s.stream,
-                (s.mailbox.addr(), s.relay.ptr(), s.generation),
-                s.grid,
-                THREADS,
-            )
-        };
-        if let Err(e) = launched {
-            // Nothing launched, and not tried again: saves go on with launched gathers.
-            self.standby = None;
-            return Err(e);
-        }
-        s.armed.store(true, Ordering::Release);
-        if let Err(e) = s.returned.record(&s.stream) {
-            // Without the event there is no telling when it has returned: tell it to return
-            // now and launch no more (its mailbox stays until drop waits for it).
-            s.release();
-            s.disabled = true;
-            return Err(drv("cuEventRecord")(e));
-        }
-        Ok(())
     }
 
     /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
@@ -894,17 +753,6 @@ impl CopyEngine {
         work: Work,
     ) -> Result<(), DmaError> {
         let last = (self.next + self.parts.len() - 1) % self.parts.len();
-        // A block-form save batch goes to the standby copy when one waits (the first of a
-        // busy period: it is armed only while the engine is idle) and its part is free, which
-        // it is then (the standby copy does not wait for the part's last copy on the GPU).
-        let standby = match (direction, work, &self.standby) {
-            (Direction::Save, Work::Blocks(l), Some(s))
-                if s.armed.load(Ordering::Acquire) && self.parts[last].free.is_complete() =>
-            {
-                Some(l)
-            }
-            _ => None,
-        };
         let h = &mut self.parts[last];
         let table = h.descs_host.bytes_mut();
         let staging = h.staging.ptr();
@@ -965,10 +813,9 @@ impl CopyEngine {
                 };
                 if start.is_none() {
                     let s = new()?;
-                    // A standby copy's batch starts now: the kernel stream is behind it.
                     let first = match direction {
-                        Direction::Save if standby.is_none() => &self.kernel_stream,
-                        _ => &self.copy_stream,
+                        Direction::Save => &self.kernel_stream,
+                        Direction::Load => &self.copy_stream,
                     };
                     s.record(first).map_err(drv("cuEventRecord"))?;
                     *start = Some(s);
@@ -988,17 +835,7 @@ impl CopyEngine {
             self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
         let block_kernel = self.block_kernel.as_ref();
         match direction {
-            Direction::Save if standby.is_some() => {
-                let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..standby.unwrap() };
-                // The batch starts as it is handed over (the copy stream is idle: nothing was
-                // in flight); the standby stream's events below complete once the standby copy
-                // has gathered the batch and returned.
-                mark(0, copy_stream)?;
-                let taken = self.standby.as_ref().is_some_and(|s| s.take(&l));
-                assert!(taken, "armed, and nothing else takes it on this thread");
-            }
             Direction::Save => {
-                // The part's staging is free once the copy that last read it has passed.
                 kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
                 mark(0, kernel_stream)?;
                 // The gather reads its table straight from the mapped pinned host copy (at its
@@ -1034,6 +871,16 @@ impl CopyEngine {
                         )?
                     },
                 }
+                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                mark(1, kernel_stream)?;
+                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+                mark(2, copy_stream)?;
+                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
+                // registered arena slots.
+                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+                mark(3, copy_stream)?;
+                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Load => {
                 // The part's staging and device table are free once the scatter that last read
@@ -1074,24 +921,6 @@ impl CopyEngine {
                 h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
         }
-        if direction == Direction::Save {
-            // Either way, the gather has read the table and filled the part once its stream
-            // passes here; the copy follows it.
-            let gathered = match (standby, &self.standby) {
-                (Some(_), Some(s)) => &s.stream,
-                _ => kernel_stream,
-            };
-            h.uploaded.record(gathered).map_err(drv("cuEventRecord"))?;
-            mark(1, gathered)?;
-            h.filled.record(gathered).map_err(drv("cuEventRecord"))?;
-            copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-            mark(2, copy_stream)?;
-            // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
-            // registered arena slots.
-            unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-            mark(3, copy_stream)?;
-            h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
-        }
         if let (Some(events), Some((_, batches))) = (timed, &mut self.timeline) {
             batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
         }
@@ -1121,12 +950,8 @@ impl CopyEngine {
         Ok(done)
     }
 
-    /// Waits for everything submitted so far (a standby copy still waiting is told to return).
+    /// Waits for everything submitted so far.
     pub fn synchronize(&self) -> Result<(), DmaError> {
-        if let Some(s) = &self.standby {
-            s.release();
-            s.stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
-        }
         self.kernel_stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
         self.copy_stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }

@@ -309,18 +309,8 @@ unsafe impl Send for CopyKernel {}
 /// layout's part bases.
 pub(crate) struct BlockKernel {
     func: sys::CUfunction,
-    /// `orbitkv_copy_blocks_standby` (`--gpu-standby`).
-    standby: sys::CUfunction,
     _module: PtxModule,
 }
-
-/// Words of the mailbox a standby block copy polls (`orbitkv_copy_blocks_standby`): the state,
-/// then a [`BlockLaunch`]'s ten fields.
-pub(crate) const STANDBY_WORDS: usize = 11;
-/// Mailbox state: the batch is in place, copy it.
-pub(crate) const STANDBY_GO: u64 = 1;
-/// Mailbox state: return without copying.
-pub(crate) const STANDBY_QUIT: u64 = 2;
 
 /// The PTX of `gpu/kernels/copy_blocks.cu` (built by `gpu/kernels/build-ptx-nvrtc.py`).
 const COPY_BLOCKS_PTX: &str = include_str!("../../kernels/copy_blocks.ptx");
@@ -351,40 +341,7 @@ impl BlockKernel {
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, DmaError> {
         let module =
             PtxModule::load(ctx, COPY_BLOCKS_PTX, "ORBITKV_BLOCK_KERNEL_PTX", "block copy kernel")?;
-        Ok(Self {
-            func: module.function("orbitkv_copy_blocks")?,
-            standby: module.function("orbitkv_copy_blocks_standby")?,
-            _module: module,
-        })
-    }
-
-    /// Launches the standby block copy on `stream`: it polls the mailbox at `mailbox`
-    /// ([`STANDBY_WORDS`] words of mapped pinned host memory, word 0 neither [`STANDBY_GO`] nor
-    /// [`STANDBY_QUIT`]; see [`standby_words`] for what to write there) and hands what it
-    /// finds to its other blocks through `relay` (12 words of device memory whose word 0 is
-    /// not `generation`: a number new to each launch).
-    ///
-    /// # Safety
-    /// The mailbox and relay must stay allocated until the kernel has returned, and the batch
-    /// it is given must meet [`BlockKernel::launch`]'s contract from then until the stream
-    /// passes the kernel. Until the mailbox says [`STANDBY_GO`] or [`STANDBY_QUIT`], the kernel
-    /// does not return: nothing queued behind it on `stream` runs, and synchronizing it hangs.
-    pub(crate) unsafe fn launch_standby(
-        &self,
-        stream: &CudaStream,
-        (mailbox, relay, generation): (u64, u64, u64),
-        grid: u32,
-        threads: u32,
-    ) -> Result<(), DmaError> {
-        let (mut mailbox, mut relay, mut generation) = (mailbox, relay, generation);
-        let mut params: [*mut c_void; 3] = [
-            (&raw mut mailbox).cast::<c_void>(),
-            (&raw mut relay).cast::<c_void>(),
-            (&raw mut generation).cast::<c_void>(),
-        ];
-        // SAFETY: three u64 parameters, as `orbitkv_copy_blocks_standby` takes; the caller
-        // guarantees the memory they name and what the mailbox will name.
-        unsafe { launch(self.standby, stream, grid, threads, &mut params, "standby block copy") }
+        Ok(Self { func: module.function("orbitkv_copy_blocks")?, _module: module })
     }
 
     /// Launches the kernel on `stream` over `l`'s units.
@@ -421,24 +378,6 @@ impl BlockKernel {
         // the caller guarantees the memory they name.
         unsafe { launch(self.func, stream, grid, threads, &mut params, "block copy") }
     }
-}
-
-/// The mailbox words that hand `l` to a standby block copy: [`STANDBY_GO`], then the launch's
-/// fields in `orbitkv_copy_blocks`'s parameter order.
-pub(crate) fn standby_words(l: &BlockLaunch) -> [u64; STANDBY_WORDS] {
-    [
-        STANDBY_GO,
-        l.parts,
-        l.blocks,
-        l.stride,
-        l.part_len,
-        l.staging,
-        u64::from(l.part_count),
-        u64::from(l.subs),
-        u64::from(l.count),
-        u64::from(l.group),
-        u64::from(l.gather),
-    ]
 }
 
 /// Launches the fused gather `g` on `stream` over `l`'s units (a save: `l.gather` is ignored),
@@ -1131,52 +1070,10 @@ mod tests {
                 "MAX_GROUP in {name}"
             );
         }
-        // The standby copy's mailbox: the states and its word count as the host writes them.
-        let src = include_str!("../../kernels/copy_blocks.cu");
-        assert!(src.contains(&format!("#define STANDBY_GO {}ull", super::STANDBY_GO)));
-        assert!(src.contains(&format!("#define STANDBY_QUIT {}ull", super::STANDBY_QUIT)));
-        assert!(
-            src.contains(&format!("__shared__ unsigned long long w[{}];", super::STANDBY_WORDS))
-        );
         // The block kernel's unit is the planner's.
         let src = include_str!("../../kernels/copy_blocks.cu");
         let unit = crate::dma::plan::BLOCK_UNIT >> 10;
         assert!(src.contains(&format!("#define UNIT ({unit}ull << 10)")), "UNIT in copy_blocks.cu");
-    }
-
-    #[test]
-    fn the_standby_mailbox_holds_a_launch_in_the_order_the_kernel_reads_it() {
-        let l = super::BlockLaunch {
-            parts: 11,
-            blocks: 12,
-            stride: 13,
-            part_len: 14,
-            staging: 15,
-            part_count: 16,
-            subs: 17,
-            count: 18,
-            group: 19,
-            gather: true,
-        };
-        assert_eq!(
-            super::standby_words(&l),
-            [super::STANDBY_GO, 11, 12, 13, 14, 15, 16, 17, 18, 19, 1]
-        );
-        let src = include_str!("../../kernels/copy_blocks.cu");
-        let call: String = src
-            .split("copy_units((const unsigned long long*)w[1]")
-            .nth(1)
-            .expect("the standby kernel passes the words on")
-            .split(';')
-            .next()
-            .unwrap()
-            .split_whitespace()
-            .collect();
-        assert_eq!(
-            call,
-            ",(constunsignedlonglong*)w[2],w[3],w[4],w[5],(unsignedint)w[6],(unsignedint)w[7],\
-             (unsignedint)w[8],(unsignedint)w[9],(unsignedint)w[10])"
-        );
     }
 
     #[test]
@@ -1189,11 +1086,6 @@ mod tests {
         assert_eq!(
             entry_params(super::COPY_BLOCKS_PTX, "orbitkv_copy_blocks"),
             [".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32"]
-        );
-        // The mailbox's address, as launch_standby passes it.
-        assert_eq!(
-            entry_params(super::COPY_BLOCKS_PTX, "orbitkv_copy_blocks_standby"),
-            [".u64", ".u64", ".u64"]
         );
         // As launch_summed and ChecksumKernels::launch_fold_uniform pass them.
         assert_eq!(
