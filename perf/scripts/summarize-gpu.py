@@ -129,6 +129,12 @@ def served(name, d):
         f"{num(idle('load') and 100 * idle('load'), '{:.1f}')}% of the requests' time; lead "
         f"{num(s.get('save_lead_us'), '{:.0f}')} / {num(s.get('load_lead_us'), '{:.0f}')} us, tail "
         f"{num(s.get('save_tail_us'), '{:.0f}')} / {num(s.get('load_tail_us'), '{:.0f}')} us"
+        + (
+            f"; DMA thread wake-up {num(s.get('save_pickup_us'), '{:.0f}')} / "
+            f"{num(s.get('load_pickup_us'), '{:.0f}')} us"
+            if s.get("save_pickup_us") is not None or s.get("load_pickup_us") is not None
+            else ""
+        )
     )
     # With the server's --gpu-timeline: the copies' own rate and the copy stream's idle time,
     # alone and (with --interference) beside the matmul.

@@ -72,6 +72,12 @@ pub(crate) struct ServedResult {
     pub load_lead_us: Option<f64>,
     /// See `load_lead_us`.
     pub load_tail_us: Option<f64>,
+    /// Mean microseconds per timed save that the server's DMA thread, idle, took to take up
+    /// the save's first job once queued (`gpu_transfers.save_pickup_s` / `save_requests`):
+    /// its wake-up. None when the stats do not say.
+    pub save_pickup_us: Option<f64>,
+    /// The same for the timed loads.
+    pub load_pickup_us: Option<f64>,
     /// With a server run with `--gpu-timeline`: what the timed saves' staged batches did on
     /// the GPU (None otherwise).
     pub save_timeline: Option<GpuTimeline>,
@@ -228,6 +234,8 @@ struct Counters {
     busy_s: Option<f64>,
     lead_s: Option<f64>,
     tail_s: Option<f64>,
+    /// Seconds the idle DMA thread took to take up new jobs.
+    pickup_s: Option<f64>,
     requests: Option<f64>,
     /// Completed jobs and their host-side copies.
     jobs: Option<f64>,
@@ -255,6 +263,7 @@ impl Counters {
             busy_s: f("busy_s"),
             lead_s: f("lead_s"),
             tail_s: f("tail_s"),
+            pickup_s: f("pickup_s"),
             requests: f("requests"),
             jobs: f("jobs"),
             host_runs: f("host_runs"),
@@ -309,6 +318,7 @@ struct Sums {
     busy_s: f64,
     lead_s: f64,
     tail_s: f64,
+    pickup_s: f64,
     requests: f64,
     jobs: f64,
     host_runs: f64,
@@ -325,6 +335,7 @@ impl Sums {
         self.busy_s += busy_delta(before.busy_s, after.busy_s);
         self.lead_s += busy_delta(before.lead_s, after.lead_s);
         self.tail_s += busy_delta(before.tail_s, after.tail_s);
+        self.pickup_s += busy_delta(before.pickup_s, after.pickup_s);
         self.requests += busy_delta(before.requests, after.requests);
         self.jobs += busy_delta(before.jobs, after.jobs);
         self.host_runs += busy_delta(before.host_runs, after.host_runs);
@@ -687,6 +698,8 @@ pub(crate) fn run(
         save_tail_us: save_sums.per_request_us(save_sums.tail_s),
         load_lead_us: load_sums.per_request_us(load_sums.lead_s),
         load_tail_us: load_sums.per_request_us(load_sums.tail_s),
+        save_pickup_us: save_sums.per_request_us(save_sums.pickup_s),
+        load_pickup_us: load_sums.per_request_us(load_sums.pickup_s),
         save_timeline: save_sums.timeline(),
         load_timeline: load_sums.timeline(),
         save_runs_per_job: save_sums.runs_per_job(),
@@ -1109,6 +1122,8 @@ mod tests {
             busy_s: Some(1.0),
             lead_s: Some(lead),
             tail_s: Some(tail),
+            // The DMA thread's wake-up: a fifth of the lead here.
+            pickup_s: Some(lead / 5.0),
             requests: Some(requests),
             ..Counters::default()
         };
@@ -1118,6 +1133,8 @@ mod tests {
         let (lead, tail) = (sums.per_request_us(sums.lead_s), sums.per_request_us(sums.tail_s));
         assert!((lead.unwrap() - 400.0).abs() < 1e-6, "{lead:?}");
         assert!((tail.unwrap() - 200.0).abs() < 1e-6, "{tail:?}");
+        let pickup = sums.per_request_us(sums.pickup_s);
+        assert!((pickup.unwrap() - 80.0).abs() < 1e-6, "{pickup:?}");
         // A server that does not report them, or no request between the readings: nothing.
         let mut old = Sums::default();
         old.add(Counters::default(), Counters::default());

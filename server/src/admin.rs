@@ -309,6 +309,8 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "failed_jobs": n(&c.failed_jobs),
         "save_requests": n(&c.save_requests),
         "load_requests": n(&c.load_requests),
+        "save_pickups": n(&c.save_pickups),
+        "load_pickups": n(&c.load_pickups),
         "checksums": g.checksum_place().as_str(),
         "copy": g.copy_strategy().as_str(),
         "staging_bytes": staging_bytes,
@@ -337,6 +339,8 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         ("save_tail_s", &c.save_tail_ns),
         ("load_lead_s", &c.load_lead_ns),
         ("load_tail_s", &c.load_tail_ns),
+        ("save_pickup_s", &c.save_pickup_ns),
+        ("load_pickup_s", &c.load_pickup_ns),
     ] {
         m[name] = json!(n(ns) as f64 / 1e9);
     }

@@ -716,6 +716,7 @@ impl Exec {
             chunks,
             chunk_len,
             shard_sums,
+            queued_at: Instant::now(),
         };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,
         // and so are the jobs a request splits into). The wait ends when the DMA thread takes
@@ -723,6 +724,7 @@ impl Exec {
         while let Err(back) = gpu.submit(direction, job) {
             job = back;
             glommio::timer::sleep(Duration::from_micros(20)).await;
+            job.queued_at = Instant::now();
         }
         match rx.recv().await {
             Some(Ok(sums)) => Ok(sums),

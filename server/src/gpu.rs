@@ -161,6 +161,8 @@ pub struct GpuJob {
     /// A save whose checksums the shards compute from the arena (`--gpu-shard-checksums`)
     /// rather than the GPU beside the copy.
     pub shard_sums: bool,
+    /// When its shard queued it (for `{save,load}_pickup_s`).
+    pub queued_at: Instant,
 }
 
 /// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or the
@@ -262,6 +264,16 @@ pub struct GpuCounters {
     pub load_lead_ns: AtomicU64,
     /// See `save_tail_ns`.
     pub load_tail_ns: AtomicU64,
+    /// Jobs the save thread took with nothing of its own on the GPU (the first of each busy
+    /// period), and nanoseconds summed over them from their queueing to their being taken:
+    /// how long an idle DMA thread took to wake for new work.
+    pub save_pickups: AtomicU64,
+    /// See `save_pickups`.
+    pub save_pickup_ns: AtomicU64,
+    /// The same two for the load thread.
+    pub load_pickups: AtomicU64,
+    /// See `save_pickups`.
+    pub load_pickup_ns: AtomicU64,
     /// With `--gpu-timeline`: the save thread's staged batches, timed on the GPU.
     pub save_timeline: TimelineCounters,
     /// The same for loads.
@@ -275,6 +287,36 @@ const TIMELINE_BATCHES: usize = 256;
 /// How long a DMA thread with nothing to do spins before it sleeps. For `--gpu-timeline`, a
 /// busy period ends there: waits shorter than this for the next job count as copy-stream gaps.
 const IDLE_SPIN_US: u64 = 200;
+
+/// How long a DMA thread woken by [`GpuService::expect`] spins for the job announced (a
+/// request's reservations or lookups on its shards come first: up to a few hundred
+/// microseconds). As the shards' default `--spin-window`.
+const EXPECT_SPIN: Duration = Duration::from_millis(2);
+
+/// Until when an idle DMA thread spins before it parks: [`IDLE_SPIN_US`] after its last work,
+/// or [`EXPECT_SPIN`] after a shard announced a job.
+#[derive(Clone, Copy, Debug)]
+struct SpinUntil(Instant);
+
+impl SpinUntil {
+    fn new(now: Instant) -> Self {
+        Self(now + Duration::from_micros(IDLE_SPIN_US))
+    }
+
+    /// Work was done at `now`.
+    fn worked(&mut self, now: Instant) {
+        self.0 = self.0.max(now + Duration::from_micros(IDLE_SPIN_US));
+    }
+
+    /// A job was announced at `now`.
+    fn expected(&mut self, now: Instant) {
+        self.0 = self.0.max(now + EXPECT_SPIN);
+    }
+
+    fn spinning(&self, now: Instant) -> bool {
+        now < self.0
+    }
+}
 
 /// Sums of [`SpanTotals`] over the busy periods of one DMA thread (`--gpu-timeline`), in
 /// nanoseconds.
@@ -393,6 +435,8 @@ impl RequestPhases {
 struct Worker {
     queues: Vec<ArrayQueue<GpuJob>>,
     thread: OnceLock<std::thread::Thread>,
+    /// Set by [`GpuService::expect`]: a job is on its way.
+    expected: AtomicBool,
 }
 
 /// Registrations and the DMA thread pairs.
@@ -465,6 +509,7 @@ impl GpuService {
         let worker = || Worker {
             queues: (0..shards).map(|_| ArrayQueue::new(limits.queue_depth)).collect(),
             thread: OnceLock::new(),
+            expected: AtomicBool::new(false),
         };
         let workers: Vec<Worker> = (0..2 * contexts.len()).map(|_| worker()).collect();
         let threads = workers.len();
@@ -650,6 +695,18 @@ impl GpuService {
         Ok(())
     }
 
+    /// Tells the DMA thread of `device` and `direction` that a job is coming (a request has
+    /// started on a shard): an idle thread wakes now and spins for it, so that its wake-up
+    /// (tens to hundreds of microseconds on a VM) overlaps the request's reservations or
+    /// lookups instead of following them.
+    pub fn expect(&self, direction: Direction, device: usize) {
+        let Some(w) = self.workers.get(worker_of(device, direction)) else { return };
+        w.expected.store(true, Ordering::Release);
+        if let Some(t) = w.thread.get() {
+            t.unpark();
+        }
+    }
+
     /// Takes one completion for `shard`.
     pub fn completion(&self, shard: usize) -> Option<GpuDone> {
         self.completions[shard].pop()
@@ -710,15 +767,26 @@ impl GpuService {
             (0..self.devices.len()).map(|_| None).collect();
         let mut pieces = Vec::new();
         let mut next_queue = 0;
-        let mut idle_since = Instant::now();
+        let mut spin = SpinUntil::new(Instant::now());
         // Since when at least one job has been on the GPU (None while none is).
         let mut busy_since: Option<Instant> = None;
         let c = &self.counters;
-        let (busy_ns, sc) = match direction {
-            Direction::Save => (&c.save_busy_ns, &c.save_submit),
-            Direction::Load => (&c.load_busy_ns, &c.load_submit),
+        let (busy_ns, sc, pickups, pickup_ns) = match direction {
+            Direction::Save => {
+                (&c.save_busy_ns, &c.save_submit, &c.save_pickups, &c.save_pickup_ns)
+            }
+            Direction::Load => {
+                (&c.load_busy_ns, &c.load_submit, &c.load_pickups, &c.load_pickup_ns)
+            }
         };
+        let expected = &self.workers[index].expected;
+        // Sleeps (between looks at the copies in flight) as asked, not 50 us longer: the
+        // default timer slack would delay each request's last completion by that much.
+        set_timer_slack_ns(1_000);
         loop {
+            if expected.load(Ordering::Relaxed) && expected.swap(false, Ordering::Acquire) {
+                spin.expected(Instant::now());
+            }
             let mut progressed = self.deliver(doorbells, undelivered);
             let queues = &self.workers[index].queues;
             let first = next_queue;
@@ -730,6 +798,10 @@ impl GpuService {
                 let (shard, id, bytes) =
                     (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
                 let submitted = Instant::now();
+                if inflight.is_empty() {
+                    pickups.fetch_add(1, Ordering::Relaxed);
+                    add_time(pickup_ns, submitted.saturating_duration_since(job.queued_at));
+                }
                 let cpu_at_submit = thread_cpu_ns();
                 let mut pieces_took = Duration::ZERO;
                 let started = self.start_job(
@@ -857,7 +929,7 @@ impl GpuService {
             }
             progressed |= self.deliver(doorbells, undelivered);
             if progressed {
-                idle_since = Instant::now();
+                spin.worked(Instant::now());
                 continue;
             }
             if self.stop.load(Ordering::SeqCst) && inflight.is_empty() && undelivered.is_empty() {
@@ -867,7 +939,7 @@ impl GpuService {
                 // A copy is running (or a shard's completion queue is full): look again soon
                 // (completions are what requests wait for), without burning the core flat out.
                 std::thread::sleep(Duration::from_micros(10));
-            } else if idle_since.elapsed() < Duration::from_micros(IDLE_SPIN_US) {
+            } else if spin.spinning(Instant::now()) {
                 std::hint::spin_loop();
             } else {
                 // The timeline's busy period ends here, while no job waits (read between jobs,
@@ -1077,6 +1149,18 @@ impl GpuService {
     }
 }
 
+/// Sets the calling thread's timer slack (how much later than asked the kernel may end its
+/// sleeps; 50 us by default); a refusal is logged and the default stays.
+#[allow(unsafe_code)]
+fn set_timer_slack_ns(ns: u64) {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and touches no memory of ours.
+    let r = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(error = %e, "GPU DMA thread: timer slack not set; its sleeps may run 50 us long");
+    }
+}
+
 /// CPU time of the calling thread, nanoseconds (0 if the clock cannot be read: the counters
 /// built on it then stay at 0).
 fn thread_cpu_ns() -> u64 {
@@ -1225,6 +1309,35 @@ mod tests {
         close("copy_gbps", (128u64 << 20) as f64 / 2.4e-3 / 1e9);
         // Nothing timed yet: no rate rather than a division by zero.
         assert_eq!(TimelineCounters::default().json()["copy_gbps"], 0.0);
+    }
+
+    #[test]
+    fn an_announced_job_keeps_the_idle_thread_spinning_longer() {
+        let t0 = Instant::now();
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        let mut s = SpinUntil::new(t0);
+        assert!(s.spinning(at(IDLE_SPIN_US - 1)));
+        assert!(!s.spinning(at(IDLE_SPIN_US)), "parks after the idle spin");
+        // Announced later: spins for the announcement's window from then on.
+        s.expected(at(1_000));
+        let window = EXPECT_SPIN.as_micros() as u64;
+        assert!(s.spinning(at(1_000 + window - 1)));
+        assert!(!s.spinning(at(1_000 + window)));
+        // Work within the window never shortens it; work after it opens the idle spin.
+        s.worked(at(1_100));
+        assert!(s.spinning(at(1_000 + window - 1)), "work does not cut the wait short");
+        s.worked(at(5_000));
+        assert!(s.spinning(at(5_000 + IDLE_SPIN_US - 1)));
+        assert!(!s.spinning(at(5_000 + IDLE_SPIN_US)));
+    }
+
+    #[test]
+    fn the_timer_slack_can_be_set() {
+        set_timer_slack_ns(1_000);
+        // SAFETY: PR_GET_TIMERSLACK takes no argument and returns the slack.
+        #[allow(unsafe_code)]
+        let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+        assert_eq!(slack, 1_000);
     }
 
     #[test]

@@ -156,6 +156,10 @@ pub(crate) async fn save(
             Ok(t) => t,
             Err(answer) => return answer,
         };
+    // The DMA thread wakes while the first job's reservations run on the shards.
+    if let Some(gpu) = exec.shared.gpu_service.get() {
+        gpu.expect(Direction::Save, device);
+    }
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
     // Groups of chunks go to the DMA thread one after another; each group is committed (its
@@ -363,6 +367,10 @@ pub(crate) async fn load(
             Ok(t) => t,
             Err(answer) => return answer,
         };
+    // The DMA thread wakes while the first job's lookups run on the shards.
+    if let Some(gpu) = exec.shared.gpu_service.get() {
+        gpu.expect(Direction::Load, device);
+    }
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
     // Jobs of at most `--gpu-job` bytes, queued one after another: the DMA thread plans one while the
