@@ -34,7 +34,8 @@ run nhd-32k     --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --
 run nhd-128k    --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256
 run hnd-32k     --layout flash-hnd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
 run cross-32k   --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024
-run mla-18k     --layout mla       --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 2048
+# 3641 blocks of 576 KiB (32 layers): 2 GiB per operation, as the other runs.
+run mla-18k     --layout mla       --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 3641
 run nhd-fp8-16k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 2048 --dtype fp8
 # The slowdown of a concurrent bf16 matmul loop (PyTorch) beside the contiguous copy and each strategy.
 run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy all --interference
