@@ -34,6 +34,9 @@ run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --
 if [ "$INTF" = 1 ]; then
   run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --interference
   run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --interference
+  # Whole 2 MiB chunks: the copies go batched (copy engines only), so its loads run no kernel
+  # of the server's at all: the server's copy rate beside the matmul without its SM work.
+  run intf-cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --interference
 fi
 # The engine-side path without CUDA IPC (the engine's own copies into its mapping of the arena).
 run engine-copies-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --seed 5 --engine-copies
