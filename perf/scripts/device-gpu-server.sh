@@ -19,7 +19,9 @@ field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.ar
 env $SERVER_ENV ${SERVER:-$B/orbitkv-server} --socket $S --shards ${SHARDS:-4} --dram 16GiB --gpu required $SERVER_ARGS > $OUT/${TAG}gpu-server.log 2>&1 &
 P=$!
 for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && break; sleep 0.2; done
-D="$B/orbitkv-perf dma --socket $S --json --iterations 3"
+# Seven timed operations per direction (each between two windows of the ceiling; the ratio is
+# their median): three left a run at the mercy of two slow operations on a noisy host.
+D="$B/orbitkv-perf dma --socket $S --json --iterations 7"
 run() { name=$1; shift; [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]] && return
   [[ " $* " == *" --interference "* ]] && [ -n "$INTF_ROUNDS" ] && set -- "$@" --interference-rounds "$INTF_ROUNDS"
   echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
