@@ -180,8 +180,9 @@ pub(crate) struct DmaArgs {
     /// last, the engine-side gather: that process gathers this layout's pages into staging
     /// and copies them itself, in its own CUDA context (about a minute and a half per round).
     /// With `--socket`: beside saves (each after an evict) and loads through the server, as
-    /// the server runs them (its `--gpu-copy`, `--gpu-checksums`), then the engine-side
-    /// gather.
+    /// the server runs them (its `--gpu-copy`, `--gpu-checksums`), the same streamed, the
+    /// engine-side gather, and the engine-side gather through the server (`engine-gather`:
+    /// the server copies the process's staging batches as chunks).
     #[arg(long)]
     pub interference: bool,
     /// With `--interference`: how many times to run the whole sequence of measurements

@@ -750,13 +750,20 @@ impl Bench {
     }
 
     /// The shape of the engine-side copies of `--interference`: pages of this layout's
-    /// typical piece length, as many as the run moves.
+    /// typical piece length, as many as the run moves; unless `--engine-batch` says, batches
+    /// of the staging part's size cut down to whole chunks (so that the server can copy them
+    /// as chunks: the `engine-gather` rows).
     fn engine_side_shape(&self, a: &DmaArgs) -> EngineSide {
         let sample = &self.pieces[..self.pieces.len().min(1024)];
         let mean = sample.iter().map(|p| p.len).sum::<u64>() / (sample.len() as u64).max(1);
+        let part = self.engine.staging_part() as u64;
+        let whole = match part / self.chunk_len.max(1) {
+            0 => part,
+            n => n * self.chunk_len,
+        };
         EngineSide {
             page_bytes: (mean / 2).max(1) * 2,
-            batch_bytes: a.engine_batch.unwrap_or(self.engine.staging_part() as u64),
+            batch_bytes: a.engine_batch.unwrap_or(whole),
             pool_bytes: self.bytes,
             depth: a.engine_depth,
         }

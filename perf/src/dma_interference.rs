@@ -52,15 +52,67 @@ if len(sys.argv) > 4:
     # `depth` staging batches in flight (4 by default): with two, each batch's kernel waited for
     # SMs behind the matmul's and the copy engine idled meanwhile (2 KiB pages beside the
     # matmul on an H200: saves 42 GB/s with two, 55 with four).
-    staging = [torch.empty(per, elems, device="cuda", dtype=word) for _ in range(depth)]
+    # One tensor, so that a server can copy from it too (ops save-server and load-server):
+    # its CUDA IPC handle goes out before `ready`.
+    stage_all = torch.empty(depth * per, elems, device="cuda", dtype=word)
+    staging = [stage_all[i * per:(i + 1) * per] for i in range(depth)]
+    try:
+        shared = stage_all.untyped_storage()._share_cuda_()
+        size = stage_all.numel() * stage_all.element_size()
+        print(f"staging {bytes(shared[1]).hex()} {int(shared[3])} {size}", flush=True)
+    except Exception as e:
+        print(f"staging-unshared {type(e).__name__}", flush=True)
     gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     filled = [torch.cuda.Event() for _ in range(depth)]
     free = [torch.cuda.Event() for _ in range(depth)]
     state = {"op": "idle"}
+    # Served ops: set when the slot is this process's again ("free J": the server has copied
+    # it out) or holds a loaded batch ("loaded J K").
+    handed = [threading.Event() for _ in range(depth)]
+    loaded = [0] * depth
 
     def commands():
         for line in sys.stdin:
-            state["op"] = line.strip()
+            w = line.split()
+            if len(w) == 2 and w[0] == "free":
+                handed[int(w[1])].set()
+            elif len(w) == 3 and w[0] == "loaded":
+                loaded[int(w[1])] = int(w[2])
+                handed[int(w[1])].set()
+            elif w:
+                state["op"] = w[0]
+
+    def take(j, op):
+        while not handed[j].wait(0.005):
+            if state["op"] != op:
+                return False
+        handed[j].clear()
+        return True
+
+    def served(op):
+        # save-server: each gathered batch goes out as "staged J K"; perf has the server save
+        # slot J and answers "free J". load-server: perf has the server load a batch K into
+        # slot J ("loaded J K"); it is scattered, and "scattered J" hands the slot back.
+        step = 0
+        while state["op"] == op:
+            j, k = step % depth, step % len(idx)
+            if op == "save-server":
+                if step >= depth and not take(j, op):
+                    break
+                with torch.cuda.stream(gather_stream):
+                    torch.index_select(pool, 0, idx[k], out=staging[j])
+                gather_stream.synchronize()
+                print(f"staged {j} {k}", flush=True)
+            else:
+                if not take(j, op):
+                    break
+                with torch.cuda.stream(gather_stream):
+                    pool.index_copy_(0, idx[loaded[j] % len(idx)], staging[j])
+                gather_stream.synchronize()
+                print(f"scattered {j}", flush=True)
+            step += 1
+        for e in handed:
+            e.clear()
 
     def copier():
         torch.cuda.set_device(dev)
@@ -69,6 +121,9 @@ if len(sys.argv) > 4:
             if state["op"] != op:
                 torch.cuda.synchronize()
                 op, moved, step = state["op"], 0, 0
+            if op in ("save-server", "load-server"):
+                served(op)
+                continue
             if op not in ("save", "load"):
                 time.sleep(0.001)
                 continue
@@ -162,9 +217,10 @@ pub(crate) struct InterferenceResult {
 pub(crate) struct InterferenceRow {
     /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, `auto+checksums`
     /// (saves with the GPU checksums beside them, as the server runs them by default),
-    /// `server` (saves and loads through orbitkv-server, `--socket`), or `engine-side` (the
-    /// matmul's own process gathers into staging and copies, as an engine with the
-    /// engine-side gather does).
+    /// `server` (saves and loads through orbitkv-server, `--socket`), `server-stream` (the
+    /// same, four requests with two in flight), `engine-side` (the matmul's own process
+    /// gathers into staging and copies, as an engine with the engine-side gather does), or
+    /// `engine-gather` (that process gathers, and the server copies its staging's chunks).
     pub strategy: &'static str,
     /// `save` or `load`.
     pub direction: &'static str,
@@ -278,9 +334,64 @@ fn summarize(solos: Vec<f64>, beside: Vec<Beside>, rounds: u32) -> InterferenceR
     }
 }
 
+/// The engine-side staging of the matmul loop, shared by CUDA IPC (for the `engine-gather`
+/// rows: the server copies from it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SharedStaging {
+    /// `cudaIpcMemHandle_t` of the allocation holding it.
+    pub handle: [u8; 64],
+    /// Its offset in that allocation, and its bytes.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A served op's batch handed over by the matmul loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Handoff {
+    /// `staged J K`: slot J holds gathered batch K, to be saved.
+    Staged(usize),
+    /// `scattered J`: slot J's loaded batch is scattered; the slot is free.
+    Scattered(usize),
+}
+
+/// Parses a `staging HEX OFFSET BYTES` line.
+fn shared_staging(line: &str) -> Option<SharedStaging> {
+    let mut w = line.split_whitespace();
+    if w.next()? != "staging" {
+        return None;
+    }
+    let hex = w.next()?;
+    let (offset, len) = (w.next()?.parse().ok()?, w.next()?.parse().ok()?);
+    if hex.len() != 128 || w.next().is_some() {
+        return None;
+    }
+    let mut handle = [0u8; 64];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(SharedStaging { handle, offset, len })
+}
+
+/// Parses a `staged J K` or `scattered J` line.
+fn handoff(line: &str) -> Option<Handoff> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    match w.as_slice() {
+        ["staged", j, k] => {
+            k.parse::<u64>().ok()?;
+            Some(Handoff::Staged(j.parse().ok()?))
+        }
+        ["scattered", j] => Some(Handoff::Scattered(j.parse().ok()?)),
+        _ => None,
+    }
+}
+
 /// The running matmul loop.
 pub(crate) struct MatmulLoop {
     child: Child,
+    /// Its staging, when it shared it.
+    staging: Option<SharedStaging>,
+    /// The served ops' hand-overs, in arrival order.
+    handoffs: std::sync::mpsc::Receiver<Handoff>,
     /// (python seconds, products) per line, in arrival order.
     lines: Arc<Mutex<Vec<(f64, u64)>>>,
     /// (op, python seconds, bytes moved since the op's command) per `copy` line of the
@@ -310,7 +421,23 @@ impl MatmulLoop {
         let stdout = child.stdout.take().expect("piped");
         let mut reader = BufReader::new(stdout);
         let mut first = String::new();
-        let ready = reader.read_line(&mut first).is_ok() && first.trim() == "ready";
+        // The staging's handle (or why not) comes before `ready`.
+        let mut staging = None;
+        let mut ready = false;
+        for _ in 0..2 {
+            first.clear();
+            if reader.read_line(&mut first).is_err() {
+                break;
+            }
+            if first.trim() == "ready" {
+                ready = true;
+                break;
+            }
+            staging = staging.or(shared_staging(&first));
+            if !first.starts_with("staging") {
+                break;
+            }
+        }
         if !ready {
             let _ = child.kill();
             let out = child.wait_with_output().ok();
@@ -324,8 +451,13 @@ impl MatmulLoop {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let copies = Arc::new(Mutex::new(Vec::new()));
         let (sink, copy_sink) = (Arc::clone(&lines), Arc::clone(&copies));
+        let (handed, handoffs) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in reader.lines().map_while(Result::ok) {
+                if let Some(h) = handoff(&line) {
+                    let _ = handed.send(h);
+                    continue;
+                }
                 let mut parts = line.split_whitespace().peekable();
                 let op = if parts.peek() == Some(&"copy") {
                     parts.next();
@@ -348,7 +480,28 @@ impl MatmulLoop {
                 }
             }
         });
-        Ok(Self { child, lines, copies })
+        Ok(Self { child, staging, handoffs, lines, copies })
+    }
+
+    /// The staging the loop shared (None without engine-side copies, or where PyTorch could
+    /// not share it).
+    pub(crate) fn staging(&self) -> Option<SharedStaging> {
+        self.staging
+    }
+
+    /// The next hand-over of a served op, waiting up to `wait`.
+    pub(crate) fn handoff(&self, wait: Duration) -> Option<Handoff> {
+        self.handoffs.recv_timeout(wait).ok()
+    }
+
+    /// Drops hand-overs left from an earlier op.
+    pub(crate) fn forget_handoffs(&self) {
+        while self.handoffs.try_recv().is_ok() {}
+    }
+
+    /// Whether the loop's process has ended.
+    pub(crate) fn ended(&mut self) -> bool {
+        self.child.try_wait().ok().flatten().is_some()
     }
 
     /// Runs the engine-side copies (`save` or `load`) for `WINDOW`, after their first batch
@@ -394,7 +547,7 @@ impl MatmulLoop {
     }
 
     /// Sends one command line to the engine-side copies.
-    fn command(&mut self, op: &str) -> Result<(), Error> {
+    pub(crate) fn command(&mut self, op: &str) -> Result<(), Error> {
         let stdin = self.child.stdin.as_mut().ok_or_else(|| {
             Error::Gpu("--interference: the matmul loop runs no engine-side copies".into())
         })?;
@@ -471,6 +624,122 @@ mod tests {
         std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         path
+    }
+
+    /// A stand-in for PyTorch, enough for the matmul loop's script to run on a CPU: every
+    /// tensor and stream is one object that does nothing, a product takes 2 ms, and the
+    /// staging shares a handle of 64 bytes 0xab at offset 512.
+    const FAKE_TORCH: &str = r#"
+import time
+class T:
+    shape = (1 << 20, 1 << 20)
+    def __getattr__(self, name): return T()
+    def __call__(self, *a, **k): return T()
+    def __getitem__(self, i): return T()
+    def __matmul__(self, o): return T()
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+    def numel(self): return 4096
+    def element_size(self): return 8
+    def synchronize(self): time.sleep(0.002)
+    def untyped_storage(self):
+        s = T()
+        s._share_cuda_ = lambda: (0, b"\xab" * 64, 1 << 20, 512)
+        return s
+bfloat16, int64 = "bf16", "i64"
+cuda = T()
+def randn(*a, **k): return T()
+def empty(*a, **k): return T()
+def randperm(n, **k): return T()
+def index_select(*a, **k): return T()
+"#;
+
+    #[test]
+    fn the_served_ops_hand_batches_over_both_ways() {
+        let _one = PYTHON.lock().unwrap_or_else(|p| p.into_inner());
+        let Ok(python) = which_python() else {
+            println!("skipped: no python3 here");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("torch.py"), FAKE_TORCH).unwrap();
+        let wrapper = fake_python(
+            dir.path(),
+            &format!("PYTHONPATH={} exec {} \"$@\"", dir.path().display(), python.display()),
+        );
+        std::env::set_var("ORBITKV_PYTHON", &wrapper);
+        let shape =
+            EngineSide { page_bytes: 2048, batch_bytes: 4 << 20, pool_bytes: 64 << 20, depth: 3 };
+        let mut m = MatmulLoop::start(0, Some(shape)).unwrap();
+        std::env::remove_var("ORBITKV_PYTHON");
+        let st = m.staging().expect("the staging is shared");
+        assert_eq!((st.handle, st.offset, st.len), ([0xab; 64], 512, 4096 * 8));
+        let next = |m: &MatmulLoop| m.handoff(Duration::from_secs(10)).expect("a hand-over");
+        // Saves: every slot is gathered once, then each only once it is handed back.
+        m.command("save-server").unwrap();
+        for j in 0..3 {
+            assert_eq!(next(&m), Handoff::Staged(j));
+        }
+        assert_eq!(m.handoff(Duration::from_millis(200)), None, "waits for a free slot");
+        m.command("free 1").unwrap();
+        assert_eq!(m.handoff(Duration::from_millis(200)), None, "slots are taken in turn");
+        m.command("free 0").unwrap();
+        assert_eq!(next(&m), Handoff::Staged(0));
+        assert_eq!(next(&m), Handoff::Staged(1));
+        m.command("idle").unwrap();
+        assert_eq!(m.handoff(Duration::from_millis(200)), None);
+        // Loads: a slot is scattered once loaded, in turn; a stop leaves nothing behind.
+        m.forget_handoffs();
+        m.command("load-server").unwrap();
+        assert_eq!(m.handoff(Duration::from_millis(200)), None, "nothing loaded yet");
+        m.command("loaded 0 7").unwrap();
+        assert_eq!(next(&m), Handoff::Scattered(0));
+        m.command("loaded 2 8").unwrap();
+        m.command("loaded 1 9").unwrap();
+        assert_eq!(next(&m), Handoff::Scattered(1));
+        assert_eq!(next(&m), Handoff::Scattered(2));
+        m.command("idle").unwrap();
+        // The loop kept multiplying throughout.
+        let from = m.mark();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(m.mark() > from, "the matmul loop runs on");
+        assert!(!m.ended());
+    }
+
+    fn which_python() -> Result<std::path::PathBuf, ()> {
+        let out = Command::new("sh").args(["-c", "command -v python3"]).output().map_err(|_| ())?;
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !path.is_empty() {
+            Ok(path.into())
+        } else {
+            Err(())
+        }
+    }
+
+    #[test]
+    fn staging_and_handoff_lines_are_parsed_strictly() {
+        let hex = "0f".repeat(64);
+        assert_eq!(
+            shared_staging(&format!("staging {hex} 8 1024")),
+            Some(SharedStaging { handle: [0x0f; 64], offset: 8, len: 1024 })
+        );
+        for bad in [
+            format!("staging {} 8 1024", "0f".repeat(63)),
+            format!("staging {hex} -8 1024"),
+            format!("staging {hex} 8"),
+            format!("staging {hex} 8 1024 5"),
+            format!("staging {}zz 8 1024", "0f".repeat(63)),
+            "staging-unshared RuntimeError".to_string(),
+        ] {
+            assert_eq!(shared_staging(&bad), None, "{bad}");
+        }
+        assert_eq!(handoff("staged 2 17"), Some(Handoff::Staged(2)));
+        assert_eq!(handoff("scattered 3"), Some(Handoff::Scattered(3)));
+        for bad in
+            ["staged 2", "staged x 1", "scattered", "scattered 1 2", "100.5 4", "copy save 1.0 5"]
+        {
+            assert_eq!(handoff(bad), None, "{bad}");
+        }
     }
 
     fn beside(strategy: &'static str, direction: &'static str, rate: f64, at: usize) -> Beside {

@@ -3,6 +3,7 @@
 //! DMA threads, and checks every byte on both sides: the chunks through the mapped arena, the
 //! tensors by reading them back.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use orbitkv_client::{
@@ -755,6 +756,7 @@ fn served_interference(
     let socket = a.socket.as_ref().expect("server mode has a socket");
     let bytes = e.chunk_len * keys.len() as u64;
     let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
+    let mut gathered = Gathered::register(client, &matmul, shape, (e, keys), a.seed)?;
     let mut windows = Windows::default();
     let mut failed = (0, 0);
     let mut sums = [Sums::default(), Sums::default()];
@@ -808,7 +810,23 @@ fn served_interference(
             })?;
         }
         matmul.engine_side_rows(&mut windows)?;
+        if let Some(g) = gathered.as_mut() {
+            for way in ["save", "load"] {
+                windows.measure(&mut matmul, "engine-gather", way, |m| {
+                    let (rate, gbps, not_done) = engine_gather(m, client, g, way)?;
+                    if way == "save" {
+                        failed.0 += not_done;
+                    } else {
+                        failed.1 += not_done;
+                    }
+                    Ok((rate, gbps))
+                })?;
+            }
+        }
         windows.end_round();
+    }
+    if let Some(g) = gathered {
+        client.unregister_gpu(&g.reg).map_err(client_err("unregister_gpu (engine staging)"))?;
     }
     let result = windows.finish(&matmul);
     let [save, load] = sums;
@@ -824,6 +842,231 @@ fn served_interference(
         stream_load_busy_gbps: busy_gbps(stream_copied[1], stream_sums[1].busy_s),
     };
     Ok((result, failed, counters))
+}
+
+/// The `engine-gather` rows: the matmul loop's process gathers its pages into its staging, as
+/// an engine with the engine-side gather does (docs/operations.md), and the server copies the
+/// staging's chunks to the arena with copy engines (a cross-layer registration of the staging,
+/// one block per chunk); loads the reverse. This process passes the batches between the two.
+struct Gathered {
+    reg: orbitkv_client::GpuRegistration,
+    ns: u64,
+    seed: u64,
+    chunk_len: u64,
+    /// Chunks per staging slot, and the slots.
+    per_slot: usize,
+    depth: usize,
+    /// The next batch a save names, and the batches saved last (most recent last; loads
+    /// cycle over them, all still in the arena).
+    next: u64,
+    saved: VecDeque<u64>,
+    loads: usize,
+}
+
+/// Batches of the `engine-gather` saves that its loads cycle over (chunks of at most 2 MiB in
+/// 32 MiB batches: up to 512 MiB, well inside what the arena keeps of the latest saves).
+const GATHERED_KEPT: usize = 16;
+
+impl Gathered {
+    /// Registers the matmul loop's staging with the server, if it shared it and its slots
+    /// hold whole chunks (else None, said on stderr).
+    fn register(
+        client: &mut Client,
+        matmul: &MatmulLoop,
+        shape: EngineSide,
+        (e, keys): (&Engine<'_>, &[ChunkKey]),
+        seed: u64,
+    ) -> Result<Option<Self>, Error> {
+        let Some(st) = matmul.staging() else {
+            eprintln!("--interference: the matmul loop shared no staging; no engine-gather rows");
+            return Ok(None);
+        };
+        let Some((per_slot, depth)) = staging_slots(shape, e.chunk_len) else {
+            eprintln!(
+                "--interference: staging batches of {} bytes do not hold whole chunks of {}; \
+                 no engine-gather rows",
+                shape.batch_bytes, e.chunk_len
+            );
+            return Ok(None);
+        };
+        let blocks = (per_slot * depth) as u64;
+        if st.len < blocks * e.chunk_len {
+            return Err(Error::Gpu(format!(
+                "--interference: the shared staging has {} bytes, not {}",
+                st.len,
+                blocks * e.chunk_len
+            )));
+        }
+        // One cross-layer block per chunk: 1 layer, 1 token, 1 head of chunk_len / 2 bytes,
+        // K and V.
+        let layout = KvLayoutSpec {
+            kind: KvLayoutKind::CrossLayer,
+            num_layers: 1,
+            num_blocks: blocks,
+            block_size: 1,
+            kv_heads: 1,
+            head_dim: u32::try_from(e.chunk_len / 2)
+                .map_err(|_| Error::Gpu("--interference: chunks too large to stage".into()))?,
+            elem_bytes: 1,
+        };
+        let tensor = GpuTensor { handle: st.handle, offset: st.offset, len: blocks * e.chunk_len };
+        let reg = client
+            .register_gpu(e.device_uuid, layout, &[tensor])
+            .map_err(client_err("register_gpu (engine staging)"))?;
+        let ns = keys.first().map_or(0, |k| k.namespace);
+        Ok(Some(Self {
+            reg,
+            ns,
+            seed,
+            chunk_len: e.chunk_len,
+            per_slot,
+            depth,
+            next: 0,
+            saved: VecDeque::new(),
+            loads: 0,
+        }))
+    }
+
+    /// The keys of batch `b` (fresh for every saved batch).
+    fn keys(&self, b: u64) -> Vec<ChunkKey> {
+        (0..self.per_slot as u64)
+            .map(|i| {
+                let mut h = blake3::Hasher::new();
+                h.update(b"orbitkv-perf-gather");
+                h.update(&self.seed.to_le_bytes());
+                h.update(&b.to_le_bytes());
+                h.update(&i.to_le_bytes());
+                ChunkKey::new(self.ns, *h.finalize().as_bytes())
+            })
+            .collect()
+    }
+
+    /// The staging blocks of slot `j`.
+    fn blocks(&self, j: usize) -> Vec<u64> {
+        let first = (j * self.per_slot) as u64;
+        (first..first + self.per_slot as u64).collect()
+    }
+
+    /// The next batch to load: the saved ones in turn.
+    fn next_load(&mut self) -> Option<u64> {
+        let b = *self.saved.get(self.loads % self.saved.len().max(1))?;
+        self.loads += 1;
+        Some(b)
+    }
+}
+
+/// (chunks per staging slot, slots) of the engine-side copies' staging, when a slot holds
+/// whole chunks (the slot's pages as the matmul loop works them out).
+fn staging_slots(shape: EngineSide, chunk_len: u64) -> Option<(usize, usize)> {
+    let page = shape.page_bytes.max(1);
+    let per = (shape.batch_bytes / page).min(shape.pool_bytes / page).max(1);
+    let slot = per * page;
+    (chunk_len > 0 && slot.is_multiple_of(chunk_len) && shape.depth > 0)
+        .then(|| ((slot / chunk_len) as usize, shape.depth as usize))
+}
+
+/// One `engine-gather` measurement (`way` save or load): the batches the matmul loop hands
+/// over are saved from (or loaded into) its staging through the server for a window, timed
+/// from the first completed; returns (products per second meanwhile, GB/s the server moved,
+/// chunks not done). Every transfer started is waited for before the loop is told to stop.
+fn engine_gather(
+    m: &mut MatmulLoop,
+    client: &mut Client,
+    g: &mut Gathered,
+    way: &'static str,
+) -> Result<(f64, f64, u64), Error> {
+    use crate::dma_interference::{Handoff, WINDOW};
+    let save = way == "save";
+    if !save && g.saved.is_empty() {
+        return Err(Error::Gpu("--interference: engine-gather loads before any save".into()));
+    }
+    m.forget_handoffs();
+    m.command(if save { "save-server" } else { "load-server" })?;
+    // (slot, batch, transfer) in start order.
+    let mut inflight: VecDeque<(usize, u64, orbitkv_client::Transfer)> = VecDeque::new();
+    let start = |client: &mut Client, g: &mut Gathered, j: usize| {
+        let (b, t) = if save {
+            let b = g.next;
+            g.next += 1;
+            (b, client.start_save(&g.reg, &g.keys(b), &g.blocks(j)))
+        } else {
+            let b = g.next_load().expect("saved batches");
+            (b, client.start_load(&g.reg, &g.keys(b), &g.blocks(j)))
+        };
+        t.map(|t| (j, b, t)).map_err(client_err(way))
+    };
+    if !save {
+        for j in 0..g.depth {
+            inflight.push_back(start(client, g, j)?);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut window: Option<(Instant, usize)> = None;
+    let (mut moved, mut not_done_) = (0u64, 0u64);
+    let finish = |m: &mut MatmulLoop, g: &mut Gathered, j: usize, b: u64, o: &[ChunkOutcome]| {
+        if save {
+            g.saved.push_back(b);
+            if g.saved.len() > GATHERED_KEPT {
+                g.saved.pop_front();
+            }
+            m.command(&format!("free {j}"))
+        } else {
+            m.command(&format!("loaded {j} {b}"))
+        }
+        .map(|()| (o.len() as u64 - not_done(o), not_done(o)))
+    };
+    loop {
+        let mut busy = false;
+        while let Some(h) = m.handoff(Duration::ZERO) {
+            busy = true;
+            let j = match h {
+                Handoff::Staged(j) if save => j,
+                Handoff::Scattered(j) if !save => j,
+                _ => continue,
+            };
+            if j >= g.depth {
+                return Err(Error::Gpu(format!("--interference: the matmul loop named slot {j}")));
+            }
+            inflight.push_back(start(client, g, j)?);
+        }
+        let mut k = 0;
+        while k < inflight.len() {
+            match client.poll_transfer(&inflight[k].2).map_err(client_err(way))? {
+                Some(o) => {
+                    let (j, b, _) = inflight.remove(k).expect("in range");
+                    let (done, missed) = finish(m, g, j, b, &o)?;
+                    not_done_ += missed;
+                    match window {
+                        Some(_) => moved += done * g.chunk_len,
+                        None => window = Some((Instant::now(), m.mark())),
+                    }
+                    busy = true;
+                }
+                None => k += 1,
+            }
+        }
+        if let Some((t0, _)) = window {
+            if t0.elapsed() >= WINDOW {
+                break;
+            }
+        } else if Instant::now() >= deadline || m.ended() {
+            let _ = m.command("idle");
+            return Err(Error::Gpu(format!(
+                "--interference: the engine-gather {way}s completed nothing within 30 s"
+            )));
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+    let (t0, m0) = window.expect("the loop ends inside a window");
+    let (took, m1) = (t0.elapsed().as_secs_f64(), m.mark());
+    while let Some((j, b, t)) = inflight.pop_front() {
+        let o = client.wait_transfer(&t).map_err(client_err(way))?;
+        not_done_ += finish(m, g, j, b, &o)?.1;
+    }
+    m.command("idle")?;
+    Ok((m.rate(m0, m1), moved as f64 / took / 1e9, not_done_))
 }
 
 /// Groups a streamed run splits the chunks into: two in flight, and a group saved again only
@@ -1068,7 +1311,8 @@ fn cancel_check(
 #[cfg(test)]
 mod tests {
     use super::{
-        busy_delta, busy_gbps, round_robin, Brackets, CeilingCopy, Counters, Direction, Error, Sums,
+        busy_delta, busy_gbps, round_robin, staging_slots, Brackets, CeilingCopy, Counters,
+        Direction, EngineSide, Error, Sums,
     };
     use std::time::Duration;
 
@@ -1114,6 +1358,25 @@ mod tests {
         assert_eq!(busy_gbps(1, busy_delta(Some(1.0), None)), None);
         // No busy time between the readings (the counter did not move): no rate.
         assert_eq!(busy_gbps(1, busy_delta(Some(3.0), Some(3.0))), None);
+    }
+
+    #[test]
+    fn engine_gather_slots_hold_whole_chunks_or_there_are_none() {
+        let shape = |page: u64, batch: u64, pool: u64, depth: u32| EngineSide {
+            page_bytes: page,
+            batch_bytes: batch,
+            pool_bytes: pool,
+            depth,
+        };
+        // 32 MiB batches of 2 KiB pages: sixteen 2 MiB chunks per slot, four slots.
+        assert_eq!(staging_slots(shape(2048, 32 << 20, 2 << 30, 4), 2 << 20), Some((16, 4)));
+        // mla's 18 KiB pages in batches cut to whole 576 KiB chunks (56 of them).
+        let mla = 576 << 10;
+        assert_eq!(staging_slots(shape(18 << 10, 56 * mla, 2 << 30, 4), mla), Some((56, 4)));
+        // A batch that is not whole chunks, a pool smaller than a chunk, no chunk: none.
+        assert_eq!(staging_slots(shape(18 << 10, 32 << 20, 2 << 30, 4), mla), None);
+        assert_eq!(staging_slots(shape(2048, 32 << 20, 1 << 20, 4), 2 << 20), None);
+        assert_eq!(staging_slots(shape(2048, 32 << 20, 2 << 30, 4), 0), None);
     }
 
     #[test]
