@@ -756,7 +756,12 @@ fn served_interference(
     let socket = a.socket.as_ref().expect("server mode has a socket");
     let bytes = e.chunk_len * keys.len() as u64;
     let mut matmul = MatmulLoop::start(a.device, Some(shape))?;
-    let mut gathered = Gathered::register(client, &matmul, shape, (e, keys), a.seed)?;
+    let mut gathered = Gathered::register(client, &matmul, shape, (e, keys), a.seed)
+        .unwrap_or_else(|err| {
+            eprintln!("--interference: no engine-gather rows: {err}");
+            None
+        });
+    let mut gather_failed = false;
     let mut windows = Windows::default();
     let mut failed = (0, 0);
     let mut sums = [Sums::default(), Sums::default()];
@@ -812,7 +817,7 @@ fn served_interference(
         matmul.engine_side_rows(&mut windows)?;
         if let Some(g) = gathered.as_mut() {
             for way in ["save", "load"] {
-                windows.measure(&mut matmul, "engine-gather", way, |m| {
+                let measured = windows.measure(&mut matmul, "engine-gather", way, |m| {
                     let (rate, gbps, not_done) = engine_gather(m, client, g, way)?;
                     if way == "save" {
                         failed.0 += not_done;
@@ -820,7 +825,19 @@ fn served_interference(
                         failed.1 += not_done;
                     }
                     Ok((rate, gbps))
-                })?;
+                });
+                // A failure here loses these rows only, not the run's others.
+                if let Err(e) = measured {
+                    let _ = matmul.command("idle");
+                    eprintln!("--interference: engine-gather {way}s: {e}; no more of them");
+                    gather_failed = true;
+                    break;
+                }
+            }
+        }
+        if gather_failed {
+            if let Some(g) = gathered.take() {
+                let _ = client.unregister_gpu(&g.reg);
             }
         }
         windows.end_round();
