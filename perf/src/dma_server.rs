@@ -1022,7 +1022,10 @@ fn engine_gather(
     let (mut moved, mut not_done_) = (0u64, 0u64);
     let finish = |m: &mut MatmulLoop, g: &mut Gathered, j: usize, b: u64, o: &[ChunkOutcome]| {
         if save {
-            g.saved.push_back(b);
+            // Only a batch stored whole is loaded later.
+            if not_done(o) == 0 {
+                g.saved.push_back(b);
+            }
             if g.saved.len() > GATHERED_KEPT {
                 g.saved.pop_front();
             }
