@@ -355,7 +355,7 @@ impl Client {
                 failure = Some(Error::BufferTooSmall { needed: lease.hit.len, got: buf.len() });
                 break;
             }
-            buf[..bytes.len()].copy_from_slice(bytes);
+            crate::mapping::copy_chunk(&mut buf[..bytes.len()], bytes);
             lens.push(bytes.len());
         }
         self.release_deferred(&leases)?;
@@ -488,7 +488,7 @@ impl Client {
                 Ok(slot) => {
                     if failure.is_none() {
                         match self.slot_mut(&slot) {
-                            Ok(bytes) => bytes.copy_from_slice(items[i].1),
+                            Ok(bytes) => crate::mapping::copy_chunk(bytes, items[i].1),
                             Err(e) => failure = Some(e),
                         }
                     }

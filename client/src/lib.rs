@@ -22,6 +22,7 @@ pub use client::{Client, ClientOptions, Lease, NamespaceInfo, PutOutcome, Reserv
 pub use error::Error;
 pub use gpu::{GpuRegistration, Transfer};
 pub use group::GroupPrefix;
+pub use mapping::copy_chunk;
 pub use orbitkv_proto::{
     prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, GpuTensor, Hit, KvLayoutKind,
     KvLayoutSpec, NamespaceDescriptor, PrefixHasher, Request, Response, Tier,

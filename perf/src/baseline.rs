@@ -40,13 +40,24 @@ impl Source {
     /// Copies blocks into `dst` (one block long) for about `duration`, from block `*next` on
     /// (advanced); GB/s (10^9 bytes/s).
     fn copy_for(&self, dst: &mut [u8], next: &mut usize, duration: Duration) -> f64 {
+        self.copy_with(dst, next, duration, |d, s| d.copy_from_slice(s))
+    }
+
+    /// As [`Source::copy_for`], each block copied by `copy`.
+    fn copy_with(
+        &self,
+        dst: &mut [u8],
+        next: &mut usize,
+        duration: Duration,
+        copy: impl Fn(&mut [u8], &[u8]),
+    ) -> f64 {
         let per_check = (CHECK_EVERY / self.block).max(1);
         let mut copied = 0u64;
         let start = Instant::now();
         loop {
             for _ in 0..per_check {
                 let at = *next * self.block;
-                dst.copy_from_slice(&self.data[at..at + self.block]);
+                copy(dst, &self.data[at..at + self.block]);
                 black_box(&mut *dst);
                 *next = (*next + 1) % self.blocks;
             }
@@ -65,6 +76,15 @@ pub(crate) fn memcpy_gbps(block: usize, duration: Duration) -> f64 {
     let source = Source::new(block);
     let mut dst = vec![0x5au8; source.block];
     source.copy_for(&mut dst, &mut 0, duration)
+}
+
+/// The same with the client's own copy routine (`orbitkv_client::copy_chunk`, what a get
+/// copies a chunk out of the arena with): how much of the gets' time is the service rather
+/// than the copy.
+pub(crate) fn copy_chunk_gbps(block: usize, duration: Duration) -> f64 {
+    let source = Source::new(block);
+    let mut dst = vec![0x5au8; source.block];
+    source.copy_with(&mut dst, &mut 0, duration, orbitkv_client::copy_chunk)
 }
 
 /// `--baseline-every`: what one client's thread bracketed.
@@ -176,6 +196,8 @@ mod tests {
     #[test]
     fn measures_something() {
         let gbps = super::memcpy_gbps(4096, std::time::Duration::from_millis(10));
+        assert!(gbps.is_finite() && gbps > 0.0);
+        let gbps = super::copy_chunk_gbps(1 << 20, std::time::Duration::from_millis(10));
         assert!(gbps.is_finite() && gbps > 0.0);
     }
 

@@ -265,6 +265,7 @@ fn measure(
     // Every client is connected and idle at the start line: measure the yardstick now (and
     // again after the run).
     let memcpy_gbps_before = baseline::memcpy_gbps(plan.value_size, BASELINE);
+    let copy_chunk_gbps_before = baseline::copy_chunk_gbps(plan.value_size, BASELINE);
     let phases = if plan.lookup.is_some() { 2 } else { 1 };
     let show = std::io::stderr().is_terminal() && a.duration * phases > PROGRESS_AFTER;
     let evictions_before = facts.and_then(|_| admin::facts(socket).ok());
@@ -285,8 +286,10 @@ fn measure(
     }
     let total = clients.join()?;
     let memcpy_gbps_after = baseline::memcpy_gbps(plan.value_size, BASELINE);
+    let copy_chunk_gbps_after = baseline::copy_chunk_gbps(plan.value_size, BASELINE);
     // The better of the two: a machine that was slow for one of them cannot flatter the ratio.
     let memcpy_gbps = memcpy_gbps_before.max(memcpy_gbps_after);
+    let copy_chunk_gbps = copy_chunk_gbps_before.max(copy_chunk_gbps_after);
     let evictions_after = facts.and_then(|_| admin::facts(socket).ok());
     let evictions = match (evictions_before, evictions_after) {
         (Some(b), Some(a)) => Some(a.evictions.saturating_sub(b.evictions)),
@@ -375,6 +378,12 @@ fn measure(
         get_copy_gbps: gbps(m.get_bytes, m.copy_time),
         get_gbps_aggregate: m.get_bytes as f64 / main_wall / 1e9,
         ratio_get_vs_memcpy: if memcpy_gbps > 0.0 { get_gbps / memcpy_gbps } else { 0.0 },
+        copy_chunk_gbps,
+        ratio_get_vs_copy_chunk: if copy_chunk_gbps > 0.0 {
+            get_gbps / copy_chunk_gbps
+        } else {
+            0.0
+        },
         baseline_every_s: a.baseline_every.map(|d| d.as_secs_f64()),
         ratio_get_vs_memcpy_bracketed: crate::stats::median(&m.bracketed.ratios),
         bracketed_ratios: m.bracketed.ratios.clone(),

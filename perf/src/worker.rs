@@ -172,7 +172,7 @@ impl Worker<'_> {
                 for (lease, buf) in leases.iter().zip(bufs.iter_mut()) {
                     match client.chunk(lease) {
                         Ok(bytes) if bytes.len() == buf.len() => {
-                            buf.copy_from_slice(bytes);
+                            orbitkv_client::copy_chunk(buf, bytes);
                             copied.push(true);
                         }
                         Ok(_) => copied.push(false),
