@@ -122,13 +122,14 @@ struct Transfer {
 }
 
 /// Finds the registration and checks the blocks; the error is the whole answer (an empty
-/// key list answers no outcomes).
+/// key list answers no outcomes). A transfer that passes wakes its DMA thread now, so that the
+/// thread's wake-up overlaps the first job's reservations or lookups on the shards.
 fn prepare(
     exec: &Rc<Exec>,
     session: SessionId,
+    direction: Direction,
     (registration, generation): (u64, u64),
-    keys: &[ChunkKey],
-    blocks: &[u64],
+    (keys, blocks): (&[ChunkKey], &[u64]),
 ) -> Result<Transfer, Response> {
     let Some(gpu) = exec.shared.gpu_service.get() else { return Err(no_gpu()) };
     let (device, memory) = gpu
@@ -138,6 +139,7 @@ fn prepare(
         return Err(Response::Outcomes { outcomes: Vec::new() });
     }
     let (per_chunk, chunk_len) = shape(memory.layout(), keys.len(), blocks)?;
+    gpu.expect(direction, device);
     Ok(Transfer { device, memory, per_chunk, chunk_len })
 }
 
@@ -152,14 +154,11 @@ pub(crate) async fn save(
 ) -> Response {
     let started = Instant::now();
     let Transfer { device, memory, per_chunk, chunk_len } =
-        match prepare(exec, session, (registration, generation), &keys, &blocks) {
+        match prepare(exec, session, Direction::Save, (registration, generation), (&keys, &blocks))
+        {
             Ok(t) => t,
             Err(answer) => return answer,
         };
-    // The DMA thread wakes while the first job's reservations run on the shards.
-    if let Some(gpu) = exec.shared.gpu_service.get() {
-        gpu.expect(Direction::Save, device);
-    }
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Done; keys.len()];
     // Groups of chunks go to the DMA thread one after another; each group is committed (its
@@ -363,14 +362,11 @@ pub(crate) async fn load(
 ) -> Response {
     let started = Instant::now();
     let Transfer { device, memory, per_chunk, chunk_len } =
-        match prepare(exec, session, (registration, generation), &keys, &blocks) {
+        match prepare(exec, session, Direction::Load, (registration, generation), (&keys, &blocks))
+        {
             Ok(t) => t,
             Err(answer) => return answer,
         };
-    // The DMA thread wakes while the first job's lookups run on the shards.
-    if let Some(gpu) = exec.shared.gpu_service.get() {
-        gpu.expect(Direction::Load, device);
-    }
     let phases = Rc::new(RequestPhases::new(started));
     let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
     // Jobs of at most `--gpu-job` bytes, queued one after another: the DMA thread plans one while the
