@@ -73,18 +73,21 @@ impl Source {
 /// Single-thread memcpy throughput in GB/s (10^9 bytes/s), copying `block`-byte blocks for
 /// about `duration`.
 pub(crate) fn memcpy_gbps(block: usize, duration: Duration) -> f64 {
-    let source = Source::new(block);
-    let mut dst = vec![0x5au8; source.block];
-    source.copy_for(&mut dst, &mut 0, duration)
+    copy_gbps(block, duration, |d, s| d.copy_from_slice(s))
 }
 
 /// The same with the client's own copy routine (`orbitkv_client::copy_chunk`, what a get
 /// copies a chunk out of the arena with): how much of the gets' time is the service rather
 /// than the copy.
 pub(crate) fn copy_chunk_gbps(block: usize, duration: Duration) -> f64 {
+    copy_gbps(block, duration, orbitkv_client::copy_chunk)
+}
+
+/// One thread copying `block`-byte blocks with `copy` for about `duration`, GB/s.
+fn copy_gbps(block: usize, duration: Duration, copy: impl Fn(&mut [u8], &[u8])) -> f64 {
     let source = Source::new(block);
     let mut dst = vec![0x5au8; source.block];
-    source.copy_with(&mut dst, &mut 0, duration, orbitkv_client::copy_chunk)
+    source.copy_with(&mut dst, &mut 0, duration, copy)
 }
 
 /// `--baseline-every`: what one client's thread bracketed.
