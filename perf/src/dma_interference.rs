@@ -388,8 +388,8 @@ fn handoff(line: &str) -> Option<Handoff> {
 /// The running matmul loop.
 pub(crate) struct MatmulLoop {
     child: Child,
-    /// Its staging, when it shared it.
-    staging: Option<SharedStaging>,
+    /// Its staging, or why it did not share it.
+    staging: Result<SharedStaging, String>,
     /// The served ops' hand-overs, in arrival order.
     handoffs: std::sync::mpsc::Receiver<Handoff>,
     /// (python seconds, products) per line, in arrival order.
@@ -422,7 +422,7 @@ impl MatmulLoop {
         let mut reader = BufReader::new(stdout);
         let mut first = String::new();
         // The staging's handle (or why not) comes before `ready`.
-        let mut staging = None;
+        let mut staging = Err("it runs no engine-side copies".to_string());
         let mut ready = false;
         for _ in 0..2 {
             first.clear();
@@ -433,10 +433,10 @@ impl MatmulLoop {
                 ready = true;
                 break;
             }
-            staging = staging.or(shared_staging(&first));
             if !first.starts_with("staging") {
                 break;
             }
+            staging = shared_staging(&first).ok_or_else(|| first.trim().to_string());
         }
         if !ready {
             let _ = child.kill();
@@ -483,10 +483,10 @@ impl MatmulLoop {
         Ok(Self { child, staging, handoffs, lines, copies })
     }
 
-    /// The staging the loop shared (None without engine-side copies, or where PyTorch could
-    /// not share it).
-    pub(crate) fn staging(&self) -> Option<SharedStaging> {
-        self.staging
+    /// The staging the loop shared, or why not (no engine-side copies, or PyTorch could not
+    /// share it: its line).
+    pub(crate) fn staging(&self) -> Result<SharedStaging, String> {
+        self.staging.clone()
     }
 
     /// The next hand-over of a served op, waiting up to `wait`.
@@ -671,6 +671,8 @@ def index_select(*a, **k): return T()
         let shape =
             EngineSide { page_bytes: 2048, batch_bytes: 4 << 20, pool_bytes: 64 << 20, depth: 3 };
         let mut m = MatmulLoop::start(0, Some(shape)).unwrap();
+        let plain = MatmulLoop::start(0, None).unwrap().staging();
+        assert!(plain.is_err_and(|why| why.contains("no engine-side copies")));
         std::env::remove_var("ORBITKV_PYTHON");
         let st = m.staging().expect("the staging is shared");
         assert_eq!((st.handle, st.offset, st.len), ([0xab; 64], 512, 4096 * 8));

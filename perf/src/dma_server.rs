@@ -894,9 +894,12 @@ impl Gathered {
         (e, keys): (&Engine<'_>, &[ChunkKey]),
         seed: u64,
     ) -> Result<Option<Self>, Error> {
-        let Some(st) = matmul.staging() else {
-            eprintln!("--interference: the matmul loop shared no staging; no engine-gather rows");
-            return Ok(None);
+        let st = match matmul.staging() {
+            Ok(st) => st,
+            Err(why) => {
+                eprintln!("--interference: no engine-gather rows: the matmul loop shared no staging ({why})");
+                return Ok(None);
+            }
         };
         let Some((per_slot, depth)) = staging_slots(shape, e.chunk_len) else {
             eprintln!(
