@@ -739,7 +739,8 @@ pub(crate) fn tensor_mismatches(e: &Engine<'_>) -> Result<u64, Error> {
 /// `--interference` through the server: the matmul loop beside back-to-back saves and then
 /// loads of every chunk through the server (its copies, its checksums), then beside the same
 /// streamed (`server-stream`: see [`streamed`]), then beside the engine-side copies in the
-/// loop's own process, each after a window of the loop alone (one more at the end),
+/// loop's own process, then beside that process's gathers copied by the server
+/// (`engine-gather`: see [`Gathered`]), each after a window of the loop alone (one more at the end),
 /// `--interference-rounds` times. Each save follows an evict, and each save and load is framed
 /// by two readings of the server's stats, inside the loop's window: a few milliseconds without
 /// copies per save, so the `server` rows understate the slowdown slightly. Also returns the
@@ -880,8 +881,9 @@ struct Gathered {
     loads: usize,
 }
 
-/// Batches of the `engine-gather` saves that its loads cycle over (chunks of at most 2 MiB in
-/// 32 MiB batches: up to 512 MiB, well inside what the arena keeps of the latest saves).
+/// Batches of the `engine-gather` saves that its loads cycle over (batches of at most a
+/// staging part, 32 MiB by default: up to 512 MiB, well inside what the arena keeps of the
+/// latest saves).
 const GATHERED_KEPT: usize = 16;
 
 impl Gathered {
