@@ -30,6 +30,14 @@ use crate::stats::median;
 const MATMUL_LOOP: &str = r#"
 import sys, time, threading
 import torch
+_out = threading.Lock()
+def say(line):
+    # One write per line, under a lock: the loop and the copier thread both report, and
+    # print() writes a line's text and its newline separately, so two threads' lines could
+    # interleave into one that neither reader understands.
+    with _out:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 dev = int(sys.argv[1])
 torch.cuda.set_device(dev)
 n = 8192
@@ -59,9 +67,9 @@ if len(sys.argv) > 4:
     try:
         shared = stage_all.untyped_storage()._share_cuda_()
         size = stage_all.numel() * stage_all.element_size()
-        print(f"staging {bytes(shared[1]).hex()} {int(shared[3])} {size}", flush=True)
+        say(f"staging {bytes(shared[1]).hex()} {int(shared[3])} {size}")
     except Exception as e:
-        print(f"staging-unshared {type(e).__name__}", flush=True)
+        say(f"staging-unshared {type(e).__name__}")
     gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     filled = [torch.cuda.Event() for _ in range(depth)]
     free = [torch.cuda.Event() for _ in range(depth)]
@@ -102,14 +110,14 @@ if len(sys.argv) > 4:
                 with torch.cuda.stream(gather_stream):
                     torch.index_select(pool, 0, idx[k], out=staging[j])
                 gather_stream.synchronize()
-                print(f"staged {j} {k}", flush=True)
+                say(f"staged {j} {k}")
             else:
                 if not take(j, op):
                     break
                 with torch.cuda.stream(gather_stream):
                     pool.index_copy_(0, idx[loaded[j] % len(idx)], staging[j])
                 gather_stream.synchronize()
-                print(f"scattered {j}", flush=True)
+                say(f"scattered {j}")
             step += 1
         for e in handed:
             e.clear()
@@ -132,7 +140,7 @@ if len(sys.argv) > 4:
                 # The batch `depth` steps back has landed: its staging batch is free again.
                 free[j].synchronize()
                 moved += per * page
-                print(f"copy {op} {time.perf_counter():.6f} {moved}", flush=True)
+                say(f"copy {op} {time.perf_counter():.6f} {moved}")
             rows = host[k * per:(k + 1) * per]
             if op == "save":
                 with torch.cuda.stream(gather_stream):
@@ -159,7 +167,7 @@ if len(sys.argv) > 4:
 for _ in range(3):
     c = a @ b
 torch.cuda.synchronize()
-print("ready", flush=True)
+say("ready")
 count = 0
 main = torch.cuda.current_stream()
 while True:
@@ -168,7 +176,7 @@ while True:
     # This stream only: a device-wide sync would also wait for the engine-side copies.
     main.synchronize()
     count += 4
-    print(f"{time.perf_counter():.6f} {count}", flush=True)
+    say(f"{time.perf_counter():.6f} {count}")
 "#;
 
 /// How long each window of the measurement lasts.
