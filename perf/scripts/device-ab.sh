@@ -10,6 +10,7 @@
 # A=.device-bin/orbitkv-server B=.device-bin/orbitkv-server B_ARGS="--gpu-job 128MiB"). ROUNDS (2)
 # rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB");
 # INTF_ROUNDS the interference runs' own rounds (see device-gpu-server.sh).
+# RUN_TIMEOUT (150) bounds each run in seconds.
 # Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
 # summary of all of them to $OUT/ab-summary.txt. The runs' files are then packed into
 # $OUT/ab-runs.tgz (the device tool brings back only so many files; extract it for
@@ -52,7 +53,7 @@ for round in $(seq "$ROUNDS"); do
     (
       if [ -n "${!ptx_var:-}" ]; then export ORBITKV_CHECKSUM_KERNEL_PTX=${!ptx_var}; fi
       SERVER_ENV=${!env_var:-} SERVER=${!side} MPS=${AB_MPS:-1} INTF=${AB_INTF:-1} NOKILL=1 ONLY="$ONLY" SERVER_ARGS="$side_args" TAG=$tag \
-        timeout 150 bash perf/scripts/device-gpu-server.sh
+        timeout "${RUN_TIMEOUT:-150}" bash perf/scripts/device-gpu-server.sh
     )
     echo "rc=$?" >> "$OUT/ab.log"
     leftovers

@@ -28,7 +28,7 @@ use crate::stats::median;
 /// arguments (page bytes, staging batch bytes, pool bytes, batches in flight) it also runs
 /// the engine-side copies on command.
 const MATMUL_LOOP: &str = r#"
-import sys, time, threading
+import queue, sys, time, threading
 import torch
 _out = threading.Lock()
 def say(line):
@@ -67,9 +67,16 @@ if len(sys.argv) > 4:
     try:
         shared = stage_all.untyped_storage()._share_cuda_()
         size = stage_all.numel() * stage_all.element_size()
-        say(f"staging {bytes(shared[1]).hex()} {int(shared[3])} {size}")
+        handle = bytes(shared[1])
+        # PyTorch 2 puts a version (2) and a kind before the 64-byte cudaIpcMemHandle_t:
+        # 'c' for a cudaMalloc'd block; an expandable segment's ('e') is no such handle.
+        if len(handle) == 66 and handle[0] == 2 and handle[1:2] == b"c":
+            handle = handle[2:]
+        if len(handle) != 64:
+            raise ValueError(f"an IPC handle of {len(handle)} bytes, kind {handle[1:2]!r}")
+        say(f"staging {handle.hex()} {int(shared[3])} {size}")
     except Exception as e:
-        say(f"staging-unshared {type(e).__name__}")
+        say(f"staging-unshared {type(e).__name__}: {e}")
     gather_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     filled = [torch.cuda.Event() for _ in range(depth)]
     free = [torch.cuda.Event() for _ in range(depth)]
@@ -101,6 +108,19 @@ if len(sys.argv) > 4:
         # save-server: each gathered batch goes out as "staged J K"; perf has the server save
         # slot J and answers "free J". load-server: perf has the server load a batch K into
         # slot J ("loaded J K"); it is scattered, and "scattered J" hands the slot back.
+        # Every slot's kernel is queued as soon as the slot is ours, and a second thread says
+        # each done in turn: waiting for one kernel before queueing the next held the
+        # batches to one at a time, each behind the matmul's blocks for SMs.
+        done = queue.Queue()
+
+        def report():
+            while (item := done.get()) is not None:
+                j, line = item
+                filled[j].synchronize()
+                say(line)
+
+        reporter = threading.Thread(target=report, daemon=True)
+        reporter.start()
         step = 0
         while state["op"] == op:
             j, k = step % depth, step % len(idx)
@@ -109,16 +129,18 @@ if len(sys.argv) > 4:
                     break
                 with torch.cuda.stream(gather_stream):
                     torch.index_select(pool, 0, idx[k], out=staging[j])
-                gather_stream.synchronize()
-                say(f"staged {j} {k}")
+                    filled[j].record(gather_stream)
+                done.put((j, f"staged {j} {k}"))
             else:
                 if not take(j, op):
                     break
                 with torch.cuda.stream(gather_stream):
                     pool.index_copy_(0, idx[loaded[j] % len(idx)], staging[j])
-                gather_stream.synchronize()
-                say(f"scattered {j}")
+                    filled[j].record(gather_stream)
+                done.put((j, f"scattered {j}"))
             step += 1
+        done.put(None)
+        reporter.join()
         for e in handed:
             e.clear()
 
@@ -636,7 +658,8 @@ mod tests {
 
     /// A stand-in for PyTorch, enough for the matmul loop's script to run on a CPU: every
     /// tensor and stream is one object that does nothing, a product takes 2 ms, and the
-    /// staging shares a handle of 64 bytes 0xab at offset 512.
+    /// staging shares a handle of 64 bytes 0xab at offset 512, as PyTorch 2 does (after its
+    /// version byte 2 and kind 'c').
     const FAKE_TORCH: &str = r#"
 import time
 class T:
@@ -652,7 +675,7 @@ class T:
     def synchronize(self): time.sleep(0.002)
     def untyped_storage(self):
         s = T()
-        s._share_cuda_ = lambda: (0, b"\xab" * 64, 1 << 20, 512)
+        s._share_cuda_ = lambda: (0, b"\x02c" + b"\xab" * 64, 1 << 20, 512)
         return s
 bfloat16, int64 = "bf16", "i64"
 cuda = T()
