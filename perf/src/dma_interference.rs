@@ -685,23 +685,50 @@ def randperm(n, **k): return T()
 def index_select(*a, **k): return T()
 "#;
 
+    /// The engine-side shape the stand-in runs.
+    const SHAPE: EngineSide =
+        EngineSide { page_bytes: 2048, batch_bytes: 4 << 20, pool_bytes: 64 << 20, depth: 3 };
+
+    /// Points `ORBITKV_PYTHON` at python3 with `torch` as the stand-in for PyTorch (None,
+    /// said, without python3).
+    fn with_fake_torch(dir: &std::path::Path, torch: &str) -> Option<()> {
+        let Ok(python) = which_python() else {
+            println!("skipped: no python3 here");
+            return None;
+        };
+        std::fs::write(dir.join("torch.py"), torch).unwrap();
+        let wrapper = fake_python(
+            dir,
+            &format!("PYTHONPATH={} exec {} \"$@\"", dir.display(), python.display()),
+        );
+        std::env::set_var("ORBITKV_PYTHON", &wrapper);
+        Some(())
+    }
+
+    #[test]
+    fn a_handle_other_than_cuda_mallocs_is_not_shared() {
+        let _one = PYTHON.lock().unwrap_or_else(|p| p.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        // An expandable segment's: kind 'e', not a cudaIpcMemHandle_t.
+        let torch = FAKE_TORCH.replace(r#"b"\x02c" + b"\xab" * 64"#, r#"b"\x02e" + b"\xab" * 40"#);
+        assert_ne!(torch, FAKE_TORCH);
+        if with_fake_torch(dir.path(), &torch).is_none() {
+            return;
+        }
+        let m = MatmulLoop::start(0, Some(SHAPE));
+        std::env::remove_var("ORBITKV_PYTHON");
+        let why = m.unwrap().staging().expect_err("no staging shared");
+        assert!(why.contains("an IPC handle of 42 bytes"), "{why}");
+    }
+
     #[test]
     fn the_served_ops_hand_batches_over_both_ways() {
         let _one = PYTHON.lock().unwrap_or_else(|p| p.into_inner());
-        let Ok(python) = which_python() else {
-            println!("skipped: no python3 here");
-            return;
-        };
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("torch.py"), FAKE_TORCH).unwrap();
-        let wrapper = fake_python(
-            dir.path(),
-            &format!("PYTHONPATH={} exec {} \"$@\"", dir.path().display(), python.display()),
-        );
-        std::env::set_var("ORBITKV_PYTHON", &wrapper);
-        let shape =
-            EngineSide { page_bytes: 2048, batch_bytes: 4 << 20, pool_bytes: 64 << 20, depth: 3 };
-        let mut m = MatmulLoop::start(0, Some(shape)).unwrap();
+        if with_fake_torch(dir.path(), FAKE_TORCH).is_none() {
+            return;
+        }
+        let mut m = MatmulLoop::start(0, Some(SHAPE)).unwrap();
         let plain = MatmulLoop::start(0, None).unwrap().staging();
         assert!(plain.is_err_and(|why| why.contains("no engine-side copies")));
         std::env::remove_var("ORBITKV_PYTHON");
