@@ -7,7 +7,8 @@
 # variables for the server process alone (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10). INTF=1 adds runs with
 # --interference: a bf16 matmul loop (PyTorch) beside the server's saves and loads, then beside
 # the engine-side copies (about 60 s each; MPS=1 starts an MPS daemon for the server and the
-# loop to share; INTF_ROUNDS=N repeats their measurements N times, --interference-rounds). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
+# loop to share; INTF_ROUNDS=N repeats their measurements N times, --interference-rounds;
+# INTF_ARGS adds perf arguments to those runs alone, e.g. "--engine-depth 8"). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
 # engine and the run after it (for A/B calls). Stripped release binaries in .device-bin; results go to $OUT.
 # perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
 B=.device-bin
@@ -24,6 +25,8 @@ for i in $(seq 300); do $B/orbitkv-ctl --socket $S health >/dev/null 2>&1 && bre
 D="$B/orbitkv-perf dma --socket $S --json --iterations 7"
 run() { name=$1; shift; [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]] && return
   [[ " $* " == *" --interference "* ]] && [ -n "$INTF_ROUNDS" ] && set -- "$@" --interference-rounds "$INTF_ROUNDS"
+  # shellcheck disable=SC2086 # INTF_ARGS is several words
+  [[ " $* " == *" --interference "* ]] && [ -n "$INTF_ARGS" ] && set -- "$@" $INTF_ARGS
   echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
 run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check --duplex
 run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check --duplex
