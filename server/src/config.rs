@@ -135,10 +135,6 @@ pub struct ServerConfig {
     /// in `stats` (`gpu_transfers.timeline.save` and `.load`): the copies' own rate, the
     /// copy streams' idle gaps and the kernels' time. Default: false.
     pub gpu_timeline: bool,
-    /// An experiment: the gather/scatter kernels run on streams of the default priority (an
-    /// engine's own), not the highest, so the engine's blocks already waiting get freed SMs
-    /// first. Default: false.
-    pub gpu_yield_sms: bool,
 }
 
 impl Default for ServerConfig {
@@ -176,7 +172,6 @@ impl Default for ServerConfig {
             gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
-            gpu_yield_sms: false,
             max_gpu_registrations: 256,
         }
     }
@@ -298,10 +293,6 @@ pub struct Args {
     /// `stats` (the copies' own rate, the copy streams' idle gaps, the kernels' time).
     #[arg(long)]
     pub gpu_timeline: bool,
-    /// An experiment: run the gather/scatter kernels at the default stream priority (an
-    /// engine's own) rather than the highest, so the engine's waiting blocks get SMs first.
-    #[arg(long)]
-    pub gpu_yield_sms: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -467,9 +458,6 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
-        }
-        if a.gpu_yield_sms {
-            self.gpu_yield_sms = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -699,11 +687,6 @@ mod tests {
         assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
-        // Yielding SMs likewise.
-        assert!(!c.gpu_yield_sms);
-        assert!(toml::from_str::<ServerConfig>("gpu-yield-sms = true").unwrap().gpu_yield_sms);
-        c.apply_args(&Args { gpu_yield_sms: true, ..Default::default() });
-        assert!(c.gpu_yield_sms);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -726,6 +709,5 @@ mod tests {
         assert_eq!(c.gpu_shard_checksums, d.gpu_shard_checksums);
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
-        assert_eq!(c.gpu_yield_sms, d.gpu_yield_sms);
     }
 }

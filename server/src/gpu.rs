@@ -50,8 +50,6 @@ pub struct GpuLimits {
     pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
-    /// The gather/scatter kernels at the default stream priority (`--gpu-yield-sms`).
-    pub yield_sms: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -1063,9 +1061,6 @@ impl GpuService {
                 .map_err(|e| format!("creating the copy engine: {e}"))?;
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
-                }
-                if self.limits.yield_sms {
-                    e.yield_sms().map_err(|e| format!("creating the copy engine: {e}"))?;
                 }
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())

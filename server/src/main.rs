@@ -253,7 +253,6 @@ fn run(settings: Settings) -> Result<(), String> {
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
             timeline: settings.config.gpu_timeline,
-            yield_sms: settings.config.gpu_yield_sms,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
@@ -263,7 +262,6 @@ fn run(settings: Settings) -> Result<(), String> {
             staging = settings.gpu_staging_bytes,
             staging_depth = settings.gpu_staging_depth,
             job = settings.gpu_job_bytes,
-            yield_sms = settings.config.gpu_yield_sms,
             "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
         );
         let _ = shared.gpu_service.set(service);

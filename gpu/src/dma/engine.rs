@@ -342,17 +342,6 @@ impl CopyEngine {
         self.host_mapping = Some(offset);
     }
 
-    /// Runs the gather/scatter kernels (and the copies) on streams of the context's default
-    /// priority from now on, the priority an engine's own streams have, instead of the
-    /// highest: blocks of the engine's kernels already waiting then get freed SMs before
-    /// ours. Call before the first job (streams in use are not moved).
-    pub fn yield_sms(&mut self) -> Result<(), DmaError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        self.kernel_stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        self.copy_stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Ok(())
-    }
-
     /// Records timing events around every staged batch of the jobs submitted from now on,
     /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
     pub fn record_timeline(&mut self) {
