@@ -31,62 +31,27 @@ Run on the device machine under MPS (perf/scripts/device-copyrate.sh starts the 
 Needs PyTorch (on the device image). Prints a line per window and writes JSON.
 """
 
+import importlib.util
 import json
-import subprocess
+import os
 import sys
 import time
 from threading import Thread
 
 import torch
 
-WINDOW_S = 3.0
+# The matmul loop and its windows, as device-residency.py runs them.
+_spec = importlib.util.spec_from_file_location(
+    "residency", os.path.join(os.path.dirname(os.path.abspath(__file__)), "device-residency.py")
+)
+residency = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(residency)
+
+WINDOW_S = residency.WINDOW_S
 PART = 64 << 20
 PARTS = 32  # per round: 2 GiB
 DEPTH = 4
 PAGE = 2048
-
-MATMUL = r"""
-import sys, time, torch
-torch.cuda.set_device(0)
-n = 8192
-a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    c = a @ b
-torch.cuda.synchronize()
-print("ready", flush=True)
-count = 0
-while True:
-    for _ in range(4):
-        c = a @ b
-    torch.cuda.current_stream().synchronize()
-    count += 4
-    print(f"{time.perf_counter():.6f} {count}", flush=True)
-"""
-
-
-class Matmul:
-    """The matmul loop in its own process; `rate(seconds)` is its products per second."""
-
-    def __init__(self):
-        self.p = subprocess.Popen(
-            [sys.executable, "-c", MATMUL], stdout=subprocess.PIPE, text=True, bufsize=1
-        )
-        if self.p.stdout.readline().strip() != "ready":
-            raise SystemExit("the matmul loop did not start")
-
-    def rate(self, seconds):
-        first = None
-        while True:
-            t, n = self.p.stdout.readline().split()
-            t, n = float(t), int(n)
-            if first is None:
-                first = (t, n)
-            elif t - first[0] >= seconds:
-                return (n - first[1]) / (t - first[0])
-
-    def stop(self):
-        self.p.kill()
 
 
 class Copier:
@@ -210,7 +175,7 @@ def main():
         busy, overall = c.run(shape, WINDOW_S)
         rows[shape] = {"alone_busy_gbs": busy, "alone_overall_gbs": overall}
         print(f"{shape:10} alone: {busy:.1f} GB/s while copying, {overall:.1f} overall", flush=True)
-    m = Matmul()
+    m = residency.Matmul()
     try:
         m.rate(WINDOW_S)  # warm
         before = m.rate(WINDOW_S)
