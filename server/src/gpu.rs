@@ -134,6 +134,15 @@ struct Running {
 /// Jobs on the GPU, oldest first.
 type InFlight = VecDeque<Running>;
 
+/// A job the DMA thread has taken off its queue and is handing to the GPU: failed by the
+/// thread's panic handler if a panic comes before it is in flight (or failed).
+struct Starting {
+    shard: usize,
+    id: u64,
+    /// Held until the handler runs, after the engines synchronized while the panic unwound.
+    _memory: Arc<EngineMemory>,
+}
+
 /// `d` in nanoseconds, saturating.
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -724,16 +733,24 @@ impl GpuService {
         let mut inflight: InFlight = VecDeque::new();
         // Completions whose shard queue was full: delivered on a later round, never dropped.
         let mut undelivered: VecDeque<(usize, GpuDone)> = VecDeque::new();
+        // The job being started: taken off its queue, not yet in flight.
+        let mut starting: Option<Starting> = None;
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.work(index, direction, doorbells, &mut inflight, &mut undelivered)
+            let held = (&mut inflight, &mut undelivered, &mut starting);
+            self.work(index, direction, doorbells, held)
         }));
         if run.is_ok() {
             return;
         }
         // A bug stopped this thread: fail what it held and everything queued from now on, so
-        // that no request (and no closing session) waits forever.
+        // that no request (and no closing session) waits forever. The engines synchronized
+        // their streams as the panic unwound, so the jobs' engine memory may go now.
         tracing::error!(direction = ?direction, "GPU DMA thread panicked; its copies fail from now on");
         let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
+        if let Some(job) = starting.take() {
+            self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
+        }
         for job in inflight.drain(..) {
             undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
         }
@@ -757,14 +774,19 @@ impl GpuService {
         index: usize,
         direction: Direction,
         doorbells: &Doorbells,
-        inflight: &mut InFlight,
-        undelivered: &mut VecDeque<(usize, GpuDone)>,
+        (inflight, undelivered, starting): (
+            &mut InFlight,
+            &mut VecDeque<(usize, GpuDone)>,
+            &mut Option<Starting>,
+        ),
     ) {
-        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
         // Per device: not tried yet (None), or the checksum kernels (None inside when they did
-        // not load: checksums then stay on the shards).
+        // not load: checksums then stay on the shards). Declared before the engines so that
+        // they outlive them: a panic drops the engines first, which synchronizes their streams,
+        // where a fused gather may still be writing a hasher slot's scratch rows.
         let mut hashers: Vec<Option<Option<ChunkHasher>>> =
             (0..self.devices.len()).map(|_| None).collect();
+        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
         let mut pieces = Vec::new();
         let mut next_queue = 0;
         let mut spin = SpinUntil::new(Instant::now());
@@ -804,6 +826,7 @@ impl GpuService {
                 }
                 let cpu_at_submit = thread_cpu_ns();
                 let mut pieces_took = Duration::ZERO;
+                *starting = Some(Starting { shard, id, _memory: Arc::clone(&job.memory) });
                 let started = self.start_job(
                     (&mut engines, &mut hashers),
                     direction,
@@ -827,6 +850,7 @@ impl GpuService {
                             checksums: None,
                             _memory: memory,
                         });
+                        *starting = None;
                         busy_since.get_or_insert(submitted);
                         // The shards hash this save's chunks (`--gpu-shard-checksums`), except
                         // where its gather summed them already.
@@ -861,6 +885,7 @@ impl GpuService {
                         add_time(&sc.tables_ns, checksums.planned);
                     }
                     Err(e) => {
+                        *starting = None;
                         self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
                         undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
                         // A timeline begun for it must not run on into the next busy period.
@@ -1066,12 +1091,13 @@ impl GpuService {
                     (self.limits.copy, e.kernel_error())
                 {
                     // The operator asked for the kernel explicitly: say so once, loudly; every
-                    // job then fails naming the reason (`auto` would copy batched instead).
+                    // job it would copy then fails naming the reason (`auto` would copy batched
+                    // instead). Block-form jobs need only the block kernel.
                     tracing::error!(
                         device = job.device,
                         error = why,
-                        "--gpu-copy {}, but the segment copy kernel did not load: every GPU \
-                         save and load fails; use --gpu-copy auto or batched",
+                        "--gpu-copy {}, but the segment copy kernel did not load: GPU saves and \
+                         loads that need it fail; use --gpu-copy auto or batched",
                         self.limits.copy.as_str()
                     );
                 }
@@ -1121,9 +1147,18 @@ impl GpuService {
             let (event, shape) = submit_blocks(engine, direction, &block_job, summed.as_ref())?;
             let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
             let hasher = hasher.expect("a summed save has its hasher");
-            let ticket = engine
-                .kernels_done()
-                .and_then(|gathered| finish_summed(hasher, s, &gathered))
+            let ticket = match engine.kernels_done() {
+                Ok(gathered) => finish_summed(hasher, s, &gathered),
+                Err(e) => {
+                    // No event to fold after: the job's gathers may still be writing the
+                    // hasher slot's scratch rows, which its next user must find finished.
+                    if let Err(sync) = engine.synchronize() {
+                        tracing::warn!(error = %sync, "copy streams failed after a failed submission");
+                    }
+                    Err(e)
+                }
+            };
+            let ticket = ticket
                 .inspect_err(|e| {
                     tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them")
                 })

@@ -831,8 +831,13 @@ impl CopyEngine {
             }
         };
         let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
-        let kernel =
-            self.kernel.as_ref().expect("staged jobs are refused when the kernel did not load");
+        // The segment kernel, where a batch needs it: a block-form job can be staged with only
+        // the block kernel loaded (`--gpu-copy staged`), and never reaches for it.
+        let kernel = || {
+            self.kernel
+                .as_ref()
+                .ok_or_else(|| DmaError::Invalid("the segment copy kernel did not load".into()))
+        };
         let block_kernel = self.block_kernel.as_ref();
         match direction {
             Direction::Save => {
@@ -861,7 +866,7 @@ impl CopyEngine {
                     // part's staging, free since `free` was waited on; the host table stays
                     // untouched until `uploaded`, recorded after the kernel, has passed.
                     Work::Segments { .. } => unsafe {
-                        kernel.launch(
+                        kernel()?.launch(
                             kernel_stream,
                             h.descs_host.addr(),
                             n,
@@ -914,7 +919,7 @@ impl CopyEngine {
                     _ => {
                         // SAFETY: staging filled (waited); the table holds the `n` segment
                         // descriptors, destinations engine pieces.
-                        unsafe { kernel.launch(kernel_stream, table, n, group, grid, THREADS)? }
+                        unsafe { kernel()?.launch(kernel_stream, table, n, group, grid, THREADS)? }
                     }
                 }
                 mark(1, kernel_stream)?;
@@ -943,11 +948,13 @@ impl CopyEngine {
             Direction::Save => Way::DeviceToHost,
             Direction::Load => Way::HostToDevice,
         };
-        // SAFETY: forwarded from the caller.
-        unsafe { ffi::copy_async(way, device, host, len, &self.copy_stream)? };
+        // The event first: a failure after the copy is queued would leave the caller no event
+        // to wait on before reusing the memory.
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
-        Ok(done)
+        // SAFETY: forwarded from the caller.
+        let enqueued = unsafe { ffi::copy_async(way, device, host, len, &self.copy_stream) }
+            .and_then(|()| done.record(&self.copy_stream).map_err(drv("cuEventRecord")));
+        self.settle(enqueued).map(|()| done)
     }
 
     /// Waits for everything submitted so far.

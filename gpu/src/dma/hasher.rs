@@ -392,10 +392,11 @@ impl ChunkHasher {
     ) -> Result<ChecksumTicket, DmaError> {
         let slot = &self.slots[s.slot];
         let stream = &slot.stream;
-        let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let ctx = &self.ctx;
         let kernels = &self.kernels;
-        let enqueue = || -> Result<(), DmaError> {
+        let enqueue = || -> Result<CudaEvent, DmaError> {
             stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+            let event = ctx.new_event(None).map_err(drv("cuEventCreate"))?;
             // SAFETY: the rows are written once `gathered` has passed (waited just above);
             // scratch and counters are the slot's, reserved by `begin_summed`; the results
             // are pinned, owned by the ticket until its event completes.
@@ -409,15 +410,22 @@ impl ChunkHasher {
                 )?
             };
             slot.done.record(stream).map_err(drv("cuEventRecord"))?;
-            event.record(stream).map_err(drv("cuEventRecord"))
+            event.record(stream).map_err(drv("cuEventRecord"))?;
+            Ok(event)
         };
-        if let Err(e) = enqueue() {
-            if let Err(sync) = stream.synchronize() {
-                tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
-                std::mem::forget(s.results);
+        let event = match enqueue() {
+            Ok(event) => event,
+            Err(e) => {
+                // The slot's `done` may not follow the gather (the wait may not be queued), and
+                // the gather writes the slot's scratch rows: the slot is free for its next user
+                // only once both the gather and whatever was queued here have finished.
+                if let Err(sync) = gathered.synchronize().and_then(|()| stream.synchronize()) {
+                    tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
+                    std::mem::forget(s.results);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         Ok(ChecksumTicket {
             event,
             results: Some(s.results),
