@@ -577,30 +577,35 @@ impl ChunkHasher {
         stream: &Arc<CudaStream>,
         fold: impl FnOnce() -> Result<(), DmaError>,
     ) -> Result<Vec<ChecksumTicket>, DmaError> {
-        let events: Vec<CudaEvent> = jobs
-            .iter()
-            .map(|_| self.ctx.new_event(None).map_err(drv("cuEventCreate")))
-            .collect::<Result<_, _>>()?;
-        let enqueue = || -> Result<(), DmaError> {
+        // The events inside: the jobs' row sums are queued already, so any failure from here
+        // on goes through the synchronization below before the slots can be reused.
+        let enqueue = || -> Result<Vec<CudaEvent>, DmaError> {
+            let events: Vec<CudaEvent> = jobs
+                .iter()
+                .map(|_| self.ctx.new_event(None).map_err(drv("cuEventCreate")))
+                .collect::<Result<_, _>>()?;
             fold()?;
             for (p, e) in jobs.iter().zip(&events) {
                 self.slots[p.slot].done.record(stream).map_err(drv("cuEventRecord"))?;
                 e.record(stream).map_err(drv("cuEventRecord"))?;
             }
-            Ok(())
+            Ok(events)
         };
-        if let Err(e) = enqueue() {
-            // Whatever was queued may still read the slots and write the results.
-            let synced = jobs.iter().all(|p| self.slots[p.slot].stream.synchronize().is_ok())
-                && stream.synchronize().is_ok();
-            if !synced {
-                tracing::warn!("checksum stream failed after a failed submission");
-                for p in jobs {
-                    std::mem::forget(p.results);
+        let events = match enqueue() {
+            Ok(events) => events,
+            Err(e) => {
+                // Whatever was queued may still read the slots and write the results.
+                let synced = jobs.iter().all(|p| self.slots[p.slot].stream.synchronize().is_ok())
+                    && stream.synchronize().is_ok();
+                if !synced {
+                    tracing::warn!("checksum stream failed after a failed submission");
+                    for p in jobs {
+                        std::mem::forget(p.results);
+                    }
                 }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         Ok(jobs
             .into_iter()
             .zip(events)
