@@ -98,14 +98,26 @@ impl LayoutDesc {
         if self.num_layers > MAX_LAYERS {
             return bad("num_layers", "must be at most 65536");
         }
-        // The block arithmetic below is unchecked: make sure it fits first.
-        let block = (self.block_size as u64)
-            .checked_mul(self.kv_heads as u64)
-            .and_then(|v| v.checked_mul(self.head_dim as u64))
-            .and_then(|v| v.checked_mul(self.elem_bytes as u64))
-            .and_then(|v| v.checked_mul(2 * self.num_layers as u64));
-        if block.is_none() {
-            return bad("head_dim", "makes a block larger than 2^64 bytes");
+        // The block arithmetic below is unchecked: make sure it fits first, naming the factor
+        // at which the product overflows.
+        let mut block = 1u64;
+        for (field, v) in [
+            ("block_size", self.block_size as u64),
+            ("kv_heads", self.kv_heads as u64),
+            ("head_dim", self.head_dim as u64),
+            ("elem_bytes", self.elem_bytes as u64),
+            ("num_layers", 2 * self.num_layers as u64),
+        ] {
+            block = match block.checked_mul(v) {
+                Some(b) => b,
+                None => {
+                    return bad(
+                        field,
+                        "makes a block (block_size x kv_heads x head_dim x elem_bytes x 2 x \
+                         num_layers) larger than 2^64 bytes",
+                    )
+                }
+            };
         }
         if self.tensor_bytes().is_none() {
             return bad("num_blocks", "makes a tensor larger than 2^64 bytes");

@@ -210,6 +210,13 @@ fn oversized_shapes_are_refused_without_overflow() {
         .validate()
         .unwrap_err();
     assert_eq!(e.field, "head_dim");
+    assert!(e.reason.contains("block_size x kv_heads x head_dim"), "{}", e.reason);
+    // Named where the product overflows: here at the layers, not at head_dim.
+    let e =
+        LayoutDesc { block_size: u32::MAX, kv_heads: u32::MAX, head_dim: 1, elem_bytes: 1, ..base }
+            .validate()
+            .unwrap_err();
+    assert_eq!(e.field, "num_layers");
     let e = LayoutDesc { num_layers: u32::MAX, ..base }.validate().unwrap_err();
     assert_eq!(e.field, "num_layers");
     let e = LayoutDesc { num_blocks: u64::MAX, ..base }.validate().unwrap_err();
