@@ -106,7 +106,14 @@ fn shape(layout: &LayoutDesc, keys: usize, blocks: &[u64]) -> Result<(usize, u64
         ));
     }
     let per_chunk = blocks.len() / keys;
-    Ok((per_chunk, layout.block_bytes() * per_chunk as u64))
+    match layout.block_bytes().checked_mul(per_chunk as u64) {
+        Some(len) => Ok((per_chunk, len)),
+        None => bad(format!(
+            "blocks: {per_chunk} blocks per key of {} bytes each make a chunk larger than 2^64 \
+             bytes",
+            layout.block_bytes()
+        )),
+    }
 }
 
 fn blocks_of(blocks: &[u64], per_chunk: usize, i: usize) -> Vec<u64> {
@@ -518,5 +525,19 @@ mod tests {
         let m = refused(shape(&l, 2, &[0, 100]));
         assert!(m.starts_with("blocks[1]: 100 is out of range"), "{m}");
         assert!(refused(shape(&l, 1, &[u64::MAX])).contains("out of range"));
+        // Blocks of 2^45 bytes (a valid layout), 2^19 of them per key: the chunk's length
+        // would wrap to 0 (and a division by it panic the shard).
+        let big = LayoutDesc {
+            num_layers: 1 << 4,
+            num_blocks: 1,
+            block_size: 1 << 20,
+            kv_heads: 1 << 10,
+            head_dim: 1 << 10,
+            elem_bytes: 1,
+            ..l
+        };
+        assert!(big.validate().is_ok());
+        let m = refused(shape(&big, 1, &vec![0; 1 << 19]));
+        assert!(m.starts_with("blocks: 524288 blocks per key of 35184372088832 bytes"), "{m}");
     }
 }
