@@ -171,7 +171,9 @@ impl Client {
         }
     }
 
-    /// Ends a registration; returns once no copy uses the engine's memory any more.
+    /// Ends a registration; returns once no copy uses the engine's memory any more and the
+    /// server has closed its import of it (unless another registration of the same allocation
+    /// still holds it): the engine may then free that memory.
     pub fn unregister_gpu(&mut self, r: &GpuRegistration) -> Result<(), Error> {
         self.check_epoch(r)?;
         let req = Request::UnregisterGpu { registration: r.id, generation: r.generation };

@@ -40,25 +40,15 @@ pub(crate) async fn register(
     tensors: Vec<GpuTensor>,
 ) -> Response {
     let Some(gpu) = exec.shared.gpu_service.get() else { return no_gpu() };
-    let (tx, rx) = crossbeam_channel::bounded(1);
     let (svc, uuid) = (Arc::clone(gpu), device_uuid.clone());
-    off_shard(move || {
-        let _ = tx.send(svc.register(session, &uuid, &layout, &tensors));
-    });
-    let result = loop {
-        match rx.try_recv() {
-            Ok(r) => break r,
-            Err(crossbeam_channel::TryRecvError::Empty) => {
-                glommio::timer::sleep(Duration::from_micros(100)).await
-            }
-            Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                break Err((
-                    ErrorCode::Internal,
-                    "the IPC handles could not be opened off the shard (see the server log)".into(),
-                ))
-            }
-        }
-    };
+    let result = off_shard_awaited(move || svc.register(session, &uuid, &layout, &tensors))
+        .await
+        .unwrap_or_else(|| {
+            Err((
+                ErrorCode::Internal,
+                "the IPC handles could not be opened off the shard (see the server log)".into(),
+            ))
+        });
     match result {
         Ok((registration, generation)) => {
             tracing::info!(session, registration, generation, device_uuid, "GPU registration");
@@ -68,7 +58,29 @@ pub(crate) async fn register(
     }
 }
 
-/// `UnregisterGpu`: answered once no copy uses the engine's memory any more.
+/// Runs `f` off the shard (driver work that takes milliseconds) while the shard keeps
+/// serving, and returns its result; None if no thread could run it (it was then dropped on
+/// the shard) or it panicked.
+async fn off_shard_awaited<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    off_shard(move || {
+        let _ = tx.send(f());
+    });
+    loop {
+        match rx.try_recv() {
+            Ok(r) => return Some(r),
+            Err(crossbeam_channel::TryRecvError::Empty) => {
+                glommio::timer::sleep(Duration::from_micros(100)).await
+            }
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
+        }
+    }
+}
+
+/// `UnregisterGpu`: answered once no copy uses the engine's memory any more and the server's
+/// import of it is closed (when no other registration of the same allocation holds it), so
+/// that the engine may free it as soon as the answer arrives: freeing exported memory before
+/// the importer closes its handle is undefined in CUDA.
 pub(crate) async fn unregister(
     exec: &Rc<Exec>,
     session: SessionId,
@@ -84,8 +96,8 @@ pub(crate) async fn unregister(
     while Arc::strong_count(&memory) > 1 {
         glommio::timer::sleep(Duration::from_micros(50)).await;
     }
-    // Closing the mapping is driver work: off the shard.
-    off_shard(move || drop(memory));
+    // Closing the mapping is driver work: off the shard, awaited before the answer.
+    off_shard_awaited(move || drop(memory)).await;
     Response::GpuUnregistered
 }
 
