@@ -42,6 +42,29 @@ fn free_slots(max_deferred: usize, deferred: usize, started: usize) -> usize {
     (max_deferred + 1).saturating_sub(deferred + started).max(1)
 }
 
+/// What to do before sending one more request, with `max_deferred + 1` allowed in flight (the
+/// server's `max_inflight`: the transport refuses a request beyond it, and a refused send
+/// would end the session), `deferred` releases and `started` requests the caller holds.
+#[derive(Debug, PartialEq, Eq)]
+enum Room {
+    /// It fits.
+    Free,
+    /// Wait for the oldest deferred release's answer first.
+    WaitOldest,
+    /// The caller's started requests alone fill the session: refuse this one.
+    Full,
+}
+
+fn room(max_deferred: usize, deferred: usize, started: usize) -> Room {
+    if deferred + started <= max_deferred {
+        Room::Free
+    } else if deferred > 0 {
+        Room::WaitOldest
+    } else {
+        Room::Full
+    }
+}
+
 /// One of the connection's started requests; gives its count back when dropped.
 struct StartedSlot(Arc<AtomicUsize>);
 
@@ -281,15 +304,46 @@ impl Connection {
         timeout: Duration,
     ) -> Result<Response, Error> {
         self.reap_deferred();
+        self.make_room(op, timeout)?;
         let pending = self.send(bytes)?;
         self.wait(&pending, op, timeout)
     }
 
+    /// Makes room for one more request among those in flight (see [`Room`]): waits for the
+    /// oldest deferred releases while they are in the way; refuses, leaving the session as it
+    /// is, when the requests the caller started and still holds fill it.
+    fn make_room(&mut self, op: &'static str, timeout: Duration) -> Result<(), Error> {
+        loop {
+            let started = self.started.load(Ordering::Relaxed);
+            match room(self.max_deferred, self.deferred.len(), started) {
+                Room::Free => return Ok(()),
+                Room::WaitOldest => {
+                    let (pending, was) =
+                        self.deferred.pop_front().expect("WaitOldest: one deferred");
+                    let answer = self.wait(&pending, was, timeout)?;
+                    self.check_deferred(was, answer);
+                }
+                Room::Full => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{op}: the {started} requests started and not yet taken fill the \
+                         session's {} in flight; take or drop one first",
+                        self.max_deferred + 1
+                    )))
+                }
+            }
+        }
+    }
+
     /// Sends a request and returns its pending answer (for [`Connection::poll`] or
     /// [`Connection::wait`]).
-    pub(crate) fn start(&mut self, req: &Request) -> Result<PendingAnswer, Error> {
+    pub(crate) fn start(
+        &mut self,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<PendingAnswer, Error> {
         let bytes = self.encode_checked(req)?;
         self.reap_deferred();
+        self.make_room(req.op_name(), timeout)?;
         let pending = self.send(&bytes)?;
         self.started.fetch_add(1, Ordering::Relaxed);
         Ok(PendingAnswer { pending, _slot: StartedSlot(Arc::clone(&self.started)) })
@@ -334,11 +388,7 @@ impl Connection {
             return Ok(());
         }
         self.reap_deferred();
-        while self.deferred.len() >= self.max_deferred {
-            let oldest = self.deferred.pop_front().expect("non-empty: len >= max_deferred >= 1");
-            let answer = self.wait(&oldest.0, oldest.1, timeout)?;
-            self.check_deferred(oldest.1, answer);
-        }
+        self.make_room(req.op_name(), timeout)?;
         let bytes = encode(req);
         let pending = self.send(&bytes)?;
         self.deferred.push_back((pending, req.op_name()));
@@ -472,6 +522,21 @@ mod tests {
         assert_eq!(free_slots(7, 5, 2), 1);
         assert_eq!(free_slots(7, 7, 3), 1, "never below one");
         assert_eq!(free_slots(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn a_request_waits_for_deferred_releases_or_is_refused_when_started_ones_fill_the_session() {
+        // Eight in flight (max_deferred 7).
+        assert_eq!(room(7, 0, 0), Room::Free);
+        assert_eq!(room(7, 7, 0), Room::Free, "the seven releases and this one");
+        assert_eq!(room(7, 5, 2), Room::Free);
+        assert_eq!(room(7, 6, 2), Room::WaitOldest);
+        assert_eq!(room(7, 1, 7), Room::WaitOldest);
+        // The caller's held transfers alone fill it: refused, where sending would have had
+        // the transport refuse it and end the session.
+        assert_eq!(room(7, 0, 8), Room::Full);
+        assert_eq!(room(0, 0, 0), Room::Free);
+        assert_eq!(room(0, 0, 1), Room::Full);
     }
 
     #[test]

@@ -275,13 +275,17 @@ impl Client {
                 self.transfer_batch(per_chunk)
             )));
         }
+        let timeout = self.opts.request_timeout;
         let conn = self.conn.as_mut().ok_or(Error::Stale)?;
-        let pending = conn.start(&way.request(r, keys, blocks))?;
+        let pending = conn.start(&way.request(r, keys, blocks), timeout)?;
         Ok(Transfer { pending, op, keys: keys.len(), epoch: r.epoch })
     }
 
     /// Starts a save of one request's worth of chunks and returns at once; see
-    /// [`Client::poll_transfer`] and [`Client::wait_transfer`].
+    /// [`Client::poll_transfer`] and [`Client::wait_transfer`]. Every `Transfer` held counts
+    /// against the session's requests in flight (the server's `--max-inflight-per-session`,
+    /// with pending releases): where the held ones fill it, this and any other call are
+    /// refused with `InvalidArgument` until one is taken or dropped; the session goes on.
     pub fn start_save(
         &mut self,
         r: &GpuRegistration,
