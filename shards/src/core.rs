@@ -111,6 +111,10 @@ pub struct ShardCore {
     pub(crate) ssd: Option<crate::ssd::store::SsdStore>,
     /// Entries being written to SSD.
     pub(crate) demoting: u64,
+    /// Arena pages of those entries, free once their writes land (`maintain` counts them).
+    pub(crate) demoting_pages: u64,
+    /// Whether a chunk too large for an SSD region has been reported (once per shard).
+    pub(crate) warned_too_large: bool,
     /// Counters and latency recorders of this shard.
     pub metrics: ShardMetrics,
 }
@@ -131,6 +135,8 @@ impl ShardCore {
             reservations: 0,
             ssd: None,
             demoting: 0,
+            demoting_pages: 0,
+            warned_too_large: false,
             metrics: ShardMetrics::default(),
         }
     }

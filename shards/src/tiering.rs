@@ -15,6 +15,7 @@ use orbitkv_proto::{ChunkKey, Hit, Tier};
 use crate::core::ShardCore;
 use crate::entries::EntryState;
 use crate::ops::SessionId;
+use crate::ssd::log::PlaceError;
 use crate::ssd::store::{SsdEvent, SsdStore};
 
 /// Demote while less than this share of the slice is free.
@@ -69,8 +70,7 @@ impl ShardCore {
                 continue;
             }
             if self.promotion_pending(key) || self.start_promotion(key) {
-                self.metrics.misses -= 1; // counted as an SSD hit instead
-                self.metrics.ssd_hits += 1;
+                // Still a miss: an SSD hit once the promoted chunk is found (finish_lookup).
                 let idx = self.entries.find(key).expect("a pending promotion has its entry");
                 let e = self.entries.get_mut(idx);
                 e.leases += 1;
@@ -104,6 +104,10 @@ impl ShardCore {
         self.metrics.hits = hits;
         self.metrics.misses = misses;
         for (&i, hit) in first.pending.iter().zip(found) {
+            if hit.is_some() {
+                self.metrics.misses -= 1; // the first pass counted a miss
+                self.metrics.ssd_hits += 1;
+            }
             first.hits[i] = hit.map(|h| Hit { tier: Tier::Ssd, ..h });
         }
         // Drop this lookup's pins (a failed promotion's entry is already gone).
@@ -148,7 +152,9 @@ impl ShardCore {
             match event {
                 SsdEvent::Demoted { key, stored } => {
                     self.demoting -= 1;
+                    // A demoting entry is neither evicted nor deleted (both answer `Busy`).
                     let Some(idx) = self.entries.find(&key) else { continue };
+                    self.demoting_pages -= self.entries.get(idx).extent.pages;
                     if stored && self.entries.get(idx).leases == 0 {
                         let e = self.entries.remove(idx);
                         self.alloc.free(e.extent);
@@ -174,13 +180,15 @@ impl ShardCore {
         n
     }
 
-    /// Starts demotions while free DRAM is below target; returns how many started.
+    /// Starts demotions while free DRAM, counting the pages of demotions already under way
+    /// (freed when their writes land), is below target; returns how many started.
     pub fn maintain(&mut self) -> usize {
         let Some(ssd) = self.ssd.as_ref() else { return 0 };
         let target = self.alloc.capacity_pages() * FREE_TARGET_PERCENT / 100;
         let half_full = ssd.stats().used_bytes * 2 >= ssd.stats().capacity_bytes;
+        let region_bytes = ssd.region_bytes();
         let mut started = 0;
-        while self.alloc.capacity_pages() - self.alloc.used_pages() < target {
+        while self.alloc.capacity_pages() - self.alloc.used_pages() + self.demoting_pages < target {
             if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
                 break;
             }
@@ -202,16 +210,34 @@ impl ShardCore {
                 self.metrics.evictions += 1;
                 continue;
             }
-            self.entries.start_demotion(victim);
-            let submitted = self
-                .ssd
-                .as_mut()
-                .is_some_and(|ssd| ssd.demote(key, len, checksum, &self.slice, extent.offset()));
-            if !submitted {
-                self.entries.end_demotion(victim);
-                break;
+            let Some(ssd) = self.ssd.as_mut() else { break };
+            match ssd.demote(key, len, checksum, &self.slice, extent.offset()) {
+                // Nothing runs between the write's submission and this (one thread per
+                // shard): the entry is out of the queue before anything could evict it.
+                Ok(()) => self.entries.start_demotion(victim),
+                Err(PlaceError::TooLarge) => {
+                    // No region holds it: evicted as an admission refusal, said once.
+                    if !self.warned_too_large {
+                        self.warned_too_large = true;
+                        tracing::warn!(
+                            chunk_bytes = len,
+                            region_bytes,
+                            "a chunk larger than an SSD region (less its 4 KiB header) is \
+                             evicted instead of demoted; raise --ssd-region-size above \
+                             --max-chunk-size to keep such chunks"
+                        );
+                    }
+                    self.metrics.admission_rejections += 1;
+                    let e = self.entries.remove(victim);
+                    self.alloc.free(e.extent);
+                    self.metrics.evictions += 1;
+                    continue;
+                }
+                // Not now (the ring or every region busy): the victim stays where it is.
+                Err(PlaceError::Busy) => break,
             }
             self.demoting += 1;
+            self.demoting_pages += extent.pages;
             started += 1;
         }
         started

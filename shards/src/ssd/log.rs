@@ -129,6 +129,11 @@ impl RegionLog {
         self.index.is_empty()
     }
 
+    /// Bytes of a region: the largest record it holds, header included.
+    pub fn region_bytes(&self) -> u64 {
+        self.sb.region_bytes
+    }
+
     /// Bytes of regions in use (never more than the file's region area).
     pub fn used_bytes(&self) -> u64 {
         self.used_bytes
@@ -266,8 +271,9 @@ impl RegionLog {
     /// Rebuilds the log from the file. `read` reads `len` bytes at a file offset (the caller
     /// does the I/O). Each region is scanned from its start; the records of its newest
     /// generation are kept, a newer record of a key supersedes an older one, and a block
-    /// that fails validation is skipped (a torn record: the scan probes the following blocks
-    /// for further records of the same generation).
+    /// that fails validation or belongs to an earlier use of the region is skipped (a torn
+    /// record, or a write that failed: the scan probes the following blocks for further
+    /// records of the same generation).
     pub fn recover(
         sb: Superblock,
         mut read: impl FnMut(u64, &mut [u8]) -> std::io::Result<()>,
@@ -309,7 +315,10 @@ impl RegionLog {
                         end = at;
                         scanning = false;
                     }
-                    Ok(_) => break, // an earlier use of the region: the current log ends here
+                    // An earlier use of the region: where this generation's log ends, or
+                    // where one of its writes failed (its block never written) with later
+                    // records after it. Look further, as past a torn record.
+                    Ok(_) => at += PAGE_SIZE,
                     Err(FormatError::BadMagic) if generation.is_none() => break, // never written
                     // Unwritten space, or a payload block: look further for records that
                     // completed after a torn one.

@@ -237,8 +237,9 @@ impl SsdRing {
                 iov_len: slot_len as usize,
             },
         ]);
-        let entry =
-            opcode::Writev::new(types::Fd(file.as_raw_fd()), iov.as_ptr(), 2).offset(at).build();
+        // Through `target`, as every other operation: an injected failure reaches demotions.
+        let fd = self.target(file);
+        let entry = opcode::Writev::new(fd, iov.as_ptr(), 2).offset(at).build();
         let id =
             self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })?;
         self.blocks.insert(id, header);

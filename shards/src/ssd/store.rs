@@ -12,7 +12,7 @@ use orbitkv_proto::chunk_checksum;
 use orbitkv_proto::ChunkKey;
 
 use super::format::{Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES};
-use super::log::{Placement, RecoveryReport, RegionLog, SsdEntry};
+use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry};
 use super::ring::{AlignedBlock, SsdRing};
 use crate::alloc::PAGE_SIZE;
 use crate::arena::ArenaSlice;
@@ -184,6 +184,13 @@ impl SsdStore {
             ring.read_block_sync(&file, 0, &mut block).map_err(io_err("reading", &path))?;
             match Superblock::decode(&block) {
                 Ok(found) if found == sb && existing_len >= sb.file_bytes() => {}
+                Ok(found) if found == sb => {
+                    rebuilt = Some(format!(
+                        "the file is {existing_len} bytes, its geometry needs {}",
+                        sb.file_bytes()
+                    ));
+                    fresh = true;
+                }
                 Ok(found) => {
                     rebuilt = Some(format!(
                         "written with {} shards, regions of {} x {} bytes; now {} shards, {} x {}",
@@ -273,6 +280,12 @@ impl SsdStore {
         self.ring.has_room()
     }
 
+    /// The largest record a region holds, header included: chunks longer than this less the
+    /// header never go to SSD.
+    pub fn region_bytes(&self) -> u64 {
+        self.log.region_bytes()
+    }
+
     /// Operations in flight.
     pub fn inflight(&self) -> usize {
         self.ring.inflight()
@@ -280,7 +293,9 @@ impl SsdStore {
 
     /// Starts writing the chunk in the arena slot at `slot_offset` of `slice` (page-rounded
     /// length) to SSD. The slot must stay allocated and unmodified until
-    /// [`SsdEvent::Demoted`] for this key. Returns false when it cannot start now.
+    /// [`SsdEvent::Demoted`] for this key. `Busy` when it cannot start now (the ring or every
+    /// region in use, or the write not submitted); `TooLarge` when the chunk with its header
+    /// is larger than a region, so that it never can.
     pub fn demote(
         &mut self,
         key: ChunkKey,
@@ -288,13 +303,11 @@ impl SsdStore {
         checksum: u64,
         slice: &ArenaSlice,
         slot_offset: u64,
-    ) -> bool {
+    ) -> Result<(), PlaceError> {
         if !self.ring.has_room() {
-            return false;
+            return Err(PlaceError::Busy);
         }
-        let Ok((placement, dropped)) = self.log.place(key, len, checksum) else {
-            return false;
-        };
+        let (placement, dropped) = self.log.place(key, len, checksum)?;
         self.stats.reclaimed += dropped.len() as u64;
         let mut header = AlignedBlock::new();
         placement.header.encode_into(header.bytes_mut());
@@ -309,13 +322,13 @@ impl SsdStore {
         ) {
             Ok(id) => {
                 self.pending.insert(id, Pending::Demote(placement));
-                true
+                Ok(())
             }
             Err(e) => {
                 self.log.abort_write(&placement);
                 self.stats.io_errors += 1;
                 tracing::warn!(path = %self.path.display(), error = %e, "SSD write not submitted");
-                false
+                Err(PlaceError::Busy)
             }
         }
     }
@@ -382,7 +395,9 @@ impl SsdStore {
                         self.stats.checksum_failures += 1;
                         tracing::warn!(path = %self.path.display(), offset = entry.offset, "SSD record failed its checksum; dropped");
                     }
-                    if !verified && self.log.get(&key) == Some(entry) {
+                    // A record that failed its checksum is dropped; one whose read failed
+                    // stays (its bytes on SSD may be intact: the next lookup reads again).
+                    if read_ok && !verified && self.log.get(&key) == Some(entry) {
                         self.log.remove(&key);
                     }
                     events.push(SsdEvent::Promoted { key, verified });

@@ -9,6 +9,16 @@ use crate::ssd::store::SsdConfig;
 use crate::Arena;
 
 fn core_with_ssd(dram_pages: u64, dir: &std::path::Path) -> (ShardCore, u64) {
+    core_with_chunks(dram_pages, dir, 4)
+}
+
+/// A shard of `dram_pages` with an SSD tier of 256 KiB regions, and a namespace of chunks up
+/// to `tokens_per_chunk` x 4 KiB.
+fn core_with_chunks(
+    dram_pages: u64,
+    dir: &std::path::Path,
+    tokens_per_chunk: u32,
+) -> (ShardCore, u64) {
     let arena = Arc::new(Arena::create(dram_pages * 4096, false).unwrap());
     let slice = arena.split(1).pop().unwrap();
     let mut core =
@@ -20,7 +30,7 @@ fn core_with_ssd(dram_pages: u64, dir: &std::path::Path) -> (ShardCore, u64) {
         num_kv_heads: 1,
         head_dim: 512,
         kv_tensors: 2,
-        tokens_per_chunk: 4,
+        tokens_per_chunk,
         layout_version: 1,
         tp_rank: 0,
         tp_world_size: 1,
@@ -181,4 +191,75 @@ fn evict_during_a_promotion_is_busy_and_the_chunk_stays_consistent() {
     let ShardReply::Outcomes(o) = core.apply(ShardOp::Evict { keys: vec![k] }) else { panic!() };
     assert_eq!(o, vec![ChunkOutcome::Done]);
     assert!(get(&mut core, k, false).is_none());
+}
+
+/// Demotions under way count toward the free target: a shard short of one page starts one,
+/// not one per free ring slot (which left every chunk demoting, none evictable, and a put
+/// meanwhile without room).
+#[test]
+fn demotions_stop_once_enough_are_under_way() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut core, ns) = core_with_ssd(16, dir.path());
+    for i in 0..8 {
+        put(&mut core, key(ns, i), i, 8000).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+    }
+    settle(&mut core);
+    put(&mut core, key(ns, 50), 50, 8000).unwrap();
+    assert!(get(&mut core, key(ns, 50), false).is_some());
+    let started = core.maintain();
+    assert_eq!(started, 1, "one two-page chunk brings a 16-page shard to its free target");
+    put(&mut core, key(ns, 100), 100, 8000).unwrap();
+    settle(&mut core);
+    assert_eq!(core.demoting_pages, 0);
+}
+
+/// A chunk longer than a region less its header never fits on SSD: it is evicted, counted
+/// as an admission refusal, and the shard keeps taking chunks.
+#[test]
+fn a_chunk_larger_than_a_region_is_evicted_and_counted() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    // 64 tokens x 4 KiB: 256 KiB chunks, as large as a region.
+    let (mut core, ns) = core_with_chunks(256, dir.path(), 64);
+    for i in 0..20 {
+        put(&mut core, key(ns, i), i, 256 << 10).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+        settle(&mut core);
+    }
+    let s = core.stats();
+    assert_eq!(s.demotions, 0);
+    assert!(s.admission_rejections > 0, "{s:?}");
+    assert_eq!(s.admission_rejections, s.evictions, "{s:?}");
+    assert!(get(&mut core, key(ns, 19), false).is_some());
+}
+
+/// A promotion that fails its checksum is a miss, not an SSD hit.
+#[test]
+fn a_failed_promotion_is_a_miss() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut core, ns) = core_with_ssd(64, dir.path());
+    for i in 0..200 {
+        put(&mut core, key(ns, i), i, 4000).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+        settle(&mut core);
+    }
+    let k = (0..200).map(|i| key(ns, i)).find(|k| core.entries.find(k).is_none()).unwrap();
+    let e = core.ssd.as_ref().unwrap().get(&k).unwrap();
+    let path = core.ssd.as_ref().unwrap().path().to_owned();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        f.write_all_at(&[0xAA; 16], e.payload_offset()).unwrap();
+        f.sync_all().unwrap();
+    }
+    let before = core.stats();
+    assert!(get(&mut core, k, false).is_none());
+    let after = core.stats();
+    assert_eq!(after.misses, before.misses + 1);
+    assert_eq!(after.ssd_hits, before.ssd_hits);
+    // A good one still counts as an SSD hit.
+    let good = (0..200).map(|i| key(ns, i)).find(|g| *g != k && core.entries.find(g).is_none());
+    assert!(get(&mut core, good.unwrap(), false).is_some());
+    assert_eq!(core.stats().ssd_hits, after.ssd_hits + 1);
+    assert_eq!(core.stats().misses, after.misses);
 }

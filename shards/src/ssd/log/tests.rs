@@ -253,3 +253,24 @@ fn a_failed_first_write_closes_its_region() {
     assert_ne!(next.region, first.region);
     assert!(log.used_bytes() <= sb.region_count * sb.region_bytes);
 }
+
+/// A write that failed in the middle of a region leaves an earlier use's header at its offset;
+/// records written after it (live in the index) are found again at restart.
+#[test]
+fn records_after_a_failed_write_mid_region_survive_a_restart() {
+    let sb = sb(2, 64 << 10);
+    let mut log = RegionLog::new(sb);
+    let mut disk = Disk::new(&sb);
+    for i in 0..8 {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+    }
+    put(&mut log, &mut disk, 100, 12 << 10).unwrap(); // region 0 again, a new generation
+    let (failed, _) = log.place(key(101), 12 << 10, 0).unwrap();
+    log.abort_write(&failed); // the write failed (EIO); the server keeps running
+    put(&mut log, &mut disk, 102, 12 << 10).unwrap();
+    assert!(log.get(&key(102)).is_some());
+    let (back, _) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    assert!(back.get(&key(100)).is_some());
+    assert!(back.get(&key(101)).is_none());
+    assert!(back.get(&key(102)).is_some(), "live before the restart, lost after");
+}

@@ -38,7 +38,7 @@ fn demote_all(store: &mut SsdStore, slice: &ArenaSlice, n: u32, len: usize) {
         let v = value(i, len);
         let slot = i as u64 * (64 << 10);
         slice.write(slot, &v);
-        assert!(store.demote(key(i), len as u64, chunk_checksum(&v), slice, slot));
+        assert!(store.demote(key(i), len as u64, chunk_checksum(&v), slice, slot).is_ok());
         for e in events(store, slice, 1) {
             assert_eq!(e, SsdEvent::Demoted { key: key(i), stored: true });
         }
@@ -119,6 +119,15 @@ fn another_shard_count_starts_afresh() {
     assert!(why.contains("1 shards") && why.contains("now 2 shards"), "{why}");
     assert_eq!(store.stats().records, 0);
     assert!(store.get(&key(0)).is_none());
+    // The same geometry in a file cut short: started afresh, saying so.
+    let path = store.path().to_owned();
+    drop(store);
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(64 << 10).unwrap();
+    drop(f);
+    let (_, report) = SsdStore::open(&cfg(dir.path(), 2)).unwrap();
+    let why = report.rebuilt.expect("a short file is not read");
+    assert!(why.contains("the file is 65536 bytes"), "{why}");
 }
 
 #[test]
@@ -130,4 +139,49 @@ fn bad_configurations_name_the_problem() {
     let missing = SsdConfig { dir: dir.path().join("nope/deeper"), ..cfg(dir.path(), 1) };
     let e = SsdStore::open(&missing).unwrap_err().to_string();
     assert!(e.contains("opening") && e.contains("nope/deeper"), "{e}");
+}
+
+/// `--ssd-inject-errors-every 1` fails demotion writes too: the record is not stored, the
+/// failure is counted, and the chunk's slot is the caller's again.
+#[test]
+fn injected_errors_reach_demotion_writes() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let mut c = cfg(dir.path(), 1);
+    c.inject_errors_every = 1;
+    let (mut store, _) = SsdStore::open(&c).unwrap();
+    let arena = Arc::new(Arena::create(1 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let v = value(1, 5000);
+    slice.write(0, &v);
+    assert!(store.demote(key(1), 5000, chunk_checksum(&v), &slice, 0).is_ok());
+    let ev = events(&mut store, &slice, 1);
+    assert_eq!(ev[0], SsdEvent::Demoted { key: key(1), stored: false });
+    assert_eq!(store.stats().io_errors, 1);
+    assert!(store.get(&key(1)).is_none());
+}
+
+/// A read that fails (an I/O error, not a checksum) leaves the record: its bytes on SSD are
+/// intact, and the next promotion reads them.
+#[test]
+fn a_failed_read_keeps_the_record() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let mut c = cfg(dir.path(), 1);
+    c.inject_errors_every = 2; // the demotion's write passes, the first read fails
+    let (mut store, _) = SsdStore::open(&c).unwrap();
+    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    demote_all(&mut store, &slice, 1, 10_000);
+    assert!(store.promote(key(0), &slice, 2 << 20));
+    assert_eq!(
+        events(&mut store, &slice, 1),
+        vec![SsdEvent::Promoted { key: key(0), verified: false }]
+    );
+    assert_eq!((store.stats().io_errors, store.stats().checksum_failures), (1, 0));
+    assert!(store.get(&key(0)).is_some(), "kept after a read error");
+    assert!(store.promote(key(0), &slice, 2 << 20));
+    assert_eq!(
+        events(&mut store, &slice, 1),
+        vec![SsdEvent::Promoted { key: key(0), verified: true }]
+    );
+    assert_eq!(slice.bytes(2 << 20, 10_000), &value(0, 10_000)[..]);
 }
