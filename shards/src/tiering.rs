@@ -70,7 +70,9 @@ impl ShardCore {
                 continue;
             }
             if self.promotion_pending(key) || self.start_promotion(key) {
-                // Still a miss: an SSD hit once the promoted chunk is found (finish_lookup).
+                // An SSD hit from now on (a miss again if the promotion fails: finish_lookup).
+                self.metrics.misses -= 1;
+                self.metrics.ssd_hits += 1;
                 let idx = self.entries.find(key).expect("a pending promotion has its entry");
                 let e = self.entries.get_mut(idx);
                 e.leases += 1;
@@ -104,9 +106,10 @@ impl ShardCore {
         self.metrics.hits = hits;
         self.metrics.misses = misses;
         for (&i, hit) in first.pending.iter().zip(found) {
-            if hit.is_some() {
-                self.metrics.misses -= 1; // the first pass counted a miss
-                self.metrics.ssd_hits += 1;
+            if hit.is_none() {
+                // The promotion failed (checksum or read): a miss after all.
+                self.metrics.ssd_hits -= 1;
+                self.metrics.misses += 1;
             }
             first.hits[i] = hit.map(|h| Hit { tier: Tier::Ssd, ..h });
         }
