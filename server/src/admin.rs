@@ -74,17 +74,24 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
     (&stream).write_all(&out)
 }
 
-/// The state name for `ctl`: `serving`, `draining`, or `drained`.
-fn state_name(shared: &Shared, snaps: &[Option<ShardSnapshot>]) -> &'static str {
+/// The shards' snapshots, with the writes admitted and not yet answered counted just before
+/// them (a write answered after the count left its reservation in the snapshots, or is
+/// counted).
+fn snapshots(shared: &Shared) -> (u64, Vec<Option<ShardSnapshot>>) {
+    let admitted = shared.writes_admitted();
+    (admitted, shared.snapshots(SNAPSHOT_TIMEOUT))
+}
+
+/// The state name for `ctl`: `serving`, `draining`, or `drained` (no admitted write left and
+/// no reservation on any shard).
+fn state_name(
+    shared: &Shared,
+    (admitted, snaps): &(u64, Vec<Option<ShardSnapshot>>),
+) -> &'static str {
     match shared.state() {
         ServeState::Serving => "serving",
-        ServeState::Draining => {
-            if snaps.iter().all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0)) {
-                "drained"
-            } else {
-                "draining"
-            }
-        }
+        ServeState::Draining if *admitted == 0 && shared.writes_settled(snaps) => "drained",
+        ServeState::Draining => "draining",
     }
 }
 
@@ -92,9 +99,10 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
     match cmd {
         "evict" => evict(request, shared),
         "health" => {
-            let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
-            let all_answer = snaps.iter().all(Option::is_some);
-            let state = state_name(shared, &snaps);
+            let taken = snapshots(shared);
+            let all_answer = taken.1.iter().all(Option::is_some);
+            let state = state_name(shared, &taken);
+            let snaps = taken.1;
             let ready = all_answer && state == "serving";
             let reason = if !all_answer {
                 "a shard is not answering"
@@ -118,8 +126,7 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
         "drain" => {
             shared.set_state(ServeState::Draining);
             tracing::info!("draining: new sessions and writes are refused");
-            let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
-            json!({"ok": true, "state": state_name(shared, &snaps)})
+            json!({"ok": true, "state": state_name(shared, &snapshots(shared))})
         }
         "resume" => {
             shared.set_state(ServeState::Serving);
@@ -202,7 +209,9 @@ fn evict(request: &Value, shared: &Shared) -> Value {
 }
 
 fn stats(shared: &Shared) -> Value {
-    let snaps = shared.snapshots(SNAPSHOT_TIMEOUT);
+    let taken = snapshots(shared);
+    let state = state_name(shared, &taken);
+    let snaps = taken.1;
     let shards: Vec<Value> = snaps
         .iter()
         .enumerate()
@@ -277,7 +286,8 @@ fn stats(shared: &Shared) -> Value {
     let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
     json!({
         "ok": true,
-        "state": state_name(shared, &snaps),
+        "state": state,
+        "writes_admitted": shared.writes_admitted(),
         "pid": std::process::id(),
         "uptime_s": shared.started.elapsed().as_secs_f64(),
         "socket": shared.settings.socket.display().to_string(),

@@ -63,10 +63,16 @@ pub(crate) fn dispatch(
             ),
         ))
     } else {
-        decode::<Request>(payload)
-            .map_err(|e| reject(ErrorCode::Malformed, e.to_string()))
-            .and_then(|r| check(exec, &counters, &r).map(|()| r).map_err(|(c, m)| reject(c, m)))
+        decode::<Request>(payload).map_err(|e| reject(ErrorCode::Malformed, e.to_string()))
     };
+    // A write is counted as admitted before its check of the state, and until answered: a
+    // drain is done only once none is left (see `Shared::admit_write`).
+    let admitted = match &request {
+        Ok(Request::Reserve { .. } | Request::Save { .. }) => Some(exec.shared.admit_write()),
+        _ => None,
+    };
+    let request =
+        request.and_then(|r| check(exec, &counters, &r).map(|()| r).map_err(|(c, m)| reject(c, m)));
     match request {
         Err(response) => {
             exec.respond(req, &encode(&response));
@@ -82,6 +88,7 @@ pub(crate) fn dispatch(
                     exec.core.borrow_mut().metrics.count_error(*code);
                 }
                 exec.respond(req, &encode(&response));
+                drop(admitted);
                 counters.done();
                 exec.active.set(exec.active.get() - 1);
                 exec.core

@@ -104,6 +104,9 @@ pub struct Shared {
     /// Validated settings.
     pub settings: Settings,
     state: AtomicU8,
+    /// Writes (reserves, GPU saves) admitted and not yet answered: a drain is done only once
+    /// none is left, since an admitted one may not have reached its shards yet.
+    writes_admitted: AtomicU64,
     /// Control queue of each shard (send with [`Shared::send_control`], which rings).
     shard_tx: Vec<Sender<ControlMsg>>,
     /// Shard doorbells.
@@ -141,6 +144,7 @@ impl Shared {
         Arc::new(Self {
             settings,
             state: AtomicU8::new(ServeState::Serving as u8),
+            writes_admitted: AtomicU64::new(0),
             shard_tx,
             doorbells,
             gpu_service: OnceLock::new(),
@@ -157,7 +161,9 @@ impl Shared {
 
     /// Current state.
     pub fn state(&self) -> ServeState {
-        if self.state.load(Ordering::Acquire) == ServeState::Draining as u8 {
+        // SeqCst, as the admitted writes' count: a write counted before it saw `Serving` is
+        // seen by any drain that set `Draining` after (see `admit_write`).
+        if self.state.load(Ordering::SeqCst) == ServeState::Draining as u8 {
             ServeState::Draining
         } else {
             ServeState::Serving
@@ -166,7 +172,7 @@ impl Shared {
 
     /// Switches state.
     pub fn set_state(&self, s: ServeState) {
-        self.state.store(s as u8, Ordering::Release);
+        self.state.store(s as u8, Ordering::SeqCst);
     }
 
     /// Number of shards.
@@ -236,12 +242,61 @@ impl Shared {
             .collect()
     }
 
-    /// True when draining and no shard holds an uncommitted reservation.
+    /// Counts a write (a reserve or a GPU save) as admitted, before its check of the state:
+    /// it is counted until the guard drops, when the request has been answered.
+    pub fn admit_write(self: &Arc<Self>) -> AdmittedWrite {
+        self.writes_admitted.fetch_add(1, Ordering::SeqCst);
+        AdmittedWrite(Arc::clone(self))
+    }
+
+    /// True when no admitted write is left to answer and no shard holds an uncommitted
+    /// reservation (`snaps`, taken after this count is read, as `drained` does).
+    pub fn writes_settled(&self, snaps: &[Option<ShardSnapshot>]) -> bool {
+        snaps.iter().all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0))
+    }
+
+    /// True when draining, no admitted write is left, and no shard holds an uncommitted
+    /// reservation.
     pub fn drained(&self, timeout: Duration) -> bool {
         self.state() == ServeState::Draining
-            && self
-                .snapshots(timeout)
-                .iter()
-                .all(|s| s.as_ref().is_some_and(|s| s.stats.reservations == 0))
+            && self.writes_admitted.load(Ordering::SeqCst) == 0
+            && self.writes_settled(&self.snapshots(timeout))
+    }
+
+    /// Admitted writes not yet answered.
+    pub fn writes_admitted(&self) -> u64 {
+        self.writes_admitted.load(Ordering::SeqCst)
+    }
+}
+
+/// A write counted by [`Shared::admit_write`]; uncounted when dropped.
+pub struct AdmittedWrite(Arc<Shared>);
+
+impl Drop for AdmittedWrite {
+    fn drop(&mut self) {
+        self.0.writes_admitted.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drain is not done while a write admitted before it is unanswered, even with no
+    /// reservation on any shard yet (the write may not have reached them).
+    #[test]
+    fn a_drain_waits_for_admitted_writes() {
+        let settings = crate::config::ServerConfig::default().validate().expect("defaults");
+        let arena = Arc::new(orbitkv_shards::Arena::create(1 << 20, false).expect("arena"));
+        let doorbells = Arc::new(Doorbells::new(arena, 0).expect("doorbells"));
+        let ipc = IpcNames { root: "/tmp/orbitkv-test-root".into(), prefix: "t".into() };
+        let shared = Shared::new(settings, Vec::new(), doorbells, None, false, ipc, "t".into());
+        let write = shared.admit_write();
+        shared.set_state(ServeState::Draining);
+        assert_eq!(shared.writes_admitted(), 1);
+        assert!(!shared.drained(Duration::from_millis(10)));
+        drop(write);
+        assert_eq!(shared.writes_admitted(), 0);
+        assert!(shared.drained(Duration::from_millis(10)));
     }
 }
