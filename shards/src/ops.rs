@@ -42,7 +42,8 @@ pub enum ShardOp {
     },
     /// Commits reservations of `session` whose checksums were computed elsewhere (on the GPU,
     /// during a save's copy): per slot the checksum and whether to check it against the bytes
-    /// first (a mismatch is counted and the reservation dropped: `DeviceError`).
+    /// first (a mismatch is counted and the reservation dropped: `ChecksumMismatch`, which
+    /// the GPU save path answers its client as `DeviceError`).
     CommitSummed {
         /// Requesting session.
         session: SessionId,
