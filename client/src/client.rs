@@ -154,6 +154,30 @@ impl Client {
         }
     }
 
+    /// As [`Client::call`], for a request about holdings of the session of `epoch` (its
+    /// leases or reservations, or the batches after the first of one operation): it never
+    /// reconnects. `Stale` when that session has ended, noticed now or before; a new session
+    /// would not know those holdings (or would take new ones the caller never sees).
+    pub(crate) fn call_pinned(&mut self, epoch: u64, req: &Request) -> Result<Response, Error> {
+        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
+            tracing::info!("orbitkv-server session ended; reconnecting on the next call");
+            self.conn = None;
+        }
+        if self.live_epoch() != epoch {
+            return Err(Error::Stale);
+        }
+        let timeout = self.opts.request_timeout;
+        let conn = self.conn.as_mut().ok_or(Error::Stale)?;
+        match conn.call(req, timeout) {
+            Ok(r) => Ok(r),
+            Err(e) if e.ends_session() => {
+                self.conn = None;
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The epoch of the live connection (0 when disconnected: matches nothing).
     pub(crate) fn live_epoch(&self) -> u64 {
         if self.conn.is_some() {
@@ -207,12 +231,12 @@ impl Client {
         let epoch = self.epoch;
         let mut all: Vec<Hit> = Vec::new();
         for batch in keys.chunks(self.max_keys()) {
-            let answer = match self.call(&Request::Lookup { keys: batch.to_vec(), lease }) {
-                Ok(_) if self.live_epoch() != epoch => Err(Error::Stale),
-                Ok(Response::Lookup { hits }) if hits.len() <= batch.len() => Ok(hits),
-                Ok(other) => Err(unexpected("lookup", other)),
-                Err(e) => Err(e),
-            };
+            let answer =
+                match self.call_pinned(epoch, &Request::Lookup { keys: batch.to_vec(), lease }) {
+                    Ok(Response::Lookup { hits }) if hits.len() <= batch.len() => Ok(hits),
+                    Ok(other) => Err(unexpected("lookup", other)),
+                    Err(e) => Err(e),
+                };
             match answer {
                 Ok(hits) => {
                     let complete = hits.len() == batch.len();
@@ -257,13 +281,13 @@ impl Client {
 
     /// Releases leases; the outcome per lease is `Done` or why not.
     pub fn release(&mut self, leases: &[Lease]) -> Result<Vec<ChunkOutcome>, Error> {
-        let epoch = self.live_epoch();
+        let epoch = leases.first().map_or(self.live_epoch(), |l| l.epoch);
         if leases.iter().any(|l| l.epoch != epoch) {
             return Err(Error::Stale);
         }
         let slots: Vec<SlotRef> =
             leases.iter().map(|l| SlotRef { key: l.key, generation: l.hit.generation }).collect();
-        self.outcomes("release", &slots, |slots| Request::Release { slots })
+        self.outcomes("release", epoch, &slots, |slots| Request::Release { slots })
     }
 
     /// Releases leases without waiting for the server's answer: the release travels while
@@ -271,6 +295,9 @@ impl Client {
     /// (it cannot, for leases this session holds) is logged and counted in
     /// [`Client::deferred_failures`].
     pub fn release_deferred(&mut self, leases: &[Lease]) -> Result<(), Error> {
+        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
+            self.conn = None;
+        }
         let epoch = self.live_epoch();
         if leases.iter().any(|l| l.epoch != epoch) {
             return Err(Error::Stale);
@@ -284,7 +311,10 @@ impl Client {
                 .collect();
             let conn = self.conn.as_mut().ok_or(Error::Stale)?;
             if let Err(e) = conn.send_deferred(&Request::Release { slots }, timeout) {
-                self.conn = None;
+                // A refusal (the caller's held transfers fill the session) leaves it as it is.
+                if e.ends_session() {
+                    self.conn = None;
+                }
                 return Err(e);
             }
         }
@@ -307,15 +337,18 @@ impl Client {
         self.conn.as_ref().map_or(0, |c| c.deferred_failures)
     }
 
+    /// Sends `items` in batches as `make` builds the request, each pinned to the session of
+    /// `epoch` (the holdings they name are that session's).
     fn outcomes<T: Clone>(
         &mut self,
         op: &str,
+        epoch: u64,
         items: &[T],
         make: impl Fn(Vec<T>) -> Request,
     ) -> Result<Vec<ChunkOutcome>, Error> {
         let mut all = Vec::with_capacity(items.len());
         for batch in items.chunks(self.max_keys()) {
-            match self.call(&make(batch.to_vec()))? {
+            match self.call_pinned(epoch, &make(batch.to_vec()))? {
                 Response::Outcomes { outcomes } if outcomes.len() == batch.len() => {
                     all.extend(outcomes)
                 }
@@ -383,10 +416,22 @@ impl Client {
         self.ensure_connected()?;
         let epoch = self.epoch;
         for (kb, lb) in keys.chunks(max).zip(lens.chunks(max)) {
-            let answer = match self.call(&Request::Reserve { keys: kb.to_vec(), lens: lb.to_vec() })
-            {
-                Ok(_) if self.live_epoch() != epoch => Err(Error::Stale),
-                Ok(Response::Reserved { slots }) if slots.len() == kb.len() => Ok(slots),
+            let req = Request::Reserve { keys: kb.to_vec(), lens: lb.to_vec() };
+            let answer = match self.call_pinned(epoch, &req) {
+                Ok(Response::Reserved { slots }) if slots.len() == kb.len() => {
+                    // A slot of another length than asked would be written out of bounds or
+                    // short: the server broke the protocol.
+                    match slots
+                        .iter()
+                        .zip(lb)
+                        .find(|(s, &l)| matches!(s, Reservation::Slot { len, .. } if *len != l))
+                    {
+                        Some((Reservation::Slot { len, .. }, l)) => Err(Error::Protocol(format!(
+                            "reserve answered a slot of {len} bytes for a chunk of {l}"
+                        ))),
+                        _ => Ok(slots),
+                    }
+                }
                 Ok(other) => Err(unexpected("reserve", other)),
                 Err(e) => Err(e),
             };
@@ -427,18 +472,23 @@ impl Client {
         conn.arena.bytes_mut(r.offset, r.len).map_err(Error::Protocol)
     }
 
-    fn slot_refs(&self, slots: &[Reserved]) -> Result<Vec<SlotRef>, Error> {
-        let epoch = self.live_epoch();
+    /// The reservations' references and the epoch of their session (`Stale` if they are of
+    /// different sessions; a session since ended shows when they are sent).
+    fn slot_refs(&self, slots: &[Reserved]) -> Result<(Vec<SlotRef>, u64), Error> {
+        let epoch = slots.first().map_or(self.live_epoch(), |s| s.epoch);
         if slots.iter().any(|s| s.epoch != epoch) {
             return Err(Error::Stale);
         }
-        Ok(slots.iter().map(|s| SlotRef { key: s.key, generation: s.generation }).collect())
+        Ok((
+            slots.iter().map(|s| SlotRef { key: s.key, generation: s.generation }).collect(),
+            epoch,
+        ))
     }
 
     /// Makes written reservations visible.
     pub fn commit(&mut self, slots: &[Reserved]) -> Result<Vec<ChunkOutcome>, Error> {
-        let refs = self.slot_refs(slots)?;
-        self.outcomes("commit", &refs, |slots| Request::Commit { slots })
+        let (refs, epoch) = self.slot_refs(slots)?;
+        self.outcomes("commit", epoch, &refs, |slots| Request::Commit { slots })
     }
 
     /// Makes written reservations visible with checksums the caller computed
@@ -460,9 +510,9 @@ impl Client {
                 checksums.len()
             )));
         }
-        let items: Vec<(SlotRef, u64)> =
-            self.slot_refs(slots)?.into_iter().zip(checksums.iter().copied()).collect();
-        self.outcomes("commit_checked", &items, |items| {
+        let (refs, epoch) = self.slot_refs(slots)?;
+        let items: Vec<(SlotRef, u64)> = refs.into_iter().zip(checksums.iter().copied()).collect();
+        self.outcomes("commit_checked", epoch, &items, |items| {
             let (slots, checksums) = items.into_iter().unzip();
             Request::CommitChecked { slots, checksums }
         })
@@ -470,8 +520,8 @@ impl Client {
 
     /// Gives reservations back unwritten.
     pub fn abort(&mut self, slots: &[Reserved]) -> Result<Vec<ChunkOutcome>, Error> {
-        let refs = self.slot_refs(slots)?;
-        self.outcomes("abort", &refs, |slots| Request::Abort { slots })
+        let (refs, epoch) = self.slot_refs(slots)?;
+        self.outcomes("abort", epoch, &refs, |slots| Request::Abort { slots })
     }
 
     /// Stores chunks: reserve, copy each into its slot, commit.
@@ -526,7 +576,9 @@ impl Client {
 
     /// Removes chunks that nobody leases.
     pub fn evict(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkOutcome>, Error> {
-        self.outcomes("evict", keys, |keys| Request::Evict { keys })
+        self.ensure_connected()?;
+        let epoch = self.epoch;
+        self.outcomes("evict", epoch, keys, |keys| Request::Evict { keys })
     }
 }
 

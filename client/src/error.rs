@@ -34,9 +34,10 @@ pub enum Error {
     /// call reconnects.
     #[error("disconnected from orbitkv-server: {0}")]
     Disconnected(String),
-    /// No response in time. The session is dropped (the server reclaims what it held) and the
-    /// next call reconnects.
-    #[error("{op} got no response within {after:?}; session dropped")]
+    /// No response in time. A blocking call then drops its session (the server reclaims what
+    /// it held) and the next call reconnects; waiting on a started transfer
+    /// ([`crate::Client::wait_transfer`]) keeps it: wait or poll again.
+    #[error("{op} got no response within {after:?}")]
     Timeout {
         /// The request.
         op: &'static str,

@@ -177,13 +177,18 @@ impl Client {
     pub fn unregister_gpu(&mut self, r: &GpuRegistration) -> Result<(), Error> {
         self.check_epoch(r)?;
         let req = Request::UnregisterGpu { registration: r.id, generation: r.generation };
-        match self.call(&req)? {
+        match self.call_pinned(r.epoch, &req)? {
             Response::GpuUnregistered => Ok(()),
             other => Err(unexpected("unregister_gpu", other)),
         }
     }
 
-    fn check_epoch(&self, r: &GpuRegistration) -> Result<(), Error> {
+    /// `Stale` unless `r` is of the live session (a session that ended unnoticed is noticed
+    /// here: sent on, the request would reach a new session, which knows nothing of `r`).
+    fn check_epoch(&mut self, r: &GpuRegistration) -> Result<(), Error> {
+        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
+            self.conn = None;
+        }
         if r.epoch != self.live_epoch() {
             return Err(Error::Stale);
         }

@@ -112,3 +112,31 @@ fn a_call_right_after_the_server_died_fails_clearly_and_the_next_reconnects() {
     c.ping().unwrap();
     assert_eq!(server.admin("stats")["sessions"], 1);
 }
+
+/// Holdings of a session that ended while the client made no call are `Stale` when next
+/// used: a commit or a release is not sent to the new session (which knows nothing of them
+/// and answered `NotFound`, which an engine takes for a lasting failure instead of redoing
+/// its put or lookup).
+#[test]
+fn holdings_of_a_session_that_ended_unnoticed_are_stale() {
+    let args = ["--shards", "1", "--dram", "8MiB"];
+    let mut server = TestServer::start(&args);
+    let mut c = server.client("engine");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 4, 2);
+    c.put(&[(keys[0], &value_for(&keys[0], 4096))]).unwrap();
+    let leases = c.lookup_leased(&keys[..1]).unwrap();
+    let r = c.reserve(&keys[1..], &[4096]).unwrap()[0].unwrap();
+    c.slot_mut(&r).unwrap().copy_from_slice(&value_for(&keys[1], 4096));
+
+    server.signal(Signal::SIGKILL);
+    server.wait_exit(Duration::from_secs(10));
+    server.spawn(&args);
+    let got = c.commit(&[r]);
+    assert!(matches!(got, Err(Error::Stale)), "{got:?}");
+    let got = c.release(&leases);
+    assert!(matches!(got, Err(Error::Stale)), "{got:?}");
+    // The next call reconnects; nothing was left held on the new server.
+    c.ping().unwrap();
+    assert_eq!(server.shard_sum("reservations") + server.shard_sum("leases"), 0);
+}
