@@ -70,10 +70,15 @@ impl ArenaMap {
         Ok(Self { base, len: size.get(), _fd: fd })
     }
 
+    /// A chunk's range: inside the mapping and past its header (the shards' doorbell words,
+    /// which no chunk may overlap).
     fn check(&self, offset: u64, len: u64) -> Result<(), String> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(format!("range {offset}+{len} outside the {}-byte arena", self.len)),
+            Some(end) if end <= self.len as u64 && offset >= ARENA_HEADER_BYTES => Ok(()),
+            _ => Err(format!(
+                "range {offset}+{len} outside the {}-byte arena's chunk area (from {ARENA_HEADER_BYTES})",
+                self.len
+            )),
         }
     }
 
@@ -233,5 +238,26 @@ mod copy_tests {
     #[should_panic(expected = "lengths differ")]
     fn lengths_must_match() {
         copy_chunk(&mut [0u8; 3], &[1u8; 4]);
+    }
+}
+
+#[cfg(test)]
+mod check_tests {
+    use super::*;
+
+    /// A range the server names is used only inside the mapping and past its header: a
+    /// faulty answer never reaches the doorbell words or beyond the arena.
+    #[test]
+    fn chunks_stay_inside_the_mapping_and_out_of_its_header() {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let fd = memfd_create(c"orbitkv-test", MFdFlags::MFD_CLOEXEC).unwrap();
+        nix::unistd::ftruncate(&fd, 1 << 20).unwrap();
+        let m = ArenaMap::new(fd, 1 << 20, false).unwrap();
+        assert!(m.check(ARENA_HEADER_BYTES, 4096).is_ok());
+        assert!(m.check((1 << 20) - 4096, 4096).is_ok());
+        assert!(m.check(0, 4096).unwrap_err().contains("chunk area"));
+        assert!(m.check(ARENA_HEADER_BYTES - 64, 4096).is_err());
+        assert!(m.check((1 << 20) - 4096, 8192).is_err());
+        assert!(m.check(u64::MAX, 2).is_err());
     }
 }
