@@ -145,7 +145,18 @@ impl Connection {
                 Some(&mut cmsg),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             )
-            .map_err(|e| connect_err(e.into()))?;
+            .map_err(|e| {
+                connect_err(if e == nix::errno::Errno::EAGAIN {
+                    // The socket's read timeout: the server took the connection and never
+                    // answered its hello.
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no welcome from the server within {timeout:?}"),
+                    )
+                } else {
+                    e.into()
+                })
+            })?;
             let mut fds = Vec::new();
             for c in msg.cmsgs().map_err(|e| connect_err(e.into()))? {
                 if let ControlMessageOwned::ScmRights(raw) = c {
@@ -513,6 +524,30 @@ impl Connection {
 
 #[cfg(test)]
 mod tests {
+    /// A server that takes the connection and never answers: the error says so, not the OS's
+    /// "resource temporarily unavailable".
+    #[test]
+    fn a_bootstrap_without_an_answer_says_the_server_never_answered() {
+        let dir = std::env::temp_dir().join(format!("orbitkv-silent-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let held = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            std::thread::sleep(Duration::from_millis(800));
+            drop(s);
+        });
+        let opts = ClientOptions {
+            request_timeout: Duration::from_millis(200),
+            ..ClientOptions::with_socket(&path)
+        };
+        let err = Connection::open(&opts).unwrap_err().to_string();
+        assert!(err.contains("no welcome from the server within 200ms"), "{err}");
+        held.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     #[test]
