@@ -119,11 +119,17 @@ impl Client {
         self.conn.as_ref().map(|c| c.session_id)
     }
 
-    pub(crate) fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
+    /// Drops a session whose server has gone (noticed without a call): its holdings are
+    /// `Stale` from now on, and the next call reconnects.
+    pub(crate) fn notice_ended(&mut self) {
         if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
-            tracing::info!("orbitkv-server session ended; reconnecting");
+            tracing::info!("orbitkv-server session ended; the next call reconnects");
             self.conn = None;
         }
+    }
+
+    pub(crate) fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
+        self.notice_ended();
         if self.conn.is_none() {
             let mut conn = Connection::open(&self.opts)?;
             for d in &self.namespaces {
@@ -140,18 +146,20 @@ impl Client {
     }
 
     pub(crate) fn call(&mut self, req: &Request) -> Result<Response, Error> {
+        self.ensure_connected()?;
+        self.call_live(req)
+    }
+
+    /// Sends `req` on the live session. An error that leaves it unusable drops it (the server
+    /// reclaims its holdings when the socket closes); the next call reconnects.
+    fn call_live(&mut self, req: &Request) -> Result<Response, Error> {
         let timeout = self.opts.request_timeout;
-        let conn = self.ensure_connected()?;
-        match conn.call(req, timeout) {
-            Ok(r) => Ok(r),
-            Err(e) if e.ends_session() => {
-                // The session is unusable: drop it (the server reclaims its holdings when the
-                // socket closes) and reconnect on the next call.
-                self.conn = None;
-                Err(e)
-            }
-            Err(e) => Err(e),
+        let conn = self.conn.as_mut().ok_or(Error::Stale)?;
+        let answer = conn.call(req, timeout);
+        if answer.as_ref().is_err_and(Error::ends_session) {
+            self.conn = None;
         }
+        answer
     }
 
     /// As [`Client::call`], for a request about holdings of the session of `epoch` (its
@@ -159,23 +167,11 @@ impl Client {
     /// reconnects. `Stale` when that session has ended, noticed now or before; a new session
     /// would not know those holdings (or would take new ones the caller never sees).
     pub(crate) fn call_pinned(&mut self, epoch: u64, req: &Request) -> Result<Response, Error> {
-        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
-            tracing::info!("orbitkv-server session ended; reconnecting on the next call");
-            self.conn = None;
-        }
+        self.notice_ended();
         if self.live_epoch() != epoch {
             return Err(Error::Stale);
         }
-        let timeout = self.opts.request_timeout;
-        let conn = self.conn.as_mut().ok_or(Error::Stale)?;
-        match conn.call(req, timeout) {
-            Ok(r) => Ok(r),
-            Err(e) if e.ends_session() => {
-                self.conn = None;
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
+        self.call_live(req)
     }
 
     /// The epoch of the live connection (0 when disconnected: matches nothing).
@@ -295,9 +291,7 @@ impl Client {
     /// (it cannot, for leases this session holds) is logged and counted in
     /// [`Client::deferred_failures`].
     pub fn release_deferred(&mut self, leases: &[Lease]) -> Result<(), Error> {
-        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
-            self.conn = None;
-        }
+        self.notice_ended();
         let epoch = self.live_epoch();
         if leases.iter().any(|l| l.epoch != epoch) {
             return Err(Error::Stale);

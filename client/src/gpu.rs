@@ -186,9 +186,7 @@ impl Client {
     /// `Stale` unless `r` is of the live session (a session that ended unnoticed is noticed
     /// here: sent on, the request would reach a new session, which knows nothing of `r`).
     fn check_epoch(&mut self, r: &GpuRegistration) -> Result<(), Error> {
-        if self.conn.as_ref().is_some_and(|c| !c.recently_alive()) {
-            self.conn = None;
-        }
+        self.notice_ended();
         if r.epoch != self.live_epoch() {
             return Err(Error::Stale);
         }
