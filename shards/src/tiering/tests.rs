@@ -107,6 +107,18 @@ fn get(core: &mut ShardCore, k: ChunkKey, lease: bool) -> Option<Hit> {
     core.finish_lookup(2, &[k], lease, first)[0]
 }
 
+/// A 64-page shard that has taken 200 chunks of 4000 bytes (each read once, so that it is
+/// worth demoting), most of them moved down to SSD.
+fn filled_core(dir: &std::path::Path) -> (ShardCore, u64) {
+    let (mut core, ns) = core_with_ssd(64, dir);
+    for i in 0..200 {
+        put(&mut core, key(ns, i), i, 4000).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+        settle(&mut core);
+    }
+    (core, ns)
+}
+
 #[test]
 fn chunks_move_down_to_ssd_and_come_back_exact() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -170,12 +182,7 @@ fn a_leased_chunk_is_never_demoted_away() {
 #[test]
 fn evict_during_a_promotion_is_busy_and_the_chunk_stays_consistent() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let (mut core, ns) = core_with_ssd(64, dir.path());
-    for i in 0..200 {
-        put(&mut core, key(ns, i), i, 4000).unwrap();
-        assert!(get(&mut core, key(ns, i), false).is_some());
-        settle(&mut core);
-    }
+    let (mut core, ns) = filled_core(dir.path());
     // Find a chunk that lives only on SSD and start its promotion.
     let k = (0..200).map(|i| key(ns, i)).find(|k| core.entries.find(k).is_none()).unwrap();
     let first = core.lookup_start(3, &[k], false);
@@ -237,12 +244,7 @@ fn a_chunk_larger_than_a_region_is_evicted_and_counted() {
 #[test]
 fn a_failed_promotion_is_a_miss() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let (mut core, ns) = core_with_ssd(64, dir.path());
-    for i in 0..200 {
-        put(&mut core, key(ns, i), i, 4000).unwrap();
-        assert!(get(&mut core, key(ns, i), false).is_some());
-        settle(&mut core);
-    }
+    let (mut core, ns) = filled_core(dir.path());
     let k = (0..200).map(|i| key(ns, i)).find(|k| core.entries.find(k).is_none()).unwrap();
     let e = core.ssd.as_ref().unwrap().get(&k).unwrap();
     let path = core.ssd.as_ref().unwrap().path().to_owned();
