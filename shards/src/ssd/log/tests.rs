@@ -62,6 +62,18 @@ fn put(
     Ok(dropped)
 }
 
+/// A log of `regions` regions of 64 KiB (four 12 KiB records each) with keys 0..8 written:
+/// two regions full.
+fn filled(regions: u64) -> (Superblock, RegionLog, Disk) {
+    let sb = sb(regions, 64 << 10);
+    let mut log = RegionLog::new(sb);
+    let mut disk = Disk::new(&sb);
+    for i in 0..8 {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+    }
+    (sb, log, disk)
+}
+
 #[test]
 fn fills_regions_then_reclaims_the_oldest_whole() {
     let sb = sb(3, 64 << 10); // 3 regions of 64 KiB: 4 records of 16 KiB (4 KiB header + 12 KiB)
@@ -145,13 +157,8 @@ fn a_torn_record_is_dropped_and_later_records_survive() {
 
 #[test]
 fn leftovers_of_an_earlier_region_use_are_not_resurrected() {
-    let sb = sb(2, 64 << 10);
-    let mut log = RegionLog::new(sb);
-    let mut disk = Disk::new(&sb);
-    for i in 0..8 {
-        put(&mut log, &mut disk, i, 12 << 10).unwrap(); // fills both regions
-    }
-    // Reuse region 0 for one record: keys 1..3 of its old generation stay on disk after it.
+    let (sb, mut log, mut disk) = filled(2); // fills both regions
+                                             // Reuse region 0 for one record: keys 1..3 of its old generation stay on disk after it.
     let dropped = put(&mut log, &mut disk, 100, 12 << 10).unwrap();
     assert_eq!(dropped.len(), 4);
     let (back, _) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
@@ -191,12 +198,7 @@ proptest! {
 /// header on disk, so after a second crash C cannot pass for a newer version of its key.
 #[test]
 fn a_leftover_never_beats_a_newer_record_after_a_second_crash() {
-    let sb = sb(3, 64 << 10);
-    let mut log = RegionLog::new(sb);
-    let mut disk = Disk::new(&sb);
-    for i in 0..8 {
-        put(&mut log, &mut disk, i, 12 << 10).unwrap();
-    }
+    let (sb, mut log, mut disk) = filled(3);
     put(&mut log, &mut disk, 100, 12 << 10).unwrap();
     let vb = value(101, 12 << 10);
     log.place(key(101), vb.len() as u64, xxhash_rust::xxh3::xxh3_64(&vb)).unwrap(); // lost
@@ -223,12 +225,7 @@ fn a_leftover_never_beats_a_newer_record_after_a_second_crash() {
 /// can never leave a completed record behind a first block of an earlier generation.
 #[test]
 fn nothing_lands_behind_an_unwritten_first_record() {
-    let sb = sb(2, 64 << 10);
-    let mut log = RegionLog::new(sb);
-    let mut disk = Disk::new(&sb);
-    for i in 0..8 {
-        put(&mut log, &mut disk, i, 12 << 10).unwrap();
-    }
+    let (sb, mut log, mut disk) = filled(2);
     let v = value(100, 12 << 10);
     let (first, dropped) =
         log.place(key(100), v.len() as u64, xxhash_rust::xxh3::xxh3_64(&v)).unwrap();
@@ -258,12 +255,7 @@ fn a_failed_first_write_closes_its_region() {
 /// records written after it (live in the index) are found again at restart.
 #[test]
 fn records_after_a_failed_write_mid_region_survive_a_restart() {
-    let sb = sb(2, 64 << 10);
-    let mut log = RegionLog::new(sb);
-    let mut disk = Disk::new(&sb);
-    for i in 0..8 {
-        put(&mut log, &mut disk, i, 12 << 10).unwrap();
-    }
+    let (sb, mut log, mut disk) = filled(2);
     put(&mut log, &mut disk, 100, 12 << 10).unwrap(); // region 0 again, a new generation
     let (failed, _) = log.place(key(101), 12 << 10, 0).unwrap();
     log.abort_write(&failed); // the write failed (EIO); the server keeps running
