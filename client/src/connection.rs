@@ -36,10 +36,15 @@ pub(crate) struct PendingAnswer {
 }
 
 /// Requests a session may still send: `max_deferred + 1` in flight in all (the server's
-/// `max_inflight`), less the deferred and the started ones; at least 1 (a blocking call always
-/// sends its own request, as it did before any were pipelined).
+/// `max_inflight`), less the deferred and the started ones.
+fn unused_slots(max_deferred: usize, deferred: usize, started: usize) -> usize {
+    (max_deferred + 1).saturating_sub(deferred + started)
+}
+
+/// [`unused_slots`], at least 1: the window of a pipelined transfer, whose first request then
+/// waits for room or is refused ([`room`]).
 fn free_slots(max_deferred: usize, deferred: usize, started: usize) -> usize {
-    (max_deferred + 1).saturating_sub(deferred + started).max(1)
+    unused_slots(max_deferred, deferred, started).max(1)
 }
 
 /// What to do before sending one more request, with `max_deferred + 1` allowed in flight (the
@@ -56,7 +61,7 @@ enum Room {
 }
 
 fn room(max_deferred: usize, deferred: usize, started: usize) -> Room {
-    if deferred + started <= max_deferred {
+    if unused_slots(max_deferred, deferred, started) > 0 {
         Room::Free
     } else if deferred > 0 {
         Room::WaitOldest
@@ -524,6 +529,8 @@ impl Connection {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// A server that takes the connection and never answers: the error says so, not the OS's
     /// "resource temporarily unavailable".
     #[test]
@@ -547,8 +554,6 @@ mod tests {
         held.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
-
-    use super::*;
 
     #[test]
     fn free_slots_leave_room_for_deferred_and_started_requests() {
