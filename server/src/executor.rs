@@ -534,11 +534,14 @@ impl Exec {
     fn poll_sessions(self: &Rc<Self>) -> usize {
         let sessions: Vec<(SessionId, Rc<SessionState>)> =
             self.sessions.borrow().iter().map(|(k, v)| (*k, Rc::clone(v))).collect();
+        let max_inflight = self.shared.settings.config.max_inflight_per_session;
         let mut n = 0;
         for (id, state) in sessions {
             for _ in 0..REQUESTS_PER_ROUND {
                 let received = match state.port.borrow().as_ref() {
-                    Some((_, server)) => server.receive(),
+                    Some((_, server)) => {
+                        ipc::receive_within(server, state.inflight.get(), max_inflight)
+                    }
                     None => break,
                 };
                 match received {

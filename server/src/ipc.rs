@@ -80,6 +80,23 @@ pub fn create_session_service(
     Ok((service, server))
 }
 
+/// Receives a session's next request, unless the `held` requests of it received and not yet
+/// answered fill its `max_inflight`. The port holds at most that many (the service's
+/// `max_active_requests_per_client`), and a receive while it holds them and more wait fails
+/// with `ExceedsMaxBorrows`. A client can have more waiting: a started request it dropped
+/// (a cancelled transfer) no longer counts on its side while the server still runs it. Those
+/// wait in the port until an answer frees a place.
+pub fn receive_within(
+    server: &SessionServer,
+    held: usize,
+    max_inflight: usize,
+) -> Result<Option<ActiveRequest>, iceoryx2::port::ReceiveError> {
+    if held >= max_inflight {
+        return Ok(None);
+    }
+    server.receive()
+}
+
 /// Removes this server's leftover iceoryx2 files (after every node is dropped).
 pub fn remove_leftovers(names: &IpcNames) {
     let _ = std::fs::remove_dir_all(&names.root);
@@ -89,5 +106,44 @@ pub fn remove_leftovers(names: &IpcNames) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iceoryx2::port::ReceiveError;
+
+    #[test]
+    fn a_session_whose_held_requests_fill_it_waits_instead_of_failing_the_receive() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = IpcNames::for_socket(&dir.path().join("s.sock"));
+        let node =
+            NodeBuilder::new().config(&config(&names).unwrap()).create::<IpcService>().unwrap();
+        let (service, server) = create_session_service(&node, "held-requests", 2).unwrap();
+        let client = service
+            .client_builder()
+            .initial_max_slice_len(16)
+            .allocation_strategy(AllocationStrategy::PowerOfTwo)
+            .create()
+            .unwrap();
+        let send = |b: u8| client.loan_slice_uninit(1).unwrap().write_from_slice(&[b]).send();
+        let (first, second) = (send(1).unwrap(), send(2).unwrap());
+        let mut held: Vec<ActiveRequest> =
+            (0..2).map(|_| server.receive().unwrap().expect("a request")).collect();
+        // The client drops both (cancelled transfers) and sends a third; the server is still
+        // running the two it took.
+        drop((first, second));
+        let third = send(3).expect("the client's side counts only what it still holds");
+        assert!(
+            matches!(server.receive(), Err(ReceiveError::ExceedsMaxBorrows)),
+            "a plain receive fails while the port holds its most"
+        );
+        assert!(receive_within(&server, held.len(), 2).unwrap().is_none(), "waits");
+        held.pop();
+        let next = receive_within(&server, held.len(), 2).unwrap().expect("the waiting one");
+        assert_eq!(next.payload(), &[3]);
+        drop((next, held, third, client, server, service, node));
+        remove_leftovers(&names);
     }
 }
