@@ -315,7 +315,8 @@ impl Client {
         Ok(())
     }
 
-    /// Waits until every deferred request (release) of this session has been answered.
+    /// Waits until every deferred request of this session has been answered: releases, and
+    /// transfers dropped before their answer (see [`crate::Transfer`]).
     pub fn flush(&mut self) -> Result<(), Error> {
         let timeout = self.opts.request_timeout;
         let Some(conn) = self.conn.as_mut() else { return Ok(()) };

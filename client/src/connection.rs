@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 use std::io::IoSliceMut;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{fence, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use iceoryx2::pending_response::PendingResponse;
@@ -28,11 +28,46 @@ type Svc = ipc_threadsafe::Service;
 /// A request in flight.
 type Pending = PendingResponse<Svc, [u8], (), [u8], ()>;
 
-/// A request sent and not yet answered (started by the caller: it counts against the session's
-/// requests in flight until dropped).
+/// A request sent and not yet answered (started by the caller). It counts against the
+/// session's requests in flight while held; dropped before its answer came, it still runs on
+/// the server, so it goes to its connection, which collects its answer as it does a deferred
+/// request's (counted in flight until then, a failure logged and counted).
 pub(crate) struct PendingAnswer {
-    pending: Pending,
-    _slot: StartedSlot,
+    /// Taken only by `drop`.
+    pending: Option<Pending>,
+    op: &'static str,
+    /// Its answer arrived (taken by `poll` or `wait_answer`).
+    answered: AtomicBool,
+    started: Weak<Started>,
+}
+
+impl PendingAnswer {
+    fn pending(&self) -> &Pending {
+        self.pending.as_ref().expect("taken only when dropped")
+    }
+}
+
+impl Drop for PendingAnswer {
+    fn drop(&mut self) {
+        // A connection already gone has nothing left to count.
+        let Some(started) = self.started.upgrade() else { return };
+        if let Some(pending) =
+            self.pending.take().filter(|_| !self.answered.load(Ordering::Relaxed))
+        {
+            // Handed over before the count goes down: for a moment the connection may count
+            // it twice, never not at all.
+            started.dropped.lock().unwrap_or_else(|e| e.into_inner()).push((pending, self.op));
+        }
+        started.held.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a connection shares with the requests the caller started: how many the caller holds,
+/// and those dropped before their answer, for the connection to collect.
+#[derive(Default)]
+struct Started {
+    held: AtomicUsize,
+    dropped: Mutex<Vec<(Pending, &'static str)>>,
 }
 
 /// Requests a session may still send: `max_deferred + 1` in flight in all (the server's
@@ -70,15 +105,6 @@ fn room(max_deferred: usize, deferred: usize, started: usize) -> Room {
     }
 }
 
-/// One of the connection's started requests; gives its count back when dropped.
-struct StartedSlot(Arc<AtomicUsize>);
-
-impl Drop for StartedSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 /// How often a waiting call checks that the server is still there.
 const LIVENESS_CHECK: Duration = Duration::from_millis(1);
 /// How long an answer from the server (or a passed check) stands for its being there: calls
@@ -98,11 +124,12 @@ pub(crate) struct Connection {
     pub(crate) max_keys_per_request: u32,
     pub(crate) max_request_bytes: u64,
     pub(crate) arena: ArenaMap,
-    /// Requests sent without waiting (releases), oldest first.
+    /// Requests sent without waiting (releases) and started ones the caller dropped before
+    /// their answer, oldest first.
     deferred: VecDeque<(Pending, &'static str)>,
     max_deferred: usize,
-    /// Requests started by the caller and not yet dropped ([`PendingAnswer`]).
-    started: Arc<AtomicUsize>,
+    /// Requests started by the caller ([`PendingAnswer`]): held, and dropped unanswered.
+    started: Arc<Started>,
     /// Deferred requests that failed (a counter for the caller; each is also logged).
     pub(crate) deferred_failures: u64,
     home_shard: u32,
@@ -260,7 +287,7 @@ impl Connection {
             arena,
             deferred: VecDeque::new(),
             max_deferred,
-            started: Arc::new(AtomicUsize::new(0)),
+            started: Arc::default(),
             deferred_failures: 0,
             home_shard,
             doorbell,
@@ -330,7 +357,8 @@ impl Connection {
     /// is, when the requests the caller started and still holds fill it.
     fn make_room(&mut self, op: &'static str, timeout: Duration) -> Result<(), Error> {
         loop {
-            let started = self.started.load(Ordering::Relaxed);
+            self.take_dropped();
+            let started = self.started.held.load(Ordering::Relaxed);
             match room(self.max_deferred, self.deferred.len(), started) {
                 Room::Free => return Ok(()),
                 Room::WaitOldest => {
@@ -361,22 +389,26 @@ impl Connection {
         self.reap_deferred();
         self.make_room(req.op_name(), timeout)?;
         let pending = self.send(&bytes)?;
-        self.started.fetch_add(1, Ordering::Relaxed);
-        Ok(PendingAnswer { pending, _slot: StartedSlot(Arc::clone(&self.started)) })
+        self.started.held.fetch_add(1, Ordering::Relaxed);
+        Ok(PendingAnswer {
+            pending: Some(pending),
+            op: req.op_name(),
+            answered: AtomicBool::new(false),
+            started: Arc::downgrade(&self.started),
+        })
     }
 
     /// The answer of a started request, if it has arrived.
-    pub(crate) fn poll(
-        &self,
-        p: &PendingAnswer,
-        op: &'static str,
-    ) -> Result<Option<Response>, Error> {
-        match p.pending.receive() {
-            Ok(Some(resp)) => decode::<Response>(resp.payload())
-                .map(Some)
-                .map_err(|e| Error::Protocol(e.to_string())),
+    pub(crate) fn poll(&self, p: &PendingAnswer) -> Result<Option<Response>, Error> {
+        match p.pending().receive() {
+            Ok(Some(resp)) => {
+                p.answered.store(true, Ordering::Relaxed);
+                decode::<Response>(resp.payload())
+                    .map(Some)
+                    .map_err(|e| Error::Protocol(e.to_string()))
+            }
             Ok(None) if !self.recently_alive() => {
-                Err(Error::Disconnected(format!("server went away during {op}")))
+                Err(Error::Disconnected(format!("server went away during {}", p.op)))
             }
             Ok(None) => Ok(None),
             Err(e) => Err(ipc_err("receive", e)),
@@ -387,10 +419,14 @@ impl Connection {
     pub(crate) fn wait_answer(
         &self,
         p: &PendingAnswer,
-        op: &'static str,
         timeout: Duration,
     ) -> Result<Response, Error> {
-        self.wait(&p.pending, op, timeout)
+        let answer = self.wait(p.pending(), p.op, timeout);
+        // An answer that did not decode was still the answer.
+        if matches!(answer, Ok(_) | Err(Error::Protocol(_))) {
+            p.answered.store(true, Ordering::Relaxed);
+        }
+        answer
     }
 
     /// Sends a request whose answer nobody waits for now (a release). Its answer is collected
@@ -415,11 +451,17 @@ impl Connection {
     /// still holds (at least 1).
     pub(crate) fn free_request_slots(&mut self) -> usize {
         self.reap_deferred();
-        free_slots(self.max_deferred, self.deferred.len(), self.started.load(Ordering::Relaxed))
+        free_slots(
+            self.max_deferred,
+            self.deferred.len(),
+            self.started.held.load(Ordering::Relaxed),
+        )
     }
 
-    /// Waits for the answers of every deferred request.
+    /// Waits for the answers of every deferred request (started ones dropped unanswered
+    /// among them).
     pub(crate) fn flush_deferred(&mut self, timeout: Duration) -> Result<(), Error> {
+        self.take_dropped();
         while let Some((pending, op)) = self.deferred.pop_front() {
             let answer = self.wait(&pending, op, timeout)?;
             self.check_deferred(op, answer);
@@ -427,8 +469,15 @@ impl Connection {
         Ok(())
     }
 
+    /// Moves the started requests the caller dropped unanswered to the deferred ones.
+    fn take_dropped(&mut self) {
+        let mut dropped = self.started.dropped.lock().unwrap_or_else(|e| e.into_inner());
+        self.deferred.extend(dropped.drain(..));
+    }
+
     /// Collects answers of deferred requests that have arrived, oldest first.
     fn reap_deferred(&mut self) {
+        self.take_dropped();
         while let Some((pending, op)) = self.deferred.front() {
             let op = *op;
             let answer = match pending.receive() {
@@ -579,14 +628,65 @@ mod tests {
         assert_eq!(room(0, 0, 1), Room::Full);
     }
 
+    /// A started request counts while held; dropped, it goes to the connection unless its
+    /// answer came; once the connection is gone, a drop counts nothing.
     #[test]
-    fn a_started_slot_counts_until_dropped() {
-        let started = Arc::new(AtomicUsize::new(0));
-        started.fetch_add(2, Ordering::Relaxed);
-        let (a, b) = (StartedSlot(Arc::clone(&started)), StartedSlot(Arc::clone(&started)));
-        drop(a);
-        assert_eq!(started.load(Ordering::Relaxed), 1);
-        drop(b);
-        assert_eq!(started.load(Ordering::Relaxed), 0);
+    fn a_started_request_dropped_unanswered_goes_to_its_connection() {
+        let dir = std::env::temp_dir().join(format!("orbitkv-started-{}", std::process::id()));
+        let mut cfg = iceoryx2::config::Config::default();
+        cfg.global.set_root_path(
+            &iceoryx2::prelude::Path::new(dir.to_str().unwrap().as_bytes()).unwrap(),
+        );
+        cfg.global.prefix = FileName::new(b"okvstarted_").unwrap();
+        let node = NodeBuilder::new().config(&cfg).create::<Svc>().unwrap();
+        let service = node
+            .service_builder(&ServiceName::new("started").unwrap())
+            .request_response::<[u8], [u8]>()
+            .max_active_requests_per_client(4)
+            .create()
+            .unwrap();
+        let server = service.server_builder().create().unwrap();
+        let client = service.client_builder().create().unwrap();
+        let started = Arc::new(Started::default());
+        let start = |b: u8| {
+            started.held.fetch_add(1, Ordering::Relaxed);
+            let pending =
+                client.loan_slice_uninit(1).unwrap().write_from_slice(&[b]).send().unwrap();
+            PendingAnswer {
+                pending: Some(pending),
+                op: "save",
+                answered: AtomicBool::new(false),
+                started: Arc::downgrade(&started),
+            }
+        };
+        let (unanswered, answered) = (start(1), start(2));
+        assert_eq!(started.held.load(Ordering::Relaxed), 2);
+        for _ in 0..2 {
+            let req = server.receive().unwrap().expect("a request");
+            let answer = req.loan_slice_uninit(1).unwrap().write_from_slice(&[0]);
+            answer.send().unwrap();
+        }
+        assert!(answered.pending().receive().unwrap().is_some());
+        answered.answered.store(true, Ordering::Relaxed);
+        drop(answered);
+        assert_eq!(started.held.load(Ordering::Relaxed), 1);
+        assert!(started.dropped.lock().unwrap().is_empty(), "an answered one is done");
+        drop(unanswered);
+        assert_eq!(started.held.load(Ordering::Relaxed), 0);
+        let dropped = std::mem::take(&mut *started.dropped.lock().unwrap());
+        assert_eq!(dropped.len(), 1, "its answer is still to collect");
+        assert!(dropped[0].0.receive().unwrap().is_some(), "and it comes");
+        assert_eq!(dropped[0].1, "save");
+        // The connection gone: nothing to hand over or count.
+        let orphan = start(3);
+        drop(started);
+        drop(orphan);
+        drop((dropped, client, server, service, node));
+        let _ = std::fs::remove_dir_all(&dir);
+        for entry in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with("okvstarted_") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 }

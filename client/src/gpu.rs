@@ -91,10 +91,12 @@ pub struct GpuRegistration {
     epoch: u64,
 }
 
-/// A save or load sent and not yet answered (see [`Client::start_save`]). Dropping it cancels
-/// what has not started: a request the server has not taken yet is withdrawn (nothing is
-/// copied); one it has taken runs to the end (a save commits its chunks), because memory
-/// under a copy is never given back early.
+/// A save or load sent and not yet answered (see [`Client::start_save`]). Dropping it does not
+/// stop it: the server runs it to the end (a save commits its chunks, a load writes the
+/// engine's blocks), and the session counts it among its requests in flight until the server
+/// answers. Later calls collect that answer as they do a deferred release's (a failure is
+/// logged and counted in [`Client::deferred_failures`]); [`Client::flush`] waits for it, after
+/// which the blocks a dropped load named are the engine's again.
 pub struct Transfer {
     pending: PendingAnswer,
     op: &'static str,
@@ -284,6 +286,19 @@ impl Client {
         Ok(Transfer { pending, op, keys: keys.len(), epoch: r.epoch })
     }
 
+    /// Starts any request as a transfer is started, for tests of how the session counts and
+    /// collects started requests (a save or load needs a GPU).
+    #[doc(hidden)]
+    pub fn start_raw(&mut self, req: &Request) -> Result<Transfer, Error> {
+        let timeout = self.opts.request_timeout;
+        let keys = req.key_count();
+        self.ensure_connected()?;
+        let epoch = self.live_epoch();
+        let conn = self.conn.as_mut().ok_or(Error::Stale)?;
+        let pending = conn.start(req, timeout)?;
+        Ok(Transfer { pending, op: req.op_name(), keys, epoch })
+    }
+
     /// Starts a save of one request's worth of chunks and returns at once; see
     /// [`Client::poll_transfer`] and [`Client::wait_transfer`]. Every `Transfer` held counts
     /// against the session's requests in flight (the server's `--max-inflight-per-session`,
@@ -321,7 +336,7 @@ impl Client {
             return Err(Error::Stale);
         }
         let conn = self.conn.as_ref().ok_or(Error::Stale)?;
-        match conn.poll(&t.pending, t.op)? {
+        match conn.poll(&t.pending)? {
             Some(answer) => self.finish(t, answer).map(Some),
             None => Ok(None),
         }
@@ -336,7 +351,7 @@ impl Client {
         }
         let timeout = self.opts.request_timeout;
         let conn = self.conn.as_ref().ok_or(Error::Stale)?;
-        let answer = conn.wait_answer(&t.pending, t.op, timeout)?;
+        let answer = conn.wait_answer(&t.pending, timeout)?;
         self.finish(t, answer)
     }
 }

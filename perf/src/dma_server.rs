@@ -1310,7 +1310,7 @@ fn cancel_check(
         .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
         .map_err(client_err("start_save"))?;
     // Let the server take the request (microseconds), so that the drop lands during the
-    // copy; a request dropped before it is taken is withdrawn instead.
+    // copy (a dropped request runs to the end either way; the session collects its answer).
     std::thread::sleep(Duration::from_millis(2));
     drop(t);
     let deadline = Instant::now() + Duration::from_secs(30);

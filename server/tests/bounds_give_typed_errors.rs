@@ -140,3 +140,39 @@ fn config_file_with_flag_override() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Started requests the caller drops before their answer still count against the session's
+/// requests in flight until the server answers; later calls collect those answers and count
+/// their failures, the session goes on, and the server never holds more than the bound.
+#[test]
+fn dropped_started_requests_count_until_answered() {
+    use orbitkv_client::{Error, Request};
+    use orbitkv_proto::SlotRef;
+    let server =
+        TestServer::start(&["--shards", "1", "--dram", "16MiB", "--max-inflight-per-session", "2"]);
+    let mut c = server.client("canceller");
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let session = c.session_id();
+    // A release of a slot never leased: answered with one failed chunk.
+    let unheld =
+        Request::Release { slots: vec![SlotRef { key: chain(ns, 7, 1)[0], generation: 1 }] };
+    for _ in 0..64 {
+        drop(c.start_raw(&unheld).unwrap());
+    }
+    c.flush().unwrap();
+    assert_eq!(c.deferred_failures(), 64, "every dropped request's answer was collected");
+    // Two held fill the session: a third is refused, the session as it was.
+    let (a, b) = (c.start_raw(&unheld).unwrap(), c.start_raw(&unheld).unwrap());
+    let err = c.start_raw(&unheld).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // Dropping one makes room once its answer is in.
+    drop(a);
+    let d = c.start_raw(&unheld).unwrap();
+    drop((b, d));
+    c.flush().unwrap();
+    assert_eq!(c.deferred_failures(), 67, "a, b and d");
+    c.ping().unwrap();
+    assert_eq!(c.session_id(), session, "no reconnect");
+    assert_eq!(server.admin("stats")["sessions"], 1);
+    assert!(!server.log().contains("receive failed"), "{}", server.log());
+}
