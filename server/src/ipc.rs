@@ -83,9 +83,10 @@ pub fn create_session_service(
 /// Receives a session's next request, unless the `held` requests of it received and not yet
 /// answered fill its `max_inflight`. The port holds at most that many (the service's
 /// `max_active_requests_per_client`), and a receive while it holds them and more wait fails
-/// with `ExceedsMaxBorrows`. A client can have more waiting: a started request it dropped
-/// (a cancelled transfer) no longer counts on its side while the server still runs it. Those
-/// wait in the port until an answer frees a place.
+/// with `ExceedsMaxBorrows`. A client can have more waiting: the transport stops counting a
+/// started request the client drops (a cancelled transfer) while the server still runs it
+/// (the Rust client goes on counting it until answered; another client need not). Those wait
+/// in the port until an answer frees a place.
 pub fn receive_within(
     server: &SessionServer,
     held: usize,
