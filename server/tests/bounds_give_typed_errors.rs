@@ -171,6 +171,17 @@ fn dropped_started_requests_count_until_answered() {
     drop((b, d));
     c.flush().unwrap();
     assert_eq!(c.deferred_failures(), 67, "a, b and d");
+    // One whose answer the caller took (waited or polled) is done when dropped.
+    for _ in 0..8 {
+        let t = c.start_raw(&unheld).unwrap();
+        assert_eq!(c.wait_transfer(&t).unwrap().len(), 1);
+        drop(t);
+        let t = c.start_raw(&unheld).unwrap();
+        while c.poll_transfer(&t).unwrap().is_none() {}
+        drop(t);
+    }
+    c.flush().unwrap();
+    assert_eq!(c.deferred_failures(), 67, "taken answers are not collected again");
     c.ping().unwrap();
     assert_eq!(c.session_id(), session, "no reconnect");
     assert_eq!(server.admin("stats")["sessions"], 1);
