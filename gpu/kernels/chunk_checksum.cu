@@ -274,10 +274,7 @@ ORBITKV_DEVICE u64 fold_step(u64 acc, u64 sum, u64 key) {
 // under MPS before / after, and cost the matmul 17-18.5% / 14-15% without it). Groups of 32
 // taking turns in two register sets, loaded without a branch, were slower on the H200: 114-116
 // us per 64 MiB job of 2 MiB chunks against 81 (ncu).
-// `l2`: the row sums are read from L2 (past this SM's L1), for a fold inside the kernel whose
-// other warps wrote them (the fused gather); a constant wherever the function is inlined.
-#define FOLD_LOAD(p) (l2 ? ORBITKV_SHARED_READ(p) : *(p))
-ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j, const int l2) {
+ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j) {
     const u64 key = W[16 + j];
     u64 acc = INIT[j];
     u64 b = 0;
@@ -285,7 +282,7 @@ ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j, const int l2) {
     u64 next[FOLD_GROUP];
     if (nb >= FOLD_GROUP) {
         for (u32 i = 0; i < FOLD_GROUP; i++) {
-            cur[i] = FOLD_LOAD(&lane[8 * i]);
+            cur[i] = lane[8 * i];
         }
         for (;;) {
             // cur holds rows b .. b + FOLD_GROUP; load the group after it, if whole, first.
@@ -304,7 +301,7 @@ ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j, const int l2) {
             }
             if (more) {
                 for (u32 i = 0; i < FOLD_GROUP; i++) {
-                    next[i] = FOLD_LOAD(&lane[8 * (b + FOLD_GROUP + i)]);
+                    next[i] = lane[8 * (b + FOLD_GROUP + i)];
                 }
             }
             for (u32 i = 0; i < FOLD_GROUP; i++) {
@@ -320,7 +317,7 @@ ORBITKV_DEVICE u64 fold_lane(const u64* lane, u64 nb, u32 j, const int l2) {
         }
     }
     for (; b < nb; b++) {
-        acc = fold_step(acc, FOLD_LOAD(&lane[8 * b]), key);
+        acc = fold_step(acc, lane[8 * b], key);
     }
     return acc;
 }
@@ -470,12 +467,11 @@ ORBITKV_KERNEL void orbitkv_xxh3_row_runs(const HashChunk* chunks, u32 nchunks,
 // by the thread that saw the last count).
 // Lane j of chunk k (`len` bytes, its rows from scratch row `row_first`) folded and left in
 // the chunk's last row; the last lane of the chunk to get there merges the eight into out[k].
-// `l2` as for fold_lane.
 ORBITKV_DEVICE void fold_chunk_lane(u64 len, u64 row_first, u64 k, u32 j, u64* scratch,
-                                    u32* counters, u64* out, const int l2) {
+                                    u32* counters, u64* out) {
     u64 nb = full_blocks(len);
     u64* lane = scratch + 8 * row_first + j;
-    lane[8 * nb] = FOLD_LOAD(&lane[8 * nb]) + fold_lane(lane, nb, j, l2);
+    lane[8 * nb] += fold_lane(lane, nb, j);
     // The chunk's lanes all folded (each fenced before it counted): merge them.
     ORBITKV_FENCE();
     if (ORBITKV_COUNT(&counters[k]) != 7u) {
@@ -495,7 +491,7 @@ ORBITKV_KERNEL void orbitkv_xxh3_fold_merge(const HashChunk* chunks, u32 nchunks
         return;
     }
     const HashChunk ch = chunks[k];
-    fold_chunk_lane(ch.len, ch.row_first, k, j, scratch, counters, out, 0);
+    fold_chunk_lane(ch.len, ch.row_first, k, j, scratch, counters, out);
 }
 
 // Block form (a save planned as block ids, see copy_blocks.cu): writes the chunk, segment and
@@ -542,8 +538,7 @@ ORBITKV_KERNEL void orbitkv_xxh3_expand_blocks(const u64* ids, const u64* bases,
 
 // Fused form (`--gpu-checksums fused`, an experiment): the gather of a block-form save sums
 // each 1 KiB row's lanes from the bytes it already holds in registers, instead of the row-sum
-// kernel reading the job's bytes again from the engine's pages, and folds each chunk once its
-// rows are all summed (orbitkv_copy_blocks_summed_folding).
+// kernel reading the job's bytes again from the engine's pages; only the fold runs after it.
 // It needs every part a multiple of 1 KiB (so a chunk is too) and 16-byte aligned addresses.
 
 // Adds one 16-byte piece's effect on its lane pair: lanes 2q and 2q+1 (q = (o / 16) % 4) of
@@ -569,7 +564,7 @@ ORBITKV_DEVICE void piece_sums(u64 w0, u64 w1, u32 o, int last, const u64* key, 
 // scratch + 8 * k * (full_blocks(len) + 1): folded, then merged by the chunk's last lane.
 ORBITKV_DEVICE void fold_uniform_lane(u64 len, u64 k, u32 j, u64* scratch, u32* counters,
                                       u64* out) {
-    fold_chunk_lane(len, k * (full_blocks(len) + 1), k, j, scratch, counters, out, 0);
+    fold_chunk_lane(len, k * (full_blocks(len) + 1), k, j, scratch, counters, out);
 }
 
 // orbitkv_xxh3_fold_merge for chunks all of `len` bytes (a multiple of 1 KiB), chunk k's rows
@@ -629,17 +624,12 @@ ORBITKV_DEVICE u64 warp_pair_sum(u64 v) {
 }
 
 // The units' walk shared by the fused gather and the block row sums: `store` copies each unit
-// to staging too (the gather); without it only the rows are summed. With `out` (not null) the
-// walk folds too: a unit's rows stored, its warp counts them in `rows_done[chunk]`, and the
-// warp that completes a chunk's count folds and merges it at once (lanes 0-7, `merged` the
-// fold's counters), so no fold kernel follows the gathers. Both counters are zero before and
-// after (put back by the warp and lane that saw the last count). The counts run across
-// launches: a chunk may be gathered by several batches.
+// to staging too (the gather); without it only the rows are summed.
 __device__ __forceinline__ static void sum_units(
     const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
-    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32* merged, u32* rows_done,
-    u64* out, u32 part_count, u32 subs, u32 count, u32 group, u32 first_block, u32 per_chunk,
-    const u64* key, const u64* fin, const int store) {
+    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs,
+    u32 count, u32 group, u32 first_block, u32 per_chunk, const u64* key, const u64* fin,
+    const int store) {
     const u32 lane = threadIdx.x & 31u;
     const u32 g = group < 1u ? 1u : (group > SUM_GROUP ? SUM_GROUP : group);
     const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -718,29 +708,6 @@ __device__ __forceinline__ static void sum_units(
                     scratch[8 * (row0 + k) + 2 * lane + 1] = b;
                 }
             }
-            if (out != 0) {
-                // Lanes 0-3's rows visible to every SM before lane 0 counts them (the fence,
-                // then the warp's barrier, orders them before the count).
-                __threadfence();
-                __syncwarp();
-                const u64 c = row0 / rows_per_chunk;
-                u32 whole = 0;
-                if (lane == 0u) {
-                    const u32 before = atomicAdd(&rows_done[c], (u32)rows);
-                    whole = (u64)before + rows == rows_per_chunk;
-                }
-                if (__shfl_sync(0xffffffffu, whole, 0)) {
-                    __threadfence();
-                    if (lane < 8u) {
-                        fold_chunk_lane(rows_per_chunk << 10, c * rows_per_chunk, c, lane,
-                                        scratch, merged, out, 1);
-                    }
-                    if (lane == 0u) {
-                        rows_done[c] = 0;
-                    }
-                }
-                __syncwarp();
-            }
         }
     }
 }
@@ -757,20 +724,13 @@ __device__ __forceinline__ static void sum_units(
     }                                       \
     __syncthreads()
 
-// The fused gather; with `out` it folds each chunk as its last rows are summed (see
-// sum_units): `merged` and `rows_done` hold a zero per chunk of the job, `out` a checksum per
-// chunk (mapped pinned memory). Without (`out` null) it only sums the rows.
-// Its first form left the fold to a kernel of its own, launched on another stream after the
-// job's last gather: the saves' device-to-host copies ran at 51.7 GB/s while copying against
-// 54.7 without that fold (perf dma --timeline, sglang 2 KiB, on the H200).
-extern "C" __global__ void orbitkv_copy_blocks_summed_folding(
+extern "C" __global__ void orbitkv_copy_blocks_summed(
     const u64* __restrict__ parts, const u64* __restrict__ blocks, u64 stride, u64 part_len,
-    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32* merged, u32* rows_done,
-    u64* out, u32 part_count, u32 subs, u32 count, u32 group, u32 first_block, u32 per_chunk) {
+    u64 staging, u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs,
+    u32 count, u32 group, u32 first_block, u32 per_chunk) {
     SUM_KEYS();
-    sum_units(parts, blocks, stride, part_len, staging, scratch, rows_per_chunk, merged,
-              rows_done, out, part_count, subs, count, group, first_block, per_chunk, key, fin,
-              1);
+    sum_units(parts, blocks, stride, part_len, staging, scratch, rows_per_chunk, part_count, subs,
+              count, group, first_block, per_chunk, key, fin, 1);
 }
 
 // A block-form save's row sums read from the engine's pages, the fused gather's walk without
@@ -785,7 +745,7 @@ extern "C" __global__ void orbitkv_xxh3_block_rows(
     u64* __restrict__ scratch, u64 rows_per_chunk, u32 part_count, u32 subs, u32 count,
     u32 group, u32 per_chunk) {
     SUM_KEYS();
-    sum_units(parts, blocks, stride, part_len, 0, scratch, rows_per_chunk, 0, 0, 0, part_count,
-              subs, count, group, 0, per_chunk, key, fin, 0);
+    sum_units(parts, blocks, stride, part_len, 0, scratch, rows_per_chunk, part_count, subs,
+              count, group, 0, per_chunk, key, fin, 0);
 }
 #endif

@@ -1236,33 +1236,20 @@ impl Bench {
                             .into(),
                     ));
                 }
-                let summed = hasher
-                    .begin_summed(&job, self.chunk_len, fold)
-                    .map_err(dma)?
-                    .ok_or_else(|| {
+                let summed =
+                    hasher.begin_summed(&job, self.chunk_len).map_err(dma)?.ok_or_else(|| {
                         Error::Gpu(
                             "the fused form does not apply: parts not a multiple of 1 KiB, \
                              unaligned, or its kernels missing"
                                 .into(),
                         )
                     })?;
-                match unsafe_submit_summed(&mut self.engine, &job, &summed) {
-                    Ok(copy) => copies.push(copy),
-                    Err(e) => {
-                        // The engine finished what it had queued (its streams synchronized).
-                        if let Err(a) = hasher.abandon_summed(summed) {
-                            eprintln!("orbitkv-perf: fused-form checksum slot not given back: {a}");
-                        }
-                        return Err(e);
-                    }
-                }
-                // Two events after the job's last gather: its checksums', the slot's.
+                copies.push(unsafe_submit_summed(&mut self.engine, &job, &summed)?);
                 let gathered = self.engine.kernels_done().map_err(dma)?;
-                let done = self.engine.kernels_done().map_err(dma)?;
                 if fold {
-                    tickets.push(unsafe_finish_summed(hasher, summed, gathered, done)?);
+                    tickets.push(unsafe_finish_summed(hasher, summed, &gathered)?);
                 } else {
-                    unsafe_drop_summed(hasher, summed, done);
+                    unsafe_drop_summed(hasher, summed, &gathered)?;
                 }
             }
             Ok::<(), Error>(())
@@ -1394,13 +1381,12 @@ fn unsafe_submit_summed(
 fn unsafe_finish_summed(
     hasher: &mut ChunkHasher,
     summed: SummedSave,
-    gathered: CudaEvent,
-    done: CudaEvent,
+    gathered: &CudaEvent,
 ) -> Result<ChecksumTicket, Error> {
-    // SAFETY: `summed` went with its job to `submit_blocks` just before, and `gathered` and
-    // `done` were recorded on the engine's kernel stream after that job's last gather; every
-    // ticket is awaited.
-    unsafe { hasher.finish_summed(summed, gathered, done) }.map_err(dma)
+    // SAFETY: `summed` went with its job to `submit_blocks` just before, and `gathered` was
+    // recorded on the engine's kernel stream after that job's last gather; every ticket is
+    // awaited.
+    unsafe { hasher.finish_summed(summed, gathered) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]
@@ -1415,9 +1401,13 @@ fn unsafe_grouped_checksums(
 }
 
 #[allow(unsafe_code)]
-fn unsafe_drop_summed(hasher: &mut ChunkHasher, summed: SummedSave, done: CudaEvent) {
-    // SAFETY: as `unsafe_finish_summed`; `summed` was begun without the fold.
-    unsafe { hasher.drop_summed(summed, done) }
+fn unsafe_drop_summed(
+    hasher: &mut ChunkHasher,
+    summed: SummedSave,
+    gathered: &CudaEvent,
+) -> Result<(), Error> {
+    // SAFETY: as `unsafe_finish_summed`.
+    unsafe { hasher.drop_summed(summed, gathered) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]

@@ -1136,10 +1136,7 @@ impl GpuService {
             let fused =
                 direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused;
             let mut hasher = if fused { self.hasher(hashers, job.device) } else { None };
-            let summed = match hasher
-                .as_mut()
-                .map(|h| h.begin_summed(&block_job, job.chunk_len, true))
-            {
+            let summed = match hasher.as_mut().map(|h| h.begin_summed(&block_job, job.chunk_len)) {
                 Some(Ok(s)) => s,
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "fused GPU checksums not started; the usual kernels compute them");
@@ -1147,39 +1144,16 @@ impl GpuService {
                 }
                 None => None,
             };
-            let submitted = submit_blocks(engine, direction, &block_job, summed.as_ref());
-            let ((event, shape), summed) = match (submitted, summed) {
-                (Ok(r), summed) => (r, summed),
-                (Err(e), Some(s)) => {
-                    // The engine finished what it had queued (its streams synchronized): the
-                    // slot's counters go back to zero for its next user.
-                    let hasher = hasher.expect("a summed save has its hasher");
-                    if let Err(a) = hasher.abandon_summed(s) {
-                        tracing::warn!(error = %a, "fused GPU checksum slot not given back");
-                    }
-                    return Err(e);
-                }
-                (Err(e), None) => return Err(e),
-            };
+            let (event, shape) = submit_blocks(engine, direction, &block_job, summed.as_ref())?;
             let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
             let hasher = hasher.expect("a summed save has its hasher");
-            // Two events after the job's last gather (which folds its chunks): the checksums',
-            // and the hasher slot's (its scratch and counters free again).
-            let ticket = match engine.kernels_done().and_then(|g| Ok((g, engine.kernels_done()?))) {
-                Ok((gathered, done)) => finish_summed(hasher, s, gathered, done),
+            let ticket = match engine.kernels_done() {
+                Ok(gathered) => finish_summed(hasher, s, &gathered),
                 Err(e) => {
-                    // No event to wait on: the job's gathers may still be writing the hasher
-                    // slot's scratch rows, counters and results, which must be finished before
-                    // anyone reuses them.
-                    match engine.synchronize() {
-                        Ok(()) => {
-                            if let Err(a) = hasher.abandon_summed(s) {
-                                tracing::warn!(error = %a, "fused GPU checksum slot not given back");
-                            }
-                        }
-                        Err(sync) => {
-                            tracing::warn!(error = %sync, "copy streams failed after a failed submission");
-                        }
+                    // No event to fold after: the job's gathers may still be writing the
+                    // hasher slot's scratch rows, which its next user must find finished.
+                    if let Err(sync) = engine.synchronize() {
+                        tracing::warn!(error = %sync, "copy streams failed after a failed submission");
                     }
                     Err(e)
                 }
@@ -1270,12 +1244,11 @@ fn submit_blocks(
 fn finish_summed(
     hasher: &mut ChunkHasher,
     s: SummedSave,
-    gathered: CudaEvent,
-    done: CudaEvent,
+    gathered: &CudaEvent,
 ) -> Result<ChecksumTicket, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` and `done`
-    // were recorded on the copy engine's kernel stream after that job's last gather.
-    unsafe { hasher.finish_summed(s, gathered, done) }
+    // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` was
+    // recorded on the copy engine's kernel stream after that job's last gather.
+    unsafe { hasher.finish_summed(s, gathered) }
 }
 
 /// How a job went to the GPU, for its checksums.

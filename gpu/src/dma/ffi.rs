@@ -381,13 +381,11 @@ impl BlockKernel {
 }
 
 /// Launches the fused gather `g` on `stream` over `l`'s units (a save: `l.gather` is ignored),
-/// the batch's first block being the job's block `first_block`; with `g.out`, it folds each
-/// chunk whose rows it completes.
+/// the batch's first block being the job's block `first_block`.
 ///
 /// # Safety
-/// As [`BlockKernel::launch`], and `g.scratch` must hold the job's rows, `g.merged` and
-/// `g.rows_done` a zero per chunk, in device memory that nothing else uses until the stream
-/// passes the job's last launch; `g.out` (when not 0) a checksum per chunk likewise.
+/// As [`BlockKernel::launch`], and `g.scratch` must hold the job's rows in device memory that
+/// nothing else uses until the stream passes the launch.
 pub(crate) unsafe fn launch_summed(
     stream: &CudaStream,
     l: BlockLaunch,
@@ -398,10 +396,9 @@ pub(crate) unsafe fn launch_summed(
     let (mut parts, mut blocks, mut stride, mut part_len, mut staging) =
         (l.parts, l.blocks, l.stride, l.part_len, l.staging);
     let (mut scratch, mut rows_per_chunk) = (g.scratch, g.rows_per_chunk);
-    let (mut merged, mut rows_done, mut out) = (g.merged, g.rows_done, g.out);
     let (mut part_count, mut subs, mut count, mut group) = (l.part_count, l.subs, l.count, l.group);
     let (mut first_block, mut per_chunk) = (first_block, g.per_chunk);
-    let mut params: [*mut c_void; 16] = [
+    let mut params: [*mut c_void; 13] = [
         (&raw mut parts).cast::<c_void>(),
         (&raw mut blocks).cast::<c_void>(),
         (&raw mut stride).cast::<c_void>(),
@@ -409,9 +406,6 @@ pub(crate) unsafe fn launch_summed(
         (&raw mut staging).cast::<c_void>(),
         (&raw mut scratch).cast::<c_void>(),
         (&raw mut rows_per_chunk).cast::<c_void>(),
-        (&raw mut merged).cast::<c_void>(),
-        (&raw mut rows_done).cast::<c_void>(),
-        (&raw mut out).cast::<c_void>(),
         (&raw mut part_count).cast::<c_void>(),
         (&raw mut subs).cast::<c_void>(),
         (&raw mut count).cast::<c_void>(),
@@ -419,7 +413,7 @@ pub(crate) unsafe fn launch_summed(
         (&raw mut first_block).cast::<c_void>(),
         (&raw mut per_chunk).cast::<c_void>(),
     ];
-    // SAFETY: parameters match `orbitkv_copy_blocks_summed_folding` (ten u64, six u32, in this
+    // SAFETY: parameters match `orbitkv_copy_blocks_summed` (seven u64, six u32, in this
     // order); the caller guarantees the memory they name.
     unsafe { launch(g.func, stream, grid, threads, &mut params, "summed block gather") }
 }
@@ -503,9 +497,8 @@ pub(crate) struct ChecksumKernels {
     rows: sys::CUfunction,
     fold: sys::CUfunction,
     expand: sys::CUfunction,
-    /// The fused form's gather (folding as it goes, `--gpu-checksums fused`) and the uniform
-    /// fold; None when the PTX lacks them (one loaded from `ORBITKV_CHECKSUM_KERNEL_PTX`
-    /// before they existed).
+    /// The fused form's gather and fold (`--gpu-checksums fused`); None when the PTX lacks
+    /// them (one loaded from `ORBITKV_CHECKSUM_KERNEL_PTX` before they existed).
     fused: Option<(sys::CUfunction, sys::CUfunction)>,
     /// The block row sums (`orbitkv_xxh3_block_rows`), None when the PTX lacks them.
     block_rows: Option<sys::CUfunction>,
@@ -532,7 +525,7 @@ pub(crate) struct BlockRowsLaunch {
 }
 
 /// The fused form's part of a block-form save's gather ([`ChecksumKernels::summed_gather`]):
-/// the kernel, where the job's row sums go, and where its fold counts and writes.
+/// the kernel, and where the job's row sums go.
 #[derive(Clone, Copy, Debug)]
 pub struct SummedGather {
     func: sys::CUfunction,
@@ -542,20 +535,6 @@ pub struct SummedGather {
     pub(crate) rows_per_chunk: u64,
     /// Blocks per chunk.
     pub(crate) per_chunk: u32,
-    /// The fold's counters per chunk (device memory, u32 zeros): lanes merged, rows summed.
-    pub(crate) merged: u64,
-    pub(crate) rows_done: u64,
-    /// A checksum per chunk (mapped pinned memory), or 0: rows summed, not folded.
-    pub(crate) out: u64,
-}
-
-/// Where a fused gather's fold counts and writes ([`ChecksumKernels::summed_gather`]): the
-/// counters (two u32 zeros per chunk), the chunks, and the checksums' address (0: no fold).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SummedFold {
-    pub counters: u64,
-    pub nchunks: u32,
-    pub out: u64,
 }
 
 /// A save in block form, for the kernel that writes its checksum tables on the device
@@ -613,7 +592,7 @@ impl ChecksumKernels {
             fold: module.function("orbitkv_xxh3_fold_merge")?,
             expand: module.function("orbitkv_xxh3_expand_blocks")?,
             fused: module
-                .function("orbitkv_copy_blocks_summed_folding")
+                .function("orbitkv_copy_blocks_summed")
                 .and_then(|g| Ok((g, module.function("orbitkv_xxh3_fold_uniform")?)))
                 .ok(),
             block_rows: module.function("orbitkv_xxh3_block_rows").ok(),
@@ -622,32 +601,15 @@ impl ChecksumKernels {
         })
     }
 
-    /// The fused gather for a job whose row sums go to `scratch`, folded as `fold` says
-    /// (None without the kernels).
+    /// The fused gather for a job whose row sums go to `scratch` (None without the kernels).
     pub(crate) fn summed_gather(
         &self,
         scratch: u64,
         rows_per_chunk: u64,
         per_chunk: u32,
-        fold: SummedFold,
     ) -> Option<SummedGather> {
         let (func, _) = self.fused?;
-        // The rows' counters follow the merge counters.
-        let rows_done = fold.counters + u64::from(fold.nchunks) * 4;
-        Some(SummedGather {
-            func,
-            scratch,
-            rows_per_chunk,
-            per_chunk,
-            merged: fold.counters,
-            rows_done,
-            out: fold.out,
-        })
-    }
-
-    /// Whether the fused gather is in the PTX.
-    pub(crate) fn has_summed_gather(&self) -> bool {
-        self.fused.is_some()
+        Some(SummedGather { func, scratch, rows_per_chunk, per_chunk })
     }
 
     /// Whether the block row sums and the uniform fold are in the PTX.
@@ -1127,10 +1089,10 @@ mod tests {
         );
         // As launch_summed and ChecksumKernels::launch_fold_uniform pass them.
         assert_eq!(
-            entry_params(super::CHUNK_CHECKSUM_PTX, "orbitkv_copy_blocks_summed_folding"),
+            entry_params(super::CHUNK_CHECKSUM_PTX, "orbitkv_copy_blocks_summed"),
             [
-                ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64",
-                ".u32", ".u32", ".u32", ".u32", ".u32", ".u32"
+                ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32",
+                ".u32", ".u32", ".u32"
             ]
         );
         assert_eq!(

@@ -15,7 +15,7 @@ use super::checksum::{
 };
 use super::ffi::{
     self, BlockRowsLaunch, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch,
-    PinnedHost, SummedFold, SummedGather, Way, FOLD_JOB_BYTES,
+    PinnedHost, SummedGather, Way, FOLD_JOB_BYTES,
 };
 use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
@@ -55,16 +55,12 @@ struct Shape {
 }
 
 /// A fused-form save's checksums in the making ([`ChunkHasher::begin_summed`]): the slot whose
-/// scratch rows and counters the job's gathers use, and the results buffer their folds fill.
-/// It goes back by [`ChunkHasher::finish_summed`], [`ChunkHasher::drop_summed`] or, when the
-/// job's submission failed, [`ChunkHasher::abandon_summed`]; dropped otherwise, the results
-/// buffer is kept from reuse (a gather may still write it) and the slot's counters may be
-/// left part way.
+/// scratch rows the job's gather writes, and the results buffer the fold will fill.
 pub struct SummedSave {
     slot: usize,
-    /// Taken when the save goes back.
-    results: Option<PinnedHost>,
+    results: PinnedHost,
     nchunks: u32,
+    chunk_len: u64,
     gather: SummedGather,
 }
 
@@ -72,22 +68,6 @@ impl SummedSave {
     /// What the copy engine's gather needs to sum the job's rows.
     pub(crate) fn gather(&self) -> SummedGather {
         self.gather
-    }
-
-    fn results(&mut self) -> PinnedHost {
-        self.results.take().expect("a summed save gives back its results once")
-    }
-}
-
-impl Drop for SummedSave {
-    fn drop(&mut self) {
-        if let Some(r) = self.results.take() {
-            tracing::warn!(
-                slot = self.slot,
-                "fused-form save dropped unfinished: its results buffer is not reused"
-            );
-            std::mem::forget(r);
-        }
     }
 }
 
@@ -99,15 +79,13 @@ fn rows_by_units(job: &BlockJob<'_>) -> bool {
     job.part_len != 0 && job.part_len.is_multiple_of(ROW_LEN) && aligned
 }
 
-/// Makes room in `slot`'s counters for the fold of `chunks` chunks (zeroed on its stream);
-/// true when it did (the zeros are in place once the slot's stream gets there).
-fn counters_for(ctx: &Arc<CudaContext>, slot: &mut Slot, chunks: usize) -> Result<bool, DmaError> {
+/// Makes room in `slot`'s counters for the fold of `chunks` chunks (zeroed on its stream).
+fn counters_for(ctx: &Arc<CudaContext>, slot: &mut Slot, chunks: usize) -> Result<(), DmaError> {
     let len = chunks * COUNTERS_PER_CHUNK * 4;
     if slot.counters.len() < len {
         slot.counters = DeviceBuffer::zeroed_on(ctx, len.next_power_of_two(), &slot.stream)?;
-        return Ok(true);
     }
-    Ok(false)
+    Ok(())
 }
 
 /// A job whose block row sums are enqueued on its slot's stream, waiting for its fold.
@@ -361,19 +339,17 @@ impl ChunkHasher {
 
     /// The fused form (`--gpu-checksums fused`, an experiment): reserves a slot whose scratch
     /// rows the save's gather fills as it copies ([`super::CopyEngine::submit_blocks`] with
-    /// the returned value), folding each chunk as its last rows are summed when `fold`; then
-    /// [`ChunkHasher::finish_summed`] hands out the checksums (or, without `fold`,
-    /// [`ChunkHasher::drop_summed`] the slot). None where the form does not apply: the kernels
-    /// missing from the PTX, parts not a multiple of 1 KiB or addresses not 16-byte aligned
-    /// (then [`ChunkHasher::submit_blocks`]). May wait for the submission before last to
-    /// finish.
+    /// the returned value), then [`ChunkHasher::finish_summed`] folds them. None where the form
+    /// does not apply: the kernels missing from the PTX, parts not a multiple of 1 KiB or
+    /// addresses not 16-byte aligned (then [`ChunkHasher::submit_blocks`]). May wait for the
+    /// submission before last to finish.
     pub fn begin_summed(
         &mut self,
         job: &BlockJob<'_>,
         chunk_len: u64,
-        fold: bool,
     ) -> Result<Option<SummedSave>, DmaError> {
-        if !self.kernels.has_summed_gather() || !rows_by_units(job) {
+        let kernels = self.kernels.summed_gather(0, 0, 0).is_some();
+        if !kernels || !rows_by_units(job) {
             return Ok(None);
         }
         self.no_pending_folds()?;
@@ -393,45 +369,66 @@ impl ChunkHasher {
         // The slot's scratch and counters are free once its last use finished.
         super::wait_for(&slot.done, &mut self.times.waited)?;
         at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
-        // Two counters per chunk (lanes merged, rows summed), read by the gather on the copy
-        // engine's kernel stream: new zeros must be in place before it runs.
-        if counters_for(&self.ctx, slot, 2 * t.chunks)? {
-            slot.stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
-        }
-        let out = if fold { results.addr() } else { 0 };
-        let place = SummedFold { counters: slot.counters.ptr(), nchunks, out };
+        counters_for(&self.ctx, slot, t.chunks)?;
         let Some(gather) =
-            self.kernels.summed_gather(slot.scratch.ptr(), chunk_len / 1024, per_chunk, place)
+            self.kernels.summed_gather(slot.scratch.ptr(), chunk_len / 1024, per_chunk)
         else {
             return Ok(None);
         };
         self.next = (self.next + 1) % SLOTS;
-        Ok(Some(SummedSave { slot: index, results: Some(results), nchunks, gather }))
+        Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
     }
 
-    /// The checksums of a fused-form save begun with `fold`: its gathers folded them, so they
-    /// are in once `gathered` (recorded after its last gather) completes; `done`, recorded
-    /// there too, marks the slot free. Nothing is launched.
+    /// Folds a fused-form save's rows once `gathered` (recorded after its last gather) has
+    /// completed, on the slot's stream; the ticket yields the checksums.
     ///
     /// # Safety
-    /// `s` must have gone to the copy engine's `submit_blocks` for its job, and `gathered` and
-    /// `done` been recorded after that job's last gather.
+    /// `s` must have gone to the copy engine's `submit_blocks` for its job, and `gathered`
+    /// been recorded after that job's last gather.
     pub unsafe fn finish_summed(
         &mut self,
-        mut s: SummedSave,
-        gathered: CudaEvent,
-        done: CudaEvent,
+        s: SummedSave,
+        gathered: &CudaEvent,
     ) -> Result<ChecksumTicket, DmaError> {
-        self.slots[s.slot].done = done;
-        let results = s.results();
-        if s.gather.out == 0 {
-            // Begun without the fold: no checksums will come. The results were never written.
-            self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(results);
-            return Err(DmaError::Invalid("a fused-form save begun without its fold".into()));
-        }
+        let slot = &self.slots[s.slot];
+        let stream = &slot.stream;
+        let ctx = &self.ctx;
+        let kernels = &self.kernels;
+        let enqueue = || -> Result<CudaEvent, DmaError> {
+            stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+            let event = ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+            // SAFETY: the rows are written once `gathered` has passed (waited just above);
+            // scratch and counters are the slot's, reserved by `begin_summed`; the results
+            // are pinned, owned by the ticket until its event completes.
+            unsafe {
+                kernels.launch_fold_uniform(
+                    stream,
+                    (s.chunk_len, s.nchunks),
+                    slot.scratch.ptr(),
+                    slot.counters.ptr(),
+                    s.results.addr(),
+                )?
+            };
+            slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+            event.record(stream).map_err(drv("cuEventRecord"))?;
+            Ok(event)
+        };
+        let event = match enqueue() {
+            Ok(event) => event,
+            Err(e) => {
+                // The slot's `done` may not follow the gather (the wait may not be queued), and
+                // the gather writes the slot's scratch rows: the slot is free for its next user
+                // only once both the gather and whatever was queued here have finished.
+                if let Err(sync) = gathered.synchronize().and_then(|()| stream.synchronize()) {
+                    tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
+                    std::mem::forget(s.results);
+                }
+                return Err(e);
+            }
+        };
         Ok(ChecksumTicket {
-            event: gathered,
-            results: Some(results),
+            event,
+            results: Some(s.results),
             count: s.nchunks as usize,
             pool: Arc::clone(&self.pool),
         })
@@ -682,39 +679,23 @@ impl ChunkHasher {
         }))
     }
 
-    /// Gives back the slot of a fused-form save whose submission failed, once the copy engine
-    /// has finished whatever of its gathers it had queued (`submit_blocks` synchronizes its
-    /// streams on an error): their counts may be part way, so the slot's counters are zeroed
-    /// again before anyone else uses them. An error when that fails (the slot's stream, or
-    /// the context, broken).
-    pub fn abandon_summed(&mut self, mut s: SummedSave) -> Result<(), DmaError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let slot = &mut self.slots[s.slot];
-        let len = slot.counters.len();
-        slot.counters = DeviceBuffer::zeroed_on(&self.ctx, len, &slot.stream)?;
-        slot.stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
-        let results = s.results();
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(results);
-        Ok(())
-    }
-
-    /// Gives back a fused-form save's slot without its checksums (begun without `fold`: what
-    /// the summing gather alone costs, for `orbitkv-perf dma --checksum-form gather-only`):
-    /// the slot's scratch is reusable once `done` (recorded after the job's last gather) has
-    /// passed.
+    /// Gives back a fused-form save's slot without folding its rows (no checksums: what the
+    /// summing gather alone costs, for `orbitkv-perf dma --checksum-form gather-only`): the
+    /// slot's scratch is reusable once `gathered` has passed.
     ///
     /// # Safety
-    /// As [`ChunkHasher::finish_summed`]; `s` begun without `fold`.
-    pub unsafe fn drop_summed(&mut self, mut s: SummedSave, done: CudaEvent) {
-        self.slots[s.slot].done = done;
-        let results = s.results();
-        if s.gather.out != 0 {
-            // Begun with the fold, which may still write it: not reused.
-            std::mem::forget(results);
-            return;
-        }
+    /// As [`ChunkHasher::finish_summed`].
+    pub unsafe fn drop_summed(
+        &mut self,
+        s: SummedSave,
+        gathered: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        let slot = &self.slots[s.slot];
+        slot.stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+        slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
         // The results buffer was never handed to a kernel.
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(results);
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
+        Ok(())
     }
 
     /// The submission behind both forms: the tables' `shape`, and `write`, which writes the

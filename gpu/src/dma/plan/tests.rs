@@ -598,11 +598,10 @@ fn xorshift() -> impl FnMut(u64) -> u64 {
     }
 }
 
-/// The fused gather's row numbering (`orbitkv_copy_blocks_summed_folding` in
-/// chunk_checksum.cu, mirrored by `claim_rows`): over a job's batches, its units name every
-/// 1 KiB row of every chunk once, each at the chunk offset whose bytes the unit copies, and flag
-/// each chunk's last row. (So the rows its units count per chunk reach the chunk's rows once,
-/// with the last unit of the chunk, wherever the batches split it: where the kernel folds it.)
+/// The fused gather's row numbering (`orbitkv_copy_blocks_summed` in chunk_checksum.cu,
+/// mirrored by `claim_rows`): over a job's batches, its units name every 1 KiB row of every
+/// chunk once, each at the chunk offset whose bytes the unit copies, and flag each chunk's last
+/// row.
 #[test]
 fn fused_gather_rows_cover_each_chunk_once_in_order() {
     let mut rand = xorshift();
