@@ -37,28 +37,8 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
 /// How often it looks while every shard sleeps on its doorbell (an idle server).
 const WATCHDOG_ASLEEP_PERIOD: Duration = Duration::from_millis(100);
 
-/// The variable that sets how many hardware work queues CUDA gives a context.
-const CUDA_QUEUES_VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
-/// What the server asks for unless the operator set it: CUDA's default is 8, and the server
-/// runs more streams than that per device (each DMA thread's copy and kernel streams, the
-/// checksum slots' four), and streams that share a queue are ordered with each other (CUDA's
-/// false dependencies: work waiting in one holds back the other's work behind it). On the H200
-/// beside a bf16 matmul (sglang 2 KiB, docs/performance.md, twenty-third session) the saves'
-/// device-to-host copies ran at 53.8 GB/s while copying with 32 queues against 52.9 with 8.
-const CUDA_QUEUES: &str = "32";
-
-/// Sets `CUDA_DEVICE_MAX_CONNECTIONS` to [`CUDA_QUEUES`] when the environment leaves it unset,
-/// before anything loads CUDA (and before the server starts a thread: the environment is read
-/// and written by this thread alone here).
-fn widen_cuda_queues() {
-    if std::env::var_os(CUDA_QUEUES_VAR).is_none() {
-        std::env::set_var(CUDA_QUEUES_VAR, CUDA_QUEUES);
-    }
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
-    widen_cuda_queues();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ORBITKV_LOG")
