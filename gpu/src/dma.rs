@@ -11,7 +11,7 @@ mod timeline;
 
 pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
-pub use hasher::{ChecksumTicket, ChunkHasher, SummedSave};
+pub use hasher::{ChecksumTicket, ChunkHasher, SummedSave, SUMMED_UNFINISHED};
 pub use memory::{EngineMemory, TensorExport};
 pub use timeline::SpanTotals;
 

@@ -218,7 +218,9 @@ pub(crate) struct DmaArgs {
     /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply),
     /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), `fused`
     /// (the save's gather sums the rows and only the fold
-    /// follows, as `--gpu-checksums fused`), or `gather-only` (the fused form's gather without
+    /// follows, as `--gpu-checksums fused`), `fused-host` (the same, each fold queued once
+    /// the gathers before it are seen done, not waiting on their event on the GPU), or
+    /// `gather-only` (the fused form's gather without
     /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
     /// copies, with `--timeline`).
     #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]
@@ -244,6 +246,9 @@ pub(crate) enum ChecksumForm {
     Tables,
     /// The save's gather sums the rows; the fold follows.
     Fused,
+    /// As `Fused`, each fold queued only once the thread has seen its job's gathers finish,
+    /// so that no stream of ours waits on another's event.
+    FusedHost,
     /// The summing gather without the fold.
     GatherOnly,
 }

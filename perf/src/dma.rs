@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
-    JobShape, Strategy, SummedSave, BATCHED_FROM, JOB_BYTES,
+    JobShape, Strategy, SummedSave, BATCHED_FROM, JOB_BYTES, SUMMED_UNFINISHED,
 };
 use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
@@ -804,8 +804,9 @@ impl Bench {
                 let (row, fold) = match self.checksum_form {
                     crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
                     crate::args::ChecksumForm::Tables => ("auto+tables", None),
-                    crate::args::ChecksumForm::Fused => ("auto+fused", Some(true)),
-                    crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(false)),
+                    crate::args::ChecksumForm::Fused => ("auto+fused", Some(Fold::Queued)),
+                    crate::args::ChecksumForm::FusedHost => ("auto+fused-host", Some(Fold::Seen)),
+                    crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(Fold::Off)),
                 };
                 windows.measure(&mut matmul, row, "save", |m| {
                     let (rate, runs) = m.during(|| match fold {
@@ -1163,21 +1164,25 @@ impl Bench {
         mismatches
     }
 
-    /// The checksums row in a fused form (`--checksum-form fused|gather-only`): saves whose
-    /// gather sums the rows, job by job as the server's DMA thread submits them, the fold
-    /// after each job's gathers (not with `gather-only`); the saved bytes and the checksums
-    /// checked after the first.
+    /// The checksums row in a fused form (`--checksum-form fused|fused-host|gather-only`):
+    /// saves whose gather sums the rows, job by job as the server's DMA thread submits them,
+    /// the fold after each job's gathers (not with `gather-only`); the saved bytes and the
+    /// checksums checked after the first.
     fn fused_checksums(
         &mut self,
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
         save_ceiling: f64,
     ) -> Result<ChecksumResult, Error> {
-        let fold = self.checksum_form == crate::args::ChecksumForm::Fused;
+        let fold = match self.checksum_form {
+            crate::args::ChecksumForm::FusedHost => Fold::Seen,
+            crate::args::ChecksumForm::GatherOnly => Fold::Off,
+            _ => Fold::Queued,
+        };
         self.scribble(Direction::Save)?;
         let (_, got) = self.save_fused(hasher, jobs, fold)?;
         let mismatched_bytes = self.verify(Direction::Save)?;
-        if fold && got.len() != self.chunks.len() {
+        if fold != Fold::Off && got.len() != self.chunks.len() {
             return Err(Error::Gpu(format!(
                 "fused GPU checksums for {} chunks, the run has {}",
                 got.len(),
@@ -1213,20 +1218,24 @@ impl Bench {
     }
 
     /// One save in the fused form, job by job (`jobs`: chunk ranges): each job's gather sums
-    /// its rows, and with `fold` the fold follows its last gather. GB/s, and the checksums in
-    /// chunk order (none without `fold`). An error where a job cannot go in the fused form
-    /// (not in block form, parts not a multiple of 1 KiB, unaligned, kernels missing).
+    /// its rows, and the fold follows its last gather as `fold` says. GB/s, and the checksums
+    /// in chunk order (none with `Fold::Off`). An error where a job cannot go in the fused
+    /// form (not in block form, parts not a multiple of 1 KiB, unaligned, kernels missing).
     fn save_fused(
         &mut self,
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
-        fold: bool,
+        fold: Fold,
     ) -> Result<(f64, Vec<u64>), Error> {
         let t = Instant::now();
         let mut copies = Vec::with_capacity(jobs.len());
         let mut tickets = Vec::with_capacity(jobs.len());
+        // `Fold::Seen`: jobs whose fold waits for this thread to see their gathers' event.
+        let mut unfolded = std::collections::VecDeque::new();
         let submitted = (|| {
             for r in jobs {
+                // Each begun save holds a hasher slot until its fold is queued.
+                fold_seen(hasher, &mut unfolded, &mut tickets, SUMMED_UNFINISHED - 1)?;
                 let job =
                     self.memory.block_job(self.host_base, &self.chunks[r.clone()]).map_err(dma)?;
                 if !self.engine.blocks_for(Strategy::Auto, &job) {
@@ -1246,13 +1255,17 @@ impl Bench {
                     })?;
                 copies.push(unsafe_submit_summed(&mut self.engine, &job, &summed)?);
                 let gathered = self.engine.kernels_done().map_err(dma)?;
-                if fold {
-                    tickets.push(unsafe_finish_summed(hasher, summed, &gathered)?);
-                } else {
-                    unsafe_drop_summed(hasher, summed, &gathered)?;
+                match fold {
+                    Fold::Queued => {
+                        tickets.push(unsafe_finish_summed(hasher, summed, Some(&gathered))?);
+                    }
+                    Fold::Seen => unfolded.push_back((summed, gathered)),
+                    Fold::Off => unsafe_drop_summed(hasher, summed, &gathered)?,
                 }
+                // Those whose gathers are done already.
+                fold_seen(hasher, &mut unfolded, &mut tickets, usize::MAX)?;
             }
-            Ok::<(), Error>(())
+            fold_seen(hasher, &mut unfolded, &mut tickets, 0)
         })();
         // Every submitted copy and fold is awaited before the memory is reused.
         for c in copies {
@@ -1381,12 +1394,45 @@ fn unsafe_submit_summed(
 fn unsafe_finish_summed(
     hasher: &mut ChunkHasher,
     summed: SummedSave,
-    gathered: &CudaEvent,
+    gathered: Option<&CudaEvent>,
 ) -> Result<ChecksumTicket, Error> {
-    // SAFETY: `summed` went with its job to `submit_blocks` just before, and `gathered` was
-    // recorded on the engine's kernel stream after that job's last gather; every ticket is
-    // awaited.
+    // SAFETY: `summed` went with its job to `submit_blocks` before, and `gathered` was
+    // recorded on the engine's kernel stream after that job's last gather (None: that event
+    // was seen complete); every ticket is awaited.
     unsafe { hasher.finish_summed(summed, gathered) }.map_err(dma)
+}
+
+/// How a fused-form save's fold follows its job's gathers (`--checksum-form`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fold {
+    /// No fold (`gather-only`).
+    Off,
+    /// Queued at once on its hasher slot's stream, which waits there for the gathers' event
+    /// (`fused`, as the server's `--gpu-checksums fused`).
+    Queued,
+    /// Queued once this thread has seen the gathers' event complete (`fused-host`).
+    Seen,
+}
+
+/// Queues the folds of `unfolded` (oldest first) whose gathers have finished, and more, each
+/// waited for, until at most `keep` are left; their tickets go to `tickets` in order.
+fn fold_seen(
+    hasher: &mut ChunkHasher,
+    unfolded: &mut std::collections::VecDeque<(SummedSave, CudaEvent)>,
+    tickets: &mut Vec<ChecksumTicket>,
+    keep: usize,
+) -> Result<(), Error> {
+    while let Some((_, gathered)) = unfolded.front() {
+        if !gathered.try_is_complete().map_err(cuda("cuEventQuery"))? {
+            if unfolded.len() <= keep {
+                break;
+            }
+            gathered.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        }
+        let (summed, _) = unfolded.pop_front().expect("the front job");
+        tickets.push(unsafe_finish_summed(hasher, summed, None)?);
+    }
+    Ok(())
 }
 
 #[allow(unsafe_code)]

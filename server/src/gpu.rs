@@ -1144,7 +1144,17 @@ impl GpuService {
                 }
                 None => None,
             };
-            let (event, shape) = submit_blocks(engine, direction, &block_job, summed.as_ref())?;
+            let submitted = submit_blocks(engine, direction, &block_job, summed.as_ref());
+            let ((event, shape), summed) = match (submitted, summed) {
+                (Ok(r), summed) => (r, summed),
+                (Err(e), Some(s)) => {
+                    // Nothing of the job runs any more (`submit_blocks` synchronized the
+                    // engine's streams on the error): the hasher slot is free again.
+                    hasher.expect("a summed save has its hasher").abandon_summed(s);
+                    return Err(e);
+                }
+                (Err(e), None) => return Err(e),
+            };
             let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
             let hasher = hasher.expect("a summed save has its hasher");
             let ticket = match engine.kernels_done() {
@@ -1152,8 +1162,11 @@ impl GpuService {
                 Err(e) => {
                     // No event to fold after: the job's gathers may still be writing the
                     // hasher slot's scratch rows, which its next user must find finished.
-                    if let Err(sync) = engine.synchronize() {
-                        tracing::warn!(error = %sync, "copy streams failed after a failed submission");
+                    match engine.synchronize() {
+                        Ok(()) => hasher.abandon_summed(s),
+                        Err(sync) => {
+                            tracing::warn!(error = %sync, "copy streams failed after a failed submission");
+                        }
                     }
                     Err(e)
                 }
@@ -1248,7 +1261,7 @@ fn finish_summed(
 ) -> Result<ChecksumTicket, orbitkv_gpu::dma::DmaError> {
     // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` was
     // recorded on the copy engine's kernel stream after that job's last gather.
-    unsafe { hasher.finish_summed(s, gathered) }
+    unsafe { hasher.finish_summed(s, Some(gathered)) }
 }
 
 /// How a job went to the GPU, for its checksums.

@@ -26,6 +26,9 @@ use super::DmaError;
 /// (on one stream: 20-28 GB/s; on four, with four launches per submission: 32-39; with three:
 /// 48-50; without checksums 52-53).
 const SLOTS: usize = 4;
+/// Fused-form saves that may be begun and not yet finished at once
+/// ([`ChunkHasher::begin_summed`] refuses one more): each holds a slot until its fold is queued.
+pub const SUMMED_UNFINISHED: usize = SLOTS - 1;
 /// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
 const PULL_PIECE: usize = 4096;
 
@@ -42,6 +45,9 @@ struct Slot {
     counters: DeviceBuffer,
     /// The slot's last submission finished (tables, scratch and counters reusable).
     done: CudaEvent,
+    /// A fused-form save begun on it is not finished yet (its fold not queued, so `done`
+    /// does not follow it).
+    summing: bool,
 }
 
 /// The tables of one submission: chunks, the bytes the host writes (the pull brings them
@@ -243,6 +249,7 @@ impl ChunkHasher {
                 scratch: DeviceBuffer::new(ctx, 1 << 20)?,
                 counters,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+                summing: false,
                 stream,
             });
         }
@@ -362,9 +369,14 @@ impl ChunkHasher {
         if nchunks == 0 {
             return Ok(None);
         }
+        let index = self.next;
+        if self.slots[index].summing {
+            return Err(DmaError::Invalid(format!(
+                "more than {SUMMED_UNFINISHED} fused-form saves begun and not finished"
+            )));
+        }
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let results = self.pinned_results(t.chunks * 8)?;
-        let index = self.next;
         let slot = &mut self.slots[index];
         // The slot's scratch and counters are free once its last use finished.
         super::wait_for(&slot.done, &mut self.times.waited)?;
@@ -375,27 +387,43 @@ impl ChunkHasher {
         else {
             return Ok(None);
         };
+        slot.summing = true;
         self.next = (self.next + 1) % SLOTS;
         Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
     }
 
+    /// Gives back the slot of a fused-form save whose job's submission failed, once nothing
+    /// of that job runs on the GPU any more (the copy engine synchronized its streams, as
+    /// `submit_blocks` does on an error): no fold was queued, so the slot's `done` still
+    /// follows its previous use.
+    pub fn abandon_summed(&mut self, s: SummedSave) {
+        self.slots[s.slot].summing = false;
+        // Never handed to a kernel.
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
+    }
+
     /// Folds a fused-form save's rows once `gathered` (recorded after its last gather) has
-    /// completed, on the slot's stream; the ticket yields the checksums.
+    /// completed, on the slot's stream (which waits for it there); the ticket yields the
+    /// checksums. With `gathered` None the caller has seen that event complete already, and
+    /// the fold is queued with no wait before it.
     ///
     /// # Safety
     /// `s` must have gone to the copy engine's `submit_blocks` for its job, and `gathered`
-    /// been recorded after that job's last gather.
+    /// been recorded after that job's last gather (or, None, that event have completed).
     pub unsafe fn finish_summed(
         &mut self,
         s: SummedSave,
-        gathered: &CudaEvent,
+        gathered: Option<&CudaEvent>,
     ) -> Result<ChecksumTicket, DmaError> {
+        self.slots[s.slot].summing = false;
         let slot = &self.slots[s.slot];
         let stream = &slot.stream;
         let ctx = &self.ctx;
         let kernels = &self.kernels;
         let enqueue = || -> Result<CudaEvent, DmaError> {
-            stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+            if let Some(gathered) = gathered {
+                stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
+            }
             let event = ctx.new_event(None).map_err(drv("cuEventCreate"))?;
             // SAFETY: the rows are written once `gathered` has passed (waited just above);
             // scratch and counters are the slot's, reserved by `begin_summed`; the results
@@ -419,7 +447,8 @@ impl ChunkHasher {
                 // The slot's `done` may not follow the gather (the wait may not be queued), and
                 // the gather writes the slot's scratch rows: the slot is free for its next user
                 // only once both the gather and whatever was queued here have finished.
-                if let Err(sync) = gathered.synchronize().and_then(|()| stream.synchronize()) {
+                let gathered = gathered.map_or(Ok(()), CudaEvent::synchronize);
+                if let Err(sync) = gathered.and_then(|()| stream.synchronize()) {
                     tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
                     std::mem::forget(s.results);
                 }
@@ -690,7 +719,8 @@ impl ChunkHasher {
         s: SummedSave,
         gathered: &CudaEvent,
     ) -> Result<(), DmaError> {
-        let slot = &self.slots[s.slot];
+        let slot = &mut self.slots[s.slot];
+        slot.summing = false;
         slot.stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
         slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
         // The results buffer was never handed to a kernel.
