@@ -217,10 +217,10 @@ pub(crate) struct DmaArgs {
     /// GPU checksums: `gpu` (row sums and fold kernels beside the copy, as the server's
     /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply),
     /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), `fused`
-    /// (the save's gather sums the rows and only the fold
-    /// follows, as `--gpu-checksums fused`), `fused-host` (the same, each fold queued once
-    /// the gathers before it are seen done, not waiting on their event on the GPU), or
-    /// `gather-only` (the fused form's gather without
+    /// (the save's gather sums the rows and only the fold follows, queued at once behind a
+    /// wait on its own stream for the gathers' event), `fused-host` (the same, each fold
+    /// queued once this thread has seen its job's gathers done, as `--gpu-checksums fused`),
+    /// or `gather-only` (the fused form's gather without
     /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
     /// copies, with `--timeline`).
     #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]

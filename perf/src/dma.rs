@@ -1408,9 +1408,10 @@ enum Fold {
     /// No fold (`gather-only`).
     Off,
     /// Queued at once on its hasher slot's stream, which waits there for the gathers' event
-    /// (`fused`, as the server's `--gpu-checksums fused`).
+    /// (`fused`).
     Queued,
-    /// Queued once this thread has seen the gathers' event complete (`fused-host`).
+    /// Queued once this thread has seen the gathers' event complete (`fused-host`, as the
+    /// server's `--gpu-checksums fused`).
     Seen,
 }
 

@@ -119,7 +119,7 @@ pub struct ServerConfig {
     /// one chunk per 32 checked again on its shard), `tables` (as `gpu`, always by the
     /// table-driven row sums: to compare), `verify` (on the GPU, every chunk checked again on
     /// its shard: for testing), `cpu` (on the shards), or `fused` (the save's gather sums the
-    /// rows: an experiment). Default: `gpu`.
+    /// rows, the fold follows: an experiment). Default: `gpu`.
     pub gpu_checksums: String,
     /// Percent of GPU save jobs (0-90) whose checksums the shards compute from the arena
     /// instead of the GPU: host cores taking SM time off the engine. Default: 0.

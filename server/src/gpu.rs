@@ -18,7 +18,7 @@ use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
-    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM,
+    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM, SUMMED_UNFINISHED,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -68,7 +68,8 @@ pub enum ChecksumPlace {
     /// On the shards, from the bytes in the arena.
     Cpu,
     /// As `Gpu`, the rows summed by the save's gather itself where the layout allows (parts
-    /// a multiple of 1 KiB): an experiment (its saves ran at 0.93 of the ceiling).
+    /// a multiple of 1 KiB), each job's fold queued once the DMA thread sees its gathers
+    /// done: an experiment.
     Fused,
 }
 
@@ -127,6 +128,8 @@ struct Running {
     /// A save's checksums being computed on the GPU. Declared before the memory: fields drop
     /// in order, and the ticket's drop waits for the kernels reading that memory.
     checksums: Option<ChecksumTicket>,
+    /// A fused-form save whose fold is not queued yet (`checksums` is None until it is).
+    unfolded: Option<Unfolded>,
     /// The engine memory the copy and the checksums read (held until both finished).
     _memory: Arc<EngineMemory>,
 }
@@ -827,6 +830,10 @@ impl GpuService {
                 let cpu_at_submit = thread_cpu_ns();
                 let mut pieces_took = Duration::ZERO;
                 *starting = Some(Starting { shard, id, _memory: Arc::clone(&job.memory) });
+                if direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused {
+                    // A fused save begun next needs a free hasher slot on its device.
+                    self.fold_seen(&mut hashers, inflight, Some(job.device));
+                }
                 let started = self.start_job(
                     (&mut engines, &mut hashers),
                     direction,
@@ -848,6 +855,7 @@ impl GpuService {
                             event,
                             copied_at: None,
                             checksums: None,
+                            unfolded: None,
                             _memory: memory,
                         });
                         *starting = None;
@@ -856,14 +864,17 @@ impl GpuService {
                         // where its gather summed them already.
                         let shard_sums = job.shard_sums && !matches!(planned, Planned::Summed(_));
                         if save && !shard_sums {
-                            let ticket = match planned {
-                                Planned::Summed(ticket) => ticket,
-                                Planned::Blocks => self.gpu_checksums(&mut hashers, &job, None),
-                                Planned::Pieces => {
-                                    self.gpu_checksums(&mut hashers, &job, Some(&pieces))
+                            let running = inflight.back_mut().expect("just pushed");
+                            match planned {
+                                Planned::Summed(unfolded) => running.unfolded = unfolded,
+                                Planned::Blocks => {
+                                    running.checksums = self.gpu_checksums(&mut hashers, &job, None)
                                 }
-                            };
-                            inflight.back_mut().expect("just pushed").checksums = ticket;
+                                Planned::Pieces => {
+                                    running.checksums =
+                                        self.gpu_checksums(&mut hashers, &job, Some(&pieces))
+                                }
+                            }
                         }
                         add_time(&sc.total_ns, submitted.elapsed());
                         sc.cpu_ns.fetch_add(
@@ -895,12 +906,20 @@ impl GpuService {
                     }
                 }
             }
+            progressed |= self.fold_seen(&mut hashers, inflight, None);
             while let Some(job) = inflight.front_mut() {
                 let result = match job.event.try_is_complete() {
                     Ok(false) => break,
                     Ok(true) => {
-                        // A save is answered once its checksums are in too.
-                        if let Some(Ok(false)) = job.checksums.as_ref().map(|t| t.is_complete()) {
+                        // A save is answered once its checksums are in too (a fold not
+                        // queued yet is, on the next pass: its gathers came before the copy).
+                        let folding = job.unfolded.is_some();
+                        if folding
+                            || matches!(
+                                job.checksums.as_ref().map(|t| t.is_complete()),
+                                Some(Ok(false))
+                            )
+                        {
                             job.copied_at.get_or_insert_with(Instant::now);
                             break;
                         }
@@ -931,7 +950,11 @@ impl GpuService {
                         Err(format!("CUDA copy failed: {e}"))
                     }
                 };
-                let job = inflight.pop_front().expect("the front job");
+                let mut job = inflight.pop_front().expect("the front job");
+                if let Some(u) = job.unfolded.take() {
+                    // Its copy failed: no fold; the shards compute the checksums if need be.
+                    self.abandon_unfolded(&mut hashers, u);
+                }
                 // Checksums that failed on the GPU are computed on the shards instead.
                 let result = result.map(|()| {
                     job.checksums.and_then(|t| {
@@ -979,6 +1002,61 @@ impl GpuService {
         }
         // Engines synchronize their streams when dropped, before the caller drops `inflight`.
         drop(engines);
+    }
+
+    /// `--gpu-checksums fused`: queues the fold of every in-flight save whose gathers this
+    /// thread has seen finish; with `room_on`, also of the oldest unfolded saves on that
+    /// device, waiting for their gathers, until fewer than [`SUMMED_UNFINISHED`] are left
+    /// there (a fused save begun there next needs a free hasher slot). True when it queued
+    /// any.
+    fn fold_seen(
+        &self,
+        hashers: &mut [Option<Option<ChunkHasher>>],
+        inflight: &mut InFlight,
+        room_on: Option<usize>,
+    ) -> bool {
+        // Each unfolded save's device and whether its gathers are done (an event that failed
+        // is taken as done: the fold's wait then reports it).
+        let states: Vec<(usize, bool)> = inflight
+            .iter()
+            .filter_map(|j| j.unfolded.as_ref())
+            .map(|u| (u.device, u.gathered.try_is_complete() != Ok(false)))
+            .collect();
+        let due = folds_due(&states, room_on);
+        let unfolded = inflight.iter_mut().filter(|j| j.unfolded.is_some());
+        for (job, _) in unfolded.zip(&due).filter(|(_, due)| **due) {
+            let u = job.unfolded.take().expect("filtered above");
+            job.checksums = self.fold(hashers, u);
+        }
+        due.contains(&true)
+    }
+
+    /// Queues the fold of `u` once its gathers have finished (waited for here if need be);
+    /// None when it cannot be (the shards compute the save's checksums).
+    fn fold(
+        &self,
+        hashers: &mut [Option<Option<ChunkHasher>>],
+        u: Unfolded,
+    ) -> Option<ChecksumTicket> {
+        if let Err(e) = u.gathered.synchronize() {
+            tracing::warn!(error = %e, "fused GPU checksums: the gathers failed; the shards compute them");
+            self.abandon_unfolded(hashers, u);
+            return None;
+        }
+        let hasher = self.hasher(hashers, u.device).expect("a summed save has its hasher");
+        finish_summed(hasher, u.save)
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them")
+            })
+            .ok()
+    }
+
+    /// Gives back the hasher slot of a fused save whose fold will not be queued (its job's
+    /// copy or gathers failed: nothing of it runs on the GPU any more).
+    fn abandon_unfolded(&self, hashers: &mut [Option<Option<ChunkHasher>>], u: Unfolded) {
+        if let Some(hasher) = self.hasher(hashers, u.device) {
+            hasher.abandon_summed(u.save);
+        }
     }
 
     /// `--gpu-timeline`, at the end of a busy period (nothing in flight, so nothing to wait
@@ -1157,9 +1235,10 @@ impl GpuService {
             };
             let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
             let hasher = hasher.expect("a summed save has its hasher");
-            let ticket = match engine.kernels_done() {
-                Ok(gathered) => finish_summed(hasher, s, &gathered),
+            let unfolded = match engine.kernels_done() {
+                Ok(gathered) => Some(Unfolded { device: job.device, save: s, gathered }),
                 Err(e) => {
+                    tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them");
                     // No event to fold after: the job's gathers may still be writing the
                     // hasher slot's scratch rows, which its next user must find finished.
                     match engine.synchronize() {
@@ -1168,15 +1247,10 @@ impl GpuService {
                             tracing::warn!(error = %sync, "copy streams failed after a failed submission");
                         }
                     }
-                    Err(e)
+                    None
                 }
             };
-            let ticket = ticket
-                .inspect_err(|e| {
-                    tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them")
-                })
-                .ok();
-            return Ok((event, shape, Planned::Summed(ticket)));
+            return Ok((event, shape, Planned::Summed(unfolded)));
         }
         for (offset, blocks) in &job.chunks {
             let len = job
@@ -1257,11 +1331,28 @@ fn submit_blocks(
 fn finish_summed(
     hasher: &mut ChunkHasher,
     s: SummedSave,
-    gathered: &CudaEvent,
 ) -> Result<ChecksumTicket, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: `s` went with its job to `submit_blocks` just before, and `gathered` was
-    // recorded on the copy engine's kernel stream after that job's last gather.
-    unsafe { hasher.finish_summed(s, Some(gathered)) }
+    // SAFETY: `s` went with its job to `submit_blocks`, and the event recorded on the copy
+    // engine's kernel stream after that job's last gather has completed (`Unfolded`).
+    unsafe { hasher.finish_summed(s, None) }
+}
+
+/// Which of the unfolded fused saves (oldest first: each one's device, and whether its gathers
+/// are done) to fold now: every one whose gathers are done; with `room_on`, also the oldest on
+/// that device, done or not, until fewer than [`SUMMED_UNFINISHED`] are left there.
+fn folds_due(unfolded: &[(usize, bool)], room_on: Option<usize>) -> Vec<bool> {
+    let mut must = room_on.map_or(0, |d| {
+        let n = unfolded.iter().filter(|(device, _)| *device == d).count();
+        (n + 1).saturating_sub(SUMMED_UNFINISHED)
+    });
+    unfolded
+        .iter()
+        .map(|&(device, done)| {
+            let forced = must > 0 && room_on == Some(device);
+            must -= usize::from(forced);
+            forced || done
+        })
+        .collect()
 }
 
 /// How a job went to the GPU, for its checksums.
@@ -1270,9 +1361,21 @@ enum Planned {
     Pieces,
     /// In block form.
     Blocks,
-    /// In block form with the rows summed by its gather (`--gpu-checksums fused`): the
-    /// fold's ticket, None when it could not be started (the shards compute them).
-    Summed(Option<ChecksumTicket>),
+    /// In block form with the rows summed by its gather (`--gpu-checksums fused`): its fold
+    /// to queue, None when that cannot be (the shards compute the checksums).
+    Summed(Option<Unfolded>),
+}
+
+/// A fused-form save whose gathers sum its rows, its fold not queued yet: the DMA thread
+/// queues it once it sees `gathered` (recorded after the job's last gather) complete, rather
+/// than queueing it at once behind a wait for that event on the hasher slot's stream. With the
+/// wait on the GPU, the saves' device-to-host copies ran at 50.3 GB/s while copying; queued
+/// once seen, at 54.4 (the block row sums' form: 53.9; `orbitkv-perf dma --checksum-form
+/// fused|fused-host|gpu --timeline`, sglang 2 KiB, on the H200, docs/performance.md).
+struct Unfolded {
+    device: usize,
+    save: SummedSave,
+    gathered: CudaEvent,
 }
 
 #[allow(unsafe_code)]
@@ -1289,6 +1392,31 @@ fn submit_pieces(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_saves_fold_when_their_gathers_are_done_or_a_slot_is_needed() {
+        assert_eq!(SUMMED_UNFINISHED, 3, "the cases below assume three");
+        // Without a save to begin: those done, in any order.
+        assert_eq!(folds_due(&[(0, false), (0, true), (1, true)], None), [false, true, true]);
+        assert!(folds_due(&[], None).is_empty());
+        assert!(folds_due(&[], Some(0)).is_empty());
+        // Room for one more on device 0: two unfolded there is room already.
+        assert_eq!(folds_due(&[(0, false), (0, false)], Some(0)), [false, false]);
+        // Three there: the oldest, done or not; a done one further on too.
+        assert_eq!(folds_due(&[(0, false), (0, false), (0, true)], Some(0)), [true, false, true]);
+        assert_eq!(folds_due(&[(0, true), (0, false), (0, false)], Some(0)), [true, false, false]);
+        // Five there (more than a hasher takes, as a guard): the oldest three.
+        assert_eq!(folds_due(&[(0, false); 5], Some(0)), [true, true, true, false, false]);
+        // Another device's unfolded saves neither count nor get waited for.
+        assert_eq!(
+            folds_due(&[(1, false), (0, false), (1, false), (0, false), (0, false)], Some(0)),
+            [false, true, false, false, false]
+        );
+        assert_eq!(
+            folds_due(&[(1, false), (1, false), (1, false), (0, false)], Some(0)),
+            [false, false, false, false]
+        );
+    }
 
     #[test]
     fn checksum_places_parse_as_they_are_spelled() {

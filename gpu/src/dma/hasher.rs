@@ -369,12 +369,7 @@ impl ChunkHasher {
         if nchunks == 0 {
             return Ok(None);
         }
-        let index = self.next;
-        if self.slots[index].summing {
-            return Err(DmaError::Invalid(format!(
-                "more than {SUMMED_UNFINISHED} fused-form saves begun and not finished"
-            )));
-        }
+        let index = self.free_slot()?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let results = self.pinned_results(t.chunks * 8)?;
         let slot = &mut self.slots[index];
@@ -390,6 +385,18 @@ impl ChunkHasher {
         slot.summing = true;
         self.next = (self.next + 1) % SLOTS;
         Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
+    }
+
+    /// The next slot, unless a fused-form save begun on it is not finished (its gathers may
+    /// be writing its scratch, and its `done` does not follow them): then an error, the
+    /// submission refused.
+    fn free_slot(&self) -> Result<usize, DmaError> {
+        if self.slots[self.next].summing {
+            return Err(DmaError::Invalid(format!(
+                "checksum slot busy: more than {SUMMED_UNFINISHED} fused-form saves begun and not finished"
+            )));
+        }
+        Ok(self.next)
     }
 
     /// Gives back the slot of a fused-form save whose job's submission failed, once nothing
@@ -672,8 +679,8 @@ impl ChunkHasher {
         let nblocks = count("blocks", t.chunks * t.per_chunk)?;
         let part_count = count("parts per block", job.bases.len())?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let index = self.free_slot()?;
         let results = self.pinned_results(t.chunks * 8)?;
-        let index = self.next;
         let slot = &mut self.slots[index];
         self.next = (self.next + 1) % SLOTS;
         // The slot's ids, scratch and counters are free once its last use finished.
@@ -747,8 +754,9 @@ impl ChunkHasher {
         let nchunks = u32::try_from(n)
             .map_err(|_| DmaError::Invalid(format!("{n} chunks in one checksum submission")))?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let index = self.free_slot()?;
         let results = self.pinned_results(n * 8)?;
-        let slot = &mut self.slots[self.next];
+        let slot = &mut self.slots[index];
         self.next = (self.next + 1) % SLOTS;
         // The slot's tables and scratch are free once its last use finished.
         super::wait_for(&slot.done, &mut self.times.waited)?;
