@@ -133,6 +133,11 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "N", default_value_t = 2,
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
     pub staging_depth: u8,
+    /// An experiment, as the server's `--gpu-host-gated-staging`: a staging part takes its next
+    /// batch only once this thread has seen its last copy (save) or scatter (load) finish,
+    /// not behind a stream wait on the GPU.
+    #[arg(long, conflicts_with = "socket")]
+    pub host_gated_staging: bool,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,

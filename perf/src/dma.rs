@@ -1609,6 +1609,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     if let Some(offset) = registration.device_offset {
         engine.set_host_mapping(offset);
     }
+    engine.set_reuse_seen(a.host_gated_staging);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1752,6 +1753,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             if let Some(offset) = registration.device_offset {
                 other.set_host_mapping(offset);
             }
+            other.set_reuse_seen(a.host_gated_staging);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

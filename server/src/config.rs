@@ -135,6 +135,10 @@ pub struct ServerConfig {
     /// in `stats` (`gpu_transfers.timeline.save` and `.load`): the copies' own rate, the
     /// copy streams' idle gaps and the kernels' time. Default: false.
     pub gpu_timeline: bool,
+    /// An experiment: a GPU staging part takes its next batch only once the DMA thread has
+    /// seen the part's last copy (save) or scatter (load) finish, instead of a stream waiting
+    /// for it on the GPU. Default: false.
+    pub gpu_host_gated_staging: bool,
 }
 
 impl Default for ServerConfig {
@@ -172,6 +176,7 @@ impl Default for ServerConfig {
             gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
+            gpu_host_gated_staging: false,
             max_gpu_registrations: 256,
         }
     }
@@ -293,6 +298,11 @@ pub struct Args {
     /// `stats` (the copies' own rate, the copy streams' idle gaps, the kernels' time).
     #[arg(long)]
     pub gpu_timeline: bool,
+    /// An experiment: a GPU staging part takes its next batch only once the DMA thread has
+    /// seen its last copy (save) or scatter (load) finish, instead of a stream waiting for it
+    /// on the GPU.
+    #[arg(long)]
+    pub gpu_host_gated_staging: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -458,6 +468,9 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
+        }
+        if a.gpu_host_gated_staging {
+            self.gpu_host_gated_staging = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -687,6 +700,12 @@ mod tests {
         assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
+        // Host-gated staging: off by default, on from the file or the flag.
+        assert!(!c.gpu_host_gated_staging);
+        let f = "gpu-host-gated-staging = true";
+        assert!(toml::from_str::<ServerConfig>(f).unwrap().gpu_host_gated_staging);
+        c.apply_args(&Args { gpu_host_gated_staging: true, ..Default::default() });
+        assert!(c.gpu_host_gated_staging);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -709,5 +728,6 @@ mod tests {
         assert_eq!(c.gpu_shard_checksums, d.gpu_shard_checksums);
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
+        assert_eq!(c.gpu_host_gated_staging, d.gpu_host_gated_staging);
     }
 }

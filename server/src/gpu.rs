@@ -50,6 +50,8 @@ pub struct GpuLimits {
     pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
+    /// Staging parts reused once seen free (`--gpu-host-gated-staging`).
+    pub host_gated_staging: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -1165,6 +1167,7 @@ impl GpuService {
                 if let Some(offset) = self.limits.host_mapping {
                     e.set_host_mapping(offset);
                 }
+                e.set_reuse_seen(self.limits.host_gated_staging);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {

@@ -147,6 +147,10 @@ pub struct CopyEngine {
     direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
+    /// A staging part's next batch is queued only once this thread has seen the part's last
+    /// copy (save) or scatter (load) finish, rather than behind a wait for it on the GPU
+    /// ([`CopyEngine::set_reuse_seen`]).
+    reuse_seen: bool,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -332,6 +336,7 @@ impl CopyEngine {
             direct_tables: [None, None],
             direct_next: 0,
             times: SubmitTimes::default(),
+            reuse_seen: false,
         })
     }
 
@@ -346,6 +351,18 @@ impl CopyEngine {
     /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
     pub fn record_timeline(&mut self) {
         self.record_timeline_batches(usize::MAX);
+    }
+
+    /// An experiment: each staging part's next batch is queued only once this thread has seen
+    /// the part's last use finish (for a save its copy, for a load its scatter), so that no
+    /// stream of the engine waits on another's event for a part; the DMA thread waits on the
+    /// host instead, where it waited for the part's table before. (A fused save's fold queued
+    /// behind a stream wait for its gathers slowed the copies beside it from 54.4 to 50.3 GB/s,
+    /// docs/performance.md, twenty-third session; the gathers wait for the copies the same
+    /// way.) Off: the kernel stream waits for a part's copy (save), the copy stream for its
+    /// scatter (load), on the GPU.
+    pub fn set_reuse_seen(&mut self, on: bool) {
+        self.reuse_seen = on;
     }
 
     /// As [`CopyEngine::record_timeline`], for the first `max` batches only (the later ones
@@ -510,7 +527,11 @@ impl CopyEngine {
         let result = (|| {
             loop {
                 let h = &mut self.parts[self.next];
-                wait_for(&h.uploaded, &mut self.times.waited)?;
+                // Its table (and with `reuse_seen` its staging) free: `free` comes later.
+                wait_for(
+                    if self.reuse_seen { &h.free } else { &h.uploaded },
+                    &mut self.times.waited,
+                )?;
                 let t = Instant::now();
                 let ids = next_blocks_into(
                     job,
@@ -628,7 +649,9 @@ impl CopyEngine {
                     // The batch is planned straight into the next part's host table, once the
                     // batch that last used the table has read it.
                     let h = &mut self.parts[self.next];
-                    wait_for(&h.uploaded, &mut self.times.waited)?;
+                    // Its table (and with `reuse_seen` its staging) free: `free` comes later.
+                    let reuse = if self.reuse_seen { &h.free } else { &h.uploaded };
+                    wait_for(reuse, &mut self.times.waited)?;
                     let gather = direction == Direction::Save;
                     let t = Instant::now();
                     let (n, uniform) = next_batch_into(
@@ -841,7 +864,10 @@ impl CopyEngine {
         let block_kernel = self.block_kernel.as_ref();
         match direction {
             Direction::Save => {
-                kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                // With `reuse_seen` the thread saw `free` complete before it planned the batch.
+                if !self.reuse_seen {
+                    kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                }
                 mark(0, kernel_stream)?;
                 // The gather reads its table straight from the mapped pinned host copy (at its
                 // host address under unified addressing), never uploaded: an upload is a
@@ -889,8 +915,10 @@ impl CopyEngine {
             }
             Direction::Load => {
                 // The part's staging and device table are free once the scatter that last read
-                // them has passed.
-                copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                // them has passed (with `reuse_seen`, seen before the batch was planned).
+                if !self.reuse_seen {
+                    copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
+                }
                 mark(2, copy_stream)?;
                 // SAFETY: the part is free (waited); the first copy is the part's own pinned
                 // table into its device table, the others host ranges per submit's contract.
