@@ -18,7 +18,7 @@ use crossbeam_queue::ArrayQueue;
 use cudarc::driver::{CudaContext, CudaEvent};
 use orbitkv_gpu::dma::{
     ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
-    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM, SUMMED_UNFINISHED,
+    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -833,7 +833,7 @@ impl GpuService {
                 let mut pieces_took = Duration::ZERO;
                 *starting = Some(Starting { shard, id, _memory: Arc::clone(&job.memory) });
                 if direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused {
-                    // A fused save begun next needs a free hasher slot on its device.
+                    // A save begun next takes its device's next checksum slot: free it.
                     self.fold_seen(&mut hashers, inflight, Some(job.device));
                 }
                 let started = self.start_job(
@@ -1007,24 +1007,32 @@ impl GpuService {
     }
 
     /// `--gpu-checksums fused`: queues the fold of every in-flight save whose gathers this
-    /// thread has seen finish; with `room_on`, also of the oldest unfolded saves on that
-    /// device, waiting for their gathers, until fewer than [`SUMMED_UNFINISHED`] are left
-    /// there (a fused save begun there next needs a free hasher slot). True when it queued
-    /// any.
+    /// thread has seen finish; with `room_on`, also of the unfolded save holding the checksum
+    /// slot that device's hasher hands out next, waiting for its gathers (a save begun there
+    /// next takes that slot). True when it queued any.
     fn fold_seen(
         &self,
         hashers: &mut [Option<Option<ChunkHasher>>],
         inflight: &mut InFlight,
         room_on: Option<usize>,
     ) -> bool {
-        // Each unfolded save's device and whether its gathers are done (an event that failed
-        // is taken as done: the fold's wait then reports it).
-        let states: Vec<(usize, bool)> = inflight
+        // Each unfolded save's device, slot and whether its gathers are done (an event that
+        // failed is taken as done: the fold's wait then reports it).
+        let states: Vec<(usize, usize, bool)> = inflight
             .iter()
             .filter_map(|j| j.unfolded.as_ref())
-            .map(|u| (u.device, u.gathered.try_is_complete() != Ok(false)))
+            .map(|u| (u.device, u.save.slot(), u.gathered.try_is_complete() != Ok(false)))
             .collect();
-        let due = folds_due(&states, room_on);
+        if states.is_empty() {
+            return false;
+        }
+        // The slot the device's hasher hands out next (a hasher exists where a save is
+        // unfolded; none made here).
+        let room = room_on.and_then(|d| {
+            let hasher = hashers.get(d)?.as_ref()?.as_ref()?;
+            Some((d, hasher.next_slot()))
+        });
+        let due = folds_due(&states, room);
         let unfolded = inflight.iter_mut().filter(|j| j.unfolded.is_some());
         for (job, _) in unfolded.zip(&due).filter(|(_, due)| **due) {
             let u = job.unfolded.take().expect("filtered above");
@@ -1340,22 +1348,11 @@ fn finish_summed(
     unsafe { hasher.finish_summed(s, None) }
 }
 
-/// Which of the unfolded fused saves (oldest first: each one's device, and whether its gathers
-/// are done) to fold now: every one whose gathers are done; with `room_on`, also the oldest on
-/// that device, done or not, until fewer than [`SUMMED_UNFINISHED`] are left there.
-fn folds_due(unfolded: &[(usize, bool)], room_on: Option<usize>) -> Vec<bool> {
-    let mut must = room_on.map_or(0, |d| {
-        let n = unfolded.iter().filter(|(device, _)| *device == d).count();
-        (n + 1).saturating_sub(SUMMED_UNFINISHED)
-    });
-    unfolded
-        .iter()
-        .map(|&(device, done)| {
-            let forced = must > 0 && room_on == Some(device);
-            must -= usize::from(forced);
-            forced || done
-        })
-        .collect()
+/// Which of the unfolded fused saves (each one's device, checksum slot, and whether its
+/// gathers are done) to fold now: every one whose gathers are done, and the one holding
+/// `room` (a device and the slot its hasher hands out next), done or not.
+fn folds_due(unfolded: &[(usize, usize, bool)], room: Option<(usize, usize)>) -> Vec<bool> {
+    unfolded.iter().map(|&(device, slot, done)| done || room == Some((device, slot))).collect()
 }
 
 /// How a job went to the GPU, for its checksums.
@@ -1398,27 +1395,24 @@ mod tests {
 
     #[test]
     fn fused_saves_fold_when_their_gathers_are_done_or_a_slot_is_needed() {
-        assert_eq!(SUMMED_UNFINISHED, 3, "the cases below assume three");
         // Without a save to begin: those done, in any order.
-        assert_eq!(folds_due(&[(0, false), (0, true), (1, true)], None), [false, true, true]);
+        let u = [(0, 1, false), (0, 2, true), (1, 1, true)];
+        assert_eq!(folds_due(&u, None), [false, true, true]);
         assert!(folds_due(&[], None).is_empty());
-        assert!(folds_due(&[], Some(0)).is_empty());
-        // Room for one more on device 0: two unfolded there is room already.
-        assert_eq!(folds_due(&[(0, false), (0, false)], Some(0)), [false, false]);
-        // Three there: the oldest, done or not; a done one further on too.
-        assert_eq!(folds_due(&[(0, false), (0, false), (0, true)], Some(0)), [true, false, true]);
-        assert_eq!(folds_due(&[(0, true), (0, false), (0, false)], Some(0)), [true, false, false]);
-        // Five there (more than a hasher takes, as a guard): the oldest three.
-        assert_eq!(folds_due(&[(0, false); 5], Some(0)), [true, true, true, false, false]);
-        // Another device's unfolded saves neither count nor get waited for.
-        assert_eq!(
-            folds_due(&[(1, false), (0, false), (1, false), (0, false), (0, false)], Some(0)),
-            [false, true, false, false, false]
-        );
-        assert_eq!(
-            folds_due(&[(1, false), (1, false), (1, false), (0, false)], Some(0)),
-            [false, false, false, false]
-        );
+        assert!(folds_due(&[], Some((0, 0))).is_empty());
+        // A save to begin on device 0, whose hasher hands out slot 0 next: free already.
+        let u = [(0, 1, false), (0, 2, false), (0, 3, false)];
+        assert_eq!(folds_due(&u, Some((0, 0))), [false, false, false]);
+        // Held by an unfolded save: that one, done or not (here the oldest of three).
+        let u = [(0, 0, false), (0, 1, false), (0, 2, false)];
+        assert_eq!(folds_due(&u, Some((0, 0))), [true, false, false]);
+        // Whatever its age: a save of another form may have taken the slots in between.
+        let u = [(0, 3, true), (0, 1, false), (0, 2, false)];
+        assert_eq!(folds_due(&u, Some((0, 1))), [true, true, false]);
+        // Another device's unfolded save with the same slot is not waited for.
+        let u = [(1, 0, false), (0, 0, false), (1, 1, false)];
+        assert_eq!(folds_due(&u, Some((0, 0))), [false, true, false]);
+        assert_eq!(folds_due(&u, Some((2, 0))), [false, false, false]);
     }
 
     #[test]

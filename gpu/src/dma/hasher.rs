@@ -71,6 +71,11 @@ pub struct SummedSave {
 }
 
 impl SummedSave {
+    /// The checksum slot it holds until its fold is queued.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
     /// What the copy engine's gather needs to sum the job's rows.
     pub(crate) fn gather(&self) -> SummedGather {
         self.gather
@@ -385,6 +390,12 @@ impl ChunkHasher {
         slot.summing = true;
         self.next = (self.next + 1) % SLOTS;
         Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
+    }
+
+    /// The slot the next submission takes (see [`SummedSave::slot`]: a fused-form save
+    /// holding it must be finished first).
+    pub fn next_slot(&self) -> usize {
+        self.next
     }
 
     /// The next slot, unless a fused-form save begun on it is not finished (its gathers may
