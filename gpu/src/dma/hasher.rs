@@ -404,7 +404,8 @@ impl ChunkHasher {
     fn free_slot(&self) -> Result<usize, DmaError> {
         if self.slots[self.next].summing {
             return Err(DmaError::Invalid(format!(
-                "checksum slot busy: more than {SUMMED_UNFINISHED} fused-form saves begun and not finished"
+                "checksum slot {} is held by a fused-form save whose fold is not queued yet",
+                self.next
             )));
         }
         Ok(self.next)
