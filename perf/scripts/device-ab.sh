@@ -14,7 +14,8 @@
 # Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
 # summary of all of them to $OUT/ab-summary.txt. The runs' files are then packed into
 # $OUT/ab-runs.tgz (the device tool brings back only so many files; extract it for
-# summarize-gpu.py), leaving the log, the summary and the archive.
+# summarize-gpu.py), leaving the log, the summary and the archive. perf/scripts/ab-table.py
+# ab-summary.txt [...] prints the runs as a markdown table, with each side's range.
 set -u
 B_DIR=.device-bin
 SIDES=${SIDES:-"A B"}
