@@ -526,6 +526,10 @@ impl CopyEngine {
         let mut first_block = 0u32;
         let result = (|| {
             loop {
+                // Nothing left: no part to wait for (with `reuse_seen` that is a copy's end).
+                if at.finished(job) {
+                    break;
+                }
                 let h = &mut self.parts[self.next];
                 // Its table (and with `reuse_seen` its staging) free: `free` comes later.
                 wait_for(
@@ -646,6 +650,10 @@ impl CopyEngine {
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
                 loop {
+                    // Nothing left: no part to wait for (with `reuse_seen`, a copy's end).
+                    if at.finished(pieces) {
+                        break;
+                    }
                     // The batch is planned straight into the next part's host table, once the
                     // batch that last used the table has read it.
                     let h = &mut self.parts[self.next];

@@ -139,6 +139,14 @@ pub struct StageCursor {
     done: u64,
 }
 
+impl StageCursor {
+    /// Whether every piece of `pieces` has been staged ([`next_batch_into`] would plan
+    /// nothing more).
+    pub fn finished(&self, pieces: &[Piece]) -> bool {
+        self.piece >= pieces.len()
+    }
+}
+
 /// Fills `batch` (cleared first) with the next pieces from `at`, at most `capacity` staged
 /// bytes and `max_segments` kernel descriptors, splitting a piece that does not fit; false
 /// when every piece has been staged. Batches are built one at a time, so the first one can be
@@ -287,6 +295,14 @@ impl BlockJob<'_> {
 pub struct BlockCursor {
     chunk: usize,
     block: usize,
+}
+
+impl BlockCursor {
+    /// Whether every block of `job` has been staged ([`next_blocks_into`] would take none).
+    pub fn finished(&self, job: &BlockJob<'_>) -> bool {
+        let mut rest = job.chunks.iter().skip(self.chunk).map(|(_, ids)| ids.len());
+        rest.next().is_none_or(|first| first <= self.block) && rest.all(|n| n == 0)
+    }
 }
 
 /// Fills `batch` (its runs and bytes; `segments` left empty) with the next whole blocks of

@@ -203,6 +203,8 @@ fn same_batches_in_one_pass(pieces: &[Piece], capacity: u64, max_segments: usize
         let mut table = vec![0xa5u8; max_segments * KernelDesc::BYTES];
         loop {
             let more = next_batch(pieces, &mut at, capacity, max_segments, &mut want);
+            // Finished exactly when nothing more is planned.
+            assert_eq!(at_into.finished(pieces), !more);
             let (n, uniform) = next_batch_into(
                 pieces,
                 &mut at_into,
@@ -613,7 +615,9 @@ fn fused_gather_rows_cover_each_chunk_once_in_order() {
         let mut first_block = 0u64;
         let mut rows = std::collections::BTreeMap::new();
         loop {
+            let finished = at.finished(&job);
             let n = next_blocks_into(&job, &mut at, capacity, &mut table, &mut batch) as u64;
+            assert_eq!(finished, n == 0, "finished exactly when no block is left");
             if n == 0 {
                 break;
             }
@@ -623,6 +627,35 @@ fn fused_gather_rows_cover_each_chunk_once_in_order() {
         }
         let rpc = job.block_bytes() * chunks[0].1.len() as u64 / 1024;
         assert_rows_cover(&rows, chunks.len() as u64, rpc);
+    }
+}
+
+/// A block cursor is finished exactly when no block is left, empty chunks anywhere.
+#[test]
+fn block_cursor_finishes_past_empty_chunks() {
+    let bases = [1u64 << 36];
+    for chunks in [
+        vec![(0, vec![1, 2]), (10, vec![]), (20, vec![3])],
+        vec![(0, vec![]), (10, vec![4])],
+        vec![(0, vec![5]), (10, vec![]), (20, vec![])],
+        vec![(0, vec![]), (10, vec![])],
+        vec![],
+    ] {
+        let job = packed_job(&bases, 4096, &chunks);
+        let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+        // One block per batch: the cursor stops inside and between chunks.
+        let mut table = [0u8; 8];
+        let mut taken = 0;
+        loop {
+            let finished = at.finished(&job);
+            let n = next_blocks_into(&job, &mut at, 4096, &mut table, &mut batch);
+            assert_eq!(finished, n == 0, "{chunks:?} after {taken} blocks");
+            if n == 0 {
+                break;
+            }
+            taken += n;
+        }
+        assert_eq!(taken, chunks.iter().map(|c| c.1.len()).sum::<usize>());
     }
 }
 
