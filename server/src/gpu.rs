@@ -955,7 +955,7 @@ impl GpuService {
                 let mut job = inflight.pop_front().expect("the front job");
                 if let Some(u) = job.unfolded.take() {
                     // Its copy failed: no fold; the shards compute the checksums if need be.
-                    self.abandon_unfolded(&mut hashers, u);
+                    self.release_unfolded(&mut hashers, u);
                 }
                 // Checksums that failed on the GPU are computed on the shards instead.
                 let result = result.map(|()| {
@@ -1049,8 +1049,8 @@ impl GpuService {
         u: Unfolded,
     ) -> Option<ChecksumTicket> {
         if let Err(e) = u.gathered.synchronize() {
+            // The slot stays held: its gathers cannot be seen finished (`release_unfolded`).
             tracing::warn!(error = %e, "fused GPU checksums: the gathers failed; the shards compute them");
-            self.abandon_unfolded(hashers, u);
             return None;
         }
         let hasher = self.hasher(hashers, u.device).expect("a summed save has its hasher");
@@ -1062,10 +1062,20 @@ impl GpuService {
     }
 
     /// Gives back the hasher slot of a fused save whose fold will not be queued (its job's
-    /// copy or gathers failed: nothing of it runs on the GPU any more).
-    fn abandon_unfolded(&self, hashers: &mut [Option<Option<ChunkHasher>>], u: Unfolded) {
-        if let Some(hasher) = self.hasher(hashers, u.device) {
-            hasher.abandon_summed(u.save);
+    /// copy failed) once its gathers are seen finished. If they cannot be (a failed context),
+    /// the slot stays held: no later checksum submission of the device takes it, and the
+    /// shards compute those saves' checksums (a warning each).
+    fn release_unfolded(&self, hashers: &mut [Option<Option<ChunkHasher>>], u: Unfolded) {
+        match u.gathered.synchronize() {
+            Ok(()) => {
+                if let Some(hasher) = self.hasher(hashers, u.device) {
+                    hasher.abandon_summed(u.save);
+                }
+            }
+            Err(e) => {
+                tracing::error!(device = u.device, slot = u.save.slot(), error = %e,
+                    "fused GPU checksums: a slot's gathers cannot be seen finished; the slot stays held");
+            }
         }
     }
 
@@ -1237,9 +1247,14 @@ impl GpuService {
             let ((event, shape), summed) = match (submitted, summed) {
                 (Ok(r), summed) => (r, summed),
                 (Err(e), Some(s)) => {
-                    // Nothing of the job runs any more (`submit_blocks` synchronized the
-                    // engine's streams on the error): the hasher slot is free again.
-                    hasher.expect("a summed save has its hasher").abandon_summed(s);
+                    // The hasher slot is free again once nothing of the job runs on the GPU
+                    // (`submit_blocks` synchronized the streams on the error, but does not
+                    // say whether that worked); otherwise it stays held.
+                    match engine.synchronize() {
+                        Ok(()) => hasher.expect("a summed save has its hasher").abandon_summed(s),
+                        Err(sync) => tracing::error!(error = %sync,
+                            "copy streams failed after a failed submission; a checksum slot stays held"),
+                    }
                     return Err(e);
                 }
                 (Err(e), None) => return Err(e),

@@ -26,8 +26,10 @@ use super::DmaError;
 /// (on one stream: 20-28 GB/s; on four, with four launches per submission: 32-39; with three:
 /// 48-50; without checksums 52-53).
 const SLOTS: usize = 4;
-/// Fused-form saves that may be begun and not yet finished at once
-/// ([`ChunkHasher::begin_summed`] refuses one more): each holds a slot until its fold is queued.
+/// Fused-form saves that may be begun and not yet finished at once, with no other submission
+/// in between, and still leave a slot free for any submission after them: each holds its slot
+/// until its fold is queued, and a submission refuses a held slot (whichever slot is next,
+/// [`ChunkHasher::next_slot`]).
 pub const SUMMED_UNFINISHED: usize = SLOTS - 1;
 /// Bytes of the tables one warp of the pull (see [`ChunkHasher::submit`]) moves.
 const PULL_PIECE: usize = 4096;
@@ -444,7 +446,8 @@ impl ChunkHasher {
                 stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
             }
             let event = ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-            // SAFETY: the rows are written once `gathered` has passed (waited just above);
+            // SAFETY: the rows are written once `gathered` has passed (waited just above, or
+            // seen complete by the caller);
             // scratch and counters are the slot's, reserved by `begin_summed`; the results
             // are pinned, owned by the ticket until its event completes.
             unsafe {
@@ -739,9 +742,10 @@ impl ChunkHasher {
         gathered: &CudaEvent,
     ) -> Result<(), DmaError> {
         let slot = &mut self.slots[s.slot];
-        slot.summing = false;
         slot.stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
         slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
+        // Free once `done` follows the gathers (held otherwise).
+        slot.summing = false;
         // The results buffer was never handed to a kernel.
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
         Ok(())
