@@ -1016,29 +1016,24 @@ impl GpuService {
         inflight: &mut InFlight,
         room_on: Option<usize>,
     ) -> bool {
-        // Each unfolded save's device, slot and whether its gathers are done (an event that
-        // failed is taken as done: the fold's wait then reports it).
-        let states: Vec<(usize, usize, bool)> = inflight
-            .iter()
-            .filter_map(|j| j.unfolded.as_ref())
-            .map(|u| (u.device, u.save.slot(), u.gathered.try_is_complete() != Ok(false)))
-            .collect();
-        if states.is_empty() {
-            return false;
-        }
         // The slot the device's hasher hands out next (a hasher exists where a save is
         // unfolded; none made here).
         let room = room_on.and_then(|d| {
             let hasher = hashers.get(d)?.as_ref()?.as_ref()?;
             Some((d, hasher.next_slot()))
         });
-        let due = folds_due(&states, room);
-        let unfolded = inflight.iter_mut().filter(|j| j.unfolded.is_some());
-        for (job, _) in unfolded.zip(&due).filter(|(_, due)| **due) {
-            let u = job.unfolded.take().expect("filtered above");
-            job.checksums = self.fold(hashers, u);
+        let mut queued = false;
+        for job in inflight.iter_mut() {
+            let Some(u) = job.unfolded.as_ref() else { continue };
+            // An event that failed is taken as done: the fold's wait then reports it.
+            let done = u.gathered.try_is_complete() != Ok(false);
+            if fold_due((u.device, u.save.slot(), done), room) {
+                let u = job.unfolded.take().expect("checked above");
+                job.checksums = self.fold(hashers, u);
+                queued = true;
+            }
         }
-        due.contains(&true)
+        queued
     }
 
     /// Queues the fold of `u` once its gathers have finished (waited for here if need be);
@@ -1363,11 +1358,11 @@ fn finish_summed(
     unsafe { hasher.finish_summed(s, None) }
 }
 
-/// Which of the unfolded fused saves (each one's device, checksum slot, and whether its
-/// gathers are done) to fold now: every one whose gathers are done, and the one holding
-/// `room` (a device and the slot its hasher hands out next), done or not.
-fn folds_due(unfolded: &[(usize, usize, bool)], room: Option<(usize, usize)>) -> Vec<bool> {
-    unfolded.iter().map(|&(device, slot, done)| done || room == Some((device, slot))).collect()
+/// Whether to fold an unfolded fused save now (its device, checksum slot, and whether its
+/// gathers are done): when its gathers are done, or when it holds `room` (a device and the
+/// slot its hasher hands out next), done or not.
+fn fold_due((device, slot, done): (usize, usize, bool), room: Option<(usize, usize)>) -> bool {
+    done || room == Some((device, slot))
 }
 
 /// How a job went to the GPU, for its checksums.
@@ -1410,6 +1405,9 @@ mod tests {
 
     #[test]
     fn fused_saves_fold_when_their_gathers_are_done_or_a_slot_is_needed() {
+        let folds_due = |unfolded: &[(usize, usize, bool)], room| -> Vec<bool> {
+            unfolded.iter().map(|&u| fold_due(u, room)).collect()
+        };
         // Without a save to begin: those done, in any order.
         let u = [(0, 1, false), (0, 2, true), (1, 1, true)];
         assert_eq!(folds_due(&u, None), [false, true, true]);
