@@ -1242,14 +1242,9 @@ impl GpuService {
             let ((event, shape), summed) = match (submitted, summed) {
                 (Ok(r), summed) => (r, summed),
                 (Err(e), Some(s)) => {
-                    // The hasher slot is free again once nothing of the job runs on the GPU
-                    // (`submit_blocks` synchronized the streams on the error, but does not
-                    // say whether that worked); otherwise it stays held.
-                    match engine.synchronize() {
-                        Ok(()) => hasher.expect("a summed save has its hasher").abandon_summed(s),
-                        Err(sync) => tracing::error!(error = %sync,
-                            "copy streams failed after a failed submission; a checksum slot stays held"),
-                    }
+                    // `submit_blocks` synchronized the streams on the error, but does not say
+                    // whether that worked.
+                    abandon_once_idle(engine, hasher.expect("a summed save has its hasher"), s);
                     return Err(e);
                 }
                 (Err(e), None) => return Err(e),
@@ -1262,12 +1257,7 @@ impl GpuService {
                     tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them");
                     // No event to fold after: the job's gathers may still be writing the
                     // hasher slot's scratch rows, which its next user must find finished.
-                    match engine.synchronize() {
-                        Ok(()) => hasher.abandon_summed(s),
-                        Err(sync) => {
-                            tracing::warn!(error = %sync, "copy streams failed after a failed submission");
-                        }
-                    }
+                    abandon_once_idle(engine, hasher, s);
                     None
                 }
             };
@@ -1356,6 +1346,17 @@ fn finish_summed(
     // SAFETY: `s` went with its job to `submit_blocks`, and the event recorded on the copy
     // engine's kernel stream after that job's last gather has completed (`Unfolded`).
     unsafe { hasher.finish_summed(s, None) }
+}
+
+/// Gives back the checksum slot of a fused save whose fold will not be queued, once nothing of
+/// its job runs on the GPU (the copy engine's streams synchronized); if that cannot be seen (a
+/// failed context), the slot stays held, logged.
+fn abandon_once_idle(engine: &CopyEngine, hasher: &mut ChunkHasher, s: SummedSave) {
+    match engine.synchronize() {
+        Ok(()) => hasher.abandon_summed(s),
+        Err(e) => tracing::error!(slot = s.slot(), error = %e,
+            "copy streams failed after a failed submission; a checksum slot stays held"),
+    }
 }
 
 /// Whether to fold an unfolded fused save now (its device, checksum slot, and whether its
