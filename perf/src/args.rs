@@ -133,11 +133,11 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "N", default_value_t = 2,
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
     pub staging_depth: u8,
-    /// An experiment, as the server's `--gpu-host-gated-staging`: a staging part takes its next
-    /// batch only once this thread has seen its last copy (save) or scatter (load) finish,
-    /// not behind a stream wait on the GPU.
-    #[arg(long, conflicts_with = "socket")]
-    pub host_gated_staging: bool,
+    /// What lets a staging part take its next batch, as the server's `--gpu-staging-gate`:
+    /// `host` (this thread has seen its last copy (save) or scatter (load) finish) or `gpu`
+    /// (a stream waits for it on the GPU) (default: host; through a server, its flag decides).
+    #[arg(long, value_enum, default_value = "host", conflicts_with = "socket")]
+    pub staging_gate: StagingGate,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,
@@ -219,16 +219,18 @@ pub(crate) struct DmaArgs {
     #[arg(long, conflicts_with = "socket")]
     pub pieces: bool,
     /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
-    /// GPU checksums: `gpu` (row sums and fold kernels beside the copy, as the server's
+    /// GPU checksums: `fused-host` (the save's gather sums the rows, each job's fold queued
+    /// once this thread has seen its gathers done, as the server's default `--gpu-checksums
+    /// fused`), `fused` (the same, each fold queued at once behind a wait on its own stream
+    /// for the gathers' event), `gpu` (row sums and fold kernels beside the copy, as
     /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply),
-    /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), `fused`
-    /// (the save's gather sums the rows and only the fold follows, queued at once behind a
-    /// wait on its own stream for the gathers' event), `fused-host` (the same, each fold
-    /// queued once this thread has seen its job's gathers done, as `--gpu-checksums fused`),
-    /// or `gather-only` (the fused form's gather without
-    /// its fold: no checksums; a diagnostic of what the summing gather alone does to the
-    /// copies, with `--timeline`).
-    #[arg(long, value_enum, default_value = "gpu", conflicts_with_all = ["socket", "pieces"])]
+    /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), or
+    /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of
+    /// what the summing gather alone does to the copies, with `--timeline`) (default:
+    /// fused-host, which measures `gpu` where the fused form does not apply, as the server
+    /// does: copy-engine saves, parts not a multiple of 1 KiB).
+    #[arg(long, value_enum, default_value = "fused-host",
+          conflicts_with_all = ["socket", "pieces"])]
     pub checksum_form: ChecksumForm,
     /// With `--checksum-form gpu`: fold this many jobs' rows in one launch (1-4), their
     /// chains side by side, instead of one fold per job.
@@ -238,6 +240,15 @@ pub(crate) struct DmaArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// What lets `dma`'s staging part take its next batch (`--staging-gate`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StagingGate {
+    /// This thread has seen the part free.
+    Host,
+    /// A stream waits for it on the GPU.
+    Gpu,
 }
 
 /// How `dma`'s checksums row computes GPU checksums (`--checksum-form`).

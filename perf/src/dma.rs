@@ -782,6 +782,9 @@ impl Bench {
         let mut windows = Windows::default();
         // Loaded once: a failure to load them leaves the row out, as it would every round.
         let mut hasher = ChunkHasher::new(self.engine.context()).ok();
+        if let Some(h) = hasher.as_ref() {
+            self.settle_checksum_form(h)?;
+        }
         let jobs = self.job_chunks();
         for _ in 0..a.interference_rounds {
             let ways = std::iter::once(("contiguous", None))
@@ -1070,6 +1073,25 @@ impl Bench {
         unsafe_block_checksums(hasher, &job, self.chunk_len, rows)
     }
 
+    /// `fused-host` (the default, as the server's `--gpu-checksums fused`) where the fused
+    /// form does not apply to this run's saves (not staged in block form, `--pieces`, parts
+    /// not a multiple of 1 KiB, its kernels missing): `gpu`, as the server does then; the rows
+    /// and the JSON name the form measured. The diagnostic forms (`fused`, `gather-only`) say
+    /// so instead when they come to a save.
+    fn settle_checksum_form(&mut self, hasher: &ChunkHasher) -> Result<(), Error> {
+        use crate::args::ChecksumForm;
+        if self.checksum_form != ChecksumForm::FusedHost || self.chunks.is_empty() {
+            return Ok(());
+        }
+        let first = self.job_chunks()[0].clone();
+        let job = self.memory.block_job(self.host_base, &self.chunks[first]).map_err(dma)?;
+        let blocks = !self.pieces_only && self.engine.blocks_for(Strategy::Auto, &job);
+        if !blocks || !hasher.summed_applies(&job) {
+            self.checksum_form = ChecksumForm::Gpu;
+        }
+        Ok(())
+    }
+
     /// `None` when the kernels do not load on this driver (said on stderr).
     fn checksums(&mut self, save_ceiling: f64) -> Result<Option<ChecksumResult>, Error> {
         let mut hasher = match ChunkHasher::new(self.engine.context()) {
@@ -1081,6 +1103,7 @@ impl Bench {
                 return Ok(None);
             }
         };
+        self.settle_checksum_form(&hasher)?;
         let jobs = self.job_chunks();
         use crate::args::ChecksumForm;
         if !matches!(self.checksum_form, ChecksumForm::Gpu | ChecksumForm::Tables) {
@@ -1609,7 +1632,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     if let Some(offset) = registration.device_offset {
         engine.set_host_mapping(offset);
     }
-    engine.set_reuse_seen(a.host_gated_staging);
+    engine.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1753,7 +1776,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             if let Some(offset) = registration.device_offset {
                 other.set_host_mapping(offset);
             }
-            other.set_reuse_seen(a.host_gated_staging);
+            other.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

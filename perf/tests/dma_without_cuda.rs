@@ -71,10 +71,17 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--checksum-form", "rows"]);
     assert_eq!(code, Some(2), "the block row sums are `gpu` now: {err}");
     assert!(err.contains("--checksum-form"), "{err}");
-    // Host-gated staging is the local engine's; a server has its own flag.
-    let (code, err) = dma(&["--socket", "/nonexistent", "--host-gated-staging"]);
+    // The staging gate is the local engine's; a server has its own flag.
+    let (code, err) = dma(&["--socket", "/nonexistent", "--staging-gate", "gpu"]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--host-gated-staging") && err.contains("--socket"), "{err}");
+    assert!(err.contains("--staging-gate") && err.contains("--socket"), "{err}");
+    let (code, err) = dma(&["--staging-gate", "sometimes"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--staging-gate") && err.contains("sometimes"), "{err}");
+    // Grouped folds need the block row sums' form, not the default fused one.
+    let (code, err) = dma(&["--fold-jobs", "2"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form gpu"), "{err}");
     let (code, err) = dma(&["--fold-jobs", "5"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--fold-jobs"), "{err}");

@@ -115,11 +115,12 @@ pub struct ServerConfig {
     pub gpu_queue_depth: usize,
     /// Engine ranks registered for GPU save/load at once. Default: 256.
     pub max_gpu_registrations: usize,
-    /// Where a GPU save's chunk checksums are computed: `gpu` (by kernels beside the copy,
-    /// one chunk per 32 checked again on its shard), `tables` (as `gpu`, always by the
-    /// table-driven row sums: to compare), `verify` (on the GPU, every chunk checked again on
-    /// its shard: for testing), `cpu` (on the shards), or `fused` (the save's gather sums the
-    /// rows, the fold follows: an experiment). Default: `gpu`.
+    /// Where a GPU save's chunk checksums are computed: `fused` (on the GPU: the save's
+    /// gather sums the rows as it copies, a fold follows once its gathers are seen done; one
+    /// chunk per 32 checked again on its shard), `gpu` (on the GPU by row-sum kernels of
+    /// their own beside the copy), `tables` (as `gpu`, always by the table-driven row sums:
+    /// to compare), `verify` (as `gpu`, every chunk checked again on its shard: for
+    /// testing), or `cpu` (on the shards). Default: `fused`.
     pub gpu_checksums: String,
     /// Percent of GPU save jobs (0-90) whose checksums the shards compute from the arena
     /// instead of the GPU: host cores taking SM time off the engine. Default: 0.
@@ -135,10 +136,10 @@ pub struct ServerConfig {
     /// in `stats` (`gpu_transfers.timeline.save` and `.load`): the copies' own rate, the
     /// copy streams' idle gaps and the kernels' time. Default: false.
     pub gpu_timeline: bool,
-    /// An experiment: a GPU staging part takes its next batch only once the DMA thread has
-    /// seen the part's last copy (save) or scatter (load) finish, instead of a stream waiting
-    /// for it on the GPU. Default: false.
-    pub gpu_host_gated_staging: bool,
+    /// What lets a GPU staging part take its next batch: `host` (the DMA thread has seen
+    /// the part's last copy (save) or scatter (load) finish) or `gpu` (a stream waits for it
+    /// on the GPU, the DMA thread planning ahead). Default: `host`.
+    pub gpu_staging_gate: String,
 }
 
 impl Default for ServerConfig {
@@ -172,11 +173,11 @@ impl Default for ServerConfig {
             gpu_staging_depth: None,
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
-            gpu_checksums: "gpu".into(),
+            gpu_checksums: "fused".into(),
             gpu_shard_checksums: 0,
             gpu_copy: "auto".into(),
             gpu_timeline: false,
-            gpu_host_gated_staging: false,
+            gpu_staging_gate: "host".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -280,9 +281,10 @@ pub struct Args {
     /// Engine ranks registered for GPU save/load at once (default: 256).
     #[arg(long, value_name = "N")]
     pub max_gpu_registrations: Option<usize>,
-    /// Where GPU saves' chunk checksums are computed: gpu, tables (gpu, by the table-driven
-    /// row sums: to compare), verify (gpu, all rechecked on the shards), cpu, or fused (gpu,
-    /// rows summed by the save's own gather: an experiment) (default: gpu).
+    /// Where GPU saves' chunk checksums are computed: fused (on the GPU, the rows summed by
+    /// the save's own gather), gpu (on the GPU, by row-sum kernels of their own), tables (gpu,
+    /// by the table-driven row sums: to compare), verify (gpu, all rechecked on the shards),
+    /// or cpu (default: fused).
     #[arg(long, value_name = "WHERE")]
     pub gpu_checksums: Option<String>,
     /// Percent of GPU save jobs whose checksums the shards compute instead of the GPU, 0-90
@@ -298,11 +300,11 @@ pub struct Args {
     /// `stats` (the copies' own rate, the copy streams' idle gaps, the kernels' time).
     #[arg(long)]
     pub gpu_timeline: bool,
-    /// An experiment: a GPU staging part takes its next batch only once the DMA thread has
-    /// seen its last copy (save) or scatter (load) finish, instead of a stream waiting for it
-    /// on the GPU.
-    #[arg(long)]
-    pub gpu_host_gated_staging: bool,
+    /// What lets a GPU staging part take its next batch: host (the DMA thread has seen its
+    /// last copy (save) or scatter (load) finish) or gpu (a stream waits for it on the GPU)
+    /// (default: host).
+    #[arg(long, value_name = "WHO")]
+    pub gpu_staging_gate: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -343,6 +345,9 @@ pub struct Settings {
     pub gpu_checksums: crate::gpu::ChecksumPlace,
     /// How GPU copies cross the bus.
     pub gpu_copy: orbitkv_gpu::dma::Strategy,
+    /// Whether a staging part is reused once the DMA thread has seen it free
+    /// (`--gpu-staging-gate host`) rather than behind a stream wait on the GPU.
+    pub gpu_staging_gate_host: bool,
 }
 
 /// Validated SSD tier settings.
@@ -458,7 +463,8 @@ impl ServerConfig {
             max_gpu_registrations,
             gpu_checksums,
             gpu_shard_checksums,
-            gpu_copy
+            gpu_copy,
+            gpu_staging_gate
         );
         if let Some(d) = a.gpu_staging_depth {
             self.gpu_staging_depth = Some(d);
@@ -468,9 +474,6 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
-        }
-        if a.gpu_host_gated_staging {
-            self.gpu_host_gated_staging = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -577,7 +580,7 @@ impl ServerConfig {
                 invalid(
                     "--gpu-checksums",
                     format!(
-                        "{:?} is not one of gpu, tables, verify, cpu, fused",
+                        "{:?} is not one of fused, gpu, tables, verify, cpu",
                         self.gpu_checksums
                     ),
                 )
@@ -591,6 +594,16 @@ impl ServerConfig {
                 format!("{:?} is not one of auto, staged, batched, direct", self.gpu_copy),
             )
         })?;
+        let gpu_staging_gate_host = match self.gpu_staging_gate.as_str() {
+            "host" => true,
+            "gpu" => false,
+            other => {
+                return Err(invalid(
+                    "--gpu-staging-gate",
+                    format!("{other:?} is not one of host, gpu"),
+                ))
+            }
+        };
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -614,6 +627,7 @@ impl ServerConfig {
             gpu_staging_depth,
             gpu_checksums,
             gpu_copy,
+            gpu_staging_gate_host,
         })
     }
 }
@@ -673,6 +687,8 @@ mod tests {
             .contains("--gpu-shard-checksums"));
         assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
             .contains("--gpu-checksums"));
+        let e = bad(ServerConfig { gpu_staging_gate: "cpu".into(), ..Default::default() });
+        assert!(e.contains("--gpu-staging-gate") && e.contains("\"cpu\""), "{e}");
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
             .contains("--gpu-copy"));
         assert!(bad(ServerConfig { gpu_queue_depth: 0, ..Default::default() })
@@ -700,12 +716,12 @@ mod tests {
         assert!(toml::from_str::<ServerConfig>("gpu-timeline = true").unwrap().gpu_timeline);
         c.apply_args(&Args { gpu_timeline: true, ..Default::default() });
         assert!(c.gpu_timeline);
-        // Host-gated staging: off by default, on from the file or the flag.
-        assert!(!c.gpu_host_gated_staging);
-        let f = "gpu-host-gated-staging = true";
-        assert!(toml::from_str::<ServerConfig>(f).unwrap().gpu_host_gated_staging);
-        c.apply_args(&Args { gpu_host_gated_staging: true, ..Default::default() });
-        assert!(c.gpu_host_gated_staging);
+        // The staging gate: the host's by default, the GPU's from the file or the flag.
+        assert!(c.validate().unwrap().gpu_staging_gate_host);
+        let f: ServerConfig = toml::from_str("gpu-staging-gate = \"gpu\"").unwrap();
+        assert!(!f.validate().unwrap().gpu_staging_gate_host);
+        c.apply_args(&Args { gpu_staging_gate: Some("gpu".into()), ..Default::default() });
+        assert!(!c.validate().unwrap().gpu_staging_gate_host);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -728,6 +744,6 @@ mod tests {
         assert_eq!(c.gpu_shard_checksums, d.gpu_shard_checksums);
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
-        assert_eq!(c.gpu_host_gated_staging, d.gpu_host_gated_staging);
+        assert_eq!(c.gpu_staging_gate, d.gpu_staging_gate);
     }
 }

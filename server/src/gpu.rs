@@ -50,7 +50,8 @@ pub struct GpuLimits {
     pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
-    /// Staging parts reused once seen free (`--gpu-host-gated-staging`).
+    /// Staging parts reused once the DMA thread has seen them free (`--gpu-staging-gate
+    /// host`).
     pub host_gated_staging: bool,
 }
 

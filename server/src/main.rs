@@ -253,7 +253,7 @@ fn run(settings: Settings) -> Result<(), String> {
             copy: settings.gpu_copy,
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
             timeline: settings.config.gpu_timeline,
-            host_gated_staging: settings.config.gpu_host_gated_staging,
+            host_gated_staging: settings.gpu_staging_gate_host,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());

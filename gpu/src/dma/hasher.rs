@@ -362,8 +362,7 @@ impl ChunkHasher {
         job: &BlockJob<'_>,
         chunk_len: u64,
     ) -> Result<Option<SummedSave>, DmaError> {
-        let kernels = self.kernels.summed_gather(0, 0, 0).is_some();
-        if !kernels || !rows_by_units(job) {
+        if !self.summed_applies(job) {
             return Ok(None);
         }
         self.no_pending_folds()?;
@@ -392,6 +391,13 @@ impl ChunkHasher {
         slot.summing = true;
         self.next = (self.next + 1) % SLOTS;
         Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
+    }
+
+    /// Whether the fused form applies to `job`'s shape: its kernels in the PTX, parts a
+    /// multiple of 1 KiB, addresses 16-byte aligned ([`ChunkHasher::begin_summed`] also
+    /// declines a job without chunks).
+    pub fn summed_applies(&self, job: &BlockJob<'_>) -> bool {
+        self.kernels.summed_gather(0, 0, 0).is_some() && rows_by_units(job)
     }
 
     /// The slot the next submission takes (see [`SummedSave::slot`]: a fused-form save
