@@ -138,6 +138,11 @@ pub(crate) struct DmaArgs {
     /// (a stream waits for it on the GPU) (default: host; through a server, its flag decides).
     #[arg(long, value_enum, default_value = "host", conflicts_with = "socket")]
     pub staging_gate: StagingGate,
+    /// An experiment, as the server's `--gpu-save-ramp`: a save submitted once the staging
+    /// pipeline has run dry stages its first batch small (2 MiB), each next one half again as
+    /// large, up to a part.
+    #[arg(long, conflicts_with = "socket")]
+    pub save_ramp: bool,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,

@@ -1633,6 +1633,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         engine.set_host_mapping(offset);
     }
     engine.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
+    engine.set_save_ramp(a.save_ramp);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1777,6 +1778,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
                 other.set_host_mapping(offset);
             }
             other.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
+            other.set_save_ramp(a.save_ramp);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

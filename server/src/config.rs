@@ -140,6 +140,11 @@ pub struct ServerConfig {
     /// the part's last copy (save) or scatter (load) finish) or `gpu` (a stream waits for it
     /// on the GPU, the DMA thread planning ahead). Default: `host`.
     pub gpu_staging_gate: String,
+    /// An experiment: a block-form GPU save sent once the DMA thread's copies have run dry
+    /// stages its first batch small (2 MiB) and each next one half again as large, up to a
+    /// staging part, so that its first copy does not wait for a whole part's gather.
+    /// Default: false.
+    pub gpu_save_ramp: bool,
 }
 
 impl Default for ServerConfig {
@@ -178,6 +183,7 @@ impl Default for ServerConfig {
             gpu_copy: "auto".into(),
             gpu_timeline: false,
             gpu_staging_gate: "host".into(),
+            gpu_save_ramp: false,
             max_gpu_registrations: 256,
         }
     }
@@ -305,6 +311,10 @@ pub struct Args {
     /// (default: host).
     #[arg(long, value_name = "WHO")]
     pub gpu_staging_gate: Option<String>,
+    /// An experiment: a GPU save sent once the DMA thread's copies have run dry stages its
+    /// first batch small (2 MiB), each next one half again as large, up to a staging part.
+    #[arg(long)]
+    pub gpu_save_ramp: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -474,6 +484,9 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
+        }
+        if a.gpu_save_ramp {
+            self.gpu_save_ramp = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -722,6 +735,11 @@ mod tests {
         assert!(!f.validate().unwrap().gpu_staging_gate_host);
         c.apply_args(&Args { gpu_staging_gate: Some("gpu".into()), ..Default::default() });
         assert!(!c.validate().unwrap().gpu_staging_gate_host);
+        // The save ramp: off by default, on from the file or the flag.
+        assert!(!c.gpu_save_ramp);
+        assert!(toml::from_str::<ServerConfig>("gpu-save-ramp = true").unwrap().gpu_save_ramp);
+        c.apply_args(&Args { gpu_save_ramp: true, ..Default::default() });
+        assert!(c.gpu_save_ramp);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -745,5 +763,6 @@ mod tests {
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
         assert_eq!(c.gpu_staging_gate, d.gpu_staging_gate);
+        assert_eq!(c.gpu_save_ramp, d.gpu_save_ramp);
     }
 }

@@ -53,6 +53,8 @@ pub struct GpuLimits {
     /// Staging parts reused once the DMA thread has seen them free (`--gpu-staging-gate
     /// host`).
     pub host_gated_staging: bool,
+    /// Saves start with small batches after the copies ran dry (`--gpu-save-ramp`).
+    pub save_ramp: bool,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -1182,6 +1184,7 @@ impl GpuService {
                     e.set_host_mapping(offset);
                 }
                 e.set_reuse_seen(self.limits.host_gated_staging);
+                e.set_save_ramp(self.limits.save_ramp);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {

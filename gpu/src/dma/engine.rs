@@ -23,7 +23,7 @@ use super::hasher::drv;
 use super::hasher::SummedSave;
 use super::plan::{
     compact_uniform, next_batch_into, next_blocks_into, BlockCursor, BlockJob, KernelDesc, Piece,
-    StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
+    SaveRamp, StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
 };
 use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
@@ -151,6 +151,10 @@ pub struct CopyEngine {
     /// copy (save) or scatter (load) finish, rather than behind a wait for it on the GPU
     /// ([`CopyEngine::set_reuse_seen`]).
     reuse_seen: bool,
+    /// Block-form saves start small after the pipeline ran dry ([`CopyEngine::set_save_ramp`]).
+    save_ramp: bool,
+    /// Where the save ramp is.
+    ramp: SaveRamp,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -337,6 +341,8 @@ impl CopyEngine {
             direct_next: 0,
             times: SubmitTimes::default(),
             reuse_seen: false,
+            save_ramp: false,
+            ramp: SaveRamp::default(),
         })
     }
 
@@ -353,16 +359,35 @@ impl CopyEngine {
         self.record_timeline_batches(usize::MAX);
     }
 
-    /// An experiment: each staging part's next batch is queued only once this thread has seen
+    /// Each staging part's next batch is queued only once this thread has seen
     /// the part's last use finish (for a save its copy, for a load its scatter), so that no
     /// stream of the engine waits on another's event for a part; the DMA thread waits on the
     /// host instead, where it waited for the part's table before. (A fused save's fold queued
     /// behind a stream wait for its gathers slowed the copies beside it from 54.4 to 50.3 GB/s,
     /// docs/performance.md, twenty-third session; the gathers wait for the copies the same
-    /// way.) Off: the kernel stream waits for a part's copy (save), the copy stream for its
-    /// scatter (load), on the GPU.
+    /// way.) The server's default (`--gpu-staging-gate host`). Off: the kernel stream waits
+    /// for a part's copy (save), the copy stream for its scatter (load), on the GPU.
     pub fn set_reuse_seen(&mut self, on: bool) {
         self.reuse_seen = on;
+    }
+
+    /// An experiment: a block-form save submitted once every staging part is free (the
+    /// pipeline ran dry: a save sent after the one before finished) stages its first batch
+    /// small and each next one half again as large, up to a part ([`SaveRamp`]), so that its
+    /// first copy does not wait for a whole part's gather. Saves submitted while earlier work
+    /// is still in flight keep whole parts. Off: every batch up to a whole part.
+    pub fn set_save_ramp(&mut self, on: bool) {
+        self.save_ramp = on;
+    }
+
+    /// Whether every staging part's last use has finished (nothing of this engine's copies in
+    /// flight).
+    fn ran_dry(&self) -> Result<bool, DmaError> {
+        let last = (self.next + self.parts.len() - 1) % self.parts.len();
+        self.parts[last]
+            .free
+            .try_is_complete()
+            .map_err(|e| DmaError::Cuda { op: "cuEventQuery", detail: e.to_string() })
     }
 
     /// As [`CopyEngine::record_timeline`], for the first `max` batches only (the later ones
@@ -520,6 +545,10 @@ impl CopyEngine {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
         let part_bytes = self.staging_part() as u64;
+        let ramp = self.save_ramp && direction == Direction::Save;
+        if ramp && self.ran_dry()? {
+            self.ramp.restart();
+        }
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
         // The job's blocks staged before this batch (the fused gather numbers rows in the job).
@@ -536,14 +565,11 @@ impl CopyEngine {
                     if self.reuse_seen { &h.free } else { &h.uploaded },
                     &mut self.times.waited,
                 )?;
+                let bound =
+                    if ramp { self.ramp.take(part_bytes, job.block_bytes()) } else { part_bytes };
                 let t = Instant::now();
-                let ids = next_blocks_into(
-                    job,
-                    &mut at,
-                    part_bytes,
-                    h.descs_host.bytes_mut(),
-                    &mut batch,
-                );
+                let ids =
+                    next_blocks_into(job, &mut at, bound, h.descs_host.bytes_mut(), &mut batch);
                 self.times.planned += t.elapsed();
                 if ids == 0 {
                     break;

@@ -350,6 +350,40 @@ pub fn next_blocks_into(
     n
 }
 
+/// The first staged batch of a save after its copy pipeline ran dry, with the save ramp on
+/// ([`crate::dma::CopyEngine::set_save_ramp`]).
+pub const RAMP_FIRST: u64 = 2 << 20;
+
+/// What a save's next staged batch may hold while it ramps up: the first [`RAMP_FIRST`]
+/// bytes, each next batch half again the one before, up to a whole staging part; never less
+/// than one block. The first copy then starts after a short gather rather than a whole part's,
+/// and each later gather (half again the batch copying meanwhile) is done in time as long as
+/// the gather runs at 1.5 times the copy's rate or more. Beside an engine's bf16 matmul on the
+/// H200, a 64 MiB part's gather took about 0.8 ms before its copy could start (about 84 GB/s
+/// against the copies' 54): 2% of a 2 GiB save sent one request at a time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SaveRamp {
+    /// The next batch's bound while ramping; None: whole parts.
+    next: Option<u64>,
+}
+
+impl SaveRamp {
+    /// Starts again from [`RAMP_FIRST`].
+    pub fn restart(&mut self) {
+        self.next = Some(RAMP_FIRST);
+    }
+
+    /// The bytes the next batch may stage, for parts of `part` bytes and blocks of `block`
+    /// (at most `part`), and moves on.
+    pub fn take(&mut self, part: u64, block: u64) -> u64 {
+        let Some(bound) = self.next else { return part };
+        let bytes = bound.max(block).min(part);
+        let grown = bytes + bytes / 2;
+        self.next = (grown < part).then_some(grown);
+        bytes
+    }
+}
+
 /// Longest run of bytes one warp of the block copy kernel moves (`UNIT` in
 /// `copy_blocks.cu`): a longer part is several units, copied in parallel.
 pub const BLOCK_UNIT: u64 = 64 << 10;

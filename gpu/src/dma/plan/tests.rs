@@ -676,3 +676,92 @@ fn block_rows_cover_each_chunk_once_in_order() {
         assert_rows_cover(&rows, chunks.len() as u64, rpc);
     }
 }
+
+/// The save ramp: whole parts until restarted; then from `RAMP_FIRST`, half again per batch, a
+/// block at least and a part at most, back to whole parts once it reaches one.
+#[test]
+fn save_ramp_grows_by_half_to_a_part() {
+    const MIB: u64 = 1 << 20;
+    let mut ramp = SaveRamp::default();
+    assert_eq!(ramp.take(64 * MIB, 4096), 64 * MIB);
+    ramp.restart();
+    let mut got = Vec::new();
+    loop {
+        let bytes = ramp.take(64 * MIB, 4096);
+        got.push(bytes);
+        if bytes == 64 * MIB {
+            break;
+        }
+    }
+    assert_eq!(got[0], RAMP_FIRST);
+    assert_eq!(got[1], 3 * MIB);
+    assert!(got.windows(2).all(|w| w[1] <= w[0] + w[0] / 2 && w[1] > w[0]), "{got:?}");
+    assert_eq!(got.len(), 10, "{got:?}");
+    assert_eq!(ramp.take(64 * MIB, 4096), 64 * MIB);
+    // A block larger than the first bound: one block first, then growing from it.
+    ramp.restart();
+    assert_eq!(ramp.take(64 * MIB, 5 * MIB), 5 * MIB);
+    assert_eq!(ramp.take(64 * MIB, 5 * MIB), 7 * MIB + MIB / 2);
+    // A part smaller than the first bound: whole parts at once.
+    ramp.restart();
+    assert_eq!(ramp.take(MIB, 4096), MIB);
+    assert_eq!(ramp.take(MIB, 4096), MIB);
+    // A restart mid-ramp starts over.
+    ramp.restart();
+    ramp.take(64 * MIB, 4096);
+    ramp.restart();
+    assert_eq!(ramp.take(64 * MIB, 4096), RAMP_FIRST);
+}
+
+/// A job planned under the ramp's bounds: every block staged once, in order, each batch
+/// within its bound, and the bounds those of the ramp.
+#[test]
+fn a_ramped_job_stages_every_block_once() {
+    let l = LayoutDesc {
+        layout: KvLayout::SglangPerLayer,
+        num_layers: 4,
+        num_blocks: 4096,
+        block_size: 1,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+    };
+    let tensor_bytes = l.tensor_bytes().unwrap();
+    let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
+    let (bases, stride) = l.part_bases(&tensors);
+    let per_chunk = 16;
+    let chunk_len = l.block_bytes() * per_chunk;
+    let ids: Vec<u64> = (0..l.num_blocks).rev().collect();
+    let chunks: Vec<(u64, Vec<u64>)> = ids
+        .chunks(per_chunk as usize)
+        .enumerate()
+        .map(|(i, c)| (i as u64 * chunk_len, c.to_vec()))
+        .collect();
+    let job = BlockJob {
+        parts: 0,
+        bases: &bases,
+        part_len: l.part_len(),
+        stride,
+        host_base: 1 << 40,
+        chunks: &chunks,
+    };
+    let part = 8 * RAMP_FIRST;
+    let mut ramp = SaveRamp::default();
+    ramp.restart();
+    let mut table = vec![0u8; 8 * 65536];
+    let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+    let (mut staged, mut bounds) = (Vec::new(), Vec::new());
+    while !at.finished(&job) {
+        let bound = ramp.take(part, job.block_bytes());
+        let n = next_blocks_into(&job, &mut at, bound, &mut table, &mut batch);
+        assert!(n > 0 && batch.bytes <= bound, "{n} blocks, {} bytes over {bound}", batch.bytes);
+        staged.extend(
+            table[..n * 8].chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())),
+        );
+        bounds.push(bound);
+    }
+    assert_eq!(staged, ids);
+    assert_eq!(bounds[0], RAMP_FIRST);
+    assert!(bounds.windows(2).all(|w| w[1] >= w[0] && w[1] <= part), "{bounds:?}");
+    assert_eq!(*bounds.last().unwrap(), part, "{bounds:?}");
+}
