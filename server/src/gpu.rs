@@ -74,7 +74,7 @@ pub enum ChecksumPlace {
     Cpu,
     /// As `Gpu`, the rows summed by the save's gather itself where the layout allows (parts
     /// a multiple of 1 KiB), each job's fold queued once the DMA thread sees its gathers
-    /// done: an experiment.
+    /// done (the default).
     Fused,
 }
 

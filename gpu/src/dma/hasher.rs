@@ -351,7 +351,7 @@ impl ChunkHasher {
         }
     }
 
-    /// The fused form (`--gpu-checksums fused`, an experiment): reserves a slot whose scratch
+    /// The fused form (`--gpu-checksums fused`, the server's default): reserves a slot whose scratch
     /// rows the save's gather fills as it copies ([`super::CopyEngine::submit_blocks`] with
     /// the returned value), then [`ChunkHasher::finish_summed`] folds them. None where the form
     /// does not apply: the kernels missing from the PTX, parts not a multiple of 1 KiB or
