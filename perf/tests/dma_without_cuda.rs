@@ -78,9 +78,12 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--staging-gate", "sometimes"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--staging-gate") && err.contains("sometimes"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--save-ramp"]);
+    let (code, err) = dma(&["--socket", "/nonexistent", "--save-ramp", "2MiB"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--save-ramp") && err.contains("--socket"), "{err}");
+    let (code, err) = dma(&["--save-ramp", "soon"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--save-ramp") && err.contains("soon"), "{err}");
     // Grouped folds need the block row sums' form, not the default fused one.
     let (code, err) = dma(&["--fold-jobs", "2"]);
     assert_eq!(code, Some(2), "{err}");

@@ -141,10 +141,10 @@ pub struct ServerConfig {
     /// on the GPU, the DMA thread planning ahead). Default: `host`.
     pub gpu_staging_gate: String,
     /// An experiment: a block-form GPU save sent once the DMA thread's copies have run dry
-    /// stages its first batch small (2 MiB) and each next one half again as large, up to a
-    /// staging part, so that its first copy does not wait for a whole part's gather.
-    /// Default: false.
-    pub gpu_save_ramp: bool,
+    /// stages its first batch at this size and each next one half again as large, up to a
+    /// staging part, so that its first copy does not wait for a whole part's gather; `0`
+    /// (off), or from 64KiB to a staging part. Default: `0`.
+    pub gpu_save_ramp: String,
 }
 
 impl Default for ServerConfig {
@@ -183,7 +183,7 @@ impl Default for ServerConfig {
             gpu_copy: "auto".into(),
             gpu_timeline: false,
             gpu_staging_gate: "host".into(),
-            gpu_save_ramp: false,
+            gpu_save_ramp: "0".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -312,9 +312,10 @@ pub struct Args {
     #[arg(long, value_name = "WHO")]
     pub gpu_staging_gate: Option<String>,
     /// An experiment: a GPU save sent once the DMA thread's copies have run dry stages its
-    /// first batch small (2 MiB), each next one half again as large, up to a staging part.
-    #[arg(long)]
-    pub gpu_save_ramp: bool,
+    /// first batch at SIZE, each next one half again as large, up to a staging part; 0 (off)
+    /// or 64KiB up to a part (default: 0).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_save_ramp: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -358,6 +359,8 @@ pub struct Settings {
     /// Whether a staging part is reused once the DMA thread has seen it free
     /// (`--gpu-staging-gate host`) rather than behind a stream wait on the GPU.
     pub gpu_staging_gate_host: bool,
+    /// A save's first staged batch after the copies ran dry, bytes; 0: off.
+    pub gpu_save_ramp_bytes: u64,
 }
 
 /// Validated SSD tier settings.
@@ -474,7 +477,8 @@ impl ServerConfig {
             gpu_checksums,
             gpu_shard_checksums,
             gpu_copy,
-            gpu_staging_gate
+            gpu_staging_gate,
+            gpu_save_ramp
         );
         if let Some(d) = a.gpu_staging_depth {
             self.gpu_staging_depth = Some(d);
@@ -484,9 +488,6 @@ impl ServerConfig {
         }
         if a.gpu_timeline {
             self.gpu_timeline = true;
-        }
-        if a.gpu_save_ramp {
-            self.gpu_save_ramp = true;
         }
         if a.no_pin {
             self.pin = false;
@@ -617,6 +618,15 @@ impl ServerConfig {
                 ))
             }
         };
+        let gpu_save_ramp_bytes = parse_size(&self.gpu_save_ramp)
+            .map_err(|e| invalid("--gpu-save-ramp", e.to_string()))?;
+        let part = gpu_staging_bytes / gpu_staging_depth as u64;
+        if gpu_save_ramp_bytes != 0 && !(64 << 10..=part).contains(&gpu_save_ramp_bytes) {
+            return Err(invalid(
+                "--gpu-save-ramp",
+                format!("must be 0 (off) or from 64KiB to a staging part ({} KiB)", part >> 10),
+            ));
+        }
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -641,6 +651,7 @@ impl ServerConfig {
             gpu_checksums,
             gpu_copy,
             gpu_staging_gate_host,
+            gpu_save_ramp_bytes,
         })
     }
 }
@@ -700,6 +711,10 @@ mod tests {
             .contains("--gpu-shard-checksums"));
         assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
             .contains("--gpu-checksums"));
+        for ramp in ["1KiB", "1GiB", "soon"] {
+            let e = bad(ServerConfig { gpu_save_ramp: ramp.into(), ..Default::default() });
+            assert!(e.contains("--gpu-save-ramp"), "{ramp}: {e}");
+        }
         let e = bad(ServerConfig { gpu_staging_gate: "cpu".into(), ..Default::default() });
         assert!(e.contains("--gpu-staging-gate") && e.contains("\"cpu\""), "{e}");
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
@@ -735,11 +750,12 @@ mod tests {
         assert!(!f.validate().unwrap().gpu_staging_gate_host);
         c.apply_args(&Args { gpu_staging_gate: Some("gpu".into()), ..Default::default() });
         assert!(!c.validate().unwrap().gpu_staging_gate_host);
-        // The save ramp: off by default, on from the file or the flag.
-        assert!(!c.gpu_save_ramp);
-        assert!(toml::from_str::<ServerConfig>("gpu-save-ramp = true").unwrap().gpu_save_ramp);
-        c.apply_args(&Args { gpu_save_ramp: true, ..Default::default() });
-        assert!(c.gpu_save_ramp);
+        // The save ramp: off by default, a size from the file or the flag.
+        assert_eq!(c.validate().unwrap().gpu_save_ramp_bytes, 0);
+        let f: ServerConfig = toml::from_str("gpu-save-ramp = \"2MiB\"").unwrap();
+        assert_eq!(f.validate().unwrap().gpu_save_ramp_bytes, 2 << 20);
+        c.apply_args(&Args { gpu_save_ramp: Some("8MiB".into()), ..Default::default() });
+        assert_eq!(c.validate().unwrap().gpu_save_ramp_bytes, 8 << 20);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();

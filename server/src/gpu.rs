@@ -53,8 +53,9 @@ pub struct GpuLimits {
     /// Staging parts reused once the DMA thread has seen them free (`--gpu-staging-gate
     /// host`).
     pub host_gated_staging: bool,
-    /// Saves start with small batches after the copies ran dry (`--gpu-save-ramp`).
-    pub save_ramp: bool,
+    /// A save's first batch after the copies ran dry, bytes; 0: whole parts
+    /// (`--gpu-save-ramp`).
+    pub save_ramp: u64,
 }
 
 /// Where a GPU save's chunk checksums are computed.

@@ -151,8 +151,9 @@ pub struct CopyEngine {
     /// copy (save) or scatter (load) finish, rather than behind a wait for it on the GPU
     /// ([`CopyEngine::set_reuse_seen`]).
     reuse_seen: bool,
-    /// Block-form saves start small after the pipeline ran dry ([`CopyEngine::set_save_ramp`]).
-    save_ramp: bool,
+    /// Block-form saves' first batch after the pipeline ran dry, bytes; 0: whole parts
+    /// ([`CopyEngine::set_save_ramp`]).
+    save_ramp: u64,
     /// Where the save ramp is.
     ramp: SaveRamp,
 }
@@ -341,7 +342,7 @@ impl CopyEngine {
             direct_next: 0,
             times: SubmitTimes::default(),
             reuse_seen: false,
-            save_ramp: false,
+            save_ramp: 0,
             ramp: SaveRamp::default(),
         })
     }
@@ -372,12 +373,13 @@ impl CopyEngine {
     }
 
     /// An experiment: a block-form save submitted once every staging part is free (the
-    /// pipeline ran dry: a save sent after the one before finished) stages its first batch
-    /// small and each next one half again as large, up to a part ([`SaveRamp`]), so that its
-    /// first copy does not wait for a whole part's gather. Saves submitted while earlier work
-    /// is still in flight keep whole parts. Off: every batch up to a whole part.
-    pub fn set_save_ramp(&mut self, on: bool) {
-        self.save_ramp = on;
+    /// pipeline ran dry: a save sent after the one before finished) stages its first batch at
+    /// `first` bytes (one block, where a block is larger) and each next one half again as
+    /// large, up to a part ([`SaveRamp`]), so that its first copy does not wait for a whole
+    /// part's gather. Saves submitted while earlier work is still in flight keep whole parts.
+    /// 0 (the default): every batch up to a whole part.
+    pub fn set_save_ramp(&mut self, first: u64) {
+        self.save_ramp = first;
     }
 
     /// Whether every staging part's last use has finished (nothing of this engine's copies in
@@ -545,9 +547,9 @@ impl CopyEngine {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
         let part_bytes = self.staging_part() as u64;
-        let ramp = self.save_ramp && direction == Direction::Save;
+        let ramp = self.save_ramp > 0 && direction == Direction::Save;
         if ramp && self.ran_dry()? {
-            self.ramp.restart();
+            self.ramp.restart(self.save_ramp);
         }
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);

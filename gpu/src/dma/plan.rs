@@ -350,13 +350,10 @@ pub fn next_blocks_into(
     n
 }
 
-/// The first staged batch of a save after its copy pipeline ran dry, with the save ramp on
-/// ([`crate::dma::CopyEngine::set_save_ramp`]).
-pub const RAMP_FIRST: u64 = 2 << 20;
-
-/// What a save's next staged batch may hold while it ramps up: the first [`RAMP_FIRST`]
-/// bytes, each next batch half again the one before, up to a whole staging part; never less
-/// than one block. The first copy then starts after a short gather rather than a whole part's,
+/// What a save's next staged batch may hold while it ramps up
+/// ([`crate::dma::CopyEngine::set_save_ramp`]): the first the bytes it was restarted with,
+/// each next batch half again the one before, up to a whole staging part; never less than one
+/// block. The first copy then starts after a short gather rather than a whole part's,
 /// and each later gather (half again the batch copying meanwhile) is done in time as long as
 /// the gather runs at 1.5 times the copy's rate or more. Beside an engine's bf16 matmul on the
 /// H200, a 64 MiB part's gather took about 0.8 ms before its copy could start (about 84 GB/s
@@ -368,9 +365,9 @@ pub struct SaveRamp {
 }
 
 impl SaveRamp {
-    /// Starts again from [`RAMP_FIRST`].
-    pub fn restart(&mut self) {
-        self.next = Some(RAMP_FIRST);
+    /// Starts again from `first` bytes.
+    pub fn restart(&mut self, first: u64) {
+        self.next = Some(first);
     }
 
     /// The bytes the next batch may stage, for parts of `part` bytes and blocks of `block`

@@ -677,14 +677,14 @@ fn block_rows_cover_each_chunk_once_in_order() {
     }
 }
 
-/// The save ramp: whole parts until restarted; then from `RAMP_FIRST`, half again per batch, a
+/// The save ramp: whole parts until restarted; then from its first bound, half again per batch, a
 /// block at least and a part at most, back to whole parts once it reaches one.
 #[test]
 fn save_ramp_grows_by_half_to_a_part() {
     const MIB: u64 = 1 << 20;
     let mut ramp = SaveRamp::default();
     assert_eq!(ramp.take(64 * MIB, 4096), 64 * MIB);
-    ramp.restart();
+    ramp.restart(2 * MIB);
     let mut got = Vec::new();
     loop {
         let bytes = ramp.take(64 * MIB, 4096);
@@ -693,24 +693,24 @@ fn save_ramp_grows_by_half_to_a_part() {
             break;
         }
     }
-    assert_eq!(got[0], RAMP_FIRST);
+    assert_eq!(got[0], 2 * MIB);
     assert_eq!(got[1], 3 * MIB);
     assert!(got.windows(2).all(|w| w[1] <= w[0] + w[0] / 2 && w[1] > w[0]), "{got:?}");
     assert_eq!(got.len(), 10, "{got:?}");
     assert_eq!(ramp.take(64 * MIB, 4096), 64 * MIB);
     // A block larger than the first bound: one block first, then growing from it.
-    ramp.restart();
+    ramp.restart(2 * MIB);
     assert_eq!(ramp.take(64 * MIB, 5 * MIB), 5 * MIB);
     assert_eq!(ramp.take(64 * MIB, 5 * MIB), 7 * MIB + MIB / 2);
     // A part smaller than the first bound: whole parts at once.
-    ramp.restart();
+    ramp.restart(2 * MIB);
     assert_eq!(ramp.take(MIB, 4096), MIB);
     assert_eq!(ramp.take(MIB, 4096), MIB);
     // A restart mid-ramp starts over.
-    ramp.restart();
+    ramp.restart(8 * MIB);
     ramp.take(64 * MIB, 4096);
-    ramp.restart();
-    assert_eq!(ramp.take(64 * MIB, 4096), RAMP_FIRST);
+    ramp.restart(2 * MIB);
+    assert_eq!(ramp.take(64 * MIB, 4096), 2 * MIB);
 }
 
 /// A job planned under the ramp's bounds: every block staged once, in order, each batch
@@ -745,9 +745,9 @@ fn a_ramped_job_stages_every_block_once() {
         host_base: 1 << 40,
         chunks: &chunks,
     };
-    let part = 8 * RAMP_FIRST;
+    let (first, part) = (2 << 20, 16 << 20);
     let mut ramp = SaveRamp::default();
-    ramp.restart();
+    ramp.restart(first);
     let mut table = vec![0u8; 8 * 65536];
     let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
     let (mut staged, mut bounds) = (Vec::new(), Vec::new());
@@ -761,7 +761,7 @@ fn a_ramped_job_stages_every_block_once() {
         bounds.push(bound);
     }
     assert_eq!(staged, ids);
-    assert_eq!(bounds[0], RAMP_FIRST);
+    assert_eq!(bounds[0], first);
     assert!(bounds.windows(2).all(|w| w[1] >= w[0] && w[1] <= part), "{bounds:?}");
     assert_eq!(*bounds.last().unwrap(), part, "{bounds:?}");
 }
