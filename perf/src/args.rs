@@ -144,6 +144,12 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
           conflicts_with = "socket")]
     pub save_ramp: u64,
+    /// An experiment, as the server's `--gpu-load-taper`: each operation's last load job
+    /// stages its last batches tapering, each two thirds of the one before, down to SIZE
+    /// (default: 0, off).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
+          conflicts_with = "socket")]
+    pub load_taper: u64,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,

@@ -81,6 +81,9 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--socket", "/nonexistent", "--save-ramp", "2MiB"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--save-ramp") && err.contains("--socket"), "{err}");
+    let (code, err) = dma(&["--socket", "/nonexistent", "--load-taper", "2MiB"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--load-taper") && err.contains("--socket"), "{err}");
     let (code, err) = dma(&["--save-ramp", "soon"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--save-ramp") && err.contains("soon"), "{err}");

@@ -145,6 +145,11 @@ pub struct ServerConfig {
     /// staging part, so that its first copy does not wait for a whole part's gather; `0`
     /// (off), or from 64KiB to a staging part. Default: `0`.
     pub gpu_save_ramp: String,
+    /// An experiment: a block-form GPU load with nothing queued after it stages its last
+    /// batches tapering, each two thirds of the one before, down to this size, so that the
+    /// scatter after its last copy is short; `0` (off), or from 64KiB to a staging part.
+    /// Default: `0`.
+    pub gpu_load_taper: String,
 }
 
 impl Default for ServerConfig {
@@ -184,6 +189,7 @@ impl Default for ServerConfig {
             gpu_timeline: false,
             gpu_staging_gate: "host".into(),
             gpu_save_ramp: "0".into(),
+            gpu_load_taper: "0".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -316,6 +322,11 @@ pub struct Args {
     /// or 64KiB up to a part (default: 0).
     #[arg(long, value_name = "SIZE")]
     pub gpu_save_ramp: Option<String>,
+    /// An experiment: a GPU load with nothing queued after it stages its last batches
+    /// tapering, each two thirds of the one before, down to SIZE; 0 (off) or 64KiB up to a
+    /// staging part (default: 0).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_load_taper: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -361,6 +372,8 @@ pub struct Settings {
     pub gpu_staging_gate_host: bool,
     /// A save's first staged batch after the copies ran dry, bytes; 0: off.
     pub gpu_save_ramp_bytes: u64,
+    /// A load's smallest last batch with nothing queued after it, bytes; 0: off.
+    pub gpu_load_taper_bytes: u64,
 }
 
 /// Validated SSD tier settings.
@@ -478,7 +491,8 @@ impl ServerConfig {
             gpu_shard_checksums,
             gpu_copy,
             gpu_staging_gate,
-            gpu_save_ramp
+            gpu_save_ramp,
+            gpu_load_taper
         );
         if let Some(d) = a.gpu_staging_depth {
             self.gpu_staging_depth = Some(d);
@@ -618,15 +632,18 @@ impl ServerConfig {
                 ))
             }
         };
-        let gpu_save_ramp_bytes = parse_size(&self.gpu_save_ramp)
-            .map_err(|e| invalid("--gpu-save-ramp", e.to_string()))?;
         let part = gpu_staging_bytes / gpu_staging_depth as u64;
-        if gpu_save_ramp_bytes != 0 && !(64 << 10..=part).contains(&gpu_save_ramp_bytes) {
-            return Err(invalid(
-                "--gpu-save-ramp",
-                format!("must be 0 (off) or from 64KiB to a staging part ({} KiB)", part >> 10),
-            ));
-        }
+        let batch_size = |flag: &'static str, v: &str| {
+            let bytes = parse_size(v).map_err(|e| invalid(flag, e.to_string()))?;
+            if bytes != 0 && !(64 << 10..=part).contains(&bytes) {
+                let why =
+                    format!("must be 0 (off) or from 64KiB to a staging part ({} KiB)", part >> 10);
+                return Err(invalid(flag, why));
+            }
+            Ok(bytes)
+        };
+        let gpu_save_ramp_bytes = batch_size("--gpu-save-ramp", &self.gpu_save_ramp)?;
+        let gpu_load_taper_bytes = batch_size("--gpu-load-taper", &self.gpu_load_taper)?;
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -652,6 +669,7 @@ impl ServerConfig {
             gpu_copy,
             gpu_staging_gate_host,
             gpu_save_ramp_bytes,
+            gpu_load_taper_bytes,
         })
     }
 }
@@ -711,9 +729,11 @@ mod tests {
             .contains("--gpu-shard-checksums"));
         assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
             .contains("--gpu-checksums"));
-        for ramp in ["1KiB", "1GiB", "soon"] {
-            let e = bad(ServerConfig { gpu_save_ramp: ramp.into(), ..Default::default() });
-            assert!(e.contains("--gpu-save-ramp"), "{ramp}: {e}");
+        for size in ["1KiB", "1GiB", "soon"] {
+            let e = bad(ServerConfig { gpu_save_ramp: size.into(), ..Default::default() });
+            assert!(e.contains("--gpu-save-ramp"), "{size}: {e}");
+            let e = bad(ServerConfig { gpu_load_taper: size.into(), ..Default::default() });
+            assert!(e.contains("--gpu-load-taper"), "{size}: {e}");
         }
         let e = bad(ServerConfig { gpu_staging_gate: "cpu".into(), ..Default::default() });
         assert!(e.contains("--gpu-staging-gate") && e.contains("\"cpu\""), "{e}");
@@ -756,6 +776,12 @@ mod tests {
         assert_eq!(f.validate().unwrap().gpu_save_ramp_bytes, 2 << 20);
         c.apply_args(&Args { gpu_save_ramp: Some("8MiB".into()), ..Default::default() });
         assert_eq!(c.validate().unwrap().gpu_save_ramp_bytes, 8 << 20);
+        // The load taper likewise.
+        assert_eq!(c.validate().unwrap().gpu_load_taper_bytes, 0);
+        let f: ServerConfig = toml::from_str("gpu-load-taper = \"1MiB\"").unwrap();
+        assert_eq!(f.validate().unwrap().gpu_load_taper_bytes, 1 << 20);
+        c.apply_args(&Args { gpu_load_taper: Some("2MiB".into()), ..Default::default() });
+        assert_eq!(c.validate().unwrap().gpu_load_taper_bytes, 2 << 20);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -780,5 +806,6 @@ mod tests {
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
         assert_eq!(c.gpu_staging_gate, d.gpu_staging_gate);
         assert_eq!(c.gpu_save_ramp, d.gpu_save_ramp);
+        assert_eq!(c.gpu_load_taper, d.gpu_load_taper);
     }
 }

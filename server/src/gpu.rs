@@ -56,6 +56,9 @@ pub struct GpuLimits {
     /// A save's first batch after the copies ran dry, bytes; 0: whole parts
     /// (`--gpu-save-ramp`).
     pub save_ramp: u64,
+    /// The last batch of a load with nothing queued after it, bytes; 0: whole parts
+    /// (`--gpu-load-taper`).
+    pub load_taper: u64,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -840,9 +843,11 @@ impl GpuService {
                     // A save begun next takes its device's next checksum slot: free it.
                     self.fold_seen(&mut hashers, inflight, Some(job.device));
                 }
+                // Nothing queued behind it: a load's last batches may taper.
+                let last = queues.iter().all(|q| q.is_empty());
                 let started = self.start_job(
                     (&mut engines, &mut hashers),
-                    direction,
+                    (direction, last),
                     &job,
                     (&mut pieces, &mut pieces_took),
                 );
@@ -1163,11 +1168,12 @@ impl GpuService {
         any
     }
 
-    /// Plans and enqueues a job; the event completes when its bytes have landed.
+    /// Plans and enqueues a job (`last`: nothing else queued behind it); the event completes
+    /// when its bytes have landed.
     fn start_job(
         &self,
         (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
-        direction: Direction,
+        (direction, last): (Direction, bool),
         job: &GpuJob,
         (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
     ) -> Result<(CudaEvent, JobShape, Planned), String> {
@@ -1186,6 +1192,7 @@ impl GpuService {
                 }
                 e.set_reuse_seen(self.limits.host_gated_staging);
                 e.set_save_ramp(self.limits.save_ramp);
+                e.set_load_taper(self.limits.load_taper);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {
@@ -1243,6 +1250,7 @@ impl GpuService {
                 }
                 None => None,
             };
+            engine.hint_last(last);
             let submitted = submit_blocks(engine, direction, &block_job, summed.as_ref());
             let ((event, shape), summed) = match (submitted, summed) {
                 (Ok(r), summed) => (r, summed),

@@ -765,3 +765,50 @@ fn a_ramped_job_stages_every_block_once() {
     assert!(bounds.windows(2).all(|w| w[1] >= w[0] && w[1] <= part), "{bounds:?}");
     assert_eq!(*bounds.last().unwrap(), part, "{bounds:?}");
 }
+
+/// The load taper: whole parts while much is left, then a third of what is left each time (two
+/// thirds of the batch before), down to the last size; never under a block nor over a part;
+/// every block of a tapered job staged once.
+#[test]
+fn a_tapered_load_ends_in_small_batches() {
+    const MIB: u64 = 1 << 20;
+    assert_eq!(taper_bound(512 * MIB, 64 * MIB, 2 * MIB, 4096), 64 * MIB);
+    assert_eq!(taper_bound(96 * MIB, 64 * MIB, 2 * MIB, 4096), 32 * MIB);
+    assert_eq!(taper_bound(5 * MIB, 64 * MIB, 2 * MIB, 4096), 2 * MIB);
+    assert_eq!(taper_bound(MIB, 64 * MIB, 2 * MIB, 4096), 2 * MIB);
+    assert_eq!(taper_bound(MIB, 64 * MIB, 2 * MIB, 3 * MIB), 3 * MIB);
+    assert_eq!(taper_bound(MIB, MIB / 2, 2 * MIB, 4096), MIB / 2);
+    // A whole job of 16 KiB blocks under the taper: the sizes fall towards the end.
+    let chunks: Vec<(u64, Vec<u64>)> =
+        (0..256u64).map(|c| (c * (256 << 10), (c * 16..c * 16 + 16).collect())).collect();
+    let job = BlockJob {
+        parts: 0,
+        bases: &[0, 1 << 30],
+        part_len: 8 << 10,
+        stride: 8 << 10,
+        host_base: 1 << 40,
+        chunks: &chunks,
+    };
+    let (part, last) = (16 * MIB, 512 << 10);
+    let mut left = 4096 * job.block_bytes();
+    let mut table = vec![0u8; 8 * 4096];
+    let (mut batch, mut at) = (StagedBatch::default(), BlockCursor::default());
+    let (mut staged, mut sizes) = (Vec::new(), Vec::new());
+    while !at.finished(&job) {
+        let bound = taper_bound(left, part, last, job.block_bytes());
+        let n = next_blocks_into(&job, &mut at, bound, &mut table, &mut batch);
+        assert!(n > 0 && batch.bytes <= bound);
+        staged.extend(
+            table[..n * 8].chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())),
+        );
+        sizes.push(batch.bytes);
+        left -= batch.bytes;
+    }
+    assert_eq!(left, 0);
+    assert_eq!(staged, (0..4096).collect::<Vec<u64>>());
+    // Whole parts until less than three are left.
+    let block = job.block_bytes();
+    assert_eq!(sizes[..3], [part, part, 32 * MIB / 3 / block * block], "{sizes:?}");
+    assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{sizes:?}");
+    assert!(*sizes.last().unwrap() <= last, "{sizes:?}");
+}
