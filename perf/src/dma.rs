@@ -802,8 +802,8 @@ impl Bench {
                     })?;
                 }
             }
-            // Saves as the server runs them: checksums on the GPU beside the copy (by default),
-            // or summed by the gather (`--checksum-form`).
+            // Saves as the server runs them: checksums summed by the gather (by default, where
+            // that applies) or on the GPU beside the copy (`--checksum-form`).
             if let Some(hasher) = hasher.as_mut() {
                 let (row, fold) = match self.checksum_form {
                     crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
@@ -1526,7 +1526,8 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: format!("must divide --blocks {}", a.blocks),
         });
     }
-    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Gpu {
+    // With `--pieces` the (default) fused form settles to `gpu`.
+    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Gpu && !a.pieces {
         return Err(Error::InvalidArgument {
             flag: "--fold-jobs",
             reason: "groups the folds of the block row sums: needs --checksum-form gpu".into(),

@@ -246,7 +246,9 @@ pub(crate) struct InterferenceResult {
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct InterferenceRow {
     /// `contiguous` (the ceiling copy), `auto`, `staged`, `batched`, `auto+checksums`
-    /// (saves with the GPU checksums beside them, as the server runs them by default),
+    /// (saves with the GPU checksums by row-sum kernels beside them, `--checksum-form gpu`;
+    /// `auto+fused-host` and the like for the other forms, the default's as the server runs
+    /// them by default),
     /// `server` (saves and loads through orbitkv-server, `--socket`), `server-stream` (the
     /// same, four requests with two in flight), `engine-side` (the matmul's own process
     /// gathers into staging and copies, as an engine with the engine-side gather does), or

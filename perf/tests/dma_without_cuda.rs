@@ -87,6 +87,11 @@ fn bad_layout_flags_are_named() {
     let (code, err) = dma(&["--save-ramp", "soon"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--save-ramp") && err.contains("soon"), "{err}");
+    // Grouped folds need the block row sums' form, not the default fused one (with `--pieces`
+    // the default settles to it: accepted, and the run then stops for want of CUDA here).
+    let (code, err) = dma(&["--pieces", "--fold-jobs", "2"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no CUDA device") && !err.contains("--fold-jobs"), "{err}");
     // Grouped folds need the block row sums' form, not the default fused one.
     let (code, err) = dma(&["--fold-jobs", "2"]);
     assert_eq!(code, Some(2), "{err}");

@@ -182,6 +182,9 @@ pub struct GpuJob {
     /// A save whose checksums the shards compute from the arena (`--gpu-shard-checksums`)
     /// rather than the GPU beside the copy.
     pub shard_sums: bool,
+    /// The last job of a load request: with nothing else queued behind it, its last batches
+    /// may taper (`--gpu-load-taper`).
+    pub ends_load: bool,
     /// When its shard queued it (for `{save,load}_pickup_s`).
     pub queued_at: Instant,
 }
@@ -843,8 +846,10 @@ impl GpuService {
                     // A save begun next takes its device's next checksum slot: free it.
                     self.fold_seen(&mut hashers, inflight, Some(job.device));
                 }
-                // Nothing queued behind it: a load's last batches may taper.
-                let last = queues.iter().all(|q| q.is_empty());
+                // A load's last job with nothing queued behind it: its last batches may taper.
+                // (A request's later jobs are queued one by one after their lookups: an empty
+                // queue alone would say so of its first job too.)
+                let last = job.ends_load && queues.iter().all(|q| q.is_empty());
                 let started = self.start_job(
                     (&mut engines, &mut hashers),
                     (direction, last),

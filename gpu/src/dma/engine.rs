@@ -383,8 +383,9 @@ impl CopyEngine {
     /// pipeline ran dry: a save sent after the one before finished) stages its first batch at
     /// `first` bytes (one block, where a block is larger) and each next one half again as
     /// large, up to a part ([`SaveRamp`]), so that its first copy does not wait for a whole
-    /// part's gather. Saves submitted while earlier work is still in flight keep whole parts.
-    /// 0 (the default): every batch up to a whole part.
+    /// part's gather. A save submitted while earlier work is still in flight goes on from
+    /// where the ramp stands (the next job of a request continues the ramp its first began;
+    /// whole parts once it has reached one). 0 (the default): every batch up to a whole part.
     pub fn set_save_ramp(&mut self, first: u64) {
         self.save_ramp = first;
     }
@@ -403,8 +404,8 @@ impl CopyEngine {
         self.next_is_last = last;
     }
 
-    /// Whether every staging part's last use has finished (nothing of this engine's copies in
-    /// flight).
+    /// Whether every staging part's last use has finished: no staged copy of this engine in
+    /// flight (batched and direct copies, which use no staging part, are not looked at).
     fn ran_dry(&self) -> Result<bool, DmaError> {
         let last = (self.next + self.parts.len() - 1) % self.parts.len();
         self.parts[last]
