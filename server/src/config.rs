@@ -145,10 +145,10 @@ pub struct ServerConfig {
     /// staging part, so that its first copy does not wait for a whole part's gather; `0`
     /// (off), or from 64KiB to a staging part. Default: `0`.
     pub gpu_save_ramp: String,
-    /// An experiment: a block-form GPU load with nothing queued after it stages its last
-    /// batches tapering, each two thirds of the one before, down to this size, so that the
-    /// scatter after its last copy is short; `0` (off), or from 64KiB to a staging part.
-    /// Default: `0`.
+    /// An experiment: a load request's last block-form GPU job, with nothing queued after it,
+    /// stages its last batches tapering, each two thirds of the one before, down to this
+    /// size, so that the scatter after its last copy is short; `0` (off), or from 64KiB to a
+    /// staging part. Default: `0`.
     pub gpu_load_taper: String,
 }
 
@@ -322,9 +322,9 @@ pub struct Args {
     /// or 64KiB up to a part (default: 0).
     #[arg(long, value_name = "SIZE")]
     pub gpu_save_ramp: Option<String>,
-    /// An experiment: a GPU load with nothing queued after it stages its last batches
-    /// tapering, each two thirds of the one before, down to SIZE; 0 (off) or 64KiB up to a
-    /// staging part (default: 0).
+    /// An experiment: a load request's last GPU job, with nothing queued after it, stages its
+    /// last batches tapering, each two thirds of the one before, down to SIZE; 0 (off) or
+    /// 64KiB up to a staging part (default: 0).
     #[arg(long, value_name = "SIZE")]
     pub gpu_load_taper: Option<String>,
     /// Print the effective configuration as TOML and exit.
