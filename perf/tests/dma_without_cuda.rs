@@ -6,6 +6,15 @@ mod common;
 
 use common::run;
 
+/// `dma` with `args` exits 2 and its message names every one of `needles`.
+fn refused(args: &[&str], needles: &[&str]) {
+    let (code, err) = dma(args);
+    assert_eq!(code, Some(2), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: no {n:?} in {err}");
+    }
+}
+
 fn dma(args: &[&str]) -> (Option<i32>, String) {
     let mut all = vec!["dma"];
     all.extend_from_slice(args);
@@ -27,6 +36,11 @@ fn without_cuda_it_exits_2_saying_so() {
     let (code, err) = dma(&["--blocks", "16", "--duplex"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no CUDA device"), "{err}");
+    // Grouped folds with `--pieces`: the default fused form settles to the block row sums'
+    // there, so accepted.
+    let (code, err) = dma(&["--pieces", "--fold-jobs", "2"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no CUDA device") && !err.contains("--fold-jobs"), "{err}");
     // `--interference` runs beside a server's copies too: accepted with `--socket`.
     let (code, err) = dma(&["--blocks", "16", "--socket", "/nonexistent", "--interference"]);
     assert_eq!(code, Some(2), "{err}");
@@ -35,96 +49,63 @@ fn without_cuda_it_exits_2_saying_so() {
 
 #[test]
 fn bad_layout_flags_are_named() {
-    let (code, err) = dma(&["--layout", "sglang", "--block-tokens", "16"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--block-tokens"), "{err}");
-    let (code, err) = dma(&["--layout", "mla", "--kv-heads", "8"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--kv-heads"), "{err}");
-    let (code, err) = dma(&["--blocks", "10", "--blocks-per-chunk", "3"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--blocks-per-chunk"), "{err}");
-    let (code, err) = dma(&["--layers", "0"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--layers"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--tp-rank", "2", "--tp-world-size", "2"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--tp-rank") && err.contains("rank 2 of a group of 2"), "{err}");
+    refused(&["--layout", "sglang", "--block-tokens", "16"], &["--block-tokens"]);
+    refused(&["--layout", "mla", "--kv-heads", "8"], &["--kv-heads"]);
+    refused(&["--blocks", "10", "--blocks-per-chunk", "3"], &["--blocks-per-chunk"]);
+    refused(&["--layers", "0"], &["--layers"]);
+    refused(
+        &["--socket", "/nonexistent", "--tp-rank", "2", "--tp-world-size", "2"],
+        &["--tp-rank", "rank 2 of a group of 2"],
+    );
     // Group flags belong to a run through a server.
-    let (code, err) = dma(&["--tp-rank", "1"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--engine-copies"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--socket"), "{err}");
+    refused(&["--tp-rank", "1"], &["--socket"]);
+    refused(&["--engine-copies"], &["--socket"]);
     // Through a server, its --gpu-copy decides: asking for direct copies here says so.
-    let (code, err) = dma(&["--socket", "/nonexistent", "--strategy", "direct"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--strategy") && err.contains("--gpu-copy direct"), "{err}");
+    refused(
+        &["--socket", "/nonexistent", "--strategy", "direct"],
+        &["--strategy", "--gpu-copy direct"],
+    );
     // Checksum forms are local, and grouped folds belong to the block row sums.
-    let (code, err) = dma(&["--socket", "/nonexistent", "--checksum-form", "fused"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--checksum-form") && err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--checksum-form", "tables", "--fold-jobs", "2"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form gpu"), "{err}");
-    let (code, err) = dma(&["--checksum-form", "rows"]);
-    assert_eq!(code, Some(2), "the block row sums are `gpu` now: {err}");
-    assert!(err.contains("--checksum-form"), "{err}");
+    refused(
+        &["--socket", "/nonexistent", "--checksum-form", "fused"],
+        &["--checksum-form", "--socket"],
+    );
+    refused(
+        &["--checksum-form", "tables", "--fold-jobs", "2"],
+        &["--fold-jobs", "--checksum-form gpu"],
+    );
+    // The block row sums are `gpu` now.
+    refused(&["--checksum-form", "rows"], &["--checksum-form"]);
     // The staging gate is the local engine's; a server has its own flag.
-    let (code, err) = dma(&["--socket", "/nonexistent", "--staging-gate", "gpu"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--staging-gate") && err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--staging-gate", "sometimes"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--staging-gate") && err.contains("sometimes"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--save-ramp", "2MiB"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--save-ramp") && err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--socket", "/nonexistent", "--load-taper", "2MiB"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--load-taper") && err.contains("--socket"), "{err}");
-    let (code, err) = dma(&["--save-ramp", "soon"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--save-ramp") && err.contains("soon"), "{err}");
-    // Grouped folds need the block row sums' form, not the default fused one (with `--pieces`
-    // the default settles to it: accepted, and the run then stops for want of CUDA here).
-    let (code, err) = dma(&["--pieces", "--fold-jobs", "2"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("no CUDA device") && !err.contains("--fold-jobs"), "{err}");
+    refused(
+        &["--socket", "/nonexistent", "--staging-gate", "gpu"],
+        &["--staging-gate", "--socket"],
+    );
+    refused(&["--staging-gate", "sometimes"], &["--staging-gate", "sometimes"]);
+    refused(&["--socket", "/nonexistent", "--save-ramp", "2MiB"], &["--save-ramp", "--socket"]);
+    refused(&["--socket", "/nonexistent", "--load-taper", "2MiB"], &["--load-taper", "--socket"]);
+    refused(&["--save-ramp", "soon"], &["--save-ramp", "soon"]);
     // Grouped folds need the block row sums' form, not the default fused one.
-    let (code, err) = dma(&["--fold-jobs", "2"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--fold-jobs") && err.contains("--checksum-form gpu"), "{err}");
-    let (code, err) = dma(&["--fold-jobs", "5"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--fold-jobs"), "{err}");
+    refused(&["--fold-jobs", "2"], &["--fold-jobs", "--checksum-form gpu"]);
+    refused(&["--fold-jobs", "5"], &["--fold-jobs"]);
     // The staging's parts: 2 to 8, and the server's own through a socket.
     for depth in ["1", "9"] {
-        let (code, err) = dma(&["--staging-depth", depth]);
-        assert_eq!(code, Some(2), "{err}");
-        assert!(err.contains("--staging-depth"), "{err}");
+        refused(&["--staging-depth", depth], &["--staging-depth"]);
     }
-    let (code, err) = dma(&["--socket", "/nonexistent", "--staging-depth", "4"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--staging-depth") && err.contains("--socket"), "{err}");
+    refused(
+        &["--socket", "/nonexistent", "--staging-depth", "4"],
+        &["--staging-depth", "--socket"],
+    );
     // The engine-side copies' shape belongs to --interference, within bounds.
-    let (code, err) = dma(&["--engine-depth", "8"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--interference"), "{err}");
-    let (code, err) = dma(&["--interference", "--engine-depth", "1"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--engine-depth"), "{err}");
-    let (code, err) = dma(&["--interference", "--engine-batch", "4GiB"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--engine-batch") && err.contains("between 1MiB and 1GiB"), "{err}");
+    refused(&["--engine-depth", "8"], &["--interference"]);
+    refused(&["--interference", "--engine-depth", "1"], &["--engine-depth"]);
+    refused(
+        &["--interference", "--engine-batch", "4GiB"],
+        &["--engine-batch", "between 1MiB and 1GiB"],
+    );
     // Rounds of the interference measurements: with --interference, at least one.
-    let (code, err) = dma(&["--interference-rounds", "3"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--interference"), "{err}");
-    let (code, err) = dma(&["--interference", "--interference-rounds", "0"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--interference-rounds"), "{err}");
+    refused(&["--interference-rounds", "3"], &["--interference"]);
+    refused(&["--interference", "--interference-rounds", "0"], &["--interference-rounds"]);
 }
 
 /// Whether the NVIDIA driver's device node exists (then CUDA may be usable).
