@@ -56,8 +56,8 @@ pub struct GpuLimits {
     /// A save's first batch after the copies ran dry, bytes; 0: whole parts
     /// (`--gpu-save-ramp`).
     pub save_ramp: u64,
-    /// The last batch of a load with nothing queued after it, bytes; 0: whole parts
-    /// (`--gpu-load-taper`).
+    /// The smallest last batch of a load request's last job with nothing queued after it,
+    /// bytes; 0: whole parts (`--gpu-load-taper`).
     pub load_taper: u64,
 }
 
@@ -1173,8 +1173,8 @@ impl GpuService {
         any
     }
 
-    /// Plans and enqueues a job (`last`: nothing else queued behind it); the event completes
-    /// when its bytes have landed.
+    /// Plans and enqueues a job (`last`: a load request's last job, nothing else queued behind
+    /// it); the event completes when its bytes have landed.
     fn start_job(
         &self,
         (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
