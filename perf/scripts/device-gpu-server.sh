@@ -39,6 +39,8 @@ run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --
 if [ "$INTF" = 1 ]; then
   run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --interference
   run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --interference
+  run intf-hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096 --interference
+  run intf-nhd-128k --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256 --interference
   # Whole 2 MiB chunks: the copies go batched (copy engines only), so its loads run no kernel
   # of the server's at all: the server's copy rate beside the matmul without its SM work.
   run intf-cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --interference
