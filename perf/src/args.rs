@@ -138,18 +138,6 @@ pub(crate) struct DmaArgs {
     /// (a stream waits for it on the GPU) (default: host; through a server, its flag decides).
     #[arg(long, value_enum, default_value = "host", conflicts_with = "socket")]
     pub staging_gate: StagingGate,
-    /// An experiment, as the server's `--gpu-save-ramp`: a save submitted once the staging
-    /// pipeline has run dry stages its first batch at SIZE, each next one half again as
-    /// large, up to a part (default: 0, off).
-    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
-          conflicts_with = "socket")]
-    pub save_ramp: u64,
-    /// An experiment, as the server's `--gpu-load-taper`: each operation's last load job
-    /// stages its last batches tapering, each two thirds of the one before, down to SIZE
-    /// (default: 0, off).
-    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0",
-          conflicts_with = "socket")]
-    pub load_taper: u64,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,

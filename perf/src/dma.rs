@@ -712,7 +712,6 @@ impl Bench {
     fn once(&mut self, direction: Direction, strategy: Strategy) -> Result<f64, Error> {
         let t = Instant::now();
         let all = 0..self.chunks.len();
-        self.engine.hint_last(true);
         let r = self.submit_range(direction, strategy, all);
         r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
@@ -1005,9 +1004,7 @@ impl Bench {
         };
         let mut last = None;
         let mut whole = JobShape::default();
-        let n = jobs.len();
-        for (i, r) in jobs.into_iter().enumerate() {
-            self.engine.hint_last(i + 1 == n);
+        for r in jobs {
             // A failed submission has waited for what was queued before it.
             let (event, s) = self.submit_range(direction, strategy, r)?;
             whole.bytes += s.bytes;
@@ -1637,8 +1634,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         engine.set_host_mapping(offset);
     }
     engine.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
-    engine.set_save_ramp(a.save_ramp);
-    engine.set_load_taper(a.load_taper);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1783,8 +1778,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
                 other.set_host_mapping(offset);
             }
             other.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
-            other.set_save_ramp(a.save_ramp);
-            other.set_load_taper(a.load_taper);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

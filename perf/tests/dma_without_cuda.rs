@@ -82,9 +82,6 @@ fn bad_layout_flags_are_named() {
         &["--staging-gate", "--socket"],
     );
     refused(&["--staging-gate", "sometimes"], &["--staging-gate", "sometimes"]);
-    refused(&["--socket", "/nonexistent", "--save-ramp", "2MiB"], &["--save-ramp", "--socket"]);
-    refused(&["--socket", "/nonexistent", "--load-taper", "2MiB"], &["--load-taper", "--socket"]);
-    refused(&["--save-ramp", "soon"], &["--save-ramp", "soon"]);
     // Grouped folds need the block row sums' form, not the default fused one.
     refused(&["--fold-jobs", "2"], &["--fold-jobs", "--checksum-form gpu"]);
     refused(&["--fold-jobs", "5"], &["--fold-jobs"]);

@@ -140,16 +140,6 @@ pub struct ServerConfig {
     /// the part's last copy (save) or scatter (load) finish) or `gpu` (a stream waits for it
     /// on the GPU, the DMA thread planning ahead). Default: `host`.
     pub gpu_staging_gate: String,
-    /// An experiment: a block-form GPU save sent once the DMA thread's copies have run dry
-    /// stages its first batch at this size and each next one half again as large, up to a
-    /// staging part, so that its first copy does not wait for a whole part's gather; `0`
-    /// (off), or from 64KiB to a staging part. Default: `0`.
-    pub gpu_save_ramp: String,
-    /// An experiment: a load request's last block-form GPU job, with nothing queued after it,
-    /// stages its last batches tapering, each two thirds of the one before, down to this
-    /// size, so that the scatter after its last copy is short; `0` (off), or from 64KiB to a
-    /// staging part. Default: `0`.
-    pub gpu_load_taper: String,
 }
 
 impl Default for ServerConfig {
@@ -188,8 +178,6 @@ impl Default for ServerConfig {
             gpu_copy: "auto".into(),
             gpu_timeline: false,
             gpu_staging_gate: "host".into(),
-            gpu_save_ramp: "0".into(),
-            gpu_load_taper: "0".into(),
             max_gpu_registrations: 256,
         }
     }
@@ -317,16 +305,6 @@ pub struct Args {
     /// (default: host).
     #[arg(long, value_name = "WHO")]
     pub gpu_staging_gate: Option<String>,
-    /// An experiment: a GPU save sent once the DMA thread's copies have run dry stages its
-    /// first batch at SIZE, each next one half again as large, up to a staging part; 0 (off)
-    /// or 64KiB up to a part (default: 0).
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_save_ramp: Option<String>,
-    /// An experiment: a load request's last GPU job, with nothing queued after it, stages its
-    /// last batches tapering, each two thirds of the one before, down to SIZE; 0 (off) or
-    /// 64KiB up to a staging part (default: 0).
-    #[arg(long, value_name = "SIZE")]
-    pub gpu_load_taper: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -370,10 +348,6 @@ pub struct Settings {
     /// Whether a staging part is reused once the DMA thread has seen it free
     /// (`--gpu-staging-gate host`) rather than behind a stream wait on the GPU.
     pub gpu_staging_gate_host: bool,
-    /// A save's first staged batch after the copies ran dry, bytes; 0: off.
-    pub gpu_save_ramp_bytes: u64,
-    /// A load's smallest last batch with nothing queued after it, bytes; 0: off.
-    pub gpu_load_taper_bytes: u64,
 }
 
 /// Validated SSD tier settings.
@@ -490,9 +464,7 @@ impl ServerConfig {
             gpu_checksums,
             gpu_shard_checksums,
             gpu_copy,
-            gpu_staging_gate,
-            gpu_save_ramp,
-            gpu_load_taper
+            gpu_staging_gate
         );
         if let Some(d) = a.gpu_staging_depth {
             self.gpu_staging_depth = Some(d);
@@ -632,18 +604,6 @@ impl ServerConfig {
                 ))
             }
         };
-        let part = gpu_staging_bytes / gpu_staging_depth as u64;
-        let batch_size = |flag: &'static str, v: &str| {
-            let bytes = parse_size(v).map_err(|e| invalid(flag, e.to_string()))?;
-            if bytes != 0 && !(64 << 10..=part).contains(&bytes) {
-                let why =
-                    format!("must be 0 (off) or from 64KiB to a staging part ({} KiB)", part >> 10);
-                return Err(invalid(flag, why));
-            }
-            Ok(bytes)
-        };
-        let gpu_save_ramp_bytes = batch_size("--gpu-save-ramp", &self.gpu_save_ramp)?;
-        let gpu_load_taper_bytes = batch_size("--gpu-load-taper", &self.gpu_load_taper)?;
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),
             ("--max-gpu-registrations", self.max_gpu_registrations, 65536),
@@ -668,8 +628,6 @@ impl ServerConfig {
             gpu_checksums,
             gpu_copy,
             gpu_staging_gate_host,
-            gpu_save_ramp_bytes,
-            gpu_load_taper_bytes,
         })
     }
 }
@@ -729,12 +687,6 @@ mod tests {
             .contains("--gpu-shard-checksums"));
         assert!(bad(ServerConfig { gpu_checksums: "rows".into(), ..Default::default() })
             .contains("--gpu-checksums"));
-        for size in ["1KiB", "1GiB", "soon"] {
-            let e = bad(ServerConfig { gpu_save_ramp: size.into(), ..Default::default() });
-            assert!(e.contains("--gpu-save-ramp"), "{size}: {e}");
-            let e = bad(ServerConfig { gpu_load_taper: size.into(), ..Default::default() });
-            assert!(e.contains("--gpu-load-taper"), "{size}: {e}");
-        }
         let e = bad(ServerConfig { gpu_staging_gate: "cpu".into(), ..Default::default() });
         assert!(e.contains("--gpu-staging-gate") && e.contains("\"cpu\""), "{e}");
         assert!(bad(ServerConfig { gpu_copy: "fast".into(), ..Default::default() })
@@ -770,18 +722,6 @@ mod tests {
         assert!(!f.validate().unwrap().gpu_staging_gate_host);
         c.apply_args(&Args { gpu_staging_gate: Some("gpu".into()), ..Default::default() });
         assert!(!c.validate().unwrap().gpu_staging_gate_host);
-        // The save ramp: off by default, a size from the file or the flag.
-        assert_eq!(c.validate().unwrap().gpu_save_ramp_bytes, 0);
-        let f: ServerConfig = toml::from_str("gpu-save-ramp = \"2MiB\"").unwrap();
-        assert_eq!(f.validate().unwrap().gpu_save_ramp_bytes, 2 << 20);
-        c.apply_args(&Args { gpu_save_ramp: Some("8MiB".into()), ..Default::default() });
-        assert_eq!(c.validate().unwrap().gpu_save_ramp_bytes, 8 << 20);
-        // The load taper likewise.
-        assert_eq!(c.validate().unwrap().gpu_load_taper_bytes, 0);
-        let f: ServerConfig = toml::from_str("gpu-load-taper = \"1MiB\"").unwrap();
-        assert_eq!(f.validate().unwrap().gpu_load_taper_bytes, 1 << 20);
-        c.apply_args(&Args { gpu_load_taper: Some("2MiB".into()), ..Default::default() });
-        assert_eq!(c.validate().unwrap().gpu_load_taper_bytes, 2 << 20);
         // The staging depth: unset unless given, from the file or the flag.
         assert_eq!(c.gpu_staging_depth, None);
         let f: ServerConfig = toml::from_str("gpu-staging-depth = 3").unwrap();
@@ -805,7 +745,5 @@ mod tests {
         assert_eq!(c.gpu_copy, d.gpu_copy);
         assert_eq!(c.gpu_timeline, d.gpu_timeline);
         assert_eq!(c.gpu_staging_gate, d.gpu_staging_gate);
-        assert_eq!(c.gpu_save_ramp, d.gpu_save_ramp);
-        assert_eq!(c.gpu_load_taper, d.gpu_load_taper);
     }
 }

@@ -701,7 +701,7 @@ impl Exec {
         device: usize,
         memory: Arc<orbitkv_gpu::dma::EngineMemory>,
         (chunks, chunk_len): (Vec<(u64, Vec<u64>)>, u64),
-        (shard_sums, ends_load): (bool, bool),
+        shard_sums: bool,
     ) -> Result<Option<Vec<u64>>, (orbitkv_proto::ErrorCode, String)> {
         use orbitkv_proto::ErrorCode;
         let Some(gpu) = self.shared.gpu_service.get() else {
@@ -719,7 +719,6 @@ impl Exec {
             chunks,
             chunk_len,
             shard_sums,
-            ends_load,
             queued_at: Instant::now(),
         };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,

@@ -53,12 +53,6 @@ pub struct GpuLimits {
     /// Staging parts reused once the DMA thread has seen them free (`--gpu-staging-gate
     /// host`).
     pub host_gated_staging: bool,
-    /// A save's first batch after the copies ran dry, bytes; 0: whole parts
-    /// (`--gpu-save-ramp`).
-    pub save_ramp: u64,
-    /// The smallest last batch of a load request's last job with nothing queued after it,
-    /// bytes; 0: whole parts (`--gpu-load-taper`).
-    pub load_taper: u64,
 }
 
 /// Where a GPU save's chunk checksums are computed.
@@ -182,9 +176,6 @@ pub struct GpuJob {
     /// A save whose checksums the shards compute from the arena (`--gpu-shard-checksums`)
     /// rather than the GPU beside the copy.
     pub shard_sums: bool,
-    /// The last job of a load request: with nothing else queued behind it, its last batches
-    /// may taper (`--gpu-load-taper`).
-    pub ends_load: bool,
     /// When its shard queued it (for `{save,load}_pickup_s`).
     pub queued_at: Instant,
 }
@@ -846,13 +837,9 @@ impl GpuService {
                     // A save begun next takes its device's next checksum slot: free it.
                     self.fold_seen(&mut hashers, inflight, Some(job.device));
                 }
-                // A load's last job with nothing queued behind it: its last batches may taper.
-                // (A request's later jobs are queued one by one after their lookups: an empty
-                // queue alone would say so of its first job too.)
-                let last = job.ends_load && queues.iter().all(|q| q.is_empty());
                 let started = self.start_job(
                     (&mut engines, &mut hashers),
-                    (direction, last),
+                    direction,
                     &job,
                     (&mut pieces, &mut pieces_took),
                 );
@@ -1173,12 +1160,11 @@ impl GpuService {
         any
     }
 
-    /// Plans and enqueues a job (`last`: a load request's last job, nothing else queued behind
-    /// it); the event completes when its bytes have landed.
+    /// Plans and enqueues a job; the event completes when its bytes have landed.
     fn start_job(
         &self,
         (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
-        (direction, last): (Direction, bool),
+        direction: Direction,
         job: &GpuJob,
         (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
     ) -> Result<(CudaEvent, JobShape, Planned), String> {
@@ -1196,8 +1182,6 @@ impl GpuService {
                     e.set_host_mapping(offset);
                 }
                 e.set_reuse_seen(self.limits.host_gated_staging);
-                e.set_save_ramp(self.limits.save_ramp);
-                e.set_load_taper(self.limits.load_taper);
                 if let (Strategy::Staged | Strategy::Direct, Some(why)) =
                     (self.limits.copy, e.kernel_error())
                 {
@@ -1255,7 +1239,6 @@ impl GpuService {
                 }
                 None => None,
             };
-            engine.hint_last(last);
             let submitted = submit_blocks(engine, direction, &block_job, summed.as_ref());
             let ((event, shape), summed) = match (submitted, summed) {
                 (Ok(r), summed) => (r, summed),

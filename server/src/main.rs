@@ -254,8 +254,6 @@ fn run(settings: Settings) -> Result<(), String> {
             host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
             timeline: settings.config.gpu_timeline,
             host_gated_staging: settings.gpu_staging_gate_host,
-            save_ramp: settings.gpu_save_ramp_bytes,
-            load_taper: settings.gpu_load_taper_bytes,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());

@@ -233,7 +233,7 @@ pub(crate) async fn save(
             let chunks = part.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
             phases.submitted(Instant::now());
             let copied =
-                exec.gpu_run(Direction::Save, device, memory, (chunks, chunk_len), (shard_sums, false)).await;
+                exec.gpu_run(Direction::Save, device, memory, (chunks, chunk_len), shard_sums).await;
             phases.copied(Instant::now());
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
             let check = match verdict {
@@ -398,12 +398,9 @@ pub(crate) async fn load(
     let group = (exec.shared.settings.gpu_job_bytes / chunk_len).max(1) as usize;
     let mut tasks = Vec::new();
     let mut rest = Vec::new();
-    let groups = keys.len().div_ceil(group);
     for (g, group_keys) in keys.chunks(group).enumerate() {
         let hits: Vec<Option<Hit>> = lookup(exec, session, group_keys, true).await;
         let miss = hits.iter().position(Option::is_none);
-        // No job follows this one: the request's last group, or the prefix ends in it.
-        let ends_load = g + 1 == groups || miss.is_some();
         let mut chunks = Vec::new();
         let mut copying = Vec::new();
         for (j, (key, h)) in group_keys.iter().zip(&hits).enumerate() {
@@ -430,9 +427,8 @@ pub(crate) async fn load(
             let phases = Rc::clone(&phases);
             tasks.push(glommio::spawn_local(async move {
                 phases.submitted(Instant::now());
-                let copied = exec
-                    .gpu_run(Direction::Load, device, memory, (part, chunk_len), (false, ends_load))
-                    .await;
+                let copied =
+                    exec.gpu_run(Direction::Load, device, memory, (part, chunk_len), false).await;
                 phases.copied(Instant::now());
                 let o = match copied {
                     Ok(_) => ChunkOutcome::Done,

@@ -22,8 +22,8 @@ use super::ffi::{
 use super::hasher::drv;
 use super::hasher::SummedSave;
 use super::plan::{
-    compact_uniform, next_batch_into, next_blocks_into, taper_bound, BlockCursor, BlockJob,
-    KernelDesc, Piece, SaveRamp, StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
+    compact_uniform, next_batch_into, next_blocks_into, BlockCursor, BlockJob, KernelDesc, Piece,
+    StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
 };
 use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
@@ -151,16 +151,6 @@ pub struct CopyEngine {
     /// copy (save) or scatter (load) finish, rather than behind a wait for it on the GPU
     /// ([`CopyEngine::set_reuse_seen`]).
     reuse_seen: bool,
-    /// Block-form saves' first batch after the pipeline ran dry, bytes; 0: whole parts
-    /// ([`CopyEngine::set_save_ramp`]).
-    save_ramp: u64,
-    /// Where the save ramp is.
-    ramp: SaveRamp,
-    /// Block-form loads' smallest last batch when nothing follows them, bytes; 0: whole parts
-    /// ([`CopyEngine::set_load_taper`]).
-    load_taper: u64,
-    /// The next submission is the last one queued for now ([`CopyEngine::hint_last`]).
-    next_is_last: bool,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -347,10 +337,6 @@ impl CopyEngine {
             direct_next: 0,
             times: SubmitTimes::default(),
             reuse_seen: false,
-            save_ramp: 0,
-            ramp: SaveRamp::default(),
-            load_taper: 0,
-            next_is_last: false,
         })
     }
 
@@ -377,41 +363,6 @@ impl CopyEngine {
     /// for a part's copy (save), the copy stream for its scatter (load), on the GPU.
     pub fn set_reuse_seen(&mut self, on: bool) {
         self.reuse_seen = on;
-    }
-
-    /// An experiment: a block-form save submitted once every staging part is free (the
-    /// pipeline ran dry: a save sent after the one before finished) stages its first batch at
-    /// `first` bytes (one block, where a block is larger) and each next one half again as
-    /// large, up to a part ([`SaveRamp`]), so that its first copy does not wait for a whole
-    /// part's gather. A save submitted while earlier work is still in flight goes on from
-    /// where the ramp stands (the next job of a request continues the ramp its first began;
-    /// whole parts once it has reached one). 0 (the default): every batch up to a whole part.
-    pub fn set_save_ramp(&mut self, first: u64) {
-        self.save_ramp = first;
-    }
-
-    /// An experiment: a block-form load submitted as the last one queued for now
-    /// ([`CopyEngine::hint_last`]) stages its last batches tapering, each two thirds of the
-    /// one before, down to `last` bytes ([`taper_bound`]), so that the scatter that runs after
-    /// its last copy is short. 0 (the default): every batch up to a whole part.
-    pub fn set_load_taper(&mut self, last: u64) {
-        self.load_taper = last;
-    }
-
-    /// Says whether the job submitted next is the last one queued for now (nothing else
-    /// waiting to be submitted after it); applies to that one submission only.
-    pub fn hint_last(&mut self, last: bool) {
-        self.next_is_last = last;
-    }
-
-    /// Whether every staging part's last use has finished: no staged copy of this engine in
-    /// flight (batched and direct copies, which use no staging part, are not looked at).
-    fn ran_dry(&self) -> Result<bool, DmaError> {
-        let last = (self.next + self.parts.len() - 1) % self.parts.len();
-        self.parts[last]
-            .free
-            .try_is_complete()
-            .map_err(|e| DmaError::Cuda { op: "cuEventQuery", detail: e.to_string() })
     }
 
     /// As [`CopyEngine::record_timeline`], for the first `max` batches only (the later ones
@@ -534,14 +485,13 @@ impl CopyEngine {
     ) -> Result<(CudaEvent, JobShape), DmaError> {
         // The fused form sums rows as a save gathers them.
         let summed = summed.filter(|_| direction == Direction::Save).map(SummedSave::gather);
-        let last = std::mem::take(&mut self.next_is_last);
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
         let pieces =
             job.chunks.iter().map(|(_, b)| b.len()).sum::<usize>() * job.part_count() as usize;
         let mut shape =
             JobShape { bytes: 0, pieces, batches: 0, staged: true, host_runs: 0, blocks: true };
-        let enqueued = self.enqueue_blocks(direction, job, (summed, last), &mut shape, &done);
+        let enqueued = self.enqueue_blocks(direction, job, summed, &mut shape, &done);
         self.settle(enqueued)?;
         Ok((done, shape))
     }
@@ -562,7 +512,7 @@ impl CopyEngine {
         &mut self,
         direction: Direction,
         job: &BlockJob<'_>,
-        (summed, last): (Option<SummedGather>, bool),
+        summed: Option<SummedGather>,
         shape: &mut JobShape,
         done: &CudaEvent,
     ) -> Result<(), DmaError> {
@@ -570,18 +520,6 @@ impl CopyEngine {
             return Err(DmaError::Invalid("the block copy kernel did not load".into()));
         }
         let part_bytes = self.staging_part() as u64;
-        let ramp = self.save_ramp > 0 && direction == Direction::Save;
-        if ramp && self.ran_dry()? {
-            self.ramp.restart(self.save_ramp);
-        }
-        let block_bytes = job.block_bytes();
-        let taper = self.load_taper > 0 && direction == Direction::Load && last;
-        // The job's bytes not staged yet (counted only where the taper needs them).
-        let mut left = if taper {
-            job.chunks.iter().map(|(_, ids)| ids.len() as u64).sum::<u64>() * block_bytes
-        } else {
-            0
-        };
         let mut at = BlockCursor::default();
         let mut batch = std::mem::take(&mut self.batch);
         // The job's blocks staged before this batch (the fused gather numbers rows in the job).
@@ -598,21 +536,18 @@ impl CopyEngine {
                     if self.reuse_seen { &h.free } else { &h.uploaded },
                     &mut self.times.waited,
                 )?;
-                let bound = if ramp {
-                    self.ramp.take(part_bytes, block_bytes)
-                } else if taper {
-                    taper_bound(left, part_bytes, self.load_taper, block_bytes)
-                } else {
-                    part_bytes
-                };
                 let t = Instant::now();
-                let ids =
-                    next_blocks_into(job, &mut at, bound, h.descs_host.bytes_mut(), &mut batch);
+                let ids = next_blocks_into(
+                    job,
+                    &mut at,
+                    part_bytes,
+                    h.descs_host.bytes_mut(),
+                    &mut batch,
+                );
                 self.times.planned += t.elapsed();
                 if ids == 0 {
                     break;
                 }
-                left = left.saturating_sub(batch.bytes);
                 self.planned_into_next(shape, &batch);
                 let subs = job.part_len.div_ceil(BLOCK_UNIT).max(1);
                 let units = ids as u64 * job.part_count() * subs;
@@ -670,8 +605,6 @@ impl CopyEngine {
         pieces: &[Piece],
         strategy: Strategy,
     ) -> Result<(CudaEvent, JobShape), DmaError> {
-        // The taper applies to block-form loads only; the hint is this submission's.
-        self.next_is_last = false;
         // Raw copies and launches below use the thread's current context: make it this one
         // (a thread may drive engines of several devices).
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;

@@ -350,49 +350,6 @@ pub fn next_blocks_into(
     n
 }
 
-/// What a save's next staged batch may hold while it ramps up
-/// ([`crate::dma::CopyEngine::set_save_ramp`]): the first the bytes it was restarted with,
-/// each next batch half again the one before, up to a whole staging part; never less than one
-/// block. The first copy then starts after a short gather rather than a whole part's,
-/// and each later gather (half again the batch copying meanwhile) is done in time as long as
-/// the gather runs at 1.5 times the copy's rate or more. Beside an engine's bf16 matmul on the
-/// H200, a 64 MiB part's gather took about 0.8 ms before its copy could start (about 84 GB/s
-/// against the copies' 54): 2% of a 2 GiB save sent one request at a time.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SaveRamp {
-    /// The next batch's bound while ramping; None: whole parts.
-    next: Option<u64>,
-}
-
-impl SaveRamp {
-    /// Starts again from `first` bytes.
-    pub fn restart(&mut self, first: u64) {
-        self.next = Some(first);
-    }
-
-    /// The bytes the next batch may stage, for parts of `part` bytes and blocks of `block`
-    /// (at most `part`), and moves on.
-    pub fn take(&mut self, part: u64, block: u64) -> u64 {
-        let Some(bound) = self.next else { return part };
-        let bytes = bound.max(block).min(part);
-        let grown = bytes + bytes / 2;
-        self.next = (grown < part).then_some(grown);
-        bytes
-    }
-}
-
-/// What a load's next staged batch may hold when nothing is queued after its job
-/// ([`crate::dma::CopyEngine::set_load_taper`]): a third of the job's bytes not yet staged
-/// (`left`), so that each batch is two thirds of the one before towards the end; at least
-/// `last` bytes and one block, at most a part. A load's last scatter runs after every copy:
-/// beside an engine's bf16 matmul on the H200 that was 0.6-1.1 ms of a 2 GiB load's 40 ms,
-/// whole 64 MiB parts. Each batch's scatter overlaps the next, two thirds as long, copy: in
-/// step as long as the scatter runs at 1.5 times the copy's rate (beside the matmul, about 92
-/// GB/s against 54).
-pub fn taper_bound(left: u64, part: u64, last: u64, block: u64) -> u64 {
-    (left / 3).max(last).max(block).min(part)
-}
-
 /// Longest run of bytes one warp of the block copy kernel moves (`UNIT` in
 /// `copy_blocks.cu`): a longer part is several units, copied in parallel.
 pub const BLOCK_UNIT: u64 = 64 << 10;
