@@ -77,6 +77,36 @@ fn invalid(msg: String) -> DmaError {
     DmaError::Invalid(msg)
 }
 
+/// The checks of [`EngineMemory::import`] that need no device: the layout, one export per
+/// tensor, each at least a tensor long. Returns the bytes of a tensor.
+fn check_exports(layout: &LayoutDesc, exports: &[TensorExport]) -> Result<u64, DmaError> {
+    layout.validate().map_err(|e| invalid(e.to_string()))?;
+    let want = layout.tensor_count() as usize;
+    if exports.len() != want {
+        return Err(invalid(format!(
+            "tensors: the {:?} layout with {} layers has {want} tensors, {} were given",
+            layout.layout,
+            layout.num_layers,
+            exports.len()
+        )));
+    }
+    let need = layout.tensor_bytes().expect("validated: the size fits u64");
+    if let Some((i, e)) = exports.iter().enumerate().find(|(_, e)| e.len < need) {
+        return Err(invalid(format!("tensors[{i}].len: {} bytes, the layout needs {need}", e.len)));
+    }
+    Ok(need)
+}
+
+/// Tensor `i` at `offset`, `need` bytes long, inside its `alloc`-byte allocation.
+fn check_offset(i: usize, offset: u64, need: u64, alloc: u64) -> Result<(), DmaError> {
+    if offset.checked_add(need).is_none_or(|end| end > alloc) {
+        return Err(invalid(format!(
+            "tensors[{i}].offset: {offset} + {need} bytes exceeds the {alloc}-byte allocation"
+        )));
+    }
+    Ok(())
+}
+
 impl EngineMemory {
     /// Opens an engine's tensors from their IPC exports after checking them against `layout`:
     /// one export per tensor, each at least the layout's tensor size and inside its
@@ -86,26 +116,10 @@ impl EngineMemory {
         layout: LayoutDesc,
         exports: &[TensorExport],
     ) -> Result<Self, DmaError> {
-        layout.validate().map_err(|e| invalid(e.to_string()))?;
-        let want = layout.tensor_count() as usize;
-        if exports.len() != want {
-            return Err(invalid(format!(
-                "tensors: the {:?} layout with {} layers has {want} tensors, {} were given",
-                layout.layout,
-                layout.num_layers,
-                exports.len()
-            )));
-        }
-        let need = layout.tensor_bytes().expect("validated: the size fits u64");
+        let need = check_exports(&layout, exports)?;
         let mut open: HashMap<[u8; 64], Arc<IpcMapping>> = HashMap::new();
-        let mut tensors = Vec::with_capacity(want);
+        let mut tensors = Vec::with_capacity(exports.len());
         for (i, e) in exports.iter().enumerate() {
-            if e.len < need {
-                return Err(invalid(format!(
-                    "tensors[{i}].len: {} bytes, the layout needs {need}",
-                    e.len
-                )));
-            }
             let mapping = match open.get(&e.handle) {
                 Some(m) => Arc::clone(m),
                 None => {
@@ -118,13 +132,7 @@ impl EngineMemory {
                     m
                 }
             };
-            let alloc = mapping.allocation_len()?;
-            if e.offset.checked_add(need).is_none_or(|end| end > alloc) {
-                return Err(invalid(format!(
-                    "tensors[{i}].offset: {} + {need} bytes exceeds the {alloc}-byte allocation",
-                    e.offset
-                )));
-            }
+            check_offset(i, e.offset, need, mapping.allocation_len()?)?;
             tensors.push(mapping.base() + e.offset);
         }
         Self::with_parts(ctx, layout, tensors, Backing::Imported(open.into_values().collect()))
@@ -236,5 +244,59 @@ impl EngineMemory {
             Backing::Owned(b) => ffi::copy_sync_from_device(&b[i], 0, out),
             Backing::Imported(_) => Err(invalid("imported tensors belong to the engine".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_exports, check_offset, TensorExport};
+    use crate::layout::{KvLayout, LayoutDesc};
+
+    fn flash(layers: u32) -> LayoutDesc {
+        LayoutDesc {
+            layout: KvLayout::FlashAttnNhd,
+            num_layers: layers,
+            num_blocks: 16,
+            block_size: 16,
+            kv_heads: 8,
+            head_dim: 128,
+            elem_bytes: 2,
+        }
+    }
+
+    fn exports(n: usize, len: u64) -> Vec<TensorExport> {
+        (0..n).map(|_| TensorExport { handle: [7; 64], offset: 0, len }).collect()
+    }
+
+    #[test]
+    fn exports_are_checked_against_the_layout_naming_the_field() {
+        let l = flash(2);
+        let need = l.tensor_bytes().unwrap();
+        let n = l.tensor_count() as usize;
+        assert_eq!(check_exports(&l, &exports(n, need)).unwrap(), need);
+        // Longer tensors than the layout needs are fine (an engine may pad).
+        assert_eq!(check_exports(&l, &exports(n, need + 4096)).unwrap(), need);
+        let e = check_exports(&l, &exports(n - 1, need)).unwrap_err().to_string();
+        assert!(e.contains("tensors:") && e.contains(&format!("{} were given", n - 1)), "{e}");
+        let e = check_exports(&l, &exports(n + 1, need)).unwrap_err().to_string();
+        assert!(e.contains("tensors:"), "{e}");
+        let mut short = exports(n, need);
+        short[1].len = need - 1;
+        let e = check_exports(&l, &short).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].len") && e.contains(&need.to_string()), "{e}");
+        // A layout wrong in itself is refused before its tensors are looked at.
+        let e = check_exports(&flash(0), &exports(n, need)).unwrap_err().to_string();
+        assert!(e.contains("num_layers"), "{e}");
+    }
+
+    #[test]
+    fn a_tensor_must_lie_inside_its_allocation() {
+        assert!(check_offset(0, 0, 1 << 20, 1 << 20).is_ok());
+        assert!(check_offset(0, 4096, 1 << 20, (1 << 20) + 4096).is_ok());
+        let e = check_offset(3, 4096, 1 << 20, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("tensors[3].offset") && e.contains("4096"), "{e}");
+        // No overflow: an offset near the top of u64 is refused, not wrapped.
+        let e = check_offset(0, u64::MAX - 10, 1 << 20, u64::MAX).unwrap_err().to_string();
+        assert!(e.contains("tensors[0].offset"), "{e}");
     }
 }
