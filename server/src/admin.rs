@@ -262,6 +262,7 @@ fn stats(shared: &Shared) -> Value {
                     "gpu_checksum_mismatches": st.given_checksum_mismatches,
                     "rejected_requests": s.rejected_requests,
                     "dropped_replies": s.dropped_replies,
+                    "orphaned_requests": s.orphaned_requests,
                     "ssd_capacity_bytes": st.ssd.map_or(0, |x| x.capacity_bytes),
                     "ssd_used_bytes": st.ssd.map_or(0, |x| x.used_bytes),
                     "ssd_records": st.ssd.map_or(0, |x| x.records),

@@ -140,6 +140,8 @@ pub(crate) struct Exec {
     pending: RefCell<HashMap<u64, LocalSender<ShardReply>>>,
     next_req: Cell<u64>,
     dropped_replies: Cell<u64>,
+    /// Requests still in flight when their session closed.
+    orphaned_requests: Cell<u64>,
     pub(crate) rejected: Cell<u64>,
     /// Request, session-close and peer-op tasks in flight (a shard only sleeps on its doorbell
     /// at zero).
@@ -236,6 +238,7 @@ async fn run(ctx: ShardContext) {
         pending: RefCell::new(HashMap::new()),
         next_req: Cell::new(1),
         dropped_replies: Cell::new(0),
+        orphaned_requests: Cell::new(0),
         rejected: Cell::new(0),
         active: Cell::new(0),
         deep_sleeps: Cell::new(0),
@@ -452,6 +455,8 @@ impl Exec {
                     // Stop new requests now; reclaim once in-flight requests of the session
                     // are finished, so no op of it can reach a shard after the reclaim.
                     state.port.borrow_mut().take();
+                    let orphaned = state.inflight.get() as u64;
+                    self.orphaned_requests.set(self.orphaned_requests.get() + orphaned);
                     let e = Rc::clone(self);
                     e.active.set(e.active.get() + 1);
                     glommio::spawn_local(async move {
@@ -481,6 +486,7 @@ impl Exec {
                             session,
                             leases,
                             reservations,
+                            orphaned,
                             "session closed and reclaimed"
                         );
                         e.active.set(e.active.get() - 1);
@@ -495,6 +501,7 @@ impl Exec {
                     core: self.cpu,
                     sessions: self.sessions.borrow().len() as u64,
                     dropped_replies: self.dropped_replies.get(),
+                    orphaned_requests: self.orphaned_requests.get(),
                     rejected_requests: self.rejected.get(),
                     deep_sleeps: self.deep_sleeps.get(),
                     doorbell_wakeups: self.doorbell_wakeups.get(),

@@ -67,6 +67,9 @@ pub struct ShardSnapshot {
     pub sessions: u64,
     /// Requests whose reply was dropped because the client vanished.
     pub dropped_replies: u64,
+    /// Requests still running when their session closed (the client went away meanwhile):
+    /// each ran to its end, owning what it used, before the session was reclaimed.
+    pub orphaned_requests: u64,
     /// Requests rejected before execution (malformed, too large, draining, limits).
     pub rejected_requests: u64,
     /// Times the shard slept on its doorbell.

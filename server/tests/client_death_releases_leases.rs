@@ -64,6 +64,8 @@ fn sigkill_reclaims_everything() {
     server.wait_for("reclaim", |s| s.shard_sum("leases") == 3 && s.shard_sum("reservations") == 0);
     assert_eq!(server.admin("stats")["sessions"], 1);
     assert_eq!(server.shard_sum("dram_used_bytes"), used_before, "reserved bytes returned");
+    // It died between requests: none of its requests outlived it.
+    assert_eq!(server.shard_sum("orphaned_requests"), 0);
 
     // The bystander's leases and data are untouched, and it keeps working.
     for (lease, v) in mine.iter().zip(&values) {
