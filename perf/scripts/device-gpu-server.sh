@@ -49,17 +49,19 @@ fi
 run engine-copies-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --seed 5 --engine-copies
 stats > $OUT/${TAG}gpu-stats-before-kill.json
 if [ "$NOKILL" != 1 ]; then
-# An engine dies during a save: start a large run, kill it once its registration exists.
+# An engine dies during a save: start a large run (8 GiB per save), kill it as soon as the
+# server's save jobs move past where they stood (its first save is copying). The server's
+# orphaned_requests (requests still running when their session closed) then say whether it
+# died with a request in flight.
+jobs0=$(stats | field 'd["gpu_transfers"]["save_jobs"]')
 $D --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 9 > $OUT/${TAG}gpu-killed.json 2>&1 &
 K=$!
-for i in $(seq 600); do
-  r=$(stats | field 'd["gpu_transfers"]["save_jobs"]' 2>/dev/null)
-  n=$(stats | field 'd["gpu_transfers"]["registrations"]' 2>/dev/null)
-  [ "${n:-0}" -ge 1 ] && break; sleep 0.05
+for i in $(seq 1000); do
+  n=$(stats | field 'd["gpu_transfers"]["save_jobs"]' 2>/dev/null)
+  [ "${n:-0}" -gt "${jobs0:-0}" ] && break; sleep 0.01
 done
-sleep 0.15
 kill -9 $K; wait $K 2>/dev/null
-echo "killed engine during save" >> $OUT/gpu.log
+echo "killed engine during save (server save jobs ${jobs0} before it, ${n} at the kill)" >> $OUT/gpu.log
 for i in $(seq 200); do [ "$(stats | field 'd["sessions"]')" = "0" ] && break; sleep 0.05; done
 stats > $OUT/${TAG}gpu-stats-after-kill.json
 $B/orbitkv-ctl --socket $S health >> $OUT/gpu.log 2>&1; echo "health rc=$?" >> $OUT/gpu.log

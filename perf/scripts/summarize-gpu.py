@@ -82,6 +82,14 @@ def served(name, d):
         f"{s.get('load_failures')}; mismatched bytes {s.get('save_mismatched_bytes')} / "
         f"{s.get('load_mismatched_bytes')}"
     )
+    # The ownership checks (`--cancel-check`); the stale one runs in every served run.
+    if s.get("cancelled_save_completed") is not None or s.get("unregister_waited") is not None:
+        print(
+            f"{name}:   dropped save completed {s.get('cancelled_save_completed')}, unregister "
+            f"during a save waited for it {s.get('unregister_waited')}, stale registration "
+            f"refused {s.get('stale_registration_refused')}, bad registrations refused "
+            f"{s.get('bad_registrations_refused')}"
+        )
     # Against the ceiling's copy just before and after each timed save / load.
     if s.get("save_ratio_bracketed") is not None:
         span = lambda r: f"{min(r):.3f}-{max(r):.3f}" if r else "-"
@@ -177,7 +185,8 @@ def stats(name, d):
         f"{name}: state {d.get('state')}, sessions {d.get('sessions')}, leases {total('leases')}, "
         f"registrations {g.get('registrations')}, failed jobs {g.get('failed_jobs')}; GPU "
         f"checksums {total('gpu_checksums')} ({total('gpu_checksums_verified')} checked, "
-        f"{total('gpu_checksum_mismatches')} wrong)"
+        f"{total('gpu_checksum_mismatches')} wrong); requests orphaned by their client "
+        f"{total('orphaned_requests') if any('orphaned_requests' in x for x in shards) else '-'}"
     )
 
 

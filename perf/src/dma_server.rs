@@ -39,9 +39,18 @@ pub(crate) struct ServedResult {
     /// With `--cancel-check`: whether a save dropped during its copy still completed with the
     /// right bytes.
     pub cancelled_save_completed: Option<bool>,
+    /// With `--cancel-check`: whether an unregister sent while a save of the registration was
+    /// copying returned only once that save was done: every chunk of it saved with the bytes
+    /// the engine held before the unregister, although the engine overwrote its tensors as
+    /// soon as the unregister returned.
+    pub unregister_waited: Option<bool>,
     /// A save naming an unregistered registration was refused, a new registration got a new
     /// generation, and the old one stayed refused.
     pub stale_registration_refused: bool,
+    /// Registrations naming another device, too few tensors, a tensor too short, an offset
+    /// past its allocation or a handle that opens nothing were each refused, the error
+    /// naming that field, before the run's own registration.
+    pub bad_registrations_refused: bool,
     /// This rank of its tensor-parallel group (`--tp-rank`, `--tp-world-size`).
     pub tp_rank: u32,
     /// Ranks in the group.
@@ -560,6 +569,7 @@ pub(crate) fn run(
         .iter()
         .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
         .collect();
+    let bad_registrations_refused = refused_registrations(&mut client, e, &layout, &tensors)?;
     let reg = client
         .register_gpu(e.device_uuid, spec(&layout), &tensors)
         .map_err(client_err("register_gpu"))?;
@@ -664,7 +674,12 @@ pub(crate) fn run(
     } else {
         None
     };
-    client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+    let unregister_waited = if a.cancel_check {
+        Some(unregister_check(&mut client, &reg, (&keys, &blocks), per_chunk as usize, e)?)
+    } else {
+        client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+        None
+    };
     let stale_registration_refused = stale_check(
         &mut client,
         &reg,
@@ -685,7 +700,9 @@ pub(crate) fn run(
         save_mismatched_bytes,
         load_mismatched_bytes,
         cancelled_save_completed,
+        unregister_waited,
         stale_registration_refused,
+        bad_registrations_refused,
         tp_rank: a.tp_rank,
         tp_world_size: a.tp_world_size,
         chunks: keys.len(),
@@ -1262,6 +1279,45 @@ fn duplex(
     })
 }
 
+/// Registrations wrong in one field each, every one refused with an error naming the field
+/// (the server goes on serving: the run's own registration follows).
+fn refused_registrations(
+    client: &mut Client,
+    e: &Engine<'_>,
+    layout: &LayoutDesc,
+    tensors: &[GpuTensor],
+) -> Result<bool, Error> {
+    let need = layout.tensor_bytes().unwrap_or(0);
+    let with_first = |f: &dyn Fn(&mut GpuTensor)| {
+        let mut t = tensors.to_vec();
+        f(&mut t[0]);
+        t
+    };
+    let cases: Vec<(&str, &str, Vec<GpuTensor>)> = vec![
+        ("device_uuid", "GPU-00000000-0000-0000-0000-000000000000", tensors.to_vec()),
+        ("tensors:", e.device_uuid, tensors[..tensors.len() - 1].to_vec()),
+        ("tensors[0].len", e.device_uuid, with_first(&|t| t.len = need.saturating_sub(1))),
+        ("tensors[0].offset", e.device_uuid, with_first(&|t| t.offset = u64::MAX / 2)),
+        ("tensors[0].handle", e.device_uuid, with_first(&|t| t.handle = [0; 64])),
+    ];
+    let mut all = true;
+    for (field, device, bad) in cases {
+        let refused = match client.register_gpu(device, spec(layout), &bad) {
+            Err(orbitkv_client::Error::Server { message, .. }) => message.contains(field),
+            Ok(reg) => {
+                client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+                false
+            }
+            Err(_) => false,
+        };
+        if !refused {
+            eprintln!("a registration with a bad {field} was not refused naming it");
+        }
+        all &= refused;
+    }
+    Ok(all)
+}
+
 /// After unregistering: a save naming the old registration is refused; a new registration
 /// (the engine registering again) gets a new generation, and the old one is still refused
 /// (`StaleGeneration` when its slot was reused).
@@ -1291,6 +1347,38 @@ fn stale_check(
     let stale = refused(client.save(old, one, first_blocks));
     client.unregister_gpu(&again).map_err(client_err("unregister_gpu"))?;
     Ok(gone && newer && stale)
+}
+
+/// Starts a save of up to 64 chunks and, while it copies, unregisters `reg`; once the
+/// unregister returns, the engine's memory is its own again: the check overwrites every
+/// tensor at once, then waits for the save. True if every chunk of it was saved with the bytes
+/// from before the overwrite (the unregister waited for the copies). The tensors get their
+/// bytes back afterwards.
+fn unregister_check(
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    (keys, blocks): (&[ChunkKey], &[u64]),
+    per_chunk: usize,
+    e: &Engine<'_>,
+) -> Result<bool, Error> {
+    let n = keys.len().min(64);
+    client.evict(&keys[..n]).map_err(client_err("evict"))?;
+    let t = client
+        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
+        .map_err(client_err("start_save"))?;
+    // Long enough for the server to take the save (microseconds), well inside its copy.
+    std::thread::sleep(Duration::from_micros(200));
+    client.unregister_gpu(reg).map_err(client_err("unregister_gpu during a save"))?;
+    let junk = vec![0x3cu8; e.originals[0].len()];
+    for i in 0..e.originals.len() {
+        e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
+    }
+    let outcomes = client.wait_transfer(&t).map_err(client_err("save during unregister"))?;
+    let mismatched = saved_mismatches(client, e, &keys[..n], &e.chunks[..n])?;
+    for (i, bytes) in e.originals.iter().enumerate() {
+        e.memory.write_tensor(i, bytes).map_err(|x| Error::Gpu(x.to_string()))?;
+    }
+    Ok(not_done(&outcomes) == 0 && mismatched == 0)
 }
 
 /// Starts a save of up to 64 chunks, drops it unanswered 2 ms later (during its copy), and
