@@ -125,12 +125,13 @@ pub(crate) struct DmaArgs {
     /// shuffled).
     #[arg(long, value_enum, default_value = "shuffled")]
     pub slots: SlotOrderArg,
-    /// GPU staging buffer, all its parts (default: 64MiB).
-    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "64MiB")]
+    /// GPU staging buffer, all its parts (default: 256MiB, as the server's).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "256MiB")]
     pub staging: u64,
     /// Parts of the staging buffer, used in turn (2-8; as the server's `--gpu-staging-depth`;
-    /// through a server, its flag decides) (default: 2).
-    #[arg(long, value_name = "N", default_value_t = 2,
+    /// through a server, its flag decides) (default: 4, as the server's with its default
+    /// staging).
+    #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
     pub staging_depth: u8,
     /// What lets a staging part take its next batch, as the server's `--gpu-staging-gate`:

@@ -100,12 +100,14 @@ pub struct ServerConfig {
     /// one). Default: `auto`.
     pub gpu: orbitkv_gpu::GpuMode,
     /// GPU staging buffer of each DMA thread on each device (pages are gathered into it
-    /// before crossing the bus). Default: `64MiB`.
+    /// before crossing the bus). Default: `256MiB` (four parts of one 64 MiB job each: enough
+    /// to keep the copies going while the gathers wait for SMs behind an engine's kernels;
+    /// two threads per device hold 512 MiB of its memory, from their first copy on).
     pub gpu_staging: String,
     /// Equal parts of the GPU staging buffer (2-8), used in turn: a save's gathers may run up
     /// to this many batches less one ahead of its copies (a load's copies ahead of its
-    /// scatters). Default: as many parts as the staging holds jobs (`gpu_job`), 2 to 8 (2 with
-    /// the default 64 MiB of each, 4 with `--gpu-staging 256MiB`).
+    /// scatters). Default: as many parts as the staging holds jobs (`gpu_job`), 2 to 8 (4 with
+    /// the defaults, 2 with `--gpu-staging 64MiB`).
     pub gpu_staging_depth: Option<usize>,
     /// Bytes of chunks in one GPU copy job: a save or load is split into jobs of at most this
     /// many bytes (whole chunks, at least one), each committed (or released) as soon as its
@@ -169,7 +171,7 @@ impl Default for ServerConfig {
             ssd_inject_latency: "0".into(),
             ssd_inject_errors_every: 0,
             gpu: orbitkv_gpu::GpuMode::Auto,
-            gpu_staging: "64MiB".into(),
+            gpu_staging: "256MiB".into(),
             gpu_staging_depth: None,
             gpu_job: format!("{}MiB", orbitkv_gpu::dma::JOB_BYTES >> 20),
             gpu_queue_depth: 64,
@@ -264,7 +266,7 @@ pub struct Args {
     /// Use CUDA: auto (when a device exists), off, or required (default: auto).
     #[arg(long, value_name = "MODE", value_parser = parse_gpu_mode)]
     pub gpu: Option<orbitkv_gpu::GpuMode>,
-    /// GPU staging per DMA thread and device (default: 64MiB).
+    /// GPU staging per DMA thread and device (default: 256MiB).
     #[arg(long, value_name = "SIZE")]
     pub gpu_staging: Option<String>,
     /// Parts of the GPU staging buffer, 2-8: batches a save's gathers may run ahead of its
@@ -676,6 +678,9 @@ mod tests {
         assert_eq!(depth("256MiB", None), 4);
         assert_eq!(depth("200MiB", None), 3);
         assert_eq!(depth("4GiB", None), 8);
+        // The defaults: 256 MiB in four parts of one job each.
+        let d = ServerConfig::default().validate().unwrap();
+        assert_eq!((d.gpu_staging_bytes, d.gpu_staging_depth), (256 << 20, 4));
         assert_eq!(depth("256MiB", Some(2)), 2);
         for job in ["4KiB", "8GiB", "lots"] {
             let e = bad(ServerConfig { gpu_job: job.into(), ..Default::default() });
