@@ -1349,11 +1349,12 @@ fn stale_check(
     Ok(gone && newer && stale)
 }
 
-/// Starts a save of up to 64 chunks and, while it copies, unregisters `reg`; once the
+/// Starts a save of up to 256 chunks and, while it copies, unregisters `reg`; once the
 /// unregister returns, the engine's memory is its own again: the check overwrites every
 /// tensor at once, then waits for the save. True if every chunk of it was saved with the bytes
-/// from before the overwrite (the unregister waited for the copies). The tensors get their
-/// bytes back afterwards.
+/// from before the overwrite (the unregister waited for the copies); false also where the
+/// save was answered before the unregister went out. The tensors get their bytes back
+/// afterwards.
 fn unregister_check(
     client: &mut Client,
     reg: &orbitkv_client::GpuRegistration,
@@ -1361,13 +1362,21 @@ fn unregister_check(
     per_chunk: usize,
     e: &Engine<'_>,
 ) -> Result<bool, Error> {
-    let n = keys.len().min(64);
+    // 256 chunks: 128 MiB or more in the runs of device-gpu-server.sh, 2.4 ms or more of copies.
+    let n = keys.len().min(256);
     client.evict(&keys[..n]).map_err(client_err("evict"))?;
     let t = client
         .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
         .map_err(client_err("start_save"))?;
-    // Long enough for the server to take the save (microseconds), well inside its copy.
-    std::thread::sleep(Duration::from_micros(200));
+    // Long enough for the server to take the save (microseconds), inside its copy.
+    std::thread::sleep(Duration::from_micros(500));
+    // Answered already: the unregister would not come during the save, and the check says
+    // nothing (false, so that a run shows it).
+    if client.poll_transfer(&t).map_err(client_err("save before unregister"))?.is_some() {
+        eprintln!("unregister check: the save was answered before the unregister was sent");
+        client.unregister_gpu(reg).map_err(client_err("unregister_gpu"))?;
+        return Ok(false);
+    }
     client.unregister_gpu(reg).map_err(client_err("unregister_gpu during a save"))?;
     let junk = vec![0x3cu8; e.originals[0].len()];
     for i in 0..e.originals.len() {
