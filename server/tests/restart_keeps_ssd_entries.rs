@@ -308,11 +308,12 @@ fn a_full_filesystem_is_reported_at_start() {
     server.client("fits").ping().unwrap();
 }
 
-#[test]
-fn a_slow_disk_does_not_hold_up_dram_hits() {
-    let dir = tempfile::tempdir_in("/tmp").unwrap();
+/// A one-shard tiered server in `dir` with 200 chunks stored, restarted on a disk where every
+/// I/O takes 2 s (DRAM starts empty, so the demoted ones are on the slow disk only); returns
+/// it, the namespace and the keys (the first ones demoted).
+fn on_a_slow_disk(dir: &std::path::Path) -> (TestServer, u64, Vec<ChunkKey>) {
     let base = ["--shards", "1", "--dram", "2MiB", "--ssd", "24MiB", "--ssd-region-size", "1MiB"];
-    let dir_arg = dir.path().to_str().unwrap().to_string();
+    let dir_arg = dir.to_str().unwrap().to_string();
     let mut args: Vec<&str> = base.to_vec();
     args.extend(["--ssd-dir", &dir_arg]);
     let mut server = TestServer::start(&args);
@@ -322,9 +323,15 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
     fill(&server, &mut c, &cold);
     drop(c);
     assert!(server.stop().success());
-    // Restart on a disk where every I/O takes 2 s; DRAM starts empty.
     args.extend(["--ssd-inject-latency", "2s"]);
     server.spawn(&args);
+    (server, ns, cold)
+}
+
+#[test]
+fn a_slow_disk_does_not_hold_up_dram_hits() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (server, ns, cold) = on_a_slow_disk(dir.path());
     let mut c = server.client("dram");
     c.register_namespace(&namespace(16)).unwrap();
     let hot = chain(ns, 42, 20);
@@ -385,4 +392,60 @@ fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
     let degraded = health["degraded"].as_array().unwrap();
     assert!(degraded[0].as_str().unwrap().contains("SSD I/O errors"), "{health}");
     c.ping().unwrap();
+}
+
+const SLOW_LOOKUP_ENV: &str = "ORBITKV_TEST_SLOW_LOOKUP";
+
+/// Runs only as the child process of `a_request_outliving_its_client_ends_before_the_reclaim`
+/// (it is ignored otherwise): looks up a chunk that is on the slow disk only, and is killed
+/// while it waits.
+#[test]
+#[ignore = "helper process for a_request_outliving_its_client_ends_before_the_reclaim"]
+fn slow_lookup_process() {
+    let env = std::env::var(SLOW_LOOKUP_ENV).expect("run by its test");
+    let (socket, ns) = env.split_once(' ').expect("SOCKET NAMESPACE");
+    let mut c = Client::connect(orbitkv_client::ClientOptions::with_socket(socket)).unwrap();
+    let key = chain(ns.parse().unwrap(), 41, 200)[1];
+    let _ = c.lookup_leased(&[key]);
+    unreachable!("killed while its lookup waits on the disk");
+}
+
+/// A client killed while its lookup waits on a slow disk: the lookup runs to its end, counted
+/// in `orphaned_requests`; the session is listed as closing until then and reclaimed after it,
+/// with the lease the lookup took; the server goes on serving that chunk.
+#[test]
+fn a_request_outliving_its_client_ends_before_the_reclaim() {
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (server, ns, cold) = on_a_slow_disk(dir.path());
+    assert_eq!(server.shard_sum("orphaned_requests"), 0);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "slow_lookup_process", "--nocapture", "--test-threads", "1"])
+        .env(SLOW_LOOKUP_ENV, format!("{} {ns}", server.socket.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    server.wait_for("the child's lookup to reach the disk", |s| s.shard_sum("ssd_hits") >= 1);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
+    // The session closes at once (its bootstrap socket ends) with the lookup still waiting.
+    server.wait_for("the session to close", |s| s.shard_sum("orphaned_requests") == 1);
+    let sessions = server.admin("sessions");
+    let listed = sessions["sessions"].as_array().unwrap();
+    assert!(
+        listed.len() == 1 && listed[0]["closing"] == true,
+        "the session is reclaimed only after its lookup: {sessions}"
+    );
+    server.wait_for("the reclaim", |s| {
+        s.admin("stats")["sessions"] == 0 && s.shard_sum("leases") == 0
+    });
+    assert_eq!(server.admin("sessions")["sessions"].as_array().unwrap().len(), 0);
+    // Nothing lost: the chunk is served with its bytes.
+    let mut c = server.client("after");
+    let leases = c.lookup_leased(&cold[1..2]).unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(c.chunk(&leases[0]).unwrap(), &value_for(&cold[1], LEN)[..]);
+    c.release(&leases).unwrap();
+    assert_eq!(server.shard_sum("orphaned_requests"), 1);
 }
