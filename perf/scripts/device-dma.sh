@@ -40,10 +40,11 @@ run nhd-fp8-16k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --
 # The slowdown of a concurrent bf16 matmul loop (PyTorch) beside the contiguous copy and each strategy.
 run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy all --interference
 run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy all --interference
-# The same with a larger staging buffer: fewer, longer kernel launches per byte, so fewer
-# context switches between our kernels and the engine's (time-slicing without MPS).
-run intf-sglang-2k-s256 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --staging 256MiB --interference
-run intf-nhd-32k-s256 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --staging 256MiB --interference
+# The same with the smaller staging of before (64 MiB in two parts, the default until the
+# twenty-fifth session): more, shorter kernel launches per byte, so more context switches
+# between our kernels and the engine's (time-slicing without MPS).
+run intf-sglang-2k-s64 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --staging 64MiB --interference
+run intf-nhd-32k-s64 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --staging 64MiB --interference
 # The engine-side copies with larger staging batches: their loads' scatter waits for SMs behind
 # the matmul, and fewer, larger batches trade rate against the matmul's slowdown.
 run intf-sglang-2k-e4 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --interference

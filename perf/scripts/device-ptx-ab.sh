@@ -5,7 +5,7 @@
 #   SIDES="new=- old=.device-bin/ptx/old.ptx" (name=path, names of letters, digits, -)
 # First ncu (clocks left alone) on a local sglang save of 2 KiB pages, 64 MiB jobs of 2 MiB
 # chunks, for each side: the checksum kernels' duration, registers and occupancy. Then the
-# local interference run RUN of perf/scripts/device-dma.sh (default intf-sglang-2k-s256)
+# local interference run RUN of perf/scripts/device-dma.sh (default intf-sglang-2k)
 # under MPS, the sides alternated ROUNDS (2) times, each with INTF_ROUNDS (2) rounds of its
 # own measurements. Stripped release binaries in .device-bin; everything is packed into
 # $OUT/ptx-ab.tgz (the device tool brings back only so many files), leaving the summary
@@ -14,7 +14,7 @@ set -u
 B=.device-bin
 SIDES=${SIDES:-"new=-"}
 ROUNDS=${ROUNDS:-2}
-RUN=${RUN:-intf-sglang-2k-s256}
+RUN=${RUN:-intf-sglang-2k}
 export INTF_ROUNDS=${INTF_ROUNDS:-2}
 W=/tmp/okv-ptx-ab
 rm -rf $W && mkdir -p $W/ncu $W/runs

@@ -129,11 +129,11 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "SIZE", value_parser = size, default_value = "256MiB")]
     pub staging: u64,
     /// Parts of the staging buffer, used in turn (2-8; as the server's `--gpu-staging-depth`;
-    /// through a server, its flag decides) (default: 4, as the server's with its default
-    /// staging).
-    #[arg(long, value_name = "N", default_value_t = 4,
+    /// through a server, its flag decides) (default: as the server's, as many as the staging
+    /// holds its 64 MiB jobs: 4 with the default staging, 2 with 64MiB).
+    #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
-    pub staging_depth: u8,
+    pub staging_depth: Option<u8>,
     /// What lets a staging part take its next batch, as the server's `--gpu-staging-gate`:
     /// `host` (this thread has seen its last copy (save) or scatter (load) finish) or `gpu`
     /// (a stream waits for it on the GPU) (default: host; through a server, its flag decides).

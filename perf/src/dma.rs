@@ -865,9 +865,8 @@ impl Bench {
     /// host-to-device, each contiguous, on two copy engines at once (what a save beside a load
     /// can reach); median GB/s of both together.
     fn duplex_ceiling(&mut self, ctx: &Arc<CudaContext>, a: &DmaArgs) -> Result<f64, Error> {
-        let mut other =
-            CopyEngine::new(ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
-                .map_err(dma)?;
+        let mut other = CopyEngine::new(ctx, a.staging as usize, staging_depth(a), BATCHED_FROM)
+            .map_err(dma)?;
         let half = self.chunk_len * (self.chunks.len() as u64 / 2);
         let rest = self.bytes - half;
         let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
@@ -1511,6 +1510,12 @@ fn unsafe_checksums(
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `num / den`, or 0 when `den` is not positive (a rate or ceiling that was not measured).
+/// `--staging-depth`, or where not given the server's rule for its default 64 MiB jobs
+/// (`--gpu-job`): as many parts as the staging holds such jobs, 2 to 8.
+fn staging_depth(a: &DmaArgs) -> usize {
+    a.staging_depth.map_or_else(|| CopyEngine::default_depth(a.staging, 64 << 20), usize::from)
+}
+
 pub(crate) fn ratio(num: f64, den: f64) -> f64 {
     if den > 0.0 {
         num / den
@@ -1633,8 +1638,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     }
     let bytes = chunk_len * nchunks;
     let mut engine =
-        CopyEngine::new(&ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
-            .map_err(dma)?;
+        CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM).map_err(dma)?;
     if let Some(offset) = registration.device_offset {
         engine.set_host_mapping(offset);
     }
@@ -1777,7 +1781,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         if a.duplex {
             let ceiling = bench.duplex_ceiling(&ctx, a)?;
             let mut other =
-                CopyEngine::new(&ctx, a.staging as usize, a.staging_depth.into(), BATCHED_FROM)
+                CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM)
                     .map_err(dma)?;
             if let Some(offset) = registration.device_offset {
                 other.set_host_mapping(offset);

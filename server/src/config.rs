@@ -571,11 +571,7 @@ impl ServerConfig {
                 ))
             }
             Some(d) => d,
-            // As many parts as the staging holds jobs (up to eight): a part holds a whole
-            // job rather than leaving half of itself unused behind one.
-            None => usize::try_from(gpu_staging_bytes / gpu_job_bytes)
-                .unwrap_or(usize::MAX)
-                .clamp(*depths.start(), *depths.end()),
+            None => orbitkv_gpu::dma::CopyEngine::default_depth(gpu_staging_bytes, gpu_job_bytes),
         };
         let gpu_checksums =
             crate::gpu::ChecksumPlace::parse(&self.gpu_checksums).ok_or_else(|| {
