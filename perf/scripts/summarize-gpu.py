@@ -82,8 +82,9 @@ def served(name, d):
         f"{s.get('load_failures')}; mismatched bytes {s.get('save_mismatched_bytes')} / "
         f"{s.get('load_mismatched_bytes')}"
     )
-    # The ownership checks (`--cancel-check`); the stale one runs in every served run.
-    if s.get("cancelled_save_completed") is not None or s.get("unregister_waited") is not None:
+    # The ownership and registration checks: the dropped save and the unregister with
+    # `--cancel-check` (None without it), the others in every served run.
+    if "bad_registrations_refused" in s or s.get("cancelled_save_completed") is not None:
         print(
             f"{name}:   dropped save completed {s.get('cancelled_save_completed')}, unregister "
             f"during a save waited for it {s.get('unregister_waited')}, stale registration "

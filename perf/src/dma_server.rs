@@ -42,7 +42,8 @@ pub(crate) struct ServedResult {
     /// With `--cancel-check`: whether an unregister sent while a save of the registration was
     /// copying returned only once that save was done: every chunk of it saved with the bytes
     /// the engine held before the unregister, although the engine overwrote its tensors as
-    /// soon as the unregister returned.
+    /// soon as the unregister returned. None without the flag, or where the save was answered
+    /// before the unregister went out (too few bytes to copy for 0.5 ms: not measured).
     pub unregister_waited: Option<bool>,
     /// A save naming an unregistered registration was refused, a new registration got a new
     /// generation, and the old one stayed refused.
@@ -675,7 +676,7 @@ pub(crate) fn run(
         None
     };
     let unregister_waited = if a.cancel_check {
-        Some(unregister_check(&mut client, &reg, (&keys, &blocks), per_chunk as usize, e)?)
+        unregister_check(&mut client, &reg, (&keys, &blocks), per_chunk as usize, e)?
     } else {
         client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
         None
@@ -1352,16 +1353,16 @@ fn stale_check(
 /// Starts a save of up to 256 chunks and, while it copies, unregisters `reg`; once the
 /// unregister returns, the engine's memory is its own again: the check overwrites every
 /// tensor at once, then waits for the save. True if every chunk of it was saved with the bytes
-/// from before the overwrite (the unregister waited for the copies); false also where the
-/// save was answered before the unregister went out. The tensors get their bytes back
-/// afterwards.
+/// from before the overwrite (the unregister waited for the copies); None where the save was
+/// answered before the unregister went out (nothing shown either way). The tensors get their
+/// bytes back afterwards.
 fn unregister_check(
     client: &mut Client,
     reg: &orbitkv_client::GpuRegistration,
     (keys, blocks): (&[ChunkKey], &[u64]),
     per_chunk: usize,
     e: &Engine<'_>,
-) -> Result<bool, Error> {
+) -> Result<Option<bool>, Error> {
     // 256 chunks: 128 MiB or more in the runs of device-gpu-server.sh, 2.4 ms or more of copies.
     let n = keys.len().min(256);
     client.evict(&keys[..n]).map_err(client_err("evict"))?;
@@ -1370,12 +1371,11 @@ fn unregister_check(
         .map_err(client_err("start_save"))?;
     // Long enough for the server to take the save (microseconds), inside its copy.
     std::thread::sleep(Duration::from_micros(500));
-    // Answered already: the unregister would not come during the save, and the check says
-    // nothing (false, so that a run shows it).
+    // Answered already: the unregister would not come during the save; the check says nothing.
     if client.poll_transfer(&t).map_err(client_err("save before unregister"))?.is_some() {
-        eprintln!("unregister check: the save was answered before the unregister was sent");
+        eprintln!("unregister check not made: the save was answered before the unregister");
         client.unregister_gpu(reg).map_err(client_err("unregister_gpu"))?;
-        return Ok(false);
+        return Ok(None);
     }
     client.unregister_gpu(reg).map_err(client_err("unregister_gpu during a save"))?;
     let junk = vec![0x3cu8; e.originals[0].len()];
@@ -1387,7 +1387,7 @@ fn unregister_check(
     for (i, bytes) in e.originals.iter().enumerate() {
         e.memory.write_tensor(i, bytes).map_err(|x| Error::Gpu(x.to_string()))?;
     }
-    Ok(not_done(&outcomes) == 0 && mismatched == 0)
+    Ok(Some(not_done(&outcomes) == 0 && mismatched == 0))
 }
 
 /// Starts a save of up to 64 chunks, drops it unanswered 2 ms later (during its copy), and
