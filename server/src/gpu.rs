@@ -3,7 +3,7 @@
 //! `gpu-d2h-D` runs the saves of device D (engine pages -> arena slots) and `gpu-h2d-D` its
 //! loads. Each owns the device's copy engine for its direction (streams, staging buffers,
 //! events), takes jobs from one bounded SPSC queue per shard, plans the pieces itself (off the shard cores), and hands each completion back on
-//! the shard's completion queue, ringing its doorbell. A job's engine memory is held (an `Arc`
+//! its own SPSC queue to that shard, ringing its doorbell. A job's engine memory is held (an `Arc`
 //! of the imported mapping) until its CUDA event completes; its arena slots are held by the
 //! request that submitted it, which waits for the completion before committing, aborting or
 //! releasing them, whatever happens to the client meanwhile.
@@ -446,9 +446,13 @@ impl RequestPhases {
     }
 }
 
-/// One DMA thread (one direction of one device).
+/// One DMA thread (one direction of one device), with a ring to and from each shard: every
+/// ring has one producer and one consumer.
 struct Worker {
+    /// Jobs from each shard.
     queues: Vec<ArrayQueue<GpuJob>>,
+    /// Completions to each shard.
+    done: Vec<ArrayQueue<GpuDone>>,
     thread: OnceLock<std::thread::Thread>,
     /// Set by [`GpuService::expect`]: a job is on its way.
     expected: AtomicBool,
@@ -463,7 +467,6 @@ pub struct GpuService {
     limits: GpuLimits,
     /// Device `d`'s save thread at `2 * d`, its load thread at `2 * d + 1` (see [`worker_of`]).
     workers: Vec<Worker>,
-    completions: Vec<ArrayQueue<GpuDone>>,
     stop: AtomicBool,
     /// A GPU checksum failed its check on a shard: saves' checksums stay on the shards until
     /// the server restarts.
@@ -521,13 +524,14 @@ impl GpuService {
                     .map_err(|e| format!("CUDA context on {} ({}): {e}", d.name, d.uuid))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // A completion ring holds as many as the job ring; a worker keeps what does not fit.
         let worker = || Worker {
             queues: (0..shards).map(|_| ArrayQueue::new(limits.queue_depth)).collect(),
+            done: (0..shards).map(|_| ArrayQueue::new(limits.queue_depth)).collect(),
             thread: OnceLock::new(),
             expected: AtomicBool::new(false),
         };
         let workers: Vec<Worker> = (0..2 * contexts.len()).map(|_| worker()).collect();
-        let threads = workers.len();
         Ok(Arc::new(Self {
             devices,
             contexts,
@@ -535,10 +539,6 @@ impl GpuService {
             registry: Mutex::new(Registry::new(limits.max_registrations)),
             limits,
             workers,
-            // Room for the queued jobs of every thread; a worker keeps what does not fit.
-            completions: (0..shards)
-                .map(|_| ArrayQueue::new(threads * limits.queue_depth))
-                .collect(),
             stop: AtomicBool::new(false),
             checksums_distrusted: AtomicBool::new(false),
             handles: Mutex::new(Vec::new()),
@@ -722,14 +722,14 @@ impl GpuService {
         }
     }
 
-    /// Takes one completion for `shard`.
+    /// Takes one completion for `shard`, from the first DMA thread with one.
     pub fn completion(&self, shard: usize) -> Option<GpuDone> {
-        self.completions[shard].pop()
+        self.workers.iter().find_map(|w| w.done[shard].pop())
     }
 
     /// Whether completions wait for `shard`.
     pub fn has_completions(&self, shard: usize) -> bool {
-        !self.completions[shard].is_empty()
+        self.workers.iter().any(|w| !w.done[shard].is_empty())
     }
 
     fn run_worker(&self, index: usize, direction: Direction, doorbells: &Doorbells) {
@@ -767,7 +767,7 @@ impl GpuService {
                     undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
                 }
             }
-            self.deliver(doorbells, &mut undelivered);
+            self.deliver(index, doorbells, &mut undelivered);
             if self.stop.load(Ordering::SeqCst) && undelivered.is_empty() {
                 return;
             }
@@ -815,7 +815,7 @@ impl GpuService {
             if expected.load(Ordering::Relaxed) && expected.swap(false, Ordering::Acquire) {
                 spin.expected(Instant::now());
             }
-            let mut progressed = self.deliver(doorbells, undelivered);
+            let mut progressed = self.deliver(index, doorbells, undelivered);
             let queues = &self.workers[index].queues;
             let first = next_queue;
             for k in 0..queues.len() {
@@ -978,7 +978,7 @@ impl GpuService {
                 busy_ns.fetch_add(nanos(now.duration_since(t)), Ordering::Relaxed);
                 busy_since = (!inflight.is_empty()).then_some(now);
             }
-            progressed |= self.deliver(doorbells, undelivered);
+            progressed |= self.deliver(index, doorbells, undelivered);
             if progressed {
                 spin.worked(Instant::now());
                 continue;
@@ -1142,13 +1142,19 @@ impl GpuService {
             .as_mut()
     }
 
-    /// Hands completions to their shards' queues, oldest first, ringing each shard; keeps
-    /// those that do not fit. True when any was delivered.
-    fn deliver(&self, doorbells: &Doorbells, undelivered: &mut VecDeque<(usize, GpuDone)>) -> bool {
+    /// Hands DMA thread `index`'s completions to its rings to their shards, oldest first,
+    /// ringing each shard; keeps those that do not fit. True when any was delivered.
+    fn deliver(
+        &self,
+        index: usize,
+        doorbells: &Doorbells,
+        undelivered: &mut VecDeque<(usize, GpuDone)>,
+    ) -> bool {
+        let rings = &self.workers[index].done;
         let mut any = false;
         let mut kept = VecDeque::new();
         while let Some((shard, done)) = undelivered.pop_front() {
-            match self.completions[shard].push(done) {
+            match rings[shard].push(done) {
                 Ok(()) => {
                     any = true;
                     doorbells.ring(shard);
