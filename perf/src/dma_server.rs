@@ -37,7 +37,7 @@ pub(crate) struct ServedResult {
     /// beside `--interference`'s matmul loop.
     pub load_mismatched_bytes: u64,
     /// With `--cancel-check`: whether a save dropped during its copy still completed with the
-    /// right bytes.
+    /// right bytes (None also where the save was answered before the drop: not measured).
     pub cancelled_save_completed: Option<bool>,
     /// With `--cancel-check`: whether an unregister sent while a save of the registration was
     /// copying returned only once that save was done: every chunk of it saved with the bytes
@@ -671,7 +671,7 @@ pub(crate) fn run(
     // The checks below evict and re-register: after every rank's timed loads.
     meet("loaded")?;
     let cancelled_save_completed = if a.cancel_check {
-        Some(cancel_check(&mut client, &reg, &keys, &blocks, per_chunk as usize, e, &layout)?)
+        cancel_check(&mut client, &reg, &keys, &blocks, per_chunk as usize, e, &layout)?
     } else {
         None
     };
@@ -1390,8 +1390,9 @@ fn unregister_check(
     Ok(Some(not_done(&outcomes) == 0 && mismatched == 0))
 }
 
-/// Starts a save of up to 64 chunks, drops it unanswered 2 ms later (during its copy), and
-/// waits (up to 30 s) for the chunks to appear with the right bytes.
+/// Starts a save of up to 256 chunks, drops it unanswered 0.5 ms later (during its copy), and
+/// waits (up to 30 s) for the chunks to appear with the right bytes; None where the save was
+/// answered before the drop (nothing shown either way).
 fn cancel_check(
     client: &mut Client,
     reg: &orbitkv_client::GpuRegistration,
@@ -1400,15 +1401,20 @@ fn cancel_check(
     per_chunk: usize,
     e: &Engine<'_>,
     layout: &LayoutDesc,
-) -> Result<bool, Error> {
-    let n = keys.len().min(64);
+) -> Result<Option<bool>, Error> {
+    // As many chunks as the unregister check: 2.4 ms or more of copies.
+    let n = keys.len().min(256);
     client.evict(&keys[..n]).map_err(client_err("evict"))?;
     let t = client
         .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
         .map_err(client_err("start_save"))?;
     // Let the server take the request (microseconds), so that the drop lands during the
     // copy (a dropped request runs to the end either way; the session collects its answer).
-    std::thread::sleep(Duration::from_millis(2));
+    std::thread::sleep(Duration::from_micros(500));
+    if client.poll_transfer(&t).map_err(client_err("save before the drop"))?.is_some() {
+        eprintln!("cancel check not made: the save was answered before the drop");
+        return Ok(None);
+    }
     drop(t);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut want = Vec::new();
@@ -1424,7 +1430,7 @@ fn cancel_check(
         }
         client.release(&leases).map_err(client_err("release"))?;
         if complete || Instant::now() >= deadline {
-            return Ok(right);
+            return Ok(Some(right));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
