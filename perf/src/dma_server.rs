@@ -1350,6 +1350,26 @@ fn stale_check(
     Ok(gone && newer && stale)
 }
 
+/// Evicts the first (up to) 256 chunks and starts their save: 128 MiB or more in the runs of
+/// device-gpu-server.sh, 2.4 ms or more of copies. Returns it and its chunk count 0.5 ms later
+/// (long enough for the server to take it, inside its copy), or None where it was answered by
+/// then (whatever the caller meant to do during the copy would come after it).
+fn save_copying(
+    client: &mut Client,
+    reg: &orbitkv_client::GpuRegistration,
+    (keys, blocks): (&[ChunkKey], &[u64]),
+    per_chunk: usize,
+) -> Result<Option<(orbitkv_client::Transfer, usize)>, Error> {
+    let n = keys.len().min(256);
+    client.evict(&keys[..n]).map_err(client_err("evict"))?;
+    let t = client
+        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
+        .map_err(client_err("start_save"))?;
+    std::thread::sleep(Duration::from_micros(500));
+    let answered = client.poll_transfer(&t).map_err(client_err("save"))?.is_some();
+    Ok((!answered).then_some((t, n)))
+}
+
 /// Starts a save of up to 256 chunks and, while it copies, unregisters `reg`; once the
 /// unregister returns, the engine's memory is its own again: the check overwrites every
 /// tensor at once, then waits for the save. True if every chunk of it was saved with the bytes
@@ -1363,20 +1383,11 @@ fn unregister_check(
     per_chunk: usize,
     e: &Engine<'_>,
 ) -> Result<Option<bool>, Error> {
-    // 256 chunks: 128 MiB or more in the runs of device-gpu-server.sh, 2.4 ms or more of copies.
-    let n = keys.len().min(256);
-    client.evict(&keys[..n]).map_err(client_err("evict"))?;
-    let t = client
-        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
-        .map_err(client_err("start_save"))?;
-    // Long enough for the server to take the save (microseconds), inside its copy.
-    std::thread::sleep(Duration::from_micros(500));
-    // Answered already: the unregister would not come during the save; the check says nothing.
-    if client.poll_transfer(&t).map_err(client_err("save before unregister"))?.is_some() {
+    let Some((t, n)) = save_copying(client, reg, (keys, blocks), per_chunk)? else {
         eprintln!("unregister check not made: the save was answered before the unregister");
         client.unregister_gpu(reg).map_err(client_err("unregister_gpu"))?;
         return Ok(None);
-    }
+    };
     client.unregister_gpu(reg).map_err(client_err("unregister_gpu during a save"))?;
     let junk = vec![0x3cu8; e.originals[0].len()];
     for i in 0..e.originals.len() {
@@ -1402,19 +1413,11 @@ fn cancel_check(
     e: &Engine<'_>,
     layout: &LayoutDesc,
 ) -> Result<Option<bool>, Error> {
-    // As many chunks as the unregister check: 2.4 ms or more of copies.
-    let n = keys.len().min(256);
-    client.evict(&keys[..n]).map_err(client_err("evict"))?;
-    let t = client
-        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
-        .map_err(client_err("start_save"))?;
-    // Let the server take the request (microseconds), so that the drop lands during the
-    // copy (a dropped request runs to the end either way; the session collects its answer).
-    std::thread::sleep(Duration::from_micros(500));
-    if client.poll_transfer(&t).map_err(client_err("save before the drop"))?.is_some() {
+    let Some((t, n)) = save_copying(client, reg, (keys, blocks), per_chunk)? else {
         eprintln!("cancel check not made: the save was answered before the drop");
         return Ok(None);
-    }
+    };
+    // A dropped request runs to the end either way; the session collects its answer.
     drop(t);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut want = Vec::new();
