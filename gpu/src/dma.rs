@@ -34,7 +34,8 @@ pub enum Strategy {
     Staged,
     /// `cuMemcpyBatchAsync` per piece (copy engines only).
     Batched,
-    /// Staged for small pieces, batched for large ones.
+    /// Staged for small pieces, batched for large ones; a save whose gather sums its rows
+    /// (the fused checksums) staged whatever its pieces' length.
     Auto,
     /// The segment kernel alone, straight between engine pages and the arena through its
     /// device mapping: no staging, no copy engine; SMs move the bytes over the bus. An

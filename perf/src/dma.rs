@@ -732,7 +732,7 @@ impl Bench {
     ) -> Result<(CudaEvent, JobShape), Error> {
         let job =
             self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
-        if !self.pieces_only && self.engine.blocks_for(strategy, &job) {
+        if !self.pieces_only && self.engine.blocks_for(strategy, &job, false) {
             return unsafe_submit_blocks(&mut self.engine, direction, &job);
         }
         let r = self.piece_range(chunks);
@@ -929,8 +929,8 @@ impl Bench {
             let strategy = strategy.unwrap_or(Strategy::Batched);
             let blocks = checked
                 && !self.pieces_only
-                && other.blocks_for(strategy, &save_job)
-                && self.engine.blocks_for(strategy, &load_job);
+                && other.blocks_for(strategy, &save_job, false)
+                && self.engine.blocks_for(strategy, &load_job, false);
             let (mut both, mut saves, mut loads) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..=self.iterations {
                 // Each way from its own thread, as the server's two DMA threads: submitting a
@@ -1089,8 +1089,9 @@ impl Bench {
         }
         let first = self.job_chunks()[0].clone();
         let job = self.memory.block_job(self.host_base, &self.chunks[first]).map_err(dma)?;
-        let blocks = !self.pieces_only && self.engine.blocks_for(Strategy::Auto, &job);
-        if !blocks || !hasher.summed_applies(&job) {
+        let summed = hasher.summed_applies(&job);
+        let blocks = !self.pieces_only && self.engine.blocks_for(Strategy::Auto, &job, summed);
+        if !blocks || !summed {
             self.checksum_form = ChecksumForm::Gpu;
         }
         Ok(())
@@ -1265,10 +1266,11 @@ impl Bench {
                 fold_seen(hasher, &mut unfolded, &mut tickets, SUMMED_UNFINISHED - 1)?;
                 let job =
                     self.memory.block_job(self.host_base, &self.chunks[r.clone()]).map_err(dma)?;
-                if !self.engine.blocks_for(Strategy::Auto, &job) {
+                let summed = hasher.summed_applies(&job);
+                if !self.engine.blocks_for(Strategy::Auto, &job, summed) {
                     return Err(Error::Gpu(
-                        "the fused form needs staged block-form saves (blocks under 1 MiB that \
-                         fit a staging half)"
+                        "the fused form needs staged block-form saves (blocks that fit a staging \
+                         half)"
                             .into(),
                     ));
                 }

@@ -128,7 +128,8 @@ pub struct ServerConfig {
     /// instead of the GPU: host cores taking SM time off the engine. Default: 0.
     pub gpu_shard_checksums: u32,
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
-    /// for pages under 1 MiB, copy engines alone above), `staged` or `batched` (copy engines
+    /// for pages under 1 MiB, copy engines alone above, except saves whose gather sums their
+    /// checksums, `--gpu-checksums fused`, which go staged whatever their pages), `staged` or `batched` (copy engines
     /// only: no SM time, so no time-slicing against an engine computing in another process,
     /// at a lower rate for small pages), or `direct` (an experiment that lost on a PCIe host:
     /// the kernel alone copies through the arena's device mapping, SMs busy for the whole

@@ -1221,7 +1221,12 @@ impl GpuService {
         // Block form where it applies (staged copies of blocks that fit a staging half): the
         // kernel finds each block's parts from its id, and no piece is planned per page.
         let block_job = job.memory.block_job(base, &job.chunks).map_err(|e| e.to_string())?;
-        if engine.blocks_for(self.limits.copy, &block_job) {
+        // `--gpu-checksums fused`: the save's gather sums the rows, the fold follows it; such a
+        // save goes staged under `--gpu-copy auto` whatever its pieces' length.
+        let fused = direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused;
+        let mut hasher = if fused { self.hasher(hashers, job.device) } else { None };
+        let summed_save = hasher.as_ref().is_some_and(|h| h.summed_applies(&block_job));
+        if engine.blocks_for(self.limits.copy, &block_job, summed_save) {
             let block_bytes = block_job.block_bytes();
             if let Some((_, ids)) =
                 job.chunks.iter().find(|(_, ids)| ids.len() as u64 * block_bytes != job.chunk_len)
@@ -1233,10 +1238,6 @@ impl GpuService {
                 ));
             }
             *took = t.elapsed();
-            // `--gpu-checksums fused`: the save's gather sums the rows, the fold follows it.
-            let fused =
-                direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused;
-            let mut hasher = if fused { self.hasher(hashers, job.device) } else { None };
             let summed = match hasher.as_mut().map(|h| h.begin_summed(&block_job, job.chunk_len)) {
                 Some(Ok(s)) => s,
                 Some(Err(e)) => {

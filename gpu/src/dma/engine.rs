@@ -154,14 +154,16 @@ pub struct CopyEngine {
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
-/// block kernels loaded, `batched_from` the engine's threshold and `staging_part` the bytes of
-/// one part of its staging.
+/// block kernels loaded, `batched_from` the engine's threshold, `staging_part` the bytes of
+/// one part of its staging and `summed_save` whether the job is a save whose gather would sum
+/// its rows (the fused checksums).
 fn block_form(
     strategy: Strategy,
     (segment_kernel, block_kernel): (bool, bool),
     batched_from: u64,
     staging_part: u64,
     job: &BlockJob<'_>,
+    summed_save: bool,
 ) -> bool {
     // What `staged_for` would see as the job's typical piece: a part, or a whole block where
     // its parts lie one after another.
@@ -169,7 +171,11 @@ fn block_form(
     let staged = match strategy {
         Strategy::Staged => true,
         Strategy::Batched | Strategy::Direct => false,
-        Strategy::Auto => segment_kernel && run < batched_from,
+        // A save summing its rows uses SMs whatever copies it: batched, its rows would be
+        // summed by a kernel of their own after the copy engines; staged, its gather sums
+        // them in the one pass that reads the pages (docs/performance.md: cross-layer saves
+        // beside a matmul).
+        Strategy::Auto => segment_kernel && (run < batched_from || summed_save),
     };
     let units = (staging_part / job.part_len.max(1)) * job.part_len.div_ceil(BLOCK_UNIT);
     staged
@@ -473,10 +479,13 @@ impl CopyEngine {
     /// staged (as [`CopyEngine::staged_for`] would decide for its pieces: a block that is one
     /// contiguous run counts as one piece), the block kernel loaded, a block fitting a staging
     /// part and a part's units counted in 32 bits. Otherwise its pieces go through
-    /// [`CopyEngine::submit`].
-    pub fn blocks_for(&self, strategy: Strategy, job: &BlockJob<'_>) -> bool {
+    /// [`CopyEngine::submit`]. `summed_save`: the job is a save whose gather would sum its
+    /// rows ([`ChunkHasher::summed_applies`](crate::dma::ChunkHasher::summed_applies)); under
+    /// [`Strategy::Auto`] it goes staged whatever its pieces' length.
+    pub fn blocks_for(&self, strategy: Strategy, job: &BlockJob<'_>, summed_save: bool) -> bool {
         let kernels = (self.kernel.is_some(), self.block_kernel.is_some());
-        block_form(strategy, kernels, self.batched_from, self.staging_part() as u64, job)
+        let part = self.staging_part() as u64;
+        block_form(strategy, kernels, self.batched_from, part, job, summed_save)
     }
 
     /// Enqueues the staged copy of a job in block form (see [`CopyEngine::blocks_for`], which
@@ -1037,26 +1046,32 @@ mod tests {
             chunks: &chunks,
         };
         let both = (true, true);
-        assert!(block_form(Strategy::Auto, both, MIB, 32 * MIB, &sglang));
-        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &sglang));
-        assert!(!block_form(Strategy::Batched, both, MIB, 32 * MIB, &sglang));
-        assert!(!block_form(Strategy::Direct, both, MIB, 32 * MIB, &sglang));
+        assert!(block_form(Strategy::Auto, both, MIB, 32 * MIB, &sglang, false));
+        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &sglang, false));
+        assert!(!block_form(Strategy::Batched, both, MIB, 32 * MIB, &sglang, false));
+        assert!(!block_form(Strategy::Direct, both, MIB, 32 * MIB, &sglang, false));
         // Without the block kernel, pieces; without the segment kernel, auto copies batched.
-        assert!(!block_form(Strategy::Auto, (true, false), MIB, 32 * MIB, &sglang));
-        assert!(!block_form(Strategy::Auto, (false, true), MIB, 32 * MIB, &sglang));
-        assert!(block_form(Strategy::Staged, (false, true), MIB, 32 * MIB, &sglang));
+        assert!(!block_form(Strategy::Auto, (true, false), MIB, 32 * MIB, &sglang, false));
+        assert!(!block_form(Strategy::Auto, (false, true), MIB, 32 * MIB, &sglang, false));
+        assert!(block_form(Strategy::Staged, (false, true), MIB, 32 * MIB, &sglang, false));
         // Cross-layer: 64 parts of 32 KiB one after another, a 2 MiB run per block, which the
         // copy engines move alone under auto; staged when asked.
         let cross: Vec<u64> = (0..64).map(|p| p * (32 << 10)).collect();
         let packed = BlockJob { bases: &cross, part_len: 32 << 10, stride: 2 * MIB, ..sglang };
         assert!(packed.blocks_contiguous());
-        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &packed));
-        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &packed));
+        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &packed, false));
+        assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &packed, false));
+        // A save whose gather sums its rows: staged under auto too, but not without the
+        // segment kernel, nor past a staging part, nor under batched.
+        assert!(block_form(Strategy::Auto, both, MIB, 32 * MIB, &packed, true));
+        assert!(!block_form(Strategy::Auto, (false, true), MIB, 32 * MIB, &packed, true));
+        assert!(!block_form(Strategy::Auto, both, MIB, MIB, &packed, true));
+        assert!(!block_form(Strategy::Batched, both, MIB, 32 * MIB, &packed, true));
         // A block larger than a staging part goes as pieces.
-        assert!(!block_form(Strategy::Staged, both, MIB, MIB, &packed));
+        assert!(!block_form(Strategy::Staged, both, MIB, MIB, &packed, false));
         // Parts of 1 MiB or more: batched under auto.
         let long = BlockJob { part_len: MIB, stride: MIB, ..sglang };
-        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &long));
+        assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &long, false));
     }
 
     #[test]
