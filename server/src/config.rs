@@ -129,9 +129,9 @@ pub struct ServerConfig {
     pub gpu_shard_checksums: u32,
     /// How GPU saves and loads cross the bus: `auto` (staged through the gather/scatter kernel
     /// for pages under 1 MiB, copy engines alone above, except saves whose gather sums their
-    /// checksums, `--gpu-checksums fused`, which go staged whatever their pages), `staged` or `batched` (copy engines
-    /// only: no SM time, so no time-slicing against an engine computing in another process,
-    /// at a lower rate for small pages), or `direct` (an experiment that lost on a PCIe host:
+    /// checksums, `--gpu-checksums fused`, which go staged whatever their pages), `staged` or
+    /// `batched` (copy engines only: no SM time, so no time-slicing against an engine
+    /// computing in another process, at a lower rate for small pages), or `direct` (an experiment that lost on a PCIe host:
     /// the kernel alone copies through the arena's device mapping, SMs busy for the whole
     /// copy). Default: `auto`.
     pub gpu_copy: String,
