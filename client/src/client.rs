@@ -8,6 +8,7 @@ use orbitkv_proto::{
     Reservation, Response, SlotRef,
 };
 
+use crate::backoff::Reconnect;
 use crate::connection::Connection;
 use crate::Error;
 
@@ -23,6 +24,12 @@ pub struct ClientOptions {
     /// Build the page tables of the whole arena mapping at connect (no first-touch faults on
     /// the data path, at the cost of a slower connect on very large arenas). Default: true.
     pub prefault_arena: bool,
+    /// Wait after a failed connect before the next attempt; it doubles with each failure in a
+    /// row up to [`ClientOptions::reconnect_backoff_max`]. Calls in between fail at once with
+    /// [`Error::Unavailable`]. Default: 50 ms.
+    pub reconnect_backoff: Duration,
+    /// Longest wait between connect attempts. Default: 2 s.
+    pub reconnect_backoff_max: Duration,
 }
 
 impl Default for ClientOptions {
@@ -32,6 +39,8 @@ impl Default for ClientOptions {
             name: "orbitkv-client".into(),
             request_timeout: Duration::from_secs(10),
             prefault_arena: true,
+            reconnect_backoff: Duration::from_millis(50),
+            reconnect_backoff_max: Duration::from_secs(2),
         }
     }
 }
@@ -97,6 +106,7 @@ pub struct Client {
     /// were made in, so nothing from an earlier session is used against a new one.
     pub(crate) epoch: u64,
     namespaces: Vec<NamespaceDescriptor>,
+    reconnect: Reconnect,
 }
 
 pub(crate) fn unexpected(op: &str, r: Response) -> Error {
@@ -109,9 +119,31 @@ pub(crate) fn unexpected(op: &str, r: Response) -> Error {
 impl Client {
     /// Connects now; fails if the server is not reachable or refuses.
     pub fn connect(opts: ClientOptions) -> Result<Self, Error> {
-        let mut c = Self { opts, conn: None, epoch: 0, namespaces: Vec::new() };
+        let mut c = Self::new(opts);
         c.ensure_connected()?;
         Ok(c)
+    }
+
+    /// A client that connects on its first call (and reconnects after, with backoff): for an
+    /// engine that must start whether or not the server is up. Never fails.
+    pub fn new(opts: ClientOptions) -> Self {
+        Self { opts, conn: None, epoch: 0, namespaces: Vec::new(), reconnect: Reconnect::default() }
+    }
+
+    /// Whether a session is open now (no call is made; a server gone since the last answer
+    /// shows at the next call).
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    /// Connect attempts made so far, successful or not.
+    pub fn connect_attempts(&self) -> u64 {
+        self.reconnect.attempts
+    }
+
+    /// The options this client was made with.
+    pub fn options(&self) -> &ClientOptions {
+        &self.opts
     }
 
     /// The current session id (None between a disconnect and the next call).
@@ -131,18 +163,35 @@ impl Client {
     pub(crate) fn ensure_connected(&mut self) -> Result<&mut Connection, Error> {
         self.notice_ended();
         if self.conn.is_none() {
-            let mut conn = Connection::open(&self.opts)?;
-            for d in &self.namespaces {
-                let req = Request::RegisterNamespace { descriptor: d.clone() };
-                match conn.call(&req, self.opts.request_timeout)? {
-                    Response::Registered { .. } => {}
-                    other => return Err(unexpected("register", other)),
-                }
+            self.reconnect.check(&self.opts.socket)?;
+            let opened = self.open_session();
+            let (initial, max) = (self.opts.reconnect_backoff, self.opts.reconnect_backoff_max);
+            self.reconnect.record(opened.as_ref().map(|_| ()), initial, max);
+            if self.reconnect.failures() == 0 && self.epoch > 0 {
+                tracing::info!("reconnected to orbitkv-server");
             }
-            self.conn = Some(conn);
+            self.conn = Some(opened?);
             self.epoch += 1;
         }
         Ok(self.conn.as_mut().expect("connected just above"))
+    }
+
+    /// A new session with this client's namespaces registered again.
+    fn open_session(&self) -> Result<Connection, Error> {
+        let mut conn = Connection::open(&self.opts)?;
+        for d in &self.namespaces {
+            let req = Request::RegisterNamespace { descriptor: d.clone() };
+            match conn.call(&req, self.opts.request_timeout)? {
+                Response::Registered { .. } => {}
+                // A server that refuses a namespace (its limits changed with a restart) does
+                // not keep the session from opening: that namespace's calls get the refusal.
+                Response::Error { code, message } => {
+                    tracing::warn!(model = %d.model, %code, %message, "namespace refused on reconnect")
+                }
+                other => return Err(unexpected("register", other)),
+            }
+        }
+        Ok(conn)
     }
 
     pub(crate) fn call(&mut self, req: &Request) -> Result<Response, Error> {
@@ -204,14 +253,24 @@ impl Client {
         }
     }
 
-    /// Registers a namespace (idempotent for identical descriptors).
+    /// Registers a namespace (idempotent for identical descriptors). A valid descriptor is
+    /// remembered even when the server cannot be reached (the call then fails
+    /// [`Error::is_unavailable`]): every session this client opens registers it, so an engine
+    /// that started before its server can go on with the id ([`NamespaceDescriptor::id`]).
     pub fn register_namespace(&mut self, d: &NamespaceDescriptor) -> Result<NamespaceInfo, Error> {
         d.validate().map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        match self.call(&Request::RegisterNamespace { descriptor: d.clone() })? {
+        let answer = self.call(&Request::RegisterNamespace { descriptor: d.clone() });
+        if !self.namespaces.contains(d)
+            && matches!(
+                &answer,
+                Ok(Response::Registered { .. })
+                    | Err(Error::Connect { .. } | Error::Unavailable { .. })
+            )
+        {
+            self.namespaces.push(d.clone());
+        }
+        match answer? {
             Response::Registered { namespace, max_chunk_bytes } => {
-                if !self.namespaces.contains(d) {
-                    self.namespaces.push(d.clone());
-                }
                 Ok(NamespaceInfo { id: namespace, max_chunk_bytes })
             }
             other => Err(unexpected("register", other)),

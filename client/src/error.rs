@@ -14,6 +14,19 @@ pub enum Error {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A connect attempt failed a moment ago and the next one is not due yet: the call failed
+    /// at once, without trying (see [`crate::ClientOptions::reconnect_backoff`]).
+    #[error(
+        "orbitkv-server at {socket} unavailable (next connect attempt in {retry_in:?}): {cause}"
+    )]
+    Unavailable {
+        /// The socket path.
+        socket: PathBuf,
+        /// When the next attempt is due.
+        retry_in: Duration,
+        /// Why the last attempt failed.
+        cause: String,
+    },
     /// The server refused to open a session.
     #[error("orbitkv-server refused the session ({code}): {message}")]
     Refused {
@@ -82,6 +95,7 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Connect { .. } => "connect",
+            Error::Unavailable { .. } => "unavailable",
             Error::Refused { code, .. } | Error::Server { code, .. } => code.as_str(),
             Error::Disconnected(_) => "disconnected",
             Error::Timeout { .. } => "timeout",
@@ -91,6 +105,12 @@ impl Error {
             Error::BufferTooSmall { .. } => "buffer_too_small",
             Error::InvalidArgument(_) => "invalid_argument",
         }
+    }
+
+    /// Whether the server could not be reached (no session): a connect that failed, or a call
+    /// refused at once while reconnects back off. Engines take it as "no cache right now".
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Error::Connect { .. } | Error::Unavailable { .. })
     }
 
     /// The wire code, when the server produced this error.

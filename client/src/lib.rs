@@ -7,10 +7,13 @@
 //!
 //! One `Client` is one session and is used from one thread at a time. If the server restarts,
 //! the call that notices fails with [`Error::Disconnected`] and the next call reconnects
-//! (re-registering the namespaces this client registered).
+//! (re-registering the namespaces this client registered). A connect that fails makes the
+//! calls after it fail at once with [`Error::Unavailable`] until the next attempt is due; the
+//! wait between attempts doubles up to a cap (`ClientOptions::reconnect_backoff*`).
 
 #![deny(unsafe_code)]
 
+mod backoff;
 mod client;
 mod connection;
 mod error;

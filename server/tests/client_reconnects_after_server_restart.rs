@@ -140,3 +140,71 @@ fn holdings_of_a_session_that_ended_unnoticed_are_stale() {
     c.ping().unwrap();
     assert_eq!(server.shard_sum("reservations") + server.shard_sum("leases"), 0);
 }
+
+/// A loop of calls against a dead server does not hammer its socket: after a failed connect
+/// the calls fail at once as unavailable, and attempts are spaced out (capped exponential),
+/// until the server is back, when a call reconnects.
+#[test]
+fn calls_against_a_dead_server_back_off_then_reconnect() {
+    let args = ["--shards", "1", "--dram", "8MiB"];
+    let mut server = TestServer::start(&args);
+    let mut c = orbitkv_client::Client::connect(orbitkv_client::ClientOptions {
+        reconnect_backoff: Duration::from_millis(20),
+        reconnect_backoff_max: Duration::from_millis(200),
+        ..orbitkv_client::ClientOptions::with_socket(&server.socket)
+    })
+    .unwrap();
+    c.ping().unwrap();
+    let before = c.connect_attempts();
+    server.signal(Signal::SIGKILL);
+    server.wait_exit(Duration::from_secs(10));
+    let (mut calls, mut unavailable) = (0u64, 0u64);
+    let until = std::time::Instant::now() + Duration::from_millis(600);
+    while std::time::Instant::now() < until {
+        let err = c.ping().unwrap_err();
+        calls += 1;
+        if matches!(err, Error::Unavailable { .. }) {
+            assert!(err.is_unavailable() && err.to_string().contains("next connect attempt"));
+            unavailable += 1;
+        }
+    }
+    let attempts = c.connect_attempts() - before;
+    // 20, 40, 80, 160, 200, 200 ms...: in 600 ms about 6 attempts; a loop without backoff
+    // makes one per call (tens of thousands).
+    assert!(attempts <= 12, "{attempts} connect attempts in {calls} calls");
+    assert!(unavailable + attempts + 2 >= calls, "{unavailable} fast failures of {calls}");
+    assert!(calls > 100 && !c.is_connected());
+    server.spawn(&args);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.ping().is_err() {
+        assert!(std::time::Instant::now() < deadline, "no reconnect within the backoff cap");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(c.is_connected());
+    assert_eq!(server.admin("stats")["sessions"], 1);
+}
+
+/// A client made before its server starts connects on its first call once the server is up,
+/// and registers the namespace it was given while the server was away.
+#[test]
+fn a_client_made_before_its_server_connects_later() {
+    let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
+    let socket = dir.path().join("late.sock");
+    let mut c = orbitkv_client::Client::new(orbitkv_client::ClientOptions {
+        reconnect_backoff: Duration::from_millis(10),
+        ..orbitkv_client::ClientOptions::with_socket(&socket)
+    });
+    let d = namespace(16);
+    let err = c.register_namespace(&d).unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    let server = TestServer::start_at(dir, "late.sock", &["--shards", "1", "--dram", "8MiB"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.ping().is_err() {
+        assert!(std::time::Instant::now() < deadline, "never connected");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The namespace registered on connect: a put under its id needs no register call.
+    let keys = chain(d.id(), 2, 1);
+    assert_eq!(c.put(&[(keys[0], &value_for(&keys[0], 4096))]).unwrap(), vec![PutOutcome::Stored]);
+    server.signal(Signal::SIGTERM);
+}

@@ -20,7 +20,13 @@ impl TestServer {
     /// Starts the server with `args` (plus `--socket`) and waits until it serves.
     pub fn start(args: &[&str]) -> TestServer {
         let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
-        let socket = dir.path().join("s.sock");
+        Self::start_at(dir, "s.sock", args)
+    }
+
+    /// As [`TestServer::start`], in a given directory with the socket `name` (which a client
+    /// made before the server may already hold).
+    pub fn start_at(dir: tempfile::TempDir, name: &str, args: &[&str]) -> TestServer {
+        let socket = dir.path().join(name);
         let mut s = TestServer { child: None, dir, socket };
         s.spawn(args);
         s
