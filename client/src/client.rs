@@ -582,8 +582,19 @@ impl Client {
     pub fn put(&mut self, items: &[(ChunkKey, &[u8])]) -> Result<Vec<PutOutcome>, Error> {
         let keys: Vec<ChunkKey> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
-        let reserved = self.reserve(&keys, &lens)?;
-        let mut out = Vec::with_capacity(items.len());
+        self.put_with(&keys, &lens, |i, slot| crate::mapping::copy_chunk(slot, items[i].1))
+    }
+
+    /// Stores chunks whose bytes `fill(i, slot)` writes into chunk `i`'s reserved slot (of
+    /// `lens[i]` bytes): reserve, fill each, commit.
+    pub(crate) fn put_with(
+        &mut self,
+        keys: &[ChunkKey],
+        lens: &[u64],
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> Result<Vec<PutOutcome>, Error> {
+        let reserved = self.reserve(keys, lens)?;
+        let mut out = Vec::with_capacity(keys.len());
         let mut to_commit = Vec::new();
         let mut positions = Vec::new();
         let mut failure = None;
@@ -592,7 +603,7 @@ impl Client {
                 Ok(slot) => {
                     if failure.is_none() {
                         match self.slot_mut(&slot) {
-                            Ok(bytes) => crate::mapping::copy_chunk(bytes, items[i].1),
+                            Ok(bytes) => fill(i, bytes),
                             Err(e) => failure = Some(e),
                         }
                     }

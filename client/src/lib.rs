@@ -19,12 +19,14 @@ mod connection;
 mod error;
 mod gpu;
 mod group;
+mod host;
 mod mapping;
 
 pub use client::{Client, ClientOptions, Lease, NamespaceInfo, PutOutcome, Reserved};
 pub use error::Error;
 pub use gpu::{GpuRegistration, Transfer};
 pub use group::GroupPrefix;
+pub use host::BlockLayout;
 pub use mapping::copy_chunk;
 pub use orbitkv_proto::{
     prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, GpuTensor, Hit, KvLayoutKind,
