@@ -29,6 +29,7 @@ pub use group::GroupPrefix;
 pub use host::BlockLayout;
 pub use mapping::copy_chunk;
 pub use orbitkv_proto::{
-    prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype, ErrorCode, GpuTensor, Hit, KvLayoutKind,
-    KvLayoutSpec, NamespaceDescriptor, PrefixHasher, Request, Response, Tier,
+    chunk_checksum, engine_digest, prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype,
+    ErrorCode, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, NamespaceDescriptor, PrefixHasher,
+    Request, Response, Tier, PREFIX_SEED,
 };

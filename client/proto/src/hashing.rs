@@ -55,6 +55,21 @@ pub fn prefix_digests(tokens: &[u32], tokens_per_chunk: usize, extra: &[u8]) -> 
     tokens.chunks_exact(tokens_per_chunk).map(|c| hasher.next_chunk(c, extra)).collect()
 }
 
+/// Domain tag of [`engine_digest`].
+const ENGINE_HASH_DOMAIN: &[u8] = b"orbitkv.engine-hash.v1";
+
+/// The digest of a chunk that an engine names by its own block hash (vLLM's
+/// `request.block_hashes`, SGLang's page hashes): BLAKE3 of a domain tag, the hash's length
+/// (u32 little endian) and its bytes. Engine hashes chain already; this maps them into
+/// OrbitKV's 32-byte digests, the same in every process and host.
+pub fn engine_digest(hash: &[u8]) -> Digest {
+    let mut h = blake3::Hasher::new();
+    h.update(ENGINE_HASH_DOMAIN);
+    h.update(&(hash.len() as u32).to_le_bytes());
+    h.update(hash);
+    *h.finalize().as_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +109,38 @@ mod tests {
         assert_eq!(hex(&d[1]), GOLDEN_1);
         let e = prefix_digests(&[1, 2, 3, 4], 4, b"lora:7");
         assert_eq!(hex(&e[0]), GOLDEN_EXTRA);
+    }
+
+    /// The vectors in `golden/hashing.json`, which the Python package's tests check too.
+    #[test]
+    fn shared_golden_vectors() {
+        let v: serde_json::Value =
+            serde_json::from_str(include_str!("../golden/hashing.json")).expect("valid json");
+        let unhex = |s: &serde_json::Value| -> Vec<u8> {
+            let s = s.as_str().expect("hex string");
+            (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        };
+        for case in v["prefix"].as_array().expect("prefix cases") {
+            let tokens: Vec<u32> = case["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            let per = case["tokens_per_chunk"].as_u64().unwrap() as usize;
+            let got: Vec<String> =
+                prefix_digests(&tokens, per, &unhex(&case["extra"])).iter().map(hex).collect();
+            let want: Vec<String> = case["digests"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_str().unwrap().to_owned())
+                .collect();
+            assert_eq!(got, want, "{case}");
+        }
+        for case in v["engine"].as_array().expect("engine cases") {
+            assert_eq!(hex(&engine_digest(&unhex(&case["hash"]))), case["digest"], "{case}");
+        }
     }
 
     const GOLDEN_0: &str = "eff812c3db193ea0ace6ed249a59c7ea92ad1b9ee1033347ff03e982c5f130c4";

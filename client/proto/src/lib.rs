@@ -20,7 +20,7 @@ mod units;
 pub use checksum::{chunk_checksum, ChunkChecksum};
 pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeError, MAX_FRAME};
 pub use error::ErrorCode;
-pub use hashing::{prefix_digests, PrefixHasher, PREFIX_SEED};
+pub use hashing::{engine_digest, prefix_digests, PrefixHasher, PREFIX_SEED};
 pub use key::{ChunkKey, Digest};
 pub use messages::{
     Bootstrap, ChunkOutcome, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, Request, Reservation,

@@ -1,0 +1,66 @@
+"""OrbitKV: an external KV cache for LLM inference engines.
+
+`Client` is one session with the host's `orbitkv-server` (the Manager), mirroring the Rust
+client: namespaces, lookups with and without leases, put/get through the buffer protocol
+(no copies on our side beyond the one into or out of the shared arena), engine blocks saved
+and loaded in place, tensor-parallel group lookups, and GPU registration with save/load by
+the server's DMA threads. Engine integrations: `orbitkv.vllm` (vLLM KV connector).
+
+Every blocking call releases the GIL. Errors are `OrbitKVError` subclasses carrying `kind`
+and, for the server's refusals, `code`.
+"""
+
+from __future__ import annotations
+
+from ._native import (
+    PREFIX_SEED,
+    ChunkKey,
+    Disconnected,
+    GpuRegistration,
+    Hit,
+    InvalidArgument,
+    Lease,
+    NamespaceDescriptor,
+    OrbitKVError,
+    ProtocolError,
+    Reserved,
+    ServerError,
+    Stale,
+    Timeout,
+    Transfer,
+    Unavailable,
+    chunk_checksum,
+    chunk_digest,
+    prefix_digests,
+)
+from .client import Client, GroupPrefix, KvLayout, Namespace, Region, default_socket_path
+
+__all__ = [
+    "PREFIX_SEED",
+    "ChunkKey",
+    "Client",
+    "Disconnected",
+    "GpuRegistration",
+    "GroupPrefix",
+    "Hit",
+    "InvalidArgument",
+    "KvLayout",
+    "Lease",
+    "Namespace",
+    "NamespaceDescriptor",
+    "OrbitKVError",
+    "ProtocolError",
+    "Region",
+    "Reserved",
+    "ServerError",
+    "Stale",
+    "Timeout",
+    "Transfer",
+    "Unavailable",
+    "chunk_checksum",
+    "chunk_digest",
+    "default_socket_path",
+    "prefix_digests",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,318 @@
+"""`Client`: the Python face of `orbitkv-client` (see the package docs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._buffers import resolve
+from ._native import (
+    ChunkKey,
+    GpuRegistration,
+    Hit,
+    InvalidArgument,
+    Lease,
+    NamespaceDescriptor,
+    Reserved,
+    Transfer,
+)
+
+
+def default_socket_path() -> str:
+    """The socket used when none is given: `$ORBITKV_SOCKET`, else the server's default."""
+    return os.fspath(_native.default_socket_path())
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """A registered namespace: `id` is the namespace of every key in it."""
+
+    id: int
+    max_chunk_bytes: int
+    descriptor: NamespaceDescriptor
+
+    def key(self, digest: bytes) -> ChunkKey:
+        return ChunkKey(self.id, digest)
+
+    def keys(self, digests: Iterable[bytes]) -> List[ChunkKey]:
+        return [ChunkKey(self.id, d) for d in digests]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPrefix:
+    """What a tensor-parallel group has of a prompt: `chunks` present for every rank."""
+
+    chunks: int
+    per_rank: List[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Engine memory in blocks: block `b` is `buffer[b * block_stride:][:block_bytes]`.
+
+    A chunk of n blocks is, region by region, its blocks' bytes in order.
+    """
+
+    buffer: Any
+    block_bytes: int
+    block_stride: int = 0  # 0: block_bytes (back to back)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvLayout:
+    """The shape of an engine rank's KV cache on one GPU (see docs/operations.md).
+
+    kind: flash_nhd, flash_hnd, cross_layer, mla or sglang.
+    """
+
+    kind: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    elem_bytes: int
+
+    def _native(self) -> tuple:
+        return (self.kind, self.num_layers, self.num_blocks, self.block_size, self.kv_heads,
+                self.head_dim, self.elem_bytes)
+
+
+PutItems = Iterable[Tuple[ChunkKey, Any]]
+
+
+class Client:
+    """One session with the local `orbitkv-server`.
+
+    `connect=False` makes a client that connects on its first call, for an engine that must
+    start whether or not the server is up. After a failed connect, calls fail at once with
+    `Unavailable` until the next attempt is due (the wait doubles from `reconnect_backoff`
+    up to `reconnect_backoff_max` seconds). A server restart shows as one `Disconnected` (or
+    `Unavailable`) call; the next reconnects and registers this client's namespaces again.
+
+    Safe to share between threads (calls are serialized); each call releases the GIL.
+    """
+
+    def __init__(
+        self,
+        socket: Optional[Union[str, os.PathLike]] = None,
+        *,
+        name: str = "orbitkv-py",
+        request_timeout: float = 10.0,
+        connect: bool = True,
+        prefault_arena: bool = True,
+        reconnect_backoff: float = 0.05,
+        reconnect_backoff_max: float = 2.0,
+    ) -> None:
+        self._c = _native.NativeClient(
+            os.fspath(socket) if socket is not None else None,
+            name,
+            request_timeout,
+            connect,
+            prefault_arena,
+            reconnect_backoff,
+            reconnect_backoff_max,
+        )
+
+    # --- session -------------------------------------------------------------------------
+
+    @property
+    def socket(self) -> str:
+        return os.fspath(self._c.socket)
+
+    @property
+    def session_id(self) -> Optional[int]:
+        """The current session (None while disconnected)."""
+        return self._c.session_id
+
+    @property
+    def is_connected(self) -> bool:
+        return self._c.is_connected
+
+    @property
+    def connect_attempts(self) -> int:
+        return self._c.connect_attempts
+
+    @property
+    def deferred_failures(self) -> int:
+        """Deferred releases of the current session that failed (each is logged too)."""
+        return self._c.deferred_failures
+
+    def ping(self) -> None:
+        self._c.ping()
+
+    def register_namespace(self, descriptor: NamespaceDescriptor) -> Namespace:
+        """Registers a namespace (idempotent). Remembered even if the server is unreachable
+        (then `Unavailable` is raised): every later session registers it."""
+        ns_id, max_chunk = self._c.register_namespace(descriptor)
+        return Namespace(ns_id, max_chunk, descriptor)
+
+    # --- lookups and leases --------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> List[Hit]:
+        """The longest present prefix of `keys`, not leased."""
+        return self._c.lookup(list(keys))
+
+    def lookup_leased(self, keys: Sequence[ChunkKey]) -> List[Lease]:
+        """The longest present prefix of `keys`, each leased until released."""
+        return self._c.lookup_leased(list(keys))
+
+    def lookup_group(self, ranks: Sequence[Sequence[ChunkKey]]) -> GroupPrefix:
+        """The prefix every rank of a tensor-parallel group has (rank r's keys in its own
+        namespace); nothing leased."""
+        chunks, per_rank = self._c.lookup_group([list(r) for r in ranks])
+        return GroupPrefix(chunks, per_rank)
+
+    def release(self, leases: Sequence[Lease]) -> List[str]:
+        """Releases leases; an outcome per lease (`done`, or why not)."""
+        return self._c.release(list(leases))
+
+    def release_deferred(self, leases: Sequence[Lease]) -> None:
+        """Releases without waiting for the answer (collected by a later call)."""
+        self._c.release_deferred(list(leases))
+
+    def flush(self) -> None:
+        """Waits until every deferred request has been answered."""
+        self._c.flush()
+
+    def read(self, lease: Lease, out: Any = None) -> Union[bytearray, int]:
+        """A leased chunk's bytes: copied into `out` (returns the length) or a new bytearray."""
+        if out is None:
+            out = bytearray(lease.len)
+            self._read_into(lease, out)
+            return out
+        return self._read_into(lease, out)
+
+    def _read_into(self, lease: Lease, out: Any) -> int:
+        addr, n, keep = resolve(out, writable=True, what="out")
+        try:
+            return self._c.read_lease(lease, addr, n)
+        finally:
+            del keep
+
+    # --- put / get -----------------------------------------------------------------------
+
+    def get_into(self, keys: Sequence[ChunkKey], buffers: Sequence[Any]) -> List[int]:
+        """Copies the longest present prefix of `keys` into `buffers` (one per key); returns
+        each chunk's length. Leased during the copy, released (deferred) after."""
+        if len(buffers) < len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        resolved = [resolve(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        return self._c.get_into(list(keys), [(a, n) for a, n, _ in resolved])
+
+    def get(self, keys: Sequence[ChunkKey]) -> List[bytearray]:
+        """The longest present prefix of `keys`, copied into new bytearrays."""
+        leases = self.lookup_leased(keys)
+        try:
+            return [self.read(lease) for lease in leases]
+        finally:
+            if leases:
+                self.release_deferred(leases)
+
+    def put(self, items: PutItems) -> List[str]:
+        """Stores (key, value) pairs: reserve, copy each value into its slot, commit. An
+        outcome per item: `stored`, `already_present`, or the error code's name."""
+        keys: List[ChunkKey] = []
+        resolved = []
+        for i, (k, v) in enumerate(items):
+            keys.append(k)
+            resolved.append(resolve(v, writable=False, what=f"value {i}"))
+        return self._c.put(keys, [(a, n) for a, n, _ in resolved])
+
+    def reserve(self, keys: Sequence[ChunkKey], lens: Sequence[int]) -> List[Union[Reserved, str]]:
+        """Reserves slots: a `Reserved` per key, or the name of why not."""
+        return self._c.reserve(list(keys), list(lens))
+
+    def write(self, reserved: Reserved, data: Any, offset: int = 0) -> None:
+        """Copies `data` into a reservation at `offset`."""
+        addr, n, keep = resolve(data, writable=False, what="data")
+        try:
+            self._c.write_reserved(reserved, addr, n, offset)
+        finally:
+            del keep
+
+    def commit(self, reserved: Sequence[Reserved]) -> List[str]:
+        """Makes written reservations visible; an outcome per slot."""
+        return self._c.commit(list(reserved))
+
+    def abort(self, reserved: Sequence[Reserved]) -> List[str]:
+        """Gives reservations back unwritten."""
+        return self._c.abort(list(reserved))
+
+    def evict(self, keys: Sequence[ChunkKey]) -> List[str]:
+        """Removes chunks nobody leases; an outcome per key."""
+        return self._c.evict(list(keys))
+
+    # --- engine blocks (the engine's process copies) -------------------------------------
+
+    @staticmethod
+    def _regions(regions: Sequence[Region], writable: bool) -> Tuple[list, list]:
+        out, keep = [], []
+        for i, r in enumerate(regions):
+            addr, n, k = resolve(r.buffer, writable=writable, what=f"region {i}")
+            keep.append(k)
+            out.append((addr, n, r.block_bytes, r.block_stride or r.block_bytes))
+        return out, keep
+
+    def save_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
+                    blocks: Sequence[int]) -> List[str]:
+        """Saves engine blocks as chunks (chunk i = blocks[i*n:(i+1)*n], n = len(blocks) //
+        len(keys)), gathered straight into their slots. An outcome per key."""
+        regs, keep = self._regions(regions, writable=False)
+        try:
+            return self._c.save_blocks(regs, list(keys), list(blocks))
+        finally:
+            del keep
+
+    def load_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
+                    blocks: Sequence[int]) -> List[str]:
+        """Loads the longest present prefix of `keys` into engine blocks: `done` per chunk
+        loaded, `not_found` after the first missing one, `invalid_argument` for a chunk of
+        another length than its blocks (nothing after it is loaded)."""
+        regs, keep = self._regions(regions, writable=True)
+        try:
+            return self._c.load_blocks(regs, list(keys), list(blocks))
+        finally:
+            del keep
+
+    def arena(self) -> Optional[Tuple[int, int, int]]:
+        """(address, length, session id) of this session's arena mapping, None while
+        disconnected: for an engine that registers it with CUDA and copies itself
+        (`orbitkv.gpu.ArenaCopier`). It ends with the session."""
+        return self._c.arena()
+
+    # --- GPU pages (the server's DMA threads copy) ---------------------------------------
+
+    def register_gpu(self, device_uuid: str, layout: KvLayout, tensors: Sequence[Any]) -> GpuRegistration:
+        """Registers an engine rank's KV tensors on GPU `device_uuid` (`GPU-...`): one entry
+        per tensor of the layout, each a torch CUDA tensor (shared by CUDA IPC here) or a
+        (64-byte handle, offset, length) triple."""
+        from .gpu import ipc_triple
+
+        triples = [t if isinstance(t, tuple) else ipc_triple(t) for t in tensors]
+        return self._c.register_gpu(device_uuid, layout._native(), triples)
+
+    def unregister_gpu(self, reg: GpuRegistration) -> None:
+        self._c.unregister_gpu(reg)
+
+    def save(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[str]:
+        """Engine blocks -> new chunks, copied by the server. An outcome per key."""
+        return self._c.save(reg, list(keys), list(blocks))
+
+    def load(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[str]:
+        """Chunks -> engine blocks (longest present prefix), copied by the server."""
+        return self._c.load(reg, list(keys), list(blocks))
+
+    def start_save(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> Transfer:
+        return self._c.start_save(reg, list(keys), list(blocks))
+
+    def start_load(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> Transfer:
+        return self._c.start_load(reg, list(keys), list(blocks))
+
+    def poll_transfer(self, t: Transfer) -> Optional[List[str]]:
+        return self._c.poll_transfer(t)
+
+    def wait_transfer(self, t: Transfer) -> List[str]:
+        return self._c.wait_transfer(t)
