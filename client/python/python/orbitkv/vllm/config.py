@@ -1,0 +1,106 @@
+"""What the connector derives from vLLM's configuration: the namespace of each TP rank and the
+checks that keep keys equal across processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict
+
+from .. import NamespaceDescriptor
+
+#: vLLM's cache dtypes (and model dtypes, for "auto") as OrbitKV dtypes.
+_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+}
+
+#: Hash algorithms whose block hashes are the same in every process (vLLM's sha256 family; the
+#: xxhash ones are only with PYTHONHASHSEED set, else their seed is random per process).
+_STABLE_HASHES = ("sha256", "sha256_cbor")
+
+
+#: The layout version of each vLLM KV cache layout (the order of one block's bytes in a layer).
+LAYOUT_VERSIONS = {"LBHNC": 101, "LBNHC": 102, "LHBNC": 103, "BLHNC": 104, "BLNHC": 105, "BHLNC": 106, "mla": 107}
+
+
+def layout_name(vllm_config: Any) -> str:
+    """The KV cache layout vLLM resolved (CPU attention has one: LBHNC)."""
+    layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if layout:
+        return str(layout)
+    if str(getattr(vllm_config.device_config, "device_type", "")) == "cpu":
+        return "LBHNC"
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
+        return "LBHNC"
+    return "LBNHC"  # vLLM's default for CUDA attention backends without a preference
+
+
+class ConfigError(ValueError):
+    """A vLLM setting OrbitKV cannot work with; the message names it."""
+
+
+def extra(vllm_config: Any) -> Dict[str, Any]:
+    kv = vllm_config.kv_transfer_config
+    return dict(getattr(kv, "kv_connector_extra_config", None) or {})
+
+
+def check_hashing(vllm_config: Any) -> str:
+    """The block-hash algorithm, refused when it is not stable across processes."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo not in _STABLE_HASHES and not os.environ.get("PYTHONHASHSEED"):
+        raise ConfigError(
+            f"prefix_caching_hash_algo={algo!r} seeds its block hashes randomly per process, so "
+            "OrbitKV could never find a block saved by another process: use sha256 or "
+            "sha256_cbor, or set PYTHONHASHSEED for every vLLM process"
+        )
+    return algo
+
+
+def dtype_name(vllm_config: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        cache_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+    try:
+        return _DTYPES[cache_dtype]
+    except KeyError:
+        raise ConfigError(f"KV cache dtype {cache_dtype!r} has no OrbitKV dtype") from None
+
+
+def namespace(vllm_config: Any, tp_rank: int, layout: str) -> NamespaceDescriptor:
+    """The namespace of one TP rank's chunks: one vLLM block of every layer per chunk.
+
+    `layout` names how a block's bytes are laid out (vLLM's KV cache layout, or "mla"); it is
+    hashed into the layout version, so chunks of different layouts never mix.
+    """
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    ex = extra(vllm_config)
+    model = str(ex.get("namespace_model") or getattr(mc, "served_model_name", None) or mc.model)
+    if isinstance(getattr(mc, "served_model_name", None), (list, tuple)):
+        model = str(ex.get("namespace_model") or mc.served_model_name[0])
+    use_mla = bool(getattr(mc, "use_mla", False))
+    try:
+        layout_version = LAYOUT_VERSIONS["mla" if use_mla else layout]
+    except KeyError:
+        raise ConfigError(f"KV cache layout {layout!r} is not one OrbitKV stores") from None
+    return NamespaceDescriptor(
+        model=model[:256],
+        dtype=dtype_name(vllm_config),
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=1 if use_mla else int(mc.get_num_kv_heads(pc)),
+        head_dim=int(mc.get_head_size()),
+        tokens_per_chunk=int(cc.block_size),
+        kv_tensors=1 if use_mla else 2,
+        layout_version=layout_version,
+        tp_rank=tp_rank,
+        tp_world_size=int(pc.tensor_parallel_size),
+    )

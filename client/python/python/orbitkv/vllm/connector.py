@@ -1,0 +1,164 @@
+"""`OrbitKVConnector`: vLLM's `KVConnectorBase_V1` backed by the host's OrbitKV Manager.
+
+One chunk is one vLLM block of every layer of one TP rank, keyed by vLLM's own chained block
+hash (`request.block_hashes`, mapped by `orbitkv.chunk_digest`) in the rank's namespace.
+
+Scheduler side: a lookup leases the longest prefix every TP rank has; the hit is reported as
+an async load and the lease holds the chunks until the worker has loaded them (or the request
+is dropped). Newly computed full blocks are sent to the workers for saving; a finished request
+keeps its blocks until their saves are done.
+
+Worker side: the engine's process copies between its KV cache and the Manager's arena on a
+background thread (loads first, saves never on the forward pass). Loads that fail are reported
+per block (`get_block_ids_with_load_errors`), for vLLM's `kv_load_failure_policy`.
+
+The engine never fails because of the cache: a Manager that is down or restarting makes misses
+(logged once, counted as `unavailable`), and the clients reconnect with backoff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from . import stats as _stats
+from .config import check_hashing, extra
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = init_logger("vllm.orbitkv")
+
+
+@dataclasses.dataclass
+class OrbitKVConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers (plain values: it crosses processes).
+
+    loads: request id -> (chunk digests, block ids) to load.
+    saves: request id -> (chunk digests, block ids) to save.
+    preempted: requests whose blocks are being taken back (their saves must end first).
+    """
+
+    loads: Dict[str, Tuple[List[bytes], List[int]]] = dataclasses.field(default_factory=dict)
+    saves: Dict[str, Tuple[List[bytes], List[int]]] = dataclasses.field(default_factory=dict)
+    preempted: List[str] = dataclasses.field(default_factory=list)
+
+
+class OrbitKVConnector(KVConnectorBase_V1):
+    """See the module docs. Extra config (`kv_connector_extra_config`): `socket` (default: the
+    Manager's default socket), `namespace_model` (the model name in the namespace; default the
+    served model name), `request_timeout` (seconds, default 10)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_hashing(vllm_config)
+        self._scheduler: Optional[SchedulerSide] = None
+        self._worker: Optional[WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, extra(vllm_config))
+        else:
+            self._worker = WorkerSide(vllm_config, extra(vllm_config))
+
+    # OrbitKV is a cache: a request never waits for its KV to be delivered anywhere.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        if self._scheduler.block_ids_of is None and self._kv_cache_manager is not None:
+            manager = self._kv_cache_manager
+            self._scheduler.block_ids_of = lambda rid: manager.get_block_ids(rid)[0]
+        loads, saves, preempted = self._scheduler.build_step(scheduler_output)
+        return OrbitKVConnectorMetadata(loads=loads, saves=saves, preempted=preempted)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids), None
+
+    # ----------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, "torch.Tensor"]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, OrbitKVConnectorMetadata):
+            self._worker.wait_for(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OrbitKVConnectorMetadata)
+        self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request whose blocks load is not in the batch until they
+        # are in place, so no layer waits here.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        # A chunk holds every layer of a block: blocks are saved once the step's forward pass
+        # has written all layers (wait_for_save), off the forward pass.
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, OrbitKVConnectorMetadata)
+            self._worker.start_saves(meta.saves)
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        side = self._scheduler or self._worker
+        if side is not None:
+            import json
+
+            name = "scheduler" if self._scheduler is not None else "worker"
+            log.info("OrbitKV connector totals (%s): %s", name, json.dumps(side.stats.totals()))
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ----------------------------------------------------------------- both
+
+    def get_kv_connector_stats(self) -> Optional[_stats.OrbitKVConnectorStats]:
+        side = self._scheduler or self._worker
+        taken = side.stats.take() if side is not None else None
+        return None if taken is None or taken.is_empty() else taken
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> _stats.OrbitKVConnectorStats:
+        return _stats.build(data)

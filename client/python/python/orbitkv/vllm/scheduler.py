@@ -1,0 +1,176 @@
+"""The scheduler side of the connector: lookups, leases, and which blocks each step loads and
+saves. Runs in vLLM's engine-core process."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .. import ChunkKey, Lease, OrbitKVError, chunk_digest
+from ._manager import Manager
+from .config import layout_name, namespace
+from .stats import OrbitKVConnectorStats
+
+Work = Dict[str, Tuple[List[bytes], List[int]]]
+
+
+@dataclasses.dataclass
+class _Request:
+    request: Any
+    digests: List[bytes] = dataclasses.field(default_factory=list)
+    #: Leases per TP rank on the blocks being loaded (held until the load has ended).
+    leases: List[List[Lease]] = dataclasses.field(default_factory=list)
+    #: Block range [start, end) the last lookup found, to load if the scheduler takes it.
+    found: Optional[Tuple[int, int]] = None
+    loading: bool = False
+    #: Blocks [0, saved) are in OrbitKV or sent to the workers for saving.
+    saved: int = 0
+    had_saves: bool = False
+    finished: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, ex: Dict[str, Any]) -> None:
+        self.vllm_config = vllm_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.world = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.stats = OrbitKVConnectorStats()
+        self.manager = Manager(ex, "vllm-scheduler", self.stats)
+        self._ns_ids: Optional[List[int]] = None
+        self.reqs: Dict[str, _Request] = {}
+        self.pending_loads: Work = {}
+        #: Block ids of a request (bound by the connector to vLLM's KV cache manager).
+        self.block_ids_of: Optional[Callable[[str], List[int]]] = None
+
+    def ns_ids(self) -> List[int]:
+        """Every TP rank's namespace id (a prefix counts only where every rank has it)."""
+        if self._ns_ids is None:
+            layout = layout_name(self.vllm_config)
+            descs = [namespace(self.vllm_config, r, layout) for r in range(self.world)]
+            self._ns_ids = self.manager.register(descs)
+        return self._ns_ids
+
+    def _release(self, leases: List[List[Lease]]) -> None:
+        held = [lease for rank in leases for lease in rank]
+        if not held:
+            return
+        try:
+            self.manager.client.release_deferred(held)
+        except OrbitKVError as e:
+            # Stale (the session they were taken in ended): the Manager already dropped them.
+            if getattr(e, "kind", "") != "stale":
+                self.manager.failed(e, "release")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        rid = request.request_id
+        st = self.reqs.get(rid)
+        if st is None:
+            st = self.reqs[rid] = _Request(request)
+        else:
+            # Asked again (a preempted request coming back): its earlier leases go.
+            st.request = request
+            self._release(st.leases)
+            st.leases, st.found = [], None
+        hashes = list(request.block_hashes)
+        local = num_computed_tokens // self.block_size
+        if len(hashes) <= local:
+            return 0, False
+        if len(st.digests) < len(hashes):
+            st.digests = [chunk_digest(bytes(h)) for h in hashes]
+        try:
+            ns_ids = self.ns_ids()
+            leases: List[List[Lease]] = []
+            limit = len(hashes)
+            for ns in ns_ids:
+                got = self.manager.client.lookup_leased([ChunkKey(ns, d) for d in st.digests[:limit]])
+                leases.append(got)
+                limit = min(limit, len(got))
+            self.manager.ok()
+        except OrbitKVError as e:
+            self.manager.failed(e, "lookup")
+            self.stats.add(lookups=1, miss_blocks=len(hashes) - local)
+            return 0, False
+        # Keep the leases of the blocks to load; the others go back now.
+        self._release([rank[:local] + rank[limit:] for rank in leases])
+        self.stats.add(lookups=1, hit_blocks=max(0, limit - local), miss_blocks=len(hashes) - max(limit, local))
+        if limit <= local:
+            self._release([rank[local:limit] for rank in leases])
+            return 0, False
+        st.leases = [rank[local:limit] for rank in leases]
+        st.found = (local, limit)
+        return (limit - local) * self.block_size, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        st = self.reqs.setdefault(rid, _Request(request))
+        st.request = request
+        if st.found is None or st.loading:
+            return
+        start, end = st.found
+        n = min(num_external_tokens // self.block_size, end - start)
+        if n <= 0:
+            # The scheduler did not take the hit: nothing to hold.
+            self._release(st.leases)
+            st.leases, st.found = [], None
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        self.pending_loads[rid] = (st.digests[start:start + n], block_ids[start:start + n])
+        self._release([rank[n:] for rank in st.leases])
+        st.leases = [rank[:n] for rank in st.leases]
+        st.loading = True
+        st.saved = max(st.saved, start + n)
+
+    def build_step(self, out: Any) -> Tuple[Work, Work, List[str]]:
+        loads, self.pending_loads = self.pending_loads, {}
+        saves: Work = {}
+        for rid, n_sched in (out.num_scheduled_tokens or {}).items():
+            st = self.reqs.get(rid)
+            if st is None or self.block_ids_of is None:
+                continue
+            req = st.request
+            hashes = req.block_hashes
+            full = min((req.num_computed_tokens + n_sched) // self.block_size, len(hashes))
+            if full <= st.saved:
+                continue
+            if len(st.digests) < full:
+                st.digests.extend(chunk_digest(bytes(h)) for h in hashes[len(st.digests):])
+            ids = self.block_ids_of(rid)
+            saves[rid] = (st.digests[st.saved:full], list(ids[st.saved:full]))
+            st.saved = full
+            st.had_saves = True
+        return loads, saves, list(getattr(out, "preempted_req_ids", None) or ())
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            self._release(st.leases)
+            st.leases, st.found, st.loading = [], None, False
+            if st.finished and not st.had_saves:
+                del self.reqs[rid]
+        for rid in output.finished_sending or ():
+            st = self.reqs.get(rid)
+            if st is not None and st.finished and not st.loading:
+                del self.reqs[rid]
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers report its saves."""
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return False
+        st.finished = True
+        if not st.loading:
+            self._release(st.leases)
+            st.leases, st.found = [], None
+            if not st.had_saves:
+                del self.reqs[request.request_id]
+        return st.had_saves
+
+    def shutdown(self) -> None:
+        for st in self.reqs.values():
+            self._release(st.leases)
+        try:
+            self.manager.client.flush()
+        except OrbitKVError:
+            pass

@@ -1,0 +1,72 @@
+"""The connector's counters, in the form vLLM aggregates and logs (`KVConnectorStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Union
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+#: Counter names: lookups (scheduler), blocks hit and missed by them, blocks loaded and saved
+#: (worker), their bytes and seconds, blocks that failed to load, and calls that found the
+#: Manager unavailable (each made a miss).
+FIELDS = (
+    "lookups",
+    "hit_blocks",
+    "miss_blocks",
+    "loaded_blocks",
+    "load_bytes",
+    "load_seconds",
+    "load_error_blocks",
+    "saved_blocks",
+    "save_bytes",
+    "save_seconds",
+    "unavailable",
+)
+
+
+@dataclasses.dataclass
+class OrbitKVConnectorStats(KVConnectorStats):
+    """Counters since the last report; `data` maps each name of `FIELDS` to a number."""
+
+    def __post_init__(self) -> None:
+        for f in FIELDS:
+            self.data.setdefault(f, 0)
+
+    def reset(self) -> None:
+        self.data = {f: 0 for f in FIELDS}
+
+    def add(self, **counts: Union[int, float]) -> None:
+        """Counts into this interval and into the connector's lifetime totals."""
+        totals = self.__dict__.setdefault("_totals", {f: 0 for f in FIELDS})
+        for k, v in counts.items():
+            self.data[k] = self.data.get(k, 0) + v
+            totals[k] = totals.get(k, 0) + v
+
+    def totals(self) -> Dict[str, Union[int, float]]:
+        """Everything counted since the connector started."""
+        return dict(self.__dict__.get("_totals") or {f: 0 for f in FIELDS})
+
+    def aggregate(self, other: KVConnectorStats) -> "OrbitKVConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, Union[int, float]]:
+        out: Dict[str, Union[int, float]] = {k: self.data.get(k, 0) for k in FIELDS}
+        for k in ("load_seconds", "save_seconds"):
+            out[k] = round(float(out[k]), 6)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in FIELDS)
+
+    def take(self) -> "OrbitKVConnectorStats":
+        """These counters, and zeroes in their place."""
+        out = OrbitKVConnectorStats(data=dict(self.data))
+        self.reset()
+        return out
+
+
+def build(data: Any) -> OrbitKVConnectorStats:
+    return OrbitKVConnectorStats(data=dict(data or {}))

@@ -1,0 +1,186 @@
+"""The worker side of the connector: the engine process's copies between its KV cache and the
+Manager's arena, on a background thread so that the forward pass never waits for them."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+
+from vllm.logger import init_logger
+
+from .. import ChunkKey, OrbitKVError, Region
+from ._manager import Manager
+from .config import ConfigError, layout_name, namespace
+from .stats import OrbitKVConnectorStats
+
+log = init_logger("vllm.orbitkv")
+
+Job = Tuple[str, str, List[bytes], List[int]]  # (kind, request id, digests, block ids)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no TP group: a single rank
+        return 0
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, ex: Dict[str, Any]) -> None:
+        self.vllm_config = vllm_config
+        self.stats = OrbitKVConnectorStats()
+        self.rank = _tp_rank()
+        self.manager = Manager(ex, f"vllm-worker-{self.rank}", self.stats)
+        self.regions: List[Region] = []
+        self.chunk_bytes = 0
+        self.ns_id: Optional[int] = None
+        self._lock = threading.Condition()
+        self._jobs: Deque[Job] = collections.deque()
+        self._pending_saves: Dict[str, int] = collections.Counter()
+        self._saved_reqs: Set[str] = set()
+        self._finishing: Set[str] = set()
+        self._loads_done: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._busy = False
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        tensors = list(kv_caches.values())
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ConfigError(
+                "OrbitKVConnector copies CPU KV caches in this release; this engine's KV cache is on "
+                f"{tensors[0].device}: its GPU data path is not available yet"
+            )
+        for name, t in kv_caches.items():
+            if not t.is_contiguous():
+                raise ConfigError(f"KV cache of {name} is not contiguous (layout {layout_name(self.vllm_config)})")
+        self.regions = [Region(t, block_bytes=t[0].numel() * t.element_size()) for t in tensors]
+        self.chunk_bytes = sum(r.block_bytes for r in self.regions)
+        desc = namespace(self.vllm_config, self.rank, layout_name(self.vllm_config))
+        (self.ns_id,) = self.manager.register([desc])
+        log.info(
+            "OrbitKV connector: %d layers, %d bytes per chunk, namespace %#x (rank %d)",
+            len(self.regions), self.chunk_bytes, self.ns_id, self.rank,
+        )
+        self._thread = threading.Thread(target=self._run, name="orbitkv-copies", daemon=True)
+        self._thread.start()
+
+    # ---- the step's calls (forward thread)
+
+    def start_loads(self, loads: Dict[str, Tuple[List[bytes], List[int]]]) -> None:
+        with self._lock:
+            for rid, (digests, blocks) in loads.items():
+                # Loads go before any saves queued: a request is waiting for them.
+                self._jobs.appendleft(("load", rid, digests, blocks))
+            self._lock.notify()
+
+    def start_saves(self, saves: Dict[str, Tuple[List[bytes], List[int]]]) -> None:
+        with self._lock:
+            for rid, (digests, blocks) in saves.items():
+                self._jobs.append(("save", rid, digests, blocks))
+                self._pending_saves[rid] += 1
+                self._saved_reqs.add(rid)
+            self._lock.notify()
+
+    def wait_for(self, rids: List[str]) -> None:
+        """Returns once no save of `rids` is queued or running (their blocks are taken back)."""
+        if not rids:
+            return
+        with self._lock:
+            self._lock.wait_for(lambda: all(self._pending_saves.get(r, 0) == 0 for r in rids) or self._stop)
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        with self._lock:
+            self._finishing |= set(finished_req_ids) & self._saved_reqs
+            sending = {r for r in self._finishing if self._pending_saves.get(r, 0) == 0}
+            self._finishing -= sending
+            self._saved_reqs -= sending
+            for r in sending:
+                self._pending_saves.pop(r, None)
+            recving, self._loads_done = self._loads_done, set()
+            self._reported_errors = self._load_errors
+            self._load_errors = set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> Set[int]:
+        errors, self._reported_errors = getattr(self, "_reported_errors", set()), set()
+        return errors
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: not self._jobs and not self._busy, timeout=30)
+            self._stop = True
+            self._lock.notify_all()
+        try:
+            self.manager.client.flush()
+        except OrbitKVError:
+            pass
+
+    # ---- the copy thread
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._jobs or self._stop)
+                if self._stop and not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            kind, rid, digests, blocks = job
+            try:
+                if kind == "load":
+                    failed = self._load(digests, blocks)
+                else:
+                    self._save(digests, blocks)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    if kind == "load":
+                        self._load_errors |= failed
+                        self._loads_done.add(rid)
+                    else:
+                        self._pending_saves[rid] -= 1
+                    self._lock.notify_all()
+
+    def _keys(self, digests: List[bytes]) -> List[ChunkKey]:
+        assert self.ns_id is not None
+        return [ChunkKey(self.ns_id, d) for d in digests]
+
+    def _load(self, digests: List[bytes], blocks: List[int]) -> Set[int]:
+        """Loads the chunks; the block ids that did not load."""
+        t0 = time.perf_counter()
+        try:
+            out = self.manager.client.load_blocks(self.regions, self._keys(digests), blocks)
+            self.manager.ok()
+        except OrbitKVError as e:
+            self.manager.failed(e, "load")
+            out = ["failed"] * len(blocks)
+        done = sum(1 for o in out if o == "done")
+        failed = {b for b, o in zip(blocks, out) if o != "done"}
+        self.stats.add(
+            loaded_blocks=done,
+            load_bytes=done * self.chunk_bytes,
+            load_seconds=time.perf_counter() - t0,
+            load_error_blocks=len(failed),
+        )
+        if failed:
+            log.warning("OrbitKV: %d of %d blocks did not load (%s); vLLM's kv_load_failure_policy applies",
+                        len(failed), len(blocks), sorted(set(out) - {"done"}))
+        return failed
+
+    def _save(self, digests: List[bytes], blocks: List[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.manager.client.save_blocks(self.regions, self._keys(digests), blocks)
+            self.manager.ok()
+        except OrbitKVError as e:
+            self.manager.failed(e, "save")
+            return
+        stored = sum(1 for o in out if o == "stored")
+        self.stats.add(saved_blocks=stored, save_bytes=stored * self.chunk_bytes,
+                       save_seconds=time.perf_counter() - t0)

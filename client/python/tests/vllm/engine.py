@@ -1,0 +1,87 @@
+"""Runs a real vLLM engine (CPU) on a tiny Llama, with or without the OrbitKV connector, through
+the steps given as JSON, and writes what each generation returned. Used by test_vllm_engine.py.
+
+usage: engine.py SPEC.json OUT.json
+SPEC: {"model_dir", "socket" (null: no connector), "policy", "prompts": {name: [[tokens]]},
+       "steps": ["gen:NAME", "reset", "kill:PID", "corrupt:NAME:PROMPT:BLOCK", ...]}
+"""
+
+import json
+import os
+import signal
+import sys
+
+
+def corrupt(llm, spec, socket, name, prompt, block):
+    """Replaces the chunk of one block of a prompt by one of another length (as another layout
+    would have written), so that the worker's load of it fails."""
+    import orbitkv
+    from orbitkv.vllm.config import layout_name, namespace
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    cfg = llm.llm_engine.vllm_config
+    hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    bs = cfg.cache_config.block_size
+    tokens = spec["prompts"][name][prompt]
+    parent = None
+    for b in range(block + 1):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[b * bs:(b + 1) * bs], None)
+    ns = namespace(cfg, 0, layout_name(cfg)).id
+    key = orbitkv.ChunkKey(ns, orbitkv.chunk_digest(bytes(parent)))
+    c = orbitkv.Client(socket)
+    assert c.lookup([key]), "the block to corrupt was saved"
+    assert c.evict([key]) == ["done"]
+    assert c.put([(key, b"\x01" * 100)]) == ["stored"]
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              dtype="float32", max_model_len=2048, seed=0)
+    if spec.get("socket"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OrbitKVConnector",
+            kv_connector_module_path="orbitkv.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy=spec.get("policy", "recompute"),
+            kv_connector_extra_config={"socket": spec["socket"], "namespace_model": "tiny-llama-test"},
+        )
+    llm = LLM(**kw)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+    results = []
+    for step in spec["steps"]:
+        op, _, arg = step.partition(":")
+        if op == "gen":
+            outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"][arg]], sp, use_tqdm=False)
+            results.append({"step": step, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                            "cached": [o.num_cached_tokens for o in outs]})
+        elif op == "reset":
+            assert llm.reset_prefix_cache(), "the engine's prefix cache was reset"
+        elif op == "stats":
+            import socket as pysocket
+
+            with pysocket.socket(pysocket.AF_UNIX) as s:
+                s.connect(spec["socket"] + ".admin")
+                s.sendall(b'{"cmd":"stats"}\n')
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    buf += s.recv(1 << 16)
+            results.append({"step": step, "stats": json.loads(buf)})
+        elif op == "kill":
+            os.kill(int(arg), signal.SIGKILL)
+        elif op == "corrupt":
+            name, prompt, block = arg.split(":")
+            corrupt(llm, spec, spec["socket"], name, int(prompt), int(block))
+        else:
+            raise SystemExit(f"unknown step {step}")
+        print("STEP done", step, flush=True)
+    json.dump(results, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
