@@ -1,0 +1,193 @@
+"""The connector's scheduler and worker sides driven through vLLM's call sequences against a
+real Manager, asserting what they report: new request, partial and full hits, a TP group's
+common prefix, preemption, abort during a load, a request finished while its saves run, a load
+error per block, and a Manager that is down."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+pytest.importorskip("vllm") if not os.environ.get("ORBITKV_REQUIRE_VLLM") else __import__("vllm")
+torch = pytest.importorskip("torch")
+
+import orbitkv  # noqa: E402
+from orbitkv.vllm.config import ConfigError, check_hashing, namespace  # noqa: E402
+from orbitkv.vllm.scheduler import SchedulerSide  # noqa: E402
+from orbitkv.vllm.worker import WorkerSide  # noqa: E402
+
+BS = 32
+
+
+def vllm_config(tp: int = 1, algo: str = "sha256"):
+    mc = types.SimpleNamespace(
+        model="tiny", served_model_name="tiny", dtype=torch.float32, use_mla=False,
+        get_num_layers=lambda pc: 2, get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 16,
+    )
+    return types.SimpleNamespace(
+        model_config=mc,
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
+        cache_config=types.SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout="LBHNC",
+                                           prefix_caching_hash_algo=algo),
+        device_config=types.SimpleNamespace(device_type="cpu"),
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={}),
+    )
+
+
+def request(rid: str, n_blocks: int, computed: int = 0, seed: int = 0):
+    hashes = [bytes([seed, i]) * 16 for i in range(n_blocks)]
+    return types.SimpleNamespace(request_id=rid, block_hashes=hashes, num_computed_tokens=computed)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def store(server, cfg, req, n, rank=0):
+    """Puts the first n blocks of `req` as rank `rank` would have saved them."""
+    c = orbitkv.Client(server.socket)
+    d = namespace(cfg, rank, "LBHNC")
+    c.register_namespace(d)
+    keys = [orbitkv.ChunkKey(d.id, orbitkv.chunk_digest(h)) for h in req.block_hashes[:n]]
+    assert set(c.put([(k, bytes([i]) * 4096) for i, k in enumerate(keys)])) <= {"stored", "already_present"}
+
+
+def side(server, tp=1, socket=None):
+    cfg = vllm_config(tp)
+    s = SchedulerSide(cfg, {"socket": socket or server.socket})
+    return cfg, s
+
+
+def test_new_request_partial_and_full_hits(server):
+    cfg, s = side(server)
+    miss = request("a", 4)
+    assert s.get_num_new_matched_tokens(miss, 0) == (0, False)
+    r = request("b", 4, seed=1)
+    store(server, cfg, r, 2)
+    # Partial: 2 of 4 blocks, as an async load; the leases hold them.
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, True)
+    assert server.shard_sum("leases") == 2
+    s.update_state_after_alloc(r, Blocks([10, 11, 12, 13]), 2 * BS)
+    loads, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
+    assert list(loads) == ["b"] and loads["b"][1] == [10, 11]
+    assert loads["b"][0] == [orbitkv.chunk_digest(h) for h in r.block_hashes[:2]]
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"b"}, finished_sending=None))
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 0, "released once the load ended"
+    # Full hit: all blocks; a local prefix hit of 1 block is not loaded again.
+    store(server, cfg, r, 4)
+    r2 = request("c", 4, seed=1)
+    assert s.get_num_new_matched_tokens(r2, BS) == (3 * BS, True)
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 3
+    # The scheduler took none of it (a local tail won): the leases go at once.
+    s.update_state_after_alloc(r2, Blocks([1, 2, 3, 4]), 0)
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 0
+    st = s.stats.totals()
+    assert (st["lookups"], st["hit_blocks"]) == (3, 5)
+
+
+def test_a_tp_group_reports_the_prefix_every_rank_has(server):
+    cfg, s = side(server, tp=2)
+    r = request("t", 4, seed=2)
+    store(server, cfg, r, 3, rank=0)
+    store(server, cfg, r, 2, rank=1)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, True)
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 4, "two blocks leased for each rank, no more"
+
+
+def test_preemption_abort_during_load_and_finish_during_save(server):
+    cfg, s = side(server)
+    r = request("p", 3, seed=3)
+    store(server, cfg, r, 3)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    # Preempted before its load was scheduled and asked again: the old leases go first.
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 3
+    s.update_state_after_alloc(r, Blocks([5, 6, 7]), 3 * BS)
+    s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
+    # Aborted while loading: blocks are vLLM's to hold until the load reports; leases stay.
+    assert s.request_finished(r, [5, 6, 7]) is False
+    assert server.shard_sum("leases") == 3
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"p"}, finished_sending=None))
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 0 and "p" not in s.reqs
+
+    # A request that computes its blocks: saves planned as blocks fill, then it finishes
+    # while they run: its blocks stay until the workers report them saved.
+    w = request("w", 3, seed=4)
+    assert s.get_num_new_matched_tokens(w, 0) == (0, False)
+    s.update_state_after_alloc(w, Blocks([20, 21, 22]), 0)
+    s.block_ids_of = lambda rid: [20, 21, 22]
+    _, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": 2 * BS + 5}, preempted_req_ids=set()))
+    assert saves["w"][1] == [20, 21]
+    w.num_computed_tokens = 2 * BS + 5
+    _, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": BS}, preempted_req_ids={"x"}))
+    assert saves["w"][1] == [22]
+    assert s.request_finished(w, [20, 21, 22]) is True
+    s.update_connector_output(types.SimpleNamespace(finished_recving=None, finished_sending={"w"}))
+    assert "w" not in s.reqs
+
+
+def test_a_manager_that_is_down_makes_misses_and_is_counted(server, tmp_path):
+    cfg, s = side(server, socket=str(tmp_path / "nobody.sock"))
+    for i in range(50):
+        assert s.get_num_new_matched_tokens(request(f"d{i}", 4), 0) == (0, False)
+    st = s.stats.totals()
+    # 50 lookups and the namespaces' registration, each failing fast as unavailable.
+    assert st["unavailable"] == 51 and st["miss_blocks"] == 200
+    assert s.manager.client.connect_attempts < 10, "reconnects back off"
+
+
+def test_an_unstable_hash_setting_is_refused_naming_it(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigError, match="prefix_caching_hash_algo='xxhash'"):
+        check_hashing(vllm_config(algo="xxhash"))
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    check_hashing(vllm_config(algo="xxhash"))
+    check_hashing(vllm_config(algo="sha256_cbor"))
+
+
+def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatch):
+    monkeypatch.setattr("orbitkv.vllm.worker._tp_rank", lambda: 0)
+    cfg = vllm_config()
+    w = WorkerSide(cfg, {"socket": server.socket})
+    g = torch.Generator().manual_seed(0)
+    kv = {f"layer.{i}": torch.randn(8, 1, BS, 32, generator=g) for i in range(2)}
+    w.register_kv_caches(kv)
+    r = request("s", 3, seed=5)
+    digests = [orbitkv.chunk_digest(h) for h in r.block_hashes]
+    w.start_saves({"s": (digests, [1, 2, 3])})
+    w.wait_for(["s"])
+    assert w.get_finished({"s"}) == ({"s"}, None)
+    # Corrupt the second chunk: another length under its key.
+    c = orbitkv.Client(server.socket)
+    key = orbitkv.ChunkKey(w.ns_id, digests[1])
+    assert c.evict([key]) == ["done"] and c.put([(key, b"x" * 10)]) == ["stored"]
+    before = {k: v.clone() for k, v in kv.items()}
+    w.start_loads({"l": (digests, [5, 6, 7])})
+    for _ in range(1000):
+        sending, recving = w.get_finished(set())
+        if recving:
+            break
+        import time
+
+        time.sleep(0.005)
+    assert recving == {"l"}
+    assert w.take_load_errors() == {6, 7}
+    for k in kv:
+        assert torch.equal(kv[k][5], before[k][1]), "block 1 loaded into block 5"
+        assert torch.equal(kv[k][6], before[k][6]) and torch.equal(kv[k][7], before[k][7])
+    assert w.take_load_errors() == set()
+    t = w.stats.totals()
+    assert (t["saved_blocks"], t["loaded_blocks"], t["load_error_blocks"]) == (3, 1, 2)
+    w.shutdown()
