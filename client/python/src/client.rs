@@ -52,6 +52,24 @@ impl NativeClient {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Runs one GPU save or load call (`f`) for a registration's blocks.
+    fn gpu<T: Send>(
+        &self,
+        py: Python<'_>,
+        reg: &GpuRegistration,
+        ks: Vec<ChunkKey>,
+        blocks: Vec<u64>,
+        f: fn(
+            &mut okv::Client,
+            &okv::GpuRegistration,
+            &[okv::ChunkKey],
+            &[u64],
+        ) -> Result<T, okv::Error>,
+    ) -> PyResult<T> {
+        let (r, ks) = (reg.0, keys(&ks));
+        self.run(py, move |c| f(c, &r, &ks, &blocks))
+    }
+
     /// Runs `f` on the client with the GIL released.
     fn run<T: Send>(
         &self,
@@ -372,8 +390,8 @@ impl NativeClient {
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Vec<&'static str>> {
-        let (r, ks) = (reg.0, keys(&ks));
-        Ok(self.run(py, move |c| c.save(&r, &ks, &blocks))?.into_iter().map(outcome_name).collect())
+        let out = self.gpu(py, reg, ks, blocks, okv::Client::save)?;
+        Ok(out.into_iter().map(outcome_name).collect())
     }
 
     fn load(
@@ -383,8 +401,8 @@ impl NativeClient {
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Vec<&'static str>> {
-        let (r, ks) = (reg.0, keys(&ks));
-        Ok(self.run(py, move |c| c.load(&r, &ks, &blocks))?.into_iter().map(outcome_name).collect())
+        let out = self.gpu(py, reg, ks, blocks, okv::Client::load)?;
+        Ok(out.into_iter().map(outcome_name).collect())
     }
 
     fn start_save(
@@ -394,8 +412,7 @@ impl NativeClient {
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Transfer> {
-        let (r, ks) = (reg.0, keys(&ks));
-        let t = self.run(py, move |c| c.start_save(&r, &ks, &blocks))?;
+        let t = self.gpu(py, reg, ks, blocks, okv::Client::start_save)?;
         Ok(Transfer(Mutex::new(Some(t))))
     }
 
@@ -406,8 +423,7 @@ impl NativeClient {
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Transfer> {
-        let (r, ks) = (reg.0, keys(&ks));
-        let t = self.run(py, move |c| c.start_load(&r, &ks, &blocks))?;
+        let t = self.gpu(py, reg, ks, blocks, okv::Client::start_load)?;
         Ok(Transfer(Mutex::new(Some(t))))
     }
 
