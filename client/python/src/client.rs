@@ -35,6 +35,10 @@ fn bufs(pairs: &[(usize, usize)]) -> PyResult<Vec<RawBuf>> {
     pairs.iter().map(|&(a, l)| RawBuf::new(a, l)).collect()
 }
 
+/// One of the client's GPU calls: save, load, start_save, start_load.
+type GpuCall<T> =
+    fn(&mut okv::Client, &okv::GpuRegistration, &[okv::ChunkKey], &[u64]) -> Result<T, okv::Error>;
+
 /// A region of blocks: (address, length, block bytes, block stride).
 type RegionArg = (usize, usize, usize, usize);
 
@@ -59,12 +63,7 @@ impl NativeClient {
         reg: &GpuRegistration,
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
-        f: fn(
-            &mut okv::Client,
-            &okv::GpuRegistration,
-            &[okv::ChunkKey],
-            &[u64],
-        ) -> Result<T, okv::Error>,
+        f: GpuCall<T>,
     ) -> PyResult<T> {
         let (r, ks) = (reg.0, keys(&ks));
         self.run(py, move |c| f(c, &r, &ks, &blocks))
