@@ -206,7 +206,12 @@ class Client:
         """The longest present prefix of `keys`, copied into new bytearrays."""
         leases = self.lookup_leased(keys)
         try:
-            return [self.read(lease) for lease in leases]
+            out = []
+            for lease in leases:
+                buf = bytearray(lease.len)
+                self._read_into(lease, buf)
+                out.append(buf)
+            return out
         finally:
             if leases:
                 self.release_deferred(leases)
