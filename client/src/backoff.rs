@@ -56,7 +56,8 @@ impl Reconnect {
     }
 
     /// Connect attempts that failed in a row.
-    pub(crate) fn failures(&self) -> u32 {
+    #[cfg(test)]
+    fn failures(&self) -> u32 {
         self.failures
     }
 }

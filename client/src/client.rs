@@ -167,10 +167,10 @@ impl Client {
             let opened = self.open_session();
             let (initial, max) = (self.opts.reconnect_backoff, self.opts.reconnect_backoff_max);
             self.reconnect.record(opened.as_ref().map(|_| ()), initial, max);
-            if self.reconnect.failures() == 0 && self.epoch > 0 {
+            self.conn = Some(opened?);
+            if self.epoch > 0 {
                 tracing::info!("reconnected to orbitkv-server");
             }
-            self.conn = Some(opened?);
             self.epoch += 1;
         }
         Ok(self.conn.as_mut().expect("connected just above"))
@@ -260,13 +260,12 @@ impl Client {
     pub fn register_namespace(&mut self, d: &NamespaceDescriptor) -> Result<NamespaceInfo, Error> {
         d.validate().map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let answer = self.call(&Request::RegisterNamespace { descriptor: d.clone() });
-        if !self.namespaces.contains(d)
-            && matches!(
-                &answer,
-                Ok(Response::Registered { .. })
-                    | Err(Error::Connect { .. } | Error::Unavailable { .. })
-            )
-        {
+        let remember = match &answer {
+            Ok(Response::Registered { .. }) => true,
+            Err(e) => e.is_unavailable(),
+            Ok(_) => false,
+        };
+        if remember && !self.namespaces.contains(d) {
             self.namespaces.push(d.clone());
         }
         match answer? {

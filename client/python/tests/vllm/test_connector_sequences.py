@@ -102,6 +102,12 @@ def test_a_tp_group_reports_the_prefix_every_rank_has(server):
     assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, True)
     s.manager.client.flush()
     assert server.shard_sum("leases") == 4, "two blocks leased for each rank, no more"
+    # The engine's own prefix cache already has 3 blocks, past what the group has: nothing to
+    # load, and every lease (rank 0 held 3) goes back exactly once.
+    r2 = request("t2", 4, seed=2)
+    assert s.get_num_new_matched_tokens(r2, 3 * BS) == (0, False)
+    s.manager.client.flush()
+    assert server.shard_sum("leases") == 4 and s.manager.client.deferred_failures == 0
 
 
 def test_preemption_abort_during_load_and_finish_during_save(server):

@@ -7,14 +7,14 @@ from typing import Any, Dict, List
 
 from vllm.logger import init_logger
 
-from .. import Client, NamespaceDescriptor, OrbitKVError, Unavailable
-from .stats import OrbitKVConnectorStats
+from .. import Client, Disconnected, NamespaceDescriptor, OrbitKVError, Unavailable
+from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
 
 
 class Manager:
-    def __init__(self, ex: Dict[str, Any], name: str, stats: OrbitKVConnectorStats) -> None:
+    def __init__(self, ex: Dict[str, Any], name: str, stats: Counters) -> None:
         self.client = Client(
             ex.get("socket"),
             name=name,
@@ -35,7 +35,7 @@ class Manager:
 
     def failed(self, e: OrbitKVError, what: str) -> None:
         """Counts a failed call; logs the first of an outage (and other errors each time)."""
-        if isinstance(e, Unavailable) or getattr(e, "kind", "") in ("disconnected", "timeout"):
+        if isinstance(e, (Unavailable, Disconnected)):
             self.stats.add(unavailable=1)
             if not self._down:
                 log.warning("OrbitKV Manager unavailable (%s: %s); serving without it until it returns", what, e)

@@ -84,9 +84,10 @@ def namespace(vllm_config: Any, tp_rank: int, layout: str) -> NamespaceDescripto
     """
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     ex = extra(vllm_config)
-    model = str(ex.get("namespace_model") or getattr(mc, "served_model_name", None) or mc.model)
-    if isinstance(getattr(mc, "served_model_name", None), (list, tuple)):
-        model = str(ex.get("namespace_model") or mc.served_model_name[0])
+    served = getattr(mc, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    model = str(ex.get("namespace_model") or served or mc.model)
     use_mla = bool(getattr(mc, "use_mla", False))
     try:
         layout_version = LAYOUT_VERSIONS["mla" if use_mla else layout]

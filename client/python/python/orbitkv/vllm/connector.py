@@ -19,6 +19,7 @@ The engine never fails because of the cache: a Manager that is down or restartin
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -143,8 +144,6 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         side = self._scheduler or self._worker
         if side is not None:
-            import json
-
             name = "scheduler" if self._scheduler is not None else "worker"
             log.info("OrbitKV connector totals (%s): %s", name, json.dumps(side.stats.totals()))
         if self._worker is not None:

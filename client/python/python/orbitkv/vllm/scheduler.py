@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import ChunkKey, Lease, OrbitKVError, chunk_digest
 from ._manager import Manager
 from .config import layout_name, namespace
-from .stats import OrbitKVConnectorStats
+from .stats import Counters
 
 Work = Dict[str, Tuple[List[bytes], List[int]]]
 
@@ -28,13 +28,18 @@ class _Request:
     had_saves: bool = False
     finished: bool = False
 
+    def extend_digests(self, n: int) -> None:
+        """Our digests of the request's first `n` block hashes (its hashes grow as it runs)."""
+        hashes = self.request.block_hashes
+        self.digests.extend(chunk_digest(bytes(h)) for h in hashes[len(self.digests):n])
+
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, ex: Dict[str, Any]) -> None:
         self.vllm_config = vllm_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.world = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.stats = OrbitKVConnectorStats()
+        self.stats = Counters()
         self.manager = Manager(ex, "vllm-scheduler", self.stats)
         self._ns_ids: Optional[List[int]] = None
         self.reqs: Dict[str, _Request] = {}
@@ -75,8 +80,7 @@ class SchedulerSide:
         local = num_computed_tokens // self.block_size
         if len(hashes) <= local:
             return 0, False
-        if len(st.digests) < len(hashes):
-            st.digests = [chunk_digest(bytes(h)) for h in hashes]
+        st.extend_digests(len(hashes))
         try:
             ns_ids = self.ns_ids()
             leases: List[List[Lease]] = []
@@ -90,11 +94,12 @@ class SchedulerSide:
             self.manager.failed(e, "lookup")
             self.stats.add(lookups=1, miss_blocks=len(hashes) - local)
             return 0, False
-        # Keep the leases of the blocks to load; the others go back now.
-        self._release([rank[:local] + rank[limit:] for rank in leases])
-        self.stats.add(lookups=1, hit_blocks=max(0, limit - local), miss_blocks=len(hashes) - max(limit, local))
+        # Keep the leases of the blocks to load, [local, limit); the others go back now (a
+        # rank may hold more than `limit`, and the engine's own hit may reach past it).
+        end = max(local, limit)
+        self._release([rank[:local] + rank[end:] for rank in leases])
+        self.stats.add(lookups=1, hit_blocks=end - local, miss_blocks=len(hashes) - end)
         if limit <= local:
-            self._release([rank[local:limit] for rank in leases])
             return 0, False
         st.leases = [rank[local:limit] for rank in leases]
         st.found = (local, limit)
@@ -132,8 +137,7 @@ class SchedulerSide:
             full = min((req.num_computed_tokens + n_sched) // self.block_size, len(hashes))
             if full <= st.saved:
                 continue
-            if len(st.digests) < full:
-                st.digests.extend(chunk_digest(bytes(h)) for h in hashes[len(st.digests):])
+            st.extend_digests(full)
             ids = self.block_ids_of(rid)
             saves[rid] = (st.digests[st.saved:full], list(ids[st.saved:full]))
             st.saved = full

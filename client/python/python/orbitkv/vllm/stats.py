@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Dict, Union
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -36,17 +37,6 @@ class OrbitKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {f: 0 for f in FIELDS}
 
-    def add(self, **counts: Union[int, float]) -> None:
-        """Counts into this interval and into the connector's lifetime totals."""
-        totals = self.__dict__.setdefault("_totals", {f: 0 for f in FIELDS})
-        for k, v in counts.items():
-            self.data[k] = self.data.get(k, 0) + v
-            totals[k] = totals.get(k, 0) + v
-
-    def totals(self) -> Dict[str, Union[int, float]]:
-        """Everything counted since the connector started."""
-        return dict(self.__dict__.get("_totals") or {f: 0 for f in FIELDS})
-
     def aggregate(self, other: KVConnectorStats) -> "OrbitKVConnectorStats":
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
@@ -61,11 +51,32 @@ class OrbitKVConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in FIELDS)
 
-    def take(self) -> "OrbitKVConnectorStats":
-        """These counters, and zeroes in their place."""
-        out = OrbitKVConnectorStats(data=dict(self.data))
-        self.reset()
-        return out
+class Counters:
+    """A connector side's counters: the interval vLLM takes with each report, and the totals
+    since start (logged at shutdown). Counted from the copy thread and taken from the forward
+    thread, so under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._interval = {f: 0 for f in FIELDS}
+        self._totals = {f: 0 for f in FIELDS}
+
+    def add(self, **counts: Union[int, float]) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._interval[k] += v
+                self._totals[k] += v
+
+    def take(self) -> OrbitKVConnectorStats:
+        """The interval's counters, and zeroes in their place."""
+        with self._lock:
+            out, self._interval = self._interval, {f: 0 for f in FIELDS}
+        return OrbitKVConnectorStats(data=out)
+
+    def totals(self) -> Dict[str, Union[int, float]]:
+        """Everything counted since start."""
+        with self._lock:
+            return dict(self._totals)
 
 
 def build(data: Any) -> OrbitKVConnectorStats:

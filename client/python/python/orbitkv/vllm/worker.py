@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 from .. import ChunkKey, OrbitKVError, Region
 from ._manager import Manager
 from .config import ConfigError, layout_name, namespace
-from .stats import OrbitKVConnectorStats
+from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
 
@@ -32,7 +32,7 @@ def _tp_rank() -> int:
 class WorkerSide:
     def __init__(self, vllm_config: Any, ex: Dict[str, Any]) -> None:
         self.vllm_config = vllm_config
-        self.stats = OrbitKVConnectorStats()
+        self.stats = Counters()
         self.rank = _tp_rank()
         self.manager = Manager(ex, f"vllm-worker-{self.rank}", self.stats)
         self.regions: List[Region] = []
@@ -45,6 +45,9 @@ class WorkerSide:
         self._finishing: Set[str] = set()
         self._loads_done: Set[str] = set()
         self._load_errors: Set[int] = set()
+        #: Failed blocks of the loads the last get_finished reported, for this step's
+        #: get_block_ids_with_load_errors (vLLM asks for them right after).
+        self._reported_errors: Set[int] = set()
         self._busy = False
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -108,7 +111,8 @@ class WorkerSide:
         return (sending or None), (recving or None)
 
     def take_load_errors(self) -> Set[int]:
-        errors, self._reported_errors = getattr(self, "_reported_errors", set()), set()
+        with self._lock:
+            errors, self._reported_errors = self._reported_errors, set()
         return errors
 
     def shutdown(self) -> None:
@@ -132,11 +136,17 @@ class WorkerSide:
                 job = self._jobs.popleft()
                 self._busy = True
             kind, rid, digests, blocks = job
+            # Until the load says otherwise, every block of it failed.
+            failed = set(blocks)
             try:
                 if kind == "load":
                     failed = self._load(digests, blocks)
                 else:
                     self._save(digests, blocks)
+            except Exception:
+                # Whatever went wrong, the thread lives on: a load is reported failed (vLLM
+                # recomputes), a save is dropped; the engine neither crashes nor waits forever.
+                log.exception("OrbitKV %s of request %s failed", kind, rid)
             finally:
                 with self._lock:
                     self._busy = False
