@@ -1,0 +1,259 @@
+"""Restore versus recompute through OrbitKV on a GPU, with a transformers Llama of an 8B model's
+KV shape (32 layers, 8 KV heads, head dim 128, bf16; random weights).
+
+For each prompt length: prefill (the recompute, timed), the KV written into vLLM's paged
+FlashAttention layout (NHD, 16-token blocks), saved through a running orbitkv-server by the
+Python package (CUDA IPC, the server's DMA threads), the pages dropped; then the timed restore:
+leased lookup, load into fresh pages, release. Same run: a contiguous pinned host-to-device
+copy of the same bytes (the PCIe ceiling). Reported: recompute/restore, the limit
+recompute/ceiling, and their ratio. Checked: restored pages byte-identical, and the next-token
+logits of a decode step from the restored KV equal to those from the recomputed KV.
+
+Then decode steps of the model (8K context) alone and while another process saves its pages
+through the same server, in alternating windows: the slowdown of a decode step.
+
+usage: device-restore.py --socket S [--tokens 8192,32768] [--reps 3] --out OUT.json
+       (--tokens "" runs the decode-step measurement alone; --no-interference leaves it out)
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import orbitkv
+from orbitkv import Client, KvLayout, NamespaceDescriptor
+from orbitkv.gpu import device_uuid
+
+LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
+
+
+def model_8b_shape():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=LAYERS, num_attention_heads=32,
+                      num_key_value_heads=HEADS, head_dim=DIM, vocab_size=128256, max_position_embeddings=65536,
+                      rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def layer_kv(cache, layer):
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def to_pages(cache, tokens):
+    """Per layer [2, blocks, 16, heads, dim] (vLLM FlashAttention NHD) from HF's [1, heads, T, dim]."""
+    n = tokens // BS
+    pages = []
+    for layer in range(LAYERS):
+        k, v = layer_kv(cache, layer)
+        p = torch.empty(2, n, BS, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        p[0] = k[0].transpose(0, 1).reshape(n, BS, HEADS, DIM)
+        p[1] = v[0].transpose(0, 1).reshape(n, BS, HEADS, DIM)
+        pages.append(p)
+    return pages
+
+
+def from_pages(pages, tokens):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer, p in enumerate(pages):
+        k = p[0].reshape(tokens, HEADS, DIM).transpose(0, 1).unsqueeze(0).contiguous()
+        v = p[1].reshape(tokens, HEADS, DIM).transpose(0, 1).unsqueeze(0).contiguous()
+        cache.update(k, v, layer)
+    return cache
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def ceiling(nbytes):
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    times = [timed(lambda: dev.copy_(host, non_blocking=True))[0] for _ in range(5)]
+    del host, dev
+    return statistics.median(times)
+
+
+def one_length(model, client, ns, tokens, reps, log):
+    ids = torch.randint(0, 128000, (1, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+    with torch.inference_mode():
+        model(ids[:, :512], use_cache=True, logits_to_keep=1)  # warm-up
+        prefills = []
+        for _ in range(reps):
+            t, out = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
+            prefills.append(t)
+        recompute = statistics.median(prefills)
+        pages = to_pages(out.past_key_values, tokens)
+        nbytes = sum(p.numel() * p.element_size() for p in pages)
+        n = tokens // BS
+        layout = KvLayout("flash_nhd", LAYERS, n, BS, HEADS, DIM, 2)
+        keys = ns.keys(orbitkv.prefix_digests(ids[0].tolist(), BS))
+        reg = client.register_gpu(device_uuid(), layout, pages)
+        t_save, saved = timed(lambda: client.save(reg, keys, list(range(n))))
+        assert set(saved) <= {"done"}, saved[:4]
+        fresh = [torch.zeros_like(p) for p in pages]
+        reg2 = client.register_gpu(device_uuid(), layout, fresh)
+        restores = []
+        for _ in range(reps):
+            for f in fresh:
+                f.zero_()
+
+            def restore():
+                leases = client.lookup_leased(keys)
+                got = client.load(reg2, keys[:len(leases)], list(range(len(leases))))
+                client.release_deferred(leases)
+                return len(leases), got
+
+            t, (found, got) = timed(restore)
+            assert found == n and set(got) == {"done"}, (found, got[:4])
+            restores.append(t)
+        restore_t = statistics.median(restores)
+        identical = all(torch.equal(a, b) for a, b in zip(pages, fresh))
+        ceil = ceiling(nbytes)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        la = model(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+        lb = model(nxt, past_key_values=from_pages(fresh, tokens), use_cache=True).logits
+        logits_equal = bool(torch.equal(la, lb))
+        client.flush()
+        client.unregister_gpu(reg)
+        client.unregister_gpu(reg2)
+    r = {
+        "tokens": tokens, "kv_bytes": nbytes, "recompute_s": recompute, "prefill_runs_s": prefills,
+        "save_s": t_save, "save_gbps": nbytes / t_save / 1e9,
+        "restore_s": restore_t, "restore_runs_s": restores, "restore_gbps": nbytes / restore_t / 1e9,
+        "ceiling_s": ceil, "ceiling_gbps": nbytes / ceil / 1e9,
+        "speedup": recompute / restore_t, "limit": recompute / ceil, "fraction_of_limit": ceil / restore_t,
+        "pages_identical": identical, "next_token_logits_equal": logits_equal,
+    }
+    log(json.dumps(r))
+    del pages, fresh, out
+    torch.cuda.empty_cache()
+    return r, ids
+
+
+def saver_main(socket, run, stop, results):
+    """Another engine process: saves 1 GiB of its pages under new keys, again and again,
+    while `run` is set; puts (bytes, seconds) on `results` once `stop` is set."""
+    import torch
+
+    import orbitkv
+    from orbitkv import Client, KvLayout
+
+    n = 512
+    pages = [torch.randn(2, n, BS, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    torch.cuda.synchronize()
+    c = Client(socket, name="restore-bench-saver", request_timeout=120)
+    ns = c.register_namespace(namespace())
+    reg = c.register_gpu(device_uuid(), KvLayout("flash_nhd", LAYERS, n, BS, HEADS, DIM, 2), pages)
+    done, spent, seed = 0, 0.0, 1
+    while not stop.is_set():
+        if not run.wait(0.05):
+            continue
+        keys = ns.keys(orbitkv.prefix_digests([(seed * 1000003 + t) % 128000 for t in range(n * BS)], BS))
+        seed += 1
+        t0 = time.perf_counter()
+        got = c.save(reg, keys, list(range(n)))
+        spent += time.perf_counter() - t0
+        done += sum(1 for g in got if g == "done") * (2 << 20)
+    c.unregister_gpu(reg)
+    results.put((done, spent))
+
+
+def namespace():
+    return NamespaceDescriptor(model="okv-restore-llama-8b-shape", dtype="bf16", num_layers=LAYERS,
+                               num_kv_heads=HEADS, head_dim=DIM, tokens_per_chunk=BS)
+
+
+def interference(model, socket, log, ctx=8192, steps=40, windows=4):
+    """Decode steps (1 token, `ctx` of context) alone and while another process saves its
+    pages through the same server (in vLLM the saves of other requests run in the worker's
+    own thread; a process of its own keeps this measurement off this one's CPU and GIL)."""
+    import copy
+    import multiprocessing as mp
+
+    ids = torch.randint(0, 128000, (1, ctx), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    with torch.inference_mode():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+    base_cache = out.past_key_values
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    spawn = mp.get_context("spawn")
+    run, stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
+    saver = spawn.Process(target=saver_main, args=(socket, run, stop, results))
+    saver.start()
+
+    def window():
+        cache = copy.deepcopy(base_cache)
+        t = tok
+        times = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                dt, o = timed(lambda: model(t, past_key_values=cache, use_cache=True))
+                t = o.logits[:, -1].argmax(-1, keepdim=True)
+                times.append(dt)
+        return statistics.median(times[2:])
+
+    alone, beside = [], []
+    window()  # warm-up
+    time.sleep(5)  # the saver's start (CUDA context, pages, registration)
+    for _ in range(windows):
+        alone.append(window())
+        run.set()
+        time.sleep(0.2)
+        beside.append(window())
+        run.clear()
+        time.sleep(0.2)
+    alone.append(window())
+    stop.set()
+    done, spent = results.get(timeout=120)
+    saver.join(60)
+    # Each window beside the saves against the mean of the windows alone around it.
+    slow = [b / ((alone[i] + alone[i + 1]) / 2) - 1 for i, b in enumerate(beside)]
+    r = {"context": ctx, "decode_step_alone_s": alone, "decode_step_beside_saves_s": beside,
+         "slowdown": slow, "slowdown_median": statistics.median(slow),
+         "saves_gbps_beside_decode": done / spent / 1e9 if spent else None}
+    log(json.dumps(r))
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-interference", action="store_true")
+    a = ap.parse_args()
+
+    def log(s):
+        print(s, flush=True)
+
+    model = model_8b_shape()
+    client = Client(a.socket, name="restore-bench", request_timeout=120)
+    ns = client.register_namespace(namespace())
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "lengths": []}
+    for tokens in [int(t) for t in a.tokens.split(",") if t]:
+        r, _ = one_length(model, client, ns, tokens, a.reps, log)
+        results["lengths"].append(r)
+    if not a.no_interference:
+        results["interference"] = interference(model, a.socket, log)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
