@@ -268,3 +268,20 @@ pub fn value_for(key: &ChunkKey, len: usize) -> Vec<u8> {
     out.truncate(len);
     out
 }
+
+/// Pings until `c` has reconnected to a server that is up again: a client whose connect
+/// attempts failed while the server was down backs off (calls fail fast as `Unavailable` until
+/// its next attempt is due), so the first call after a restart may not reconnect yet. Any
+/// other error, or no reconnect within 10 s, fails the test.
+pub fn reconnect(c: &mut Client) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.ping() {
+            Ok(()) => return,
+            Err(e) if e.is_unavailable() && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("no reconnect: {e}"),
+        }
+    }
+}
