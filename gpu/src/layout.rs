@@ -4,6 +4,9 @@
 //! Supported:
 //! - vLLM FlashAttention, one tensor per layer `[2, num_blocks, block_size, kv_heads, head_dim]`
 //!   (NHD) or `[2, num_blocks, kv_heads, block_size, head_dim]` (HND);
+//! - vLLM paged (vLLM >= 0.32), one tensor per layer holding one dense page per block,
+//!   `[num_blocks, page]`, a page being `block_size x kv_heads x 2 x head_dim` elements in the
+//!   engine's order (its LBNHC and LBHNC layouts: K and V of a token and head side by side);
 //! - vLLM cross-layer, one tensor `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`;
 //! - MLA, one tensor per layer `[num_blocks, block_size, latent_dim]`;
 //! - SGLang, K and V tensors per layer `[tokens, kv_heads, head_dim]` (page size 1: a block is
@@ -22,6 +25,9 @@ pub enum KvLayout {
     FlashAttnHnd,
     /// vLLM cross-layer, one tensor `[blocks, layers, 2, block_size, heads, dim]`.
     CrossLayer,
+    /// vLLM paged, per layer, `[blocks, page]`: a block's K and V of every token and head in
+    /// one dense page of `block_size x heads x 2 x dim` elements (vLLM >= 0.32).
+    Paged,
     /// MLA, per layer, `[blocks, block_size, latent_dim]` (`head_dim` is the latent width).
     MlaPerLayer,
     /// SGLang, K and V per layer, `[tokens, heads, dim]`, page size 1.
@@ -185,6 +191,8 @@ impl LayoutDesc {
                         (0, ((block * self.num_layers as u64 + layer) * 2 + t) * part)
                     }
                     KvLayout::MlaPerLayer => (layer as u32, block * part),
+                    // [blocks, page]: the block outermost in the layer's tensor.
+                    KvLayout::Paged => (layer as u32, (block * 2 + t) * part),
                     KvLayout::SglangPerLayer => ((2 * layer + t) as u32, block * part),
                 };
                 f(Segment { tensor, offset, len: part });
@@ -222,12 +230,14 @@ impl LayoutDesc {
                     }
                     KvLayout::CrossLayer => tensors[0] + (layer * 2 + t) * part,
                     KvLayout::MlaPerLayer => tensors[layer as usize],
+                    KvLayout::Paged => tensors[layer as usize] + t * part,
                     KvLayout::SglangPerLayer => tensors[(2 * layer + t) as usize],
                 });
             }
         }
         let stride = match self.layout {
             KvLayout::CrossLayer => self.num_layers as u64 * 2 * part,
+            KvLayout::Paged => 2 * part,
             _ => part,
         };
         (bases, stride)

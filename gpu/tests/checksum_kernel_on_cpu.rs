@@ -219,6 +219,7 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
         LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
         LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 96, ..base },
         LayoutDesc { layout: KvLayout::CrossLayer, ..base },
+        LayoutDesc { layout: KvLayout::Paged, ..base },
         LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, ..base },
     ] {
         let tensor_bytes = l.tensor_bytes().unwrap();

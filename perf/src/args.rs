@@ -60,6 +60,9 @@ pub(crate) enum LayoutArg {
     /// SGLang K and V per layer, `[tokens, heads, dim]` (block-tokens must be 1).
     #[value(name = "sglang")]
     Sglang,
+    /// vLLM paged per layer (vLLM >= 0.32), `[blocks, block_tokens x heads x 2 x dim]`.
+    #[value(name = "paged")]
+    Paged,
 }
 
 /// Element types.

@@ -555,6 +555,7 @@ fn layout_of(a: &DmaArgs) -> Result<(LayoutDesc, &'static str), Error> {
         LayoutArg::CrossLayer => (KvLayout::CrossLayer, "cross-layer"),
         LayoutArg::Mla => (KvLayout::MlaPerLayer, "mla"),
         LayoutArg::Sglang => (KvLayout::SglangPerLayer, "sglang"),
+        LayoutArg::Paged => (KvLayout::Paged, "paged"),
     };
     let elem_bytes = match a.dtype {
         DtypeArg::Bf16 | DtypeArg::Fp16 => 2,

@@ -475,6 +475,7 @@ fn spec(l: &LayoutDesc) -> KvLayoutSpec {
             KvLayout::CrossLayer => KvLayoutKind::CrossLayer,
             KvLayout::MlaPerLayer => KvLayoutKind::MlaPerLayer,
             KvLayout::SglangPerLayer => KvLayoutKind::SglangPerLayer,
+            KvLayout::Paged => KvLayoutKind::Paged,
         },
         num_layers: l.num_layers,
         num_blocks: l.num_blocks,

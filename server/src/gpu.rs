@@ -499,6 +499,7 @@ fn layout_desc(spec: &KvLayoutSpec) -> LayoutDesc {
             KvLayoutKind::CrossLayer => KvLayout::CrossLayer,
             KvLayoutKind::MlaPerLayer => KvLayout::MlaPerLayer,
             KvLayoutKind::SglangPerLayer => KvLayout::SglangPerLayer,
+            KvLayoutKind::Paged => KvLayout::Paged,
         },
         num_layers: spec.num_layers,
         num_blocks: spec.num_blocks,

@@ -157,6 +157,9 @@ pub enum KvLayoutKind {
     MlaPerLayer = 4,
     /// SGLang K and V per layer, `[tokens, kv_heads, head_dim]`, page size 1.
     SglangPerLayer = 5,
+    /// vLLM paged per layer, `[blocks, page]`, a page of `block_size x kv_heads x 2 x
+    /// head_dim` elements (vLLM >= 0.32).
+    Paged = 6,
 }
 
 /// The shape of an engine rank's KV cache on one GPU.

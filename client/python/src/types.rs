@@ -310,10 +310,10 @@ pub(crate) fn layout_kind(name: &str) -> PyResult<okv::KvLayoutKind> {
         "cross_layer" => okv::KvLayoutKind::CrossLayer,
         "mla" => okv::KvLayoutKind::MlaPerLayer,
         "sglang" => okv::KvLayoutKind::SglangPerLayer,
+        "paged" => okv::KvLayoutKind::Paged,
         other => {
-            return Err(invalid(format!(
-                "layout kind {other:?}: one of flash_nhd, flash_hnd, cross_layer, mla, sglang"
-            )))
+            const KINDS: &str = "paged, flash_nhd, flash_hnd, cross_layer, mla, sglang";
+            return Err(invalid(format!("layout kind {other:?}: one of {KINDS}")));
         }
     })
 }

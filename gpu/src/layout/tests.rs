@@ -76,6 +76,15 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                         }
                     }
                 }
+                // The page is opaque: its bytes in order, K half then V half.
+                KvLayout::Paged => {
+                    for x in 0..bs * h * dim {
+                        out.push((
+                            layer as u32,
+                            offset_of(&[n, 2, bs * h * dim], &[block, t, x], e),
+                        ));
+                    }
+                }
                 KvLayout::SglangPerLayer => {
                     for hh in 0..h {
                         for x in 0..dim {
@@ -124,6 +133,7 @@ fn every_layout_matches_the_reference() {
         KvLayout::CrossLayer,
         KvLayout::MlaPerLayer,
         KvLayout::SglangPerLayer,
+        KvLayout::Paged,
     ] {
         let d = desc(layout);
         d.validate().unwrap();
@@ -153,6 +163,7 @@ fn part_bases_and_stride_give_every_part() {
         KvLayout::CrossLayer,
         KvLayout::MlaPerLayer,
         KvLayout::SglangPerLayer,
+        KvLayout::Paged,
     ] {
         let d = desc(layout);
         let (bases, stride) = d.part_bases(&tensors);
@@ -178,8 +189,9 @@ fn part_bases_and_stride_give_every_part() {
 fn cross_layer_blocks_are_one_segment() {
     let d = desc(KvLayout::CrossLayer);
     assert_eq!(d.block_segments(2).len(), 1);
-    // FlashAttention: one segment per layer and K/V.
+    // FlashAttention: one segment per layer and K/V; paged: one per layer.
     assert_eq!(desc(KvLayout::FlashAttnNhd).block_segments(2).len(), 6);
+    assert_eq!(desc(KvLayout::Paged).block_segments(2).len(), 3);
 }
 
 #[test]

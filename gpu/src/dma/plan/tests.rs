@@ -30,6 +30,7 @@ fn layouts() -> Vec<LayoutDesc> {
         LayoutDesc { layout: KvLayout::CrossLayer, ..base },
         LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 24, ..base },
         LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, num_blocks: 29, ..base },
+        LayoutDesc { layout: KvLayout::Paged, ..base },
     ]
 }
 
@@ -415,6 +416,7 @@ fn block_form_and_piece_form_move_every_byte_alike() {
         KvLayout::CrossLayer,
         KvLayout::MlaPerLayer,
         KvLayout::SglangPerLayer,
+        KvLayout::Paged,
     ];
     for round in 0..200 {
         let layout = kinds[round % kinds.len()];
