@@ -1,11 +1,14 @@
 """Restore versus recompute through OrbitKV on a GPU, with a transformers Llama of an 8B model's
 KV shape (32 layers, 8 KV heads, head dim 128, bf16; random weights).
 
-For each prompt length: prefill (the recompute, timed), the KV written into vLLM's paged
-FlashAttention layout (NHD, 16-token blocks), saved through a running orbitkv-server by the
-Python package (CUDA IPC, the server's DMA threads), the pages dropped; then the timed restore:
-leased lookup, load into fresh pages, release. Same run: a contiguous pinned host-to-device
-copy of the same bytes (the PCIe ceiling). Reported: recompute/restore, the limit
+For each prompt length: prefill (the recompute, timed), the KV written into vLLM's paged KV
+cache (vLLM >= 0.32: one allocation seen per layer as [blocks, heads, tokens, K|V], default
+layout LBNHC, 16-token blocks), saved through a running orbitkv-server by the Python package
+(`orbitkv.gpu.GpuBlockCopies`, as the vLLM connector copies: CUDA IPC, the server's DMA
+threads), the pages dropped; then the timed restore: leased lookup, load into fresh pages,
+release, by the server's DMA threads and again by the engine's own copies (the path without
+CUDA IPC). Same run: a contiguous pinned host-to-device copy of the same bytes (the PCIe
+ceiling). Reported: recompute/restore, the limit
 recompute/ceiling, and their ratio. Checked: restored pages byte-identical, and the next-token
 logits of a decode step from the restored KV equal to those from the recomputed KV.
 
@@ -18,14 +21,20 @@ usage: device-restore.py --socket S [--tokens 8192,32768] [--reps 3] --out OUT.j
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 import orbitkv
-from orbitkv import Client, KvLayout, NamespaceDescriptor
-from orbitkv.gpu import device_uuid
+from orbitkv import Client, NamespaceDescriptor
+from orbitkv.gpu import GpuBlockCopies, GpuKvCache
+
+# vLLM's view arithmetic, as the package's tests build (and check) it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python", "tests"))
+import kv_views  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
 
@@ -48,16 +57,20 @@ def layer_kv(cache, layer):
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def vllm_cache(blocks):
+    """vLLM's KV cache of the model on the GPU: per layer [blocks, heads, 16, 2 x dim], LBNHC."""
+    return kv_views.views(torch, "LBNHC", LAYERS, blocks, HEADS, BS, 2 * DIM, torch.bfloat16, device="cuda",
+                          fill=False)
+
+
 def to_pages(cache, tokens):
-    """Per layer [2, blocks, 16, heads, dim] (vLLM FlashAttention NHD) from HF's [1, heads, T, dim]."""
+    """vLLM's paged KV cache from HF's per-layer [1, heads, T, dim] K and V."""
     n = tokens // BS
-    pages = []
-    for layer in range(LAYERS):
+    pages = vllm_cache(n)
+    for layer, p in enumerate(pages):
         k, v = layer_kv(cache, layer)
-        p = torch.empty(2, n, BS, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-        p[0] = k[0].transpose(0, 1).reshape(n, BS, HEADS, DIM)
-        p[1] = v[0].transpose(0, 1).reshape(n, BS, HEADS, DIM)
-        pages.append(p)
+        p[..., :DIM] = k[0].reshape(HEADS, n, BS, DIM).transpose(0, 1)
+        p[..., DIM:] = v[0].reshape(HEADS, n, BS, DIM).transpose(0, 1)
     return pages
 
 
@@ -66,8 +79,8 @@ def from_pages(pages, tokens):
 
     cache = DynamicCache()
     for layer, p in enumerate(pages):
-        k = p[0].reshape(tokens, HEADS, DIM).transpose(0, 1).unsqueeze(0).contiguous()
-        v = p[1].reshape(tokens, HEADS, DIM).transpose(0, 1).unsqueeze(0).contiguous()
+        k = p[..., :DIM].transpose(0, 1).reshape(HEADS, tokens, DIM).unsqueeze(0).contiguous()
+        v = p[..., DIM:].transpose(0, 1).reshape(HEADS, tokens, DIM).unsqueeze(0).contiguous()
         cache.update(k, v, layer)
     return cache
 
@@ -99,39 +112,44 @@ def one_length(model, client, ns, tokens, reps, log):
             prefills.append(t)
         recompute = statistics.median(prefills)
         pages = to_pages(out.past_key_values, tokens)
-        nbytes = sum(p.numel() * p.element_size() for p in pages)
         n = tokens // BS
-        layout = KvLayout("flash_nhd", LAYERS, n, BS, HEADS, DIM, 2)
         keys = ns.keys(orbitkv.prefix_digests(ids[0].tolist(), BS))
-        reg = client.register_gpu(device_uuid(), layout, pages)
-        t_save, saved = timed(lambda: client.save(reg, keys, list(range(n))))
-        assert set(saved) <= {"done"}, saved[:4]
-        fresh = [torch.zeros_like(p) for p in pages]
-        reg2 = client.register_gpu(device_uuid(), layout, fresh)
-        restores = []
-        for _ in range(reps):
-            for f in fresh:
-                f.zero_()
+        saver = GpuBlockCopies(client, GpuKvCache(pages), "server")
+        nbytes = saver.cache.chunk_bytes * n
+        saver.prepare()
+        torch.cuda.synchronize()
+        t_save, saved = timed(lambda: saver.save(keys, list(range(n))))
+        assert set(saved) == {"stored"}, saved[:4]
+        fresh = vllm_cache(n)
+        paths = {}
+        for path in ("server", "engine"):
+            loader = GpuBlockCopies(client, GpuKvCache(fresh), path)
+            loader.prepare()
+            times = []
+            for _ in range(reps):
+                for f in fresh:
+                    f.zero_()
 
-            def restore():
-                leases = client.lookup_leased(keys)
-                got = client.load(reg2, keys[:len(leases)], list(range(len(leases))))
-                client.release_deferred(leases)
-                return len(leases), got
+                def restore():
+                    leases = client.lookup_leased(keys)
+                    got = loader.load(keys[:len(leases)], list(range(len(leases))))
+                    client.release_deferred(leases)
+                    return len(leases), got
 
-            t, (found, got) = timed(restore)
-            assert found == n and set(got) == {"done"}, (found, got[:4])
-            restores.append(t)
-        restore_t = statistics.median(restores)
-        identical = all(torch.equal(a, b) for a, b in zip(pages, fresh))
+                t, (found, got) = timed(restore)
+                assert found == n and set(got) == {"done"}, (found, got[:4])
+                times.append(t)
+            identical = all(torch.equal(a, b) for a, b in zip(pages, fresh))
+            paths[path] = (statistics.median(times), times, identical)
+            loader.close()
+        restore_t, restores, identical = paths["server"]
         ceil = ceiling(nbytes)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         la = model(nxt, past_key_values=out.past_key_values, use_cache=True).logits
         lb = model(nxt, past_key_values=from_pages(fresh, tokens), use_cache=True).logits
         logits_equal = bool(torch.equal(la, lb))
         client.flush()
-        client.unregister_gpu(reg)
-        client.unregister_gpu(reg2)
+        saver.close()
     r = {
         "tokens": tokens, "kv_bytes": nbytes, "recompute_s": recompute, "prefill_runs_s": prefills,
         "save_s": t_save, "save_gbps": nbytes / t_save / 1e9,
@@ -139,6 +157,9 @@ def one_length(model, client, ns, tokens, reps, log):
         "ceiling_s": ceil, "ceiling_gbps": nbytes / ceil / 1e9,
         "speedup": recompute / restore_t, "limit": recompute / ceil, "fraction_of_limit": ceil / restore_t,
         "pages_identical": identical, "next_token_logits_equal": logits_equal,
+        "engine_restore_s": paths["engine"][0], "engine_restore_runs_s": paths["engine"][1],
+        "engine_restore_gbps": nbytes / paths["engine"][0] / 1e9, "engine_speedup": recompute / paths["engine"][0],
+        "engine_pages_identical": paths["engine"][2],
     }
     log(json.dumps(r))
     del pages, fresh, out
@@ -152,14 +173,16 @@ def saver_main(socket, run, stop, results):
     import torch
 
     import orbitkv
-    from orbitkv import Client, KvLayout
+    from orbitkv import Client
 
     n = 512
-    pages = [torch.randn(2, n, BS, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    pages = vllm_cache(n)
+    for p in pages:
+        p.normal_()
     torch.cuda.synchronize()
     c = Client(socket, name="restore-bench-saver", request_timeout=120)
     ns = c.register_namespace(namespace())
-    reg = c.register_gpu(device_uuid(), KvLayout("flash_nhd", LAYERS, n, BS, HEADS, DIM, 2), pages)
+    copies = GpuBlockCopies(c, GpuKvCache(pages), "server")
     done, spent, seed = 0, 0.0, 1
     while not stop.is_set():
         if not run.wait(0.05):
@@ -167,10 +190,10 @@ def saver_main(socket, run, stop, results):
         keys = ns.keys(orbitkv.prefix_digests([(seed * 1000003 + t) % 128000 for t in range(n * BS)], BS))
         seed += 1
         t0 = time.perf_counter()
-        got = c.save(reg, keys, list(range(n)))
+        got = copies.save(keys, list(range(n)))
         spent += time.perf_counter() - t0
-        done += sum(1 for g in got if g == "done") * (2 << 20)
-    c.unregister_gpu(reg)
+        done += sum(1 for g in got if g == "stored") * copies.cache.chunk_bytes
+    copies.close()
     results.put((done, spent))
 
 

@@ -64,7 +64,7 @@ class Region:
 class KvLayout:
     """The shape of an engine rank's KV cache on one GPU (see docs/operations.md).
 
-    kind: flash_nhd, flash_hnd, cross_layer, mla or sglang.
+    kind: paged (vLLM >= 0.32, per layer), flash_nhd, flash_hnd, cross_layer, mla or sglang.
     """
 
     kind: str
@@ -285,7 +285,7 @@ class Client:
     def arena(self) -> Optional[Tuple[int, int, int]]:
         """(address, length, session id) of this session's arena mapping, None while
         disconnected: for an engine that registers it with CUDA and copies itself
-        (`orbitkv.gpu.ArenaCopier`). It ends with the session."""
+        (`orbitkv.gpu.EngineCopies`). It ends with the session."""
         return self._c.arena()
 
     # --- GPU pages (the server's DMA threads copy) ---------------------------------------

@@ -181,3 +181,221 @@ class EngineCopies:
             if leases:
                 self.client.release_deferred(leases)
         return out
+
+
+def _dense_page(t: Any) -> Tuple[int, str]:
+    """(bytes, order) of one block's page in a `[blocks, H, N, C]` view whose page is dense
+    (its H, N and C dims cover one contiguous run, C innermost): order `HNC` or `NHC`."""
+    if t.dim() != 4:
+        raise InvalidArgument(f"a paged KV cache view is [blocks, heads, tokens, content]; got shape {tuple(t.shape)}")
+    _, h, n, c = (int(x) for x in t.shape)
+    e = t.element_size()
+    sh, sn, sc = (int(t.stride(i)) for i in (1, 2, 3))
+    if c > 1 and sc != 1:
+        raise InvalidArgument(f"the innermost dim of a KV page must be dense (strides {tuple(t.stride())})")
+    order = "HNC" if h == 1 or n == 1 or sh > sn else "NHC"
+    inner = {"HNC": ((n, sn), (h, sh)), "NHC": ((h, sh), (n, sn))}[order]
+    expect = c
+    for size, stride in inner:
+        if size > 1 and stride != expect:
+            raise InvalidArgument(
+                f"a KV page of shape {tuple(t.shape)} with strides {tuple(t.stride())} is not one dense run of bytes"
+            )
+        expect *= size
+    return h * n * c * e, order
+
+
+class GpuKvCache:
+    """An engine rank's paged KV cache on one GPU, read from its per-layer tensors: each a
+    `[blocks, heads, tokens, content]` view (vLLM >= 0.32; MLA with one head) whose block
+    pages are dense runs of bytes. A chunk is one block of every layer, layer by layer, each
+    page's bytes in the engine's order.
+
+    Two shapes are recognised, and both give the same chunk bytes:
+    - per layer (vLLM's LBNHC/LBHNC): the layer's pages back to back, server layout `paged`
+      (`mla` for MLA);
+    - cross-layer (BLNHC/BLHNC): one tensor whose blocks hold every layer's page in turn,
+      server layout `cross_layer`.
+    Anything else (padded pages, heads outside blocks) is refused, naming what was found.
+
+    `regions()` gives what `Client.register_gpu` takes (the server's DMA threads copy);
+    `pieces(block)` gives what `EngineCopies` takes (the engine copies).
+    """
+
+    def __init__(self, layers: Sequence[Any], *, mla: bool = False) -> None:
+        if not layers:
+            raise InvalidArgument("no KV cache tensors")
+        self.device = layers[0].device
+        self.dtype = layers[0].dtype
+        self.mla = mla
+        for i, t in enumerate(layers):
+            if t.device != self.device or t.dtype != self.dtype:
+                raise InvalidArgument(f"layer {i} is {t.dtype} on {t.device}, layer 0 {self.dtype} on {self.device}")
+            if t.shape != layers[0].shape or t.stride() != layers[0].stride():
+                raise InvalidArgument(f"layer {i} has shape {tuple(t.shape)} strides {tuple(t.stride())}, "
+                                      f"layer 0 {tuple(layers[0].shape)} {tuple(layers[0].stride())}")
+        self.num_layers = len(layers)
+        self.num_blocks = int(layers[0].shape[0])
+        e = layers[0].element_size()
+        self.page_bytes, self.page_order = _dense_page(layers[0])
+        _, self.heads, self.block_size, content = (int(x) for x in layers[0].shape)
+        stride = int(layers[0].stride(0)) * e
+        ptrs = [int(t.data_ptr()) for t in layers]
+        storage = layers[0].untyped_storage()
+        same_storage = all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in layers)
+        if stride == self.page_bytes:
+            self.kind = "mla" if mla else "paged"
+            self._slabs = [self._slab(t, self.num_blocks * self.page_bytes) for t in layers]
+        elif (same_storage and stride == self.num_layers * self.page_bytes
+              and all(p == ptrs[0] + i * self.page_bytes for i, p in enumerate(ptrs))):
+            self.kind = "cross_layer"
+            self._slabs = [self._slab(layers[0], self.num_blocks * stride)]
+        else:
+            raise InvalidArgument(
+                f"KV pages of {self.page_bytes} bytes lie {stride} bytes apart, and the layers are not one "
+                "cross-layer tensor in order: OrbitKV copies dense per-layer pages (vLLM's LBNHC/LBHNC) or "
+                "cross-layer blocks (BLNHC/BLHNC)"
+            )
+        self.chunk_bytes = self.num_layers * self.page_bytes
+        # The server's layout of the same bytes: per-token K and V halves for FlashAttention
+        # pages, the latent row for MLA.
+        if self.kind == "mla":
+            self.layout_args = (self.num_layers, self.num_blocks, self.block_size, 1, self.heads * content, e)
+        else:
+            if (self.heads * content) % 2:
+                raise InvalidArgument(f"a page's content of {content} elements per head cannot be K and V halves")
+            self.layout_args = (self.num_layers, self.num_blocks, self.block_size, self.heads, content // 2, e)
+
+    @staticmethod
+    def _slab(t: Any, nbytes: int) -> Any:
+        """The bytes from `t`'s first element on, as a flat contiguous uint8 tensor."""
+        import torch
+
+        storage = t.untyped_storage()
+        start = int(t.data_ptr()) - int(storage.data_ptr())
+        if start + nbytes > storage.nbytes():
+            raise InvalidArgument(f"{nbytes} bytes from offset {start} run past the tensor's storage")
+        u = torch.empty(0, dtype=torch.uint8, device=t.device)
+        u.set_(storage, start, (nbytes,), (1,))
+        return u
+
+    def layout(self) -> Any:
+        from .client import KvLayout
+
+        return KvLayout(self.kind, *self.layout_args)
+
+    def regions(self) -> List[Tuple[bytes, int, int]]:
+        """The server layout's tensors as CUDA IPC triples, for `Client.register_gpu`."""
+        return [ipc_triple(s) for s in self._slabs]
+
+    def pieces(self, block: int) -> List[Any]:
+        """Block `block`'s chunk as contiguous uint8 CUDA tensors, in chunk order (for
+        `EngineCopies`)."""
+        if not 0 <= block < self.num_blocks:
+            raise InvalidArgument(f"block {block} of {self.num_blocks}")
+        if self.kind == "cross_layer":
+            return [self._slabs[0][block * self.chunk_bytes:(block + 1) * self.chunk_bytes]]
+        at = block * self.page_bytes
+        return [s[at:at + self.page_bytes] for s in self._slabs]
+
+
+class GpuBlockCopies:
+    """Saves and loads blocks of a `GpuKvCache` through `client`, by one of two paths:
+
+    - `server`: the cache is registered with the Manager (CUDA IPC) and its DMA threads copy;
+      the registration is renewed after a Manager restart;
+    - `engine`: this process copies through its CUDA-registered mapping of the arena
+      (`EngineCopies`), for containers without CUDA IPC between engine and Manager;
+    - `auto` (default): `server`, and `engine` for good if the Manager refuses the
+      registration (no GPU mode there, IPC not possible, memory CUDA IPC cannot share).
+
+    Outcomes per key as `Client.save`/`load` give them, with a save's `done` named `stored`.
+    Errors of the Manager's session (`Unavailable`, `Disconnected`, ...) are raised. Use it from
+    one thread.
+    """
+
+    def __init__(self, client: Any, cache: GpuKvCache, path: str = "auto", log: Any = None) -> None:
+        if path not in ("auto", "server", "engine"):
+            raise InvalidArgument(f"GPU copy path {path!r}: one of auto, server, engine")
+        self.client = client
+        self.cache = cache
+        self.path = path
+        self._log = log
+        self._reg: Any = None
+        self._engine: Any = None
+
+    @property
+    def active_path(self) -> str:
+        """The path the next copy takes (`auto` until the first registration decides)."""
+        return "engine" if self._engine is not None else self.path
+
+    def prepare(self) -> None:
+        """Registers the cache with the Manager now (the server path; else nothing): errors as
+        a copy would raise. Copies register by themselves when needed."""
+        if self._engine is None and self.path != "engine":
+            self._registration()
+
+    def _registration(self) -> Any:
+        from ._native import OrbitKVError, Unavailable
+
+        if self._reg is None:
+            try:
+                self._reg = self.client.register_gpu(device_uuid(self.cache.device), self.cache.layout(),
+                                                     self.cache.regions())
+                self.path = "server"
+            except Unavailable:
+                raise
+            except OrbitKVError as e:
+                if self.path != "auto" or not self.client.is_connected:
+                    raise
+                if self._log is not None:
+                    self._log.warning("OrbitKV: the Manager did not take the GPU KV cache (%s); this process "
+                                      "copies its pages itself from now on", e)
+                self._use_engine()
+        return self._reg
+
+    def _use_engine(self) -> None:
+        import torch
+
+        self.path = "engine"
+        self._engine = EngineCopies(self.client, stream=torch.cuda.Stream(self.cache.device))
+
+    def _run(self, op: str, keys: Sequence[Any], blocks: Sequence[int]) -> List[str]:
+        import torch
+
+        with torch.cuda.device(self.cache.device):
+            if self.path == "engine" and self._engine is None:
+                self._use_engine()
+            reg = self._registration() if self._engine is None else None
+            if self._engine is not None:
+                pieces = [self.cache.pieces(b) for b in blocks]
+                return self._engine.save(keys, pieces) if op == "save" else self._engine.load(keys, pieces)
+            copy = self.client.save if op == "save" else self.client.load
+            try:
+                return copy(reg, keys, blocks)
+            except Stale:
+                # The registration belonged to a session that ended (a Manager restart):
+                # register with the new one and copy once more.
+                self._reg = None
+                return copy(self._registration(), keys, blocks)
+
+    def save(self, keys: Sequence[Any], blocks: Sequence[int]) -> List[str]:
+        """Block `blocks[i]` as chunk `keys[i]`: `stored`, `already_present`, or why not."""
+        return ["stored" if o == "done" else o for o in self._run("save", keys, blocks)]
+
+    def load(self, keys: Sequence[Any], blocks: Sequence[int]) -> List[str]:
+        """The longest present prefix of `keys` into `blocks`: `done`, then `not_found`."""
+        return self._run("load", keys, blocks)
+
+    def close(self) -> None:
+        """Ends the registration (or the arena's CUDA registration); errors are ignored."""
+        from ._native import OrbitKVError
+
+        if self._reg is not None:
+            try:
+                self.client.unregister_gpu(self._reg)
+            except OrbitKVError:
+                pass
+            self._reg = None
+        if self._engine is not None:
+            self._engine.close()

@@ -27,8 +27,21 @@ _DTYPES = {
 _STABLE_HASHES = ("sha256", "sha256_cbor")
 
 
-#: The layout version of each vLLM KV cache layout (the order of one block's bytes in a layer).
-LAYOUT_VERSIONS = {"LBHNC": 101, "LBNHC": 102, "LHBNC": 103, "BLHNC": 104, "BLNHC": 105, "BHLNC": 106, "mla": 107}
+#: The layout version of each order of a block's page (the bytes of one block in one layer):
+#: heads outside tokens (vLLM's LBHNC and BLHNC layouts), tokens outside heads (LBNHC, BLNHC),
+#: MLA's latent rows. A chunk is its layers' pages in turn whether the engine keeps a block's
+#: layers apart (LB..) or together (BL..): both give the same chunk bytes.
+LAYOUT_VERSIONS = {"HNC": 101, "NHC": 102, "mla": 107}
+
+
+def page_order(layout: str) -> str:
+    """The page order (a LAYOUT_VERSIONS key) of a vLLM KV cache layout name."""
+    if len(layout) != 5 or set(layout[:2]) != {"L", "B"} or layout[2:] not in ("HNC", "NHC"):
+        raise ConfigError(
+            f"KV cache layout {layout!r} does not keep a block's page in one piece: OrbitKV stores "
+            "LBNHC, LBHNC, BLNHC and BLHNC (set VLLM_KV_CACHE_LAYOUT to one of them)"
+        )
+    return layout[2:]
 
 
 def layout_name(vllm_config: Any) -> str:
@@ -79,8 +92,8 @@ def dtype_name(vllm_config: Any) -> str:
 def namespace(vllm_config: Any, tp_rank: int, layout: str) -> NamespaceDescriptor:
     """The namespace of one TP rank's chunks: one vLLM block of every layer per chunk.
 
-    `layout` names how a block's bytes are laid out (vLLM's KV cache layout, or "mla"); it is
-    hashed into the layout version, so chunks of different layouts never mix.
+    `layout` is vLLM's KV cache layout name; the order of its pages is hashed into the layout
+    version, so chunks of different byte orders never mix.
     """
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     ex = extra(vllm_config)
@@ -89,10 +102,7 @@ def namespace(vllm_config: Any, tp_rank: int, layout: str) -> NamespaceDescripto
         served = served[0] if served else None
     model = str(ex.get("namespace_model") or served or mc.model)
     use_mla = bool(getattr(mc, "use_mla", False))
-    try:
-        layout_version = LAYOUT_VERSIONS["mla" if use_mla else layout]
-    except KeyError:
-        raise ConfigError(f"KV cache layout {layout!r} is not one OrbitKV stores") from None
+    layout_version = LAYOUT_VERSIONS["mla" if use_mla else page_order(layout)]
     return NamespaceDescriptor(
         model=model[:256],
         dtype=dtype_name(vllm_config),

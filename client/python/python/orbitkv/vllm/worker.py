@@ -1,5 +1,11 @@
-"""The worker side of the connector: the engine process's copies between its KV cache and the
-Manager's arena, on a background thread so that the forward pass never waits for them."""
+"""The worker side of the connector: copies between the engine's KV cache and the Manager's
+arena, on a background thread so that the forward pass never waits for them.
+
+CPU KV caches are copied by this process straight into and out of the arena. GPU KV caches
+(vLLM >= 0.32's per-layer `[blocks, heads, tokens, content]` views, per layer or cross-layer,
+MLA included) are registered with the Manager and copied by its DMA threads, or copied by this
+process through its CUDA-registered mapping of the arena when the Manager cannot open them
+(`gpu_path`: `auto`, `server` or `engine`)."""
 
 from __future__ import annotations
 
@@ -12,12 +18,13 @@ from vllm.logger import init_logger
 
 from .. import ChunkKey, OrbitKVError, Region
 from ._manager import Manager
-from .config import ConfigError, layout_name, namespace
+from .config import ConfigError, layout_name, namespace, page_order
 from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
 
-Job = Tuple[str, str, List[bytes], List[int]]  # (kind, request id, digests, block ids)
+#: (kind, request id, digests, block ids, a CUDA event the copy waits for or None)
+Job = Tuple[str, str, List[bytes], List[int], Any]
 
 
 def _tp_rank() -> int:
@@ -35,7 +42,9 @@ class WorkerSide:
         self.stats = Counters()
         self.rank = _tp_rank()
         self.manager = Manager(ex, f"vllm-worker-{self.rank}", self.stats)
+        self.manager_extra = ex
         self.regions: List[Region] = []
+        self.gpu: Any = None  # orbitkv.gpu.GpuBlockCopies for a GPU KV cache
         self.chunk_bytes = 0
         self.ns_id: Optional[int] = None
         self._lock = threading.Condition()
@@ -54,38 +63,72 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         tensors = list(kv_caches.values())
-        if any(t.device.type != "cpu" for t in tensors):
-            raise ConfigError(
-                "OrbitKVConnector copies CPU KV caches in this release; this engine's KV cache is on "
-                f"{tensors[0].device}: its GPU data path is not available yet"
-            )
-        for name, t in kv_caches.items():
-            if not t.is_contiguous():
-                raise ConfigError(f"KV cache of {name} is not contiguous (layout {layout_name(self.vllm_config)})")
-        self.regions = [Region(t, block_bytes=t[0].numel() * t.element_size()) for t in tensors]
-        self.chunk_bytes = sum(r.block_bytes for r in self.regions)
-        desc = namespace(self.vllm_config, self.rank, layout_name(self.vllm_config))
+        layout = layout_name(self.vllm_config)
+        use_mla = bool(getattr(self.vllm_config.model_config, "use_mla", False))
+        devices = {t.device.type for t in tensors}
+        if devices == {"cpu"}:
+            for name, t in kv_caches.items():
+                if not t.is_contiguous():
+                    raise ConfigError(f"KV cache of {name} is not contiguous (layout {layout})")
+            self.regions = [Region(t, block_bytes=t[0].numel() * t.element_size()) for t in tensors]
+            self.chunk_bytes = sum(r.block_bytes for r in self.regions)
+            how = "copied by this process"
+        elif devices == {"cuda"}:
+            from ..gpu import GpuBlockCopies, GpuKvCache
+
+            try:
+                cache = GpuKvCache(tensors, mla=use_mla)
+            except OrbitKVError as e:
+                raise ConfigError(f"OrbitKV cannot copy this KV cache (layout {layout}): {e}") from None
+            if not use_mla and cache.page_order != page_order(layout):
+                raise ConfigError(f"the KV cache's pages are {cache.page_order} but vLLM's layout is {layout}")
+            path = str(self.manager_extra.get("gpu_path", "auto"))
+            self.gpu = GpuBlockCopies(self.manager.client, cache, path, log)
+            self.chunk_bytes = cache.chunk_bytes
+            how = f"{cache.kind} pages on {cache.device}, gpu_path {path}"
+        else:
+            raise ConfigError(f"KV cache tensors on {sorted(devices)}: OrbitKV copies CPU or CUDA KV caches")
+        desc = namespace(self.vllm_config, self.rank, layout)
         (self.ns_id,) = self.manager.register([desc])
+        if self.gpu is not None:
+            try:
+                self.gpu.prepare()  # now if the Manager is up, else at the first copy
+                self.manager.ok()
+            except OrbitKVError as e:
+                self.manager.failed(e, "register the GPU KV cache")
         log.info(
-            "OrbitKV connector: %d layers, %d bytes per chunk, namespace %#x (rank %d)",
-            len(self.regions), self.chunk_bytes, self.ns_id, self.rank,
+            "OrbitKV connector: %d layers, %d bytes per chunk (%s), namespace %#x (rank %d)",
+            len(tensors), self.chunk_bytes, how, self.ns_id, self.rank,
         )
         self._thread = threading.Thread(target=self._run, name="orbitkv-copies", daemon=True)
         self._thread.start()
 
+    def _event(self) -> Any:
+        """For a GPU cache: an event after the work queued so far on the current stream (the
+        forward pass writing the blocks to save, or still reading the blocks a load reuses)."""
+        if self.gpu is None:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.gpu.cache.device))
+        return ev
+
     # ---- the step's calls (forward thread)
 
     def start_loads(self, loads: Dict[str, Tuple[List[bytes], List[int]]]) -> None:
+        ev = self._event() if loads else None
         with self._lock:
             for rid, (digests, blocks) in loads.items():
                 # Loads go before any saves queued: a request is waiting for them.
-                self._jobs.appendleft(("load", rid, digests, blocks))
+                self._jobs.appendleft(("load", rid, digests, blocks, ev))
             self._lock.notify()
 
     def start_saves(self, saves: Dict[str, Tuple[List[bytes], List[int]]]) -> None:
+        ev = self._event() if saves else None
         with self._lock:
             for rid, (digests, blocks) in saves.items():
-                self._jobs.append(("save", rid, digests, blocks))
+                self._jobs.append(("save", rid, digests, blocks, ev))
                 self._pending_saves[rid] += 1
                 self._saved_reqs.add(rid)
             self._lock.notify()
@@ -121,6 +164,8 @@ class WorkerSide:
             self._stop = True
             self._lock.notify_all()
         try:
+            if self.gpu is not None:
+                self.gpu.close()
             self.manager.client.flush()
         except OrbitKVError:
             pass
@@ -135,10 +180,12 @@ class WorkerSide:
                     return
                 job = self._jobs.popleft()
                 self._busy = True
-            kind, rid, digests, blocks = job
+            kind, rid, digests, blocks, ev = job
             # Until the load says otherwise, every block of it failed.
             failed = set(blocks)
             try:
+                if ev is not None:
+                    ev.synchronize()
                 if kind == "load":
                     failed = self._load(digests, blocks)
                 else:
@@ -165,7 +212,10 @@ class WorkerSide:
         """Loads the chunks; the block ids that did not load."""
         t0 = time.perf_counter()
         try:
-            out = self.manager.client.load_blocks(self.regions, self._keys(digests), blocks)
+            if self.gpu is not None:
+                out = self.gpu.load(self._keys(digests), blocks)
+            else:
+                out = self.manager.client.load_blocks(self.regions, self._keys(digests), blocks)
             self.manager.ok()
         except OrbitKVError as e:
             self.manager.failed(e, "load")
@@ -186,7 +236,10 @@ class WorkerSide:
     def _save(self, digests: List[bytes], blocks: List[int]) -> None:
         t0 = time.perf_counter()
         try:
-            out = self.manager.client.save_blocks(self.regions, self._keys(digests), blocks)
+            if self.gpu is not None:
+                out = self.gpu.save(self._keys(digests), blocks)
+            else:
+                out = self.manager.client.save_blocks(self.regions, self._keys(digests), blocks)
             self.manager.ok()
         except OrbitKVError as e:
             self.manager.failed(e, "save")

@@ -1,0 +1,146 @@
+"""The vLLM connector's worker side with a GPU KV cache (vLLM >= 0.32 views, per layer LBNHC),
+against a real Manager with a GPU, by both copy paths: saves queued after the forward pass's
+work, loads into other blocks, a load error reported per block, and a cache whose page order is
+not vLLM's layout refused.
+
+vLLM runs on the CPU in CI, where this skips; the GPU machine has no vLLM. There the few vLLM
+names the connector's modules import (its logger, the connector base classes, the stats base
+class) are stood in for by minimal modules, so that the worker's own code runs on the GPU; the
+connector against the real vLLM is tested in tests/vllm. Skipped without torch or CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import sys
+import time
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def _stand_in_for_vllm() -> None:
+    def module(name: str, **attrs) -> None:
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        sys.modules[name] = m
+
+    class Role(enum.Enum):
+        SCHEDULER = 0
+        WORKER = 1
+
+    class Base:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+    @dataclasses.dataclass
+    class Stats:
+        data: dict = dataclasses.field(default_factory=dict)
+
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
+                 "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1"):
+        module(name)
+    module("vllm.logger", init_logger=logging.getLogger)
+    module("vllm.distributed.kv_transfer.kv_connector.v1.base", KVConnectorBase_V1=Base, KVConnectorMetadata=Base,
+           KVConnectorRole=Role)
+    module("vllm.distributed.kv_transfer.kv_connector.v1.metrics", KVConnectorStats=Stats)
+
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    _stand_in_for_vllm()
+
+import orbitkv  # noqa: E402
+from orbitkv.vllm.config import ConfigError  # noqa: E402
+from orbitkv.vllm.worker import WorkerSide  # noqa: E402
+
+import kv_views  # noqa: E402
+from conftest import Server  # noqa: E402
+
+L, B, BS, HEADS, DIM = 4, 32, 16, 8, 128
+
+
+@pytest.fixture(scope="module")
+def gpu_server():
+    s = Server(["--shards", "2", "--dram", "512MiB", "--gpu", "required"])
+    yield s
+    s.stop()
+
+
+def vllm_config(layout: str = "LBNHC"):
+    mc = types.SimpleNamespace(
+        model="tiny-gpu", served_model_name="tiny-gpu", dtype=torch.bfloat16, use_mla=False,
+        get_num_layers=lambda pc: L, get_num_kv_heads=lambda pc: HEADS, get_head_size=lambda: DIM,
+    )
+    return types.SimpleNamespace(
+        model_config=mc,
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        cache_config=types.SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout=layout,
+                                           prefix_caching_hash_algo="sha256"),
+        device_config=types.SimpleNamespace(device_type="cuda"),
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={}),
+    )
+
+
+def caches(layout: str, fill: bool):
+    views = kv_views.views(torch, layout, L, B, HEADS, BS, 2 * DIM, torch.bfloat16, device="cuda", fill=fill)
+    return {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)}
+
+
+def worker(server, path: str, layout: str, fill: bool):
+    w = WorkerSide(vllm_config(), {"socket": server.socket, "gpu_path": path})
+    kv = caches(layout, fill)
+    w.register_kv_caches(kv)
+    return w, list(kv.values())
+
+
+def finished_loading(w, rid: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        _, recving = w.get_finished(set())
+        if recving and rid in recving:
+            return
+        assert time.monotonic() < deadline, f"load of {rid} not finished"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("save_path,load_path", [("server", "engine"), ("engine", "server"), ("auto", "auto")])
+def test_worker_saves_and_loads_gpu_blocks(gpu_server, save_path, load_path):
+    digests = [orbitkv.chunk_digest(f"{save_path}-{i}".encode() * 4) for i in range(6)]
+    saver, src = worker(gpu_server, save_path, "LBNHC", True)
+    # The forward pass wrote the blocks on the current stream: the save waits for that work.
+    for v in src:
+        v[3:9].mul_(-1)
+    saver.start_saves({"r1": (digests, [3, 4, 5, 6, 7, 8])})
+    saver.wait_for(["r1"])
+    assert saver.get_finished({"r1"})[0] == {"r1"}
+    assert saver.stats.totals()["saved_blocks"] == 6
+
+    loader, dst = worker(gpu_server, load_path, "LBNHC", False)
+    missing = orbitkv.chunk_digest(b"never saved" * 4)
+    loader.start_loads({"r2": (digests[:4] + [missing], [20, 21, 22, 23, 24])})
+    finished_loading(loader, "r2")
+    assert loader.take_load_errors() == {24}
+    torch.cuda.synchronize()
+    for a, b in zip(dst, src):
+        assert torch.equal(a[20:24], b[3:7])
+    assert loader.stats.totals()["loaded_blocks"] == 4
+    saver.shutdown()
+    loader.shutdown()
+    assert gpu_server.shard_sum("leases") == 0
+
+
+def test_a_cache_unlike_vllms_layout_is_refused(gpu_server):
+    w = WorkerSide(vllm_config("LBNHC"), {"socket": gpu_server.socket})
+    with pytest.raises(ConfigError, match="HNC"):
+        w.register_kv_caches(caches("LBHNC", False))
+    w = WorkerSide(vllm_config("LHBNC"), {"socket": gpu_server.socket})
+    with pytest.raises(ConfigError, match="LHBNC"):
+        w.register_kv_caches(caches("LHBNC", False))
