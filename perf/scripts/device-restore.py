@@ -20,6 +20,7 @@ usage: device-restore.py --socket S [--tokens 8192,32768] [--reps 3] --out OUT.j
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -120,6 +121,11 @@ def one_length(model, client, ns, tokens, reps, log):
         torch.cuda.synchronize()
         t_save, saved = timed(lambda: saver.save(keys, list(range(n))))
         assert set(saved) == {"stored"}, saved[:4]
+        # Again under other keys: the first save of a server also starts its copy thread's
+        # staging and kernels.
+        other = ns.keys(orbitkv.prefix_digests(ids[0].tolist(), BS, extra=b"again"))
+        t_save2, saved = timed(lambda: saver.save(other, list(range(n))))
+        assert set(saved) == {"stored"}, saved[:4]
         fresh = vllm_cache(n)
         paths = {}
         for path in ("server", "engine"):
@@ -145,18 +151,23 @@ def one_length(model, client, ns, tokens, reps, log):
         restore_t, restores, identical = paths["server"]
         ceil = ceiling(nbytes)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        la = model(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+        la = model(nxt, past_key_values=copy.deepcopy(out.past_key_values), use_cache=True).logits
+        la2 = model(nxt, past_key_values=copy.deepcopy(out.past_key_values), use_cache=True).logits
         lb = model(nxt, past_key_values=from_pages(fresh, tokens), use_cache=True).logits
         logits_equal = bool(torch.equal(la, lb))
+        logits_diff = float((la.float() - lb.float()).abs().max())
+        recompute_repeatable = bool(torch.equal(la, la2))
         client.flush()
         saver.close()
     r = {
         "tokens": tokens, "kv_bytes": nbytes, "recompute_s": recompute, "prefill_runs_s": prefills,
         "save_s": t_save, "save_gbps": nbytes / t_save / 1e9,
+        "save_again_s": t_save2, "save_again_gbps": nbytes / t_save2 / 1e9,
         "restore_s": restore_t, "restore_runs_s": restores, "restore_gbps": nbytes / restore_t / 1e9,
         "ceiling_s": ceil, "ceiling_gbps": nbytes / ceil / 1e9,
         "speedup": recompute / restore_t, "limit": recompute / ceil, "fraction_of_limit": ceil / restore_t,
         "pages_identical": identical, "next_token_logits_equal": logits_equal,
+        "next_token_logits_max_abs_diff": logits_diff, "decode_step_repeatable": recompute_repeatable,
         "engine_restore_s": paths["engine"][0], "engine_restore_runs_s": paths["engine"][1],
         "engine_restore_gbps": nbytes / paths["engine"][0] / 1e9, "engine_speedup": recompute / paths["engine"][0],
         "engine_pages_identical": paths["engine"][2],

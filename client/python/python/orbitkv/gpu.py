@@ -5,7 +5,8 @@ Only imported when GPU features are used; importing it needs torch.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+import threading
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ._native import InvalidArgument, Stale
 
@@ -46,11 +47,51 @@ def ipc_triple(tensor: Any) -> Tuple[bytes, int, int]:
     return bytes(handle), int(offset), tensor.numel() * tensor.element_size()
 
 
+_HOST_LOCK = threading.Lock()
+#: (address, length, session) of an arena mapping -> EngineCopies using its CUDA registration.
+_HOST_USERS: Dict[Tuple[int, int, int], int] = {}
+
+
+def _cuda_driver() -> Any:
+    """libcuda, for host registrations: unlike the runtime's, a failed driver call leaves no
+    error behind for torch's next kernel launch to report as its own."""
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _host_register(base: int, length: int, session: int, device: Any) -> None:
+    import ctypes
+
+    import torch
+
+    key = (base, length, session)
+    with _HOST_LOCK:
+        if _HOST_USERS.get(key, 0) == 0:
+            torch.cuda.set_device(device)  # the device's context current on this thread
+            err = _cuda_driver().cuMemHostRegister_v2(ctypes.c_void_p(base), ctypes.c_size_t(length), 0)
+            if err != 0:
+                raise InvalidArgument(f"cuMemHostRegister of the {length}-byte arena failed: CUDA error {err}")
+        _HOST_USERS[key] = _HOST_USERS.get(key, 0) + 1
+
+
+def _host_unregister(key: Tuple[int, int, int]) -> None:
+    import ctypes
+
+    with _HOST_LOCK:
+        left = _HOST_USERS.get(key, 0) - 1
+        if left > 0:
+            _HOST_USERS[key] = left
+        elif key in _HOST_USERS:
+            del _HOST_USERS[key]
+            _cuda_driver().cuMemHostUnregister(ctypes.c_void_p(key[0]))
+
+
 class EngineCopies:
     """The path without CUDA IPC: this process copies between its GPU tensors and its own
-    mapping of the arena, which it registers with CUDA (`cudaHostRegister`) so that the copy
-    engines reach it directly. For containers without hostIPC: the Manager never opens the
-    engine's GPU memory.
+    mapping of the arena, which it registers with CUDA (`cuMemHostRegister`; once per mapping
+    in a process, however many EngineCopies use it) so that the copy engines reach it
+    directly. For containers without hostIPC: the Manager never opens the engine's GPU memory.
 
     A chunk is the concatenation of its pieces (contiguous CUDA tensors), in the order given:
     give them in the server's chunk order (layer by layer, K before V, as `Client.save` packs
@@ -64,17 +105,16 @@ class EngineCopies:
         self.stream = stream
         self._session: Any = None
         self._arena: Any = None
-        self._base = 0
+        self._key: Any = None
 
     def close(self) -> None:
-        """Unregisters the arena mapping from CUDA (also done when the session changes)."""
-        import torch
+        """Gives up this object's use of the arena's CUDA registration (the last user
+        unregisters it; also done when the session changes)."""
+        if self._key is not None:
+            _host_unregister(self._key)
+        self._session, self._arena, self._key = None, None, None
 
-        if self._base:
-            torch.cuda.cudart().cudaHostUnregister(self._base)
-        self._session, self._arena, self._base = None, None, 0
-
-    def _arena_tensor(self) -> Any:
+    def _arena_tensor(self, device: Any = None) -> Any:
         """The arena as a pinned uint8 tensor, registered again after a reconnect."""
         import ctypes
 
@@ -87,12 +127,12 @@ class EngineCopies:
         base, length, session = mapping
         if session != self._session:
             self.close()
-            err = torch.cuda.cudart().cudaHostRegister(base, length, 0)
-            if int(err) != 0:
-                raise InvalidArgument(f"cudaHostRegister of the {length}-byte arena failed: {err}")
+            dev = device if device is not None else (self.stream.device if self.stream is not None
+                                                     else torch.cuda.current_device())
+            _host_register(base, length, session, dev)
             buf = (ctypes.c_uint8 * length).from_address(base)
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
-            self._session, self._base = session, base
+            self._session, self._key = session, (base, length, session)
         return self._arena
 
     def _same_session(self) -> None:
@@ -177,6 +217,93 @@ class EngineCopies:
                         at += d.numel()
                     out[i] = "done"
             self._sync()
+        finally:
+            if leases:
+                self.client.release_deferred(leases)
+        return out
+
+
+    def _runs(self, offsets: Sequence[int], length: int) -> List[Tuple[int, int, int]]:
+        """(first row, rows, arena offset) of each run of arena slots lying back to back."""
+        runs: List[Tuple[int, int, int]] = []
+        for i, off in enumerate(offsets):
+            if runs and runs[-1][2] + runs[-1][1] * length == off:
+                first, n, at = runs[-1]
+                runs[-1] = (first, n + 1, at)
+            else:
+                runs.append((i, 1, off))
+        return runs
+
+    def save_cache(self, keys: Sequence[Any], cache: "GpuKvCache", blocks: Sequence[int], staging: Any) -> List[str]:
+        """Saves block `blocks[i]` of `cache` as chunk `keys[i]`, a batch of chunks at a time
+        gathered on the GPU into `staging` (a `[rows, chunk_bytes]` uint8 CUDA tensor) and
+        copied out in one piece per run of adjacent arena slots. Outcomes as `save`."""
+        import torch
+
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        arena = self._arena_tensor(cache.device)
+        length = cache.chunk_bytes
+        reserved = self.client.reserve(list(keys), [length] * len(keys))
+        todo = [(blocks[i], r) for i, r in enumerate(reserved) if not isinstance(r, str)]
+        slots = [r for _, r in todo]
+        rows = int(staging.shape[0])
+        try:
+            self._same_session()
+            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+                for at in range(0, len(todo), rows):
+                    batch = todo[at:at + rows]
+                    st = staging[:len(batch)]
+                    cache.gather(torch.tensor([b for b, _ in batch], device=cache.device), st)
+                    flat = st.reshape(-1)
+                    for first, n, off in self._runs([r.offset for _, r in batch], length):
+                        arena[off:off + n * length].copy_(flat[first * length:(first + n) * length], non_blocking=True)
+            self._sync()
+        except BaseException:
+            if slots:
+                self.client.abort(slots)
+            raise
+        committed = iter(self.client.commit(slots) if slots else [])
+        out = []
+        for r in reserved:
+            if isinstance(r, str):
+                out.append("already_present" if r in ("already_present", "busy") else r)
+            else:
+                o = next(committed)
+                out.append("stored" if o == "done" else o)
+        return out
+
+    def load_cache(self, keys: Sequence[Any], cache: "GpuKvCache", blocks: Sequence[int], staging: Any) -> List[str]:
+        """Loads the longest present prefix of `keys` into blocks `blocks[i]` of `cache`, a
+        batch at a time: copied in per run of adjacent arena slots into `staging`, scattered
+        on the GPU. Outcomes as `load`."""
+        import torch
+
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        arena = self._arena_tensor(cache.device)
+        length = cache.chunk_bytes
+        leases = self.client.lookup_leased(list(keys))
+        out = ["not_found"] * len(keys)
+        usable = 0
+        for lease in leases:
+            if lease.len != length:
+                out[usable] = "invalid_argument"
+                break
+            usable += 1
+        rows = int(staging.shape[0])
+        try:
+            self._same_session()
+            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+                for at in range(0, usable, rows):
+                    batch = leases[at:min(at + rows, usable)]
+                    st = staging[:len(batch)]
+                    flat = st.reshape(-1)
+                    for first, n, off in self._runs([lease.offset for lease in batch], length):
+                        flat[first * length:(first + n) * length].copy_(arena[off:off + n * length], non_blocking=True)
+                    cache.scatter(torch.tensor(list(blocks[at:at + len(batch)]), device=cache.device), st)
+            self._sync()
+            out[:usable] = ["done"] * usable
         finally:
             if leases:
                 self.client.release_deferred(leases)
@@ -299,6 +426,28 @@ class GpuKvCache:
         return [s[at:at + self.page_bytes] for s in self._slabs]
 
 
+    def gather(self, blocks: Any, out: Any) -> None:
+        """Chunks of `blocks` (a CUDA index tensor) into the rows of `out` (`[len(blocks),
+        chunk_bytes]` uint8, contiguous), on the current stream."""
+        import torch
+
+        if self.kind == "cross_layer":
+            torch.index_select(self._slabs[0].view(self.num_blocks, -1), 0, blocks, out=out)
+            return
+        rows = out.view(len(blocks), self.num_layers, self.page_bytes)
+        for layer, slab in enumerate(self._slabs):
+            rows[:, layer].copy_(slab.view(self.num_blocks, -1).index_select(0, blocks))
+
+    def scatter(self, blocks: Any, chunks: Any) -> None:
+        """The rows of `chunks` into blocks `blocks`, on the current stream."""
+        if self.kind == "cross_layer":
+            self._slabs[0].view(self.num_blocks, -1).index_copy_(0, blocks, chunks)
+            return
+        rows = chunks.view(len(blocks), self.num_layers, self.page_bytes)
+        for layer, slab in enumerate(self._slabs):
+            slab.view(self.num_blocks, -1).index_copy_(0, blocks, rows[:, layer])
+
+
 class GpuBlockCopies:
     """Saves and loads blocks of a `GpuKvCache` through `client`, by one of two paths:
 
@@ -309,10 +458,16 @@ class GpuBlockCopies:
     - `auto` (default): `server`, and `engine` for good if the Manager refuses the
       registration (no GPU mode there, IPC not possible, memory CUDA IPC cannot share).
 
+    The engine path gathers a batch of chunks at a time into a GPU staging buffer of
+    `staging_bytes` (default 64 MiB, at least one chunk; allocated at its first copy) and
+    copies each run of adjacent arena slots in one piece.
+
     Outcomes per key as `Client.save`/`load` give them, with a save's `done` named `stored`.
     Errors of the Manager's session (`Unavailable`, `Disconnected`, ...) are raised. Use it from
     one thread.
     """
+
+    staging_bytes = 64 << 20
 
     def __init__(self, client: Any, cache: GpuKvCache, path: str = "auto", log: Any = None) -> None:
         if path not in ("auto", "server", "engine"):
@@ -323,6 +478,7 @@ class GpuBlockCopies:
         self._log = log
         self._reg: Any = None
         self._engine: Any = None
+        self._staging: Any = None
 
     @property
     def active_path(self) -> str:
@@ -368,8 +524,12 @@ class GpuBlockCopies:
                 self._use_engine()
             reg = self._registration() if self._engine is None else None
             if self._engine is not None:
-                pieces = [self.cache.pieces(b) for b in blocks]
-                return self._engine.save(keys, pieces) if op == "save" else self._engine.load(keys, pieces)
+                if self._staging is None:
+                    rows = max(1, self.staging_bytes // self.cache.chunk_bytes)
+                    self._staging = torch.empty(rows, self.cache.chunk_bytes, dtype=torch.uint8,
+                                                device=self.cache.device)
+                copy = self._engine.save_cache if op == "save" else self._engine.load_cache
+                return copy(keys, self.cache, blocks, self._staging)
             copy = self.client.save if op == "save" else self.client.load
             try:
                 return copy(reg, keys, blocks)
@@ -399,3 +559,4 @@ class GpuBlockCopies:
             self._reg = None
         if self._engine is not None:
             self._engine.close()
+        self._staging = None

@@ -101,3 +101,18 @@ def test_bad_caches_are_refused_naming_what_is_wrong():
     bl = kv_views.views(torch, "BLNHC", L, B, HEADS, BS, 2 * DIM, torch.bfloat16, fill=False)
     with pytest.raises(orbitkv.InvalidArgument, match="cross-layer"):
         GpuKvCache(list(reversed(bl)))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLNHC"])
+def test_gather_and_scatter_move_whole_chunks(layout):
+    src = kv_views.views(torch, layout, L, B, HEADS, BS, 2 * DIM, torch.bfloat16)
+    dst = kv_views.views(torch, layout, L, B, HEADS, BS, 2 * DIM, torch.bfloat16, fill=False)
+    a, b = GpuKvCache(src), GpuKvCache(dst)
+    rows = torch.empty(3, a.chunk_bytes, dtype=torch.uint8)
+    a.gather(torch.tensor([4, 0, 2]), rows)
+    for row, block in zip(rows, [4, 0, 2]):
+        assert bytes(row.numpy().tobytes()) == kv_views.reference_chunk(torch, src, block, a.page_order)
+    b.scatter(torch.tensor([1, 5, 3]), rows)
+    for x, y in zip(dst, src):
+        assert torch.equal(x[[1, 5, 3]], y[[4, 0, 2]])
+        assert not x[[0, 2, 4]].any()
