@@ -486,10 +486,18 @@ class GpuBlockCopies:
         return "engine" if self._engine is not None else self.path
 
     def prepare(self) -> None:
-        """Registers the cache with the Manager now (the server path; else nothing): errors as
-        a copy would raise. Copies register by themselves when needed."""
-        if self._engine is None and self.path != "engine":
-            self._registration()
+        """Does now what the first copy would: registers the cache with the Manager (server
+        path) or the arena mapping with CUDA (engine path: about 50 ms per GiB of arena).
+        Errors as a copy would raise them."""
+        import torch
+
+        with torch.cuda.device(self.cache.device):
+            if self._engine is None and self.path != "engine":
+                self._registration()
+            if self.path == "engine" and self._engine is None:
+                self._use_engine()
+            if self._engine is not None:
+                self._engine._arena_tensor(self.cache.device)
 
     def _registration(self) -> Any:
         from ._native import OrbitKVError, Unavailable

@@ -8,8 +8,9 @@ an async load and the lease holds the chunks until the worker has loaded them (o
 is dropped). Newly computed full blocks are sent to the workers for saving; a finished request
 keeps its blocks until their saves are done.
 
-Worker side: the engine's process copies between its KV cache and the Manager's arena on a
-background thread (loads first, saves never on the forward pass). Loads that fail are reported
+Worker side: a background thread copies between the engine's KV cache and the Manager's arena
+(loads first, saves never on the forward pass): CPU caches by the engine process, GPU caches by
+the Manager's DMA threads or, where the Manager cannot open them, by the engine process. Loads that fail are reported
 per block (`get_block_ids_with_load_errors`), for vLLM's `kv_load_failure_policy`.
 
 The engine never fails because of the cache: a Manager that is down or restarting makes misses
@@ -57,7 +58,8 @@ class OrbitKVConnectorMetadata(KVConnectorMetadata):
 class OrbitKVConnector(KVConnectorBase_V1):
     """See the module docs. Extra config (`kv_connector_extra_config`): `socket` (default: the
     Manager's default socket), `namespace_model` (the model name in the namespace; default the
-    served model name), `request_timeout` (seconds, default 10)."""
+    served model name), `request_timeout` (seconds, default 10), `gpu_path` (`auto`, `server`
+    or `engine`: who copies a GPU KV cache; default `auto`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
