@@ -109,3 +109,11 @@ def server() -> Iterator[Server]:
     s = Server(["--shards", "2", "--dram", "32MiB"])
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_server() -> Iterator[Server]:
+    """A Manager that must use the GPU (the GPU tests; they skip before asking without one)."""
+    s = Server(["--shards", "2", "--dram", "512MiB", "--gpu", "required"])
+    yield s
+    s.stop()

@@ -155,28 +155,18 @@ class EngineCopies:
 
         (self.stream or torch.cuda.current_stream()).synchronize()
 
-    def save(self, keys: Sequence[Any], pieces: Sequence[Sequence[Any]]) -> List[str]:
-        """Stores chunk i as the bytes of `pieces[i]`; an outcome per key (`stored`,
-        `already_present`, or why not)."""
+    def _store(self, keys: Sequence[Any], lens: List[int], device: Any, fill: Any) -> List[str]:
+        """Reserves a slot per key, runs `fill(arena, reserved)` on the copy stream, waits for
+        its copies and commits (aborts the slots if anything fails). Outcomes as `save`."""
         import torch
 
-        if len(keys) != len(pieces):
-            raise InvalidArgument(f"{len(keys)} keys but {len(pieces)} piece lists")
-        srcs = [[self._bytes(p) for p in ps] for ps in pieces]
-        lens = [sum(int(s.numel()) for s in ss) for ss in srcs]
-        arena = self._arena_tensor()
+        arena = self._arena_tensor(device)
         reserved = self.client.reserve(list(keys), lens)
         slots = [r for r in reserved if not isinstance(r, str)]
         try:
             self._same_session()
             with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
-                for r, ss in zip(reserved, srcs):
-                    if isinstance(r, str):
-                        continue
-                    at = r.offset
-                    for s in ss:
-                        arena[at:at + s.numel()].copy_(s, non_blocking=True)
-                        at += s.numel()
+                fill(arena, reserved)
             self._sync()
         except BaseException:
             if slots:
@@ -191,6 +181,24 @@ class EngineCopies:
                 o = next(committed)
                 out.append("stored" if o == "done" else o)
         return out
+
+    def save(self, keys: Sequence[Any], pieces: Sequence[Sequence[Any]]) -> List[str]:
+        """Stores chunk i as the bytes of `pieces[i]`; an outcome per key (`stored`,
+        `already_present`, or why not)."""
+        if len(keys) != len(pieces):
+            raise InvalidArgument(f"{len(keys)} keys but {len(pieces)} piece lists")
+        srcs = [[self._bytes(p) for p in ps] for ps in pieces]
+
+        def fill(arena: Any, reserved: List[Any]) -> None:
+            for r, ss in zip(reserved, srcs):
+                if isinstance(r, str):
+                    continue
+                at = r.offset
+                for s in ss:
+                    arena[at:at + s.numel()].copy_(s, non_blocking=True)
+                    at += s.numel()
+
+        return self._store(keys, [sum(int(s.numel()) for s in ss) for ss in srcs], None, fill)
 
     def load(self, keys: Sequence[Any], pieces: Sequence[Sequence[Any]]) -> List[str]:
         """Loads the longest present prefix of `keys` into `pieces[i]` (split as saved): `done`
@@ -242,36 +250,19 @@ class EngineCopies:
 
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
-        arena = self._arena_tensor(cache.device)
-        length = cache.chunk_bytes
-        reserved = self.client.reserve(list(keys), [length] * len(keys))
-        todo = [(blocks[i], r) for i, r in enumerate(reserved) if not isinstance(r, str)]
-        slots = [r for _, r in todo]
-        rows = int(staging.shape[0])
-        try:
-            self._same_session()
-            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
-                for at in range(0, len(todo), rows):
-                    batch = todo[at:at + rows]
-                    st = staging[:len(batch)]
-                    cache.gather(torch.tensor([b for b, _ in batch], device=cache.device), st)
-                    flat = st.reshape(-1)
-                    for first, n, off in self._runs([r.offset for _, r in batch], length):
-                        arena[off:off + n * length].copy_(flat[first * length:(first + n) * length], non_blocking=True)
-            self._sync()
-        except BaseException:
-            if slots:
-                self.client.abort(slots)
-            raise
-        committed = iter(self.client.commit(slots) if slots else [])
-        out = []
-        for r in reserved:
-            if isinstance(r, str):
-                out.append("already_present" if r in ("already_present", "busy") else r)
-            else:
-                o = next(committed)
-                out.append("stored" if o == "done" else o)
-        return out
+        length, rows = cache.chunk_bytes, int(staging.shape[0])
+
+        def fill(arena: Any, reserved: List[Any]) -> None:
+            todo = [(blocks[i], r) for i, r in enumerate(reserved) if not isinstance(r, str)]
+            for at in range(0, len(todo), rows):
+                batch = todo[at:at + rows]
+                st = staging[:len(batch)]
+                cache.gather(torch.tensor([b for b, _ in batch], device=cache.device), st)
+                flat = st.reshape(-1)
+                for first, n, off in self._runs([r.offset for _, r in batch], length):
+                    arena[off:off + n * length].copy_(flat[first * length:(first + n) * length], non_blocking=True)
+
+        return self._store(keys, [length] * len(keys), cache.device, fill)
 
     def load_cache(self, keys: Sequence[Any], cache: "GpuKvCache", blocks: Sequence[int], staging: Any) -> List[str]:
         """Loads the longest present prefix of `keys` into blocks `blocks[i]` of `cache`, a

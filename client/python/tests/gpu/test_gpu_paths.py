@@ -19,16 +19,8 @@ import orbitkv  # noqa: E402
 from orbitkv import ChunkKey, Client, KvLayout, NamespaceDescriptor  # noqa: E402
 from orbitkv.gpu import EngineCopies, device_uuid  # noqa: E402
 
-from conftest import Server  # noqa: E402
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 4, 64, 16, 8, 128
-
-
-@pytest.fixture(scope="module")
-def gpu_server():
-    s = Server(["--shards", "2", "--dram", "512MiB", "--gpu", "required"])
-    yield s
-    s.stop()
 
 
 def kv_cache(seed: int):

@@ -28,13 +28,6 @@ from conftest import Server  # noqa: E402
 L, B, BS, HEADS, DIM, LATENT = 4, 48, 16, 8, 128, 576
 
 
-@pytest.fixture(scope="module")
-def gpu_server():
-    s = Server(["--shards", "2", "--dram", "512MiB", "--gpu", "required"])
-    yield s
-    s.stop()
-
-
 def cache(layout: str, mla: bool, fill: bool):
     heads, content = (1, LATENT) if mla else (HEADS, 2 * DIM)
     return kv_views.views(torch, layout, L, B, heads, BS, content, torch.bfloat16, device="cuda", fill=fill)

@@ -62,16 +62,8 @@ from orbitkv.vllm.config import ConfigError  # noqa: E402
 from orbitkv.vllm.worker import WorkerSide  # noqa: E402
 
 import kv_views  # noqa: E402
-from conftest import Server  # noqa: E402
 
 L, B, BS, HEADS, DIM = 4, 32, 16, 8, 128
-
-
-@pytest.fixture(scope="module")
-def gpu_server():
-    s = Server(["--shards", "2", "--dram", "512MiB", "--gpu", "required"])
-    yield s
-    s.stop()
 
 
 def vllm_config(layout: str = "LBNHC"):
