@@ -16,6 +16,7 @@ Then decode steps of the model (8K context) alone and while another process save
 through the same server, in alternating windows: the slowdown of a decode step.
 
 usage: device-restore.py --socket S [--tokens 8192,32768] [--reps 3] --out OUT.json
+         [--saver process|thread] [--saver-path server|engine]
        (--tokens "" runs the decode-step measurement alone; --no-interference leaves it out)
 """
 
@@ -87,10 +88,13 @@ def from_pages(pages, tokens):
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    """Seconds `fn` takes, with the work it queues on the current stream (only that stream:
+    a saver thread's copies on its own stream are not waited for)."""
+    stream = torch.cuda.current_stream()
+    stream.synchronize()
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    stream.synchronize()
     return time.perf_counter() - t0, out
 
 
@@ -178,9 +182,11 @@ def one_length(model, client, ns, tokens, reps, log):
     return r, ids
 
 
-def saver_main(socket, run, stop, results):
-    """Another engine process: saves 1 GiB of its pages under new keys, again and again,
-    while `run` is set; puts (bytes, seconds) on `results` once `stop` is set."""
+def saver_main(socket, run, stop, results, path="server"):
+    """Another engine (a process, or a thread of this one as the connector's copy thread is):
+    saves 1 GiB of its pages under new keys, again and again, while `run` is set, by `path`
+    (the server's DMA threads or its own copies); puts (bytes, seconds) on `results` once
+    `stop` is set."""
     import torch
 
     import orbitkv
@@ -193,7 +199,8 @@ def saver_main(socket, run, stop, results):
     torch.cuda.synchronize()
     c = Client(socket, name="restore-bench-saver", request_timeout=120)
     ns = c.register_namespace(namespace())
-    copies = GpuBlockCopies(c, GpuKvCache(pages), "server")
+    copies = GpuBlockCopies(c, GpuKvCache(pages), path)
+    copies.prepare()
     done, spent, seed = 0, 0.0, 1
     while not stop.is_set():
         if not run.wait(0.05):
@@ -213,22 +220,29 @@ def namespace():
                                num_kv_heads=HEADS, head_dim=DIM, tokens_per_chunk=BS)
 
 
-def interference(model, socket, log, ctx=8192, steps=40, windows=4):
-    """Decode steps (1 token, `ctx` of context) alone and while another process saves its
-    pages through the same server (in vLLM the saves of other requests run in the worker's
-    own thread; a process of its own keeps this measurement off this one's CPU and GIL)."""
+def interference(model, socket, log, saver="process", path="server", ctx=8192, steps=40, windows=4):
+    """Decode steps (1 token, `ctx` of context) alone and while another engine saves its
+    pages through the same server: by default another process (its CPU and GIL apart from this
+    one's); `saver="thread"` saves from a thread of this process, as the vLLM connector's copy
+    thread does. `path`: who copies the saver's pages (`server` or `engine`)."""
     import copy
     import multiprocessing as mp
+    import queue
+    import threading
 
     ids = torch.randint(0, 128000, (1, ctx), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
     with torch.inference_mode():
         out = model(ids, use_cache=True, logits_to_keep=1)
     base_cache = out.past_key_values
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
-    spawn = mp.get_context("spawn")
-    run, stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
-    saver = spawn.Process(target=saver_main, args=(socket, run, stop, results))
-    saver.start()
+    if saver == "thread":
+        run, stop, results = threading.Event(), threading.Event(), queue.Queue()
+        worker = threading.Thread(target=saver_main, args=(socket, run, stop, results, path), daemon=True)
+    else:
+        spawn = mp.get_context("spawn")
+        run, stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
+        worker = spawn.Process(target=saver_main, args=(socket, run, stop, results, path))
+    worker.start()
 
     def window():
         cache = copy.deepcopy(base_cache)
@@ -254,10 +268,10 @@ def interference(model, socket, log, ctx=8192, steps=40, windows=4):
     alone.append(window())
     stop.set()
     done, spent = results.get(timeout=120)
-    saver.join(60)
+    worker.join(60)
     # Each window beside the saves against the mean of the windows alone around it.
     slow = [b / ((alone[i] + alone[i + 1]) / 2) - 1 for i, b in enumerate(beside)]
-    r = {"context": ctx, "decode_step_alone_s": alone, "decode_step_beside_saves_s": beside,
+    r = {"context": ctx, "saver": saver, "saver_path": path, "decode_step_alone_s": alone, "decode_step_beside_saves_s": beside,
          "slowdown": slow, "slowdown_median": statistics.median(slow),
          "saves_gbps_beside_decode": done / spent / 1e9 if spent else None}
     log(json.dumps(r))
@@ -271,6 +285,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-interference", action="store_true")
+    ap.add_argument("--saver", choices=("process", "thread"), default="process")
+    ap.add_argument("--saver-path", choices=("server", "engine"), default="server")
     a = ap.parse_args()
 
     def log(s):
@@ -284,7 +300,7 @@ def main():
         r, _ = one_length(model, client, ns, tokens, a.reps, log)
         results["lengths"].append(r)
     if not a.no_interference:
-        results["interference"] = interference(model, a.socket, log)
+        results["interference"] = interference(model, a.socket, log, a.saver, a.saver_path)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
 

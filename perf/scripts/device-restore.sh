@@ -3,7 +3,8 @@
 # machine (perf/scripts/device-restore.py; the orbitkv wheel installed with PYTHONPATH, the
 # stripped release server in .device-bin). VARIANTS="name:server args ..." runs the decode-step
 # measurement once per server configuration (name "mps" also starts an MPS daemon); TOKENS=""
-# leaves out the restore runs. Results: $OUT/restore.json, $OUT/intf-NAME.json, logs.
+# leaves out the restore runs; SAVER="--saver thread --saver-path engine" (say) is passed to every
+# decode-step run. Results: $OUT/restore.json, $OUT/intf-NAME.json, logs.
 B=.device-bin
 S=/tmp/okvr/s.sock
 serve() {
@@ -23,7 +24,8 @@ for v in $VARIANTS; do
     [ "$name" = mps ] && MPS=1 && . perf/scripts/mps.sh $OUT/mps.log
     serve "$args"
     echo "== $name: $args" >> $OUT/server.log
-    timeout 200 python3 perf/scripts/device-restore.py --socket $S --tokens "" --out $OUT/intf-$name.json
+    # shellcheck disable=SC2086 # SAVER is several words
+    timeout 200 python3 perf/scripts/device-restore.py --socket $S --tokens "" --out $OUT/intf-$name.json $SAVER
     pkill -x orbitkv-server; sleep 1
   )
 done
