@@ -30,6 +30,9 @@ pub struct ClientOptions {
     pub reconnect_backoff: Duration,
     /// Longest wait between connect attempts. Default: 2 s.
     pub reconnect_backoff_max: Duration,
+    /// Most threads one `put`, `save_blocks` or `load_blocks` copies with (the calling one
+    /// among them), each given at least 4 MiB of chunks; 0 counts as 1. Default: 1.
+    pub copy_threads: usize,
 }
 
 impl Default for ClientOptions {
@@ -41,6 +44,7 @@ impl Default for ClientOptions {
             prefault_arena: true,
             reconnect_backoff: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
+            copy_threads: 1,
         }
     }
 }
@@ -585,27 +589,20 @@ impl Client {
     }
 
     /// Stores chunks whose bytes `fill(i, slot)` writes into chunk `i`'s reserved slot (of
-    /// `lens[i]` bytes): reserve, fill each, commit.
+    /// `lens[i]` bytes): reserve, fill each (on up to `copy_threads` threads), commit.
     pub(crate) fn put_with(
         &mut self,
         keys: &[ChunkKey],
         lens: &[u64],
-        mut fill: impl FnMut(usize, &mut [u8]),
+        fill: impl Fn(usize, &mut [u8]) + Sync,
     ) -> Result<Vec<PutOutcome>, Error> {
         let reserved = self.reserve(keys, lens)?;
         let mut out = Vec::with_capacity(keys.len());
         let mut to_commit = Vec::new();
         let mut positions = Vec::new();
-        let mut failure = None;
         for (i, r) in reserved.into_iter().enumerate() {
             match r {
                 Ok(slot) => {
-                    if failure.is_none() {
-                        match self.slot_mut(&slot) {
-                            Ok(bytes) => fill(i, bytes),
-                            Err(e) => failure = Some(e),
-                        }
-                    }
                     to_commit.push(slot);
                     positions.push(i);
                     out.push(PutOutcome::Stored);
@@ -616,9 +613,16 @@ impl Client {
                 Err(code) => out.push(PutOutcome::Failed(code)),
             }
         }
-        if let Some(e) = failure {
-            let _ = self.abort(&to_commit);
-            return Err(e);
+        let threads = self.copy_threads(to_commit.iter().map(|s| s.len).sum(), to_commit.len());
+        match self.slots_mut(&to_commit) {
+            Ok(slots) => {
+                let items: Vec<(usize, &mut [u8])> = positions.iter().copied().zip(slots).collect();
+                crate::copies::for_each(threads, items, |(i, slot)| fill(i, slot));
+            }
+            Err(e) => {
+                let _ = self.abort(&to_commit);
+                return Err(e);
+            }
         }
         if !to_commit.is_empty() {
             let outcomes = match self.commit(&to_commit) {
@@ -636,6 +640,28 @@ impl Client {
             }
         }
         Ok(out)
+    }
+
+    /// The bytes of reserved slots of the live session, all at once (for copies on several
+    /// threads).
+    fn slots_mut(&mut self, slots: &[Reserved]) -> Result<Vec<&mut [u8]>, Error> {
+        let epoch = self.live_epoch();
+        if slots.iter().any(|s| s.epoch != epoch) {
+            return Err(Error::Stale);
+        }
+        let ranges: Vec<(u64, u64)> = slots.iter().map(|s| (s.offset, s.len)).collect();
+        match self.conn.as_mut() {
+            Some(conn) => conn.arena.bytes_mut_many(&ranges).map_err(Error::Protocol),
+            None if slots.is_empty() => Ok(Vec::new()),
+            None => Err(Error::Stale),
+        }
+    }
+
+    /// Threads for copying `bytes` in `items` pieces: at most `copy_threads`, each with at
+    /// least [`crate::copies::MIN_BYTES_PER_THREAD`].
+    pub(crate) fn copy_threads(&self, bytes: u64, items: usize) -> usize {
+        let by_bytes = (bytes / crate::copies::MIN_BYTES_PER_THREAD).max(1);
+        self.opts.copy_threads.min(items).min(by_bytes as usize).max(1)
     }
 
     /// Removes chunks that nobody leases.

@@ -107,43 +107,81 @@ impl Client {
     ) -> Result<Vec<ChunkOutcome>, Error> {
         let shape: Vec<(usize, BlockLayout)> = regions.iter().map(|(r, l)| (r.len(), *l)).collect();
         let (per_chunk, len) = check(&shape, keys, blocks)?;
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidArgument(format!(
+                "block {} named twice: a load writes each block once",
+                w[0]
+            )));
+        }
         let leases = self.lookup_leased(keys)?;
         let mut out = vec![ChunkOutcome::Failed(ErrorCode::NotFound); keys.len()];
-        let mut failure = None;
-        for (i, lease) in leases.iter().enumerate() {
-            if lease.hit.len != len {
-                tracing::warn!(
-                    chunk = lease.hit.len,
-                    blocks = len,
-                    "chunk length differs from its blocks'; loading stops there"
-                );
-                out[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
-                break;
-            }
-            let bytes = match self.chunk(lease) {
-                Ok(b) => b,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            };
-            let mut at = 0;
-            for (region, layout) in regions.iter_mut() {
-                for &b in &blocks[i * per_chunk..(i + 1) * per_chunk] {
-                    let dst = &mut region[layout.range(b).expect("checked against every region")];
+        let mut usable = leases.len();
+        if let Some(i) = leases.iter().position(|l| l.hit.len != len) {
+            tracing::warn!(
+                chunk = leases[i].hit.len,
+                blocks = len,
+                "chunk length differs from its blocks'; loading stops there"
+            );
+            out[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
+            usable = i;
+        }
+        let threads = self.copy_threads(len * usable as u64, usable);
+        let copied = (|| {
+            let sources = leases[..usable]
+                .iter()
+                .map(|lease| self.chunk(lease))
+                .collect::<Result<Vec<&[u8]>, Error>>()?;
+            let pieces = block_pieces(regions, &blocks[..usable * per_chunk], per_chunk);
+            let items: Vec<(&[u8], Vec<&mut [u8]>)> = sources.into_iter().zip(pieces).collect();
+            crate::copies::for_each(threads, items, |(src, pieces)| {
+                let mut at = 0;
+                for dst in pieces {
                     let n = dst.len();
-                    crate::mapping::copy_chunk(dst, &bytes[at..at + n]);
+                    crate::mapping::copy_chunk(dst, &src[at..at + n]);
                     at += n;
                 }
-            }
-            out[i] = ChunkOutcome::Done;
-        }
+            });
+            Ok::<(), Error>(())
+        })();
         self.release_deferred(&leases)?;
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(out),
+        copied?;
+        out[..usable].fill(ChunkOutcome::Done);
+        Ok(out)
+    }
+}
+
+/// Each chunk's destinations (its blocks in each region, in chunk order: region by region, its
+/// blocks in order), carved out of the regions. The blocks are distinct and inside every
+/// region (checked), so the pieces are disjoint.
+fn block_pieces<'a>(
+    regions: &'a mut [(&mut [u8], BlockLayout)],
+    blocks: &[u64],
+    per_chunk: usize,
+) -> Vec<Vec<&'a mut [u8]>> {
+    let chunks = blocks.len() / per_chunk;
+    let mut out: Vec<Vec<&mut [u8]>> =
+        (0..chunks).map(|_| Vec::with_capacity(per_chunk * regions.len())).collect();
+    for (region, layout) in regions.iter_mut() {
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_unstable_by_key(|&p| blocks[p]);
+        let mut carved: Vec<Option<&mut [u8]>> = (0..blocks.len()).map(|_| None).collect();
+        let mut rest: &mut [u8] = region;
+        let mut base = 0;
+        for p in order {
+            let range = layout.range(blocks[p]).expect("checked against every region");
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - base);
+            let (piece, tail) = tail.split_at_mut(range.len());
+            carved[p] = Some(piece);
+            rest = tail;
+            base = range.end;
+        }
+        for (p, piece) in carved.into_iter().enumerate() {
+            out[p / per_chunk].push(piece.expect("every block carved"));
         }
     }
+    out
 }
 
 #[cfg(test)]

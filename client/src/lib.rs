@@ -16,6 +16,7 @@
 mod backoff;
 mod client;
 mod connection;
+mod copies;
 mod error;
 mod gpu;
 mod group;

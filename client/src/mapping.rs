@@ -128,6 +128,36 @@ impl ArenaMap {
             )
         })
     }
+
+    /// The bytes of several reserved slots at once, for their owner to write (from several
+    /// threads). Refused unless every range lies inside the mapping and no two overlap.
+    pub(crate) fn bytes_mut_many(
+        &mut self,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<&mut [u8]>, String> {
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_unstable_by_key(|&i| ranges[i].0);
+        let mut end = 0u64;
+        for &i in &order {
+            let (offset, len) = ranges[i];
+            self.check(offset, len)?;
+            if offset < end {
+                return Err(format!("slot at {offset} overlaps another slot (up to {end})"));
+            }
+            end = offset + len;
+        }
+        let base = self.base.as_ptr() as *mut u8;
+        Ok(ranges
+            .iter()
+            .map(|&(offset, len)| {
+                // SAFETY: every range lies inside the live mapping (checked) and no two overlap
+                // (checked after sorting), so the slices are disjoint; `&mut self` excludes other
+                // views through this mapping for as long as they live; the server hands a
+                // reserved slot to exactly one session.
+                unsafe { std::slice::from_raw_parts_mut(base.add(offset as usize), len as usize) }
+            })
+            .collect())
+    }
 }
 
 impl Drop for ArenaMap {

@@ -84,3 +84,46 @@ fn bad_blocks_are_refused_and_another_layouts_chunk_is_reported() {
     // The server goes on serving.
     c.ping().unwrap();
 }
+
+#[test]
+fn large_batches_copy_on_several_threads_byte_exact() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "96MiB"]);
+    let mut c = orbitkv_client::Client::connect(orbitkv_client::ClientOptions {
+        copy_threads: 4,
+        ..orbitkv_client::ClientOptions::with_socket(&server.socket)
+    })
+    .unwrap();
+    // Chunks of up to 256 KiB (16 tokens x 4 layers x 2 x 512 x 4 bytes).
+    let desc = orbitkv_client::NamespaceDescriptor { num_layers: 4, ..namespace(16) };
+    let ns = c.register_namespace(&desc).unwrap().id;
+    // 64 chunks of 256 KiB (two 128 KiB regions' blocks): 16 MiB, four threads of 16 chunks.
+    const N: usize = 64;
+    let half = BlockLayout::dense(128 << 10);
+    let a: Vec<u8> =
+        (0..N * (128 << 10)).map(|i| (i as u8).wrapping_mul(31) ^ (i >> 17) as u8).collect();
+    let b: Vec<u8> = a.iter().map(|x| x.wrapping_add(101)).collect();
+    let keys = chain(ns, 11, N);
+    let saved: Vec<u64> = (0..N as u64).collect();
+    assert_eq!(
+        c.save_blocks(&[(&a, half), (&b, half)], &keys, &saved).unwrap(),
+        vec![PutOutcome::Stored; N]
+    );
+    let (mut a2, mut b2) = (vec![0u8; a.len()], vec![0u8; b.len()]);
+    let target: Vec<u64> = saved.iter().rev().copied().collect();
+    let out =
+        c.load_blocks(&mut [(&mut a2[..], half), (&mut b2[..], half)], &keys, &target).unwrap();
+    assert_eq!(out, vec![ChunkOutcome::Done; N]);
+    let block = 128 << 10;
+    for (&from, &to) in saved.iter().zip(&target) {
+        let (f, t) = (from as usize * block, to as usize * block);
+        assert!(
+            a2[t..t + block] == a[f..f + block] && b2[t..t + block] == b[f..f + block],
+            "{from} -> {to}"
+        );
+    }
+    // A load naming a block twice would write it twice: refused before anything is leased.
+    let err = c.load_blocks(&mut [(&mut a2[..], half)], &keys[..2], &[3, 3]).unwrap_err();
+    assert!(err.to_string().contains("block 3 named twice"), "{err}");
+    c.flush().unwrap();
+    assert_eq!(server.shard_sum("leases"), 0);
+}

@@ -84,7 +84,7 @@ impl NativeClient {
     #[new]
     #[pyo3(signature = (socket = None, name = "orbitkv-py".to_owned(), request_timeout = 10.0,
         connect = true, prefault_arena = true, reconnect_backoff = 0.05,
-        reconnect_backoff_max = 2.0))]
+        reconnect_backoff_max = 2.0, copy_threads = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -95,6 +95,7 @@ impl NativeClient {
         prefault_arena: bool,
         reconnect_backoff: f64,
         reconnect_backoff_max: f64,
+        copy_threads: usize,
     ) -> PyResult<Self> {
         let mut opts = okv::ClientOptions::default();
         if let Some(s) = socket {
@@ -105,6 +106,7 @@ impl NativeClient {
         opts.prefault_arena = prefault_arena;
         opts.reconnect_backoff = seconds("reconnect_backoff", reconnect_backoff)?;
         opts.reconnect_backoff_max = seconds("reconnect_backoff_max", reconnect_backoff_max)?;
+        opts.copy_threads = copy_threads;
         let client = if connect {
             py.detach(|| okv::Client::connect(opts)).map_err(to_py)?
         } else {

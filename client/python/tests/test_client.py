@@ -177,6 +177,26 @@ def test_engine_blocks_saved_and_loaded_in_place(client, server):
     assert server.shard_sum("leases") == 0
 
 
+
+def test_large_block_batches_copy_on_several_threads(server):
+    c = Client(server.socket, copy_threads=3)
+    # Chunks of 128 KiB: 16 tokens x 2 layers x 2 x 1024 fp32.
+    ns = c.register_namespace(descriptor(num_layers=2, head_dim=1024))
+    keys = chain(ns.id, 96, seed=7)
+    rng = np.random.default_rng(2)
+    layers = [rng.integers(0, 255, (100, 64 << 10), dtype=np.uint8) for _ in range(2)]
+    regions = [Region(layer, block_bytes=64 << 10) for layer in layers]
+    assert c.save_blocks(regions, keys, list(range(96))) == ["stored"] * 96
+    fresh = [np.zeros_like(layer) for layer in layers]
+    target = list(range(99, 3, -1))
+    assert c.load_blocks([Region(f, 64 << 10) for f in fresh], keys, target) == ["done"] * 96
+    for f, layer in zip(fresh, layers):
+        assert np.array_equal(f[target], layer[:96])
+    with pytest.raises(orbitkv.InvalidArgument, match="block 5 named twice"):
+        c.load_blocks([Region(f, 64 << 10) for f in fresh], keys[:2], [5, 5])
+    c.flush()
+    assert server.shard_sum("leases") == 0
+
 def test_golden_vectors_shared_with_rust():
     golden = json.loads((REPO / "client" / "proto" / "golden" / "hashing.json").read_text())
     assert orbitkv.PREFIX_SEED.hex() == golden["prefix_seed"]

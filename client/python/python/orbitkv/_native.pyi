@@ -116,6 +116,7 @@ class NativeClient:
         prefault_arena: bool = True,
         reconnect_backoff: float = 0.05,
         reconnect_backoff_max: float = 2.0,
+        copy_threads: int = 1,
     ) -> None: ...
     socket: str
     session_id: Optional[int]

@@ -92,6 +92,9 @@ class Client:
     up to `reconnect_backoff_max` seconds). A server restart shows as one `Disconnected` (or
     `Unavailable`) call; the next reconnects and registers this client's namespaces again.
 
+    `copy_threads`: most threads one `put`, `save_blocks` or `load_blocks` copies with (each
+    given at least 4 MiB of chunks; default 1, the calling thread).
+
     Safe to share between threads (calls are serialized); each call releases the GIL.
     """
 
@@ -105,6 +108,7 @@ class Client:
         prefault_arena: bool = True,
         reconnect_backoff: float = 0.05,
         reconnect_backoff_max: float = 2.0,
+        copy_threads: int = 1,
     ) -> None:
         self._c = _native.NativeClient(
             os.fspath(socket) if socket is not None else None,
@@ -114,6 +118,7 @@ class Client:
             prefault_arena,
             reconnect_backoff,
             reconnect_backoff_max,
+            copy_threads,
         )
 
     # --- session -------------------------------------------------------------------------
