@@ -7,7 +7,8 @@ from typing import Any, Dict, List
 
 from vllm.logger import init_logger
 
-from .. import Client, Disconnected, NamespaceDescriptor, OrbitKVError, Unavailable
+from .. import Client, NamespaceDescriptor, OrbitKVError
+from .._outage import Outage
 from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
@@ -22,7 +23,7 @@ class Manager:
             connect=False,
         )
         self.stats = stats
-        self._down = False
+        self._outage = Outage(log, lambda: stats.add(unavailable=1))
 
     def register(self, descriptors: List[NamespaceDescriptor]) -> List[int]:
         """Registers the namespaces (remembered while the Manager is away); their ids."""
@@ -35,15 +36,8 @@ class Manager:
 
     def failed(self, e: OrbitKVError, what: str) -> None:
         """Counts a failed call; logs the first of an outage (and other errors each time)."""
-        if isinstance(e, (Unavailable, Disconnected)):
-            self.stats.add(unavailable=1)
-            if not self._down:
-                log.warning("OrbitKV Manager unavailable (%s: %s); serving without it until it returns", what, e)
-                self._down = True
-            return
-        log.error("OrbitKV %s failed: %s", what, e)
+        self._outage.failed(e, what)
 
     def ok(self) -> None:
-        if self._down:
-            log.warning("OrbitKV Manager reachable again (session %s)", self.client.session_id)
-            self._down = False
+        if self._outage.down:
+            self._outage.ok(self.client.session_id)

@@ -58,8 +58,8 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._interval = {f: 0 for f in FIELDS}
-        self._totals = {f: 0 for f in FIELDS}
+        self._interval: Dict[str, Union[int, float]] = {f: 0 for f in FIELDS}
+        self._totals: Dict[str, Union[int, float]] = {f: 0 for f in FIELDS}
 
     def add(self, **counts: Union[int, float]) -> None:
         with self._lock:
@@ -70,7 +70,7 @@ class Counters:
     def take(self) -> OrbitKVConnectorStats:
         """The interval's counters, and zeroes in their place."""
         with self._lock:
-            out, self._interval = self._interval, {f: 0 for f in FIELDS}
+            out, self._interval = self._interval, dict.fromkeys(FIELDS, 0)
         return OrbitKVConnectorStats(data=out)
 
     def totals(self) -> Dict[str, Union[int, float]]:
