@@ -33,6 +33,10 @@ pub struct ClientOptions {
     /// Most threads one `put`, `save_blocks` or `load_blocks` copies with (the calling one
     /// among them), each given at least 4 MiB of chunks; 0 counts as 1. Default: 1.
     pub copy_threads: usize,
+    /// `put` and `save_blocks` compute each chunk's checksum on the copying thread, right
+    /// after writing it, and commit with them (`commit_checked`): the shards then hash one
+    /// chunk per request instead of every one. Default: true.
+    pub client_checksums: bool,
 }
 
 impl Default for ClientOptions {
@@ -45,6 +49,7 @@ impl Default for ClientOptions {
             reconnect_backoff: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
             copy_threads: 1,
+            client_checksums: true,
         }
     }
 }
@@ -614,10 +619,23 @@ impl Client {
             }
         }
         let threads = self.copy_threads(to_commit.iter().map(|s| s.len).sum(), to_commit.len());
+        let summed = self.opts.client_checksums;
+        let mut sums = vec![0u64; to_commit.len()];
         match self.slots_mut(&to_commit) {
             Ok(slots) => {
-                let items: Vec<(usize, &mut [u8])> = positions.iter().copied().zip(slots).collect();
-                crate::copies::for_each(threads, items, |(i, slot)| fill(i, slot));
+                let items: Vec<(usize, &mut [u8], &mut u64)> = positions
+                    .iter()
+                    .copied()
+                    .zip(slots)
+                    .zip(sums.iter_mut())
+                    .map(|((i, slot), sum)| (i, slot, sum))
+                    .collect();
+                crate::copies::for_each(threads, items, |(i, slot, sum)| {
+                    fill(i, slot);
+                    if summed {
+                        *sum = orbitkv_proto::chunk_checksum(slot);
+                    }
+                });
             }
             Err(e) => {
                 let _ = self.abort(&to_commit);
@@ -625,7 +643,12 @@ impl Client {
             }
         }
         if !to_commit.is_empty() {
-            let outcomes = match self.commit(&to_commit) {
+            let committed = if summed {
+                self.commit_checked(&to_commit, &sums)
+            } else {
+                self.commit(&to_commit)
+            };
+            let outcomes = match committed {
                 Ok(o) => o,
                 Err(e) => {
                     // Best effort: if the session is still up, do not leave slots reserved.

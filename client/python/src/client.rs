@@ -84,7 +84,7 @@ impl NativeClient {
     #[new]
     #[pyo3(signature = (socket = None, name = "orbitkv-py".to_owned(), request_timeout = 10.0,
         connect = true, prefault_arena = true, reconnect_backoff = 0.05,
-        reconnect_backoff_max = 2.0, copy_threads = 1))]
+        reconnect_backoff_max = 2.0, copy_threads = 1, client_checksums = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -96,6 +96,7 @@ impl NativeClient {
         reconnect_backoff: f64,
         reconnect_backoff_max: f64,
         copy_threads: usize,
+        client_checksums: bool,
     ) -> PyResult<Self> {
         let mut opts = okv::ClientOptions::default();
         if let Some(s) = socket {
@@ -107,6 +108,7 @@ impl NativeClient {
         opts.reconnect_backoff = seconds("reconnect_backoff", reconnect_backoff)?;
         opts.reconnect_backoff_max = seconds("reconnect_backoff_max", reconnect_backoff_max)?;
         opts.copy_threads = copy_threads;
+        opts.client_checksums = client_checksums;
         let client = if connect {
             py.detach(|| okv::Client::connect(opts)).map_err(to_py)?
         } else {

@@ -117,6 +117,7 @@ class NativeClient:
         reconnect_backoff: float = 0.05,
         reconnect_backoff_max: float = 2.0,
         copy_threads: int = 1,
+        client_checksums: bool = True,
     ) -> None: ...
     socket: str
     session_id: Optional[int]

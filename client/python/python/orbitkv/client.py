@@ -93,7 +93,9 @@ class Client:
     `Unavailable`) call; the next reconnects and registers this client's namespaces again.
 
     `copy_threads`: most threads one `put`, `save_blocks` or `load_blocks` copies with (each
-    given at least 4 MiB of chunks; default 1, the calling thread).
+    given at least 4 MiB of chunks; default 1, the calling thread). `client_checksums`: those
+    calls hash each chunk on the copying thread and commit with the checksums, so that the
+    Manager's shards need not (default True).
 
     Safe to share between threads (calls are serialized); each call releases the GIL.
     """
@@ -109,6 +111,7 @@ class Client:
         reconnect_backoff: float = 0.05,
         reconnect_backoff_max: float = 2.0,
         copy_threads: int = 1,
+        client_checksums: bool = True,
     ) -> None:
         self._c = _native.NativeClient(
             os.fspath(socket) if socket is not None else None,
@@ -119,6 +122,7 @@ class Client:
             reconnect_backoff,
             reconnect_backoff_max,
             copy_threads,
+            client_checksums,
         )
 
     # --- session -------------------------------------------------------------------------

@@ -22,14 +22,13 @@ else:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 torch = pytest.importorskip("torch")
 
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 import orbitkv  # noqa: E402
 from orbitkv.sglang import OrbitKVStorage  # noqa: E402
+
+import sglang_pools  # noqa: E402
 
 L, H, D, P, TOKENS = 3, 2, 16, 4, 64
 LORA, ROPE = 8, 4
@@ -37,32 +36,10 @@ MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def _ptrs(ts):
-    return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-
 def host_pool(layout: str, mla: bool = False, seed: int = 0):
-    """SGLang's host pool of a 3-layer model (page size 4) on the CPU, filled at random."""
-    cpu = torch.device("cpu")
-    if mla:
-        bufs = tuple(torch.zeros(TOKENS + P, 1, LORA + ROPE, dtype=torch.bfloat16) for _ in range(L))
-        info = MLABufferInfo(buffers=bufs, data_ptrs=_ptrs(bufs), layer_indices=tuple(range(L)), device_layer_num=L,
-                             page_size=P, kv_lora_rank=LORA, qk_rope_head_dim=ROPE, kv_cache_dim=LORA + ROPE,
-                             dtype=torch.bfloat16, device=cpu)
-        pool = MLATokenToKVPoolHost(info, 2.0, 0, P, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=TOKENS, start_layer=0, end_layer=L, target_layer_num=L)
-    else:
-        k = tuple(torch.zeros(TOKENS + P, H, D, dtype=torch.bfloat16) for _ in range(L))
-        v = tuple(torch.zeros(TOKENS + P, H, D, dtype=torch.bfloat16) for _ in range(L))
-        info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
-                                               layout=KVBufferLayout.NHD),
-                             page_size=P, head_num=H, head_dim=D, v_head_dim=D, dtype=torch.bfloat16, device=cpu)
-        pool = MHATokenToKVPoolHost(info, 2.0, 0, P, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=TOKENS, start_layer=0, end_layer=L)
-    if seed:
-        g = torch.Generator().manual_seed(seed)
-        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
-    return pool
+    """SGLang's host pool of a 3-layer model (page size 4) on the CPU."""
+    return sglang_pools.host_pool(layout, mla, layers=L, heads=H, head_dim=D, page=P, tokens=TOKENS, lora=LORA,
+                                  rope=ROPE, seed=seed)
 
 
 def page_keys(n: int, seed: int = 0):

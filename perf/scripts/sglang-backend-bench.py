@@ -1,0 +1,137 @@
+"""The SGLang backend's page copies against a single-core memcpy measured in the same run.
+
+A real SGLang 0.5.23 host pool (page_first, an 8B model's KV shape: 32 layers, 8 KV heads,
+head dim 128, bf16; 16-token pages of 2 MiB) and `orbitkv.sglang.OrbitKVStorage` created by
+SGLang's own backend factory against a running orbitkv-server. Per thread count: `batch_set_v1`
+of batches of 128 pages (SGLang's storage batch) under new keys, then `batch_exists` +
+`batch_get_v1` of the same pages into other pages of the pool. The baseline: numpy's copy of
+one batch's bytes between two buffers (one thread), before and after each thread count; the
+ratio per core is (GB/s / threads) / memcpy GB/s, with the better memcpy of the two.
+
+usage: sglang-backend-bench.py --server-bin target/release/orbitkv-server [--threads 1,2]
+       [--batches 6] [--dram 6GiB] [--out OUT.json]
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python", "tests"))
+import sglang_pools  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+import orbitkv  # noqa: E402
+
+LAYERS, HEADS, DIM, PAGE, BATCH = 32, 8, 128, 16, 128
+
+
+def memcpy_gbps(nbytes, reps=5):
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def keys(batch, n):
+    return [hashlib.sha256(f"bench-{batch}-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def indices(pages):
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server-bin", required=True)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--batches", type=int, default=6)
+    ap.add_argument("--dram", default="6GiB")
+    ap.add_argument("--shards", default="1")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+
+    d = tempfile.mkdtemp(prefix="okvsglb", dir="/tmp")
+    sock = os.path.join(d, "s.sock")
+    server = subprocess.Popen([a.server_bin, "--socket", sock, "--no-lock-arena", "--shards", a.shards,
+                               "--dram", a.dram, "--gpu", "off"], stderr=open(os.path.join(d, "server.log"), "wb"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                orbitkv.Client(sock).ping()
+                break
+            except orbitkv.OrbitKVError:
+                assert time.monotonic() < deadline and server.poll() is None, "server did not start"
+                time.sleep(0.1)
+        # Room for two batches of pages, written and read back.
+        pool = sglang_pools.host_pool("page_first", layers=LAYERS, heads=HEADS, head_dim=DIM, page=PAGE,
+                                      tokens=2 * BATCH * PAGE, seed=1)
+        results = {"page_bytes": None, "batch_pages": BATCH, "runs": []}
+        for threads in [int(t) for t in a.threads.split(",")]:
+            cfg = HiCacheStorageConfig(
+                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+                enable_storage_metrics=False, is_page_first_layout=True, model_name="bench-8b-shape",
+                extra_config={"backend_name": "orbitkv", "module_path": "orbitkv.sglang",
+                              "class_name": "OrbitKVStorage", "interface_v1": 1, "socket": sock,
+                              "copy_threads": threads})
+            b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+            b.register_mem_pool_host(pool)
+            chunk = b.chunk_bytes
+            nbytes = chunk * BATCH
+            results["page_bytes"] = chunk
+            before = memcpy_gbps(nbytes)
+            sets, gets = [], []
+            for i in range(a.batches):
+                ks = keys(f"{threads}-{i}", BATCH)
+                t0 = time.perf_counter()
+                ok = b.batch_set_v1(ks, indices(range(BATCH)))
+                sets.append(time.perf_counter() - t0)
+                assert all(ok), ok.count(False)
+                t0 = time.perf_counter()
+                found = b.batch_exists(ks)
+                got = b.batch_get_v1(ks, indices(range(BATCH, 2 * BATCH)))
+                gets.append(time.perf_counter() - t0)
+                assert found == BATCH and all(got), (found, got.count(False))
+            assert torch.equal(pool.kv_buffer[:, :BATCH * PAGE], pool.kv_buffer[:, BATCH * PAGE:2 * BATCH * PAGE])
+            after = memcpy_gbps(nbytes)
+            base = max(before, after)
+            set_gbps = nbytes / statistics.median(sets) / 1e9
+            get_gbps = nbytes / statistics.median(gets) / 1e9
+            r = {"threads": threads, "memcpy_gbps_before": before, "memcpy_gbps_after": after,
+                 "set_gbps": set_gbps, "get_gbps": get_gbps,
+                 "set_per_core_ratio": set_gbps / threads / base, "get_per_core_ratio": get_gbps / threads / base,
+                 "set_runs_s": sets, "get_runs_s": gets}
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                              if not k.endswith("runs_s")}), flush=True)
+            results["runs"].append(r)
+            b.close()
+            # The next run's keys are new; free the Manager's DRAM of this run's pages.
+            c = orbitkv.Client(sock)
+            ns = b.ns_id
+            for i in range(a.batches):
+                c.evict([orbitkv.ChunkKey(ns, orbitkv.chunk_digest(bytes.fromhex(k))) for k in keys(f"{threads}-{i}", BATCH)])
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        server.terminate()
+        server.wait(20)
+
+
+if __name__ == "__main__":
+    main()
