@@ -590,16 +590,17 @@ impl Client {
     pub fn put(&mut self, items: &[(ChunkKey, &[u8])]) -> Result<Vec<PutOutcome>, Error> {
         let keys: Vec<ChunkKey> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
-        self.put_with(&keys, &lens, |i, slot| crate::mapping::copy_chunk(slot, items[i].1))
+        self.put_with(&keys, &lens, |i, w| w.write(items[i].1))
     }
 
-    /// Stores chunks whose bytes `fill(i, slot)` writes into chunk `i`'s reserved slot (of
-    /// `lens[i]` bytes): reserve, fill each (on up to `copy_threads` threads), commit.
+    /// Stores chunks whose bytes `fill(i, writer)` writes, in order, into chunk `i`'s reserved
+    /// slot (of `lens[i]` bytes): reserve, fill each (on up to `copy_threads` threads, hashing
+    /// as they go when `client_checksums` is on), commit.
     pub(crate) fn put_with(
         &mut self,
         keys: &[ChunkKey],
         lens: &[u64],
-        fill: impl Fn(usize, &mut [u8]) + Sync,
+        fill: impl Fn(usize, &mut crate::copies::SlotWriter<'_>) + Sync,
     ) -> Result<Vec<PutOutcome>, Error> {
         let reserved = self.reserve(keys, lens)?;
         let mut out = Vec::with_capacity(keys.len());
@@ -631,10 +632,9 @@ impl Client {
                     .map(|((i, slot), sum)| (i, slot, sum))
                     .collect();
                 crate::copies::for_each(threads, items, |(i, slot, sum)| {
-                    fill(i, slot);
-                    if summed {
-                        *sum = orbitkv_proto::chunk_checksum(slot);
-                    }
+                    let mut w = crate::copies::SlotWriter::new(slot, summed);
+                    fill(i, &mut w);
+                    *sum = w.finish();
                 });
             }
             Err(e) => {

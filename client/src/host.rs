@@ -81,13 +81,10 @@ impl Client {
     ) -> Result<Vec<PutOutcome>, Error> {
         let shape: Vec<(usize, BlockLayout)> = regions.iter().map(|(r, l)| (r.len(), *l)).collect();
         let (per_chunk, len) = check(&shape, keys, blocks)?;
-        self.put_with(keys, &vec![len; keys.len()], |i, slot| {
-            let mut at = 0;
+        self.put_with(keys, &vec![len; keys.len()], |i, w| {
             for (region, layout) in regions {
                 for &b in &blocks[i * per_chunk..(i + 1) * per_chunk] {
-                    let src = &region[layout.range(b).expect("checked against every region")];
-                    crate::mapping::copy_chunk(&mut slot[at..at + src.len()], src);
-                    at += src.len();
+                    w.write(&region[layout.range(b).expect("checked against every region")]);
                 }
             }
         })
