@@ -287,6 +287,7 @@ def main():
     ap.add_argument("--no-interference", action="store_true")
     ap.add_argument("--saver", choices=("process", "thread"), default="process")
     ap.add_argument("--saver-path", choices=("server", "engine"), default="server")
+    ap.add_argument("--windows", type=int, default=4, help="decode windows beside saves (and one more alone)")
     a = ap.parse_args()
 
     def log(s):
@@ -300,7 +301,7 @@ def main():
         r, _ = one_length(model, client, ns, tokens, a.reps, log)
         results["lengths"].append(r)
     if not a.no_interference:
-        results["interference"] = interference(model, a.socket, log, a.saver, a.saver_path)
+        results["interference"] = interference(model, a.socket, log, a.saver, a.saver_path, windows=a.windows)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
 
