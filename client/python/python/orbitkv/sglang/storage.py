@@ -251,37 +251,31 @@ class OrbitKVStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Reads pages into the host pool: True for each page of the present prefix."""
-        if not keys:
-            return []
-        pages = self._pages(host_indices, len(keys))
-        t0 = time.perf_counter()
         try:
-            out = self.client.load_blocks(self.regions, self._keys(keys), pages)
-            self._outage.ok(self.client.session_id)
-        except OrbitKVError as e:
-            self._outage.failed(e, "read")
-            out = []
+            return self._copy("prefetch", keys, host_indices, self.client.load_blocks, ("done",))
         finally:
             self._release(keys)
-        ok = [o == "done" for o in out] + [False] * (len(keys) - len(out))
-        self._count("prefetch", sum(ok), time.perf_counter() - t0)
-        return ok
 
     def batch_set_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Writes pages from the host pool: True for each page stored or already there."""
+        return self._copy("backup", keys, host_indices, self.client.save_blocks, ("stored", "already_present"))
+
+    def _copy(self, what: str, keys: List[str], host_indices: Any, call: Any, good: Tuple[str, ...]) -> List[bool]:
+        """`call(regions, keys, pages)` (load_blocks or save_blocks), its outcomes as SGLang's
+        booleans; every page False if the Manager cannot be reached."""
         if not keys:
             return []
         pages = self._pages(host_indices, len(keys))
         t0 = time.perf_counter()
         try:
-            out = self.client.save_blocks(self.regions, self._keys(keys), pages)
+            out = call(self.regions, self._keys(keys), pages)
             self._outage.ok(self.client.session_id)
         except OrbitKVError as e:
-            self._outage.failed(e, "write")
-            return [False] * len(keys)
-        ok = [o in ("stored", "already_present") for o in out]
-        self._count("backup", sum(ok), time.perf_counter() - t0)
+            self._outage.failed(e, "read" if what == "prefetch" else "write")
+            out = []
+        ok = [o in good for o in out] + [False] * (len(keys) - len(out))
+        self._count(what, sum(ok), time.perf_counter() - t0)
         return ok
 
     def _count(self, what: str, pages: int, seconds: float) -> None:
