@@ -8,8 +8,13 @@ of batches of 128 pages (SGLang's storage batch) under new keys, then `batch_exi
 one batch's bytes between two buffers (one thread), before and after each thread count; the
 ratio per core is (GB/s / threads) / memcpy GB/s, with the better memcpy of the two.
 
+Without SGLang installed (or with --client-only) the same copies run through the client calls
+the backend makes (`Client.save_blocks` / `lookup_leased` / `load_blocks` on the pool's K and V
+tensors), on a tensor of the pool's page_first shape: for hosts whose Python SGLang's wheel
+does not install on.
+
 usage: sglang-backend-bench.py --server-bin target/release/orbitkv-server [--threads 1,2]
-       [--batches 6] [--dram 6GiB] [--out OUT.json]
+       [--batches 6] [--dram 6GiB] [--client-only] [--out OUT.json]
 """
 
 import argparse
@@ -25,12 +30,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python", "tests"))
-import sglang_pools  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-
 import orbitkv  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python", "tests"))
 
 LAYERS, HEADS, DIM, PAGE, BATCH = 32, 8, 128, 16, 128
 
@@ -55,6 +57,63 @@ def indices(pages):
     return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
 
 
+def sglang_backend(sock, threads, pool_tokens):
+    """SGLang's factory, host pool and OrbitKVStorage."""
+    import sglang_pools
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    pool = sglang_pools.host_pool("page_first", layers=LAYERS, heads=HEADS, head_dim=DIM, page=PAGE,
+                                  tokens=pool_tokens, seed=1)
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="bench-8b-shape",
+        extra_config={"backend_name": "orbitkv", "module_path": "orbitkv.sglang", "class_name": "OrbitKVStorage",
+                      "interface_v1": 1, "socket": sock, "copy_threads": threads})
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    b.register_mem_pool_host(pool)
+    return b, pool.kv_buffer
+
+
+class ClientCopies:
+    """The backend's copies without SGLang: the client calls OrbitKVStorage makes, on a
+    page_first pool tensor [2, tokens, layers, heads, dim]."""
+
+    def __init__(self, sock, threads, pool_tokens):
+        self.kv_buffer = torch.randn(2, pool_tokens, LAYERS, HEADS, DIM).to(torch.bfloat16)
+        pages = pool_tokens // PAGE
+        self.regions = [orbitkv.Region(self.kv_buffer[kv], block_bytes=self.kv_buffer[kv].nbytes // pages)
+                        for kv in range(2)]
+        self.chunk_bytes = sum(r.block_bytes for r in self.regions)
+        self.client = orbitkv.Client(sock, copy_threads=threads)
+        self.ns_id = self.client.register_namespace(orbitkv.NamespaceDescriptor(
+            model="bench-8b-shape", dtype="bf16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+            tokens_per_chunk=PAGE, layout_version=202)).id
+        self.held = []
+
+    def _keys(self, keys):
+        return [orbitkv.ChunkKey(self.ns_id, orbitkv.chunk_digest(bytes.fromhex(k))) for k in keys]
+
+    def _pages(self, host_indices):
+        return [i // PAGE for i in host_indices.tolist()[::PAGE]]
+
+    def batch_set_v1(self, keys, host_indices):
+        out = self.client.save_blocks(self.regions, self._keys(keys), self._pages(host_indices))
+        return [o in ("stored", "already_present") for o in out]
+
+    def batch_exists(self, keys):
+        self.held = self.client.lookup_leased(self._keys(keys))
+        return len(self.held)
+
+    def batch_get_v1(self, keys, host_indices):
+        out = self.client.load_blocks(self.regions, self._keys(keys), self._pages(host_indices))
+        self.client.release_deferred(self.held)
+        return [o == "done" for o in out]
+
+    def close(self):
+        self.client.flush()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server-bin", required=True)
@@ -62,6 +121,7 @@ def main():
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--dram", default="6GiB")
     ap.add_argument("--shards", default="1")
+    ap.add_argument("--client-only", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -78,19 +138,20 @@ def main():
             except orbitkv.OrbitKVError:
                 assert time.monotonic() < deadline and server.poll() is None, "server did not start"
                 time.sleep(0.1)
-        # Room for two batches of pages, written and read back.
-        pool = sglang_pools.host_pool("page_first", layers=LAYERS, heads=HEADS, head_dim=DIM, page=PAGE,
-                                      tokens=2 * BATCH * PAGE, seed=1)
-        results = {"page_bytes": None, "batch_pages": BATCH, "runs": []}
+        try:
+            import sglang.srt.mem_cache.hicache_storage  # noqa: F401  (not the tests' own sglang/)
+            use_sglang = not a.client_only
+        except ImportError:
+            use_sglang = False
+        results = {"path": "sglang backend" if use_sglang else "client calls", "page_bytes": None,
+                   "batch_pages": BATCH, "runs": []}
         for threads in [int(t) for t in a.threads.split(",")]:
-            cfg = HiCacheStorageConfig(
-                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-                enable_storage_metrics=False, is_page_first_layout=True, model_name="bench-8b-shape",
-                extra_config={"backend_name": "orbitkv", "module_path": "orbitkv.sglang",
-                              "class_name": "OrbitKVStorage", "interface_v1": 1, "socket": sock,
-                              "copy_threads": threads})
-            b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-            b.register_mem_pool_host(pool)
+            # Room for two batches of pages, written and read back.
+            if use_sglang:
+                b, kv_buffer = sglang_backend(sock, threads, 2 * BATCH * PAGE)
+            else:
+                b = ClientCopies(sock, threads, 2 * BATCH * PAGE)
+                kv_buffer = b.kv_buffer
             chunk = b.chunk_bytes
             nbytes = chunk * BATCH
             results["page_bytes"] = chunk
@@ -107,7 +168,7 @@ def main():
                 got = b.batch_get_v1(ks, indices(range(BATCH, 2 * BATCH)))
                 gets.append(time.perf_counter() - t0)
                 assert found == BATCH and all(got), (found, got.count(False))
-            assert torch.equal(pool.kv_buffer[:, :BATCH * PAGE], pool.kv_buffer[:, BATCH * PAGE:2 * BATCH * PAGE])
+            assert torch.equal(kv_buffer[:, :BATCH * PAGE], kv_buffer[:, BATCH * PAGE:2 * BATCH * PAGE])
             after = memcpy_gbps(nbytes)
             base = max(before, after)
             set_gbps = nbytes / statistics.median(sets) / 1e9

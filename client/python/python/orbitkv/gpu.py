@@ -48,8 +48,10 @@ def ipc_triple(tensor: Any) -> Tuple[bytes, int, int]:
 
 
 _HOST_LOCK = threading.Lock()
-#: (address, length, session) of an arena mapping -> EngineCopies using its CUDA registration.
-_HOST_USERS: Dict[Tuple[int, int, int], int] = {}
+#: Address of an arena mapping registered with CUDA -> (length, session, EngineCopies using it).
+#: CUDA knows a registration by its address alone: a new session's mapping may land where the
+#: old one was, and then the old registration is dropped first.
+_HOST_USERS: Dict[int, Tuple[int, int, int]] = {}
 
 
 def _cuda_driver() -> Any:
@@ -65,26 +67,34 @@ def _host_register(base: int, length: int, session: int, device: Any) -> None:
 
     import torch
 
-    key = (base, length, session)
     with _HOST_LOCK:
-        if _HOST_USERS.get(key, 0) == 0:
-            torch.cuda.set_device(device)  # the device's context current on this thread
-            err = _cuda_driver().cuMemHostRegister_v2(ctypes.c_void_p(base), ctypes.c_size_t(length), 0)
-            if err != 0:
-                raise InvalidArgument(f"cuMemHostRegister of the {length}-byte arena failed: CUDA error {err}")
-        _HOST_USERS[key] = _HOST_USERS.get(key, 0) + 1
+        held = _HOST_USERS.get(base)
+        if held is not None and held[:2] == (length, session):
+            _HOST_USERS[base] = (length, session, held[2] + 1)
+            return
+        if held is not None:  # an earlier session's mapping at this address
+            _cuda_driver().cuMemHostUnregister(ctypes.c_void_p(base))
+            del _HOST_USERS[base]
+        torch.cuda.set_device(device)  # the device's context current on this thread
+        err = _cuda_driver().cuMemHostRegister_v2(ctypes.c_void_p(base), ctypes.c_size_t(length), 0)
+        if err != 0:
+            raise InvalidArgument(f"cuMemHostRegister of the {length}-byte arena failed: CUDA error {err}")
+        _HOST_USERS[base] = (length, session, 1)
 
 
 def _host_unregister(key: Tuple[int, int, int]) -> None:
     import ctypes
 
+    base, length, session = key
     with _HOST_LOCK:
-        left = _HOST_USERS.get(key, 0) - 1
-        if left > 0:
-            _HOST_USERS[key] = left
-        elif key in _HOST_USERS:
-            del _HOST_USERS[key]
-            _cuda_driver().cuMemHostUnregister(ctypes.c_void_p(key[0]))
+        held = _HOST_USERS.get(base)
+        if held is None or held[:2] != (length, session):
+            return  # already replaced by a newer session's registration
+        if held[2] > 1:
+            _HOST_USERS[base] = (length, session, held[2] - 1)
+        else:
+            del _HOST_USERS[base]
+            _cuda_driver().cuMemHostUnregister(ctypes.c_void_p(base))
 
 
 class EngineCopies:
@@ -155,6 +165,14 @@ class EngineCopies:
 
         (self.stream or torch.cuda.current_stream()).synchronize()
 
+    def _drain(self) -> None:
+        """After a failure: waits for the copies already queued (best effort), so that no slot
+        or lease is given back while a copy may still touch it."""
+        try:
+            self._sync()
+        except Exception:
+            pass
+
     def _store(self, keys: Sequence[Any], lens: List[int], device: Any, fill: Any) -> List[str]:
         """Reserves a slot per key, runs `fill(arena, reserved)` on the copy stream, waits for
         its copies and commits (aborts the slots if anything fails). Outcomes as `save`."""
@@ -169,6 +187,7 @@ class EngineCopies:
                 fill(arena, reserved)
             self._sync()
         except BaseException:
+            self._drain()
             if slots:
                 self.client.abort(slots)
             raise
@@ -225,6 +244,9 @@ class EngineCopies:
                         at += d.numel()
                     out[i] = "done"
             self._sync()
+        except BaseException:
+            self._drain()
+            raise
         finally:
             if leases:
                 self.client.release_deferred(leases)
@@ -250,6 +272,7 @@ class EngineCopies:
 
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        cache.check_blocks(blocks, distinct=False)
         length, rows = cache.chunk_bytes, int(staging.shape[0])
 
         def fill(arena: Any, reserved: List[Any]) -> None:
@@ -272,6 +295,7 @@ class EngineCopies:
 
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        cache.check_blocks(blocks, distinct=True)
         arena = self._arena_tensor(cache.device)
         length = cache.chunk_bytes
         leases = self.client.lookup_leased(list(keys))
@@ -295,6 +319,9 @@ class EngineCopies:
                     cache.scatter(torch.tensor(list(blocks[at:at + len(batch)]), device=cache.device), st)
             self._sync()
             out[:usable] = ["done"] * usable
+        except BaseException:
+            self._drain()
+            raise
         finally:
             if leases:
                 self.client.release_deferred(leases)
@@ -380,7 +407,7 @@ class GpuKvCache:
         if self.kind == "mla":
             self.layout_args = (self.num_layers, self.num_blocks, self.block_size, 1, self.heads * content, e)
         else:
-            if (self.heads * content) % 2:
+            if content % 2:
                 raise InvalidArgument(f"a page's content of {content} elements per head cannot be K and V halves")
             self.layout_args = (self.num_layers, self.num_blocks, self.block_size, self.heads, content // 2, e)
 
@@ -405,6 +432,20 @@ class GpuKvCache:
     def regions(self) -> List[Tuple[bytes, int, int]]:
         """The server layout's tensors as CUDA IPC triples, for `Client.register_gpu`."""
         return [ipc_triple(s) for s in self._slabs]
+
+    def check_blocks(self, blocks: Sequence[int], distinct: bool) -> None:
+        """Refuses block ids outside the cache (or named twice, for a load), naming one."""
+        bad = next((b for b in blocks if not 0 <= b < self.num_blocks), None)
+        if bad is not None:
+            raise InvalidArgument(f"block {bad} of {self.num_blocks}")
+        if distinct and len(set(blocks)) != len(blocks):
+            twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
+            raise InvalidArgument(f"block {twice} named twice: a load writes each block once")
+
+    def matches(self, order: str) -> bool:
+        """Whether the pages' byte order is `order` (HNC or NHC): with one head or one token
+        per page both orders are the same bytes."""
+        return self.page_order == order or self.heads == 1 or self.block_size == 1
 
     def pieces(self, block: int) -> List[Any]:
         """Block `block`'s chunk as contiguous uint8 CUDA tensors, in chunk order (for
@@ -473,8 +514,10 @@ class GpuBlockCopies:
 
     @property
     def active_path(self) -> str:
-        """The path the next copy takes (`auto` until the first registration decides)."""
-        return "engine" if self._engine is not None else self.path
+        """The path copies take now: `engine`, `server`, or `auto` before the first copy."""
+        if self._engine is not None:
+            return "engine"
+        return "server" if self._reg is not None or self.path == "server" else self.path
 
     def prepare(self) -> None:
         """Does now what the first copy would: registers the cache with the Manager (server
@@ -497,7 +540,6 @@ class GpuBlockCopies:
             try:
                 self._reg = self.client.register_gpu(device_uuid(self.cache.device), self.cache.layout(),
                                                      self.cache.regions())
-                self.path = "server"
             except Unavailable:
                 raise
             except OrbitKVError as e:

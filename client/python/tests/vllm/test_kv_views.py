@@ -116,3 +116,17 @@ def test_gather_and_scatter_move_whole_chunks(layout):
     for x, y in zip(dst, src):
         assert torch.equal(x[[1, 5, 3]], y[[4, 0, 2]])
         assert not x[[0, 2, 4]].any()
+
+
+def test_one_head_pages_match_either_order():
+    """With one KV head per rank (a 70B model at TP=8) LBNHC and LBHNC pages are the same
+    bytes: the worker must take either layout name."""
+    for name in ("LBNHC", "LBHNC"):
+        c = GpuKvCache(kv_views.views(torch, name, L, B, 1, BS, 2 * DIM, torch.bfloat16, fill=False))
+        assert c.matches("NHC") and c.matches("HNC")
+    c = GpuKvCache(kv_views.views(torch, "LBNHC", L, B, HEADS, BS, 2 * DIM, torch.bfloat16, fill=False))
+    assert c.matches("NHC") and not c.matches("HNC")
+    with pytest.raises(orbitkv.InvalidArgument, match="block 6 of 6"):
+        c.check_blocks([0, 6], distinct=False)
+    with pytest.raises(orbitkv.InvalidArgument, match="block 2 named twice"):
+        c.check_blocks([2, 1, 2], distinct=True)

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from .. import ChunkKey, Client, NamespaceDescriptor, OrbitKVError, Region, chunk_digest
+from .. import ChunkKey, Client, NamespaceDescriptor, OrbitKVError, Region, ServerError, chunk_digest
 from .._outage import Outage
 
 log = logging.getLogger("orbitkv.sglang")
@@ -79,7 +79,8 @@ class OrbitKVStorage(HiCacheStorage):
     SGLang's own keys): `socket` (default: the Manager's default socket), `namespace_model`
     (default SGLang's model name), `request_timeout` (seconds, default 10), `copy_threads`
     (default: up to 4 of this process's CPUs), `lease_seconds` (default 30),
-    `max_held_leases` (default 65536)."""
+    `max_held_leases` (default 16384, a quarter of the Manager's default lease limit per
+    session)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[Dict[str, Any]] = None) -> None:
         self.config = storage_config
@@ -96,14 +97,15 @@ class OrbitKVStorage(HiCacheStorage):
             copy_threads=int(ex.get("copy_threads", min(4, len(os.sched_getaffinity(0))))),
         )
         self.lease_seconds = float(ex.get("lease_seconds", 30.0))
-        self.max_held = int(ex.get("max_held_leases", 65536))
+        self.max_held = int(ex.get("max_held_leases", 16384))
         self.mem_pool_host: Any = None
         self.regions: List[Region] = []
         self.page_size = 0
         self.chunk_bytes = 0
         self.ns_id: Optional[int] = None
         self._lock = threading.Lock()
-        self._held: "collections.OrderedDict[str, Tuple[Any, float]]" = collections.OrderedDict()
+        #: key -> (lease, when taken, session): leases batch_exists took, until read.
+        self._held: "collections.OrderedDict[str, Tuple[Any, float, Any]]" = collections.OrderedDict()
         self._stats = StorageStats()
         self._outage = Outage(log)
 
@@ -209,16 +211,22 @@ class OrbitKVStorage(HiCacheStorage):
             else:
                 done = [self._held.pop(k) for k in (keys or []) if k in self._held]
                 while self._held:
-                    k, (lease, t) = next(iter(self._held.items()))
+                    k, (_, t, _) = next(iter(self._held.items()))
                     if len(self._held) <= self.max_held and (now is None or now - t < self.lease_seconds):
                         break
                     done.append(self._held.pop(k))
-        leases = [lease for lease, _ in done]
+        self._give_back(done)
+
+    def _give_back(self, held: List[Tuple[Any, float, Any]]) -> None:
+        """Releases held leases of the live session; those of a session that ended went with
+        it (one stale lease would make the whole release fail)."""
+        session = self.client.session_id
+        leases = [lease for lease, _, s in held if s == session]
         if leases:
             try:
                 self.client.release_deferred(leases)
             except OrbitKVError:
-                pass  # leases of a session that ended are gone with it
+                pass
 
     # ------------------------------------------------------------------ the v1 interface
 
@@ -229,23 +237,26 @@ class OrbitKVStorage(HiCacheStorage):
         now = time.monotonic()
         self._release(now=now)
         try:
-            leases = self.client.lookup_leased(self._keys(keys))
+            try:
+                leases = self.client.lookup_leased(self._keys(keys))
+            except ServerError as e:
+                if e.code != "lease_limit":
+                    raise
+                self._release()  # everything held, then once more
+                leases = self.client.lookup_leased(self._keys(keys))
             self._outage.ok(self.client.session_id)
         except OrbitKVError as e:
             self._outage.failed(e, "lookup")
             return 0
+        session = self.client.session_id
         stale = []
         with self._lock:
             for k, lease in zip(keys, leases):
                 old = self._held.pop(k, None)
                 if old is not None:
-                    stale.append(old[0])
-                self._held[k] = (lease, now)
-        if stale:
-            try:
-                self.client.release_deferred(stale)
-            except OrbitKVError:
-                pass
+                    stale.append(old)
+                self._held[k] = (lease, now, session)
+        self._give_back(stale)
         return len(leases)
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,

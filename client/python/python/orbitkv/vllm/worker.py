@@ -80,7 +80,7 @@ class WorkerSide:
                 cache = GpuKvCache(tensors, mla=use_mla)
             except OrbitKVError as e:
                 raise ConfigError(f"OrbitKV cannot copy this KV cache (layout {layout}): {e}") from None
-            if not use_mla and cache.page_order != page_order(layout):
+            if not use_mla and not cache.matches(page_order(layout)):
                 raise ConfigError(f"the KV cache's pages are {cache.page_order} but vLLM's layout is {layout}")
             path = str(self.manager_extra.get("gpu_path", "auto"))
             self.gpu = GpuBlockCopies(self.manager.client, cache, path, log)
@@ -163,8 +163,11 @@ class WorkerSide:
             self._lock.wait_for(lambda: not self._jobs and not self._busy, timeout=30)
             self._stop = True
             self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
         try:
-            if self.gpu is not None:
+            # Not while a copy may still be running (the thread stops after its current job).
+            if self.gpu is not None and not (self._thread is not None and self._thread.is_alive()):
                 self.gpu.close()
             self.manager.client.flush()
         except OrbitKVError:
@@ -176,7 +179,17 @@ class WorkerSide:
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._jobs or self._stop)
-                if self._stop and not self._jobs:
+                if self._stop:
+                    # Whatever is still queued is dropped: loads count as failed (vLLM
+                    # recomputes), saves are not made.
+                    for kind, rid, _, blocks, _ in self._jobs:
+                        if kind == "load":
+                            self._load_errors |= set(blocks)
+                            self._loads_done.add(rid)
+                        else:
+                            self._pending_saves[rid] -= 1
+                    self._jobs.clear()
+                    self._lock.notify_all()
                     return
                 job = self._jobs.popleft()
                 self._busy = True
