@@ -5,8 +5,9 @@ Only imported when GPU features are used; importing it needs torch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from ._native import InvalidArgument, Stale
 
@@ -165,6 +166,25 @@ class EngineCopies:
 
         (self.stream or torch.cuda.current_stream()).synchronize()
 
+    @contextlib.contextmanager
+    def _leased(self, keys: Sequence[Any]) -> Iterator[List[Any]]:
+        """Leases the present prefix of `keys` for the copies queued in the `with` body (on the
+        copy stream), waits for them, and releases (also on failure, once they are done)."""
+        import torch
+
+        leases = self.client.lookup_leased(list(keys))
+        try:
+            self._same_session()
+            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+                yield leases
+            self._sync()
+        except BaseException:
+            self._drain()
+            raise
+        finally:
+            if leases:
+                self.client.release_deferred(leases)
+
     def _drain(self) -> None:
         """After a failure: waits for the copies already queued (best effort), so that no slot
         or lease is given back while a copy may still touch it."""
@@ -223,35 +243,22 @@ class EngineCopies:
         """Loads the longest present prefix of `keys` into `pieces[i]` (split as saved): `done`
         per chunk loaded, `not_found` after, `invalid_argument` for a chunk whose length is not
         its pieces' (nothing after it is loaded)."""
-        import torch
-
         if len(keys) != len(pieces):
             raise InvalidArgument(f"{len(keys)} keys but {len(pieces)} piece lists")
         dsts = [[self._bytes(p) for p in ps] for ps in pieces]
         arena = self._arena_tensor()
-        leases = self.client.lookup_leased(list(keys))
         out = ["not_found"] * len(keys)
-        try:
-            self._same_session()
-            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
-                for i, (lease, ds) in enumerate(zip(leases, dsts)):
-                    if lease.len != sum(int(d.numel()) for d in ds):
-                        out[i] = "invalid_argument"
-                        break
-                    at = lease.offset
-                    for d in ds:
-                        d.copy_(arena[at:at + d.numel()], non_blocking=True)
-                        at += d.numel()
-                    out[i] = "done"
-            self._sync()
-        except BaseException:
-            self._drain()
-            raise
-        finally:
-            if leases:
-                self.client.release_deferred(leases)
+        with self._leased(keys) as leases:
+            for i, (lease, ds) in enumerate(zip(leases, dsts)):
+                if lease.len != sum(int(d.numel()) for d in ds):
+                    out[i] = "invalid_argument"
+                    break
+                at = lease.offset
+                for d in ds:
+                    d.copy_(arena[at:at + d.numel()], non_blocking=True)
+                    at += d.numel()
+                out[i] = "done"
         return out
-
 
     def _runs(self, offsets: Sequence[int], length: int) -> List[Tuple[int, int, int]]:
         """(first row, rows, arena offset) of each run of arena slots lying back to back."""
@@ -297,34 +304,23 @@ class EngineCopies:
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         cache.check_blocks(blocks, distinct=True)
         arena = self._arena_tensor(cache.device)
-        length = cache.chunk_bytes
-        leases = self.client.lookup_leased(list(keys))
+        length, rows = cache.chunk_bytes, int(staging.shape[0])
         out = ["not_found"] * len(keys)
-        usable = 0
-        for lease in leases:
-            if lease.len != length:
-                out[usable] = "invalid_argument"
-                break
-            usable += 1
-        rows = int(staging.shape[0])
-        try:
-            self._same_session()
-            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
-                for at in range(0, usable, rows):
-                    batch = leases[at:min(at + rows, usable)]
-                    st = staging[:len(batch)]
-                    flat = st.reshape(-1)
-                    for first, n, off in self._runs([lease.offset for lease in batch], length):
-                        flat[first * length:(first + n) * length].copy_(arena[off:off + n * length], non_blocking=True)
-                    cache.scatter(torch.tensor(list(blocks[at:at + len(batch)]), device=cache.device), st)
-            self._sync()
-            out[:usable] = ["done"] * usable
-        except BaseException:
-            self._drain()
-            raise
-        finally:
-            if leases:
-                self.client.release_deferred(leases)
+        with self._leased(keys) as leases:
+            usable = 0
+            for lease in leases:
+                if lease.len != length:
+                    out[usable] = "invalid_argument"
+                    break
+                usable += 1
+            for at in range(0, usable, rows):
+                batch = leases[at:min(at + rows, usable)]
+                st = staging[:len(batch)]
+                flat = st.reshape(-1)
+                for first, n, off in self._runs([lease.offset for lease in batch], length):
+                    flat[first * length:(first + n) * length].copy_(arena[off:off + n * length], non_blocking=True)
+                cache.scatter(torch.tensor(list(blocks[at:at + len(batch)]), device=cache.device), st)
+        out[:usable] = ["done"] * usable
         return out
 
 
