@@ -155,9 +155,17 @@ impl Client {
         &self.opts
     }
 
-    /// The current session id (None between a disconnect and the next call).
+    /// The current session id (None between a disconnect and the next call). A restarted
+    /// Manager numbers its sessions from 1 again: to tell this client's connections apart,
+    /// use [`Client::connection`].
     pub fn session_id(&self) -> Option<u64> {
         self.conn.as_ref().map(|c| c.session_id)
+    }
+
+    /// The number of the current connection of this client, new at every connect (None
+    /// while disconnected): leases, reservations and the arena mapping belong to one.
+    pub fn connection(&self) -> Option<u64> {
+        self.conn.as_ref().map(|_| self.epoch)
     }
 
     /// Drops a session whose server has gone (noticed without a call): its holdings are

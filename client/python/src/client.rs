@@ -128,6 +128,11 @@ impl NativeClient {
     }
 
     #[getter]
+    fn connection(&self) -> Option<u64> {
+        self.lock().connection()
+    }
+
+    #[getter]
     fn is_connected(&self) -> bool {
         self.lock().is_connected()
     }
@@ -341,12 +346,12 @@ impl NativeClient {
         Ok(out.into_iter().map(outcome_name).collect())
     }
 
-    /// This session's mapping of the arena: (address, length, session id), or None while
-    /// disconnected. For an engine that registers it with CUDA and copies itself.
+    /// This connection's mapping of the arena: (address, length, connection number), or None
+    /// while disconnected. For an engine that registers it with CUDA and copies itself.
     fn arena(&self) -> Option<(usize, usize, u64)> {
         let c = self.lock();
         let (base, len) = c.arena_range()?;
-        Some((base as usize, len, c.session_id()?))
+        Some((base as usize, len, c.connection()?))
     }
 
     /// Registers GPU KV tensors: `layout` as (kind, num_layers, num_blocks, block_size,

@@ -222,9 +222,11 @@ def test_restart_reconnects_and_registers_namespaces_again(client, server):
     keys = chain(ns.id, 2)
     client.put([(keys[0], value(0))])
     leases = client.lookup_leased(keys)
+    first = (client.session_id, client.connection)
     server.kill()
     with pytest.raises((orbitkv.Disconnected, orbitkv.Unavailable)):
         client.ping()
+    assert client.connection is None
     # Calls while it is down fail fast, without a connect attempt each.
     before = client.connect_attempts
     for _ in range(1000):
@@ -237,6 +239,8 @@ def test_restart_reconnects_and_registers_namespaces_again(client, server):
     with pytest.raises(orbitkv.Stale):
         client.release(leases)
     assert server.admin("stats")["sessions"] == 1
+    # The restarted Manager numbers sessions from 1 again; connections stay apart.
+    assert client.session_id == first[0] and client.connection == first[1] + 1
 
 
 def _pings(c: Client) -> bool:

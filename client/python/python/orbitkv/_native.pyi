@@ -121,6 +121,7 @@ class NativeClient:
     ) -> None: ...
     socket: str
     session_id: Optional[int]
+    connection: Optional[int]
     is_connected: bool
     connect_attempts: int
     deferred_failures: int

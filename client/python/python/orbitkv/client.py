@@ -133,8 +133,15 @@ class Client:
 
     @property
     def session_id(self) -> Optional[int]:
-        """The current session (None while disconnected)."""
+        """The current session (None while disconnected). A restarted Manager numbers its
+        sessions from 1 again; `connection` tells this client's connections apart."""
         return self._c.session_id
+
+    @property
+    def connection(self) -> Optional[int]:
+        """The number of the current connection, new at every connect (None while
+        disconnected): leases, reservations and the arena mapping belong to one."""
+        return self._c.connection
 
     @property
     def is_connected(self) -> bool:
@@ -292,9 +299,9 @@ class Client:
             del keep
 
     def arena(self) -> Optional[Tuple[int, int, int]]:
-        """(address, length, session id) of this session's arena mapping, None while
-        disconnected: for an engine that registers it with CUDA and copies itself
-        (`orbitkv.gpu.EngineCopies`). It ends with the session."""
+        """(address, length, connection number) of this connection's arena mapping, None
+        while disconnected: for an engine that registers it with CUDA and copies itself
+        (`orbitkv.gpu.EngineCopies`). It ends with the connection."""
         return self._c.arena()
 
     # --- GPU pages (the server's DMA threads copy) ---------------------------------------

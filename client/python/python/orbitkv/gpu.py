@@ -49,10 +49,11 @@ def ipc_triple(tensor: Any) -> Tuple[bytes, int, int]:
 
 
 _HOST_LOCK = threading.Lock()
-#: Address of an arena mapping registered with CUDA -> (length, session, EngineCopies using it).
-#: CUDA knows a registration by its address alone: a new session's mapping may land where the
-#: old one was, and then the old registration is dropped first.
-_HOST_USERS: Dict[int, Tuple[int, int, int]] = {}
+#: Address of an arena mapping registered with CUDA -> (length, its owner: (client, connection
+#: number), EngineCopies using it). CUDA knows a registration by its address alone: a new
+#: connection's mapping may land where an old one was, and then the old registration is dropped
+#: first.
+_HOST_USERS: Dict[int, Tuple[int, Any, int]] = {}
 
 
 def _cuda_driver() -> Any:
@@ -63,7 +64,7 @@ def _cuda_driver() -> Any:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _host_register(base: int, length: int, session: int, device: Any) -> None:
+def _host_register(base: int, length: int, session: Any, device: Any) -> None:
     import ctypes
 
     import torch
@@ -73,7 +74,7 @@ def _host_register(base: int, length: int, session: int, device: Any) -> None:
         if held is not None and held[:2] == (length, session):
             _HOST_USERS[base] = (length, session, held[2] + 1)
             return
-        if held is not None:  # an earlier session's mapping at this address
+        if held is not None:  # an earlier connection's mapping at this address
             _cuda_driver().cuMemHostUnregister(ctypes.c_void_p(base))
             del _HOST_USERS[base]
         torch.cuda.set_device(device)  # the device's context current on this thread
@@ -83,14 +84,14 @@ def _host_register(base: int, length: int, session: int, device: Any) -> None:
         _HOST_USERS[base] = (length, session, 1)
 
 
-def _host_unregister(key: Tuple[int, int, int]) -> None:
+def _host_unregister(key: Tuple[int, int, Any]) -> None:
     import ctypes
 
     base, length, session = key
     with _HOST_LOCK:
         held = _HOST_USERS.get(base)
         if held is None or held[:2] != (length, session):
-            return  # already replaced by a newer session's registration
+            return  # already replaced by a newer connection's registration
         if held[2] > 1:
             _HOST_USERS[base] = (length, session, held[2] - 1)
         else:
@@ -135,21 +136,22 @@ class EngineCopies:
         if mapping is None:
             self.client.ping()  # connects, or raises Unavailable
             mapping = self.client.arena()
-        base, length, session = mapping
-        if session != self._session:
+        base, length, connection = mapping
+        if connection != self._session:
             self.close()
             dev = device if device is not None else (self.stream.device if self.stream is not None
                                                      else torch.cuda.current_device())
-            _host_register(base, length, session, dev)
+            owner = (id(self.client), connection)
+            _host_register(base, length, owner, dev)
             buf = (ctypes.c_uint8 * length).from_address(base)
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
-            self._session, self._key = session, (base, length, session)
+            self._session, self._key = connection, (base, length, owner)
         return self._arena
 
     def _same_session(self) -> None:
-        """The session the slots or leases belong to is the one whose mapping is registered
+        """The connection the slots or leases belong to is the one whose mapping is registered
         (a reconnect inside the call maps the arena anew: nothing is copied then)."""
-        if self.client.session_id != self._session:
+        if self.client.connection != self._session:
             self.close()
             raise Stale("the session changed during the call (a Manager restart); try again")
 

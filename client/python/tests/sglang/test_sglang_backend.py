@@ -209,3 +209,21 @@ def test_a_vllm_engine_and_an_sglang_engine_keep_to_their_namespaces(server):
     assert c.put([(orbitkv.ChunkKey(ns.id, orbitkv.chunk_digest(b"v" * 32)), b"x" * 64)]) == ["stored"]
     assert b.batch_exists(["76" * 32]) == 0
     assert b.batch_exists(key) == 1
+
+
+def test_leases_held_across_a_manager_restart_do_not_sink_the_new_sessions(server):
+    """Leases batch_exists took before a restart went with their session: giving back the new
+    session's leases together with them must still give the new ones back."""
+    b = backend(config(server), host_pool("page_first", seed=13))
+    old, new = page_keys(2, seed=14), page_keys(2, seed=15)
+    assert b.batch_set_v1(old, indices([0, 1])) == [True, True]
+    assert b.batch_exists(old) == 2  # held, never read
+    server.restart()
+    deadline = time.monotonic() + 10
+    while b.batch_set_v1(new, indices([2, 3])) != [True, True]:
+        assert time.monotonic() < deadline, "no reconnect"
+        time.sleep(0.05)
+    assert b.batch_exists(new) == 2  # held beside the old session's
+    b.clear()  # gives back everything held
+    b.client.flush()
+    assert server.shard_sum("leases") == 0

@@ -104,7 +104,7 @@ class OrbitKVStorage(HiCacheStorage):
         self.chunk_bytes = 0
         self.ns_id: Optional[int] = None
         self._lock = threading.Lock()
-        #: key -> (lease, when taken, session): leases batch_exists took, until read.
+        #: key -> (lease, when taken, connection): leases batch_exists took, until read.
         self._held: "collections.OrderedDict[str, Tuple[Any, float, Any]]" = collections.OrderedDict()
         self._stats = StorageStats()
         self._outage = Outage(log)
@@ -218,9 +218,9 @@ class OrbitKVStorage(HiCacheStorage):
         self._give_back(done)
 
     def _give_back(self, held: List[Tuple[Any, float, Any]]) -> None:
-        """Releases held leases of the live session; those of a session that ended went with
-        it (one stale lease would make the whole release fail)."""
-        session = self.client.session_id
+        """Releases held leases of the live connection; those of one that ended went with it
+        (one stale lease would make the whole release fail)."""
+        session = self.client.connection
         leases = [lease for lease, _, s in held if s == session]
         if leases:
             try:
@@ -248,7 +248,7 @@ class OrbitKVStorage(HiCacheStorage):
         except OrbitKVError as e:
             self._outage.failed(e, "lookup")
             return 0
-        session = self.client.session_id
+        session = self.client.connection
         stale = []
         with self._lock:
             for k, lease in zip(keys, leases):
