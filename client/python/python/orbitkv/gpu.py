@@ -362,7 +362,8 @@ class GpuKvCache:
     Anything else (padded pages, heads outside blocks) is refused, naming what was found.
 
     `regions()` gives what `Client.register_gpu` takes (the server's DMA threads copy);
-    `pieces(block)` gives what `EngineCopies` takes (the engine copies).
+    `gather` / `scatter` move whole chunks for `EngineCopies.save_cache` / `load_cache` (the
+    engine copies).
     """
 
     def __init__(self, layers: Sequence[Any], *, mla: bool = False) -> None:
@@ -444,17 +445,6 @@ class GpuKvCache:
         """Whether the pages' byte order is `order` (HNC or NHC): with one head or one token
         per page both orders are the same bytes."""
         return self.page_order == order or self.heads == 1 or self.block_size == 1
-
-    def pieces(self, block: int) -> List[Any]:
-        """Block `block`'s chunk as contiguous uint8 CUDA tensors, in chunk order (for
-        `EngineCopies`)."""
-        if not 0 <= block < self.num_blocks:
-            raise InvalidArgument(f"block {block} of {self.num_blocks}")
-        if self.kind == "cross_layer":
-            return [self._slabs[0][block * self.chunk_bytes:(block + 1) * self.chunk_bytes]]
-        at = block * self.page_bytes
-        return [s[at:at + self.page_bytes] for s in self._slabs]
-
 
     def gather(self, blocks: Any, out: Any) -> None:
         """Chunks of `blocks` (a CUDA index tensor) into the rows of `out` (`[len(blocks),
