@@ -29,18 +29,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from .. import ChunkKey, Client, NamespaceDescriptor, OrbitKVError, Region, ServerError, chunk_digest
+from .._dtypes import okv_dtype
 from .._outage import Outage
 
 log = logging.getLogger("orbitkv.sglang")
-
-#: SGLang's KV dtypes as OrbitKV dtypes.
-_DTYPES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "float32": "fp32",
-    "float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2",
-}
 
 #: The layout version of each host pool layout (the order of a page's bytes), MHA and MLA.
 LAYOUT_VERSIONS = {
@@ -163,16 +155,11 @@ class OrbitKVStorage(HiCacheStorage):
             model += f"#pp{c.pp_rank}/{c.pp_size}"
         if c.attn_cp_size > 1:
             model += f"#cp{c.attn_cp_rank}/{c.attn_cp_size}"
-        dtype = str(pool.dtype).replace("torch.", "")
-        try:
-            okv_dtype = _DTYPES[dtype]
-        except KeyError:
-            raise ValueError(f"KV dtype {dtype!r} has no OrbitKV dtype") from None
         mla = kind == "mla"
         head_dim = int(pool.kv_cache_dim) if mla else int(pool.head_dim)
         return NamespaceDescriptor(
             model=model[:256],
-            dtype=okv_dtype,
+            dtype=okv_dtype(pool.dtype),
             num_layers=int(pool.layer_num),
             num_kv_heads=1 if mla else int(pool.head_num),
             head_dim=head_dim,

@@ -7,20 +7,7 @@ import os
 from typing import Any, Dict
 
 from .. import NamespaceDescriptor
-
-#: vLLM's cache dtypes (and model dtypes, for "auto") as OrbitKV dtypes.
-_DTYPES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "fp8": "fp8_e4m3",
-    "fp8_e4m3": "fp8_e4m3",
-    "float8_e4m3fn": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2",
-    "float8_e5m2": "fp8_e5m2",
-}
+from .._dtypes import okv_dtype
 
 #: Hash algorithms whose block hashes are the same in every process (vLLM's sha256 family; the
 #: xxhash ones are only with PYTHONHASHSEED set, else their seed is random per process).
@@ -82,11 +69,11 @@ def check_hashing(vllm_config: Any) -> str:
 def dtype_name(vllm_config: Any) -> str:
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype == "auto":
-        cache_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+        cache_dtype = str(vllm_config.model_config.dtype)
     try:
-        return _DTYPES[cache_dtype]
-    except KeyError:
-        raise ConfigError(f"KV cache dtype {cache_dtype!r} has no OrbitKV dtype") from None
+        return okv_dtype(cache_dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def namespace(vllm_config: Any, tp_rank: int, layout: str) -> NamespaceDescriptor:

@@ -36,6 +36,20 @@ def _tp_rank() -> int:
         return 0
 
 
+class _HostCopies:
+    """A CPU KV cache: its blocks copied by this process straight to and from the arena."""
+
+    def __init__(self, client: Any, regions: List[Region]) -> None:
+        self.client = client
+        self.regions = regions
+
+    def save(self, keys: List[ChunkKey], blocks: List[int]) -> List[str]:
+        return self.client.save_blocks(self.regions, keys, blocks)
+
+    def load(self, keys: List[ChunkKey], blocks: List[int]) -> List[str]:
+        return self.client.load_blocks(self.regions, keys, blocks)
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, ex: Dict[str, Any]) -> None:
         self.vllm_config = vllm_config
@@ -43,8 +57,9 @@ class WorkerSide:
         self.rank = _tp_rank()
         self.manager = Manager(ex, f"vllm-worker-{self.rank}", self.stats)
         self.manager_extra = ex
-        self.regions: List[Region] = []
-        self.gpu: Any = None  # orbitkv.gpu.GpuBlockCopies for a GPU KV cache
+        #: Who copies: `_HostCopies` for a CPU KV cache, `orbitkv.gpu.GpuBlockCopies` for a GPU one.
+        self.copies: Any = None
+        self.gpu: Any = None  # the GpuBlockCopies, for a GPU KV cache
         self.chunk_bytes = 0
         self.ns_id: Optional[int] = None
         self._lock = threading.Condition()
@@ -70,8 +85,9 @@ class WorkerSide:
             for name, t in kv_caches.items():
                 if not t.is_contiguous():
                     raise ConfigError(f"KV cache of {name} is not contiguous (layout {layout})")
-            self.regions = [Region(t, block_bytes=t[0].numel() * t.element_size()) for t in tensors]
-            self.chunk_bytes = sum(r.block_bytes for r in self.regions)
+            regions = [Region(t, block_bytes=t[0].numel() * t.element_size()) for t in tensors]
+            self.copies = _HostCopies(self.manager.client, regions)
+            self.chunk_bytes = sum(r.block_bytes for r in regions)
             how = "copied by this process"
         elif devices == {"cuda"}:
             from ..gpu import GpuBlockCopies, GpuKvCache
@@ -83,7 +99,7 @@ class WorkerSide:
             if not use_mla and not cache.matches(page_order(layout)):
                 raise ConfigError(f"the KV cache's pages are {cache.page_order} but vLLM's layout is {layout}")
             path = str(self.manager_extra.get("gpu_path", "auto"))
-            self.gpu = GpuBlockCopies(self.manager.client, cache, path, log)
+            self.gpu = self.copies = GpuBlockCopies(self.manager.client, cache, path, log)
             self.chunk_bytes = cache.chunk_bytes
             how = f"{cache.kind} pages on {cache.device}, gpu_path {path}"
         else:
@@ -225,10 +241,7 @@ class WorkerSide:
         """Loads the chunks; the block ids that did not load."""
         t0 = time.perf_counter()
         try:
-            if self.gpu is not None:
-                out = self.gpu.load(self._keys(digests), blocks)
-            else:
-                out = self.manager.client.load_blocks(self.regions, self._keys(digests), blocks)
+            out = self.copies.load(self._keys(digests), blocks)
             self.manager.ok()
         except OrbitKVError as e:
             self.manager.failed(e, "load")
@@ -249,10 +262,7 @@ class WorkerSide:
     def _save(self, digests: List[bytes], blocks: List[int]) -> None:
         t0 = time.perf_counter()
         try:
-            if self.gpu is not None:
-                out = self.gpu.save(self._keys(digests), blocks)
-            else:
-                out = self.manager.client.save_blocks(self.regions, self._keys(digests), blocks)
+            out = self.copies.save(self._keys(digests), blocks)
             self.manager.ok()
         except OrbitKVError as e:
             self.manager.failed(e, "save")
