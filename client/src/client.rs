@@ -627,7 +627,9 @@ impl Client {
                 Err(code) => out.push(PutOutcome::Failed(code)),
             }
         }
-        let threads = self.copy_threads(to_commit.iter().map(|s| s.len).sum(), to_commit.len());
+        let bytes = to_commit.iter().map(|s| s.len).sum();
+        let threads = self.copy_threads(bytes, to_commit.len());
+        let stores = crate::copies::stores_for(bytes);
         let summed = self.opts.client_checksums;
         let mut sums = vec![0u64; to_commit.len()];
         match self.slots_mut(&to_commit) {
@@ -640,7 +642,7 @@ impl Client {
                     .map(|((i, slot), sum)| (i, slot, sum))
                     .collect();
                 crate::copies::for_each(threads, items, |(i, slot, sum)| {
-                    let mut w = crate::copies::SlotWriter::new(slot, summed);
+                    let mut w = crate::copies::SlotWriter::new(slot, summed, stores);
                     fill(i, &mut w);
                     *sum = w.finish();
                 });

@@ -1,47 +1,55 @@
 //! Copies spread over threads: a batch of chunks is split into contiguous runs, one per
 //! thread, the calling thread taking the first.
 
+use crate::mapping::Stores;
+
 /// Least bytes worth a thread of their own (starting a scoped thread costs tens of
 /// microseconds; 4 MiB takes about 200 us at memcpy speed).
 pub(crate) const MIN_BYTES_PER_THREAD: u64 = 4 << 20;
 
-/// Writes a chunk into its slot piece by piece, hashing each 64 KiB right after copying it,
-/// while it is still in the core's cache (the chunk checksum costs no second pass over memory).
+/// Batches of at least this many bytes are copied with non-temporal stores
+/// ([`crate::mapping::copy_streamed`]): they do not fit in a core's caches, and their
+/// destination (arena slots, an engine's pages) is not read back by this core soon.
+pub(crate) const STREAMED_FROM: u64 = 8 << 20;
+
+/// How a batch of `bytes` stores its copies.
+pub(crate) fn stores_for(bytes: u64) -> Stores {
+    if bytes >= STREAMED_FROM {
+        Stores::Streamed
+    } else {
+        Stores::Cached
+    }
+}
+
+/// Writes a chunk into its slot piece by piece; hashed, it computes the chunk checksum as it
+/// copies ([`crate::mapping::SummingCopy`]: no second pass over the bytes).
 pub(crate) struct SlotWriter<'a> {
     slot: &'a mut [u8],
     at: usize,
-    sum: Option<orbitkv_proto::ChunkChecksum>,
+    sum: Option<crate::mapping::SummingCopy>,
+    stores: Stores,
 }
 
-/// Bytes copied and then hashed at a time by [`SlotWriter`].
-const HASHED_STEP: usize = 64 << 10;
-
 impl<'a> SlotWriter<'a> {
-    pub(crate) fn new(slot: &'a mut [u8], hashed: bool) -> Self {
-        Self { slot, at: 0, sum: hashed.then(orbitkv_proto::ChunkChecksum::new) }
+    pub(crate) fn new(slot: &'a mut [u8], hashed: bool, stores: Stores) -> Self {
+        let sum = hashed.then(|| crate::mapping::SummingCopy::new(slot.len(), stores));
+        Self { slot, at: 0, sum, stores }
     }
 
     /// Appends `src` (panics past the slot's end: callers size chunks before reserving).
     pub(crate) fn write(&mut self, src: &[u8]) {
-        match self.sum.as_mut() {
-            None => {
-                crate::mapping::copy_chunk(&mut self.slot[self.at..self.at + src.len()], src);
-                self.at += src.len();
-            }
-            Some(sum) => {
-                for piece in src.chunks(HASHED_STEP) {
-                    let dst = &mut self.slot[self.at..self.at + piece.len()];
-                    crate::mapping::copy_chunk(dst, piece);
-                    sum.update(dst);
-                    self.at += piece.len();
-                }
-            }
+        let dst = &mut self.slot[self.at..self.at + src.len()];
+        match (self.sum.as_mut(), self.stores) {
+            (Some(sum), _) => sum.write(self.slot, src),
+            (None, Stores::Cached) => crate::mapping::copy_chunk(dst, src),
+            (None, Stores::Streamed) => crate::mapping::copy_streamed(dst, src),
         }
+        self.at += src.len();
     }
 
     /// The checksum of what was written (0 when not hashed).
     pub(crate) fn finish(self) -> u64 {
-        self.sum.map_or(0, |s| s.finish())
+        self.sum.map_or(0, |s| s.finish(self.slot))
     }
 }
 
@@ -80,9 +88,12 @@ mod tests {
     fn a_slot_written_in_pieces_is_hashed_as_a_whole() {
         let src: Vec<u8> =
             (0..300_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-        for hashed in [false, true] {
+        for (hashed, stores) in [false, true]
+            .into_iter()
+            .flat_map(|h| [(h, super::Stores::Cached), (h, super::Stores::Streamed)])
+        {
             let mut slot = vec![0u8; src.len()];
-            let mut w = super::SlotWriter::new(&mut slot, hashed);
+            let mut w = super::SlotWriter::new(&mut slot, hashed, stores);
             for piece in [&src[..1000], &src[1000..200_000], &src[200_000..]] {
                 w.write(piece);
             }

@@ -125,6 +125,7 @@ impl Client {
             usable = i;
         }
         let threads = self.copy_threads(len * usable as u64, usable);
+        let stores = crate::copies::stores_for(len * usable as u64);
         let copied = (|| {
             let sources = leases[..usable]
                 .iter()
@@ -136,7 +137,14 @@ impl Client {
                 let mut at = 0;
                 for dst in pieces {
                     let n = dst.len();
-                    crate::mapping::copy_chunk(dst, &src[at..at + n]);
+                    match stores {
+                        crate::mapping::Stores::Cached => {
+                            crate::mapping::copy_chunk(dst, &src[at..at + n])
+                        }
+                        crate::mapping::Stores::Streamed => {
+                            crate::mapping::copy_streamed(dst, &src[at..at + n])
+                        }
+                    }
                     at += n;
                 }
             });

@@ -1,5 +1,6 @@
 //! The client's shared mapping of the server's arena memfd, and the copies in and out of it
-//! ([`copy_chunk`]). The only `unsafe` of this crate.
+//! ([`copy_chunk`], and [`SummingCopy`], which hashes what it copies). The only `unsafe` of
+//! this crate (here and in `copy`).
 
 #![allow(unsafe_code)]
 
@@ -12,6 +13,10 @@ use std::sync::atomic::AtomicU32;
 
 use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
 use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
+
+mod copy;
+pub use copy::copy_chunk;
+pub(crate) use copy::{copy_streamed, Stores, SummingCopy};
 
 /// A read-write shared mapping of the whole arena, unmapped on drop.
 #[derive(Debug)]
@@ -173,102 +178,6 @@ pub(crate) fn adopt_received_fd(raw: RawFd) -> OwnedFd {
     // SAFETY: the kernel installed `raw` into this process for this message only; nothing else
     // refers to it, so the new OwnedFd is its sole owner.
     unsafe { OwnedFd::from_raw_fd(raw) }
-}
-
-/// Copies `src` into `dst` (the same length; panics otherwise), as
-/// `dst.copy_from_slice(src)` does, faster for chunks out of (or into) the arena: from 64 KiB
-/// on, where the CPU has AVX2, a loop of 256-byte AVX2 loads and stores that prefetches 4 KiB
-/// ahead, across the 4 KiB page boundaries where the hardware prefetchers stop. On the 2-vCPU
-/// development VM (AMD EPYC) it moved 1 MiB blocks out of a 2 GiB shared mapping at 1.2x what
-/// glibc's `memcpy` did (docs/performance.md). Elsewhere, and below 64 KiB, it is
-/// `copy_from_slice`.
-pub fn copy_chunk(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len(), "copy_chunk: destination and source lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if src.len() >= PREFETCHED_FROM && std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present (checked just above); `dst` and `src` are valid for
-        // `src.len()` bytes (slices of equal length, checked) and cannot overlap (a `&mut`
-        // and a `&` borrow).
-        unsafe { copy_prefetched(dst.as_mut_ptr(), src.as_ptr(), src.len()) };
-        return;
-    }
-    dst.copy_from_slice(src);
-}
-
-/// Copies from this length on go through [`copy_prefetched`].
-const PREFETCHED_FROM: usize = 64 << 10;
-
-/// How far ahead of the loads [`copy_prefetched`] prefetches.
-const PREFETCH_AHEAD: usize = 4 << 10;
-
-/// The AVX2 loop of [`copy_chunk`].
-///
-/// # Safety
-/// The CPU has AVX2; `src` is valid for reads and `dst` for writes of `n` bytes, and they do
-/// not overlap.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn copy_prefetched(dst: *mut u8, src: *const u8, n: usize) {
-    use std::arch::x86_64::{
-        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm_prefetch, _MM_HINT_T0,
-    };
-    const STEP: usize = 256;
-    let mut i = 0;
-    while i + STEP <= n {
-        if i + PREFETCH_AHEAD + STEP <= n {
-            for k in (0..STEP).step_by(64) {
-                // SAFETY: inside `src` (checked just above); a prefetch never faults anyway.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(i + PREFETCH_AHEAD + k).cast()) };
-            }
-        }
-        // SAFETY: bytes i .. i + STEP are inside both buffers (the loop's condition); the
-        // unaligned forms take any address.
-        unsafe {
-            let s = src.add(i).cast::<__m256i>();
-            let d = dst.add(i).cast::<__m256i>();
-            let v = [
-                _mm256_loadu_si256(s),
-                _mm256_loadu_si256(s.add(1)),
-                _mm256_loadu_si256(s.add(2)),
-                _mm256_loadu_si256(s.add(3)),
-                _mm256_loadu_si256(s.add(4)),
-                _mm256_loadu_si256(s.add(5)),
-                _mm256_loadu_si256(s.add(6)),
-                _mm256_loadu_si256(s.add(7)),
-            ];
-            for (k, x) in v.into_iter().enumerate() {
-                _mm256_storeu_si256(d.add(k), x);
-            }
-        }
-        i += STEP;
-    }
-    // SAFETY: the rest, i .. n, is inside both buffers, which do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) };
-}
-
-#[cfg(test)]
-mod copy_tests {
-    use super::copy_chunk;
-
-    #[test]
-    fn copies_every_byte_at_every_length_and_offset() {
-        let src: Vec<u8> = (0..(1usize << 20) + 777).map(|i| (i * 131 + 7) as u8).collect();
-        for len in [0, 1, 255, 256, 257, 4095, 64 << 10, (64 << 10) + 33, 1 << 20] {
-            for off in [0, 1, 31] {
-                let s = &src[off..off + len];
-                let mut dst = vec![0u8; len + 2];
-                copy_chunk(&mut dst[1..=len], s);
-                assert_eq!(&dst[1..=len], s, "len {len} offset {off}");
-                assert_eq!((dst[0], dst[len + 1]), (0, 0), "nothing outside, len {len}");
-            }
-        }
-    }
-
-    #[test]
-    #[should_panic(expected = "lengths differ")]
-    fn lengths_must_match() {
-        copy_chunk(&mut [0u8; 3], &[1u8; 4]);
-    }
 }
 
 #[cfg(test)]
