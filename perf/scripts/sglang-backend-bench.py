@@ -6,7 +6,12 @@ SGLang's own backend factory against a running orbitkv-server. Per thread count:
 of batches of 128 pages (SGLang's storage batch) under new keys, then `batch_exists` +
 `batch_get_v1` of the same pages into other pages of the pool. The baseline: numpy's copy of
 one batch's bytes between two buffers (one thread), before and after each thread count; the
-ratio per core is (GB/s / threads) / memcpy GB/s, with the better memcpy of the two.
+ratio per core is (GB/s / threads) / memcpy GB/s, with the better memcpy of the two. Beside it,
+the same bytes copied by as many numpy copies at once as the backend has threads
+(`memcpy_threads_gbps`): where the host's memory bus, not a core, is the limit, the per-core
+ratio falls for any copier, and `*_vs_threads_memcpy` says how the backend does against that.
+Also: numpy copies between a tensor and the mapped arena itself (`arena_*_gbps`), and with
+--client-only the time in each client call (`lookup_ms`, `load_ms`, `release_ms`).
 
 Without SGLang installed (or with --client-only) the same copies run through the client calls
 the backend makes (`Client.save_blocks` / `lookup_leased` / `load_blocks` on the pool's K and V
@@ -14,10 +19,11 @@ tensors), on a tensor of the pool's page_first shape: for hosts whose Python SGL
 does not install on.
 
 usage: sglang-backend-bench.py --server-bin target/release/orbitkv-server [--threads 1,2]
-       [--batches 6] [--dram 6GiB] [--client-only] [--out OUT.json]
+       [--batches 6] [--dram 6GiB] [--shards 1] [--client-only] [--no-checksums] [--out OUT.json]
 """
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -25,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -49,6 +56,32 @@ def memcpy_gbps(nbytes, reps=5):
     return nbytes / statistics.median(times) / 1e9
 
 
+def memcpy_threads_gbps(nbytes, threads, reps=5):
+    """`threads` numpy copies at once (numpy lets go of the GIL while it copies), each of its
+    share of `nbytes`: what this host's memory gives that many cores copying; the best of
+    `reps`."""
+    per = nbytes // threads
+    src = [np.ones(per, dtype=np.uint8) for _ in range(threads)]
+    dst = [np.ones(per, dtype=np.uint8) for _ in range(threads)]
+    best = 0.0
+    for _ in range(reps):
+        start = threading.Barrier(threads + 1)
+
+        def copy(i):
+            start.wait()
+            np.copyto(dst[i], src[i])
+
+        workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for w in workers:
+            w.join()
+        best = max(best, per * threads / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def keys(batch, n):
     return [hashlib.sha256(f"bench-{batch}-{i}".encode()).hexdigest() for i in range(n)]
 
@@ -57,7 +90,28 @@ def indices(pages):
     return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
 
 
-def sglang_backend(sock, threads, pool_tokens):
+def arena_copy_gbps(client, nbytes, reps=5):
+    """numpy copies between a torch CPU tensor (as the host pool is) and the top of the
+    Manager's mapped arena: the memory the backend copies to and from, without the backend.
+    Run before any page is stored, so nothing live is there."""
+    client.ping()
+    base, length, _ = client.arena()
+    buf = (ctypes.c_uint8 * nbytes).from_address(base + length - nbytes - (2 << 20))
+    arena = np.frombuffer(buf, dtype=np.uint8)
+    pool = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    out = {}
+    for name, dst, src in (("to_arena", arena, pool), ("from_arena", pool, arena)):
+        np.copyto(dst, src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def sglang_backend(sock, threads, pool_tokens, checksums):
     """SGLang's factory, host pool and OrbitKVStorage."""
     import sglang_pools
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -69,7 +123,8 @@ def sglang_backend(sock, threads, pool_tokens):
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=True, model_name="bench-8b-shape",
         extra_config={"backend_name": "orbitkv", "module_path": "orbitkv.sglang", "class_name": "OrbitKVStorage",
-                      "interface_v1": 1, "socket": sock, "copy_threads": threads})
+                      "interface_v1": 1, "socket": sock, "copy_threads": threads,
+                      "client_checksums": checksums})
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)
     return b, pool.kv_buffer
@@ -79,17 +134,18 @@ class ClientCopies:
     """The backend's copies without SGLang: the client calls OrbitKVStorage makes, on a
     page_first pool tensor [2, tokens, layers, heads, dim]."""
 
-    def __init__(self, sock, threads, pool_tokens):
+    def __init__(self, sock, threads, pool_tokens, checksums):
         self.kv_buffer = torch.randn(2, pool_tokens, LAYERS, HEADS, DIM).to(torch.bfloat16)
         pages = pool_tokens // PAGE
         self.regions = [orbitkv.Region(self.kv_buffer[kv], block_bytes=self.kv_buffer[kv].nbytes // pages)
                         for kv in range(2)]
         self.chunk_bytes = sum(r.block_bytes for r in self.regions)
-        self.client = orbitkv.Client(sock, copy_threads=threads)
+        self.client = orbitkv.Client(sock, copy_threads=threads, client_checksums=checksums)
         self.ns_id = self.client.register_namespace(orbitkv.NamespaceDescriptor(
             model="bench-8b-shape", dtype="bf16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
             tokens_per_chunk=PAGE, layout_version=202)).id
         self.held = []
+        self.parts = {"lookup": [], "load": [], "release": []}
 
     def _keys(self, keys):
         return [orbitkv.ChunkKey(self.ns_id, orbitkv.chunk_digest(bytes.fromhex(k))) for k in keys]
@@ -102,12 +158,19 @@ class ClientCopies:
         return [o in ("stored", "already_present") for o in out]
 
     def batch_exists(self, keys):
+        t0 = time.perf_counter()
         self.held = self.client.lookup_leased(self._keys(keys))
+        self.parts["lookup"].append(time.perf_counter() - t0)
         return len(self.held)
 
     def batch_get_v1(self, keys, host_indices):
-        out = self.client.load_blocks(self.regions, self._keys(keys), self._pages(host_indices))
+        ks, pages = self._keys(keys), self._pages(host_indices)
+        t0 = time.perf_counter()
+        out = self.client.load_blocks(self.regions, ks, pages)
+        t1 = time.perf_counter()
         self.client.release_deferred(self.held)
+        self.parts["load"].append(t1 - t0)
+        self.parts["release"].append(time.perf_counter() - t1)
         return [o == "done" for o in out]
 
     def close(self):
@@ -122,6 +185,8 @@ def main():
     ap.add_argument("--dram", default="6GiB")
     ap.add_argument("--shards", default="1")
     ap.add_argument("--client-only", action="store_true")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="client_checksums off: the Manager's shards hash each chunk at commit")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -148,14 +213,16 @@ def main():
         for threads in [int(t) for t in a.threads.split(",")]:
             # Room for two batches of pages, written and read back.
             if use_sglang:
-                b, kv_buffer = sglang_backend(sock, threads, 2 * BATCH * PAGE)
+                b, kv_buffer = sglang_backend(sock, threads, 2 * BATCH * PAGE, not a.no_checksums)
             else:
-                b = ClientCopies(sock, threads, 2 * BATCH * PAGE)
+                b = ClientCopies(sock, threads, 2 * BATCH * PAGE, not a.no_checksums)
                 kv_buffer = b.kv_buffer
             chunk = b.chunk_bytes
             nbytes = chunk * BATCH
             results["page_bytes"] = chunk
             before = memcpy_gbps(nbytes)
+            arena = arena_copy_gbps(b.client, nbytes)
+            together = memcpy_threads_gbps(nbytes, threads)
             sets, gets = [], []
             for i in range(a.batches):
                 ks = keys(f"{threads}-{i}", BATCH)
@@ -176,7 +243,12 @@ def main():
             r = {"threads": threads, "memcpy_gbps_before": before, "memcpy_gbps_after": after,
                  "set_gbps": set_gbps, "get_gbps": get_gbps,
                  "set_per_core_ratio": set_gbps / threads / base, "get_per_core_ratio": get_gbps / threads / base,
-                 "set_runs_s": sets, "get_runs_s": gets}
+                 "memcpy_threads_gbps": together, "set_vs_threads_memcpy": set_gbps / together,
+                 "get_vs_threads_memcpy": get_gbps / together,
+                 "arena_to_gbps": arena["to_arena"], "arena_from_gbps": arena["from_arena"],
+                 "checksums": not a.no_checksums, "set_runs_s": sets, "get_runs_s": gets}
+            for part, times in getattr(b, "parts", {}).items():
+                r[f"{part}_ms"] = statistics.median(times) * 1e3
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                               if not k.endswith("runs_s")}), flush=True)
             results["runs"].append(r)

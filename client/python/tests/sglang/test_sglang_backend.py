@@ -227,3 +227,24 @@ def test_leases_held_across_a_manager_restart_do_not_sink_the_new_sessions(serve
     b.clear()  # gives back everything held
     b.client.flush()
     assert server.shard_sum("leases") == 0
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_large_batches_round_trip_on_several_threads(server, checksums):
+    """Batches past the client's 8 MiB streamed-copy size, split over copy threads: byte-exact
+    both ways, whether pages are hashed as they are copied (the default) or by the Manager's
+    shards at commit (`client_checksums` false); the shards check the first page's checksum of
+    every commit, so a wrong one would fail the set."""
+    pages, page = 40, 16  # 256 KiB pages, 10 MiB a batch
+    mk = dict(layers=8, heads=4, head_dim=128, page=page, tokens=pages * page)
+    src = sglang_pools.host_pool("page_first", **mk, seed=21)
+    dst = sglang_pools.host_pool("page_first", **mk)
+    extra = {"copy_threads": 3, "client_checksums": checksums}
+    a, b = backend(config(server, **extra), src), backend(config(server, **extra), dst)
+    assert src.get_data_page(0).nbytes * pages >= 8 << 20
+    keys = page_keys(pages, seed=22 + checksums)
+    slots = torch.arange(pages * page, dtype=torch.int64)
+    assert a.batch_set_v1(keys, slots) == [True] * pages
+    assert b.batch_exists(keys) == pages
+    assert b.batch_get_v1(keys, slots) == [True] * pages
+    assert all(torch.equal(dst.get_data_page(p * page), src.get_data_page(p * page)) for p in range(pages))

@@ -87,6 +87,7 @@ class OrbitKVStorage(HiCacheStorage):
             request_timeout=float(ex.get("request_timeout", 10.0)),
             connect=False,
             copy_threads=int(ex.get("copy_threads", min(4, len(os.sched_getaffinity(0))))),
+            client_checksums=bool(ex.get("client_checksums", True)),
         )
         self.lease_seconds = float(ex.get("lease_seconds", 30.0))
         self.max_held = int(ex.get("max_held_leases", 16384))
