@@ -13,10 +13,12 @@ recompute/ceiling, and their ratio. Checked: restored pages byte-identical, and 
 logits of a decode step from the restored KV equal to those from the recomputed KV.
 
 Then decode steps of the model (8K context) alone and while another process saves its pages
-through the same server, in alternating windows: the slowdown of a decode step.
+through the same server, in alternating windows: the slowdown of a decode step. Decode steps are
+replayed from a CUDA graph by default, as vLLM runs them (`--decode eager` runs them eagerly:
+then the launching CPU's speed, which moves between hosts, sets their time).
 
 usage: device-restore.py --socket S [--tokens 8192,32768] [--reps 3] --out OUT.json
-         [--saver process|thread] [--saver-path server|engine]
+         [--saver process|thread] [--saver-path server|engine] [--decode graph|eager]
        (--tokens "" runs the decode-step measurement alone; --no-interference leaves it out)
 """
 
@@ -220,7 +222,38 @@ def namespace():
                                num_kv_heads=HEADS, head_dim=DIM, tokens_per_chunk=BS)
 
 
-def interference(model, socket, log, saver="process", path="server", ctx=8192, steps=40, windows=4):
+def captured_step(model, base_cache, tok):
+    """One decode step (1 token after the prompt in `base_cache`) captured as a CUDA graph, as
+    vLLM runs decode steps: replaying it launches the whole step at once, so its time is the
+    GPU's, not the launching CPU's."""
+    static_tok = tok.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(side):
+        for _ in range(2):  # warm-up off the capture (library handles, workspaces)
+            model(static_tok, past_key_values=copy.deepcopy(base_cache), use_cache=True)
+    torch.cuda.current_stream().wait_stream(side)
+    cache = copy.deepcopy(base_cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        model(static_tok, past_key_values=cache, use_cache=True)
+    graph.cache = cache  # the graph's inputs stay alive with it
+    return graph
+
+
+def replayed(graph, steps):
+    """Median GPU time of `steps` replays (CUDA events on the current stream), the first two
+    left out."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events[2:])
+
+
+def interference(model, socket, log, saver="process", path="server", ctx=8192, steps=40, windows=4, decode="graph"):
     """Decode steps (1 token, `ctx` of context) alone and while another engine saves its
     pages through the same server: by default another process (its CPU and GIL apart from this
     one's); `saver="thread"` saves from a thread of this process, as the vLLM connector's copy
@@ -244,7 +277,17 @@ def interference(model, socket, log, saver="process", path="server", ctx=8192, s
         worker = spawn.Process(target=saver_main, args=(socket, run, stop, results, path))
     worker.start()
 
+    graph = None
+    if decode == "graph":
+        try:
+            graph = captured_step(model, base_cache, tok)
+        except RuntimeError as e:  # a model this transformers cannot capture: say so, run eagerly
+            log(json.dumps({"graph_capture_failed": str(e)[:500]}))
+            decode = "eager (graph capture failed)"
+
     def window():
+        if graph is not None:
+            return replayed(graph, steps)
         cache = copy.deepcopy(base_cache)
         t = tok
         times = []
@@ -271,7 +314,7 @@ def interference(model, socket, log, saver="process", path="server", ctx=8192, s
     worker.join(60)
     # Each window beside the saves against the mean of the windows alone around it.
     slow = [b / ((alone[i] + alone[i + 1]) / 2) - 1 for i, b in enumerate(beside)]
-    r = {"context": ctx, "saver": saver, "saver_path": path, "decode_step_alone_s": alone, "decode_step_beside_saves_s": beside,
+    r = {"context": ctx, "saver": saver, "saver_path": path, "decode": decode, "decode_step_alone_s": alone, "decode_step_beside_saves_s": beside,
          "slowdown": slow, "slowdown_median": statistics.median(slow),
          "saves_gbps_beside_decode": done / spent / 1e9 if spent else None}
     log(json.dumps(r))
@@ -288,6 +331,9 @@ def main():
     ap.add_argument("--saver", choices=("process", "thread"), default="process")
     ap.add_argument("--saver-path", choices=("server", "engine"), default="server")
     ap.add_argument("--windows", type=int, default=4, help="decode windows beside saves (and one more alone)")
+    ap.add_argument("--decode", choices=("graph", "eager"), default="graph",
+                    help="decode steps replayed from a CUDA graph (GPU time, as vLLM runs them) or run eagerly "
+                         "(wall time, which the host's CPU speed moves)")
     a = ap.parse_args()
 
     def log(s):
@@ -301,7 +347,8 @@ def main():
         r, _ = one_length(model, client, ns, tokens, a.reps, log)
         results["lengths"].append(r)
     if not a.no_interference:
-        results["interference"] = interference(model, a.socket, log, a.saver, a.saver_path, windows=a.windows)
+        results["interference"] = interference(model, a.socket, log, a.saver, a.saver_path, windows=a.windows,
+                                                decode=a.decode)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._native import InvalidArgument, Stale
 
@@ -469,14 +469,21 @@ class GpuKvCache:
 
 
 class GpuBlockCopies:
-    """Saves and loads blocks of a `GpuKvCache` through `client`, by one of two paths:
+    """Saves and loads blocks of a `GpuKvCache` through `client`, each direction by one of two
+    paths:
 
     - `server`: the cache is registered with the Manager (CUDA IPC) and its DMA threads copy;
       the registration is renewed after a Manager restart;
     - `engine`: this process copies through its CUDA-registered mapping of the arena
       (`EngineCopies`), for containers without CUDA IPC between engine and Manager;
-    - `auto` (default): `server`, and `engine` for good if the Manager refuses the
-      registration (no GPU mode there, IPC not possible, memory CUDA IPC cannot share).
+    - `auto`: `server`, and `engine` for good if the Manager refuses the registration (no GPU
+      mode there, IPC not possible, memory CUDA IPC cannot share).
+
+    `path` (default `auto`) is the loads' path, and the saves' unless `save_path` names
+    another. Why saves may want another: the Manager's copies run in its own CUDA context, and
+    without MPS the GPU time-slices contexts, so the engine's kernels wait while the Manager's
+    run (on the H200, decode steps 14-22% slower beside saves of other requests by the server
+    path, 0.3-1.9% by the engine path; docs/performance.md).
 
     The engine path gathers a batch of chunks at a time into a GPU staging buffer of
     `staging_bytes` (default 64 MiB, at least one chunk; allocated at its first copy) and
@@ -488,85 +495,102 @@ class GpuBlockCopies:
     """
 
     staging_bytes = 64 << 20
+    _PATHS = ("auto", "server", "engine")
 
-    def __init__(self, client: Any, cache: GpuKvCache, path: str = "auto", log: Any = None) -> None:
-        if path not in ("auto", "server", "engine"):
-            raise InvalidArgument(f"GPU copy path {path!r}: one of auto, server, engine")
+    def __init__(self, client: Any, cache: GpuKvCache, path: str = "auto", log: Any = None,
+                 save_path: Optional[str] = None) -> None:
+        for what, p in (("GPU copy path", path), ("GPU save path", save_path)):
+            if p is not None and p not in self._PATHS:
+                raise InvalidArgument(f"{what} {p!r}: one of auto, server, engine")
         self.client = client
         self.cache = cache
-        self.path = path
+        self.paths = {"load": path, "save": save_path or path}
         self._log = log
         self._reg: Any = None
+        self._refused = False  # the Manager refused the registration: `auto` copies in the engine
         self._engine: Any = None
         self._staging: Any = None
 
+    def _resolved(self, op: str) -> str:
+        p = self.paths[op]
+        if p == "auto":
+            return "engine" if self._refused else ("server" if self._reg is not None else "auto")
+        return p
+
     @property
     def active_path(self) -> str:
-        """The path copies take now: `engine`, `server`, or `auto` before the first copy."""
-        if self._engine is not None:
-            return "engine"
-        return "server" if self._reg is not None or self.path == "server" else self.path
+        """The path loads take now: `engine`, `server`, or `auto` before the first copy."""
+        return self._resolved("load")
+
+    @property
+    def active_save_path(self) -> str:
+        """The path saves take now, as `active_path`."""
+        return self._resolved("save")
 
     def prepare(self) -> None:
-        """Does now what the first copy would: registers the cache with the Manager (server
-        path) or the arena mapping with CUDA (engine path: about 50 ms per GiB of arena).
-        Errors as a copy would raise them."""
+        """Does now what the first copies would: registers the cache with the Manager (server
+        path) and the arena mapping with CUDA (engine path: about 50 ms per GiB of arena), as
+        the two directions need. Errors as a copy would raise them."""
         import torch
 
         with torch.cuda.device(self.cache.device):
-            if self._engine is None and self.path != "engine":
+            if any(self._resolved(op) != "engine" for op in self.paths):
                 self._registration()
-            if self.path == "engine" and self._engine is None:
-                self._use_engine()
-            if self._engine is not None:
-                self._engine._arena_tensor(self.cache.device)
+            if "engine" in (self._resolved("load"), self._resolved("save")):
+                self._engine_copies()._arena_tensor(self.cache.device)
 
     def _registration(self) -> Any:
+        """The Manager's registration of the cache; None once it refused it (`auto`)."""
         from ._native import OrbitKVError, Unavailable
 
-        if self._reg is None:
+        if self._reg is None and not self._refused:
             try:
                 self._reg = self.client.register_gpu(device_uuid(self.cache.device), self.cache.layout(),
                                                      self.cache.regions())
             except Unavailable:
                 raise
             except OrbitKVError as e:
-                if self.path != "auto" or not self.client.is_connected:
+                if "server" in self.paths.values() or not self.client.is_connected:
                     raise
                 if self._log is not None:
                     self._log.warning("OrbitKV: the Manager did not take the GPU KV cache (%s); this process "
                                       "copies its pages itself from now on", e)
-                self._use_engine()
+                self._refused = True
         return self._reg
 
-    def _use_engine(self) -> None:
+    def _engine_copies(self) -> Any:
         import torch
 
-        self.path = "engine"
-        self._engine = EngineCopies(self.client, stream=torch.cuda.Stream(self.cache.device))
+        if self._engine is None:
+            self._engine = EngineCopies(self.client, stream=torch.cuda.Stream(self.cache.device))
+        return self._engine
 
-    def _run(self, op: str, keys: Sequence[Any], blocks: Sequence[int]) -> List[str]:
+    def _run(self, op: str, keys: Sequence[Any], blocks: Sequence[int], retried: bool = False) -> List[str]:
         import torch
 
         with torch.cuda.device(self.cache.device):
-            if self.path == "engine" and self._engine is None:
-                self._use_engine()
-            reg = self._registration() if self._engine is None else None
-            if self._engine is not None:
+            reg = None
+            if self._resolved(op) != "engine":
+                reg = self._registration()  # None: refused, and `auto` goes to the engine path
+            if reg is None:
+                engine = self._engine_copies()
                 if self._staging is None:
                     rows = max(1, self.staging_bytes // self.cache.chunk_bytes)
                     self._staging = torch.empty(rows, self.cache.chunk_bytes, dtype=torch.uint8,
                                                 device=self.cache.device)
-                copy = self._engine.save_cache if op == "save" else self._engine.load_cache
+                copy = engine.save_cache if op == "save" else engine.load_cache
                 return copy(keys, self.cache, blocks, self._staging)
             copy = self.client.save if op == "save" else self.client.load
             try:
                 return copy(reg, keys, blocks)
             except Stale:
+                if retried:
+                    raise
                 # The registration belonged to a session that ended (a Manager restart):
-                # register with the new one and copy once more.
+                # register with the new one (or, refused there, go to the engine path) and copy
+                # once more.
                 self._reg = None
-                return copy(self._registration(), keys, blocks)
+                return self._run(op, keys, blocks, retried=True)
 
     def save(self, keys: Sequence[Any], blocks: Sequence[int]) -> List[str]:
         """Block `blocks[i]` as chunk `keys[i]`: `stored`, `already_present`, or why not."""

@@ -86,8 +86,8 @@ def caches(layout: str, fill: bool):
     return {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)}
 
 
-def worker(server, path: str, layout: str, fill: bool):
-    w = WorkerSide(vllm_config(), {"socket": server.socket, "gpu_path": path})
+def worker(server, path: str, layout: str, fill: bool, **extra):
+    w = WorkerSide(vllm_config(), {"socket": server.socket, "gpu_path": path, **extra})
     kv = caches(layout, fill)
     w.register_kv_caches(kv)
     return w, list(kv.values())
@@ -107,6 +107,8 @@ def finished_loading(w, rid: str) -> None:
 def test_worker_saves_and_loads_gpu_blocks(gpu_server, save_path, load_path):
     digests = [orbitkv.chunk_digest(f"{save_path}-{i}".encode() * 4) for i in range(6)]
     saver, src = worker(gpu_server, save_path, "LBNHC", True)
+    # Under `auto` saves go by the engine's copies (no time-slicing with the Manager's context).
+    assert saver.gpu.active_save_path == ("engine" if save_path == "auto" else save_path)
     # The forward pass wrote the blocks on the current stream: the save waits for that work.
     for v in src:
         v[3:9].mul_(-1)
@@ -116,6 +118,7 @@ def test_worker_saves_and_loads_gpu_blocks(gpu_server, save_path, load_path):
     assert saver.stats.totals()["saved_blocks"] == 6
 
     loader, dst = worker(gpu_server, load_path, "LBNHC", False)
+    assert loader.gpu.active_path == load_path if load_path != "auto" else "server"
     missing = orbitkv.chunk_digest(b"never saved" * 4)
     loader.start_loads({"r2": (digests[:4] + [missing], [20, 21, 22, 23, 24])})
     finished_loading(loader, "r2")
@@ -136,3 +139,21 @@ def test_a_cache_unlike_vllms_layout_is_refused(gpu_server):
     w = WorkerSide(vllm_config("LHBNC"), {"socket": gpu_server.socket})
     with pytest.raises(ConfigError, match="LHBNC"):
         w.register_kv_caches(caches("LHBNC", False))
+
+
+def test_saves_and_loads_may_take_different_paths(gpu_server):
+    """`gpu_save_path` apart from `gpu_path`: saves by the Manager, loads by the engine, in one
+    worker; and a path that is not one of the three is refused naming it."""
+    digests = [orbitkv.chunk_digest(f"split-{i}".encode() * 4) for i in range(3)]
+    w, kv = worker(gpu_server, "engine", "LBNHC", True, gpu_save_path="server")
+    assert (w.gpu.active_save_path, w.gpu.active_path) == ("server", "engine")
+    w.start_saves({"r1": (digests, [1, 2, 3])})
+    w.wait_for(["r1"])
+    w.start_loads({"r2": (digests, [10, 11, 12])})
+    finished_loading(w, "r2")
+    torch.cuda.synchronize()
+    for v in kv:
+        assert torch.equal(v[10:13], v[1:4])
+    w.shutdown()
+    with pytest.raises(ConfigError, match="GPU save path 'dma'"):
+        worker(gpu_server, "auto", "LBNHC", False, gpu_save_path="dma")

@@ -59,7 +59,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
     """See the module docs. Extra config (`kv_connector_extra_config`): `socket` (default: the
     Manager's default socket), `namespace_model` (the model name in the namespace; default the
     served model name), `request_timeout` (seconds, default 10), `gpu_path` (`auto`, `server`
-    or `engine`: who copies a GPU KV cache; default `auto`)."""
+    or `engine`: who copies a GPU KV cache; default `auto`), `gpu_save_path` (who copies its
+    saves; default `engine` when `gpu_path` is `auto`, else `gpu_path`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

@@ -5,7 +5,8 @@ CPU KV caches are copied by this process straight into and out of the arena. GPU
 (vLLM >= 0.32's per-layer `[blocks, heads, tokens, content]` views, per layer or cross-layer,
 MLA included) are registered with the Manager and copied by its DMA threads, or copied by this
 process through its CUDA-registered mapping of the arena when the Manager cannot open them
-(`gpu_path`: `auto`, `server` or `engine`)."""
+(`gpu_path`: `auto`, `server` or `engine`; saves by `gpu_save_path`, default `engine` when
+`gpu_path` is `auto`: see `orbitkv.gpu.GpuBlockCopies`)."""
 
 from __future__ import annotations
 
@@ -99,9 +100,13 @@ class WorkerSide:
             if not use_mla and not cache.matches(page_order(layout)):
                 raise ConfigError(f"the KV cache's pages are {cache.page_order} but vLLM's layout is {layout}")
             path = str(self.manager_extra.get("gpu_path", "auto"))
-            self.gpu = self.copies = GpuBlockCopies(self.manager.client, cache, path, log)
+            save_path = str(self.manager_extra.get("gpu_save_path", "engine" if path == "auto" else path))
+            try:
+                self.gpu = self.copies = GpuBlockCopies(self.manager.client, cache, path, log, save_path=save_path)
+            except OrbitKVError as e:
+                raise ConfigError(f"OrbitKV's kv_connector_extra_config: {e}") from None
             self.chunk_bytes = cache.chunk_bytes
-            how = f"{cache.kind} pages on {cache.device}, gpu_path {path}"
+            how = f"{cache.kind} pages on {cache.device}, gpu_path {path}, gpu_save_path {save_path}"
         else:
             raise ConfigError(f"KV cache tensors on {sorted(devices)}: OrbitKV copies CPU or CUDA KV caches")
         desc = namespace(self.vllm_config, self.rank, layout)
