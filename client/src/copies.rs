@@ -8,7 +8,7 @@ use crate::mapping::Stores;
 pub(crate) const MIN_BYTES_PER_THREAD: u64 = 4 << 20;
 
 /// Batches of at least this many bytes are copied with non-temporal stores
-/// ([`crate::mapping::copy_streamed`]): they do not fit in a core's caches, and their
+/// (`Stores::Streamed`): they do not fit in a core's caches, and their
 /// destination (arena slots, an engine's pages) is not read back by this core soon.
 pub(crate) const STREAMED_FROM: u64 = 8 << 20;
 
@@ -38,11 +38,13 @@ impl<'a> SlotWriter<'a> {
 
     /// Appends `src` (panics past the slot's end: callers size chunks before reserving).
     pub(crate) fn write(&mut self, src: &[u8]) {
-        let dst = &mut self.slot[self.at..self.at + src.len()];
-        match (self.sum.as_mut(), self.stores) {
-            (Some(sum), _) => sum.write(self.slot, src),
-            (None, Stores::Cached) => crate::mapping::copy_chunk(dst, src),
-            (None, Stores::Streamed) => crate::mapping::copy_streamed(dst, src),
+        match self.sum.as_mut() {
+            Some(sum) => sum.write(self.slot, src),
+            None => crate::mapping::copy_as(
+                &mut self.slot[self.at..self.at + src.len()],
+                src,
+                self.stores,
+            ),
         }
         self.at += src.len();
     }

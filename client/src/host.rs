@@ -137,14 +137,7 @@ impl Client {
                 let mut at = 0;
                 for dst in pieces {
                     let n = dst.len();
-                    match stores {
-                        crate::mapping::Stores::Cached => {
-                            crate::mapping::copy_chunk(dst, &src[at..at + n])
-                        }
-                        crate::mapping::Stores::Streamed => {
-                            crate::mapping::copy_streamed(dst, &src[at..at + n])
-                        }
-                    }
+                    crate::mapping::copy_as(dst, &src[at..at + n], stores);
                     at += n;
                 }
             });
@@ -168,13 +161,14 @@ fn block_pieces<'a>(
     let chunks = blocks.len() / per_chunk;
     let mut out: Vec<Vec<&mut [u8]>> =
         (0..chunks).map(|_| Vec::with_capacity(per_chunk * regions.len())).collect();
+    // Positions of `blocks` by address order (the same in every region), to carve front to back.
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    order.sort_unstable_by_key(|&p| blocks[p]);
     for (region, layout) in regions.iter_mut() {
-        let mut order: Vec<usize> = (0..blocks.len()).collect();
-        order.sort_unstable_by_key(|&p| blocks[p]);
         let mut carved: Vec<Option<&mut [u8]>> = (0..blocks.len()).map(|_| None).collect();
         let mut rest: &mut [u8] = region;
         let mut base = 0;
-        for p in order {
+        for &p in &order {
             let range = layout.range(blocks[p]).expect("checked against every region");
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - base);
             let (piece, tail) = tail.split_at_mut(range.len());

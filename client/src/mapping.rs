@@ -16,7 +16,7 @@ use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 mod copy;
 pub use copy::copy_chunk;
-pub(crate) use copy::{copy_streamed, Stores, SummingCopy};
+pub(crate) use copy::{copy_as, Stores, SummingCopy};
 
 /// A read-write shared mapping of the whole arena, unmapped on drop.
 #[derive(Debug)]

@@ -9,17 +9,7 @@
 /// glibc's `memcpy` did (docs/performance.md). Elsewhere, and below 64 KiB, it is
 /// `copy_from_slice`.
 pub fn copy_chunk(dst: &mut [u8], src: &[u8]) {
-    copy(dst, src, Stores::Cached);
-}
-
-/// [`copy_chunk`] for copies whose destination this core will not read soon (pages of a large
-/// batch, bound for the GPU or for another process): from 64 KiB on, with AVX2, non-temporal
-/// stores, which write whole cache lines to memory without first reading them in (a plain
-/// store loop moves three bytes over the memory bus per byte copied, this two) and leave the
-/// core's caches to other work. Ordered before any later store (`sfence`): the bytes are
-/// visible to whoever a following message tells about them.
-pub(crate) fn copy_streamed(dst: &mut [u8], src: &[u8]) {
-    copy(dst, src, Stores::Streamed);
+    copy_as(dst, src, Stores::Cached);
 }
 
 /// How the copy loops store.
@@ -27,11 +17,18 @@ pub(crate) fn copy_streamed(dst: &mut [u8], src: &[u8]) {
 pub(crate) enum Stores {
     /// Through the caches.
     Cached,
-    /// Non-temporal, where the destination is 32-byte aligned (else cached).
+    /// For copies whose destination this core will not read soon (pages of a large batch,
+    /// bound for the GPU or for another process): from 64 KiB on, non-temporal stores, which
+    /// write whole cache lines to memory without first reading them in (a plain store loop
+    /// moves three bytes over the memory bus per byte copied, this two) and leave the core's
+    /// caches to other work; ordered before any later store (`sfence`), so the bytes are
+    /// visible to whoever a following message tells about them. In [`SummingCopy`], only where
+    /// the slot is aligned for the vector width.
     Streamed,
 }
 
-fn copy(dst: &mut [u8], src: &[u8], stores: Stores) {
+/// [`copy_chunk`], or with `Stores::Streamed` its non-temporal form.
+pub(crate) fn copy_as(dst: &mut [u8], src: &[u8], stores: Stores) {
     assert_eq!(dst.len(), src.len(), "copy_chunk: destination and source lengths differ");
     #[cfg(target_arch = "x86_64")]
     if src.len() >= PREFETCHED_FROM && avx2() {
@@ -58,10 +55,28 @@ fn copy(dst: &mut [u8], src: &[u8], stores: Stores) {
 /// Copies from this length on go through [`copy_prefetched`].
 const PREFETCHED_FROM: usize = 64 << 10;
 
-/// How far ahead of the loads [`copy_prefetched`] prefetches.
+/// How far ahead of their loads the copy loops prefetch: across the 4 KiB page boundaries
+/// where the hardware prefetchers stop.
 const PREFETCH_AHEAD: usize = 4 << 10;
 
-/// The AVX2 loop of [`copy_chunk`] and [`copy_streamed`].
+/// Prefetches the `step` bytes [`PREFETCH_AHEAD`] past `at` in `src` (of `n` bytes), where
+/// they are inside it: what every copy loop asks before copying its next `step` bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(src: *const u8, at: usize, step: usize, n: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if at + PREFETCH_AHEAD + step <= n {
+        for k in (0..step).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults; the address is inside `src`
+            // (checked just above) and formed without leaving it.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(at + PREFETCH_AHEAD + k).cast())
+            };
+        }
+    }
+}
+
+/// The AVX2 loop of [`copy_as`].
 ///
 /// # Safety
 /// The CPU has AVX2; `src` is valid for reads and `dst` for writes of `n` bytes, and they do
@@ -70,19 +85,13 @@ const PREFETCH_AHEAD: usize = 4 << 10;
 #[target_feature(enable = "avx2")]
 unsafe fn copy_prefetched(dst: *mut u8, src: *const u8, n: usize, stores: Stores) {
     use std::arch::x86_64::{
-        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256, _mm_prefetch,
-        _mm_sfence, _MM_HINT_T0,
+        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256, _mm_sfence,
     };
     let streamed = stores == Stores::Streamed;
     const STEP: usize = 256;
     let mut i = 0;
     while i + STEP <= n {
-        if i + PREFETCH_AHEAD + STEP <= n {
-            for k in (0..STEP).step_by(64) {
-                // SAFETY: inside `src` (checked just above); a prefetch never faults anyway.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(i + PREFETCH_AHEAD + k).cast()) };
-            }
-        }
+        prefetch_ahead(src, i, STEP, n);
         // SAFETY: bytes i .. i + STEP are inside both buffers (the loop's condition); the
         // unaligned forms take any address.
         unsafe {
@@ -117,7 +126,7 @@ unsafe fn copy_prefetched(dst: *mut u8, src: *const u8, n: usize, stores: Stores
     }
 }
 
-/// [`copy_streamed`]'s loop where the CPU has AVX-512F: 64-byte loads and non-temporal
+/// [`copy_as`]'s streamed loop where the CPU has AVX-512F: 64-byte loads and non-temporal
 /// stores of whole cache lines, prefetching 4 KiB ahead. On the H200 host (Intel Xeon) it moved
 /// 1 MiB blocks at 7.8-8.6 GB/s against 7.1-7.6 for the AVX2 loop (docs/performance.md).
 ///
@@ -127,18 +136,11 @@ unsafe fn copy_prefetched(dst: *mut u8, src: *const u8, n: usize, stores: Stores
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn copy_streamed_avx512(dst: *mut u8, src: *const u8, n: usize) {
-    use std::arch::x86_64::{
-        __m512i, _mm512_loadu_si512, _mm512_stream_si512, _mm_prefetch, _mm_sfence, _MM_HINT_T0,
-    };
+    use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_stream_si512, _mm_sfence};
     const STEP: usize = 256;
     let mut i = 0;
     while i + STEP <= n {
-        if i + PREFETCH_AHEAD + STEP <= n {
-            for k in (0..STEP).step_by(64) {
-                // SAFETY: inside `src` (checked just above); a prefetch never faults anyway.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(i + PREFETCH_AHEAD + k).cast()) };
-            }
-        }
+        prefetch_ahead(src, i, STEP, n);
         // SAFETY: bytes i .. i + STEP are inside both buffers (the loop's condition); the
         // loads take any address, the stores' addresses are 64-byte aligned (`dst` is, and i
         // is a multiple of 256).
@@ -208,11 +210,15 @@ pub(crate) struct SummingCopy {
     stores: Stores,
 }
 
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per chunk being copied, on the stack: boxing would allocate per chunk"
+)]
 enum Summing {
     /// XXH3's accumulators and the stripes folded into them (stripe k = bytes 64k..64k+64).
     Fused { acc: [u64; 8], stripes: usize, simd: Simd },
     /// Hashed after each copied piece.
-    After(Box<orbitkv_proto::ChunkChecksum>),
+    After(orbitkv_proto::ChunkChecksum),
 }
 
 /// The vector width of the fused loop.
@@ -227,7 +233,7 @@ const HASHED_STEP: usize = 64 << 10;
 
 impl SummingCopy {
     /// A copy of a `len`-byte chunk, nothing written yet; `Stores::Streamed` as for
-    /// [`copy_streamed`] (where the bytes are hashed after each piece, stores stay cached: the
+    /// [`copy_as`] (where the bytes are hashed after each piece, stores stay cached: the
     /// hash reads them back).
     pub(crate) fn new(len: usize, stores: Stores) -> Self {
         let simd = if avx512() { Simd::Avx512 } else { Simd::Avx2 };
@@ -247,7 +253,7 @@ impl SummingCopy {
                 stripes: 0,
             }
         } else {
-            Summing::After(Box::default())
+            Summing::After(orbitkv_proto::ChunkChecksum::new())
         };
         Self { len, at: 0, how, stores }
     }
@@ -414,7 +420,7 @@ unsafe fn copy_fold_avx2(
     use std::arch::x86_64::{
         __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set1_epi64x,
         _mm256_shuffle_epi32, _mm256_slli_epi64, _mm256_srli_epi64, _mm256_storeu_si256,
-        _mm256_stream_si256, _mm256_xor_si256, _mm_prefetch, _mm_sfence, _MM_HINT_T0,
+        _mm256_stream_si256, _mm256_xor_si256, _mm_sfence,
     };
     let key = SECRET.as_ptr().cast::<__m256i>();
     // Secret offsets below stay within 8 * 15 + 64 (stripe keys) and 128 + 64 (the scramble
@@ -428,10 +434,7 @@ unsafe fn copy_fold_avx2(
     let stripes = n_bytes / STRIPE;
     for s in 0..stripes {
         let at = s * STRIPE;
-        if at + PREFETCH_AHEAD < n_bytes {
-            // SAFETY: inside `src` (checked just above); a prefetch never faults anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(at + PREFETCH_AHEAD).cast()) };
-        }
+        prefetch_ahead(src, at, STRIPE, n_bytes);
         // SAFETY: bytes at .. at + 64 are inside both buffers (s < n_bytes / 64).
         let (d0, d1) = unsafe {
             let sp = src.add(at).cast::<__m256i>();
@@ -515,7 +518,7 @@ unsafe fn copy_fold_avx512(
     use std::arch::x86_64::{
         __m512i, _mm512_add_epi64, _mm512_loadu_si512, _mm512_mul_epu32, _mm512_set1_epi64,
         _mm512_shuffle_epi32, _mm512_slli_epi64, _mm512_srli_epi64, _mm512_storeu_si512,
-        _mm512_stream_si512, _mm512_xor_si512, _mm_prefetch, _mm_sfence, _MM_HINT_T0,
+        _mm512_stream_si512, _mm512_xor_si512, _mm_sfence,
     };
     let key = SECRET.as_ptr();
     // SAFETY: `acc` is 64 bytes, one vector; the unaligned load takes any address.
@@ -526,10 +529,7 @@ unsafe fn copy_fold_avx512(
         unsafe { _mm512_loadu_si512(key.add(SECRET.len() - STRIPE).cast::<__m512i>()) };
     for s in 0..n_bytes / STRIPE {
         let at = s * STRIPE;
-        if at + PREFETCH_AHEAD < n_bytes {
-            // SAFETY: inside `src` (checked just above); a prefetch never faults anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(at + PREFETCH_AHEAD).cast()) };
-        }
+        prefetch_ahead(src, at, STRIPE, n_bytes);
         // SAFETY: bytes at .. at + 64 are inside both buffers (s < n_bytes / 64); with
         // `stream`, dst + at is 64-byte aligned (`dst` is, and at is a multiple of 64).
         let d = unsafe {
@@ -570,7 +570,7 @@ unsafe fn copy_fold_avx512(
 
 #[cfg(test)]
 mod copy_tests {
-    use super::{copy_chunk, copy_streamed};
+    use super::{copy_as, copy_chunk, Stores};
 
     #[test]
     fn copies_every_byte_at_every_length_and_offset() {
@@ -581,7 +581,7 @@ mod copy_tests {
                 for streamed in [false, true] {
                     let mut dst = vec![0u8; len + 2];
                     if streamed {
-                        copy_streamed(&mut dst[1..=len], s);
+                        copy_as(&mut dst[1..=len], s, Stores::Streamed);
                     } else {
                         copy_chunk(&mut dst[1..=len], s);
                     }
@@ -592,7 +592,7 @@ mod copy_tests {
         }
     }
 
-    /// Both streamed loops (AVX2 and AVX-512; `copy_streamed` takes the widest the CPU has),
+    /// Both streamed loops (AVX2 and AVX-512; `copy_as` takes the widest the CPU has),
     /// on a 64-byte aligned destination, at lengths around their steps.
     #[test]
     #[cfg(target_arch = "x86_64")]
