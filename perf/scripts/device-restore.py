@@ -258,7 +258,6 @@ def interference(model, socket, log, saver="process", path="server", ctx=8192, s
     pages through the same server: by default another process (its CPU and GIL apart from this
     one's); `saver="thread"` saves from a thread of this process, as the vLLM connector's copy
     thread does. `path`: who copies the saver's pages (`server` or `engine`)."""
-    import copy
     import multiprocessing as mp
     import queue
     import threading

@@ -44,16 +44,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 LAYERS, HEADS, DIM, PAGE, BATCH = 32, 8, 128, 16, 128
 
 
-def memcpy_gbps(nbytes, reps=5):
-    a = np.ones(nbytes, dtype=np.uint8)
-    b = np.empty_like(a)
-    np.copyto(b, a)
+def copy_gbps(dst, src, reps=5):
+    """One thread's numpy copy of `src` into `dst` (after one untimed copy): GB/s of the median
+    of `reps`."""
+    np.copyto(dst, src)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        np.copyto(b, a)
+        np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+    return src.nbytes / statistics.median(times) / 1e9
+
+
+def memcpy_gbps(nbytes):
+    a = np.ones(nbytes, dtype=np.uint8)
+    return copy_gbps(np.empty_like(a), a)
 
 
 def memcpy_threads_gbps(nbytes, threads, reps=5):
@@ -93,22 +98,14 @@ def indices(pages):
 def arena_copy_gbps(client, nbytes, reps=5):
     """numpy copies between a torch CPU tensor (as the host pool is) and the top of the
     Manager's mapped arena: the memory the backend copies to and from, without the backend.
-    Run before any page is stored, so nothing live is there."""
+    Run while no page is stored (each thread count's pages are evicted after it), so nothing
+    live is there."""
     client.ping()
     base, length, _ = client.arena()
     buf = (ctypes.c_uint8 * nbytes).from_address(base + length - nbytes - (2 << 20))
     arena = np.frombuffer(buf, dtype=np.uint8)
     pool = torch.ones(nbytes, dtype=torch.uint8).numpy()
-    out = {}
-    for name, dst, src in (("to_arena", arena, pool), ("from_arena", pool, arena)):
-        np.copyto(dst, src)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            np.copyto(dst, src)
-            times.append(time.perf_counter() - t0)
-        out[name] = nbytes / statistics.median(times) / 1e9
-    return out
+    return {"to_arena": copy_gbps(arena, pool, reps), "from_arena": copy_gbps(pool, arena, reps)}
 
 
 def sglang_backend(sock, threads, pool_tokens, checksums):

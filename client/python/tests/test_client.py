@@ -177,7 +177,6 @@ def test_engine_blocks_saved_and_loaded_in_place(client, server):
     assert server.shard_sum("leases") == 0
 
 
-
 def test_large_block_batches_copy_on_several_threads(server):
     c = Client(server.socket, copy_threads=3)
     # Chunks of 128 KiB: 16 tokens x 2 layers x 2 x 1024 fp32.
@@ -196,6 +195,7 @@ def test_large_block_batches_copy_on_several_threads(server):
         c.load_blocks([Region(f, 64 << 10) for f in fresh], keys[:2], [5, 5])
     c.flush()
     assert server.shard_sum("leases") == 0
+
 
 def test_golden_vectors_shared_with_rust():
     golden = json.loads((REPO / "client" / "proto" / "golden" / "hashing.json").read_text())

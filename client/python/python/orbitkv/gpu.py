@@ -482,8 +482,8 @@ class GpuBlockCopies:
     `path` (default `auto`) is the loads' path, and the saves' unless `save_path` names
     another. Why saves may want another: the Manager's copies run in its own CUDA context, and
     without MPS the GPU time-slices contexts, so the engine's kernels wait while the Manager's
-    run (on the H200, decode steps 14-22% slower beside saves of other requests by the server
-    path, 0.3-1.9% by the engine path; docs/performance.md).
+    run (on the H200, decode steps 21-22% slower beside saves of other requests by the server
+    path with its defaults, 0.3-1.9% by the engine path; docs/performance.md).
 
     The engine path gathers a batch of chunks at a time into a GPU staging buffer of
     `staging_bytes` (default 64 MiB, at least one chunk; allocated at its first copy) and

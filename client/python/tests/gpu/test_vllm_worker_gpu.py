@@ -118,7 +118,7 @@ def test_worker_saves_and_loads_gpu_blocks(gpu_server, save_path, load_path):
     assert saver.stats.totals()["saved_blocks"] == 6
 
     loader, dst = worker(gpu_server, load_path, "LBNHC", False)
-    assert loader.gpu.active_path == load_path if load_path != "auto" else "server"
+    assert loader.gpu.active_path == (load_path if load_path != "auto" else "server")
     missing = orbitkv.chunk_digest(b"never saved" * 4)
     loader.start_loads({"r2": (digests[:4] + [missing], [20, 21, 22, 23, 24])})
     finished_loading(loader, "r2")

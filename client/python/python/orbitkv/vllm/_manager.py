@@ -39,5 +39,4 @@ class Manager:
         self._outage.failed(e, what)
 
     def ok(self) -> None:
-        if self._outage.down:
-            self._outage.ok(self.client.session_id)
+        self._outage.ok(self.client.session_id)

@@ -9,9 +9,10 @@ is dropped). Newly computed full blocks are sent to the workers for saving; a fi
 keeps its blocks until their saves are done.
 
 Worker side: a background thread copies between the engine's KV cache and the Manager's arena
-(loads first, saves never on the forward pass): CPU caches by the engine process, GPU caches by
-the Manager's DMA threads or, where the Manager cannot open them, by the engine process. Loads that fail are reported
-per block (`get_block_ids_with_load_errors`), for vLLM's `kv_load_failure_policy`.
+(loads first, saves never on the forward pass): CPU caches by the engine process; GPU caches'
+loads by the Manager's DMA threads (by the engine process where the Manager cannot open them),
+their saves by the engine process unless `gpu_save_path` says otherwise. Loads that fail are
+reported per block (`get_block_ids_with_load_errors`), for vLLM's `kv_load_failure_policy`.
 
 The engine never fails because of the cache: a Manager that is down or restarting makes misses
 (logged once, counted as `unavailable`), and the clients reconnect with backoff.

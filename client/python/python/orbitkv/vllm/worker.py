@@ -3,10 +3,10 @@ arena, on a background thread so that the forward pass never waits for them.
 
 CPU KV caches are copied by this process straight into and out of the arena. GPU KV caches
 (vLLM >= 0.32's per-layer `[blocks, heads, tokens, content]` views, per layer or cross-layer,
-MLA included) are registered with the Manager and copied by its DMA threads, or copied by this
-process through its CUDA-registered mapping of the arena when the Manager cannot open them
-(`gpu_path`: `auto`, `server` or `engine`; saves by `gpu_save_path`, default `engine` when
-`gpu_path` is `auto`: see `orbitkv.gpu.GpuBlockCopies`)."""
+MLA included) are loaded by the Manager's DMA threads (registered with it), or by this process
+through its CUDA-registered mapping of the arena when the Manager cannot open them (`gpu_path`:
+`auto`, `server` or `engine`); saves go by `gpu_save_path`, by default this process's own copies
+when `gpu_path` is `auto` (see `orbitkv.gpu.GpuBlockCopies`)."""
 
 from __future__ import annotations
 
