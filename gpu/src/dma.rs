@@ -27,7 +27,9 @@ pub const BATCHED_FROM: u64 = 1 << 20;
 pub const JOB_BYTES: u64 = 64 << 20;
 
 /// How pieces cross the bus.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Strategy {
     /// Gather/scatter kernel into a GPU staging buffer, contiguous DMA.
@@ -37,11 +39,6 @@ pub enum Strategy {
     /// Staged for small pieces, batched for large ones; a save whose gather sums its rows
     /// (the fused checksums) staged whatever its pieces' length.
     Auto,
-    /// The segment kernel alone, straight between engine pages and the arena through its
-    /// device mapping: no staging, no copy engine; SMs move the bytes over the bus. An
-    /// experiment (`orbitkv-perf dma --strategy direct`, `--gpu-copy direct`); the engine
-    /// needs [`CopyEngine::set_host_mapping`](crate::dma::CopyEngine::set_host_mapping).
-    Direct,
 }
 
 impl Strategy {
@@ -51,17 +48,15 @@ impl Strategy {
             Self::Staged => "staged",
             Self::Batched => "batched",
             Self::Auto => "auto",
-            Self::Direct => "direct",
         }
     }
 
-    /// Parses `staged`, `batched`, `auto` or `direct`.
+    /// Parses `staged`, `batched` or `auto`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "staged" => Some(Self::Staged),
             "batched" => Some(Self::Batched),
             "auto" => Some(Self::Auto),
-            "direct" => Some(Self::Direct),
             _ => None,
         }
     }
@@ -124,9 +119,12 @@ mod tests {
 
     #[test]
     fn strategy_names_round_trip() {
-        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched, Strategy::Direct] {
+        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched] {
             assert_eq!(Strategy::parse(s.as_str()), Some(s));
+            let flag = <Strategy as clap::ValueEnum>::from_str(s.as_str(), false);
+            assert_eq!(flag, Ok(s));
         }
         assert_eq!(Strategy::parse("fast"), None);
+        assert_eq!(Strategy::parse("direct"), None, "an experiment that lost");
     }
 }

@@ -3,7 +3,17 @@
 use crate::detect::{probe, Probe};
 
 /// Whether the server uses CUDA.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum GpuMode {
     /// Use CUDA when a device is present; otherwise serve DRAM/SSD only.

@@ -21,9 +21,6 @@ pub struct HostRegistration {
     _arena: Option<Arc<Arena>>,
     /// How long registering took.
     pub elapsed: Duration,
-    /// With a device mapping ([`register_arena_mapped`]): what to add (wrapping) to a host
-    /// address of the range to get the address kernels reach it at.
-    pub device_offset: Option<u64>,
 }
 
 impl std::fmt::Debug for HostRegistration {
@@ -34,28 +31,14 @@ impl std::fmt::Debug for HostRegistration {
 
 /// Registers the whole arena (portable: usable from every context) with device `ordinal`.
 pub fn register_arena(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
-    register_whole(ordinal, arena, false)
+    register_whole(ordinal, arena)
 }
 
-/// As [`register_arena`], and also mapped into the device's address space, so that kernels
-/// can read and write it (`HostRegistration::device_offset`): what `Strategy::Direct` of
-/// `orbitkv-perf dma` needs.
-pub fn register_arena_mapped(
-    ordinal: usize,
-    arena: &Arc<Arena>,
-) -> Result<HostRegistration, GpuError> {
-    register_whole(ordinal, arena, true)
-}
-
-fn register_whole(
-    ordinal: usize,
-    arena: &Arc<Arena>,
-    mapped: bool,
-) -> Result<HostRegistration, GpuError> {
+fn register_whole(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
     let (base, len) = (arena.base_ptr() as usize, arena.len() as usize);
     // SAFETY: the range is exactly the arena's live mapping, kept alive by the Arc stored in
     // the registration until after the matching unregister in `drop`.
-    unsafe { register(ordinal, base, len, Some(Arc::clone(arena)), mapped) }
+    unsafe { register(ordinal, base, len, Some(Arc::clone(arena))) }
 }
 
 /// Registers `len` bytes of host memory at `base` (portable) with device `ordinal`: an
@@ -72,7 +55,7 @@ pub unsafe fn register_host_range(
     len: usize,
 ) -> Result<HostRegistration, GpuError> {
     // SAFETY: forwarded from the caller.
-    unsafe { register(ordinal, base as usize, len, None, false) }
+    unsafe { register(ordinal, base as usize, len, None) }
 }
 
 /// # Safety
@@ -82,45 +65,19 @@ unsafe fn register(
     base: usize,
     len: usize,
     arena: Option<Arc<Arena>>,
-    mapped: bool,
 ) -> Result<HostRegistration, GpuError> {
     let ctx = CudaContext::new(ordinal)
         .map_err(|e| GpuError::Cuda(format!("creating a context on device {ordinal}: {e}")))?;
     ctx.bind_to_thread().map_err(|e| GpuError::Cuda(format!("binding the context: {e}")))?;
     let started = Instant::now();
-    let flags = if mapped {
-        sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP
-    } else {
-        sys::CU_MEMHOSTREGISTER_PORTABLE
-    };
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
     // SAFETY: a live mapping of `len` bytes at `base` (the caller's contract), unregistered
     // in `drop` before it may go away.
     let status = unsafe { sys::cuMemHostRegister_v2(base as *mut std::ffi::c_void, len, flags) };
     if status != sys::CUresult::CUDA_SUCCESS {
         return Err(GpuError::Cuda(format!("cuMemHostRegister of {len} bytes failed: {status:?}")));
     }
-    let mut registration = HostRegistration {
-        ctx,
-        base,
-        len,
-        _arena: arena,
-        elapsed: started.elapsed(),
-        device_offset: None,
-    };
-    if mapped {
-        let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: `base` was registered with a device mapping just above; `device` is a
-        // valid out-pointer.
-        let status = unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut device, base as *mut std::ffi::c_void, 0)
-        };
-        if status != sys::CUresult::CUDA_SUCCESS {
-            // Dropping the registration unregisters the range.
-            return Err(GpuError::Cuda(format!("cuMemHostGetDevicePointer failed: {status:?}")));
-        }
-        registration.device_offset = Some(device.wrapping_sub(base as u64));
-    }
-    Ok(registration)
+    Ok(HostRegistration { ctx, base, len, _arena: arena, elapsed: started.elapsed() })
 }
 
 impl Drop for HostRegistration {

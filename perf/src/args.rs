@@ -87,9 +87,6 @@ pub(crate) enum StrategyArg {
     Batched,
     /// Each of the above.
     All,
-    /// An experiment, not in `all`: the segment kernel alone, writing (save) or reading
-    /// (load) the arena through its device mapping; no staging, no copy engine.
-    Direct,
 }
 
 /// Flags of `orbitkv-perf dma`.
@@ -137,11 +134,6 @@ pub(crate) struct DmaArgs {
     #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u8).range(2..=8), conflicts_with = "socket")]
     pub staging_depth: Option<u8>,
-    /// What lets a staging part take its next batch, as the server's `--gpu-staging-gate`:
-    /// `host` (this thread has seen its last copy (save) or scatter (load) finish) or `gpu`
-    /// (a stream waits for it on the GPU) (default: host; through a server, its flag decides).
-    #[arg(long, value_enum, default_value = "host", conflicts_with = "socket")]
-    pub staging_gate: StagingGate,
     /// Timed repetitions of each measurement (default: 5).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub iterations: u32,
@@ -229,8 +221,7 @@ pub(crate) struct DmaArgs {
     /// once this thread has seen its gathers done, as the server's default `--gpu-checksums
     /// fused`), `fused` (the same, each fold queued at once behind a wait on its own stream
     /// for the gathers' event), `gpu` (row sums and fold kernels beside the copy, as
-    /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply),
-    /// `tables` (the same by the table-driven row sums, as `--gpu-checksums tables`), or
+    /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply), or
     /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of
     /// what the summing gather alone does to the copies, with `--timeline`) (default:
     /// fused-host, which measures `gpu` where the fused form does not apply, as the server
@@ -248,15 +239,6 @@ pub(crate) struct DmaArgs {
     pub json: bool,
 }
 
-/// What lets `dma`'s staging part take its next batch (`--staging-gate`).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StagingGate {
-    /// This thread has seen the part free.
-    Host,
-    /// A stream waits for it on the GPU.
-    Gpu,
-}
-
 /// How `dma`'s checksums row computes GPU checksums (`--checksum-form`).
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -264,8 +246,6 @@ pub(crate) enum ChecksumForm {
     /// Row sums and fold kernels beside the copy: the block row sums (a warp per unit, no
     /// tables) where they apply.
     Gpu,
-    /// As `Gpu`, always by the table-driven row sums.
-    Tables,
     /// The save's gather sums the rows; the fold follows.
     Fused,
     /// As `Fused`, each fold queued only once the thread has seen its job's gathers finish,

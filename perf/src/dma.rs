@@ -812,7 +812,6 @@ impl Bench {
             if let Some(hasher) = hasher.as_mut() {
                 let (row, fold) = match self.checksum_form {
                     crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
-                    crate::args::ChecksumForm::Tables => ("auto+tables", None),
                     crate::args::ChecksumForm::Fused => ("auto+fused", Some(Fold::Queued)),
                     crate::args::ChecksumForm::FusedHost => ("auto+fused-host", Some(Fold::Seen)),
                     crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(Fold::Off)),
@@ -1074,8 +1073,7 @@ impl Bench {
             );
         }
         let job = self.memory.block_job(self.host_base, &self.chunks[chunks]).map_err(dma)?;
-        let rows = self.checksum_form == crate::args::ChecksumForm::Gpu;
-        unsafe_block_checksums(hasher, &job, self.chunk_len, rows)
+        unsafe_block_checksums(hasher, &job, self.chunk_len)
     }
 
     /// `fused-host` (the default, as the server's `--gpu-checksums fused`) where the fused
@@ -1112,7 +1110,7 @@ impl Bench {
         self.settle_checksum_form(&hasher)?;
         let jobs = self.job_chunks();
         use crate::args::ChecksumForm;
-        if !matches!(self.checksum_form, ChecksumForm::Gpu | ChecksumForm::Tables) {
+        if self.checksum_form != ChecksumForm::Gpu {
             return self.fused_checksums(&mut hasher, &jobs, save_ceiling).map(Some);
         }
         let mut got = Vec::new();
@@ -1492,10 +1490,9 @@ fn unsafe_block_checksums(
     hasher: &mut ChunkHasher,
     job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
     chunk_len: u64,
-    rows: bool,
 ) -> Result<Option<ChecksumTicket>, Error> {
     // SAFETY: see above (every ticket is awaited).
-    unsafe { hasher.submit_blocks_by(job, chunk_len, rows) }.map_err(dma)
+    unsafe { hasher.submit_blocks(job, chunk_len) }.map_err(dma)
 }
 
 #[allow(unsafe_code)]
@@ -1555,14 +1552,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             reason: "must be between 1MiB and 1GiB".into(),
         });
     }
-    if a.strategy == StrategyArg::Direct && a.socket.is_some() {
-        return Err(Error::InvalidArgument {
-            flag: "--strategy",
-            reason: "with --socket the server's --gpu-copy decides how it copies: start the \
-                     server with --gpu-copy direct instead"
-                .into(),
-        });
-    }
     if a.tp_world_size == 0 || a.tp_rank >= a.tp_world_size {
         return Err(Error::InvalidArgument {
             flag: "--tp-rank",
@@ -1610,14 +1599,8 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         Arena::create(ceiling_at + ceiling_len, true)
             .map_err(|e| Error::Gpu(format!("arena: {e}")))?,
     );
-    // Direct copies need the arena mapped into the device's address space.
-    let direct = a.strategy == StrategyArg::Direct;
-    let registration = if direct {
-        orbitkv_gpu::register_arena_mapped(a.device, &arena)
-    } else {
-        orbitkv_gpu::register_arena(a.device, &arena)
-    }
-    .map_err(|e| Error::Gpu(e.to_string()))?;
+    let registration =
+        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?;
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
     let arena_slice = arena.split(1).pop().expect("one slice");
     let mut rng = SmallRng::seed_from_u64(a.seed);
@@ -1640,12 +1623,8 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         chunks.push((*slot, ids));
     }
     let bytes = chunk_len * nchunks;
-    let mut engine =
+    let engine =
         CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM).map_err(dma)?;
-    if let Some(offset) = registration.device_offset {
-        engine.set_host_mapping(offset);
-    }
-    engine.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
     let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
     let mut bench = Bench {
         engine,
@@ -1756,7 +1735,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             StrategyArg::Auto => vec![("auto", Strategy::Auto)],
             StrategyArg::Staged => vec![("staged", Strategy::Staged)],
             StrategyArg::Batched => vec![("batched", Strategy::Batched)],
-            StrategyArg::Direct => vec![("direct", Strategy::Direct)],
             StrategyArg::All => vec![
                 ("auto", Strategy::Auto),
                 ("staged", Strategy::Staged),
@@ -1786,10 +1764,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             let mut other =
                 CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM)
                     .map_err(dma)?;
-            if let Some(offset) = registration.device_offset {
-                other.set_host_mapping(offset);
-            }
-            other.set_reuse_seen(a.staging_gate == crate::args::StagingGate::Host);
             let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
             mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
             duplex = Some(d);

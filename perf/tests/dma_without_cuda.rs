@@ -60,28 +60,17 @@ fn bad_layout_flags_are_named() {
     // Group flags belong to a run through a server.
     refused(&["--tp-rank", "1"], &["--socket"]);
     refused(&["--engine-copies"], &["--socket"]);
-    // Through a server, its --gpu-copy decides: asking for direct copies here says so.
-    refused(
-        &["--socket", "/nonexistent", "--strategy", "direct"],
-        &["--strategy", "--gpu-copy direct"],
-    );
+    // Experiments that lost are no options.
+    refused(&["--strategy", "direct"], &["--strategy", "direct"]);
+    refused(&["--checksum-form", "tables"], &["--checksum-form", "tables"]);
+    refused(&["--staging-gate", "gpu"], &["--staging-gate"]);
     // Checksum forms are local, and grouped folds belong to the block row sums.
     refused(
         &["--socket", "/nonexistent", "--checksum-form", "fused"],
         &["--checksum-form", "--socket"],
     );
-    refused(
-        &["--checksum-form", "tables", "--fold-jobs", "2"],
-        &["--fold-jobs", "--checksum-form gpu"],
-    );
     // The block row sums are `gpu` now.
     refused(&["--checksum-form", "rows"], &["--checksum-form"]);
-    // The staging gate is the local engine's; a server has its own flag.
-    refused(
-        &["--socket", "/nonexistent", "--staging-gate", "gpu"],
-        &["--staging-gate", "--socket"],
-    );
-    refused(&["--staging-gate", "sometimes"], &["--staging-gate", "sometimes"]);
     // Grouped folds need the block row sums' form, not the default fused one.
     refused(&["--fold-jobs", "2"], &["--fold-jobs", "--checksum-form gpu"]);
     refused(&["--fold-jobs", "5"], &["--fold-jobs"]);

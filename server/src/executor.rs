@@ -700,15 +700,13 @@ impl Exec {
 
     /// Runs a GPU copy on the DMA thread for `direction` and waits for its completion (the CUDA
     /// event). Whatever the requester does meanwhile, the caller holds the arena slots until
-    /// this returns. `shard_sums`: a save whose checksums the shards will compute (the GPU
-    /// computes none for it).
+    /// this returns.
     pub(crate) async fn gpu_run(
         &self,
         direction: orbitkv_gpu::dma::Direction,
         device: usize,
         memory: Arc<orbitkv_gpu::dma::EngineMemory>,
         (chunks, chunk_len): (Vec<(u64, Vec<u64>)>, u64),
-        shard_sums: bool,
     ) -> Result<Option<Vec<u64>>, (orbitkv_proto::ErrorCode, String)> {
         use orbitkv_proto::ErrorCode;
         let Some(gpu) = self.shared.gpu_service.get() else {
@@ -725,7 +723,6 @@ impl Exec {
             memory,
             chunks,
             chunk_len,
-            shard_sums,
             queued_at: Instant::now(),
         };
         // A full queue means the copy engine is behind: wait for room (the queue is bounded,

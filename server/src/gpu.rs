@@ -45,27 +45,21 @@ pub struct GpuLimits {
     pub checksums: ChecksumPlace,
     /// How copies cross the bus (`--gpu-copy`).
     pub copy: Strategy,
-    /// The arena's device mapping (what to add to a host address), registered for
-    /// `--gpu-copy direct`.
-    pub host_mapping: Option<u64>,
     /// Time every staged batch (`--gpu-timeline`).
     pub timeline: bool,
-    /// Staging parts reused once the DMA thread has seen them free (`--gpu-staging-gate
-    /// host`).
-    pub host_gated_staging: bool,
 }
 
-/// Where a GPU save's chunk checksums are computed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a GPU save's chunk checksums are computed (`--gpu-checksums`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
 pub enum ChecksumPlace {
     /// On the GPU beside the copy; a job's first chunk checked again on its shard, one
     /// chunk per 32 (`transfer::SpotChecks`). A block-form save's rows are summed by a warp
     /// per unit of the block gather's walk, with no tables, where the layout allows (parts a
     /// multiple of 1 KiB), by the table-driven kernel otherwise.
     Gpu,
-    /// As `Gpu`, always by the table-driven row sums (the form before the block row sums,
-    /// kept to measure against them).
-    Tables,
     /// As `Gpu`; every chunk checked again on its shard.
     Verify,
     /// On the shards, from the bytes in the arena.
@@ -81,28 +75,9 @@ impl ChecksumPlace {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Gpu => "gpu",
-            Self::Tables => "tables",
             Self::Verify => "verify",
             Self::Cpu => "cpu",
             Self::Fused => "fused",
-        }
-    }
-
-    /// Whether a block-form save's rows are summed by the block row sums where they apply
-    /// (for `Fused`, where its gather did not sum them).
-    pub fn block_rows(self) -> bool {
-        matches!(self, Self::Gpu | Self::Verify | Self::Fused)
-    }
-
-    /// Parses `gpu`, `tables`, `verify`, `cpu` or `fused`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "gpu" => Some(Self::Gpu),
-            "tables" => Some(Self::Tables),
-            "verify" => Some(Self::Verify),
-            "cpu" => Some(Self::Cpu),
-            "fused" => Some(Self::Fused),
-            _ => None,
         }
     }
 }
@@ -173,9 +148,6 @@ pub struct GpuJob {
     pub chunks: Vec<(u64, Vec<u64>)>,
     /// Bytes per chunk.
     pub chunk_len: u64,
-    /// A save whose checksums the shards compute from the arena (`--gpu-shard-checksums`)
-    /// rather than the GPU beside the copy.
-    pub shard_sums: bool,
     /// When its shard queued it (for `{save,load}_pickup_s`).
     pub queued_at: Instant,
 }
@@ -864,10 +836,7 @@ impl GpuService {
                         });
                         *starting = None;
                         busy_since.get_or_insert(submitted);
-                        // The shards hash this save's chunks (`--gpu-shard-checksums`), except
-                        // where its gather summed them already.
-                        let shard_sums = job.shard_sums && !matches!(planned, Planned::Summed(_));
-                        if save && !shard_sums {
+                        if save {
                             let running = inflight.back_mut().expect("just pushed");
                             match planned {
                                 Planned::Summed(unfolded) => running.unfolded = unfolded,
@@ -1106,14 +1075,13 @@ impl GpuService {
         if self.checksum_place() == ChecksumPlace::Cpu {
             return None;
         }
-        let rows = self.checksum_place().block_rows();
         let hasher = self.hasher(hashers, job.device)?;
         let submitted = match pieces {
             Some(pieces) => submit_checksums(hasher, pieces, job.chunk_len),
             None => job
                 .memory
                 .block_job(self.arena.base_ptr() as u64, &job.chunks)
-                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len, rows)),
+                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len)),
         };
         match submitted {
             Ok(t) => t,
@@ -1178,20 +1146,14 @@ impl GpuService {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
             slot @ None => {
-                let mut e = CopyEngine::new(
+                let e = CopyEngine::new(
                     &self.contexts[job.device],
                     self.limits.staging_bytes,
                     self.limits.staging_depth,
                     BATCHED_FROM,
                 )
                 .map_err(|e| format!("creating the copy engine: {e}"))?;
-                if let Some(offset) = self.limits.host_mapping {
-                    e.set_host_mapping(offset);
-                }
-                e.set_reuse_seen(self.limits.host_gated_staging);
-                if let (Strategy::Staged | Strategy::Direct, Some(why)) =
-                    (self.limits.copy, e.kernel_error())
-                {
+                if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
                     // The operator asked for the kernel explicitly: say so once, loudly; every
                     // job it would copy then fails naming the reason (`auto` would copy batched
                     // instead). Block-form jobs need only the block kernel.
@@ -1329,10 +1291,9 @@ fn submit_block_checksums(
     hasher: &mut ChunkHasher,
     job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
     chunk_len: u64,
-    rows: bool,
 ) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
     // SAFETY: as `submit_checksums`, for the job's blocks.
-    unsafe { hasher.submit_blocks_by(job, chunk_len, rows) }
+    unsafe { hasher.submit_blocks(job, chunk_len) }
 }
 
 #[allow(unsafe_code)]
@@ -1440,18 +1401,17 @@ mod tests {
 
     #[test]
     fn checksum_places_parse_as_they_are_spelled() {
-        for p in [
-            ChecksumPlace::Gpu,
-            ChecksumPlace::Tables,
-            ChecksumPlace::Verify,
-            ChecksumPlace::Cpu,
-            ChecksumPlace::Fused,
-        ] {
-            assert_eq!(ChecksumPlace::parse(p.as_str()), Some(p));
+        let parse = |s: &str| <ChecksumPlace as clap::ValueEnum>::from_str(s, false).ok();
+        for p in
+            [ChecksumPlace::Gpu, ChecksumPlace::Verify, ChecksumPlace::Cpu, ChecksumPlace::Fused]
+        {
+            assert_eq!(parse(p.as_str()), Some(p));
+            assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
         }
-        assert_eq!(ChecksumPlace::parse("GPU"), None);
-        assert_eq!(ChecksumPlace::parse("rows"), None, "the block row sums are `gpu` now");
-        assert_eq!(ChecksumPlace::parse(""), None);
+        assert_eq!(parse("GPU"), None);
+        assert_eq!(parse("tables"), None, "an experiment that lost");
+        assert_eq!(parse("rows"), None, "the block row sums are `gpu` now");
+        assert_eq!(parse(""), None);
     }
 
     #[test]

@@ -21,13 +21,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use glommio::channels::channel_mesh::MeshBuilder;
 use orbitkv_proto::{admin_socket_path, format_bytes};
 use orbitkv_shards::ssd::store::SsdConfig;
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
 
-use crate::config::{Args, ServerConfig, Settings};
+use crate::config::Settings;
 use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
 use crate::shared::{ControlMsg, ServeState, Shared};
@@ -38,7 +37,6 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
 const WATCHDOG_ASLEEP_PERIOD: Duration = Duration::from_millis(100);
 
 fn main() -> ExitCode {
-    let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ORBITKV_LOG")
@@ -48,15 +46,13 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     iceoryx2::prelude::set_log_level_from_env_or(iceoryx2::prelude::LogLevel::Warn);
-    let mut config = match &args.config {
-        Some(path) => match ServerConfig::from_file(path) {
-            Ok(c) => c,
-            Err(e) => return fail(&e.to_string()),
-        },
-        None => ServerConfig::default(),
+    let (config, print_config) = match config::from_command_line(std::env::args_os()) {
+        Ok(c) => c,
+        // Usage errors, --help and --version: clap prints them and picks the exit code.
+        Err(config::CommandLineError::Flags(e)) => e.exit(),
+        Err(e) => return fail(&e.to_string()),
     };
-    config.apply_args(&args);
-    if args.print_config {
+    if print_config {
         print!("{}", toml::to_string(&config).expect("the config struct serializes to TOML"));
         return ExitCode::SUCCESS;
     }
@@ -192,13 +188,7 @@ fn run(settings: Settings) -> Result<(), String> {
     let _registration = match &gpu {
         Some(orbitkv_gpu::Probe::Present { devices }) => {
             let first = &devices[0];
-            // `--gpu-copy direct` has kernels reach the arena: it needs a device mapping.
-            let registered = if settings.gpu_copy == orbitkv_gpu::dma::Strategy::Direct {
-                orbitkv_gpu::register_arena_mapped(first.ordinal as usize, &arena)
-            } else {
-                orbitkv_gpu::register_arena(first.ordinal as usize, &arena)
-            };
-            match registered {
+            match orbitkv_gpu::register_arena(first.ordinal as usize, &arena) {
                 Ok(r) => {
                     tracing::info!(
                         uuid = %first.uuid,
@@ -249,11 +239,9 @@ fn run(settings: Settings) -> Result<(), String> {
             max_registrations: settings.config.max_gpu_registrations,
             staging_bytes: settings.gpu_staging_bytes as usize,
             staging_depth: settings.gpu_staging_depth,
-            checksums: settings.gpu_checksums,
-            copy: settings.gpu_copy,
-            host_mapping: _registration.as_ref().and_then(|r| r.device_offset),
+            checksums: settings.config.gpu_checksums,
+            copy: settings.config.gpu_copy,
             timeline: settings.config.gpu_timeline,
-            host_gated_staging: settings.gpu_staging_gate_host,
         };
         let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
         let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());

@@ -200,7 +200,6 @@ pub(crate) async fn save(
     let (verdict_tx, verdict_rx) = local_channel::new_bounded::<bool>(1);
     let (mut verdict_tx, mut verdict_rx) = (Some(verdict_tx), Some(verdict_rx));
     let mut spot = SpotChecks::default();
-    let mut shard_share = ShardShare::new(exec.shared.settings.config.gpu_shard_checksums);
     for (g, group_keys) in keys.chunks(group).enumerate() {
         let last = g + 1 == jobs;
         let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
@@ -220,7 +219,6 @@ pub(crate) async fn save(
         let report = if last { None } else { verdict_tx.take() };
         let verdict = if last && verdict_tx.is_none() { verdict_rx.take() } else { None };
         let checked = spot.job(part.len(), report.is_some(), last);
-        let shard_sums = shard_share.job(g, jobs, report.is_some());
         // In arena order within the job: slots a shard allocated one after another then sit
         // side by side in the staging buffer too, and their host copies merge into one (a
         // copy per chunk under a megabyte costs the device-to-host engine a few percent).
@@ -233,7 +231,7 @@ pub(crate) async fn save(
             let chunks = part.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
             phases.submitted(Instant::now());
             let copied =
-                exec.gpu_run(Direction::Save, device, memory, (chunks, chunk_len), shard_sums).await;
+                exec.gpu_run(Direction::Save, device, memory, (chunks, chunk_len)).await;
             phases.copied(Instant::now());
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
             let check = match verdict {
@@ -301,38 +299,6 @@ impl SpotChecks {
         let check = reports || last || self.unchecked >= Self::CHUNKS_PER_CHECK;
         self.unchecked = if check { chunks } else { self.unchecked + chunks };
         check
-    }
-}
-
-/// Which jobs of a GPU save have their checksums computed by the shards from the arena rather
-/// than by the GPU (`--gpu-shard-checksums PERCENT`): that share of the jobs, spread evenly,
-/// the host's cores taking SM time off the engine's GPU. Never the job that reports whether
-/// the request's GPU checksums passed their check, nor the last `TAIL_JOBS`: a shard hashes a
-/// 64 MiB job's part of it in a few milliseconds, which the answer would wait for.
-struct ShardShare {
-    percent: u32,
-    owed: u32,
-}
-
-impl ShardShare {
-    const TAIL_JOBS: usize = 8;
-
-    fn new(percent: u32) -> Self {
-        Self { percent, owed: 0 }
-    }
-
-    /// Whether job `g` of `jobs` goes to the shards (`reports`: it says whether the GPU's
-    /// checksums passed their check).
-    fn job(&mut self, g: usize, jobs: usize, reports: bool) -> bool {
-        if self.percent == 0 || reports || g + Self::TAIL_JOBS >= jobs {
-            return false;
-        }
-        self.owed += self.percent;
-        if self.owed < 100 {
-            return false;
-        }
-        self.owed -= 100;
-        true
     }
 }
 
@@ -427,8 +393,7 @@ pub(crate) async fn load(
             let phases = Rc::clone(&phases);
             tasks.push(glommio::spawn_local(async move {
                 phases.submitted(Instant::now());
-                let copied =
-                    exec.gpu_run(Direction::Load, device, memory, (part, chunk_len), false).await;
+                let copied = exec.gpu_run(Direction::Load, device, memory, (part, chunk_len)).await;
                 phases.copied(Instant::now());
                 let o = match copied {
                     Ok(_) => ChunkOutcome::Done,
@@ -506,20 +471,6 @@ mod tests {
         assert_eq!(checked_jobs(70, 1), vec![0, 32, 64, 69]);
         // One job: it checks its own.
         assert_eq!(checked_jobs(1, 8), vec![0]);
-    }
-
-    #[test]
-    fn a_share_of_save_jobs_is_hashed_on_the_shards() {
-        let shard_jobs = |percent: u32, jobs: usize| -> Vec<usize> {
-            let mut s = ShardShare::new(percent);
-            (0..jobs).filter(|&g| s.job(g, jobs, g == 0)).collect()
-        };
-        assert!(shard_jobs(0, 32).is_empty());
-        // A quarter, spread over the jobs between the first and the last eight.
-        assert_eq!(shard_jobs(25, 32), vec![4, 8, 12, 16, 20]);
-        assert_eq!(shard_jobs(50, 14), vec![2, 4]);
-        // Short requests keep every job on the GPU.
-        assert!(shard_jobs(90, 9).is_empty());
     }
 
     #[test]

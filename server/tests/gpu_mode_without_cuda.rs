@@ -63,8 +63,11 @@ fn off_and_bad_values() {
     assert!(refused_at_start(&["--gpu", "sometimes"]).contains("--gpu"));
     let err = refused_at_start(&["--gpu-checksums", "gpu2"]);
     assert!(err.contains("--gpu-checksums") && err.contains("gpu2"), "{err}");
-    let err = refused_at_start(&["--gpu-staging-gate", "sometimes"]);
-    assert!(err.contains("--gpu-staging-gate") && err.contains("sometimes"), "{err}");
+    // Experiments that lost are no options: `direct` copies, the table-driven checksums.
+    let err = refused_at_start(&["--gpu-copy", "direct"]);
+    assert!(err.contains("--gpu-copy") && err.contains("direct"), "{err}");
+    let err = refused_at_start(&["--gpu-checksums", "tables"]);
+    assert!(err.contains("--gpu-checksums") && err.contains("tables"), "{err}");
     let err = refused_at_start(&["--gpu-copy", "fastest"]);
     assert!(err.contains("--gpu-copy") && err.contains("fastest"), "{err}");
 }

@@ -1,5 +1,7 @@
 //! The SSD tier: chunks evicted from DRAM are demoted to SSD and served from there, survive a
 //! restart (clean or SIGKILL), never exceed the cap, and a corrupted record is never served.
+//! Slow disks and failing I/O are injected in builds with the `failpoints` feature
+//! (`cargo test --features orbitkv-server/failpoints`, as `scripts/test` runs it).
 
 mod common;
 
@@ -311,6 +313,7 @@ fn a_full_filesystem_is_reported_at_start() {
 /// A one-shard tiered server in `dir` with 200 chunks stored, restarted on a disk where every
 /// I/O takes 2 s (DRAM starts empty, so the demoted ones are on the slow disk only); returns
 /// it, the namespace and the keys (the first ones demoted).
+#[cfg(feature = "failpoints")]
 fn on_a_slow_disk(dir: &std::path::Path) -> (TestServer, u64, Vec<ChunkKey>) {
     let base = ["--shards", "1", "--dram", "2MiB", "--ssd", "24MiB", "--ssd-region-size", "1MiB"];
     let dir_arg = dir.to_str().unwrap().to_string();
@@ -328,6 +331,7 @@ fn on_a_slow_disk(dir: &std::path::Path) -> (TestServer, u64, Vec<ChunkKey>) {
     (server, ns, cold)
 }
 
+#[cfg(feature = "failpoints")]
 #[test]
 fn a_slow_disk_does_not_hold_up_dram_hits() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -362,6 +366,7 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
     assert_eq!(bytes, value_for(&slow_key, LEN));
 }
 
+#[cfg(feature = "failpoints")]
 #[test]
 fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -394,11 +399,13 @@ fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
     c.ping().unwrap();
 }
 
+#[cfg(feature = "failpoints")]
 const SLOW_LOOKUP_ENV: &str = "ORBITKV_TEST_SLOW_LOOKUP";
 
 /// Runs only as the child process of `a_request_outliving_its_client_ends_before_the_reclaim`
 /// (it is ignored otherwise): looks up a chunk that is on the slow disk only, and is killed
 /// while it waits.
+#[cfg(feature = "failpoints")]
 #[test]
 #[ignore = "helper process for a_request_outliving_its_client_ends_before_the_reclaim"]
 fn slow_lookup_process() {
@@ -413,6 +420,7 @@ fn slow_lookup_process() {
 /// A client killed while its lookup waits on a slow disk: the lookup runs to its end, counted
 /// in `orphaned_requests`; the session is listed as closing until then and reclaimed after it,
 /// with the lease the lookup took; the server goes on serving that chunk.
+#[cfg(feature = "failpoints")]
 #[test]
 fn a_request_outliving_its_client_ends_before_the_reclaim() {
     use std::process::{Command, Stdio};

@@ -23,7 +23,7 @@ use super::hasher::drv;
 use super::hasher::SummedSave;
 use super::plan::{
     compact_uniform, next_batch_into, next_blocks_into, BlockCursor, BlockJob, KernelDesc, Piece,
-    StageCursor, StagedBatch, BLOCK_UNIT, MAX_SEGMENT,
+    StageCursor, StagedBatch, BLOCK_UNIT,
 };
 use super::{wait_for, DmaError, Strategy, SubmitTimes};
 
@@ -51,9 +51,6 @@ struct Part {
     staging: DeviceBuffer,
     descs_dev: DeviceBuffer,
     descs_host: PinnedHost,
-    /// The host descriptor table is read (reusable): uploaded for a load, gathered from for a
-    /// save (whose kernel reads it in place).
-    uploaded: CudaEvent,
     /// The staging part is filled (gather done / host data arrived).
     filled: CudaEvent,
     /// The staging part is no longer used (reusable).
@@ -96,7 +93,7 @@ pub struct JobShape {
     /// Staging batches (0 when batched).
     pub batches: usize,
     /// Host-side copies: the staged batches' host-contiguous runs (adjacent arena slots merge
-    /// into one), or one per piece when batched or direct. Runs under a megabyte cost the
+    /// into one), or one per piece when batched. Runs under a megabyte cost the
     /// device-to-host engine a few percent.
     pub host_runs: usize,
     /// The strategy used.
@@ -136,21 +133,8 @@ pub struct CopyEngine {
     /// Timing events of timelines already taken, recorded again by the next one (creating and
     /// destroying events between jobs cost a server's transfers several percent).
     spare_events: Vec<CudaEvent>,
-    /// For `Strategy::Direct`: what to add to an arena host address to get its device
-    /// mapping (wrapping), when the arena was registered mapped.
-    host_mapping: Option<u64>,
-    /// `Strategy::Direct`'s descriptor tables (read in place by the kernel), used in turn so
-    /// that a job is planned while the one before copies, each with the event after which
-    /// it may be rewritten.
-    direct_tables: [Option<(PinnedHost, CudaEvent)>; 2],
-    /// The table the next direct job uses.
-    direct_next: usize,
     /// Where `submit`'s time went since the last `take_times`.
     times: SubmitTimes,
-    /// A staging part's next batch is queued only once this thread has seen the part's last
-    /// copy (save) or scatter (load) finish, rather than behind a wait for it on the GPU
-    /// ([`CopyEngine::set_reuse_seen`]).
-    reuse_seen: bool,
 }
 
 /// [`CopyEngine::blocks_for`]'s decision, with `kernels` saying whether the segment and the
@@ -170,7 +154,7 @@ fn block_form(
     let run = if job.blocks_contiguous() { job.block_bytes() } else { job.part_len };
     let staged = match strategy {
         Strategy::Staged => true,
-        Strategy::Batched | Strategy::Direct => false,
+        Strategy::Batched => false,
         // A save summing its rows uses SMs whatever copies it: batched, its rows would be
         // summed by a kernel of their own after the copy engines; staged, its gather sums
         // them in the one pass that reads the pages (docs/performance.md: cross-layer saves
@@ -230,26 +214,6 @@ unsafe fn copy_runs(
 ) -> Result<(), DmaError> {
     // SAFETY: forwarded from the caller.
     unsafe { ffi::copy_batch_async(dsts, srcs, sizes, stream) }
-}
-
-/// `Strategy::Direct`'s kernel descriptors: each piece split at `MAX_SEGMENT`, from engine
-/// pages to the arena's device mapping (host address + `offset`, wrapping) for a save, the
-/// reverse for a load.
-pub(crate) fn direct_descs(direction: Direction, pieces: &[Piece], offset: u64) -> Vec<KernelDesc> {
-    let mut out = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        let mut done = 0;
-        while done < p.len {
-            let len = (p.len - done).min(MAX_SEGMENT);
-            let (device, host) = (p.device + done, p.host.wrapping_add(offset) + done);
-            out.push(match direction {
-                Direction::Save => KernelDesc { src: device, dst: host, len },
-                Direction::Load => KernelDesc { src: host, dst: device, len },
-            });
-            done += len;
-        }
-    }
-    out
 }
 
 impl CopyEngine {
@@ -313,7 +277,6 @@ impl CopyEngine {
                 staging: DeviceBuffer::new(ctx, part_bytes)?,
                 descs_dev: DeviceBuffer::new(ctx, max_descs * KernelDesc::BYTES)?,
                 descs_host: PinnedHost::new(ctx, max_descs * KernelDesc::BYTES)?,
-                uploaded: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
                 filled: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
                 free: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
             });
@@ -347,37 +310,14 @@ impl CopyEngine {
             timeline: None,
             timeline_cap: usize::MAX,
             spare_events: Vec::new(),
-            host_mapping: None,
-            direct_tables: [None, None],
-            direct_next: 0,
             times: SubmitTimes::default(),
-            reuse_seen: false,
         })
-    }
-
-    /// Enables `Strategy::Direct`: `offset` is what to add (wrapping) to an arena host
-    /// address to get the address the device reaches it at (see
-    /// [`crate::HostRegistration::device_offset`]).
-    pub fn set_host_mapping(&mut self, offset: u64) {
-        self.host_mapping = Some(offset);
     }
 
     /// Records timing events around every staged batch of the jobs submitted from now on,
     /// until [`CopyEngine::take_timeline`] (a diagnostic: timing events cost a little).
     pub fn record_timeline(&mut self) {
         self.record_timeline_batches(usize::MAX);
-    }
-
-    /// Each staging part's next batch is queued only once this thread has seen
-    /// the part's last use finish (for a save its copy, for a load its scatter), so that no
-    /// stream of the engine waits on another's event for a part; the DMA thread waits on the
-    /// host instead, where it waited for the part's table before. (A fused save's fold queued
-    /// behind a stream wait for its gathers slowed the copies beside it from 54.4 to 50.3 GB/s,
-    /// docs/performance.md, twenty-third session; the gathers wait for the copies the same
-    /// way.) The server's default (`--gpu-staging-gate host`). Off: the kernel stream waits
-    /// for a part's copy (save), the copy stream for its scatter (load), on the GPU.
-    pub fn set_reuse_seen(&mut self, on: bool) {
-        self.reuse_seen = on;
     }
 
     /// As [`CopyEngine::record_timeline`], for the first `max` batches only (the later ones
@@ -461,7 +401,7 @@ impl CopyEngine {
     pub fn staged_for(&self, strategy: Strategy, pieces: &[Piece]) -> bool {
         match strategy {
             Strategy::Staged => true,
-            Strategy::Batched | Strategy::Direct => false,
+            Strategy::Batched => false,
             Strategy::Auto if self.kernel.is_none() => false,
             Strategy::Auto => {
                 // The typical piece decides: below the threshold the copy engines are slow
@@ -544,16 +484,14 @@ impl CopyEngine {
         let mut first_block = 0u32;
         let result = (|| {
             loop {
-                // Nothing left: no part to wait for (with `reuse_seen` that is a copy's end).
+                // Nothing left: no part to wait for.
                 if at.finished(job) {
                     break;
                 }
                 let h = &mut self.parts[self.next];
-                // Its table (and with `reuse_seen` its staging) free: `free` comes later.
-                wait_for(
-                    if self.reuse_seen { &h.free } else { &h.uploaded },
-                    &mut self.times.waited,
-                )?;
+                // The part's table and staging are free once its last batch's copy (save) or
+                // scatter (load) has finished.
+                wait_for(&h.free, &mut self.times.waited)?;
                 let t = Instant::now();
                 let ids = next_blocks_into(
                     job,
@@ -643,12 +581,7 @@ impl CopyEngine {
             )));
         }
         let done = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        let enqueued = if strategy == Strategy::Direct {
-            // SAFETY: forwarded from the caller.
-            unsafe { self.enqueue_direct(direction, pieces, &mut shape, &done) }
-        } else {
-            self.enqueue_job(direction, pieces, &mut shape, &done)
-        };
+        let enqueued = self.enqueue_job(direction, pieces, &mut shape, &done);
         // Part of the job may already be on the GPU: it finishes before an error returns.
         self.settle(enqueued)?;
         Ok((done, shape))
@@ -668,16 +601,14 @@ impl CopyEngine {
             let mut batch = std::mem::take(&mut self.batch);
             let result = (|| {
                 loop {
-                    // Nothing left: no part to wait for (with `reuse_seen`, a copy's end).
+                    // Nothing left: no part to wait for.
                     if at.finished(pieces) {
                         break;
                     }
                     // The batch is planned straight into the next part's host table, once the
-                    // batch that last used the table has read it.
+                    // part's last batch has finished with the table and the staging.
                     let h = &mut self.parts[self.next];
-                    // Its table (and with `reuse_seen` its staging) free: `free` comes later.
-                    let reuse = if self.reuse_seen { &h.free } else { &h.uploaded };
-                    wait_for(reuse, &mut self.times.waited)?;
+                    wait_for(&h.free, &mut self.times.waited)?;
                     let gather = direction == Direction::Save;
                     let t = Instant::now();
                     let (n, uniform) = next_batch_into(
@@ -721,63 +652,6 @@ impl CopyEngine {
             }
             done.record(&self.copy_stream).map_err(drv("cuEventRecord"))?;
         }
-        Ok(())
-    }
-
-    /// `Strategy::Direct`: one launch of the segment kernel over every piece (split at
-    /// `MAX_SEGMENT`), engine pages on one side and the arena's device mapping on the other;
-    /// records `done` after it.
-    ///
-    /// # Safety
-    /// As [`CopyEngine::submit`].
-    unsafe fn enqueue_direct(
-        &mut self,
-        direction: Direction,
-        pieces: &[Piece],
-        shape: &mut JobShape,
-        done: &CudaEvent,
-    ) -> Result<(), DmaError> {
-        let offset = self.host_mapping.ok_or_else(|| {
-            DmaError::Invalid(
-                "direct copies need the arena registered with a device mapping \
-                 (register_arena_mapped)"
-                    .into(),
-            )
-        })?;
-        let kernel = self.kernel.as_ref().ok_or_else(|| {
-            DmaError::Invalid(format!(
-                "direct copies need the segment copy kernel, which did not load: {}",
-                self.kernel_error.as_deref().unwrap_or("unknown")
-            ))
-        })?;
-        let descs = direct_descs(direction, pieces, offset);
-        let n = u32::try_from(descs.len())
-            .map_err(|_| DmaError::Invalid(format!("{} descriptors in one job", descs.len())))?;
-        let bytes = descs.len() * KernelDesc::BYTES;
-        let slot = &mut self.direct_tables[self.direct_next];
-        self.direct_next ^= 1;
-        // A table is rewritten only once the kernel that read it last has finished.
-        if let Some((_, used)) = slot.as_ref() {
-            wait_for(used, &mut self.times.waited)?;
-        }
-        if slot.as_ref().is_none_or(|(t, _)| t.len() < bytes) {
-            let table = PinnedHost::new(&self.ctx, bytes.max(1 << 20))?;
-            let used = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-            *slot = Some((table, used));
-        }
-        let (table, used) = slot.as_mut().expect("allocated above");
-        for (d, slot) in descs.iter().zip(table.bytes_mut().chunks_exact_mut(KernelDesc::BYTES)) {
-            d.write_to(slot);
-        }
-        let group = CopyKernel::group(pieces.iter().map(|p| p.len).sum(), descs.len());
-        let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
-        // SAFETY: descriptors name engine pieces and their arena slots through the device
-        // mapping (submit's contract); the table stays untouched until `used` has passed.
-        unsafe { kernel.launch(&self.kernel_stream, table.addr(), n, group, grid, THREADS)? };
-        used.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-        done.record(&self.kernel_stream).map_err(drv("cuEventRecord"))?;
-        shape.bytes = pieces.iter().map(|p| p.len).sum();
-        shape.host_runs = pieces.len();
         Ok(())
     }
 
@@ -890,10 +764,7 @@ impl CopyEngine {
         let block_kernel = self.block_kernel.as_ref();
         match direction {
             Direction::Save => {
-                // With `reuse_seen` the thread saw `free` complete before it planned the batch.
-                if !self.reuse_seen {
-                    kernel_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
-                }
+                // The thread saw `free` complete before it planned the batch.
                 mark(0, kernel_stream)?;
                 // The gather reads its table straight from the mapped pinned host copy (at its
                 // host address under unified addressing), never uploaded: an upload is a
@@ -915,8 +786,8 @@ impl CopyEngine {
                         ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
                     },
                     // SAFETY: descriptors name engine pieces (submit's contract) and this
-                    // part's staging, free since `free` was waited on; the host table stays
-                    // untouched until `uploaded`, recorded after the kernel, has passed.
+                    // part's staging, free since `free` was seen passed; the host table stays
+                    // untouched until `free`, recorded after this batch's copy, has passed.
                     Work::Segments { .. } => unsafe {
                         kernel()?.launch(
                             kernel_stream,
@@ -928,7 +799,6 @@ impl CopyEngine {
                         )?
                     },
                 }
-                h.uploaded.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 mark(1, kernel_stream)?;
                 h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
                 copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
@@ -940,17 +810,12 @@ impl CopyEngine {
                 h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
             }
             Direction::Load => {
-                // The part's staging and device table are free once the scatter that last read
-                // them has passed (with `reuse_seen`, seen before the batch was planned).
-                if !self.reuse_seen {
-                    copy_stream.wait(&h.free).map_err(drv("cuStreamWaitEvent"))?;
-                }
+                // The part's staging and device table are free: the scatter that last read
+                // them was seen done before the batch was planned.
                 mark(2, copy_stream)?;
                 // SAFETY: the part is free (waited); the first copy is the part's own pinned
                 // table into its device table, the others host ranges per submit's contract.
                 unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-                // The host table has been read once the call's copies are done.
-                h.uploaded.record(copy_stream).map_err(drv("cuEventRecord"))?;
                 mark(3, copy_stream)?;
                 h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
                 kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
@@ -1049,7 +914,6 @@ mod tests {
         assert!(block_form(Strategy::Auto, both, MIB, 32 * MIB, &sglang, false));
         assert!(block_form(Strategy::Staged, both, MIB, 32 * MIB, &sglang, false));
         assert!(!block_form(Strategy::Batched, both, MIB, 32 * MIB, &sglang, false));
-        assert!(!block_form(Strategy::Direct, both, MIB, 32 * MIB, &sglang, false));
         // Without the block kernel, pieces; without the segment kernel, auto copies batched.
         assert!(!block_form(Strategy::Auto, (true, false), MIB, 32 * MIB, &sglang, false));
         assert!(!block_form(Strategy::Auto, (false, true), MIB, 32 * MIB, &sglang, false));
@@ -1072,34 +936,5 @@ mod tests {
         // Parts of 1 MiB or more: batched under auto.
         let long = BlockJob { part_len: MIB, stride: MIB, ..sglang };
         assert!(!block_form(Strategy::Auto, both, MIB, 32 * MIB, &long, false));
-    }
-
-    #[test]
-    fn direct_descriptors_split_long_pieces_and_point_at_the_device_mapping() {
-        let pieces = [
-            Piece { device: 0x1000, host: 0x7000_0000, len: 2048 },
-            Piece { device: 0x90_0000, host: 0x7100_0000, len: MAX_SEGMENT * 2 + 16 },
-        ];
-        // The mapping below the host address: the offset wraps.
-        let offset = 0u64.wrapping_sub(0x1000_0000);
-        let save = direct_descs(Direction::Save, &pieces, offset);
-        let lens: Vec<u64> = save.iter().map(|d| d.len).collect();
-        assert_eq!(lens, [2048, MAX_SEGMENT, MAX_SEGMENT, 16]);
-        assert_eq!(save[0], KernelDesc { src: 0x1000, dst: 0x6000_0000, len: 2048 });
-        assert_eq!(
-            save[2],
-            KernelDesc {
-                src: 0x90_0000 + MAX_SEGMENT,
-                dst: 0x6100_0000 + MAX_SEGMENT,
-                len: MAX_SEGMENT
-            }
-        );
-        let load = direct_descs(Direction::Load, &pieces, offset);
-        assert!(save
-            .iter()
-            .zip(&load)
-            .all(|(s, l)| s.src == l.dst && s.dst == l.src && s.len == l.len));
-        let total: u64 = save.iter().map(|d| d.len).sum();
-        assert_eq!(total, pieces.iter().map(|p| p.len).sum::<u64>());
     }
 }

@@ -157,10 +157,31 @@ struct PtxModule {
     ctx: Arc<CudaContext>,
 }
 
+/// The PTX to load: `embedded`, or in builds with the `kernel-dev` feature the file named by
+/// the environment variable `override_var` (a rebuilt `.cu` tried without rebuilding the
+/// binary). Release builds never read kernels from outside the binary.
+#[cfg(feature = "kernel-dev")]
+fn ptx_text(embedded: &str, override_var: &str, what: &str) -> Result<String, DmaError> {
+    match std::env::var_os(override_var) {
+        Some(path) => {
+            tracing::warn!(path = ?path, "{what} loaded from {override_var} instead of the embedded PTX");
+            std::fs::read_to_string(&path)
+                .map_err(|e| DmaError::Invalid(format!("{override_var} {path:?}: {e}")))
+        }
+        None => Ok(embedded.to_owned()),
+    }
+}
+
+/// The PTX to load: `embedded` (builds without the `kernel-dev` feature take no override).
+#[cfg(not(feature = "kernel-dev"))]
+fn ptx_text(embedded: &str, _override_var: &str, _what: &str) -> Result<String, DmaError> {
+    Ok(embedded.to_owned())
+}
+
 impl PtxModule {
-    /// Loads `embedded`, or the PTX file named by the environment variable `override_var`
-    /// (kernel development: a rebuilt `.cu` tried without rebuilding the binary). `what`
-    /// names the kernels in errors.
+    /// Loads `embedded`, or in builds with the `kernel-dev` feature the PTX file named by the
+    /// environment variable `override_var` (see [`ptx_text`]). `what` names the kernels in
+    /// errors.
     fn load(
         ctx: &Arc<CudaContext>,
         embedded: &str,
@@ -168,14 +189,7 @@ impl PtxModule {
         what: &'static str,
     ) -> Result<Self, DmaError> {
         ctx.bind_to_thread().map_err(|e| driver("cuCtxSetCurrent", e))?;
-        let text = match std::env::var_os(override_var) {
-            Some(path) => {
-                tracing::warn!(path = ?path, "{what} loaded from {override_var} instead of the embedded PTX");
-                std::fs::read_to_string(&path)
-                    .map_err(|e| DmaError::Invalid(format!("{override_var} {path:?}: {e}")))?
-            }
-            None => embedded.to_owned(),
-        };
+        let text = ptx_text(embedded, override_var, what)?;
         let image = CString::new(text)
             .map_err(|_| DmaError::Invalid(format!("the {what} PTX contains a NUL byte")))?;
         // SAFETY: `image` is a NUL-terminated PTX text that lives through the call.

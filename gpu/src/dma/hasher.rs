@@ -305,13 +305,13 @@ impl ChunkHasher {
         }
     }
 
-    /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes): the
-    /// host writes the block ids, the device every record from them
+    /// [`ChunkHasher::submit_blocks`] by the table-driven row sums, where the block row sums
+    /// do not apply: the host writes the block ids, the device every record from them
     /// (`orbitkv_xxh3_expand_blocks`), with no list of pieces and no tables crossing the bus.
     ///
     /// # Safety
-    /// As [`ChunkHasher::submit`], for every part of every block of the job.
-    pub unsafe fn submit_blocks(
+    /// As [`ChunkHasher::submit_blocks`].
+    unsafe fn submit_block_tables(
         &mut self,
         job: &BlockJob<'_>,
         chunk_len: u64,
@@ -491,25 +491,23 @@ impl ChunkHasher {
         })
     }
 
-    /// [`ChunkHasher::submit_blocks`], by the block row sums where they apply when `rows`
-    /// (the server's `--gpu-checksums gpu`; `tables` keeps the table-driven row sums).
+    /// [`ChunkHasher::submit`] for a job in block form (its chunks of `chunk_len` bytes): by
+    /// the block row sums where they apply (a warp per unit of the block gather's walk, no
+    /// tables), by the table-driven row sums otherwise.
     ///
     /// # Safety
-    /// As [`ChunkHasher::submit_blocks`].
-    pub unsafe fn submit_blocks_by(
+    /// As [`ChunkHasher::submit`], for every part of every block of the job.
+    pub unsafe fn submit_blocks(
         &mut self,
         job: &BlockJob<'_>,
         chunk_len: u64,
-        rows: bool,
     ) -> Result<Option<ChecksumTicket>, DmaError> {
-        if rows {
-            // SAFETY: forwarded from the caller.
-            if let Some(ticket) = unsafe { self.submit_block_rows(job, chunk_len)? } {
-                return Ok(Some(ticket));
-            }
+        // SAFETY: forwarded from the caller.
+        if let Some(ticket) = unsafe { self.submit_block_rows(job, chunk_len)? } {
+            return Ok(Some(ticket));
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.submit_blocks(job, chunk_len) }
+        unsafe { self.submit_block_tables(job, chunk_len) }
     }
 
     /// [`ChunkHasher::submit_blocks`] by the block row sums (`orbitkv_xxh3_block_rows`: the

@@ -1,0 +1,236 @@
+use super::*;
+
+fn with(edit: impl FnOnce(&mut ServerConfig)) -> ServerConfig {
+    let mut c = ServerConfig::default();
+    edit(&mut c);
+    c
+}
+
+fn bad(c: ServerConfig) -> String {
+    c.validate().unwrap_err().to_string()
+}
+
+fn flags(argv: &[&str]) -> Result<ServerConfig, String> {
+    let argv = std::iter::once("orbitkv-server").chain(argv.iter().copied());
+    from_command_line(argv).map(|(c, _)| c).map_err(|e| e.to_string())
+}
+
+#[test]
+fn defaults_validate() {
+    let s = ServerConfig::default().validate().unwrap();
+    assert!(s.shards >= 1);
+    assert_eq!(s.max_chunk_bytes, 256 << 20);
+    let d = ServerConfig::default();
+    assert_eq!(d.dram, ByteSize(1 << 30));
+    assert!(d.lock_arena && d.pin && !d.gpu_timeline);
+    assert_eq!(
+        (d.gpu, d.gpu_copy, d.gpu_checksums),
+        (GpuMode::Auto, Strategy::Auto, ChecksumPlace::Fused)
+    );
+    assert_eq!(d.gpu_job.bytes(), orbitkv_gpu::dma::JOB_BYTES);
+}
+
+/// Every option's doc comment ends with its default, and that text is the default clap
+/// (and so `Default` and serde) uses: the help cannot drift from the code.
+#[test]
+fn every_option_states_its_real_default() {
+    let cmd = Args::command();
+    let d = toml::Table::try_from(ServerConfig::default()).unwrap();
+    let mut checked = 0;
+    for arg in cmd.get_arguments() {
+        let id = arg.get_id().as_str();
+        if matches!(id, "config" | "print_config" | "help" | "version") {
+            continue;
+        }
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let stated = help
+            .rsplit_once("Default: ")
+            .map(|(_, s)| s.trim_end_matches('.').to_string())
+            .unwrap_or_else(|| panic!("--{id}: its help does not end with its default: {help}"));
+        let key = id.replace('_', "-");
+        match d.get(&key) {
+            // Options without a value by default (socket, ssd-dir, staging depth) say what
+            // the server does instead; lists are empty.
+            None => assert!(!stated.is_empty(), "--{id}"),
+            Some(toml::Value::Array(a)) => assert!(a.is_empty() && stated == "none", "--{id}"),
+            Some(toml::Value::String(s)) => assert_eq!(&stated, s, "--{id}"),
+            Some(v) => assert_eq!(stated, v.to_string(), "--{id}"),
+        }
+        checked += 1;
+    }
+    assert!(checked >= 25, "{checked} options checked");
+}
+
+#[test]
+fn errors_name_the_flag() {
+    assert!(bad(with(|c| c.dram = ByteSize(4 << 10))).contains("--dram"));
+    assert!(bad(with(|c| c.max_sessions = 0)).contains("--max-sessions"));
+    assert!(bad(with(|c| c.idle_poll_max = "1s".parse().unwrap())).contains("--idle-poll-max"));
+    assert!(bad(with(|c| c.spin_window = "1s".parse().unwrap())).contains("--spin-window"));
+    assert!(bad(with(|c| c.gpu_staging = ByteSize(4 << 10))).contains("--gpu-staging"));
+    for depth in [0, 1, 9] {
+        let e = bad(with(|c| c.gpu_staging_depth = Some(depth)));
+        assert!(e.contains("--gpu-staging-depth") && e.contains("between 2 and 8"), "{e}");
+    }
+    let depth = |staging: &str, depth: Option<usize>| {
+        with(|c| {
+            c.gpu_staging = staging.parse().unwrap();
+            c.gpu_staging_depth = depth;
+        })
+        .validate()
+        .unwrap()
+        .gpu_staging_depth
+    };
+    assert_eq!(depth("64MiB", Some(8)), 8);
+    // Unset: as many parts as the staging holds 64 MiB jobs, 2 to 8.
+    assert_eq!(depth("64MiB", None), 2);
+    assert_eq!(depth("16MiB", None), 2);
+    assert_eq!(depth("256MiB", None), 4);
+    assert_eq!(depth("200MiB", None), 3);
+    assert_eq!(depth("4GiB", None), 8);
+    // The defaults: 256 MiB in four parts of one job each.
+    let d = ServerConfig::default().validate().unwrap();
+    assert_eq!((d.gpu_staging_bytes, d.gpu_staging_depth), (256 << 20, 4));
+    for job in [4 << 10, 8 << 30] {
+        let e = bad(with(|c| c.gpu_job = ByteSize(job)));
+        assert!(e.contains("--gpu-job"), "{job}: {e}");
+    }
+    assert!(bad(with(|c| c.gpu_queue_depth = 0)).contains("--gpu-queue-depth"));
+    assert!(bad(with(|c| c.max_gpu_registrations = 0)).contains("--max-gpu-registrations"));
+    assert!(bad(with(|c| c.shards = 1000)).contains("--shards"));
+    assert!(bad(with(|c| c.ssd = ByteSize(1 << 30))).contains("--ssd"));
+}
+
+#[test]
+fn bad_flag_values_are_refused_naming_the_flag() {
+    for (argv, flag) in [
+        (&["--dram", "lots"][..], "--dram"),
+        (&["--spin-window", "fast"], "--spin-window"),
+        (&["--gpu-checksums", "gpu2"], "--gpu-checksums"),
+        (&["--gpu-checksums", "tables"], "--gpu-checksums"),
+        (&["--gpu-copy", "direct"], "--gpu-copy"),
+        (&["--gpu", "maybe"], "--gpu"),
+        (&["--max-sessions", "many"], "--max-sessions"),
+    ] {
+        let e = flags(argv).unwrap_err();
+        assert!(e.contains(flag), "{argv:?}: {e}");
+    }
+    // Experiments that lost and fault injection are not options of a release build.
+    for gone in ["--gpu-staging-gate", "--gpu-shard-checksums"] {
+        let e = flags(&[gone, "1"]).unwrap_err();
+        assert!(e.contains(gone), "{gone}: {e}");
+    }
+    #[cfg(not(feature = "failpoints"))]
+    for gone in ["--ssd-inject-latency", "--ssd-inject-errors-every"] {
+        assert!(flags(&[gone, "1"]).unwrap_err().contains(gone));
+    }
+}
+
+#[test]
+fn flags_parse_into_typed_values() {
+    let c = flags(&[
+        "--dram",
+        "64MiB",
+        "--no-pin",
+        "--no-lock-arena",
+        "--allow-uid",
+        "7",
+        "--allow-uid",
+        "8",
+        "--gpu",
+        "off",
+        "--gpu-copy",
+        "batched",
+        "--gpu-checksums",
+        "cpu",
+        "--gpu-timeline",
+        "--idle-poll-max",
+        "1ms",
+        "--gpu-staging-depth",
+        "3",
+    ])
+    .unwrap();
+    assert_eq!(c.dram.bytes(), 64 << 20);
+    assert!(!c.pin && !c.lock_arena && c.gpu_timeline);
+    assert_eq!(c.allow_uid, vec![7, 8]);
+    assert_eq!(
+        (c.gpu, c.gpu_copy, c.gpu_checksums),
+        (GpuMode::Off, Strategy::Batched, ChecksumPlace::Cpu)
+    );
+    assert_eq!(c.idle_poll_max.duration(), Duration::from_millis(1));
+    assert_eq!(c.gpu_staging_depth, Some(3));
+    assert_eq!(flags(&[]).unwrap(), ServerConfig::default());
+}
+
+#[test]
+fn the_file_is_read_and_flags_given_override_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("orbitkv.toml");
+    std::fs::write(
+        &path,
+        "dram = \"64MiB\"\nshards = 2\nallow-uid = [1000]\npin = false\ngpu-copy = \"staged\"\n\
+         gpu-staging-depth = 3\nspin-window = \"1ms\"\n",
+    )
+    .unwrap();
+    let file = path.to_str().unwrap();
+    let c = flags(&["--config", file]).unwrap();
+    assert_eq!((c.dram.bytes(), c.shards, c.pin), (64 << 20, 2, false));
+    assert_eq!((c.gpu_copy, c.gpu_staging_depth), (Strategy::Staged, Some(3)));
+    assert_eq!(c.spin_window.duration(), Duration::from_millis(1));
+    // Flags given replace the file's values (lists grow); flags not given leave them.
+    let c = flags(&["--config", file, "--dram", "128MiB", "--allow-uid", "7", "--gpu-timeline"])
+        .unwrap();
+    assert_eq!((c.dram.bytes(), c.shards, c.pin, c.gpu_timeline), (128 << 20, 2, false, true));
+    assert_eq!(c.allow_uid, vec![1000, 7]);
+    assert_eq!(c.gpu_copy, Strategy::Staged);
+    // Bad files name the file and the key.
+    for (text, key) in [
+        ("bogus = 1", "bogus"),
+        ("dram = \"lots\"", "dram"),
+        ("gpu-copy = \"direct\"", "gpu-copy"),
+        ("gpu-staging-gate = \"host\"", "gpu-staging-gate"),
+        ("ssd-queue-depth = \"deep\"", "ssd-queue-depth"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let e = flags(&["--config", file]).unwrap_err();
+        assert!(e.contains("orbitkv.toml") && e.contains(key), "{text}: {e}");
+    }
+    let e = flags(&["--config", "/nonexistent/orbitkv.toml"]).unwrap_err();
+    assert!(e.contains("/nonexistent/orbitkv.toml"), "{e}");
+}
+
+#[test]
+fn the_printed_config_reads_back_as_the_same_config() {
+    let c = flags(&["--dram", "1536MiB", "--spin-window", "250us", "--gpu-staging-depth", "2"])
+        .unwrap();
+    let text = toml::to_string(&c).unwrap();
+    assert!(
+        text.contains("dram = \"1536MiB\"") && text.contains("spin-window = \"250us\""),
+        "{text}"
+    );
+    assert_eq!(toml::from_str::<ServerConfig>(&text).unwrap(), c);
+    let d = toml::to_string(&ServerConfig::default()).unwrap();
+    assert_eq!(toml::from_str::<ServerConfig>(&d).unwrap(), ServerConfig::default());
+    // Operator options only: no experiments, no fault injection in a release build.
+    for gone in ["staging-gate", "shard-checksums"] {
+        assert!(!d.contains(gone), "{d}");
+    }
+    #[cfg(not(feature = "failpoints"))]
+    assert!(!d.contains("inject"), "{d}");
+}
+
+#[test]
+fn the_shipped_config_file_states_the_defaults() {
+    let c: ServerConfig = toml::from_str(include_str!("../../../deploy/orbitkv.toml"))
+        .expect("deploy/orbitkv.toml: a key the server no longer knows?");
+    c.validate().expect("deploy/orbitkv.toml validates");
+    // Everything but the arena's size (a host's choice) is the default.
+    assert_eq!(ServerConfig { dram: ServerConfig::default().dram, ..c }, ServerConfig::default());
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn fault_injection_is_an_option_of_failpoints_builds() {
+    let c = flags(&["--ssd-inject-latency", "5ms", "--ssd-inject-errors-every", "3"]).unwrap();
+    assert_eq!(c.ssd_faults(), (Duration::from_millis(5), 3));
+}
