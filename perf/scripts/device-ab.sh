@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Server builds or settings compared beside the bf16 matmul on the device machine, alternated
+# Server builds or settings compared on one CUDA host beside the bf16 matmul loop, alternated
 # A, B, A, B, ... (perf/scripts/device-gpu-server.sh with MPS=1 INTF=1 NOKILL=1 each time, so
 # that all see the machine in the same states; AB_MPS=0 and AB_INTF=0 leave out MPS and the
-# matmul, e.g. with ONLY="sglang-2k engine-copies-32k"). SIDES ("A B") names the sides; each side X has
-# a server binary X (A: the one in .device-bin, others: .device-bin/orbitkv-server-prev), X_PTX
-# optionally a checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX), X_ENV optionally variables
-# for its server process alone (e.g. "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"), X_ARGS
-# optionally its own server arguments instead of SERVER_ARGS (one binary with two settings:
-# A=.device-bin/orbitkv-server B=.device-bin/orbitkv-server B_ARGS="--gpu-job 128MiB"). ROUNDS (2)
-# rounds; ONLY the runs ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB");
-# INTF_ROUNDS the interference runs' own rounds (see device-gpu-server.sh).
-# RUN_TIMEOUT (150) bounds each run in seconds.
-# Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case); the
-# summary of all of them to $OUT/ab-summary.txt. The runs' files are then packed into
-# $OUT/ab-runs.tgz (the device tool brings back only so many files; extract it for
-# summarize-gpu.py), leaving the log, the summary and the archive. perf/scripts/ab-table.py
-# ab-summary.txt [...] prints the runs as a markdown table, with each side's range.
+# matmul, e.g. with ONLY="sglang-2k engine-copies-32k").
+#
+# Needs: run from the repository root; stripped release binaries in .device-bin/ (and
+# .device-bin/orbitkv-server-prev for a second build); PyTorch with CUDA for the matmul;
+# nvidia-cuda-mps-control for MPS; OUT, an existing directory for the results.
+#
+# SIDES ("A B") names the sides; each side X has a server binary X (A:
+# .device-bin/orbitkv-server, others: .device-bin/orbitkv-server-prev), X_PTX optionally a
+# checksum kernel PTX (ORBITKV_CHECKSUM_KERNEL_PTX, for a server built with `--features
+# kernel-dev`), X_ENV optionally variables for its server process alone (e.g.
+# "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10"), X_ARGS optionally its own server arguments instead
+# of SERVER_ARGS (one binary with two settings: A=.device-bin/orbitkv-server
+# B=.device-bin/orbitkv-server B_ARGS="--gpu-job 128MiB"). ROUNDS (2) rounds; ONLY the runs
+# ("intf-sglang-2k intf-nhd-32k"); SERVER_ARGS ("--gpu-staging 256MiB"); INTF_ROUNDS the
+# interference runs' own rounds (see device-gpu-server.sh); RUN_TIMEOUT (150) bounds each run
+# in seconds.
+#
+# Results go to $OUT with tags a1-, b1-, a2-, ... (the side's letter in lower case), the
+# summary of all of them to $OUT/ab-summary.txt; the runs' files are then packed into
+# $OUT/ab-runs.tgz (extract it for summarize-gpu.py), leaving the log, the summary and the
+# archive. perf/scripts/ab-table.py ab-summary.txt [...] prints the runs as a markdown table,
+# with each side's range.
 set -u
 B_DIR=.device-bin
 SIDES=${SIDES:-"A B"}

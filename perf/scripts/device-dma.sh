@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# GPU save/load against the contiguous ceiling at 2, 8, 32 and 128 KiB pages and in every
-# layout, about 2 GiB per operation. Run from the repository root on the device machine with
-# the stripped release binaries in .device-bin; results go to $OUT.
-# Extra arguments are passed to every run; TAG prefixes the output names; ONLY="a b" limits
-# the runs to those names.
+# GPU save/load without a server (orbitkv-perf dma) against the contiguous ceiling at 2, 8, 32
+# and 128 KiB pages and in every layout, about 2 GiB per operation. Run from the repository
+# root on a CUDA host with the stripped release binaries in .device-bin/; results go to $OUT
+# (an existing directory). The --interference runs need PyTorch with CUDA.
+# EXTRA: arguments passed to every run; TAG prefixes the output names; ONLY="a b" limits the
+# runs to those names.
 # MPS=1 runs everything under a CUDA MPS daemon started here (and stopped at the end), so the
 # copy kernels and the matmul loop of --interference share the GPU instead of time-slicing.
-# PERF names another orbitkv-perf binary (to compare builds in one call). INTF_ROUNDS=N repeats
-# the --interference runs' measurements N times (--interference-rounds).
-# perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
+# PERF names another orbitkv-perf binary (to compare builds on one machine). INTF_ROUNDS=N
+# repeats the --interference runs' measurements N times (--interference-rounds).
+# perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR.
 B=.device-bin
 . perf/scripts/mps.sh $OUT/dma.log
 P="${PERF:-$B/orbitkv-perf} dma --json --iterations 5"
@@ -40,9 +41,9 @@ run nhd-fp8-16k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --
 # The slowdown of a concurrent bf16 matmul loop (PyTorch) beside the contiguous copy and each strategy.
 run intf-sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy all --interference
 run intf-nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy all --interference
-# The same with the smaller staging of before (64 MiB in two parts, the default until the
-# twenty-fifth session): more, shorter kernel launches per byte, so more context switches
-# between our kernels and the engine's (time-slicing without MPS).
+# The same with a smaller staging (64 MiB in two parts, the server's default before 256 MiB):
+# more, shorter kernel launches per byte, so more context switches between our kernels and
+# the engine's (time-slicing without MPS).
 run intf-sglang-2k-s64 --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --strategy auto --staging 64MiB --interference
 run intf-nhd-32k-s64 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --strategy auto --staging 64MiB --interference
 # The engine-side copies with larger staging batches: their loads' scatter waits for SMs behind

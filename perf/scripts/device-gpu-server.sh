@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# GPU save/load through orbitkv-server on the device machine: orbitkv-perf dma --socket acts as
-# the engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed
-# with SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs
-# also save half their chunks while loading the other half (--duplex). SHARDS sets the shard count (4);
-# SERVER names another server binary (to compare builds in one call), SERVER_ENV
-# variables for the server process alone (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10). INTF=1 adds runs with
-# --interference: a bf16 matmul loop (PyTorch) beside the server's saves and loads, then beside
-# the engine-side copies (about 60 s each; MPS=1 starts an MPS daemon for the server and the
-# loop to share; INTF_ROUNDS=N repeats their measurements N times, --interference-rounds;
-# INTF_ARGS adds perf arguments to those runs alone, e.g. "--engine-depth 8"). ONLY="name ..." keeps only those runs; NOKILL=1 leaves out the killed
-# engine and the run after it (for A/B calls). Stripped release binaries in .device-bin; results go to $OUT.
-# perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR (the $OUT fetched).
+# GPU save/load through orbitkv-server on a CUDA host: orbitkv-perf dma --socket acts as the
+# engine (tensors shared by CUDA IPC, every byte checked both ways), then an engine killed with
+# SIGKILL in the middle of a save, then a clean run again. The sglang and flash-nhd runs also
+# save half their chunks while loading the other half (--duplex).
+#
+# Needs: run from the repository root; stripped release binaries (orbitkv-server, orbitkv-perf,
+# orbitkv-ctl) in .device-bin/; PyTorch with CUDA for the INTF runs; OUT, an existing directory
+# for the results. perf/scripts/summarize-gpu.py DIR prints a line per result found in DIR.
+#
+# SHARDS sets the shard count (4); SERVER names another server binary (to compare builds on one
+# machine); SERVER_ARGS adds server arguments, SERVER_ENV variables for the server process alone
+# (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10). INTF=1 adds runs with --interference: a bf16
+# matmul loop (PyTorch) beside the server's saves and loads, then beside the engine-side copies
+# (about 60 s each; MPS=1 starts an MPS daemon for the server and the loop to share;
+# INTF_ROUNDS=N repeats their measurements N times, --interference-rounds; INTF_ARGS adds perf
+# arguments to those runs alone, e.g. "--engine-depth 8"). ONLY="name ..." keeps only those
+# runs; NOKILL=1 leaves out the killed engine and the run after it (as
+# perf/scripts/device-ab.sh does); TAG prefixes the output names.
 B=.device-bin
 S=/tmp/okvg/s.sock
 . perf/scripts/mps.sh $OUT/gpu.log
@@ -31,8 +37,8 @@ run() { name=$1; shift; [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]] && re
 run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check --duplex
 run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check --duplex
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
-# 3641 blocks of 576 KiB (32 layers): 2 GiB per operation, as the other runs (2048 until the
-# nineteenth session: 1.125 GiB, whose fixed cost per request weighed almost twice as much).
+# 3641 blocks of 576 KiB (32 layers): 2 GiB per operation, as the other runs (with 2048 blocks,
+# 1.125 GiB, the fixed cost per request weighed almost twice as much).
 run mla-18k --layout mla --layers 32 --block-tokens 16 --kv-heads 1 --head-dim 576 --blocks 3641
 run nhd-128k --layout flash-nhd --layers 32 --block-tokens 64 --kv-heads 8 --head-dim 128 --blocks 256
 run cross-32k --layout cross-layer --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024

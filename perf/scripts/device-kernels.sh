@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The GPU kernels' own numbers on the device machine: registers and spills of each embedded PTX
+# The GPU kernels' own numbers on a CUDA host: registers and spills of each embedded PTX
 # (ptxas -v, sm_90), then Nsight Compute (ncu, clocks left alone) on a local sglang save of
 # 2 KiB pages, 64 MiB jobs of 2 MiB chunks: the checksum kernels and the segment copy kernel,
 # their duration, registers and occupancy. Without ncu or ptxas on the machine, says so and
 # goes on. Then the host's cores: xxh3-64 of 2 MiB chunks with 1-8 threads (orbitkv-perf
-# checksum), what the shards hash with --gpu-checksums cpu. Stripped release binaries in
-# .device-bin; results go to $OUT (kernels-$TAG*).
+# checksum), what the shards hash with --gpu-checksums cpu. Run from the repository root with
+# the stripped release binaries in .device-bin/; results go to $OUT (an existing directory;
+# files kernels-$TAG*).
 # PTX names another chunk_checksum.ptx to profile instead of the embedded one, PERF another
 # orbitkv-perf binary. The PTX must have the same kernels: the same names and parameters (a
 # kernel whose parameters change is renamed, so another one fails to load, naming the kernel).
 # Exported as ORBITKV_CHECKSUM_KERNEL_PTX for perf/scripts/device-gpu-server.sh it reaches
 # orbitkv-server too: that is how to compare checksum kernels through the server with one
-# binary.
+# binary. PTX overrides need binaries built with `--features kernel-dev` (orbitkv-perf,
+# orbitkv-server); other builds load the embedded PTX only.
 B=.device-bin
 P=${PERF:-$B/orbitkv-perf}
 R=$OUT/kernels-$TAG

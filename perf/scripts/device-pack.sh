@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Runs device scripts one after another on the device machine with their results packed into
-# one archive: the device tool brings back only so many files from $OUT, and a full
-# device-gpu-server.sh run alone writes more (one call lost its per-run JSON that way).
+# Runs perf/scripts/device-*.sh steps one after another on a CUDA host with their results
+# packed into one archive (a full device-gpu-server.sh run alone writes dozens of files).
 #   perf/scripts/device-pack.sh NAME 'VARS script.sh' ['VARS script.sh' ...]
 # e.g. perf/scripts/device-pack.sh full 'SHARDS=4 SERVER_ARGS="--gpu-staging 256MiB" bash
 #      perf/scripts/device-gpu-server.sh' 'ONLY=sglang-2k bash perf/scripts/device-dma.sh'
 # Each step runs in its own folder (s1, s2, ...) with OUT pointing there, under `timeout`
 # STEP_TIMEOUT seconds (default 540) so that the packing still happens; leftover servers and
-# benchmark processes are stopped between steps. Leaves in $OUT: NAME.tgz (every step's
-# files), NAME-summary.txt (perf/scripts/summarize-gpu.py of each step) and NAME.log.
+# benchmark processes are stopped between steps. Leaves in $OUT (an existing directory):
+# NAME.tgz (every step's files), NAME-summary.txt (perf/scripts/summarize-gpu.py of each step)
+# and NAME.log. The steps need what each script needs (see their headers).
 set -u
 name=${1:?usage: device-pack.sh NAME 'VARS script.sh' ...}
 shift

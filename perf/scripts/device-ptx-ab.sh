@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Checksum kernel builds compared in one call on the device machine, with one orbitkv-perf
-# binary: each side is a chunk_checksum.ptx loaded through ORBITKV_CHECKSUM_KERNEL_PTX (same
+# Checksum kernel builds compared on one CUDA host, with one orbitkv-perf binary: each side is a chunk_checksum.ptx loaded through ORBITKV_CHECKSUM_KERNEL_PTX (same
 # kernel names and parameters as the embedded one; "-" for the embedded PTX itself).
 #   SIDES="new=- old=.device-bin/ptx/old.ptx" (name=path, names of letters, digits, -)
 # First ncu (clocks left alone) on a local sglang save of 2 KiB pages, 64 MiB jobs of 2 MiB
 # chunks, for each side: the checksum kernels' duration, registers and occupancy. Then the
 # local interference run RUN of perf/scripts/device-dma.sh (default intf-sglang-2k)
 # under MPS, the sides alternated ROUNDS (2) times, each with INTF_ROUNDS (2) rounds of its
-# own measurements. Stripped release binaries in .device-bin; everything is packed into
-# $OUT/ptx-ab.tgz (the device tool brings back only so many files), leaving the summary
+# own measurements. Run from the repository root with the stripped release binaries in
+# .device-bin/, orbitkv-perf built with `--features kernel-dev` (other builds load the
+# embedded PTX only); needs PyTorch with CUDA and nvidia-cuda-mps-control (ncu optional).
+# Everything is packed into $OUT/ptx-ab.tgz (OUT: an existing directory), with the summary
 # ($OUT/ptx-ab-summary.txt) beside it. perf/scripts/summarize-gpu.py reads the runs.
 set -u
 B=.device-bin

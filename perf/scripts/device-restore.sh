@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Restore versus recompute, and decode steps beside saves, through orbitkv-server on the device
-# machine (perf/scripts/device-restore.py; the orbitkv wheel installed with PYTHONPATH, the
-# stripped release server in .device-bin). VARIANTS="name:server args ..." runs the decode-step
-# measurement once per server configuration (name "mps" also starts an MPS daemon); TOKENS=""
-# leaves out the restore runs; SAVER="--saver thread --saver-path engine" (say) is passed to every
-# decode-step run. Results: $OUT/restore.json, $OUT/intf-NAME.json, logs.
+# Restore versus recompute, and decode steps beside saves, through orbitkv-server on a CUDA
+# host (perf/scripts/device-restore.py). Needs PyTorch with CUDA and transformers, the orbitkv
+# wheel importable (installed, or on PYTHONPATH), the stripped release server in .device-bin/,
+# and OUT, an existing directory for the results. VARIANTS="name:server args ..." runs the
+# decode-step measurement once per server configuration (commas in the args stand for spaces;
+# name "mps" also starts an MPS daemon); TOKENS="" leaves out the restore runs;
+# SAVER="--saver thread --saver-path engine" (say) is passed to every decode-step run.
+# Results: $OUT/restore.json, $OUT/intf-NAME.json, logs.
 B=.device-bin
 S=/tmp/okvr/s.sock
 serve() {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device batch: orbitkv-server with --gpu required on the H200 host, plus perf runs.
-# Run from the repository root on the device machine, with the stripped release binaries in
-# .device-bin (git-ignored, carried by the device tool); results go to $OUT.
+# orbitkv-server with --gpu required (4 shards, 8 GiB) on a CUDA host, then DRAM gets with 1
+# and 4 clients, batched lookups and idle CPU through it (orbitkv-perf serve, idle).
+# Run from the repository root with the stripped release binaries in .device-bin/
+# (git-ignored); results go to $OUT (an existing directory).
 B=.device-bin
 S=/tmp/okv/s.sock
 mkdir -p /tmp/okv

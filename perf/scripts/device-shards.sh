@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Run from the repository root on the device machine, with the stripped release binaries in
-# .device-bin (git-ignored, carried by the device tool); results go to $OUT.
-# SERVER picks another server binary (A/B runs), SHARDS the shard counts, TAG names the outputs.
+# The DRAM path by shard count, with --gpu off: for each count in SHARDS ("4 1"), 256-key
+# batched lookups with one client and with one client per shard, three 8 s runs of 1 MiB gets
+# (orbitkv-perf serve) and idle CPU (orbitkv-perf idle).
+# Run from the repository root with the stripped release binaries in .device-bin/
+# (git-ignored); results go to $OUT (an existing directory).
+# SERVER picks another server binary (A/B runs), TAG names the outputs.
 B=.device-bin
 S=/tmp/okv/s.sock
 SERVER=${SERVER:-$B/orbitkv-server}

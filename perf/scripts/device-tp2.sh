@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Two engine ranks of one tensor-parallel group (TP=2), one per GPU, through one orbitkv-server
-# on the two-GPU device machine (nvidia-h200-x2). orbitkv-perf dma --socket acts as each rank:
+# on a host with two CUDA GPUs. orbitkv-perf dma --socket acts as each rank:
 # tensors shared by CUDA IPC, every byte checked both ways, the ranks meeting at a barrier so
 # their ceilings, saves and loads run at the same time, the group prefix checked after both
 # saved. Then one rank is SIGKILLed during a save while the other runs on, and a clean group
-# run follows. SHARDS sets the shard count (15). Stripped release binaries in .device-bin;
-# results go to $OUT.
+# run follows. SHARDS sets the shard count (15). Run from the repository root with the
+# stripped release binaries in .device-bin/; results go to $OUT (an existing directory).
 B=.device-bin
 S=/tmp/okvtp/s.sock
 rm -rf /tmp/okvtp; mkdir -p /tmp/okvtp
