@@ -1,6 +1,6 @@
 //! A copy engine on one device: a kernel stream and a copy stream, a staging buffer in equal
-//! parts (two by default), and the pipelines that move pieces between engine GPU memory and
-//! the registered arena.
+//! parts (2-8, see [`CopyEngine::default_depth`]), and the pipelines that move pieces between
+//! engine GPU memory and the registered arena.
 //!
 //! Staged (save): the kernel gathers a batch of pieces into a staging part, then the copy
 //! stream moves that part to the arena in host-contiguous runs, while the kernel fills the
