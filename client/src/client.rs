@@ -535,6 +535,14 @@ impl Client {
         self.conn.as_ref().map(|c| c.arena.range())
     }
 
+    /// A new descriptor of this session's arena memfd (None while disconnected): for a mapping
+    /// of its own, e.g. one registered with CUDA for the engine's own copies. Offsets in it are
+    /// those of [`Reserved::offset`] and of a lease's `hit.offset`. The next session may map
+    /// another arena (after a restart): check [`Client::session_id`] before each copy.
+    pub fn arena_fd(&self) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
+        self.conn.as_ref().map(|c| c.arena.dup_fd())
+    }
+
     /// The writable bytes of a reservation.
     pub fn slot_mut(&mut self, r: &Reserved) -> Result<&mut [u8], Error> {
         let epoch = self.live_epoch();

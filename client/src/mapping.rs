@@ -32,6 +32,11 @@ pub(crate) struct ArenaMap {
 unsafe impl Send for ArenaMap {}
 
 impl ArenaMap {
+    /// A new descriptor of the arena memfd (for a mapping of one's own).
+    pub(crate) fn dup_fd(&self) -> std::io::Result<OwnedFd> {
+        self._fd.try_clone()
+    }
+
     /// Maps `len` bytes of `fd` (populating the page tables when `prefault`); checks the
     /// memfd is at least that large first.
     pub(crate) fn new(fd: OwnedFd, len: u64, prefault: bool) -> Result<Self, String> {

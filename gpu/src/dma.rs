@@ -8,12 +8,14 @@ mod hasher;
 mod memory;
 pub mod plan;
 mod timeline;
+mod transfer;
 
 pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
 pub use hasher::{ChecksumTicket, ChunkHasher, SummedSave, SUMMED_UNFINISHED};
 pub use memory::{EngineMemory, TensorExport};
 pub use timeline::SpanTotals;
+pub use transfer::{CopyJob, Progress, SaveSums, Transfer};
 
 /// Pieces at least this long go batched under [`Strategy::Auto`]: measured on the H200 host
 /// (docs/performance.md), `cuMemcpyBatchAsync` matched the staging pipeline only for pieces of
@@ -73,13 +75,19 @@ pub struct SubmitTimes {
     /// Planning into pinned host memory: staged batches and their descriptor tables (the
     /// engine), checksum tables (the hasher).
     pub planned: std::time::Duration,
+    /// Finding a job's pieces, or checking its block ids ([`CopyEngine::start`]).
+    pub pieces: std::time::Duration,
 }
 
 impl std::ops::Add for SubmitTimes {
     type Output = Self;
 
     fn add(self, o: Self) -> Self {
-        Self { waited: self.waited + o.waited, planned: self.planned + o.planned }
+        Self {
+            waited: self.waited + o.waited,
+            planned: self.planned + o.planned,
+            pieces: self.pieces + o.pieces,
+        }
     }
 }
 

@@ -11,14 +11,13 @@ use orbitkv_shards::Arena;
 
 use crate::GpuError;
 
-/// Host memory (the arena, or a client's mapping of it), registered with one device's
-/// context; unregistered on drop, before the memory can be unmapped (an arena is kept alive
-/// here; a raw range is the caller's to keep mapped).
+/// An arena (the server's, or a mapping of it in another process), registered with one
+/// device's context; unregistered on drop, before the arena it keeps alive can be unmapped.
 pub struct HostRegistration {
     ctx: Arc<CudaContext>,
     base: usize,
     len: usize,
-    _arena: Option<Arc<Arena>>,
+    _arena: Arc<Arena>,
     /// How long registering took.
     pub elapsed: Duration,
 }
@@ -38,33 +37,17 @@ fn register_whole(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration
     let (base, len) = (arena.base_ptr() as usize, arena.len() as usize);
     // SAFETY: the range is exactly the arena's live mapping, kept alive by the Arc stored in
     // the registration until after the matching unregister in `drop`.
-    unsafe { register(ordinal, base, len, Some(Arc::clone(arena))) }
+    unsafe { register(ordinal, base, len, Arc::clone(arena)) }
 }
 
-/// Registers `len` bytes of host memory at `base` (portable) with device `ordinal`: an
-/// engine's own mapping of the arena, into which its copy engines then write directly. The
-/// device's primary context becomes current on the calling thread (and again when the
-/// registration is dropped). Registering pins the whole range in the calling process.
-///
 /// # Safety
 /// `base..base + len` must be a live mapping of this process, page-aligned, registered by
 /// nobody else in this process, and stay mapped until the returned registration is dropped.
-pub unsafe fn register_host_range(
-    ordinal: usize,
-    base: *mut u8,
-    len: usize,
-) -> Result<HostRegistration, GpuError> {
-    // SAFETY: forwarded from the caller.
-    unsafe { register(ordinal, base as usize, len, None) }
-}
-
-/// # Safety
-/// As [`register_host_range`].
 unsafe fn register(
     ordinal: usize,
     base: usize,
     len: usize,
-    arena: Option<Arc<Arena>>,
+    arena: Arc<Arena>,
 ) -> Result<HostRegistration, GpuError> {
     let ctx = CudaContext::new(ordinal)
         .map_err(|e| GpuError::Cuda(format!("creating a context on device {ordinal}: {e}")))?;
@@ -78,6 +61,30 @@ unsafe fn register(
         return Err(GpuError::Cuda(format!("cuMemHostRegister of {len} bytes failed: {status:?}")));
     }
     Ok(HostRegistration { ctx, base, len, _arena: arena, elapsed: started.elapsed() })
+}
+
+impl HostRegistration {
+    /// Bytes registered.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Whether nothing is registered (never: registrations are of whole mappings).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host address of `len` bytes at `offset` in the registered range; an error naming
+    /// the range when it does not lie inside.
+    pub(crate) fn range(&self, offset: u64, len: u64) -> Result<u64, crate::dma::DmaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(self.base as u64 + offset),
+            _ => Err(crate::dma::DmaError::Invalid(format!(
+                "host range {offset}+{len} is outside the registered {} bytes",
+                self.len
+            ))),
+        }
+    }
 }
 
 impl Drop for HostRegistration {

@@ -212,28 +212,14 @@ pub(crate) struct DmaArgs {
     /// submission of every piece). Tells a cost of the job split from one of the server.
     #[arg(long, conflicts_with = "socket")]
     pub server_jobs: bool,
-    /// Plan staged copies a descriptor per page (the form before block ids; the server uses
-    /// block ids wherever a block fits a staging half). For comparing the two forms locally.
-    #[arg(long, conflicts_with = "socket")]
-    pub pieces: bool,
     /// How the checksums row (and `--interference`'s checksummed save row) computes a save's
-    /// GPU checksums: `fused-host` (the save's gather sums the rows, each job's fold queued
-    /// once this thread has seen its gathers done, as the server's default `--gpu-checksums
-    /// fused`), `fused` (the same, each fold queued at once behind a wait on its own stream
-    /// for the gathers' event), `gpu` (row sums and fold kernels beside the copy, as
-    /// `--gpu-checksums gpu`: the block row sums, a warp per unit, where they apply), or
-    /// `gather-only` (the fused form's gather without its fold: no checksums; a diagnostic of
-    /// what the summing gather alone does to the copies, with `--timeline`) (default:
-    /// fused-host, which measures `gpu` where the fused form does not apply, as the server
-    /// does: copy-engine saves, parts not a multiple of 1 KiB).
-    #[arg(long, value_enum, default_value = "fused-host",
-          conflicts_with_all = ["socket", "pieces"])]
+    /// GPU checksums, as the server's `--gpu-checksums`: `fused` (the save's gather sums the
+    /// rows, each job's fold queued once this thread has seen its gathers done) or `gpu` (row
+    /// sums and fold kernels beside the copy: the block row sums, a warp per unit, where they
+    /// apply) (default: fused, which measures `gpu` where the fused form does not apply, as
+    /// the server does: copy-engine saves, parts not a multiple of 1 KiB).
+    #[arg(long, value_enum, default_value = "fused", conflicts_with = "socket")]
     pub checksum_form: ChecksumForm,
-    /// With `--checksum-form gpu`: fold this many jobs' rows in one launch (1-4), their
-    /// chains side by side, instead of one fold per job.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4),
-          conflicts_with = "socket")]
-    pub fold_jobs: u8,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -246,13 +232,9 @@ pub(crate) enum ChecksumForm {
     /// Row sums and fold kernels beside the copy: the block row sums (a warp per unit, no
     /// tables) where they apply.
     Gpu,
-    /// The save's gather sums the rows; the fold follows.
+    /// The save's gather sums the rows; each job's fold is queued once its gathers are seen
+    /// done.
     Fused,
-    /// As `Fused`, each fold queued only once the thread has seen its job's gathers finish,
-    /// so that no stream of ours waits on another's event.
-    FusedHost,
-    /// The summing gather without the fold.
-    GatherOnly,
 }
 
 /// Arena slot placement of `dma`.

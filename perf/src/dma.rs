@@ -9,12 +9,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::driver::CudaContext;
 use orbitkv_gpu::dma::{
-    plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, DeviceBuffer, Direction, EngineMemory,
-    JobShape, Strategy, SummedSave, BATCHED_FROM, JOB_BYTES, SUMMED_UNFINISHED,
+    plan::Piece, ChecksumTicket, ChunkHasher, CopyEngine, CopyJob, DeviceBuffer, Direction,
+    EngineMemory, JobShape, SaveSums, Strategy, Transfer, BATCHED_FROM, JOB_BYTES,
+    SUMMED_UNFINISHED,
 };
-use orbitkv_gpu::{KvLayout, LayoutDesc, Probe};
+use orbitkv_gpu::{HostRegistration, KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -610,60 +611,62 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 
 struct Bench {
     engine: CopyEngine,
-    memory: EngineMemory,
+    memory: Arc<EngineMemory>,
+    /// The arena's registration with CUDA (what copies name their host side by).
+    host: Arc<HostRegistration>,
     arena_slice: ArenaSlice,
-    contiguous: DeviceBuffer,
+    contiguous: Arc<DeviceBuffer>,
+    /// Every chunk's pieces, planned once (their count and typical length describe the run).
     pieces: Vec<Piece>,
+    /// Pieces planned by the copy engine for a job ([`CopyEngine::start`]), reused.
+    plan: Vec<Piece>,
     /// (slot offset in the slice, block ids) per chunk.
     chunks: Vec<(u64, Vec<u64>)>,
+    /// The same with offsets from the registration's start (what copy jobs name).
+    job_chunks: Vec<(u64, Vec<u64>)>,
     chunk_len: u64,
     bytes: u64,
     /// Offset of the ceiling region in the arena slice.
     ceiling_at: u64,
+    /// Offset of the slice from the registration's start.
+    slice_at: u64,
     originals: Vec<Vec<u8>>,
     iterations: u32,
     timeline: bool,
     /// Series submit job by job (`--server-jobs`).
     server_jobs: bool,
-    /// Host address the chunks' slot offsets are from.
-    host_base: u64,
-    /// Index of each chunk's first piece.
-    chunk_pieces: Vec<usize>,
-    /// Staged copies planned a descriptor per page (`--pieces`), not by block ids.
-    pieces_only: bool,
     /// How the checksums row computes them (`--checksum-form`).
     checksum_form: crate::args::ChecksumForm,
-    /// Jobs per fold with the block row sums (`--fold-jobs`).
-    fold_jobs: usize,
 }
 
 impl Bench {
-    /// Times `iterations` runs of `op` after one warm-up; returns GB/s per run.
+    /// Times `iterations` runs of `op` (the transfers of one operation, waited for) after one
+    /// warm-up; returns GB/s per run.
     fn time(
         &mut self,
-        mut op: impl FnMut(&mut Self) -> Result<CudaEvent, Error>,
+        mut op: impl FnMut(&mut Self) -> Result<Vec<Transfer>, Error>,
     ) -> Result<Vec<f64>, Error> {
-        op(self)?.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        finish_all(op(self)?)?;
         let mut out = Vec::new();
         for _ in 0..self.iterations {
             let t = Instant::now();
-            let done = op(self)?;
-            done.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            finish_all(op(self)?)?;
             out.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
         }
         Ok(out)
     }
 
     fn ceiling(&mut self, direction: Direction) -> Result<f64, Error> {
-        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
-        let device = self.contiguous.ptr();
-        let len = self.bytes as usize;
-        let runs = self.time(|b| {
-            // SAFETY (upheld here): the buffer is ours and the range lies in the registered
-            // arena; nothing else touches either while the event is awaited in `time`.
-            unsafe_contiguous(&mut b.engine, direction, device, host, len)
-        })?;
+        let runs = self.time(|b| b.contiguous(direction).map(|t| vec![t]))?;
         Ok(median(runs))
+    }
+
+    /// The contiguous copy of the operation's bytes between the bench's buffer and the
+    /// arena's ceiling region.
+    fn contiguous(&mut self, direction: Direction) -> Result<Transfer, Error> {
+        let at = self.slice_at + self.ceiling_at;
+        let buffer = (&self.contiguous, 0);
+        self.engine.start_contiguous(direction, buffer, &self.host, at, self.bytes).map_err(dma)
     }
 
     fn scribble(&self, direction: Direction) -> Result<(), Error> {
@@ -718,32 +721,27 @@ impl Bench {
     fn once(&mut self, direction: Direction, strategy: Strategy) -> Result<f64, Error> {
         let t = Instant::now();
         let all = 0..self.chunks.len();
-        let r = self.submit_range(direction, strategy, all);
-        r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        self.submit_range(direction, strategy, all, SaveSums::Off)?.finish().map_err(dma)?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
-    /// Submits the chunks `chunks` as one job: by block ids where the server would (a staged
-    /// strategy, a block fitting a staging half, not `--pieces`), else their pieces.
+    /// Starts the chunks `chunks` as one job, as the server's DMA thread would (block form
+    /// where it applies), with a save's checksums as `sums` asks.
     fn submit_range(
         &mut self,
         direction: Direction,
         strategy: Strategy,
         chunks: std::ops::Range<usize>,
-    ) -> Result<(CudaEvent, JobShape), Error> {
-        let job =
-            self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
-        if !self.pieces_only && self.engine.blocks_for(strategy, &job, false) {
-            return unsafe_submit_blocks(&mut self.engine, direction, &job);
-        }
-        let r = self.piece_range(chunks);
-        unsafe_submit(&mut self.engine, direction, &self.pieces[r], strategy)
-    }
-
-    /// The pieces of the chunks `chunks` (each chunk's pieces follow the chunk before's).
-    fn piece_range(&self, chunks: std::ops::Range<usize>) -> std::ops::Range<usize> {
-        let at = |c: usize| self.chunk_pieces.get(c).copied().unwrap_or(self.pieces.len());
-        at(chunks.start)..at(chunks.end)
+        sums: SaveSums<'_>,
+    ) -> Result<Transfer, Error> {
+        let job = CopyJob {
+            direction,
+            memory: &self.memory,
+            host: &self.host,
+            chunks: &self.job_chunks[chunks],
+            chunk_len: self.chunk_len,
+        };
+        self.engine.start(&job, strategy, sums, &mut self.plan).map_err(dma)
     }
 
     /// Chunk ranges of the server's jobs: at most 64 MiB of whole chunks each.
@@ -810,16 +808,16 @@ impl Bench {
             // Saves as the server runs them: checksums summed by the gather (by default, where
             // that applies) or on the GPU beside the copy (`--checksum-form`).
             if let Some(hasher) = hasher.as_mut() {
-                let (row, fold) = match self.checksum_form {
-                    crate::args::ChecksumForm::Gpu => ("auto+checksums", None),
-                    crate::args::ChecksumForm::Fused => ("auto+fused", Some(Fold::Queued)),
-                    crate::args::ChecksumForm::FusedHost => ("auto+fused-host", Some(Fold::Seen)),
-                    crate::args::ChecksumForm::GatherOnly => ("auto+gather-only", Some(Fold::Off)),
+                let row = match self.checksum_form {
+                    crate::args::ChecksumForm::Gpu => "auto+checksums",
+                    crate::args::ChecksumForm::Fused => "auto+fused",
                 };
                 windows.measure(&mut matmul, row, "save", |m| {
-                    let (rate, runs) = m.during(|| match fold {
-                        None => self.save_with_checksums(hasher, &jobs),
-                        Some(fold) => self.save_fused(hasher, &jobs, fold).map(|r| r.0),
+                    let (rate, runs) = m.during(|| match self.checksum_form {
+                        crate::args::ChecksumForm::Gpu => self.save_with_checksums(hasher, &jobs),
+                        crate::args::ChecksumForm::Fused => {
+                            self.save_fused(hasher, &jobs).map(|r| r.0)
+                        }
                     })?;
                     Ok((rate, median(runs)))
                 })?;
@@ -837,27 +835,17 @@ impl Bench {
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
     ) -> Result<f64, Error> {
-        // As the server's DMA thread does: job by job, the copy, then its checksums (which run
-        // beside the next jobs' copies).
+        // As the server's DMA thread does: job by job, each job's checksums beside the next
+        // jobs' copies.
         let t = Instant::now();
-        let mut copies = Vec::with_capacity(jobs.len());
-        let mut tickets = Vec::with_capacity(jobs.len());
-        let submitted = (|| {
-            for r in jobs {
-                copies.push(self.submit_range(Direction::Save, Strategy::Auto, r.clone())?.0);
-                tickets.extend(self.job_checksums(hasher, r.clone())?);
-            }
-            tickets.extend(hasher.flush_folds().map_err(dma)?);
-            Ok::<(), Error>(())
-        })();
-        // Every submitted copy and checksum is awaited before the pieces' memory is reused.
-        for c in copies {
-            c.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        let mut transfers = Vec::with_capacity(jobs.len());
+        for r in jobs {
+            let sums = SaveSums::Kernels(&mut *hasher);
+            transfers.push(self.submit_range(Direction::Save, Strategy::Auto, r.clone(), sums)?);
         }
-        for k in tickets {
-            k.take().map_err(dma)?;
+        for t in transfers {
+            t.finish().map_err(dma)?;
         }
-        submitted?;
         Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
@@ -869,25 +857,27 @@ impl Bench {
             .map_err(dma)?;
         let half = self.chunk_len * (self.chunks.len() as u64 / 2);
         let rest = self.bytes - half;
-        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
-        let device = self.contiguous.ptr();
+        let at = self.slice_at + self.ceiling_at;
         let mut runs = Vec::new();
         for i in 0..=self.iterations {
             let t = Instant::now();
-            // SAFETY (upheld here): as in `ceiling`; the two copies use disjoint halves of the
-            // buffer and of the ceiling region, and both events are awaited below.
-            let save =
-                unsafe_contiguous(&mut self.engine, Direction::Save, device, host, half as usize);
-            let load = unsafe_contiguous(
-                &mut other,
-                Direction::Load,
-                device + half,
-                host + half,
-                rest as usize,
+            // The two copies use disjoint halves of the buffer and of the ceiling region.
+            let save = self.engine.start_contiguous(
+                Direction::Save,
+                (&self.contiguous, 0),
+                &self.host,
+                at,
+                half,
             );
-            for e in [save, load] {
-                e?.synchronize().map_err(cuda("cuEventSynchronize"))?;
-            }
+            let load = other.start_contiguous(
+                Direction::Load,
+                (&self.contiguous, half),
+                &self.host,
+                at + half,
+                rest,
+            );
+            let (save, load) = (save.map_err(dma)?, load.map_err(dma)?);
+            finish_all(vec![save, load])?;
             if i > 0 {
                 runs.push(gbps(self.bytes, t.elapsed().as_secs_f64()));
             }
@@ -905,56 +895,38 @@ impl Bench {
         strategies: &[(&'static str, Strategy)],
     ) -> Result<LocalDuplex, Error> {
         let nchunks = self.chunks.len();
-        let split = self.piece_range(0..nchunks / 2).end;
         let half = self.chunk_len * (nchunks as u64 / 2);
-        // The halves in block form, as the server's DMA threads get them (unless `--pieces`).
-        let (save_chunks, load_chunks) = self.chunks.split_at(nchunks / 2);
-        let save_job = self.memory.block_job(self.host_base, save_chunks).map_err(dma)?;
-        let load_job = self.memory.block_job(self.host_base, load_chunks).map_err(dma)?;
-        let host = self.arena_slice.raw_range(self.ceiling_at, self.bytes) as u64;
-        let device = self.contiguous.ptr();
-        let whole = [
-            Piece { device, host, len: half },
-            Piece { device: device + half, host: host + half, len: self.bytes - half },
-        ];
+        // The halves as the server's DMA threads get them.
+        let (save_chunks, load_chunks) = self.job_chunks.split_at(nchunks / 2);
+        let job = |direction, chunks| CopyJob {
+            direction,
+            memory: &self.memory,
+            host: &self.host,
+            chunks,
+            chunk_len: self.chunk_len,
+        };
+        let (save_job, load_job) =
+            (job(Direction::Save, save_chunks), job(Direction::Load, load_chunks));
         let mut rows = Vec::new();
-        let ways = std::iter::once(("contiguous-batch-call", None))
-            .chain(strategies.iter().map(|&(name, s)| (name, Some(s))));
-        for (name, strategy) in ways {
-            let (save_pieces, load_pieces) = match strategy {
-                None => (&whole[..1], &whole[1..]),
-                Some(_) => (&self.pieces[..split], &self.pieces[split..]),
-            };
-            let checked = strategy.is_some();
-            let strategy = strategy.unwrap_or(Strategy::Batched);
-            let blocks = checked
-                && !self.pieces_only
-                && other.blocks_for(strategy, &save_job, false)
-                && self.engine.blocks_for(strategy, &load_job, false);
+        for &(name, strategy) in strategies {
             let (mut both, mut saves, mut loads) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..=self.iterations {
-                // Each way from its own thread, as the server's two DMA threads: submitting a
-                // staged job waits for its staging halves, so one thread would submit the load
+                // Each way from its own thread, as the server's two DMA threads: starting a
+                // staged job waits for its staging parts, so one thread would start the load
                 // only once the save was nearly through.
                 let t = Instant::now();
                 let engine = &mut self.engine;
                 let (save_s, load_s) = std::thread::scope(|scope| {
                     let save = scope.spawn(|| -> Result<f64, Error> {
-                        let e = if blocks {
-                            unsafe_submit_blocks(other, Direction::Save, &save_job)?.0
-                        } else {
-                            unsafe_submit(other, Direction::Save, save_pieces, strategy)?.0
-                        };
-                        e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+                        let mut plan = Vec::new();
+                        let copy = other.start(&save_job, strategy, SaveSums::Off, &mut plan);
+                        copy.and_then(Transfer::finish).map_err(dma)?;
                         Ok(t.elapsed().as_secs_f64())
                     });
                     let load = (|| -> Result<f64, Error> {
-                        let e = if blocks {
-                            unsafe_submit_blocks(engine, Direction::Load, &load_job)?.0
-                        } else {
-                            unsafe_submit(engine, Direction::Load, load_pieces, strategy)?.0
-                        };
-                        e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+                        let mut plan = Vec::new();
+                        let copy = engine.start(&load_job, strategy, SaveSums::Off, &mut plan);
+                        copy.and_then(Transfer::finish).map_err(dma)?;
                         Ok(t.elapsed().as_secs_f64())
                     })();
                     let save = save.join().expect("the save thread does not panic");
@@ -969,11 +941,8 @@ impl Bench {
                 }
             }
             // The series rewrote half the slots and half the blocks with the bytes they held.
-            let mismatched_bytes = if checked {
-                Some(self.verify(Direction::Save)? + self.verify(Direction::Load)?)
-            } else {
-                None
-            };
+            let mismatched_bytes =
+                Some(self.verify(Direction::Save)? + self.verify(Direction::Load)?);
             let g = median(both);
             rows.push(DuplexRow {
                 strategy: name,
@@ -989,39 +958,40 @@ impl Bench {
 
     /// One contiguous copy of the operation's bytes (the ceiling's copy); GB/s.
     fn contiguous_once(&mut self, direction: Direction) -> Result<f64, Error> {
-        let region = (&self.arena_slice, self.ceiling_at, self.bytes);
-        contiguous_once(&mut self.engine, region, self.contiguous.ptr(), direction)
+        let t = Instant::now();
+        self.contiguous(direction)?.finish().map_err(dma)?;
+        Ok(gbps(self.bytes, t.elapsed().as_secs_f64()))
     }
 
-    /// Submits one whole operation: every piece at once, or with `--server-jobs` job by job.
-    /// Each job's event completes after the ones before (one pair of streams, in order), so the
-    /// last job's stands for the whole operation; the shape is the sum of the jobs'.
+    /// Starts one whole operation: every chunk in one job, or with `--server-jobs` job by
+    /// job; the transfers and the sum of their shapes.
     fn submit_jobs(
         &mut self,
         direction: Direction,
         strategy: Strategy,
-    ) -> Result<(CudaEvent, JobShape), Error> {
+    ) -> Result<(Vec<Transfer>, JobShape), Error> {
         let jobs = if self.server_jobs {
             self.job_chunks()
         } else {
             std::iter::once(0..self.chunks.len()).collect()
         };
-        let mut last = None;
+        let mut transfers = Vec::with_capacity(jobs.len());
         let mut whole = JobShape::default();
         for r in jobs {
-            // A failed submission has waited for what was queued before it.
-            let (event, s) = self.submit_range(direction, strategy, r)?;
+            let t = self.submit_range(direction, strategy, r, SaveSums::Off)?;
+            let s = t.shape();
             whole.bytes += s.bytes;
             whole.pieces += s.pieces;
             whole.batches += s.batches;
             whole.staged = s.staged;
             whole.blocks = s.blocks;
-            last = Some(event);
+            transfers.push(t);
         }
-        last.map(|e| (e, whole)).ok_or_else(|| Error::Gpu("no pieces to copy".into()))
+        Ok((transfers, whole))
     }
 
-    /// Submits the checksums of every chunk, job by job (`jobs`: chunk ranges).
+    /// Starts the checksums of every chunk, without copies, job by job (`jobs`: chunk
+    /// ranges); none where the kernels do not apply.
     fn submit_checksums(
         &self,
         hasher: &mut ChunkHasher,
@@ -1029,67 +999,28 @@ impl Bench {
     ) -> Result<Vec<ChecksumTicket>, Error> {
         let mut tickets = Vec::with_capacity(jobs.len());
         for r in jobs {
-            let got = self.job_checksums(hasher, r.clone())?;
-            if got.is_empty() && self.fold_jobs == 1 {
-                return Ok(Vec::new());
+            let chunks = &self.job_chunks[r.clone()];
+            match hasher.checksums(&self.memory, chunks, self.chunk_len).map_err(dma)? {
+                Some(t) => tickets.push(t),
+                None => return Ok(Vec::new()),
             }
-            tickets.extend(got);
         }
-        tickets.extend(hasher.flush_folds().map_err(dma)?);
         Ok(tickets)
     }
 
-    /// The checksums of one job's chunks: its ticket, or with `--fold-jobs` over 1 those of
-    /// the grouped folds this job completed (none while its group fills; the caller flushes
-    /// the rest with `flush_folds`).
-    fn job_checksums(
-        &self,
-        hasher: &mut ChunkHasher,
-        chunks: std::ops::Range<usize>,
-    ) -> Result<Vec<ChecksumTicket>, Error> {
-        if self.fold_jobs > 1 && self.checksum_form == crate::args::ChecksumForm::Gpu {
-            let job =
-                self.memory.block_job(self.host_base, &self.chunks[chunks.clone()]).map_err(dma)?;
-            if let Some(t) = unsafe_grouped_checksums(hasher, &job, self.chunk_len, self.fold_jobs)?
-            {
-                return Ok(t);
-            }
-        }
-        Ok(self.checksums_of(hasher, chunks)?.into_iter().collect())
-    }
-
-    /// Starts the checksums of the chunks `chunks`, from their block ids as the server does
-    /// (or their pieces with `--pieces`).
-    fn checksums_of(
-        &self,
-        hasher: &mut ChunkHasher,
-        chunks: std::ops::Range<usize>,
-    ) -> Result<Option<ChecksumTicket>, Error> {
-        if self.pieces_only {
-            return unsafe_checksums(
-                hasher,
-                &self.pieces[self.piece_range(chunks)],
-                self.chunk_len,
-            );
-        }
-        let job = self.memory.block_job(self.host_base, &self.chunks[chunks]).map_err(dma)?;
-        unsafe_block_checksums(hasher, &job, self.chunk_len)
-    }
-
-    /// `fused-host` (the default, as the server's `--gpu-checksums fused`) where the fused
-    /// form does not apply to this run's saves (not staged in block form, `--pieces`, parts
-    /// not a multiple of 1 KiB, its kernels missing): `gpu`, as the server does then; the rows
-    /// and the JSON name the form measured. The diagnostic forms (`fused`, `gather-only`) say
-    /// so instead when they come to a save.
+    /// `fused` (the default, as the server's `--gpu-checksums fused`) where the fused form
+    /// does not apply to this run's saves (not staged in block form, parts not a multiple of
+    /// 1 KiB, its kernels missing): `gpu`, as the server does then; the rows and the JSON name
+    /// the form measured.
     fn settle_checksum_form(&mut self, hasher: &ChunkHasher) -> Result<(), Error> {
         use crate::args::ChecksumForm;
-        if self.checksum_form != ChecksumForm::FusedHost || self.chunks.is_empty() {
+        if self.checksum_form != ChecksumForm::Fused || self.chunks.is_empty() {
             return Ok(());
         }
         let first = self.job_chunks()[0].clone();
-        let job = self.memory.block_job(self.host_base, &self.chunks[first]).map_err(dma)?;
+        let job = self.memory.block_job(0, &self.job_chunks[first]).map_err(dma)?;
         let summed = hasher.summed_applies(&job);
-        let blocks = !self.pieces_only && self.engine.blocks_for(Strategy::Auto, &job, summed);
+        let blocks = self.engine.blocks_for(Strategy::Auto, &job, summed);
         if !blocks || !summed {
             self.checksum_form = ChecksumForm::Gpu;
         }
@@ -1201,15 +1132,10 @@ impl Bench {
         jobs: &[std::ops::Range<usize>],
         save_ceiling: f64,
     ) -> Result<ChecksumResult, Error> {
-        let fold = match self.checksum_form {
-            crate::args::ChecksumForm::FusedHost => Fold::Seen,
-            crate::args::ChecksumForm::GatherOnly => Fold::Off,
-            _ => Fold::Queued,
-        };
         self.scribble(Direction::Save)?;
-        let (_, got) = self.save_fused(hasher, jobs, fold)?;
+        let (_, got) = self.save_fused(hasher, jobs)?;
         let mismatched_bytes = self.verify(Direction::Save)?;
-        if fold != Fold::Off && got.len() != self.chunks.len() {
+        if got.len() != self.chunks.len() {
             return Err(Error::Gpu(format!(
                 "fused GPU checksums for {} chunks, the run has {}",
                 got.len(),
@@ -1219,13 +1145,13 @@ impl Bench {
         let mismatches = self.wrong_checksums(&got);
         let mut with = Vec::new();
         for _ in 0..self.iterations {
-            with.push(self.save_fused(hasher, jobs, fold)?.0);
+            with.push(self.save_fused(hasher, jobs)?.0);
         }
         let save = median(with);
         let timeline = if self.timeline {
             self.engine.record_timeline();
             let t = Instant::now();
-            self.save_fused(hasher, jobs, fold)?;
+            self.save_fused(hasher, jobs)?;
             let total = t.elapsed().as_secs_f64() * 1e6;
             let spans = self.engine.take_timeline().map_err(dma)?;
             (!spans.is_empty()).then(|| Timeline::summarize(spans, total, total))
@@ -1244,66 +1170,30 @@ impl Bench {
         })
     }
 
-    /// One save in the fused form, job by job (`jobs`: chunk ranges): each job's gather sums
-    /// its rows, and the fold follows its last gather as `fold` says. GB/s, and the checksums
-    /// in chunk order (none with `Fold::Off`). An error where a job cannot go in the fused
-    /// form (not in block form, parts not a multiple of 1 KiB, unaligned, kernels missing).
+    /// One save in the fused form, job by job (`jobs`: chunk ranges), as the server's DMA
+    /// thread runs it: each job's gather sums its rows, and its fold is queued once the thread
+    /// has seen its gathers done (waiting for the oldest when every checksum slot is held).
+    /// GB/s, and the checksums in chunk order.
     fn save_fused(
         &mut self,
         hasher: &mut ChunkHasher,
         jobs: &[std::ops::Range<usize>],
-        fold: Fold,
     ) -> Result<(f64, Vec<u64>), Error> {
         let t = Instant::now();
-        let mut copies = Vec::with_capacity(jobs.len());
-        let mut tickets = Vec::with_capacity(jobs.len());
-        // `Fold::Seen`: jobs whose fold waits for this thread to see their gathers' event.
-        let mut unfolded = std::collections::VecDeque::new();
-        let submitted = (|| {
-            for r in jobs {
-                // Each begun save holds a hasher slot until its fold is queued.
-                fold_seen(hasher, &mut unfolded, &mut tickets, SUMMED_UNFINISHED - 1)?;
-                let job =
-                    self.memory.block_job(self.host_base, &self.chunks[r.clone()]).map_err(dma)?;
-                let summed = hasher.summed_applies(&job);
-                if !self.engine.blocks_for(Strategy::Auto, &job, summed) {
-                    return Err(Error::Gpu(
-                        "the fused form needs staged block-form saves (blocks that fit a staging \
-                         half)"
-                            .into(),
-                    ));
-                }
-                let summed =
-                    hasher.begin_summed(&job, self.chunk_len).map_err(dma)?.ok_or_else(|| {
-                        Error::Gpu(
-                            "the fused form does not apply: parts not a multiple of 1 KiB, \
-                             unaligned, or its kernels missing"
-                                .into(),
-                        )
-                    })?;
-                copies.push(unsafe_submit_summed(&mut self.engine, &job, &summed)?);
-                let gathered = self.engine.kernels_done().map_err(dma)?;
-                match fold {
-                    Fold::Queued => {
-                        tickets.push(unsafe_finish_summed(hasher, summed, Some(&gathered))?);
-                    }
-                    Fold::Seen => unfolded.push_back((summed, gathered)),
-                    Fold::Off => unsafe_drop_summed(hasher, summed, &gathered)?,
-                }
-                // Those whose gathers are done already.
-                fold_seen(hasher, &mut unfolded, &mut tickets, usize::MAX)?;
-            }
-            fold_seen(hasher, &mut unfolded, &mut tickets, 0)
-        })();
-        // Every submitted copy and fold is awaited before the memory is reused.
-        for c in copies {
-            c.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        let mut transfers: Vec<Transfer> = Vec::with_capacity(jobs.len());
+        for r in jobs {
+            // Each begun save holds a checksum slot until its fold is queued.
+            fold_seen(hasher, &mut transfers, SUMMED_UNFINISHED - 1)?;
+            let sums = SaveSums::Fused(&mut *hasher);
+            transfers.push(self.submit_range(Direction::Save, Strategy::Auto, r.clone(), sums)?);
+            // Those whose gathers are done already.
+            fold_seen(hasher, &mut transfers, usize::MAX)?;
         }
+        fold_seen(hasher, &mut transfers, 0)?;
         let mut sums = Vec::with_capacity(self.chunks.len());
-        for k in tickets {
-            sums.extend(k.take().map_err(dma)?);
+        for t in transfers {
+            sums.extend(t.finish().map_err(dma)?.unwrap_or_default());
         }
-        submitted?;
         Ok((gbps(self.bytes, t.elapsed().as_secs_f64()), sums))
     }
 
@@ -1316,9 +1206,9 @@ impl Bench {
         self.scribble(direction)?;
         let mut shape = None;
         let runs = self.time(|b| {
-            let (event, s) = b.submit_jobs(direction, strategy)?;
+            let (transfers, s) = b.submit_jobs(direction, strategy)?;
             shape = Some(s);
-            Ok(event)
+            Ok(transfers)
         })?;
         let shape = shape.expect("at least the warm-up ran");
         let timeline = if self.timeline && shape.staged {
@@ -1326,7 +1216,7 @@ impl Bench {
             let t = Instant::now();
             let r = self.submit_jobs(direction, strategy);
             let submitted = t.elapsed();
-            r?.0.synchronize().map_err(cuda("cuEventSynchronize"))?;
+            finish_all(r?.0)?;
             let total = t.elapsed();
             let spans = self.engine.take_timeline().map_err(dma)?;
             Some(Timeline::summarize(
@@ -1353,156 +1243,33 @@ impl Bench {
     }
 }
 
-// The two calls below hand raw ranges to the GPU. Both are owned by the benchmark for its
-// whole run (tensors, contiguous buffer, arena slots), and every event is awaited before the
-// next use of the same memory.
-/// One contiguous copy between `device` (the bench's contiguous buffer) and the ceiling
-/// region (slice, offset, length) of the arena, waited for; GB/s.
-fn contiguous_once(
-    engine: &mut CopyEngine,
-    (slice, at, len): (&ArenaSlice, u64, u64),
-    device: u64,
-    direction: Direction,
-) -> Result<f64, Error> {
-    let host = slice.raw_range(at, len) as u64;
-    let t = Instant::now();
-    // SAFETY (upheld here): as in `Bench::ceiling`: the buffer is the bench's, the range lies in
-    // the registered arena, and nothing else touches either while the event is awaited.
-    unsafe_contiguous(engine, direction, device, host, len as usize)?
-        .synchronize()
-        .map_err(cuda("cuEventSynchronize"))?;
-    Ok(gbps(len, t.elapsed().as_secs_f64()))
-}
-
-#[allow(unsafe_code)]
-fn unsafe_contiguous(
-    engine: &mut CopyEngine,
-    direction: Direction,
-    device: u64,
-    host: u64,
-    len: usize,
-) -> Result<CudaEvent, Error> {
-    // SAFETY: see above.
-    unsafe { engine.contiguous(direction, device, host, len) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_submit(
-    engine: &mut CopyEngine,
-    direction: Direction,
-    pieces: &[Piece],
-    strategy: Strategy,
-) -> Result<(CudaEvent, orbitkv_gpu::dma::JobShape), Error> {
-    // SAFETY: see above.
-    unsafe { engine.submit(direction, pieces, strategy) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_submit_blocks(
-    engine: &mut CopyEngine,
-    direction: Direction,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-) -> Result<(CudaEvent, JobShape), Error> {
-    // SAFETY: see above (the blocks are the benchmark's, their ids checked by `block_job`;
-    // the slots its arena's).
-    unsafe { engine.submit_blocks(direction, job, None) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_submit_summed(
-    engine: &mut CopyEngine,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    summed: &SummedSave,
-) -> Result<CudaEvent, Error> {
-    // SAFETY: as `unsafe_submit_blocks`; the rows go to the scratch `summed` holds.
-    unsafe { engine.submit_blocks(Direction::Save, job, Some(summed)) }.map(|r| r.0).map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_finish_summed(
-    hasher: &mut ChunkHasher,
-    summed: SummedSave,
-    gathered: Option<&CudaEvent>,
-) -> Result<ChecksumTicket, Error> {
-    // SAFETY: `summed` went with its job to `submit_blocks` before, and `gathered` was
-    // recorded on the engine's kernel stream after that job's last gather (None: that event
-    // was seen complete); every ticket is awaited.
-    unsafe { hasher.finish_summed(summed, gathered) }.map_err(dma)
-}
-
-/// How a fused-form save's fold follows its job's gathers (`--checksum-form`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fold {
-    /// No fold (`gather-only`).
-    Off,
-    /// Queued at once on its hasher slot's stream, which waits there for the gathers' event
-    /// (`fused`).
-    Queued,
-    /// Queued once this thread has seen the gathers' event complete (`fused-host`, as the
-    /// server's `--gpu-checksums fused`).
-    Seen,
-}
-
-/// Queues the folds of `unfolded` (oldest first) whose gathers have finished, and more, each
-/// waited for, until at most `keep` are left; their tickets go to `tickets` in order.
-fn fold_seen(
-    hasher: &mut ChunkHasher,
-    unfolded: &mut std::collections::VecDeque<(SummedSave, CudaEvent)>,
-    tickets: &mut Vec<ChecksumTicket>,
-    keep: usize,
-) -> Result<(), Error> {
-    while let Some((_, gathered)) = unfolded.front() {
-        if !gathered.try_is_complete().map_err(cuda("cuEventQuery"))? {
-            if unfolded.len() <= keep {
-                break;
-            }
-            gathered.synchronize().map_err(cuda("cuEventSynchronize"))?;
-        }
-        let (summed, _) = unfolded.pop_front().expect("the front job");
-        tickets.push(unsafe_finish_summed(hasher, summed, None)?);
+/// Waits for every transfer (in order; each one's failure reported after all have
+/// finished, dropping the rest waits for them).
+fn finish_all(transfers: Vec<Transfer>) -> Result<(), Error> {
+    for t in transfers {
+        t.finish().map_err(dma)?;
     }
     Ok(())
 }
 
-#[allow(unsafe_code)]
-fn unsafe_grouped_checksums(
+/// Queues the folds of fused saves among `transfers` (oldest first) whose gathers have
+/// finished, and more, each waited for, until at most `keep` are left unfolded.
+fn fold_seen(
     hasher: &mut ChunkHasher,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    chunk_len: u64,
-    group: usize,
-) -> Result<Option<Vec<ChecksumTicket>>, Error> {
-    // SAFETY: see above (every ticket is awaited, the last ones after `flush_folds`).
-    unsafe { hasher.submit_block_rows_grouped(job, chunk_len, group) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_drop_summed(
-    hasher: &mut ChunkHasher,
-    summed: SummedSave,
-    gathered: &CudaEvent,
+    transfers: &mut [Transfer],
+    keep: usize,
 ) -> Result<(), Error> {
-    // SAFETY: as `unsafe_finish_summed`.
-    unsafe { hasher.drop_summed(summed, gathered) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_block_checksums(
-    hasher: &mut ChunkHasher,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, Error> {
-    // SAFETY: see above (every ticket is awaited).
-    unsafe { hasher.submit_blocks(job, chunk_len) }.map_err(dma)
-}
-
-#[allow(unsafe_code)]
-fn unsafe_checksums(
-    hasher: &mut ChunkHasher,
-    pieces: &[Piece],
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, Error> {
-    // SAFETY: see above (the pieces name the benchmark's tensors; every ticket is awaited).
-    unsafe { hasher.submit(pieces, chunk_len) }.map_err(dma)
+    let mut unfolded = transfers.iter().filter(|t| t.held_slot(hasher).is_some()).count();
+    for t in transfers.iter_mut() {
+        if t.held_slot(hasher).is_none() {
+            continue;
+        }
+        if !t.fold(hasher, unfolded > keep).map_err(dma)? {
+            break;
+        }
+        unfolded -= 1;
+    }
+    Ok(())
 }
 
 /// How long a rank waits for the others at a `--barrier` (they allocate and fill their
@@ -1531,13 +1298,6 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         return Err(Error::InvalidArgument {
             flag: "--blocks-per-chunk",
             reason: format!("must divide --blocks {}", a.blocks),
-        });
-    }
-    // With `--pieces` the (default) fused form settles to `gpu`.
-    if a.fold_jobs > 1 && a.checksum_form != crate::args::ChecksumForm::Gpu && !a.pieces {
-        return Err(Error::InvalidArgument {
-            flag: "--fold-jobs",
-            reason: "groups the folds of the block row sums: needs --checksum-form gpu".into(),
         });
     }
     if a.iterations == 0 {
@@ -1579,7 +1339,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         })?;
     let ctx: Arc<CudaContext> =
         CudaContext::new(a.device).map_err(cuda("creating the CUDA context"))?;
-    let memory = EngineMemory::allocate(&ctx, layout).map_err(dma)?;
+    let memory = Arc::new(EngineMemory::allocate(&ctx, layout).map_err(dma)?);
     let tensor_bytes = layout.tensor_bytes().expect("validated") as usize;
     let mut originals = Vec::with_capacity(layout.tensor_count() as usize);
     for i in 0..layout.tensor_count() as usize {
@@ -1599,10 +1359,12 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         Arena::create(ceiling_at + ceiling_len, true)
             .map_err(|e| Error::Gpu(format!("arena: {e}")))?,
     );
-    let registration =
-        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?;
+    let registration = Arc::new(
+        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?,
+    );
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
     let arena_slice = arena.split(1).pop().expect("one slice");
+    let slice_at = arena_slice.offset();
     let mut rng = SmallRng::seed_from_u64(a.seed);
     let mut blocks: Vec<u64> = (0..a.blocks).collect();
     blocks.shuffle(&mut rng);
@@ -1612,39 +1374,37 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     }
     let mut pieces = Vec::new();
     let mut chunks = Vec::with_capacity(nchunks as usize);
-    let host_base = arena_slice.raw_range(0, 0) as u64;
-    let mut chunk_pieces = Vec::with_capacity(nchunks as usize);
     for (i, slot) in slots.iter().enumerate() {
         let ids =
             blocks[i * a.blocks_per_chunk as usize..(i + 1) * a.blocks_per_chunk as usize].to_vec();
-        let host = arena_slice.raw_range(*slot, chunk_len) as u64;
-        chunk_pieces.push(pieces.len());
-        memory.chunk_pieces(&ids, host, &mut pieces).map_err(dma)?;
+        // Planned once to describe the run (how many pieces, how long); jobs plan their own.
+        memory.chunk_pieces(&ids, slice_at + slot, &mut pieces).map_err(dma)?;
         chunks.push((*slot, ids));
     }
+    let job_chunks = chunks.iter().map(|(slot, ids)| (slice_at + slot, ids.clone())).collect();
     let bytes = chunk_len * nchunks;
     let engine =
         CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM).map_err(dma)?;
-    let contiguous = DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?;
+    let contiguous = Arc::new(DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?);
     let mut bench = Bench {
         engine,
         memory,
+        host: registration,
         arena_slice,
         contiguous,
         pieces,
+        plan: Vec::new(),
         chunks,
+        job_chunks,
         chunk_len,
         bytes,
         ceiling_at,
+        slice_at,
         originals,
         iterations: a.iterations,
         timeline: a.timeline,
         server_jobs: a.server_jobs,
-        host_base,
-        chunk_pieces,
-        pieces_only: a.pieces,
         checksum_form: a.checksum_form,
-        fold_jobs: usize::from(a.fold_jobs),
     };
     let mut results = Vec::new();
     let mut mismatched = 0;
@@ -1672,10 +1432,15 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         };
         // The ceiling's copy around each timed save and load, alone on the links only when
         // this process is the server's one engine rank.
-        let (region, device) =
-            ((&bench.arena_slice, bench.ceiling_at, bench.bytes), bench.contiguous.ptr());
+        let (buffer, host) = (&bench.contiguous, &bench.host);
+        let (at, len) = (bench.slice_at + bench.ceiling_at, bench.bytes);
         let copies = &mut bench.engine;
-        let mut copy = |d: Direction| contiguous_once(copies, region, device, d);
+        let mut copy = |d: Direction| -> Result<f64, Error> {
+            let t = Instant::now();
+            let copy = copies.start_contiguous(d, (buffer, 0), host, at, len);
+            copy.and_then(Transfer::finish).map_err(dma)?;
+            Ok(gbps(len, t.elapsed().as_secs_f64()))
+        };
         let ceiling: Option<crate::dma_server::CeilingCopy<'_>> =
             if barrier.is_none() { Some(&mut copy) } else { None };
         let (mut served, beside) =
@@ -1775,8 +1540,8 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         }
     }
     let pieces = bench.pieces.len();
+    // The copy engines and every transfer are done; the registration goes with the bench.
     drop(bench);
-    drop(registration);
     Ok(DmaReport {
         device: info.name,
         device_uuid: info.uuid,

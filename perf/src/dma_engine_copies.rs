@@ -1,16 +1,20 @@
 //! `orbitkv-perf dma --socket --engine-copies`: the engine-side path, without CUDA IPC. This
-//! process registers its own mapping of the arena with CUDA and moves the pages with its own
-//! copy engine: a save reserves slots, copies into them and commits (the shards checksum the
+//! process maps the session's arena memfd itself, registers that mapping with CUDA and moves
+//! the pages with its own copy engine: a save reserves slots, copies into them and commits (the shards checksum the
 //! bytes), job by job with each commit beside the next copy; a load leases the chunks, copies
 //! out of them and releases. Every byte is checked on
 //! both sides, as in the IPC series.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaEvent;
 use orbitkv_client::{Client, ClientOptions, Reserved};
 use orbitkv_gpu::dma::plan::Piece;
-use orbitkv_gpu::dma::{ChecksumTicket, ChunkHasher, CopyEngine, Direction, Strategy, JOB_BYTES};
+use orbitkv_gpu::dma::{
+    ChunkHasher, CopyEngine, CopyJob, Direction, SaveSums, Strategy, Transfer, JOB_BYTES,
+};
+use orbitkv_gpu::HostRegistration;
+use orbitkv_shards::Arena;
 use serde::Serialize;
 
 use crate::args::DmaArgs;
@@ -66,14 +70,13 @@ pub(crate) fn run(
     let keys = chunk_keys(ns.id, a.seed, e.chunks.len());
     let lens = vec![e.chunk_len; keys.len()];
     let bytes = e.chunk_len * keys.len() as u64;
-    let (base, len) = client.arena_range().ok_or_else(|| Error::Gpu("not connected".into()))?;
-    let registration = register(a.device, base, len)?;
+    let registration = register(a.device, &client)?;
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
-    // The registration covers this session's mapping only: a reconnect maps the arena anew
-    // (and unmaps this one), so every copy checks that the session is still the same.
+    // The mapping is of this session's arena: a reconnect (to a restarted server) may bring
+    // another, so every copy checks that the session is still the same.
     let session = client.session_id();
     let same_session = |client: &Client| {
-        if client.session_id() == session && client.arena_range() == Some((base, len)) {
+        if client.session_id() == session {
             Ok(())
         } else {
             Err(Error::Gpu("the session was reconnected: its arena mapping is new".into()))
@@ -85,7 +88,7 @@ pub(crate) fn run(
     }
 
     let mut failures = 0;
-    let mut pieces = Vec::new();
+    let mut pieces: Vec<Piece> = Vec::new();
     let mut save_runs = Vec::new();
     // As an engine should save: job by job (JOB_BYTES, as the server's DMA threads do), each
     // job's commit running beside the next job's copy, with checksums computed here on the
@@ -102,41 +105,31 @@ pub(crate) fn run(
             for (kg, cg) in keys.chunks(group).zip(e.chunks.chunks(group)) {
                 let reserved =
                     client.reserve(kg, &lens[..kg.len()]).map_err(client_err("reserve"))?;
-                pieces.clear();
+                let mut chunks = Vec::with_capacity(kg.len());
                 let mut slots: Vec<Reserved> = Vec::with_capacity(kg.len());
                 for (r, blocks) in reserved.into_iter().zip(cg) {
                     match r {
+                        Ok(r) if r.len < e.chunk_len => {
+                            return Err(Error::Gpu(format!(
+                                "a slot of {} bytes for a {}-byte chunk",
+                                r.len, e.chunk_len
+                            )));
+                        }
                         Ok(r) => {
-                            let slot = client.slot_mut(&r).map_err(client_err("slot"))?;
-                            if (slot.len() as u64) < e.chunk_len {
-                                return Err(Error::Gpu(format!(
-                                    "a slot of {} bytes for a {}-byte chunk",
-                                    slot.len(),
-                                    e.chunk_len
-                                )));
-                            }
-                            let host = slot.as_mut_ptr();
-                            e.memory
-                                .chunk_pieces(blocks, host as u64, &mut pieces)
-                                .map_err(|x| Error::Gpu(x.to_string()))?;
+                            chunks.push((r.offset, blocks.clone()));
                             slots.push(r);
                         }
                         Err(_) => failures += 1,
                     }
                 }
                 same_session(&client)?;
-                let copied = submit(engine, Direction::Save, &pieces)?;
-                let sums = match hasher.as_mut().map(|h| checksums_of(h, &pieces, e.chunk_len)) {
-                    Some(Ok(ticket)) => ticket,
-                    Some(Err(err)) => {
-                        // This job's copy is not in flight yet: let it finish before failing.
-                        wait(&copied)?;
-                        return Err(err);
-                    }
-                    None => None,
-                };
+                let sums = hasher.as_mut().map_or(SaveSums::Off, SaveSums::Kernels);
+                let job = copy_job(Direction::Save, e, &registration, &chunks);
+                let transfer = engine
+                    .start(&job, Strategy::Auto, sums, &mut pieces)
+                    .map_err(|x| Error::Gpu(x.to_string()))?;
                 // The job before is copied by now or soon: commit it while this one copies.
-                if let Some(before) = in_flight.replace(InFlight { copied, sums, slots }) {
+                if let Some(before) = in_flight.replace(InFlight { transfer, slots }) {
                     failures += before.commit(&mut client)?;
                 }
             }
@@ -145,10 +138,8 @@ pub(crate) fn run(
             }
             Ok(())
         })();
-        // On a failure, a copy may still be writing its slots: let it finish first.
-        if let Some(job) = in_flight.take() {
-            wait(&job.copied)?;
-        }
+        // On a failure, a copy may still be writing its slots: dropping it waits for it.
+        drop(in_flight);
         saved?;
         if i > 0 {
             save_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
@@ -165,19 +156,22 @@ pub(crate) fn run(
         let t = Instant::now();
         let leases = client.lookup_leased(&keys).map_err(client_err("lookup"))?;
         failures += (keys.len() - leases.len()) as u64;
-        pieces.clear();
+        let mut chunks = Vec::with_capacity(leases.len());
         for (lease, blocks) in leases.iter().zip(&e.chunks) {
-            let chunk = client.chunk(lease).map_err(client_err("chunk"))?;
-            if chunk.len() as u64 != e.chunk_len {
+            if lease.hit.len != e.chunk_len {
                 // Another length: not copied (the engine's blocks keep their junk).
                 failures += 1;
                 continue;
             }
-            e.memory
-                .chunk_pieces(blocks, chunk.as_ptr() as u64, &mut pieces)
-                .map_err(|x| Error::Gpu(x.to_string()))?;
+            chunks.push((lease.hit.offset, blocks.clone()));
         }
-        let copied = same_session(&client).and_then(|()| copy(engine, Direction::Load, &pieces));
+        let copied = same_session(&client).and_then(|()| {
+            let job = copy_job(Direction::Load, e, &registration, &chunks);
+            let transfer = engine
+                .start(&job, Strategy::Auto, SaveSums::Off, &mut pieces)
+                .map_err(|x| Error::Gpu(x.to_string()))?;
+            transfer.finish().map(drop).map_err(|x| Error::Gpu(x.to_string()))
+        });
         // Released whether or not the copy worked: it has finished either way.
         failures += not_done(&client.release(&leases).map_err(client_err("release"))?);
         copied?;
@@ -202,37 +196,31 @@ pub(crate) fn run(
     })
 }
 
-// The two calls below hand the client's mapping of the arena to CUDA. The mapping belongs to
-// the client, which outlives the registration (dropped first in `run`); the pieces name this
-// process's tensors and slots it holds reserved or leased until the copy's event completed.
-#[allow(unsafe_code)]
-fn register(
-    device: usize,
-    base: *mut u8,
-    len: usize,
-) -> Result<orbitkv_gpu::HostRegistration, Error> {
-    // SAFETY: see above; the client's mapping is page-aligned (mmap) and registered nowhere
-    // else in this process.
-    unsafe { orbitkv_gpu::register_host_range(device, base, len) }
-        .map_err(|e| Error::Gpu(format!("registering the client's arena mapping: {e}")))
+/// This process's own mapping of the session's arena memfd, registered with CUDA on `device`.
+fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Error> {
+    let fd = client
+        .arena_fd()
+        .ok_or_else(|| Error::Gpu("not connected".into()))?
+        .map_err(|e| Error::Gpu(format!("duplicating the arena memfd: {e}")))?;
+    let arena = Arena::open(fd).map_err(|e| Error::Gpu(format!("mapping the arena: {e}")))?;
+    orbitkv_gpu::register_arena(device, &Arc::new(arena))
+        .map(Arc::new)
+        .map_err(|e| Error::Gpu(format!("registering the arena mapping: {e}")))
 }
 
-#[allow(unsafe_code)]
-fn submit(
-    engine: &mut CopyEngine,
+/// A copy of `chunks` (arena offsets, block ids) of the engine `e`.
+fn copy_job<'a>(
     direction: Direction,
-    pieces: &[Piece],
-) -> Result<CudaEvent, Error> {
-    // SAFETY: see above; the event is awaited before the slots are committed or released.
-    let (event, _) = unsafe { engine.submit(direction, pieces, Strategy::Auto) }
-        .map_err(|e| Error::Gpu(e.to_string()))?;
-    Ok(event)
+    e: &'a Engine<'_>,
+    host: &'a Arc<HostRegistration>,
+    chunks: &'a [(u64, Vec<u64>)],
+) -> CopyJob<'a> {
+    CopyJob { direction, memory: e.memory, host, chunks, chunk_len: e.chunk_len }
 }
 
-/// A save job whose copy (and checksums) may still run.
+/// A save job whose copy (and checksums) may still run; dropping it waits for them.
 struct InFlight {
-    copied: CudaEvent,
-    sums: Option<ChecksumTicket>,
+    transfer: Transfer,
     slots: Vec<Reserved>,
 }
 
@@ -240,11 +228,7 @@ impl InFlight {
     /// Waits for the copy, then commits: with the job's checksums when they were computed
     /// here. Returns the chunks not committed.
     fn commit(self, client: &mut Client) -> Result<u64, Error> {
-        wait(&self.copied)?;
-        let sums = match self.sums {
-            Some(t) => Some(t.take().map_err(|e| Error::Gpu(e.to_string()))?),
-            None => None,
-        };
+        let sums = self.transfer.finish().map_err(|e| Error::Gpu(e.to_string()))?;
         let out = match sums {
             Some(sums) if sums.len() == self.slots.len() => {
                 client.commit_checked(&self.slots, &sums).map_err(client_err("commit_checked"))?
@@ -253,23 +237,4 @@ impl InFlight {
         };
         Ok(not_done(&out))
     }
-}
-
-#[allow(unsafe_code)]
-fn checksums_of(
-    hasher: &mut ChunkHasher,
-    pieces: &[Piece],
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, Error> {
-    // SAFETY: the pieces name this process's tensors, unchanged until the ticket is taken
-    // (before the job's commit).
-    unsafe { hasher.submit(pieces, chunk_len) }.map_err(|e| Error::Gpu(e.to_string()))
-}
-
-fn wait(event: &CudaEvent) -> Result<(), Error> {
-    event.synchronize().map_err(|e| Error::Gpu(format!("cuEventSynchronize: {e}")))
-}
-
-fn copy(engine: &mut CopyEngine, direction: Direction, pieces: &[Piece]) -> Result<(), Error> {
-    wait(&submit(engine, direction, pieces)?)
 }

@@ -4,6 +4,7 @@
 //! tensors by reading them back.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv_client::{
@@ -452,7 +453,7 @@ pub(crate) struct DuplexResult {
 /// The stand-in engine the server copies from and to.
 pub(crate) struct Engine<'a> {
     /// Its tensors.
-    pub memory: &'a EngineMemory,
+    pub memory: &'a Arc<EngineMemory>,
     /// Their contents.
     pub originals: &'a [Vec<u8>],
     /// Block ids of each chunk.

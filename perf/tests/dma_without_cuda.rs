@@ -36,11 +36,12 @@ fn without_cuda_it_exits_2_saying_so() {
     let (code, err) = dma(&["--blocks", "16", "--duplex"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no CUDA device"), "{err}");
-    // Grouped folds with `--pieces`: the default fused form settles to the block row sums'
-    // there, so accepted.
-    let (code, err) = dma(&["--pieces", "--fold-jobs", "2"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("no CUDA device") && !err.contains("--fold-jobs"), "{err}");
+    // Both checksum forms run locally.
+    for form in ["fused", "gpu"] {
+        let (code, err) = dma(&["--blocks", "16", "--checksum-form", form]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("no CUDA device"), "{err}");
+    }
     // `--interference` runs beside a server's copies too: accepted with `--socket`.
     let (code, err) = dma(&["--blocks", "16", "--socket", "/nonexistent", "--interference"]);
     assert_eq!(code, Some(2), "{err}");
@@ -64,16 +65,18 @@ fn bad_layout_flags_are_named() {
     refused(&["--strategy", "direct"], &["--strategy", "direct"]);
     refused(&["--checksum-form", "tables"], &["--checksum-form", "tables"]);
     refused(&["--staging-gate", "gpu"], &["--staging-gate"]);
-    // Checksum forms are local, and grouped folds belong to the block row sums.
+    for form in ["fused-host", "gather-only"] {
+        refused(&["--checksum-form", form], &["--checksum-form", form]);
+    }
+    refused(&["--fold-jobs", "2"], &["--fold-jobs"]);
+    refused(&["--pieces"], &["--pieces"]);
+    // Checksum forms are local: through a server, its --gpu-checksums decides.
     refused(
         &["--socket", "/nonexistent", "--checksum-form", "fused"],
         &["--checksum-form", "--socket"],
     );
     // The block row sums are `gpu` now.
     refused(&["--checksum-form", "rows"], &["--checksum-form"]);
-    // Grouped folds need the block row sums' form, not the default fused one.
-    refused(&["--fold-jobs", "2"], &["--fold-jobs", "--checksum-form gpu"]);
-    refused(&["--fold-jobs", "5"], &["--fold-jobs"]);
     // The staging's parts: 2 to 8, and the server's own through a socket.
     for depth in ["1", "9"] {
         refused(&["--staging-depth", depth], &["--staging-depth"]);

@@ -15,14 +15,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::driver::CudaContext;
 use orbitkv_gpu::dma::{
-    ChecksumTicket, ChunkHasher, CopyEngine, Direction, EngineMemory, JobShape, SpanTotals,
-    Strategy, SubmitTimes, SummedSave, TensorExport, BATCHED_FROM,
+    ChunkHasher, CopyEngine, CopyJob, Direction, EngineMemory, Progress, SaveSums, SpanTotals,
+    Strategy, SubmitTimes, TensorExport, Transfer, BATCHED_FROM,
 };
-use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc};
+use orbitkv_gpu::{DeviceInfo, HostRegistration, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
-use orbitkv_shards::{Arena, SessionId};
+use orbitkv_shards::SessionId;
 
 use crate::doorbell::Doorbells;
 
@@ -96,20 +96,16 @@ pub fn off_shard(f: impl FnOnce() + Send + 'static) {
 struct Running {
     shard: usize,
     id: u64,
+    /// Its device (whose hasher a fused save's fold goes to).
+    device: usize,
     bytes: u64,
     /// Host-side copies its bytes went in (see `JobShape::host_runs`).
     host_runs: u64,
-    /// Completes when the copy has landed.
-    event: CudaEvent,
     /// When the copy was first seen landed while its checksums were still running.
     copied_at: Option<Instant>,
-    /// A save's checksums being computed on the GPU. Declared before the memory: fields drop
-    /// in order, and the ticket's drop waits for the kernels reading that memory.
-    checksums: Option<ChecksumTicket>,
-    /// A fused-form save whose fold is not queued yet (`checksums` is None until it is).
-    unfolded: Option<Unfolded>,
-    /// The engine memory the copy and the checksums read (held until both finished).
-    _memory: Arc<EngineMemory>,
+    /// The copy (and a save's checksums): owns the engine memory and the arena registration
+    /// until the GPU has finished with them.
+    transfer: Transfer,
 }
 
 /// Jobs on the GPU, oldest first.
@@ -434,7 +430,8 @@ struct Worker {
 pub struct GpuService {
     devices: Vec<DeviceInfo>,
     contexts: Vec<Arc<CudaContext>>,
-    arena: Arc<Arena>,
+    /// The arena's registration with CUDA: chunks' offsets are from its start.
+    host: Arc<HostRegistration>,
     registry: Mutex<Registry<Arc<EngineMemory>>>,
     limits: GpuLimits,
     /// Device `d`'s save thread at `2 * d`, its load thread at `2 * d + 1` (see [`worker_of`]).
@@ -486,7 +483,7 @@ impl GpuService {
     /// Opens a context on every device; threads start with [`GpuService::start`].
     pub fn new(
         devices: Vec<DeviceInfo>,
-        arena: Arc<Arena>,
+        host: Arc<HostRegistration>,
         shards: usize,
         limits: GpuLimits,
     ) -> Result<Arc<Self>, String> {
@@ -508,7 +505,7 @@ impl GpuService {
         Ok(Arc::new(Self {
             devices,
             contexts,
-            arena,
+            host,
             registry: Mutex::new(Registry::new(limits.max_registrations)),
             limits,
             workers,
@@ -804,51 +801,26 @@ impl GpuService {
                     add_time(pickup_ns, submitted.saturating_duration_since(job.queued_at));
                 }
                 let cpu_at_submit = thread_cpu_ns();
-                let mut pieces_took = Duration::ZERO;
                 *starting = Some(Starting { shard, id, _memory: Arc::clone(&job.memory) });
                 if direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused {
                     // A save begun next takes its device's next checksum slot: free it.
                     self.fold_seen(&mut hashers, inflight, Some(job.device));
                 }
-                let started = self.start_job(
-                    (&mut engines, &mut hashers),
-                    direction,
-                    &job,
-                    (&mut pieces, &mut pieces_took),
-                );
+                let started =
+                    self.start_job((&mut engines, &mut hashers), direction, &job, &mut pieces);
                 match started {
-                    // The engine memory stays referenced until the event has completed.
-                    Ok((event, shape, planned)) => {
-                        // In flight first (a panic from here on fails it rather than losing
-                        // it), then the checksums attached.
-                        let save = direction == Direction::Save;
-                        let memory = Arc::clone(&job.memory);
+                    Ok(transfer) => {
                         inflight.push_back(Running {
                             shard,
                             id,
+                            device: job.device,
                             bytes,
-                            host_runs: shape.host_runs as u64,
-                            event,
+                            host_runs: transfer.shape().host_runs as u64,
                             copied_at: None,
-                            checksums: None,
-                            unfolded: None,
-                            _memory: memory,
+                            transfer,
                         });
                         *starting = None;
                         busy_since.get_or_insert(submitted);
-                        if save {
-                            let running = inflight.back_mut().expect("just pushed");
-                            match planned {
-                                Planned::Summed(unfolded) => running.unfolded = unfolded,
-                                Planned::Blocks => {
-                                    running.checksums = self.gpu_checksums(&mut hashers, &job, None)
-                                }
-                                Planned::Pieces => {
-                                    running.checksums =
-                                        self.gpu_checksums(&mut hashers, &job, Some(&pieces))
-                                }
-                            }
-                        }
                         add_time(&sc.total_ns, submitted.elapsed());
                         sc.cpu_ns.fetch_add(
                             thread_cpu_ns().saturating_sub(cpu_at_submit),
@@ -864,7 +836,7 @@ impl GpuService {
                             .flatten()
                             .fold(SubmitTimes::default(), |t, h| t + h.take_times());
                         add_time(&sc.wait_ns, copies.waited + checksums.waited);
-                        add_time(&sc.pieces_ns, pieces_took);
+                        add_time(&sc.pieces_ns, copies.pieces);
                         add_time(&sc.stage_ns, copies.planned);
                         add_time(&sc.tables_ns, checksums.planned);
                     }
@@ -881,21 +853,15 @@ impl GpuService {
             }
             progressed |= self.fold_seen(&mut hashers, inflight, None);
             while let Some(job) = inflight.front_mut() {
-                let result = match job.event.try_is_complete() {
-                    Ok(false) => break,
-                    Ok(true) => {
-                        // A save is answered once its checksums are in too (a fold not
-                        // queued yet is, on the next pass: its gathers came before the copy).
-                        let folding = job.unfolded.is_some();
-                        if folding
-                            || matches!(
-                                job.checksums.as_ref().map(|t| t.is_complete()),
-                                Some(Ok(false))
-                            )
-                        {
-                            job.copied_at.get_or_insert_with(Instant::now);
-                            break;
-                        }
+                let result = match job.transfer.progress() {
+                    Ok(Progress::Copying) => break,
+                    // A save is answered once its checksums are in too (a fold not queued
+                    // yet is, on the next pass: its gathers came before the copy).
+                    Ok(Progress::Summing) => {
+                        job.copied_at.get_or_insert_with(Instant::now);
+                        break;
+                    }
+                    Ok(Progress::Done) => {
                         if let Some(t) = job.copied_at {
                             self.counters
                                 .save_checksum_wait_ns
@@ -918,25 +884,14 @@ impl GpuService {
                         r.fetch_add(job.host_runs, Ordering::Relaxed);
                         Ok(())
                     }
-                    Err(e) => {
-                        self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                        Err(format!("CUDA copy failed: {e}"))
-                    }
+                    Err(e) => Err(e),
                 };
-                let mut job = inflight.pop_front().expect("the front job");
-                if let Some(u) = job.unfolded.take() {
-                    // Its copy failed: no fold; the shards compute the checksums if need be.
-                    self.release_unfolded(&mut hashers, u);
-                }
-                // Checksums that failed on the GPU are computed on the shards instead.
-                let result = result.map(|()| {
-                    job.checksums.and_then(|t| {
-                        t.take()
-                            .inspect_err(|e| {
-                                tracing::warn!(error = %e, "GPU checksums failed; the shards compute them")
-                            })
-                            .ok()
-                    })
+                let job = inflight.pop_front().expect("the front job");
+                // Checksums that failed on the GPU come back as None: the shards compute them.
+                // A failed copy's transfer holds its memory as long as the GPU may touch it.
+                let result = result.and_then(|()| job.transfer.finish()).map_err(|e| {
+                    self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                    format!("CUDA copy failed: {e}")
                 });
                 undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
                 progressed = true;
@@ -987,62 +942,20 @@ impl GpuService {
         inflight: &mut InFlight,
         room_on: Option<usize>,
     ) -> bool {
-        // The slot the device's hasher hands out next (a hasher exists where a save is
-        // unfolded; none made here).
-        let room = room_on.and_then(|d| {
-            let hasher = hashers.get(d)?.as_ref()?.as_ref()?;
-            Some((d, hasher.next_slot()))
-        });
         let mut queued = false;
         for job in inflight.iter_mut() {
-            let Some(u) = job.unfolded.as_ref() else { continue };
-            // An event that failed is taken as done: the fold's wait then reports it.
-            let done = u.gathered.try_is_complete() != Ok(false);
-            if fold_due((u.device, u.save.slot(), done), room) {
-                let u = job.unfolded.take().expect("checked above");
-                job.checksums = self.fold(hashers, u);
-                queued = true;
+            // A hasher exists where a save is unfolded; none is made here.
+            let Some(Some(Some(hasher))) = hashers.get_mut(job.device).map(Option::as_mut) else {
+                continue;
+            };
+            let Some(slot) = job.transfer.held_slot(hasher) else { continue };
+            let wait = room_on == Some(job.device) && slot == hasher.next_slot();
+            match job.transfer.fold(hasher, wait) {
+                Ok(q) => queued |= q,
+                Err(e) => tracing::error!(error = %e, "fused GPU checksums: fold refused"),
             }
         }
         queued
-    }
-
-    /// Queues the fold of `u` once its gathers have finished (waited for here if need be);
-    /// None when it cannot be (the shards compute the save's checksums).
-    fn fold(
-        &self,
-        hashers: &mut [Option<Option<ChunkHasher>>],
-        u: Unfolded,
-    ) -> Option<ChecksumTicket> {
-        if let Err(e) = u.gathered.synchronize() {
-            // The slot stays held: its gathers cannot be seen finished (`release_unfolded`).
-            tracing::warn!(error = %e, "fused GPU checksums: the gathers failed; the shards compute them");
-            return None;
-        }
-        let hasher = self.hasher(hashers, u.device).expect("a summed save has its hasher");
-        finish_summed(hasher, u.save)
-            .inspect_err(|e| {
-                tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them")
-            })
-            .ok()
-    }
-
-    /// Gives back the hasher slot of a fused save whose fold will not be queued (its job's
-    /// copy failed) once its gathers are seen finished. If they cannot be (a failed context),
-    /// the slot stays held: no later checksum submission of the device takes it, and the
-    /// shards compute those saves' checksums (a warning each).
-    fn release_unfolded(&self, hashers: &mut [Option<Option<ChunkHasher>>], u: Unfolded) {
-        match u.gathered.synchronize() {
-            Ok(()) => {
-                if let Some(hasher) = self.hasher(hashers, u.device) {
-                    hasher.abandon_summed(u.save);
-                }
-            }
-            Err(e) => {
-                tracing::error!(device = u.device, slot = u.save.slot(), error = %e,
-                    "fused GPU checksums: a slot's gathers cannot be seen finished; the slot stays held");
-            }
-        }
     }
 
     /// `--gpu-timeline`, at the end of a busy period (nothing in flight, so nothing to wait
@@ -1058,36 +971,6 @@ impl GpuService {
                 Err(e) => {
                     tracing::warn!(error = %e, "--gpu-timeline: reading the timing events failed")
                 }
-            }
-        }
-    }
-
-    /// Starts a save job's chunk checksums on the GPU (`pieces`: the job's, as just planned,
-    /// or None when it went in block form); `None` when they are computed on the shards
-    /// (`--gpu-checksums cpu`, kernels that did not load on this device, chunks too short, a
-    /// failed launch: logged).
-    fn gpu_checksums(
-        &self,
-        hashers: &mut [Option<Option<ChunkHasher>>],
-        job: &GpuJob,
-        pieces: Option<&[orbitkv_gpu::dma::plan::Piece]>,
-    ) -> Option<ChecksumTicket> {
-        if self.checksum_place() == ChecksumPlace::Cpu {
-            return None;
-        }
-        let hasher = self.hasher(hashers, job.device)?;
-        let submitted = match pieces {
-            Some(pieces) => submit_checksums(hasher, pieces, job.chunk_len),
-            None => job
-                .memory
-                .block_job(self.arena.base_ptr() as u64, &job.chunks)
-                .and_then(|b| submit_block_checksums(hasher, &b, job.chunk_len)),
-        };
-        match submitted {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!(error = %e, "GPU checksums not started; the shards compute them");
-                None
             }
         }
     }
@@ -1135,132 +1018,72 @@ impl GpuService {
         any
     }
 
-    /// Plans and enqueues a job; the event completes when its bytes have landed.
+    /// Checks and hands a job to the GPU, with a save's checksums as `--gpu-checksums` says.
     fn start_job(
         &self,
         (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
         direction: Direction,
         job: &GpuJob,
-        (pieces, took): (&mut Vec<orbitkv_gpu::dma::plan::Piece>, &mut Duration),
-    ) -> Result<(CudaEvent, JobShape, Planned), String> {
+        pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
+    ) -> Result<Transfer, String> {
         let engine = match &mut engines[job.device] {
             Some(e) => e,
-            slot @ None => {
-                let e = CopyEngine::new(
-                    &self.contexts[job.device],
-                    self.limits.staging_bytes,
-                    self.limits.staging_depth,
-                    BATCHED_FROM,
-                )
-                .map_err(|e| format!("creating the copy engine: {e}"))?;
-                if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
-                    // The operator asked for the kernel explicitly: say so once, loudly; every
-                    // job it would copy then fails naming the reason (`auto` would copy batched
-                    // instead). Block-form jobs need only the block kernel.
-                    tracing::error!(
-                        device = job.device,
-                        error = why,
-                        "--gpu-copy {}, but the segment copy kernel did not load: GPU saves and \
-                         loads that need it fail; use --gpu-copy auto or batched",
-                        self.limits.copy.as_str()
-                    );
-                }
-                slot.insert(e)
-            }
+            slot @ None => slot.insert(self.copy_engine(job.device)?),
         };
         // Timed from the first job of a busy period (`close_timelines` ends it), up to
         // TIMELINE_BATCHES batches of it.
         if self.limits.timeline && !engine.recording_timeline() {
             engine.record_timeline_batches(TIMELINE_BATCHES);
         }
-        let t = Instant::now();
-        pieces.clear();
-        let base = self.arena.base_ptr() as u64;
-        for (offset, _) in &job.chunks {
-            if offset.checked_add(job.chunk_len).is_none_or(|end| end > self.arena.len()) {
-                return Err(format!("arena range {offset}+{} is outside the arena", job.chunk_len));
-            }
+        let place = self.checksum_place();
+        let hasher = match direction {
+            Direction::Save if place != ChecksumPlace::Cpu => self.hasher(hashers, job.device),
+            _ => None,
+        };
+        let sums = match (place, hasher) {
+            (_, None) => SaveSums::Off,
+            (ChecksumPlace::Fused, Some(h)) => SaveSums::Fused(h),
+            (_, Some(h)) => SaveSums::Kernels(h),
+        };
+        let copy = CopyJob {
+            direction,
+            memory: &job.memory,
+            host: &self.host,
+            chunks: &job.chunks,
+            chunk_len: job.chunk_len,
+        };
+        engine.start(&copy, self.limits.copy, sums, pieces).map_err(|e| e.to_string())
+    }
+
+    /// The copy engine of `device`, made at its first job.
+    fn copy_engine(&self, device: usize) -> Result<CopyEngine, String> {
+        let e = CopyEngine::new(
+            &self.contexts[device],
+            self.limits.staging_bytes,
+            self.limits.staging_depth,
+            BATCHED_FROM,
+        )
+        .map_err(|e| format!("creating the copy engine: {e}"))?;
+        if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
+            // The operator asked for the kernel explicitly: say so once, loudly; every job it
+            // would copy then fails naming the reason (`auto` would copy batched instead).
+            // Block-form jobs need only the block kernel.
+            tracing::error!(
+                device,
+                error = why,
+                "--gpu-copy {}, but the segment copy kernel did not load: GPU saves and loads \
+                 that need it fail; use --gpu-copy auto or batched",
+                self.limits.copy.as_str()
+            );
         }
-        // Block form where it applies (staged copies of blocks that fit a staging half): the
-        // kernel finds each block's parts from its id, and no piece is planned per page.
-        let block_job = job.memory.block_job(base, &job.chunks).map_err(|e| e.to_string())?;
-        // `--gpu-checksums fused`: the save's gather sums the rows, the fold follows it; such a
-        // save goes staged under `--gpu-copy auto` whatever its pieces' length.
-        let fused = direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused;
-        let mut hasher = if fused { self.hasher(hashers, job.device) } else { None };
-        let summed_save = hasher.as_ref().is_some_and(|h| h.summed_applies(&block_job));
-        if engine.blocks_for(self.limits.copy, &block_job, summed_save) {
-            let block_bytes = block_job.block_bytes();
-            if let Some((_, ids)) =
-                job.chunks.iter().find(|(_, ids)| ids.len() as u64 * block_bytes != job.chunk_len)
-            {
-                return Err(format!(
-                    "chunk of {} bytes where {} were reserved",
-                    ids.len() as u64 * block_bytes,
-                    job.chunk_len
-                ));
-            }
-            *took = t.elapsed();
-            let summed = match hasher.as_mut().map(|h| h.begin_summed(&block_job, job.chunk_len)) {
-                Some(Ok(s)) => s,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "fused GPU checksums not started; the usual kernels compute them");
-                    None
-                }
-                None => None,
-            };
-            let submitted = submit_blocks(engine, direction, &block_job, summed.as_ref());
-            let ((event, shape), summed) = match (submitted, summed) {
-                (Ok(r), summed) => (r, summed),
-                (Err(e), Some(s)) => {
-                    // `submit_blocks` synchronized the streams on the error, but does not say
-                    // whether that worked.
-                    abandon_once_idle(engine, hasher.expect("a summed save has its hasher"), s);
-                    return Err(e);
-                }
-                (Err(e), None) => return Err(e),
-            };
-            let Some(s) = summed else { return Ok((event, shape, Planned::Blocks)) };
-            let hasher = hasher.expect("a summed save has its hasher");
-            let unfolded = match engine.kernels_done() {
-                Ok(gathered) => Some(Unfolded { device: job.device, save: s, gathered }),
-                Err(e) => {
-                    tracing::warn!(error = %e, "fused GPU checksums not finished; the shards compute them");
-                    // No event to fold after: the job's gathers may still be writing the
-                    // hasher slot's scratch rows, which its next user must find finished.
-                    abandon_once_idle(engine, hasher, s);
-                    None
-                }
-            };
-            return Ok((event, shape, Planned::Summed(unfolded)));
-        }
-        for (offset, blocks) in &job.chunks {
-            let len = job
-                .memory
-                .chunk_pieces(blocks, base + offset, pieces)
-                .map_err(|e| e.to_string())?;
-            if len != job.chunk_len {
-                return Err(format!("chunk of {len} bytes where {} were reserved", job.chunk_len));
-            }
-        }
-        *took = t.elapsed();
-        // SAFETY (contract of `submit`): the pieces name the engine's imported tensors (kept
-        // alive by `job.memory` until the event completes: the caller keeps the job's memory
-        // Arc with the event) and arena slots the submitting request holds until it receives
-        // the completion; the arena is registered with CUDA and outlives this service.
-        submit_pieces(engine, direction, pieces, self.limits.copy)
-            .map(|(e, s)| (e, s, Planned::Pieces))
+        Ok(e)
     }
 }
 
 /// Sets the calling thread's timer slack (how much later than asked the kernel may end its
 /// sleeps; 50 us by default); a refusal is logged and the default stays.
-#[allow(unsafe_code)]
 fn set_timer_slack_ns(ns: u64) {
-    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and touches no memory of ours.
-    let r = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
+    if let Err(e) = nix::sys::prctl::set_timerslack(ns) {
         tracing::warn!(error = %e, "GPU DMA thread: timer slack not set; its sleeps may run 50 us long");
     }
 }
@@ -1274,130 +1097,9 @@ fn thread_cpu_ns() -> u64 {
     })
 }
 
-#[allow(unsafe_code)]
-fn submit_checksums(
-    hasher: &mut ChunkHasher,
-    pieces: &[orbitkv_gpu::dma::plan::Piece],
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: the pieces name a save job's engine memory on the hasher's device, held by the
-    // job (its `Running` entry) until both its copy event and this ticket complete; the engine
-    // does not change pages it asked to save before the save is answered (its contract).
-    unsafe { hasher.submit(pieces, chunk_len) }
-}
-
-#[allow(unsafe_code)]
-fn submit_block_checksums(
-    hasher: &mut ChunkHasher,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    chunk_len: u64,
-) -> Result<Option<ChecksumTicket>, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: as `submit_checksums`, for the job's blocks.
-    unsafe { hasher.submit_blocks(job, chunk_len) }
-}
-
-#[allow(unsafe_code)]
-fn submit_blocks(
-    engine: &mut CopyEngine,
-    direction: Direction,
-    job: &orbitkv_gpu::dma::plan::BlockJob<'_>,
-    summed: Option<&SummedSave>,
-) -> Result<(CudaEvent, JobShape), String> {
-    // SAFETY: see `GpuService::start_job`; the block ids were checked against the engine's
-    // blocks, and the chunks' arena ranges against the arena.
-    unsafe { engine.submit_blocks(direction, job, summed) }.map_err(|e| e.to_string())
-}
-
-#[allow(unsafe_code)]
-fn finish_summed(
-    hasher: &mut ChunkHasher,
-    s: SummedSave,
-) -> Result<ChecksumTicket, orbitkv_gpu::dma::DmaError> {
-    // SAFETY: `s` went with its job to `submit_blocks`, and the event recorded on the copy
-    // engine's kernel stream after that job's last gather has completed (`Unfolded`).
-    unsafe { hasher.finish_summed(s, None) }
-}
-
-/// Gives back the checksum slot of a fused save whose fold will not be queued, once nothing of
-/// its job runs on the GPU (the copy engine's streams synchronized); if that cannot be seen (a
-/// failed context), the slot stays held, logged.
-fn abandon_once_idle(engine: &CopyEngine, hasher: &mut ChunkHasher, s: SummedSave) {
-    match engine.synchronize() {
-        Ok(()) => hasher.abandon_summed(s),
-        Err(e) => tracing::error!(slot = s.slot(), error = %e,
-            "copy streams failed after a failed submission; a checksum slot stays held"),
-    }
-}
-
-/// Whether to fold an unfolded fused save now (its device, checksum slot, and whether its
-/// gathers are done): when its gathers are done, or when it holds `room` (a device and the
-/// slot its hasher hands out next), done or not.
-fn fold_due((device, slot, done): (usize, usize, bool), room: Option<(usize, usize)>) -> bool {
-    done || room == Some((device, slot))
-}
-
-/// How a job went to the GPU, for its checksums.
-enum Planned {
-    /// As pieces (the job's, in the DMA thread's piece list).
-    Pieces,
-    /// In block form.
-    Blocks,
-    /// In block form with the rows summed by its gather (`--gpu-checksums fused`): its fold
-    /// to queue, None when that cannot be (the shards compute the checksums).
-    Summed(Option<Unfolded>),
-}
-
-/// A fused-form save whose gathers sum its rows, its fold not queued yet: the DMA thread
-/// queues it once it sees `gathered` (recorded after the job's last gather) complete, rather
-/// than queueing it at once behind a wait for that event on the hasher slot's stream. With the
-/// wait on the GPU, the saves' device-to-host copies ran at 50.3 GB/s while copying; queued
-/// once seen, at 54.4 (the block row sums' form: 53.9; `orbitkv-perf dma --checksum-form
-/// fused|fused-host|gpu --timeline`, sglang 2 KiB, on the H200, docs/performance.md).
-struct Unfolded {
-    device: usize,
-    save: SummedSave,
-    gathered: CudaEvent,
-}
-
-#[allow(unsafe_code)]
-fn submit_pieces(
-    engine: &mut CopyEngine,
-    direction: Direction,
-    pieces: &[orbitkv_gpu::dma::plan::Piece],
-    strategy: Strategy,
-) -> Result<(CudaEvent, JobShape), String> {
-    // SAFETY: see `GpuService::start_job`.
-    unsafe { engine.submit(direction, pieces, strategy) }.map_err(|e| e.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fused_saves_fold_when_their_gathers_are_done_or_a_slot_is_needed() {
-        let folds_due = |unfolded: &[(usize, usize, bool)], room| -> Vec<bool> {
-            unfolded.iter().map(|&u| fold_due(u, room)).collect()
-        };
-        // Without a save to begin: those done, in any order.
-        let u = [(0, 1, false), (0, 2, true), (1, 1, true)];
-        assert_eq!(folds_due(&u, None), [false, true, true]);
-        assert!(folds_due(&[], None).is_empty());
-        assert!(folds_due(&[], Some((0, 0))).is_empty());
-        // A save to begin on device 0, whose hasher hands out slot 0 next: free already.
-        let u = [(0, 1, false), (0, 2, false), (0, 3, false)];
-        assert_eq!(folds_due(&u, Some((0, 0))), [false, false, false]);
-        // Held by an unfolded save: that one, done or not (here the oldest of three).
-        let u = [(0, 0, false), (0, 1, false), (0, 2, false)];
-        assert_eq!(folds_due(&u, Some((0, 0))), [true, false, false]);
-        // Whatever its age: a save of another form may have taken the slots in between.
-        let u = [(0, 3, true), (0, 1, false), (0, 2, false)];
-        assert_eq!(folds_due(&u, Some((0, 1))), [true, true, false]);
-        // Another device's unfolded save with the same slot is not waited for.
-        let u = [(1, 0, false), (0, 0, false), (1, 1, false)];
-        assert_eq!(folds_due(&u, Some((0, 0))), [false, true, false]);
-        assert_eq!(folds_due(&u, Some((2, 0))), [false, false, false]);
-    }
 
     #[test]
     fn checksum_places_parse_as_they_are_spelled() {
@@ -1490,10 +1192,7 @@ mod tests {
     #[test]
     fn the_timer_slack_can_be_set() {
         set_timer_slack_ns(1_000);
-        // SAFETY: PR_GET_TIMERSLACK takes no argument and returns the slack.
-        #[allow(unsafe_code)]
-        let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
-        assert_eq!(slack, 1_000);
+        assert_eq!(nix::sys::prctl::get_timerslack().unwrap(), 1_000);
     }
 
     #[test]

@@ -185,7 +185,7 @@ fn run(settings: Settings) -> Result<(), String> {
     );
     // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) before
     // the arena at shutdown.
-    let _registration = match &gpu {
+    let registration = match &gpu {
         Some(orbitkv_gpu::Probe::Present { devices }) => {
             let first = &devices[0];
             match orbitkv_gpu::register_arena(first.ordinal as usize, &arena) {
@@ -196,7 +196,7 @@ fn run(settings: Settings) -> Result<(), String> {
                         ms = r.elapsed.as_millis() as u64,
                         "arena registered with CUDA"
                     );
-                    Some(r)
+                    Some(Arc::new(r))
                 }
                 Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => {
                     return Err(e.to_string())
@@ -232,7 +232,8 @@ fn run(settings: Settings) -> Result<(), String> {
         service_prefix,
     );
     // GPU save/load needs the arena registered with CUDA.
-    if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(_)) = (&shared.gpu, &_registration)
+    if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(host)) =
+        (&shared.gpu, &registration)
     {
         let limits = gpu::GpuLimits {
             queue_depth: settings.config.gpu_queue_depth,
@@ -243,7 +244,7 @@ fn run(settings: Settings) -> Result<(), String> {
             copy: settings.config.gpu_copy,
             timeline: settings.config.gpu_timeline,
         };
-        let service = gpu::GpuService::new(devices.clone(), Arc::clone(&arena), shards, limits)?;
+        let service = gpu::GpuService::new(devices.clone(), Arc::clone(host), shards, limits)?;
         let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
         service.start(Arc::clone(&shared.doorbells), &cores)?;
         tracing::info!(

@@ -120,6 +120,34 @@ impl Arena {
         Ok(arena)
     }
 
+    /// Maps an arena memfd received from a server (a process of its own mapping the same
+    /// memory, e.g. to register it with CUDA): shared, read-write, the whole file. Nothing is
+    /// written, populated or locked; the server owns the contents.
+    pub fn open(fd: OwnedFd) -> Result<Arena, Error> {
+        let stat = nix::sys::stat::fstat(fd.as_fd())
+            .map_err(|source| Error::Arena { op: "fstat", source })?;
+        let bytes = stat.st_size as u64;
+        let len = usize::try_from(bytes)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .filter(|_| bytes > HEADER_BYTES && bytes.is_multiple_of(PAGE_SIZE))
+            .ok_or(Error::ArenaSize { bytes, reason: "is not an arena's size" })?;
+        // SAFETY: a new shared mapping (addr None) of the whole file, whose size was just read
+        // (arenas are sealed against resizing); no existing memory is replaced.
+        let base = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(|source| Error::Arena { op: "mmap", source })?;
+        Ok(Arena { fd, base, len: len.get(), locked: false })
+    }
+
     /// The memfd, to pass to clients.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
@@ -180,7 +208,7 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping created in `create`; every slice holds an Arc to
+        // SAFETY: `base`/`len` are the mapping made in `create` or `open`; every slice holds an Arc to
         // this arena, so none is alive now.
         if let Err(e) = unsafe { munmap(self.base, self.len) } {
             tracing::error!(error = %e, "munmap of the arena failed");

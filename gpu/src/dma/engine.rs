@@ -391,10 +391,14 @@ impl CopyEngine {
         self.parts[0].staging.len()
     }
 
-    /// Where `submit`'s time went since the last call (blocked on earlier work; planning
-    /// staged batches into their tables), reset to zero.
+    /// Where `start`'s time went since the last call (finding pieces; blocked on earlier
+    /// work; planning staged batches into their tables), reset to zero.
     pub fn take_times(&mut self) -> SubmitTimes {
         std::mem::take(&mut self.times)
+    }
+
+    pub(crate) fn add_times(&mut self, t: SubmitTimes) {
+        self.times = self.times + t;
     }
 
     /// Which strategy `strategy` means for these pieces.
@@ -435,7 +439,7 @@ impl CopyEngine {
     /// # Safety
     /// As [`CopyEngine::submit`], for every part of every block of the job (device side) and
     /// every chunk's host range.
-    pub unsafe fn submit_blocks(
+    pub(crate) unsafe fn submit_blocks(
         &mut self,
         direction: Direction,
         job: &BlockJob<'_>,
@@ -555,7 +559,7 @@ impl CopyEngine {
     /// Every piece must name device memory of this engine's device and host memory
     /// registered with CUDA (the arena), both valid and not written by anyone else until the
     /// returned event completes.
-    pub unsafe fn submit(
+    pub(crate) unsafe fn submit(
         &mut self,
         direction: Direction,
         pieces: &[Piece],
@@ -855,7 +859,7 @@ impl CopyEngine {
     ///
     /// # Safety
     /// As [`CopyEngine::submit`] for the one range.
-    pub unsafe fn contiguous(
+    pub(crate) unsafe fn contiguous(
         &mut self,
         direction: Direction,
         device: u64,

@@ -69,6 +69,11 @@ impl DeviceBuffer {
         self.len
     }
 
+    /// The ordinal of its device.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// True for a zero-byte request (one byte is allocated anyway).
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -102,6 +107,9 @@ impl Drop for DeviceBuffer {
 
 // SAFETY: a device address is usable from any thread that binds the context.
 unsafe impl Send for DeviceBuffer {}
+// SAFETY: `&self` methods read the address and length or make driver calls that are
+// thread-safe (the context is bound on the calling thread first); nothing is mutated.
+unsafe impl Sync for DeviceBuffer {}
 
 /// Page-locked host memory from `cuMemHostAlloc` (descriptor tables), freed on drop.
 pub(crate) struct PinnedHost {
@@ -498,9 +506,6 @@ unsafe impl Send for ScatterUniformKernel {}
 /// runs of 4 rows 42 us, of 8 40-41.5 us, of 16 50 us; 8 holds the fewest blocks for its time.
 const ROWS_PER_RUN: u64 = 8;
 
-/// Bytes of one job in the table of `orbitkv_xxh3_fold_uniform_jobs` (`FoldJob`: five u64).
-pub(crate) const FOLD_JOB_BYTES: usize = 40;
-
 /// Most blocks (of 256 threads) the block row sums run in: as many as the table-driven row
 /// kernel held, each warp with four 16-byte loads in flight per thread rather than table
 /// lookups before its loads (beside an engine's kernels, the blocks held are what it loses).
@@ -516,8 +521,6 @@ pub(crate) struct ChecksumKernels {
     fused: Option<(sys::CUfunction, sys::CUfunction)>,
     /// The block row sums (`orbitkv_xxh3_block_rows`), None when the PTX lacks them.
     block_rows: Option<sys::CUfunction>,
-    /// The uniform fold of several jobs (`orbitkv_xxh3_fold_uniform_jobs`), likewise.
-    fold_jobs: Option<sys::CUfunction>,
     _module: PtxModule,
 }
 
@@ -610,7 +613,6 @@ impl ChecksumKernels {
                 .and_then(|g| Ok((g, module.function("orbitkv_xxh3_fold_uniform")?)))
                 .ok(),
             block_rows: module.function("orbitkv_xxh3_block_rows").ok(),
-            fold_jobs: module.function("orbitkv_xxh3_fold_uniform_jobs").ok(),
             _module: module,
         })
     }
@@ -629,38 +631,6 @@ impl ChecksumKernels {
     /// Whether the block row sums and the uniform fold are in the PTX.
     pub(crate) fn has_block_rows(&self) -> bool {
         self.block_rows.is_some() && self.fused.is_some()
-    }
-
-    /// Whether the uniform fold of several jobs is in the PTX.
-    pub(crate) fn has_fold_jobs(&self) -> bool {
-        self.fold_jobs.is_some()
-    }
-
-    /// Launches the uniform fold of `njobs` jobs (`FOLD_JOB_BYTES` each at `jobs`, mapped
-    /// pinned memory read in place: length, chunks, scratch, counters and checksums' addresses
-    /// as little-endian u64) of `chunks` chunks in all, on `stream`.
-    ///
-    /// # Safety
-    /// As [`ChecksumKernels::launch_fold_uniform`] for every job's memory, and the table
-    /// readable on the device until the stream passes the launch.
-    pub(crate) unsafe fn launch_fold_uniform_jobs(
-        &self,
-        stream: &CudaStream,
-        jobs: u64,
-        njobs: u32,
-        chunks: u64,
-    ) -> Result<(), DmaError> {
-        const THREADS: u32 = 256;
-        let func = self.fold_jobs.ok_or_else(|| {
-            DmaError::Invalid("the fold of several jobs is not in this PTX".into())
-        })?;
-        let grid = u32::try_from((chunks * 8).div_ceil(u64::from(THREADS)).max(1))
-            .map_err(|_| DmaError::Invalid(format!("{chunks} chunks exceed a CUDA grid")))?;
-        let (mut jobs, mut njobs) = (jobs, njobs);
-        let mut params: [*mut c_void; 2] = [(&raw mut jobs).cast(), (&raw mut njobs).cast()];
-        // SAFETY: matches `orbitkv_xxh3_fold_uniform_jobs(const FoldJob*, u32)`, eight threads
-        // per chunk of all the jobs; memory per this function's contract.
-        unsafe { launch(func, stream, grid, THREADS, &mut params, "checksum fold of jobs") }
     }
 
     /// Launches the block row sums on `stream` (a warp per group of up to eight units of at most

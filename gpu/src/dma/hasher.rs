@@ -5,6 +5,7 @@
 
 #![allow(unsafe_code)]
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -15,7 +16,7 @@ use super::checksum::{
 };
 use super::ffi::{
     self, BlockRowsLaunch, ChecksumKernels, ChecksumLaunch, CopyKernel, DeviceBuffer, ExpandLaunch,
-    PinnedHost, SummedGather, Way, FOLD_JOB_BYTES,
+    PinnedHost, SummedGather, Way,
 };
 use super::plan::{BlockJob, KernelDesc, Piece};
 use super::DmaError;
@@ -42,14 +43,17 @@ struct Slot {
     /// The pull's descriptors (mapped pinned memory, read in place by the copy kernel).
     pull_descs: PinnedHost,
     tables: DeviceBuffer,
-    scratch: DeviceBuffer,
+    /// Shared with the fused-form save that writes it (its gather runs on a copy engine's
+    /// stream, which this hasher does not synchronize), so that it outlives that gather.
+    scratch: Arc<DeviceBuffer>,
     /// The fold kernel's counters: zero whenever no submission of the slot runs.
     counters: DeviceBuffer,
     /// The slot's last submission finished (tables, scratch and counters reusable).
     done: CudaEvent,
     /// A fused-form save begun on it is not finished yet (its fold not queued, so `done`
-    /// does not follow it).
-    summing: bool,
+    /// does not follow it). Shared with that save, whose owner clears it once the save's
+    /// gathers are seen finished without a fold.
+    summing: Arc<AtomicBool>,
 }
 
 /// The tables of one submission: chunks, the bytes the host writes (the pull brings them
@@ -66,16 +70,34 @@ struct Shape {
 /// scratch rows the job's gather writes, and the results buffer the fold will fill.
 pub struct SummedSave {
     slot: usize,
+    /// The [`ChunkHasher::id`] of the hasher whose slot it holds.
+    hasher: u64,
     results: PinnedHost,
     nchunks: u32,
     chunk_len: u64,
     gather: SummedGather,
+    /// The slot's scratch, which the gather writes (kept while the save exists).
+    scratch: Arc<DeviceBuffer>,
+    /// The slot's flag, cleared by [`SummedSave::release_after_gathers`].
+    summing: Arc<AtomicBool>,
 }
 
 impl SummedSave {
     /// The checksum slot it holds until its fold is queued.
     pub fn slot(&self) -> usize {
         self.slot
+    }
+
+    /// Gives the slot back without a fold, once the caller has seen every gather of the
+    /// save's job finish (no fold was queued, so the slot's `done` still follows its previous
+    /// use). Dropping the save otherwise keeps the slot held.
+    pub(crate) fn release_after_gathers(self) {
+        self.summing.store(false, Ordering::Release);
+    }
+
+    /// The hasher whose slot it holds.
+    pub(crate) fn hasher(&self) -> u64 {
+        self.hasher
     }
 
     /// What the copy engine's gather needs to sum the job's rows.
@@ -109,8 +131,6 @@ struct PendingRows {
     nchunks: usize,
     /// Where the fold writes the checksums (handed to the ticket).
     results: PinnedHost,
-    /// For a grouped fold: recorded on the slot's stream after the row sums.
-    summed: Option<CudaEvent>,
 }
 
 /// One job of the uniform fold (`FoldJob` in chunk_checksum.cu).
@@ -132,18 +152,6 @@ impl FoldJobRecord {
             out: p.results.addr(),
         }
     }
-
-    fn write_to(&self, out: &mut [u8]) {
-        for (w, v) in out.chunks_exact_mut(8).zip([
-            self.len,
-            self.nchunks,
-            self.scratch,
-            self.counters,
-            self.out,
-        ]) {
-            w.copy_from_slice(&v.to_le_bytes());
-        }
-    }
 }
 
 /// Pinned result buffers handed to tickets and given back when they are dropped.
@@ -155,6 +163,9 @@ pub struct ChecksumTicket {
     results: Option<PinnedHost>,
     count: usize,
     pool: Pool,
+    /// The memory the kernels read, when the ticket owns it ([`ChunkHasher::checksums`]);
+    /// dropped after `Drop` has waited for the event.
+    _memory: Option<Arc<super::EngineMemory>>,
 }
 
 impl ChecksumTicket {
@@ -194,6 +205,8 @@ impl Drop for ChecksumTicket {
 
 /// The checksum kernels of one device, their streams and memory.
 pub struct ChunkHasher {
+    /// Unique in this process: a fused-form save is finished only by the hasher that began it.
+    id: u64,
     ctx: Arc<CudaContext>,
     kernels: ChecksumKernels,
     /// Pulls the tables from mapped pinned memory onto the device; None when it did not load
@@ -202,8 +215,6 @@ pub struct ChunkHasher {
     slots: Vec<Slot>,
     next: usize,
     pool: Pool,
-    /// Jobs whose block row sums wait for a grouped fold, in submission order.
-    pending: Vec<PendingRows>,
     /// Where `submit`'s time went since the last `take_times`.
     times: super::SubmitTimes,
 }
@@ -217,6 +228,19 @@ pub(super) fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> D
 fn at_least(ctx: &Arc<CudaContext>, buf: &mut DeviceBuffer, len: usize) -> Result<(), DmaError> {
     if buf.len() < len {
         *buf = DeviceBuffer::new(ctx, len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+/// `scratch` with at least `len` bytes: kept when large enough, else replaced (its previous
+/// use must have finished; a fused-form save still holding it keeps it alive).
+fn scratch_at_least(
+    ctx: &Arc<CudaContext>,
+    scratch: &mut Arc<DeviceBuffer>,
+    len: usize,
+) -> Result<(), DmaError> {
+    if scratch.len() < len {
+        *scratch = Arc::new(DeviceBuffer::new(ctx, len.next_power_of_two())?);
     }
     Ok(())
 }
@@ -253,23 +277,34 @@ impl ChunkHasher {
                 tables_host: PinnedHost::new(ctx, 64 << 10)?,
                 pull_descs: PinnedHost::new(ctx, 4 << 10)?,
                 tables: DeviceBuffer::new(ctx, 64 << 10)?,
-                scratch: DeviceBuffer::new(ctx, 1 << 20)?,
+                scratch: Arc::new(DeviceBuffer::new(ctx, 1 << 20)?),
                 counters,
                 done: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
-                summing: false,
+                summing: Arc::new(AtomicBool::new(false)),
                 stream,
             });
         }
+        static IDS: AtomicU64 = AtomicU64::new(0);
         Ok(Self {
+            id: IDS.fetch_add(1, Ordering::Relaxed),
             ctx: Arc::clone(ctx),
             kernels,
             pull,
             slots,
             next: 0,
             pool: Arc::new(Mutex::new(Vec::new())),
-            pending: Vec::new(),
             times: super::SubmitTimes::default(),
         })
+    }
+
+    /// Unique in this process (see [`SummedSave`]).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The context's device ordinal.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     /// Where `submit`'s time went since the last call (waiting for a slot's earlier
@@ -286,7 +321,7 @@ impl ChunkHasher {
     /// # Safety
     /// Every piece's device range must be memory of this context's device that stays valid
     /// and unchanged until the ticket's event completes (the engine's pages being saved).
-    pub unsafe fn submit(
+    pub(crate) unsafe fn submit(
         &mut self,
         pieces: &[Piece],
         chunk_len: u64,
@@ -365,7 +400,6 @@ impl ChunkHasher {
         if !self.summed_applies(job) {
             return Ok(None);
         }
-        self.no_pending_folds()?;
         // The same checks as the tables' (chunk lengths, counts), none of their bytes.
         let t = block_tables(job, chunk_len)?;
         let nchunks = u32::try_from(t.chunks)
@@ -381,16 +415,53 @@ impl ChunkHasher {
         let slot = &mut self.slots[index];
         // The slot's scratch and counters are free once its last use finished.
         super::wait_for(&slot.done, &mut self.times.waited)?;
-        at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
+        scratch_at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
         counters_for(&self.ctx, slot, t.chunks)?;
         let Some(gather) =
             self.kernels.summed_gather(slot.scratch.ptr(), chunk_len / 1024, per_chunk)
         else {
             return Ok(None);
         };
-        slot.summing = true;
+        slot.summing.store(true, Ordering::Release);
         self.next = (self.next + 1) % SLOTS;
-        Ok(Some(SummedSave { slot: index, results, nchunks, chunk_len, gather }))
+        Ok(Some(SummedSave {
+            slot: index,
+            hasher: self.id,
+            results,
+            nchunks,
+            chunk_len,
+            gather,
+            scratch: Arc::clone(&slot.scratch),
+            summing: Arc::clone(&slot.summing),
+        }))
+    }
+
+    /// Starts the checksums of `chunks` (block ids of `memory`, `chunk_len` bytes each, packed
+    /// as the layout orders a block's parts) without copying them: what a save's checksums
+    /// cost alone. None where the kernels do not apply (chunks too short). The ticket keeps
+    /// the memory until its kernels have finished.
+    pub fn checksums(
+        &mut self,
+        memory: &Arc<super::EngineMemory>,
+        chunks: &[(u64, Vec<u64>)],
+        chunk_len: u64,
+    ) -> Result<Option<ChecksumTicket>, DmaError> {
+        if memory.ordinal() != self.ordinal() {
+            return Err(DmaError::Invalid(format!(
+                "the engine's memory is on device {}, these kernels on device {}",
+                memory.ordinal(),
+                self.ordinal()
+            )));
+        }
+        // Host offsets play no part in checksums.
+        let job = memory.block_job(0, chunks)?;
+        // SAFETY: the block ids were checked against the memory (on this device, checked
+        // above), which the ticket holds until its event has completed (its `Drop` waits).
+        let ticket = unsafe { self.submit_blocks(&job, chunk_len)? };
+        Ok(ticket.map(|mut t| {
+            t._memory = Some(Arc::clone(memory));
+            t
+        }))
     }
 
     /// Whether the fused form applies to `job`'s shape: its kernels in the PTX, parts a
@@ -410,7 +481,7 @@ impl ChunkHasher {
     /// be writing its scratch, and its `done` does not follow them): then an error, the
     /// submission refused.
     fn free_slot(&self) -> Result<usize, DmaError> {
-        if self.slots[self.next].summing {
+        if self.slots[self.next].summing.load(Ordering::Acquire) {
             return Err(DmaError::Invalid(format!(
                 "checksum slot {} is held by a fused-form save whose fold is not queued yet",
                 self.next
@@ -424,43 +495,41 @@ impl ChunkHasher {
     /// `submit_blocks` does on an error): no fold was queued, so the slot's `done` still
     /// follows its previous use.
     pub fn abandon_summed(&mut self, s: SummedSave) {
-        self.slots[s.slot].summing = false;
+        self.slots[s.slot].summing.store(false, Ordering::Release);
         // Never handed to a kernel.
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
     }
 
-    /// Folds a fused-form save's rows once `gathered` (recorded after its last gather) has
-    /// completed, on the slot's stream (which waits for it there); the ticket yields the
-    /// checksums. With `gathered` None the caller has seen that event complete already, and
-    /// the fold is queued with no wait before it.
+    /// Folds a fused-form save's rows on the slot's stream; the ticket yields the checksums.
     ///
     /// # Safety
-    /// `s` must have gone to the copy engine's `submit_blocks` for its job, and `gathered`
-    /// been recorded after that job's last gather (or, None, that event have completed).
-    pub unsafe fn finish_summed(
+    /// `s` must have gone to the copy engine's `submit_blocks` for its job, and every gather
+    /// of that job have been seen finished.
+    pub(crate) unsafe fn finish_summed(
         &mut self,
         s: SummedSave,
-        gathered: Option<&CudaEvent>,
     ) -> Result<ChecksumTicket, DmaError> {
-        self.slots[s.slot].summing = false;
+        if s.hasher != self.id {
+            return Err(DmaError::Invalid(
+                "a fused-form save finished by another hasher than the one that began it".into(),
+            ));
+        }
+        self.slots[s.slot].summing.store(false, Ordering::Release);
         let slot = &self.slots[s.slot];
         let stream = &slot.stream;
         let ctx = &self.ctx;
         let kernels = &self.kernels;
         let enqueue = || -> Result<CudaEvent, DmaError> {
-            if let Some(gathered) = gathered {
-                stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
-            }
             let event = ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-            // SAFETY: the rows are written once `gathered` has passed (waited just above, or
-            // seen complete by the caller);
-            // scratch and counters are the slot's, reserved by `begin_summed`; the results
-            // are pinned, owned by the ticket until its event completes.
+            // SAFETY: the rows are written (the gathers seen finished: the caller's contract);
+            // scratch and counters are the slot's, reserved by `begin_summed` (the scratch kept
+            // by the slot until `done`, recorded below, has passed); the results are pinned,
+            // owned by the ticket until its event completes.
             unsafe {
                 kernels.launch_fold_uniform(
                     stream,
                     (s.chunk_len, s.nchunks),
-                    slot.scratch.ptr(),
+                    s.scratch.ptr(),
                     slot.counters.ptr(),
                     s.results.addr(),
                 )?
@@ -472,11 +541,9 @@ impl ChunkHasher {
         let event = match enqueue() {
             Ok(event) => event,
             Err(e) => {
-                // The slot's `done` may not follow the gather (the wait may not be queued), and
-                // the gather writes the slot's scratch rows: the slot is free for its next user
-                // only once both the gather and whatever was queued here have finished.
-                let gathered = gathered.map_or(Ok(()), CudaEvent::synchronize);
-                if let Err(sync) = gathered.and_then(|()| stream.synchronize()) {
+                // The slot's `done` may not follow what was queued here: the slot is free for
+                // its next user only once that has finished.
+                if let Err(sync) = stream.synchronize() {
                     tracing::warn!(error = %sync, "checksum stream failed after a failed submission");
                     std::mem::forget(s.results);
                 }
@@ -488,6 +555,7 @@ impl ChunkHasher {
             results: Some(s.results),
             count: s.nchunks as usize,
             pool: Arc::clone(&self.pool),
+            _memory: None,
         })
     }
 
@@ -497,7 +565,7 @@ impl ChunkHasher {
     ///
     /// # Safety
     /// As [`ChunkHasher::submit`], for every part of every block of the job.
-    pub unsafe fn submit_blocks(
+    pub(crate) unsafe fn submit_blocks(
         &mut self,
         job: &BlockJob<'_>,
         chunk_len: u64,
@@ -524,7 +592,6 @@ impl ChunkHasher {
         job: &BlockJob<'_>,
         chunk_len: u64,
     ) -> Result<Option<ChecksumTicket>, DmaError> {
-        self.no_pending_folds()?;
         // SAFETY: forwarded from the caller.
         let Some(rows) = (unsafe { self.enqueue_block_rows(job, chunk_len)? }) else {
             return Ok(None);
@@ -546,82 +613,6 @@ impl ChunkHasher {
             }
         };
         self.finish_folds(vec![rows], &stream, fold).map(|mut t| t.pop())
-    }
-
-    /// The block row sums of a job, their fold left for [`ChunkHasher::flush_folds`], which
-    /// folds up to [`SLOTS`] jobs' rows in one launch (`orbitkv_xxh3_fold_uniform_jobs`: the
-    /// fold's chains, 67-80 us per 64 MiB job of 2 MiB chunks, side by side). The tickets of
-    /// the folds this call flushed (when `group` jobs wait, at most `SLOTS`), or None where
-    /// the block row sums or that fold do not apply (then [`ChunkHasher::submit_blocks`]).
-    ///
-    /// # Safety
-    /// As [`ChunkHasher::submit_blocks`], until the ticket of the job's fold completes.
-    pub unsafe fn submit_block_rows_grouped(
-        &mut self,
-        job: &BlockJob<'_>,
-        chunk_len: u64,
-        group: usize,
-    ) -> Result<Option<Vec<ChecksumTicket>>, DmaError> {
-        if !self.kernels.has_fold_jobs() {
-            return Ok(None);
-        }
-        // SAFETY: forwarded from the caller.
-        let Some(mut rows) = (unsafe { self.enqueue_block_rows(job, chunk_len)? }) else {
-            return Ok(None);
-        };
-        // The fold runs on the last job's stream, after every grouped job's rows.
-        let summed = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
-        summed.record(&self.slots[rows.slot].stream).map_err(drv("cuEventRecord"))?;
-        rows.summed = Some(summed);
-        self.pending.push(rows);
-        if self.pending.len() < group.clamp(1, SLOTS) {
-            return Ok(Some(Vec::new()));
-        }
-        self.flush_folds().map(Some)
-    }
-
-    /// Folds the rows [`ChunkHasher::submit_block_rows_grouped`] left, in one launch; their
-    /// tickets, in the order of the submissions.
-    pub fn flush_folds(&mut self) -> Result<Vec<ChecksumTicket>, DmaError> {
-        let mut pending = std::mem::take(&mut self.pending);
-        let Some(last) = pending.last() else { return Ok(Vec::new()) };
-        let slot = &self.slots[last.slot];
-        let stream = Arc::clone(&slot.stream);
-        // The jobs' table in the last slot's pinned descriptors (mapped, read in place; the
-        // slot stays the submission's until its `done` is recorded after the fold).
-        let table = slot.pull_descs.addr();
-        let records: Vec<FoldJobRecord> =
-            pending.iter().map(|p| FoldJobRecord::of(p, &self.slots[p.slot])).collect();
-        let chunks = records.iter().map(|r| r.nchunks).sum();
-        let out = self.slots[last.slot].pull_descs.bytes_mut();
-        for (r, rec) in records.iter().zip(out.chunks_exact_mut(FOLD_JOB_BYTES)) {
-            r.write_to(rec);
-        }
-        let njobs = pending.len() as u32;
-        // Waited on as the fold is enqueued (an event may go once a wait on it is queued).
-        let summed: Vec<CudaEvent> = pending.iter_mut().filter_map(|p| p.summed.take()).collect();
-        let fold = || -> Result<(), DmaError> {
-            for e in &summed {
-                stream.wait(e).map_err(drv("cuStreamWaitEvent"))?;
-            }
-            // SAFETY: every job's rows were summed before (waited on above); their scratch,
-            // counters and results are theirs until `done` is recorded; the table is written.
-            unsafe { self.kernels.launch_fold_uniform_jobs(&stream, table, njobs, chunks) }
-        };
-        self.finish_folds(pending, &stream, fold)
-    }
-
-    /// An error while grouped jobs wait for their fold: another submission could take one
-    /// of their slots.
-    fn no_pending_folds(&self) -> Result<(), DmaError> {
-        if self.pending.is_empty() {
-            Ok(())
-        } else {
-            Err(DmaError::Invalid(format!(
-                "{} checksum submissions wait for their fold (flush_folds first)",
-                self.pending.len()
-            )))
-        }
     }
 
     /// Launches `fold` on `stream` for `jobs` (their rows summed), then releases their slots
@@ -669,6 +660,7 @@ impl ChunkHasher {
                 count: p.nchunks,
                 results: Some(p.results),
                 pool: Arc::clone(&self.pool),
+                _memory: None,
             })
             .collect())
     }
@@ -710,7 +702,7 @@ impl ChunkHasher {
         let started = std::time::Instant::now();
         write_block_ids(job, &mut slot.tables_host.bytes_mut()[..t.ids_len]);
         self.times.planned += started.elapsed();
-        at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
+        scratch_at_least(&self.ctx, &mut slot.scratch, (t.rows * ROW_BYTES) as usize)?;
         counters_for(&self.ctx, slot, t.chunks)?;
         let launch = BlockRowsLaunch {
             parts: (job.parts, part_count),
@@ -725,34 +717,7 @@ impl ChunkHasher {
         // free (waited on `done` above) until the fold records `done`; the parts are the
         // job's memory (the caller's contract). A failed launch queued nothing.
         unsafe { self.kernels.launch_block_rows(&slot.stream, &launch) }?;
-        Ok(Some(PendingRows {
-            slot: index,
-            len: chunk_len,
-            nchunks: t.chunks,
-            results,
-            summed: None,
-        }))
-    }
-
-    /// Gives back a fused-form save's slot without folding its rows (no checksums: what the
-    /// summing gather alone costs, for `orbitkv-perf dma --checksum-form gather-only`): the
-    /// slot's scratch is reusable once `gathered` has passed.
-    ///
-    /// # Safety
-    /// As [`ChunkHasher::finish_summed`].
-    pub unsafe fn drop_summed(
-        &mut self,
-        s: SummedSave,
-        gathered: &CudaEvent,
-    ) -> Result<(), DmaError> {
-        let slot = &mut self.slots[s.slot];
-        slot.stream.wait(gathered).map_err(drv("cuStreamWaitEvent"))?;
-        slot.done.record(&slot.stream).map_err(drv("cuEventRecord"))?;
-        // Free once `done` follows the gathers (held otherwise).
-        slot.summing = false;
-        // The results buffer was never handed to a kernel.
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s.results);
-        Ok(())
+        Ok(Some(PendingRows { slot: index, len: chunk_len, nchunks: t.chunks, results }))
     }
 
     /// The submission behind both forms: the tables' `shape`, and `write`, which writes the
@@ -770,7 +735,6 @@ impl ChunkHasher {
         if n == 0 {
             return Ok(None);
         }
-        self.no_pending_folds()?;
         let nchunks = u32::try_from(n)
             .map_err(|_| DmaError::Invalid(format!("{n} chunks in one checksum submission")))?;
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
@@ -789,7 +753,7 @@ impl ChunkHasher {
         self.times.planned += t.elapsed();
         let (segs_offset, row_segs_offset, rows) = image?;
         at_least(&self.ctx, &mut slot.tables, shape.device_len)?;
-        at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
+        scratch_at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
         let counters_len = n * COUNTERS_PER_CHUNK * 4;
         if slot.counters.len() < counters_len {
             slot.counters =
@@ -892,6 +856,7 @@ impl ChunkHasher {
             results: Some(results),
             count: n,
             pool: Arc::clone(&self.pool),
+            _memory: None,
         }))
     }
 

@@ -33,6 +33,8 @@ enum Backing {
 
 /// The tensors of one engine rank on one device.
 pub struct EngineMemory {
+    /// The device's ordinal (copies of this memory go through engines of that device only).
+    ordinal: usize,
     layout: LayoutDesc,
     tensors: Vec<u64>,
     /// Device address of part `p` of block 0, per part (`LayoutDesc::part_bases`).
@@ -161,7 +163,7 @@ impl EngineMemory {
         let image: Vec<u8> = bases.iter().flat_map(|b| b.to_le_bytes()).collect();
         let parts = DeviceBuffer::new(ctx, image.len())?;
         ffi::copy_sync_to_device(&parts, 0, &image)?;
-        Ok(Self { layout, tensors, bases, stride, parts, backing })
+        Ok(Self { ordinal: ctx.ordinal(), layout, tensors, bases, stride, parts, backing })
     }
 
     /// `chunks` (host offsets from `host_base`, block ids) in block form, with this
@@ -185,6 +187,11 @@ impl EngineMemory {
             host_base,
             chunks,
         })
+    }
+
+    /// The ordinal of the device the tensors are on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     /// The layout.
