@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::CudaContext;
@@ -27,8 +27,10 @@ use orbitkv_shards::SessionId;
 use crate::doorbell::Doorbells;
 
 mod registry;
+mod worker;
 
 use registry::Registry;
+use worker::{nanos, Device, Lanes, Running, StartTimes};
 
 /// The bounds of GPU save/load (from the server configuration).
 #[derive(Clone, Copy, Debug)]
@@ -92,46 +94,9 @@ pub fn off_shard(f: impl FnOnce() + Send + 'static) {
     }
 }
 
-/// A job on the GPU.
-struct Running {
-    shard: usize,
-    id: u64,
-    /// Its device (whose hasher a fused save's fold goes to).
-    device: usize,
-    bytes: u64,
-    /// Host-side copies its bytes went in (see `JobShape::host_runs`).
-    host_runs: u64,
-    /// When the copy was first seen landed while its checksums were still running.
-    copied_at: Option<Instant>,
-    /// The copy (and a save's checksums): owns the engine memory and the arena registration
-    /// until the GPU has finished with them.
-    transfer: Transfer,
-}
-
-/// Jobs on the GPU, oldest first.
-type InFlight = VecDeque<Running>;
-
-/// A job the DMA thread has taken off its queue and is handing to the GPU: failed by the
-/// thread's panic handler if a panic comes before it is in flight (or failed).
-struct Starting {
-    shard: usize,
-    id: u64,
-    /// Held until the handler runs, after the engines synchronized while the panic unwound.
-    _memory: Arc<EngineMemory>,
-}
-
-/// `d` in nanoseconds, saturating.
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
-/// Nanoseconds since `t`, saturating.
-fn nanos_since(t: Instant) -> u64 {
-    nanos(t.elapsed())
-}
-
-/// A copy job from a shard.
-pub struct GpuJob {
+/// A copy job from a shard (`M`: what keeps the engine's memory alive; the DMA worker's tests
+/// use a stand-in).
+pub struct GpuJob<M = Arc<EngineMemory>> {
     /// Submitting shard (where the completion goes).
     pub shard: usize,
     /// Id unique on that shard.
@@ -139,7 +104,7 @@ pub struct GpuJob {
     /// Device index in [`GpuService::devices`].
     pub device: usize,
     /// The engine's tensors (kept alive until the copy completes).
-    pub memory: Arc<EngineMemory>,
+    pub memory: M,
     /// Per chunk: arena offset (from the start of the memfd) and its block ids.
     pub chunks: Vec<(u64, Vec<u64>)>,
     /// Bytes per chunk.
@@ -193,11 +158,6 @@ fn pin_to(core: usize) {
         Ok(()) => tracing::debug!(core, "GPU DMA thread pinned"),
         Err(e) => tracing::warn!(core, error = %e, "GPU DMA thread not pinned; it runs unpinned"),
     }
-}
-
-/// Adds `d` to a nanosecond counter.
-fn add_time(counter: &AtomicU64, d: Duration) {
-    counter.fetch_add(nanos(d), Ordering::Relaxed);
 }
 
 /// Counters for `ctl stats`.
@@ -267,45 +227,11 @@ pub struct GpuCounters {
 /// per batch): their events are kept until the period ends.
 const TIMELINE_BATCHES: usize = 256;
 
-/// How long a DMA thread with nothing to do spins before it sleeps. For `--gpu-timeline`, a
-/// busy period ends there: waits shorter than this for the next job count as copy-stream gaps.
-const IDLE_SPIN_US: u64 = 200;
-
-/// How long a DMA thread woken by [`GpuService::expect`] spins for the job announced (a
-/// request's reservations or lookups on its shards come first: up to a few hundred
-/// microseconds). As the shards' default `--spin-window`.
-const EXPECT_SPIN: Duration = Duration::from_millis(2);
-
-/// Until when an idle DMA thread spins before it parks: [`IDLE_SPIN_US`] after its last work,
-/// or [`EXPECT_SPIN`] after a shard announced a job.
-#[derive(Clone, Copy, Debug)]
-struct SpinUntil(Instant);
-
-impl SpinUntil {
-    fn new(now: Instant) -> Self {
-        Self(now + Duration::from_micros(IDLE_SPIN_US))
-    }
-
-    /// Work was done at `now`.
-    fn worked(&mut self, now: Instant) {
-        self.0 = self.0.max(now + Duration::from_micros(IDLE_SPIN_US));
-    }
-
-    /// A job was announced at `now`.
-    fn expected(&mut self, now: Instant) {
-        self.0 = self.0.max(now + EXPECT_SPIN);
-    }
-
-    fn spinning(&self, now: Instant) -> bool {
-        now < self.0
-    }
-}
-
 /// Sums of [`SpanTotals`] over the busy periods of one DMA thread (`--gpu-timeline`), in
 /// nanoseconds.
 #[derive(Debug, Default)]
 pub struct TimelineCounters {
-    /// Busy periods timed: a DMA thread that waits longer than `IDLE_SPIN_US` for its next
+    /// Busy periods timed: a DMA thread that waits longer than its idle spin (200 us) for its next
     /// job starts a new one, so more than one per request means the GPU ran out of work in
     /// the middle of it.
     pub periods: AtomicU64,
@@ -541,7 +467,17 @@ impl GpuService {
                         if let Some(core) = core {
                             pin_to(core);
                         }
-                        svc.run_worker(i, direction, &bells)
+                        let w = &svc.workers[i];
+                        let lanes = Lanes {
+                            queues: &w.queues,
+                            done: &w.done,
+                            expected: &w.expected,
+                            stop: &svc.stop,
+                            doorbells: &bells,
+                            counters: &svc.counters,
+                            direction,
+                        };
+                        worker::run(&lanes, || CudaDevice::new(&svc, direction))
                     })
                     .map_err(|e| format!("starting {name}: {e}"))?;
                 let _ = self.workers[i].thread.set(handle.thread().clone());
@@ -701,235 +637,35 @@ impl GpuService {
     pub fn has_completions(&self, shard: usize) -> bool {
         self.workers.iter().any(|w| !w.done[shard].is_empty())
     }
+}
 
-    fn run_worker(&self, index: usize, direction: Direction, doorbells: &Doorbells) {
-        // Owned out here so that they outlive the engines (created inside the loop): an engine
-        // synchronizes its streams when dropped, also when a panic unwinds, and only then may
-        // the jobs' engine memory go.
-        let mut inflight: InFlight = VecDeque::new();
-        // Completions whose shard queue was full: delivered on a later round, never dropped.
-        let mut undelivered: VecDeque<(usize, GpuDone)> = VecDeque::new();
-        // The job being started: taken off its queue, not yet in flight.
-        let mut starting: Option<Starting> = None;
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let held = (&mut inflight, &mut undelivered, &mut starting);
-            self.work(index, direction, doorbells, held)
-        }));
-        if run.is_ok() {
-            return;
-        }
-        // A bug stopped this thread: fail what it held and everything queued from now on, so
-        // that no request (and no closing session) waits forever. The engines synchronized
-        // their streams as the panic unwound, so the jobs' engine memory may go now.
-        tracing::error!(direction = ?direction, "GPU DMA thread panicked; its copies fail from now on");
-        let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
-        if let Some(job) = starting.take() {
-            self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
-        }
-        for job in inflight.drain(..) {
-            undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
-        }
-        loop {
-            for q in &self.workers[index].queues {
-                while let Some(job) = q.pop() {
-                    self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                    undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
-                }
-            }
-            self.deliver(index, doorbells, &mut undelivered);
-            if self.stop.load(Ordering::SeqCst) && undelivered.is_empty() {
-                return;
-            }
-            std::thread::park_timeout(Duration::from_millis(1));
-        }
-    }
+/// The GPU side of one DMA thread: its direction's copy engine and (for saves) checksum
+/// kernels on every device, each made at its device's first job. Dropped on the thread
+/// before the jobs it started (`worker::run`): the engines wait for their streams, so the
+/// jobs' memory may go after.
+struct CudaDevice<'s> {
+    svc: &'s GpuService,
+    direction: Direction,
+    /// Per device: not tried yet (None), or the checksum kernels (None inside when they did
+    /// not load: checksums then stay on the shards). Declared before the engines so that they
+    /// outlive them: the engines drop first, waiting for their streams, where a fused gather
+    /// may still write a checksum slot's scratch rows.
+    hashers: Vec<Option<Option<ChunkHasher>>>,
+    engines: Vec<Option<CopyEngine>>,
+    /// Pieces planned for a job, reused.
+    pieces: Vec<orbitkv_gpu::dma::plan::Piece>,
+}
 
-    fn work(
-        &self,
-        index: usize,
-        direction: Direction,
-        doorbells: &Doorbells,
-        (inflight, undelivered, starting): (
-            &mut InFlight,
-            &mut VecDeque<(usize, GpuDone)>,
-            &mut Option<Starting>,
-        ),
-    ) {
-        // Per device: not tried yet (None), or the checksum kernels (None inside when they did
-        // not load: checksums then stay on the shards). Declared before the engines so that
-        // they outlive them: a panic drops the engines first, which synchronizes their streams,
-        // where a fused gather may still be writing a hasher slot's scratch rows.
-        let mut hashers: Vec<Option<Option<ChunkHasher>>> =
-            (0..self.devices.len()).map(|_| None).collect();
-        let mut engines: Vec<Option<CopyEngine>> = (0..self.devices.len()).map(|_| None).collect();
-        let mut pieces = Vec::new();
-        let mut next_queue = 0;
-        let mut spin = SpinUntil::new(Instant::now());
-        // Since when at least one job has been on the GPU (None while none is).
-        let mut busy_since: Option<Instant> = None;
-        let c = &self.counters;
-        let (busy_ns, sc, pickups, pickup_ns) = match direction {
-            Direction::Save => {
-                (&c.save_busy_ns, &c.save_submit, &c.save_pickups, &c.save_pickup_ns)
-            }
-            Direction::Load => {
-                (&c.load_busy_ns, &c.load_submit, &c.load_pickups, &c.load_pickup_ns)
-            }
-        };
-        let expected = &self.workers[index].expected;
-        // Sleeps (between looks at the copies in flight) as asked, not 50 us longer: the
-        // default timer slack would delay each request's last completion by that much.
-        set_timer_slack_ns(1_000);
-        loop {
-            if expected.load(Ordering::Relaxed) && expected.swap(false, Ordering::Acquire) {
-                spin.expected(Instant::now());
-            }
-            let mut progressed = self.deliver(index, doorbells, undelivered);
-            let queues = &self.workers[index].queues;
-            let first = next_queue;
-            for k in 0..queues.len() {
-                let q = (first + k) % queues.len();
-                let Some(job) = queues[q].pop() else { continue };
-                progressed = true;
-                next_queue = q + 1;
-                let (shard, id, bytes) =
-                    (job.shard, job.id, job.chunk_len * job.chunks.len() as u64);
-                let submitted = Instant::now();
-                if inflight.is_empty() {
-                    pickups.fetch_add(1, Ordering::Relaxed);
-                    add_time(pickup_ns, submitted.saturating_duration_since(job.queued_at));
-                }
-                let cpu_at_submit = thread_cpu_ns();
-                *starting = Some(Starting { shard, id, _memory: Arc::clone(&job.memory) });
-                if direction == Direction::Save && self.checksum_place() == ChecksumPlace::Fused {
-                    // A save begun next takes its device's next checksum slot: free it.
-                    self.fold_seen(&mut hashers, inflight, Some(job.device));
-                }
-                let started =
-                    self.start_job((&mut engines, &mut hashers), direction, &job, &mut pieces);
-                match started {
-                    Ok(transfer) => {
-                        inflight.push_back(Running {
-                            shard,
-                            id,
-                            device: job.device,
-                            bytes,
-                            host_runs: transfer.shape().host_runs as u64,
-                            copied_at: None,
-                            transfer,
-                        });
-                        *starting = None;
-                        busy_since.get_or_insert(submitted);
-                        add_time(&sc.total_ns, submitted.elapsed());
-                        sc.cpu_ns.fetch_add(
-                            thread_cpu_ns().saturating_sub(cpu_at_submit),
-                            Ordering::Relaxed,
-                        );
-                        let copies = engines
-                            .iter_mut()
-                            .flatten()
-                            .fold(SubmitTimes::default(), |t, e| t + e.take_times());
-                        let checksums = hashers
-                            .iter_mut()
-                            .flatten()
-                            .flatten()
-                            .fold(SubmitTimes::default(), |t, h| t + h.take_times());
-                        add_time(&sc.wait_ns, copies.waited + checksums.waited);
-                        add_time(&sc.pieces_ns, copies.pieces);
-                        add_time(&sc.stage_ns, copies.planned);
-                        add_time(&sc.tables_ns, checksums.planned);
-                    }
-                    Err(e) => {
-                        *starting = None;
-                        self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                        undelivered.push_back((shard, GpuDone { id, result: Err(e) }));
-                        // A timeline begun for it must not run on into the next busy period.
-                        if inflight.is_empty() && self.limits.timeline {
-                            self.close_timelines(&mut engines, direction);
-                        }
-                    }
-                }
-            }
-            progressed |= self.fold_seen(&mut hashers, inflight, None);
-            while let Some(job) = inflight.front_mut() {
-                let result = match job.transfer.progress() {
-                    Ok(Progress::Copying) => break,
-                    // A save is answered once its checksums are in too (a fold not queued
-                    // yet is, on the next pass: its gathers came before the copy).
-                    Ok(Progress::Summing) => {
-                        job.copied_at.get_or_insert_with(Instant::now);
-                        break;
-                    }
-                    Ok(Progress::Done) => {
-                        if let Some(t) = job.copied_at {
-                            self.counters
-                                .save_checksum_wait_ns
-                                .fetch_add(nanos_since(t), Ordering::Relaxed);
-                        }
-                        let (c, b, r) = match direction {
-                            Direction::Save => (
-                                &self.counters.saves,
-                                &self.counters.saved_bytes,
-                                &self.counters.save_host_runs,
-                            ),
-                            Direction::Load => (
-                                &self.counters.loads,
-                                &self.counters.loaded_bytes,
-                                &self.counters.load_host_runs,
-                            ),
-                        };
-                        c.fetch_add(1, Ordering::Relaxed);
-                        b.fetch_add(job.bytes, Ordering::Relaxed);
-                        r.fetch_add(job.host_runs, Ordering::Relaxed);
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
-                };
-                let job = inflight.pop_front().expect("the front job");
-                // Checksums that failed on the GPU come back as None: the shards compute them.
-                // A failed copy's transfer holds its memory as long as the GPU may touch it.
-                let result = result.and_then(|()| job.transfer.finish()).map_err(|e| {
-                    self.counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
-                    format!("CUDA copy failed: {e}")
-                });
-                undelivered.push_back((job.shard, GpuDone { id: job.id, result }));
-                progressed = true;
-            }
-            // Busy time is added as it passes (the counter moves under sustained load too);
-            // an interval ends once no job is in flight.
-            if let Some(t) = busy_since {
-                let now = Instant::now();
-                busy_ns.fetch_add(nanos(now.duration_since(t)), Ordering::Relaxed);
-                busy_since = (!inflight.is_empty()).then_some(now);
-            }
-            progressed |= self.deliver(index, doorbells, undelivered);
-            if progressed {
-                spin.worked(Instant::now());
-                continue;
-            }
-            if self.stop.load(Ordering::SeqCst) && inflight.is_empty() && undelivered.is_empty() {
-                break;
-            }
-            if !inflight.is_empty() || !undelivered.is_empty() {
-                // A copy is running (or a shard's completion queue is full): look again soon
-                // (completions are what requests wait for), without burning the core flat out.
-                std::thread::sleep(Duration::from_micros(10));
-            } else if spin.spinning(Instant::now()) {
-                std::hint::spin_loop();
-            } else {
-                // The timeline's busy period ends here, while no job waits (read between jobs,
-                // its events cost a server's transfers 5-8%). A job arriving during the read
-                // (a fraction of a millisecond) waits for it.
-                if self.limits.timeline && queues.iter().all(|q| q.is_empty()) {
-                    self.close_timelines(&mut engines, direction);
-                }
-                // Shards unpark the thread when they queue a job.
-                std::thread::park_timeout(Duration::from_millis(50));
-            }
+impl<'s> CudaDevice<'s> {
+    fn new(svc: &'s GpuService, direction: Direction) -> Self {
+        let n = svc.devices.len();
+        Self {
+            svc,
+            direction,
+            hashers: (0..n).map(|_| None).collect(),
+            engines: (0..n).map(|_| None).collect(),
+            pieces: Vec::new(),
         }
-        // Engines synchronize their streams when dropped, before the caller drops `inflight`.
-        drop(engines);
     }
 
     /// `--gpu-checksums fused`: queues the fold of every in-flight save whose gathers this
@@ -937,20 +673,20 @@ impl GpuService {
     /// slot that device's hasher hands out next, waiting for its gathers (a save begun there
     /// next takes that slot). True when it queued any.
     fn fold_seen(
-        &self,
-        hashers: &mut [Option<Option<ChunkHasher>>],
-        inflight: &mut InFlight,
+        &mut self,
+        inflight: &mut VecDeque<Running<Transfer>>,
         room_on: Option<usize>,
     ) -> bool {
         let mut queued = false;
         for job in inflight.iter_mut() {
             // A hasher exists where a save is unfolded; none is made here.
-            let Some(Some(Some(hasher))) = hashers.get_mut(job.device).map(Option::as_mut) else {
+            let Some(Some(Some(hasher))) = self.hashers.get_mut(job.device).map(Option::as_mut)
+            else {
                 continue;
             };
-            let Some(slot) = job.transfer.held_slot(hasher) else { continue };
+            let Some(slot) = job.job.held_slot(hasher) else { continue };
             let wait = room_on == Some(job.device) && slot == hasher.next_slot();
-            match job.transfer.fold(hasher, wait) {
+            match job.job.fold(hasher, wait) {
                 Ok(q) => queued |= q,
                 Err(e) => tracing::error!(error = %e, "fused GPU checksums: fold refused"),
             }
@@ -958,35 +694,18 @@ impl GpuService {
         queued
     }
 
-    /// `--gpu-timeline`, at the end of a busy period (nothing in flight, so nothing to wait
-    /// for): adds each engine's timed batches since the period began to the counters.
-    fn close_timelines(&self, engines: &mut [Option<CopyEngine>], direction: Direction) {
-        let counters = match direction {
-            Direction::Save => &self.counters.save_timeline,
-            Direction::Load => &self.counters.load_timeline,
-        };
-        for engine in engines.iter_mut().flatten().filter(|e| e.recording_timeline()) {
-            match engine.take_timeline() {
-                Ok(spans) => counters.add(&SpanTotals::of(&spans)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "--gpu-timeline: reading the timing events failed")
-                }
-            }
-        }
-    }
-
-    /// The checksum kernels of `device`, loaded at the first use (None when they did not load:
-    /// logged once, and the shards compute saves' checksums).
+    /// The checksum kernels of `device` in `hashers`, loaded at the first use (None when they
+    /// did not load: logged once, and the shards compute saves' checksums).
     fn hasher<'h>(
-        &self,
         hashers: &'h mut [Option<Option<ChunkHasher>>],
+        svc: &GpuService,
         device: usize,
     ) -> Option<&'h mut ChunkHasher> {
         hashers[device]
-            .get_or_insert_with(|| match ChunkHasher::new(&self.contexts[device]) {
+            .get_or_insert_with(|| match ChunkHasher::new(&svc.contexts[device]) {
                 Ok(h) => Some(h),
                 Err(e) => {
-                    tracing::warn!(device = %self.devices[device].uuid, error = %e,
+                    tracing::warn!(device = %svc.devices[device].uuid, error = %e,
                         "GPU checksum kernels not loaded: saves' checksums are computed on the shards");
                     None
                 }
@@ -994,77 +713,17 @@ impl GpuService {
             .as_mut()
     }
 
-    /// Hands DMA thread `index`'s completions to its rings to their shards, oldest first,
-    /// ringing each shard; keeps those that do not fit. True when any was delivered.
-    fn deliver(
-        &self,
-        index: usize,
-        doorbells: &Doorbells,
-        undelivered: &mut VecDeque<(usize, GpuDone)>,
-    ) -> bool {
-        let rings = &self.workers[index].done;
-        let mut any = false;
-        let mut kept = VecDeque::new();
-        while let Some((shard, done)) = undelivered.pop_front() {
-            match rings[shard].push(done) {
-                Ok(()) => {
-                    any = true;
-                    doorbells.ring(shard);
-                }
-                Err(done) => kept.push_back((shard, done)),
-            }
-        }
-        *undelivered = kept;
-        any
-    }
-
-    /// Checks and hands a job to the GPU, with a save's checksums as `--gpu-checksums` says.
-    fn start_job(
-        &self,
-        (engines, hashers): (&mut [Option<CopyEngine>], &mut [Option<Option<ChunkHasher>>]),
-        direction: Direction,
-        job: &GpuJob,
-        pieces: &mut Vec<orbitkv_gpu::dma::plan::Piece>,
-    ) -> Result<Transfer, String> {
-        let engine = match &mut engines[job.device] {
-            Some(e) => e,
-            slot @ None => slot.insert(self.copy_engine(job.device)?),
-        };
-        // Timed from the first job of a busy period (`close_timelines` ends it), up to
-        // TIMELINE_BATCHES batches of it.
-        if self.limits.timeline && !engine.recording_timeline() {
-            engine.record_timeline_batches(TIMELINE_BATCHES);
-        }
-        let place = self.checksum_place();
-        let hasher = match direction {
-            Direction::Save if place != ChecksumPlace::Cpu => self.hasher(hashers, job.device),
-            _ => None,
-        };
-        let sums = match (place, hasher) {
-            (_, None) => SaveSums::Off,
-            (ChecksumPlace::Fused, Some(h)) => SaveSums::Fused(h),
-            (_, Some(h)) => SaveSums::Kernels(h),
-        };
-        let copy = CopyJob {
-            direction,
-            memory: &job.memory,
-            host: &self.host,
-            chunks: &job.chunks,
-            chunk_len: job.chunk_len,
-        };
-        engine.start(&copy, self.limits.copy, sums, pieces).map_err(|e| e.to_string())
-    }
-
     /// The copy engine of `device`, made at its first job.
     fn copy_engine(&self, device: usize) -> Result<CopyEngine, String> {
+        let limits = &self.svc.limits;
         let e = CopyEngine::new(
-            &self.contexts[device],
-            self.limits.staging_bytes,
-            self.limits.staging_depth,
+            &self.svc.contexts[device],
+            limits.staging_bytes,
+            limits.staging_depth,
             BATCHED_FROM,
         )
         .map_err(|e| format!("creating the copy engine: {e}"))?;
-        if let (Strategy::Staged, Some(why)) = (self.limits.copy, e.kernel_error()) {
+        if let (Strategy::Staged, Some(why)) = (limits.copy, e.kernel_error()) {
             // The operator asked for the kernel explicitly: say so once, loudly; every job it
             // would copy then fails naming the reason (`auto` would copy batched instead).
             // Block-form jobs need only the block kernel.
@@ -1073,32 +732,114 @@ impl GpuService {
                 error = why,
                 "--gpu-copy {}, but the segment copy kernel did not load: GPU saves and loads \
                  that need it fail; use --gpu-copy auto or batched",
-                self.limits.copy.as_str()
+                limits.copy.as_str()
             );
         }
         Ok(e)
     }
 }
 
-/// Sets the calling thread's timer slack (how much later than asked the kernel may end its
-/// sleeps; 50 us by default); a refusal is logged and the default stays.
-fn set_timer_slack_ns(ns: u64) {
-    if let Err(e) = nix::sys::prctl::set_timerslack(ns) {
-        tracing::warn!(error = %e, "GPU DMA thread: timer slack not set; its sleeps may run 50 us long");
-    }
-}
+impl Device for CudaDevice<'_> {
+    type Memory = Arc<EngineMemory>;
+    type Job = Transfer;
 
-/// CPU time of the calling thread, nanoseconds (0 if the clock cannot be read: the counters
-/// built on it then stay at 0).
-fn thread_cpu_ns() -> u64 {
-    use nix::time::{clock_gettime, ClockId};
-    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map_or(0, |t| {
-        (t.tv_sec() as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec() as u64)
-    })
+    /// Checks and hands a job to the GPU, with a save's checksums as `--gpu-checksums` says.
+    fn start(
+        &mut self,
+        job: &GpuJob,
+        inflight: &mut VecDeque<Running<Transfer>>,
+    ) -> Result<Transfer, String> {
+        let direction = self.direction;
+        let place = self.svc.checksum_place();
+        if direction == Direction::Save && place == ChecksumPlace::Fused {
+            // A save begun next takes its device's next checksum slot: free it.
+            self.fold_seen(inflight, Some(job.device));
+        }
+        if self.engines[job.device].is_none() {
+            self.engines[job.device] = Some(self.copy_engine(job.device)?);
+        }
+        let hasher = match direction {
+            Direction::Save if place != ChecksumPlace::Cpu => {
+                Self::hasher(&mut self.hashers, self.svc, job.device)
+            }
+            _ => None,
+        };
+        let sums = match (place, hasher) {
+            (_, None) => SaveSums::Off,
+            (ChecksumPlace::Fused, Some(h)) => SaveSums::Fused(h),
+            (_, Some(h)) => SaveSums::Kernels(h),
+        };
+        let engine = self.engines[job.device].as_mut().expect("made above");
+        // Timed from the first job of a busy period (`idle` ends it), up to TIMELINE_BATCHES
+        // batches of it.
+        if self.svc.limits.timeline && !engine.recording_timeline() {
+            engine.record_timeline_batches(TIMELINE_BATCHES);
+        }
+        let copy = CopyJob {
+            direction,
+            memory: &job.memory,
+            host: &self.svc.host,
+            chunks: &job.chunks,
+            chunk_len: job.chunk_len,
+        };
+        engine.start(&copy, self.svc.limits.copy, sums, &mut self.pieces).map_err(|e| e.to_string())
+    }
+
+    fn progress(&mut self, job: &Transfer) -> Result<Progress, String> {
+        job.progress().map_err(|e| format!("CUDA copy failed: {e}"))
+    }
+
+    /// Checksums that failed on the GPU come back as None: the shards compute them.
+    fn finish(&mut self, job: Transfer) -> Result<Option<Vec<u64>>, String> {
+        job.finish().map_err(|e| format!("CUDA copy failed: {e}"))
+    }
+
+    fn host_runs(&self, job: &Transfer) -> u64 {
+        job.shape().host_runs as u64
+    }
+
+    fn advance(&mut self, inflight: &mut VecDeque<Running<Transfer>>) -> bool {
+        self.fold_seen(inflight, None)
+    }
+
+    fn take_times(&mut self) -> StartTimes {
+        let zero = SubmitTimes::default();
+        let copies = self.engines.iter_mut().flatten().fold(zero, |t, e| t + e.take_times());
+        let sums =
+            self.hashers.iter_mut().flatten().flatten().fold(zero, |t, h| t + h.take_times());
+        StartTimes {
+            waited: copies.waited + sums.waited,
+            pieces: copies.pieces,
+            staged: copies.planned,
+            tables: sums.planned,
+        }
+    }
+
+    /// `--gpu-timeline`, at the end of a busy period (nothing in flight, so nothing to wait
+    /// for): adds each engine's timed batches since the period began to the counters.
+    fn idle(&mut self) {
+        if !self.svc.limits.timeline {
+            return;
+        }
+        let counters = match self.direction {
+            Direction::Save => &self.svc.counters.save_timeline,
+            Direction::Load => &self.svc.counters.load_timeline,
+        };
+        for engine in self.engines.iter_mut().flatten().filter(|e| e.recording_timeline()) {
+            match engine.take_timeline() {
+                Ok(spans) => counters.add(&SpanTotals::of(&spans)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "--gpu-timeline: reading the timing events failed")
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -1114,23 +855,6 @@ mod tests {
         assert_eq!(parse("tables"), None, "an experiment that lost");
         assert_eq!(parse("rows"), None, "the block row sums are `gpu` now");
         assert_eq!(parse(""), None);
-    }
-
-    #[test]
-    fn the_thread_cpu_clock_advances_with_work_on_this_thread() {
-        let start = thread_cpu_ns();
-        assert!(start > 0, "the thread CPU clock is readable here");
-        // Busy until it has advanced a millisecond (bounded by wall time, never expected).
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut x = 0u64;
-        while thread_cpu_ns() < start + 1_000_000 {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-            assert!(Instant::now() < deadline, "no CPU time counted in 30 s of spinning");
-        }
-        // It is this thread's clock, not the process's: a new thread starts below it.
-        let before = thread_cpu_ns();
-        let other = std::thread::spawn(thread_cpu_ns).join().unwrap();
-        assert!(other < before, "a new thread's {other} ns against this one's {before}");
     }
 
     #[test]
@@ -1167,32 +891,6 @@ mod tests {
         close("copy_gbps", (128u64 << 20) as f64 / 2.4e-3 / 1e9);
         // Nothing timed yet: no rate rather than a division by zero.
         assert_eq!(TimelineCounters::default().json()["copy_gbps"], 0.0);
-    }
-
-    #[test]
-    fn an_announced_job_keeps_the_idle_thread_spinning_longer() {
-        let t0 = Instant::now();
-        let at = |us: u64| t0 + Duration::from_micros(us);
-        let mut s = SpinUntil::new(t0);
-        assert!(s.spinning(at(IDLE_SPIN_US - 1)));
-        assert!(!s.spinning(at(IDLE_SPIN_US)), "parks after the idle spin");
-        // Announced later: spins for the announcement's window from then on.
-        s.expected(at(1_000));
-        let window = EXPECT_SPIN.as_micros() as u64;
-        assert!(s.spinning(at(1_000 + window - 1)));
-        assert!(!s.spinning(at(1_000 + window)));
-        // Work within the window never shortens it; work after it opens the idle spin.
-        s.worked(at(1_100));
-        assert!(s.spinning(at(1_000 + window - 1)), "work does not cut the wait short");
-        s.worked(at(5_000));
-        assert!(s.spinning(at(5_000 + IDLE_SPIN_US - 1)));
-        assert!(!s.spinning(at(5_000 + IDLE_SPIN_US)));
-    }
-
-    #[test]
-    fn the_timer_slack_can_be_set() {
-        set_timer_slack_ns(1_000);
-        assert_eq!(nix::sys::prctl::get_timerslack().unwrap(), 1_000);
     }
 
     #[test]
