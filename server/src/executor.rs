@@ -735,7 +735,7 @@ impl Exec {
         }
         match rx.recv().await {
             Some(Ok(sums)) => Ok(sums),
-            Some(Err(e)) => Err((ErrorCode::DeviceError, e)),
+            Some(Err(e)) => Err((ErrorCode::DeviceError, e.to_string())),
             None => Err((ErrorCode::Internal, "GPU completion lost".into())),
         }
     }

@@ -17,8 +17,8 @@ use std::time::Instant;
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::CudaContext;
 use orbitkv_gpu::dma::{
-    ChunkHasher, CopyEngine, CopyJob, Direction, EngineMemory, Progress, SaveSums, SpanTotals,
-    Strategy, SubmitTimes, TensorExport, Transfer, BATCHED_FROM,
+    ChunkHasher, CopyEngine, CopyJob, Direction, DmaError, EngineMemory, Progress, SaveSums,
+    SpanTotals, Strategy, SubmitTimes, TensorExport, Transfer, BATCHED_FROM,
 };
 use orbitkv_gpu::{DeviceInfo, HostRegistration, KvLayout, LayoutDesc};
 use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
@@ -113,9 +113,27 @@ pub struct GpuJob<M = Arc<EngineMemory>> {
     pub queued_at: Instant,
 }
 
-/// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or the
-/// CUDA failure.
-pub type GpuResult = Result<Option<Vec<u64>>, String>;
+/// Why a GPU job failed: sent from its DMA thread to its shard, which answers the request's
+/// chunks `DeviceError` with the message.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The device's copy engine could not be made (out of device memory for its staging).
+    #[error("creating the copy engine: {0}")]
+    Engine(#[source] DmaError),
+    /// The job did not reach the GPU (a chunk of another length than reserved, a range
+    /// outside the arena, a kernel that did not load, a failed launch).
+    #[error(transparent)]
+    Start(DmaError),
+    /// The copy failed on the GPU.
+    #[error("CUDA copy failed: {0}")]
+    Copy(#[source] DmaError),
+    /// The DMA thread stopped on a bug; every job it held or is given fails.
+    #[error("the GPU DMA thread failed (see the server log)")]
+    ThreadFailed,
+}
+
+/// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or why not.
+pub type GpuResult = Result<Option<Vec<u64>>, JobError>;
 
 /// A finished job.
 #[derive(Debug)]
@@ -714,7 +732,7 @@ impl<'s> CudaDevice<'s> {
     }
 
     /// The copy engine of `device`, made at its first job.
-    fn copy_engine(&self, device: usize) -> Result<CopyEngine, String> {
+    fn copy_engine(&self, device: usize) -> Result<CopyEngine, JobError> {
         let limits = &self.svc.limits;
         let e = CopyEngine::new(
             &self.svc.contexts[device],
@@ -722,7 +740,7 @@ impl<'s> CudaDevice<'s> {
             limits.staging_depth,
             BATCHED_FROM,
         )
-        .map_err(|e| format!("creating the copy engine: {e}"))?;
+        .map_err(JobError::Engine)?;
         if let (Strategy::Staged, Some(why)) = (limits.copy, e.kernel_error()) {
             // The operator asked for the kernel explicitly: say so once, loudly; every job it
             // would copy then fails naming the reason (`auto` would copy batched instead).
@@ -748,7 +766,7 @@ impl Device for CudaDevice<'_> {
         &mut self,
         job: &GpuJob,
         inflight: &mut VecDeque<Running<Transfer>>,
-    ) -> Result<Transfer, String> {
+    ) -> Result<Transfer, JobError> {
         let direction = self.direction;
         let place = self.svc.checksum_place();
         if direction == Direction::Save && place == ChecksumPlace::Fused {
@@ -782,16 +800,16 @@ impl Device for CudaDevice<'_> {
             chunks: &job.chunks,
             chunk_len: job.chunk_len,
         };
-        engine.start(&copy, self.svc.limits.copy, sums, &mut self.pieces).map_err(|e| e.to_string())
+        engine.start(&copy, self.svc.limits.copy, sums, &mut self.pieces).map_err(JobError::Start)
     }
 
-    fn progress(&mut self, job: &Transfer) -> Result<Progress, String> {
-        job.progress().map_err(|e| format!("CUDA copy failed: {e}"))
+    fn progress(&mut self, job: &Transfer) -> Result<Progress, JobError> {
+        job.progress().map_err(JobError::Copy)
     }
 
     /// Checksums that failed on the GPU come back as None: the shards compute them.
-    fn finish(&mut self, job: Transfer) -> Result<Option<Vec<u64>>, String> {
-        job.finish().map_err(|e| format!("CUDA copy failed: {e}"))
+    fn finish(&mut self, job: Transfer) -> GpuResult {
+        job.finish().map_err(JobError::Copy)
     }
 
     fn host_runs(&self, job: &Transfer) -> u64 {

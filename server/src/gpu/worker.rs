@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 use orbitkv_gpu::dma::{Direction, Progress};
 
-use super::{GpuCounters, GpuDone, GpuJob};
+use super::{GpuCounters, GpuDone, GpuJob, GpuResult, JobError};
 use crate::doorbell::Doorbells;
 
 /// What a DMA thread drives: the copy engines and checksum kernels of its direction on every
@@ -28,13 +28,13 @@ pub(crate) trait Device {
         &mut self,
         job: &GpuJob<Self::Memory>,
         inflight: &mut VecDeque<Running<Self::Job>>,
-    ) -> Result<Self::Job, String>;
+    ) -> Result<Self::Job, JobError>;
 
     /// Where a started job stands; an error when it failed.
-    fn progress(&mut self, job: &Self::Job) -> Result<Progress, String>;
+    fn progress(&mut self, job: &Self::Job) -> Result<Progress, JobError>;
 
     /// A finished job's outcome: a save's checksums when the device computed them.
-    fn finish(&mut self, job: Self::Job) -> Result<Option<Vec<u64>>, String>;
+    fn finish(&mut self, job: Self::Job) -> GpuResult;
 
     /// Host-side copies of a started job.
     fn host_runs(&self, job: &Self::Job) -> u64;
@@ -168,7 +168,7 @@ pub(crate) fn run<D: Device>(lanes: &Lanes<'_, D::Memory>, device: impl FnOnce()
     // A bug stopped this thread: fail what it held and everything queued from now on, so
     // that no request (and no closing session) waits forever.
     tracing::error!(direction = ?lanes.direction, "GPU DMA thread panicked; its copies fail from now on");
-    let failed = || Err("the GPU DMA thread failed (see the server log)".to_string());
+    let failed = || Err(JobError::ThreadFailed);
     let counters = lanes.counters;
     if let Some(job) = starting.take() {
         counters.failed_jobs.fetch_add(1, Ordering::Relaxed);

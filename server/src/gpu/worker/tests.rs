@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
+use orbitkv_gpu::dma::DmaError;
 use orbitkv_shards::Arena;
 
 use super::*;
@@ -27,6 +28,10 @@ impl Default for Plan {
     fn default() -> Self {
         Self { refuse: None, panic: false, copying: 2, summing: 0, outcome: Ok(None) }
     }
+}
+
+fn copy_failed(why: &str) -> JobError {
+    JobError::Copy(DmaError::Cuda { op: "cuEventQuery", detail: why.to_string() })
 }
 
 /// What the fake device saw, shared with the test.
@@ -54,17 +59,17 @@ impl Device for Fake {
     type Memory = ();
     type Job = u64;
 
-    fn start(&mut self, job: &GpuJob<()>, _: &mut VecDeque<Running<u64>>) -> Result<u64, String> {
+    fn start(&mut self, job: &GpuJob<()>, _: &mut VecDeque<Running<u64>>) -> Result<u64, JobError> {
         let plan = self.plans.get(&job.id).cloned().unwrap_or_default();
         assert!(!plan.panic, "the fake device panics on job {}", job.id);
         if let Some(why) = plan.refuse {
-            return Err(why.to_string());
+            return Err(JobError::Start(DmaError::Invalid(why.to_string())));
         }
         self.seen.started.lock().unwrap().push((job.shard, job.id));
         Ok(job.id)
     }
 
-    fn progress(&mut self, id: &u64) -> Result<Progress, String> {
+    fn progress(&mut self, id: &u64) -> Result<Progress, JobError> {
         let plan = self.plans.get(id).cloned().unwrap_or_default();
         let n = self.polls.entry(*id).or_default();
         *n += 1;
@@ -74,15 +79,15 @@ impl Device for Fake {
             Progress::Summing
         } else {
             match plan.outcome {
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(copy_failed(e)),
                 Ok(_) => Progress::Done,
             }
         })
     }
 
-    fn finish(&mut self, id: u64) -> Result<Option<Vec<u64>>, String> {
+    fn finish(&mut self, id: u64) -> GpuResult {
         let plan = self.plans.get(&id).cloned().unwrap_or_default();
-        plan.outcome.map_err(str::to_string)
+        plan.outcome.map_err(copy_failed)
     }
 
     fn host_runs(&self, _: &u64) -> u64 {
@@ -234,16 +239,23 @@ fn refused_starts_and_failed_copies_are_answered_with_their_errors() {
     }
     let plans = [
         (2, Plan { refuse: Some("chunk of 3 bytes where 4096 were reserved"), ..Plan::default() }),
-        (3, Plan { outcome: Err("CUDA copy failed: an illegal address"), ..Plan::default() }),
+        (3, Plan { outcome: Err("an illegal address"), ..Plan::default() }),
     ];
     let seen = Arc::new(Seen::default());
     with_thread(&shards, Direction::Load, fake(&plans, &seen), || {
         let got = &shards.answers(4, Duration::from_micros(50))[0];
         // A refused start is answered at once, before the jobs in flight ahead of it.
         assert_eq!(ids(got), [2, 1, 3, 4]);
-        assert!(matches!(&got[0].result, Err(e) if e.contains("3 bytes")), "{got:?}");
+        assert!(
+            matches!(&got[0].result, Err(JobError::Start(e)) if e.to_string().contains("3 bytes")),
+            "{got:?}"
+        );
         assert!(matches!(&got[1].result, Ok(None)));
-        assert!(matches!(&got[2].result, Err(e) if e.contains("illegal address")), "{got:?}");
+        let copy = |e: &JobError| e.to_string().starts_with("CUDA copy failed");
+        assert!(
+            matches!(&got[2].result, Err(e) if copy(e) && e.to_string().contains("illegal address")),
+            "{got:?}"
+        );
         assert!(matches!(&got[3].result, Ok(None)));
     });
     let c = &shards.counters;
@@ -264,8 +276,7 @@ fn a_panic_fails_the_jobs_held_and_every_job_after_it() {
     let seen = Arc::new(Seen::default());
     with_thread(&shards, Direction::Save, fake(&plans, &seen), || {
         let got = shards.answers(2, Duration::from_micros(50));
-        let failed =
-            |d: &GpuDone| matches!(&d.result, Err(e) if e.contains("GPU DMA thread failed"));
+        let failed = |d: &GpuDone| matches!(&d.result, Err(JobError::ThreadFailed));
         // The job in flight and the one being started.
         assert!(failed(&got[0][0]) && failed(&got[1][0]), "{got:?}");
         assert!(seen.dropped.load(Ordering::SeqCst), "the device went before the jobs failed");
