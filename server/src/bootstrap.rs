@@ -186,7 +186,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
     let opened = if queued {
         rx.recv_timeout(HELLO_TIMEOUT)
             .map_err(|_| "home shard did not open the session in time".to_string())
-            .and_then(|r| r)
+            .and_then(|r| r.map_err(|e| format!("opening the session's service: {e}")))
     } else {
         Err("home shard is not answering".to_string())
     };

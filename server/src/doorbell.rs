@@ -72,11 +72,14 @@ impl LoopStage {
 
 impl Doorbells {
     /// One doorbell per shard.
-    pub fn new(arena: Arc<Arena>, shards: usize) -> Result<Self, String> {
+    pub fn new(arena: Arc<Arena>, shards: usize) -> Result<Self, crate::error::StartError> {
         let fds = (0..shards)
             .map(|_| EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("creating shard eventfds: {e}"))?;
+            .map_err(|e| crate::error::StartError::Os {
+                what: "creating shard eventfds",
+                source: e.into(),
+            })?;
         for i in 0..shards {
             arena.doorbell(i).store(0, Ordering::SeqCst);
         }

@@ -72,16 +72,49 @@ pub struct ShardContext {
     /// iceoryx2 names.
     pub ipc: IpcNames,
     /// Reports start-up success or failure.
-    pub ready: Sender<Result<(), String>>,
+    pub ready: Sender<Result<(), ShardStartError>>,
     /// How to wait for work.
     pub idle: IdlePolicy,
     /// This shard's SSD store, when the tier is configured.
     pub ssd: Option<SsdConfig>,
 }
 
+/// Why a shard could not start serving (sent from its thread to `main`).
+#[derive(Debug, thiserror::Error)]
+pub enum ShardStartError {
+    /// Its iceoryx2 node.
+    #[error("shard {shard}: {source}")]
+    Ipc {
+        /// The shard.
+        shard: usize,
+        /// What failed.
+        source: crate::ipc::IpcError,
+    },
+    /// Joining the shard-to-shard queues.
+    #[error("shard {shard}: joining the {mesh} mesh: {detail}")]
+    Mesh {
+        /// The shard.
+        shard: usize,
+        /// Which mesh (`request` or `reply`).
+        mesh: &'static str,
+        /// glommio's error.
+        detail: String,
+    },
+    /// Opening its SSD file.
+    #[error("shard {shard}: SSD tier (--ssd-dir): {source}")]
+    Ssd {
+        /// The shard.
+        shard: usize,
+        /// The SSD store's error.
+        source: orbitkv_shards::ssd::store::SsdError,
+    },
+}
+
 /// Starts the executor thread of one shard. Pinning is best effort: a placement that fails
 /// is retried unpinned with a warning.
-pub fn spawn(ctx: ShardContext) -> Result<glommio::ExecutorJoinHandle<()>, String> {
+pub fn spawn(
+    ctx: ShardContext,
+) -> Result<glommio::ExecutorJoinHandle<()>, crate::error::StartError> {
     let id = ctx.id;
     let cpu = ctx.cpu;
     let io_memory = ctx.io_memory;
@@ -115,7 +148,8 @@ pub fn spawn(ctx: ShardContext) -> Result<glommio::ExecutorJoinHandle<()>, Strin
             }
         }
     }
-    start(Placement::Unbound, None).map_err(|e| format!("starting shard {id} executor: {e}"))
+    start(Placement::Unbound, None)
+        .map_err(|e| crate::error::StartError::Executor { shard: id, detail: e.to_string() })
 }
 
 /// Per-session state on its home shard.
@@ -157,13 +191,13 @@ pub(crate) struct Exec {
 /// This shard's ends of a mesh, or none with one shard.
 async fn join_mesh<T: Send + 'static>(
     mesh: Option<MeshBuilder<T, Full>>,
-    what: &str,
-) -> Result<(Option<Senders<T>>, Option<Receivers<T>>), String> {
+    (shard, what): (usize, &'static str),
+) -> Result<(Option<Senders<T>>, Option<Receivers<T>>), ShardStartError> {
     match mesh {
         None => Ok((None, None)),
         Some(m) => match m.join().await {
             Ok((tx, rx)) => Ok((Some(tx), Some(rx))),
-            Err(e) => Err(format!("joining the {what} mesh: {e}")),
+            Err(e) => Err(ShardStartError::Mesh { shard, mesh: what, detail: e.to_string() }),
         },
     }
 }
@@ -193,34 +227,35 @@ async fn run(ctx: ShardContext) {
         IdlePolicy::Poll => shared.settings.spin_window,
         IdlePolicy::Sleep => Duration::ZERO,
     };
+    let node_name = format!("orbitkv-shard-{id}");
     let node = match ipc::config(&ipc).and_then(|cfg| {
-        NodeName::new(&format!("orbitkv-shard-{id}"))
-            .map_err(|e| format!("node name: {e:?}"))
+        NodeName::new(&node_name)
+            .map_err(|e| ipc::IpcError::new("node name", &node_name, e))
             .and_then(|name| {
                 NodeBuilder::new()
                     .name(&name)
                     .config(&cfg)
                     .create::<IpcService>()
-                    .map_err(|e| format!("creating iceoryx2 node: {e:?}"))
+                    .map_err(|e| ipc::IpcError::new("node", &node_name, e))
             })
     }) {
         Ok(n) => n,
-        Err(e) => {
-            let _ = ready.send(Err(format!("shard {id}: {e}")));
+        Err(source) => {
+            let _ = ready.send(Err(ShardStartError::Ipc { shard: id, source }));
             return;
         }
     };
-    let (req_tx, req_rx) = match join_mesh(req_mesh, "request").await {
+    let (req_tx, req_rx) = match join_mesh(req_mesh, (id, "request")).await {
         Ok(ends) => ends,
         Err(e) => {
-            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            let _ = ready.send(Err(e));
             return;
         }
     };
-    let (rep_tx, rep_rx) = match join_mesh(rep_mesh, "reply").await {
+    let (rep_tx, rep_rx) = match join_mesh(rep_mesh, (id, "reply")).await {
         Ok(ends) => ends,
         Err(e) => {
-            let _ = ready.send(Err(format!("shard {id}: {e}")));
+            let _ = ready.send(Err(e));
             return;
         }
     };
@@ -316,8 +351,8 @@ async fn run(ctx: ShardContext) {
                 );
                 exec.core.borrow_mut().attach_ssd(store);
             }
-            Err(e) => {
-                let _ = ready.send(Err(format!("shard {id}: SSD tier (--ssd-dir): {e}")));
+            Err(source) => {
+                let _ = ready.send(Err(ShardStartError::Ssd { shard: id, source }));
                 return;
             }
         }

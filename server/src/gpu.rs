@@ -430,12 +430,13 @@ impl GpuService {
         host: Arc<HostRegistration>,
         shards: usize,
         limits: GpuLimits,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, orbitkv_gpu::GpuError> {
         let contexts = devices
             .iter()
             .map(|d| {
-                CudaContext::new(d.ordinal as usize)
-                    .map_err(|e| format!("CUDA context on {} ({}): {e}", d.name, d.uuid))
+                CudaContext::new(d.ordinal as usize).map_err(|e| {
+                    orbitkv_gpu::GpuError::Cuda(format!("context on {} ({}): {e}", d.name, d.uuid))
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         // A completion ring holds as many as the job ring; a worker keeps what does not fit.
@@ -471,7 +472,7 @@ impl GpuService {
         self: &Arc<Self>,
         doorbells: Arc<Doorbells>,
         cores: &[usize],
-    ) -> Result<(), String> {
+    ) -> Result<(), crate::error::StartError> {
         for device in 0..self.devices.len() {
             for (name, direction) in [("gpu-d2h", Direction::Save), ("gpu-h2d", Direction::Load)] {
                 let i = worker_of(device, direction);
@@ -497,7 +498,7 @@ impl GpuService {
                         };
                         worker::run(&lanes, || CudaDevice::new(&svc, direction))
                     })
-                    .map_err(|e| format!("starting {name}: {e}"))?;
+                    .map_err(crate::error::StartError::thread(name))?;
                 let _ = self.workers[i].thread.set(handle.thread().clone());
                 self.handles.lock().expect("never poisoned").push(handle);
             }

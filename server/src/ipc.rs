@@ -36,14 +36,34 @@ impl IpcNames {
     }
 }
 
+/// Why an iceoryx2 node, service or port could not be made: what was being made, its name,
+/// and iceoryx2's own error (which has no `Display`, so it is kept as its debug text).
+#[derive(Debug, thiserror::Error)]
+#[error("iceoryx2 {what} {name:?}: {detail}")]
+pub struct IpcError {
+    /// What was being made (`root path`, `prefix`, `node`, `service`, `server port`, ...).
+    pub what: &'static str,
+    /// Its name.
+    pub name: String,
+    /// iceoryx2's error.
+    pub detail: String,
+}
+
+impl IpcError {
+    /// `what` named `name` failed with iceoryx2's error `e`.
+    pub fn new(what: &'static str, name: &str, e: impl std::fmt::Debug) -> Self {
+        Self { what, name: name.to_string(), detail: format!("{e:?}") }
+    }
+}
+
 /// Builds the iceoryx2 config shared by the server and its clients.
-pub fn config(names: &IpcNames) -> Result<Config, String> {
+pub fn config(names: &IpcNames) -> Result<Config, IpcError> {
     let mut c = Config::default();
     let root = iceoryx2::prelude::Path::new(names.root.as_bytes())
-        .map_err(|e| format!("iceoryx2 root path {:?}: {e:?}", names.root))?;
+        .map_err(|e| IpcError::new("root path", &names.root, e))?;
     c.global.set_root_path(&root);
     c.global.prefix = FileName::new(names.prefix.as_bytes())
-        .map_err(|e| format!("iceoryx2 prefix {:?}: {e:?}", names.prefix))?;
+        .map_err(|e| IpcError::new("prefix", &names.prefix, e))?;
     Ok(c)
 }
 
@@ -52,9 +72,9 @@ pub fn create_session_service(
     node: &Node<IpcService>,
     service_name: &str,
     max_inflight: usize,
-) -> Result<(SessionService, SessionServer), String> {
+) -> Result<(SessionService, SessionServer), IpcError> {
     let name = ServiceName::new(service_name)
-        .map_err(|e| format!("service name {service_name:?}: {e:?}"))?;
+        .map_err(|e| IpcError::new("service name", service_name, e))?;
     let service = node
         .service_builder(&name)
         .request_response::<[u8], [u8]>()
@@ -69,14 +89,14 @@ pub fn create_session_service(
         .max_response_buffer_size(1)
         .max_borrowed_responses_per_pending_response(1)
         .create()
-        .map_err(|e| format!("creating service {service_name:?}: {e:?}"))?;
+        .map_err(|e| IpcError::new("service", service_name, e))?;
     let server = service
         .server_builder()
         .initial_max_slice_len(4096)
         .allocation_strategy(AllocationStrategy::PowerOfTwo)
         .max_loaned_responses_per_request(1)
         .create()
-        .map_err(|e| format!("creating server port of {service_name:?}: {e:?}"))?;
+        .map_err(|e| IpcError::new("server port of", service_name, e))?;
     Ok((service, server))
 }
 

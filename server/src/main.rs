@@ -7,6 +7,7 @@ mod bootstrap;
 mod config;
 mod deadline;
 mod doorbell;
+mod error;
 mod executor;
 mod gpu;
 mod ipc;
@@ -27,6 +28,7 @@ use orbitkv_shards::ssd::store::SsdConfig;
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
 
 use crate::config::Settings;
+use crate::error::StartError;
 use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
 use crate::shared::{ControlMsg, ServeState, Shared};
@@ -62,7 +64,7 @@ fn main() -> ExitCode {
     };
     match run(settings) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(&e),
+        Err(e) => fail(&e.to_string()),
     }
 }
 
@@ -73,26 +75,23 @@ fn fail(message: &str) -> ExitCode {
 
 /// Binds a Unix socket at `path`, refusing if a live server answers there and replacing a
 /// stale socket file left by a crash.
-fn bind(path: &Path, mode: u32) -> Result<UnixListener, String> {
+fn bind(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
-            return Err(format!("another server is already serving on {}", path.display()));
+            return Err(StartError::AlreadyServing(path.to_owned()));
         }
-        std::fs::remove_file(path)
-            .map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
+        std::fs::remove_file(path).map_err(StartError::io("removing stale socket", path))?;
     }
-    let listener =
-        UnixListener::bind(path).map_err(|e| format!("binding {}: {e}", path.display()))?;
+    let listener = UnixListener::bind(path).map_err(StartError::io("binding", path))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("setting permissions of {}: {e}", path.display()))?;
+        .map_err(StartError::io("setting permissions of", path))?;
     Ok(listener)
 }
 
 /// Removes SSD files of shards this run does not have (an earlier run with more shards), so
 /// that the directory never holds more than the configured cap.
-fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), String> {
-    let entries =
-        std::fs::read_dir(dir).map_err(|e| format!("--ssd-dir {}: {e}", dir.display()))?;
+fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), StartError> {
+    let entries = std::fs::read_dir(dir).map_err(StartError::io("reading --ssd-dir", dir))?;
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(id) = name
@@ -105,8 +104,7 @@ fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), String> {
         };
         if id >= shards {
             tracing::warn!(path = %entry.path().display(), shards, "removing the SSD file of a shard this run does not have");
-            std::fs::remove_file(entry.path())
-                .map_err(|e| format!("removing {}: {e}", entry.path().display()))?;
+            std::fs::remove_file(entry.path()).map_err(StartError::io("removing", entry.path()))?;
         }
     }
     Ok(())
@@ -155,19 +153,19 @@ fn io_memory_per_ring(shards: usize) -> usize {
     (per / 4096 * 4096) as usize
 }
 
-fn run(settings: Settings) -> Result<(), String> {
+fn run(settings: Settings) -> Result<(), StartError> {
     let started = Instant::now();
     let socket = settings.socket.clone();
     let admin = admin_socket_path(&socket);
     if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(StartError::io("creating", dir))?;
     }
     // Refuse early if someone is serving here, before touching iceoryx2 state.
     if UnixStream::connect(&socket).is_ok() {
-        return Err(format!("another server is already serving on {}", socket.display()));
+        return Err(StartError::AlreadyServing(socket));
     }
     let shards = settings.shards;
-    let gpu = orbitkv_gpu::resolve(settings.config.gpu).map_err(|e| e.to_string())?;
+    let gpu = orbitkv_gpu::resolve(settings.config.gpu)?;
     match &gpu {
         None => tracing::info!("GPU off (--gpu off)"),
         Some(orbitkv_gpu::Probe::Absent { reason }) => {
@@ -181,7 +179,7 @@ fn run(settings: Settings) -> Result<(), String> {
     }
     let arena = Arc::new(
         Arena::create(settings.dram_bytes, settings.config.lock_arena)
-            .map_err(|e| e.to_string())?,
+            .map_err(StartError::Arena)?,
     );
     // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) before
     // the arena at shutdown.
@@ -199,7 +197,7 @@ fn run(settings: Settings) -> Result<(), String> {
                     Some(Arc::new(r))
                 }
                 Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => {
-                    return Err(e.to_string())
+                    return Err(e.into())
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "arena not registered with CUDA: serving without GPU");
@@ -221,7 +219,7 @@ fn run(settings: Settings) -> Result<(), String> {
     let service_prefix = format!("orbitkv/{}", std::process::id());
     let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
     doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD, WATCHDOG_ASLEEP_PERIOD)
-        .map_err(|e| format!("starting the shard watchdog thread: {e}"))?;
+        .map_err(StartError::thread("orbitkv-watchdog"))?;
     let shared = Shared::new(
         settings.clone(),
         txs,
@@ -312,8 +310,8 @@ fn run(settings: Settings) -> Result<(), String> {
     for _ in 0..shards {
         match ready_rx.recv_timeout(Duration::from_secs(30)) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err("a shard did not start within 30 s".into()),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(StartError::ShardTimeout),
         }
     }
     let listener = bind(&socket, 0o666)?;
@@ -324,14 +322,14 @@ fn run(settings: Settings) -> Result<(), String> {
         std::thread::Builder::new()
             .name("orbitkv-accept".into())
             .spawn(move || bootstrap::serve(listener, shared, arena))
-            .map_err(|e| format!("starting the accept thread: {e}"))?;
+            .map_err(StartError::thread("orbitkv-accept"))?;
     }
     {
         let shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("orbitkv-admin".into())
             .spawn(move || admin::serve(admin_listener, shared))
-            .map_err(|e| format!("starting the admin thread: {e}"))?;
+            .map_err(StartError::thread("orbitkv-admin"))?;
     }
     tracing::info!(
         socket = %socket.display(),
@@ -347,7 +345,7 @@ fn run(settings: Settings) -> Result<(), String> {
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGINT,
     ])
-    .map_err(|e| format!("installing signal handlers: {e}"))?;
+    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
     let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
     tracing::info!(signal, "shutting down: draining");
     shared.set_state(ServeState::Draining);
