@@ -1,9 +1,7 @@
 //! Finding CUDA devices without assuming CUDA exists. The order matters: any cudarc call made
 //! before `is_culib_present()` can panic when libcuda is missing.
 
-#![allow(unsafe_code)]
-
-use cudarc::driver::{result, sys};
+use cudarc::driver::result;
 
 /// One CUDA device.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -46,8 +44,7 @@ fn format_uuid(bytes: &[u8; 16]) -> String {
 
 /// Looks for CUDA devices: libcuda present, driver initialises, at least one device.
 pub fn probe() -> Probe {
-    // SAFETY: only tries to load the shared library; no CUDA call is made before it says yes.
-    if !unsafe { sys::is_culib_present() } {
+    if !crate::dma::driver_library_present() {
         return Probe::Absent {
             reason: "libcuda (the NVIDIA driver library) is not installed".into(),
         };

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::CudaContext;
 use orbitkv_shards::Arena;
 
 use crate::GpuError;
@@ -53,13 +53,10 @@ unsafe fn register(
         .map_err(|e| GpuError::Cuda(format!("creating a context on device {ordinal}: {e}")))?;
     ctx.bind_to_thread().map_err(|e| GpuError::Cuda(format!("binding the context: {e}")))?;
     let started = Instant::now();
-    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
     // SAFETY: a live mapping of `len` bytes at `base` (the caller's contract), unregistered
-    // in `drop` before it may go away.
-    let status = unsafe { sys::cuMemHostRegister_v2(base as *mut std::ffi::c_void, len, flags) };
-    if status != sys::CUresult::CUDA_SUCCESS {
-        return Err(GpuError::Cuda(format!("cuMemHostRegister of {len} bytes failed: {status:?}")));
-    }
+    // in `drop` before the arena the registration holds may be unmapped.
+    unsafe { crate::dma::host_register(base, len) }
+        .map_err(|e| GpuError::Cuda(format!("registering {len} bytes: {e}")))?;
     Ok(HostRegistration { ctx, base, len, _arena: arena, elapsed: started.elapsed() })
 }
 
@@ -90,11 +87,10 @@ impl HostRegistration {
 impl Drop for HostRegistration {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: unregisters the range registered in `register`, still mapped (an arena is
-        // held by this struct; a raw range by the caller's contract).
-        let status = unsafe { sys::cuMemHostUnregister(self.base as *mut std::ffi::c_void) };
-        if status != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!(?status, "cuMemHostUnregister failed");
+        // SAFETY: unregisters the range registered in `register`, still mapped: the arena it
+        // belongs to is held by this struct until after this call.
+        if let Err(e) = unsafe { crate::dma::host_unregister(self.base) } {
+            tracing::warn!(error = %e, "unregistering the arena failed");
         }
     }
 }

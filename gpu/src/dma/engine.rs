@@ -350,12 +350,9 @@ impl CopyEngine {
             e.synchronize().map_err(drv("cuEventSynchronize"))?;
         }
         let at = |e: &CudaEvent| -> Result<f64, DmaError> {
-            // SAFETY: both events are live events of this engine's context, bound above, and
-            // have passed (waited for above, directly or through a later one on their stream).
-            let ms =
-                unsafe { cudarc::driver::result::event::elapsed(start.cu_event(), e.cu_event()) }
-                    .map_err(drv("cuEventElapsedTime"))?;
-            Ok(f64::from(ms) * 1e3)
+            // Both have passed: waited for above, directly or through a later one on their
+            // stream.
+            Ok(f64::from(ffi::elapsed_ms(&start, e)?) * 1e3)
         };
         let spans = batches
             .iter()

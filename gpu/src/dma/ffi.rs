@@ -1,6 +1,7 @@
-//! The CUDA driver calls behind the copy engines, each wrapped so that memory handed to the
-//! GPU is owned by a type whose drop cannot free it early. All `unsafe` of the DMA path lives
-//! here.
+//! The raw CUDA driver calls of the crate, each wrapped so that memory handed to the GPU is
+//! owned by a type whose drop cannot free it early, or stated as the contract of an `unsafe fn`
+//! that the copy engine, the checksum kernels and the arena registration uphold (their
+//! `SAFETY` comments say how).
 
 #![allow(unsafe_code)]
 
@@ -10,6 +11,47 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 use crate::dma::DmaError;
+
+/// Whether libcuda (the NVIDIA driver library) can be loaded; nothing else is called.
+pub(crate) fn driver_library_present() -> bool {
+    // SAFETY: only tries to load the shared library; no CUDA call is made before it says yes.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Milliseconds between two events of one context, both completed (an error otherwise, as
+/// the driver reports it).
+pub(crate) fn elapsed_ms(
+    start: &cudarc::driver::CudaEvent,
+    end: &cudarc::driver::CudaEvent,
+) -> Result<f32, DmaError> {
+    // SAFETY: both handles are live while the borrowed events are; the driver checks that
+    // they were recorded and have completed, and reports it otherwise.
+    unsafe { result::event::elapsed(start.cu_event(), end.cu_event()) }
+        .map_err(|e| driver("cuEventElapsedTime", e))
+}
+
+/// Registers `len` bytes of host memory at `base` with the current context (portable: usable
+/// from every context).
+///
+/// # Safety
+/// `base..base + len` must be a live mapping of this process that stays mapped until
+/// [`host_unregister`] of `base` has returned.
+pub(crate) unsafe fn host_register(base: usize, len: usize) -> Result<(), DmaError> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
+    // SAFETY: a live mapping of `len` bytes at `base` (the caller's contract).
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(base as *mut c_void, len, flags)
+    })
+}
+
+/// Unregisters the range registered at `base` ([`host_register`]) from the current context.
+///
+/// # Safety
+/// `base` must have been registered by [`host_register`] and be mapped still.
+pub(crate) unsafe fn host_unregister(base: usize) -> Result<(), DmaError> {
+    // SAFETY: a range registered earlier and still mapped (the caller's contract).
+    check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(base as *mut c_void) })
+}
 
 fn check(what: &'static str, status: sys::CUresult) -> Result<(), DmaError> {
     if status == sys::CUresult::CUDA_SUCCESS {

@@ -819,7 +819,8 @@ impl ChunkHasher {
                     let grid = CopyKernel::grid(pull_count as u32, 1, 256, u32::MAX);
                     k.launch(stream, slot.pull_descs.addr(), pull_count as u32, 1, grid, 256)?;
                 },
-                // SAFETY: as above.
+                // SAFETY: the same tables as the pull's (the slot's pinned descriptors, written,
+                // and its device tables, free until `done`), uploaded by a copy instead.
                 (None, None) => unsafe {
                     ffi::copy_async(
                         Way::HostToDevice,

@@ -159,8 +159,8 @@ impl CopyEngine {
             // the copy's event has completed (its `Drop` waits).
             let (copied, shape) = unsafe { self.submit(job.direction, pieces, strategy)? };
             let sums = match hasher {
-                // SAFETY: as above, the pieces' device ranges; the ticket's event completes
-                // before the transfer lets the memory go.
+                // SAFETY: the pieces' device ranges are the job's engine memory, checked as for
+                // the copy; the ticket's event completes before the transfer lets it go.
                 Some(h) => ticket(unsafe { h.submit(pieces, job.chunk_len) }),
                 None => Sums::Off,
             };
