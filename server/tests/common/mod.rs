@@ -34,7 +34,7 @@ impl TestServer {
 
     pub fn spawn(&mut self, args: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
+        let child = Command::new(server_bin())
             .arg("--socket")
             .arg(&self.socket)
             .args(["--no-lock-arena"])
@@ -284,4 +284,12 @@ pub fn reconnect(c: &mut Client) {
             Err(e) => panic!("no reconnect: {e}"),
         }
     }
+}
+
+/// The server binary the tests start: the one cargo built for them, or the one named by
+/// `ORBITKV_TEST_SERVER_BIN` (a test binary run on another machine, e.g. a CUDA host without a
+/// Rust toolchain, with a release build of the server beside it).
+pub fn server_bin() -> PathBuf {
+    std::env::var_os("ORBITKV_TEST_SERVER_BIN")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_orbitkv-server")), PathBuf::from)
 }
