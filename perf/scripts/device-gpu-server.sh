@@ -34,8 +34,8 @@ run() { name=$1; shift; [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]] && re
   # shellcheck disable=SC2086 # INTF_ARGS is several words
   [[ " $* " == *" --interference "* ]] && [ -n "$INTF_ARGS" ] && set -- "$@" $INTF_ARGS
   echo "== $TAG$name: $*" >> $OUT/gpu.log; $D "$@" > $OUT/${TAG}gpu-$name.json 2>> $OUT/gpu.log; echo "rc=$?" >> $OUT/gpu.log; }
-run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --cancel-check --duplex
-run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --cancel-check --duplex
+run sglang-2k --layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16 --duplex
+run nhd-32k --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 1024 --duplex
 run hnd-8k --layout flash-hnd --layers 32 --block-tokens 4 --kv-heads 8 --head-dim 128 --blocks 4096
 # 3641 blocks of 576 KiB (32 layers): 2 GiB per operation, as the other runs (with 2048 blocks,
 # 1.125 GiB, the fixed cost per request weighed almost twice as much).
@@ -71,7 +71,7 @@ echo "killed engine during save (server save jobs ${jobs0} before it, ${n} at th
 for i in $(seq 200); do [ "$(stats | field 'd["sessions"]')" = "0" ] && break; sleep 0.05; done
 stats > $OUT/${TAG}gpu-stats-after-kill.json
 $B/orbitkv-ctl --socket $S health >> $OUT/gpu.log 2>&1; echo "health rc=$?" >> $OUT/gpu.log
-run after-kill --layout flash-nhd --layers 8 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 512 --cancel-check
+run after-kill --layout flash-nhd --layers 8 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 512
 fi
 stats > $OUT/${TAG}gpu-stats-end.json
 kill -TERM $P; wait $P; echo "server exit=$?" >> $OUT/gpu.log

@@ -37,7 +37,7 @@ group() {
   done
   for r in 0 1; do wait ${pids[$r]}; log "rank $r rc=$?"; done
 }
-group nhd $NHD --cancel-check
+group nhd $NHD
 group sglang $SGL
 stats > $OUT/tp-stats-before-kill.json
 # Rank 1 dies during a save; rank 0 must be unaffected. Rank 1 (8 GiB, 200 saves back to back:

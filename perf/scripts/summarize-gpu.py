@@ -82,15 +82,6 @@ def served(name, d):
         f"{s.get('load_failures')}; mismatched bytes {s.get('save_mismatched_bytes')} / "
         f"{s.get('load_mismatched_bytes')}"
     )
-    # The ownership and registration checks: the dropped save and the unregister with
-    # `--cancel-check` (None without it), the others in every served run.
-    if "bad_registrations_refused" in s or s.get("cancelled_save_completed") is not None:
-        print(
-            f"{name}:   dropped save completed {s.get('cancelled_save_completed')}, unregister "
-            f"during a save waited for it {s.get('unregister_waited')}, stale registration "
-            f"refused {s.get('stale_registration_refused')}, bad registrations refused "
-            f"{s.get('bad_registrations_refused')}"
-        )
     # Against the ceiling's copy just before and after each timed save / load.
     if s.get("save_ratio_bracketed") is not None:
         span = lambda r: f"{min(r):.3f}-{max(r):.3f}" if r else "-"

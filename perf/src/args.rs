@@ -148,12 +148,6 @@ pub(crate) struct DmaArgs {
     /// driving a copy engine in this process. The ceiling is still measured here.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
-    /// With `--socket`: also start a save, drop it unanswered, and check that the server
-    /// completes it anyway (cancellation never leaves a half-written chunk); then unregister
-    /// during a save, overwrite the tensors once the unregister returns, and check that the
-    /// save holds the bytes from before (the unregister waited for its copies).
-    #[arg(long, requires = "socket")]
-    pub cancel_check: bool,
     /// With `--socket`: this process is rank N of a tensor-parallel group; its chunks go to
     /// the rank's own namespace (the descriptor's `tp_rank`) (default: 0).
     #[arg(long, value_name = "N", default_value_t = 0, requires = "socket")]

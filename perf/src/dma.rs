@@ -313,18 +313,8 @@ impl Report for DmaReport {
         if let Some(s) = &self.server {
             writeln!(
                 out,
-                "server: rank {}/{}, {} chunks, failures save {} load {}, dropped save completed {:?}, \
-                 unregister waited for its copies {:?}, stale registration refused {}, bad \
-                 registrations refused {}",
-                s.tp_rank,
-                s.tp_world_size,
-                s.chunks,
-                s.save_failures,
-                s.load_failures,
-                s.cancelled_save_completed,
-                s.unregister_waited,
-                s.stale_registration_refused,
-                s.bad_registrations_refused
+                "server: rank {}/{}, {} chunks, failures save {} load {}",
+                s.tp_rank, s.tp_world_size, s.chunks, s.save_failures, s.load_failures,
             )?;
             if let (Some(save), Some(load)) = (s.save_ratio_bracketed, s.load_ratio_bracketed) {
                 let range = |r: &[f64]| {
@@ -522,10 +512,6 @@ impl Report for DmaReport {
             && self.server.as_ref().is_none_or(|s| {
                 s.save_failures == 0
                     && s.load_failures == 0
-                    && s.cancelled_save_completed != Some(false)
-                    && s.unregister_waited != Some(false)
-                    && s.stale_registration_refused
-                    && s.bad_registrations_refused
                     && s.group_prefix_chunks.is_none_or(|g| g == s.chunks)
                     && s.duplex.as_ref().is_none_or(|d| d.failures == 0 && d.mismatched_bytes == 0)
             })

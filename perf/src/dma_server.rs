@@ -37,22 +37,6 @@ pub(crate) struct ServedResult {
     /// Mismatched bytes in the tensors after the last timed load, and after the last load
     /// beside `--interference`'s matmul loop.
     pub load_mismatched_bytes: u64,
-    /// With `--cancel-check`: whether a save dropped during its copy still completed with the
-    /// right bytes (None also where the save was answered before the drop: not measured).
-    pub cancelled_save_completed: Option<bool>,
-    /// With `--cancel-check`: whether an unregister sent while a save of the registration was
-    /// copying returned only once that save was done: every chunk of it saved with the bytes
-    /// the engine held before the unregister, although the engine overwrote its tensors as
-    /// soon as the unregister returned. None without the flag, or where the save was answered
-    /// before the unregister went out (too few bytes to copy for 0.5 ms: not measured).
-    pub unregister_waited: Option<bool>,
-    /// A save naming an unregistered registration was refused, a new registration got a new
-    /// generation, and the old one stayed refused.
-    pub stale_registration_refused: bool,
-    /// Registrations naming another device, too few tensors, a tensor too short, an offset
-    /// past its allocation or a handle that opens nothing were each refused, the error
-    /// naming that field, before the run's own registration.
-    pub bad_registrations_refused: bool,
     /// This rank of its tensor-parallel group (`--tp-rank`, `--tp-world-size`).
     pub tp_rank: u32,
     /// Ranks in the group.
@@ -572,7 +556,6 @@ pub(crate) fn run(
         .iter()
         .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
         .collect();
-    let bad_registrations_refused = refused_registrations(&mut client, e, &layout, &tensors)?;
     let reg = client
         .register_gpu(e.device_uuid, spec(&layout), &tensors)
         .map_err(client_err("register_gpu"))?;
@@ -672,25 +655,7 @@ pub(crate) fn run(
 
     // The checks below evict and re-register: after every rank's timed loads.
     meet("loaded")?;
-    let cancelled_save_completed = if a.cancel_check {
-        cancel_check(&mut client, &reg, &keys, &blocks, per_chunk as usize, e, &layout)?
-    } else {
-        None
-    };
-    let unregister_waited = if a.cancel_check {
-        unregister_check(&mut client, &reg, (&keys, &blocks), per_chunk as usize, e)?
-    } else {
-        client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
-        None
-    };
-    let stale_registration_refused = stale_check(
-        &mut client,
-        &reg,
-        (&keys[..1], &blocks[..per_chunk as usize]),
-        e.device_uuid,
-        &layout,
-        &tensors,
-    )?;
+    client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
     let (save_ceiling_windows_gbps, save_bracketed_ratios, save_ratio_bracketed) =
         save_brackets.finish();
     let (load_ceiling_windows_gbps, load_bracketed_ratios, load_ratio_bracketed) =
@@ -702,10 +667,6 @@ pub(crate) fn run(
         load_failures,
         save_mismatched_bytes,
         load_mismatched_bytes,
-        cancelled_save_completed,
-        unregister_waited,
-        stale_registration_refused,
-        bad_registrations_refused,
         tp_rank: a.tp_rank,
         tp_world_size: a.tp_world_size,
         chunks: keys.len(),
@@ -1280,165 +1241,6 @@ fn duplex(
         failures,
         mismatched_bytes,
     })
-}
-
-/// Registrations wrong in one field each, every one refused with an error naming the field
-/// (the server goes on serving: the run's own registration follows).
-fn refused_registrations(
-    client: &mut Client,
-    e: &Engine<'_>,
-    layout: &LayoutDesc,
-    tensors: &[GpuTensor],
-) -> Result<bool, Error> {
-    let need = layout.tensor_bytes().unwrap_or(0);
-    let with_first = |f: &dyn Fn(&mut GpuTensor)| {
-        let mut t = tensors.to_vec();
-        f(&mut t[0]);
-        t
-    };
-    let cases: Vec<(&str, &str, Vec<GpuTensor>)> = vec![
-        ("device_uuid", "GPU-00000000-0000-0000-0000-000000000000", tensors.to_vec()),
-        ("tensors:", e.device_uuid, tensors[..tensors.len() - 1].to_vec()),
-        ("tensors[0].len", e.device_uuid, with_first(&|t| t.len = need.saturating_sub(1))),
-        ("tensors[0].offset", e.device_uuid, with_first(&|t| t.offset = u64::MAX / 2)),
-        ("tensors[0].handle", e.device_uuid, with_first(&|t| t.handle = [0; 64])),
-    ];
-    let mut all = true;
-    for (field, device, bad) in cases {
-        let refused = match client.register_gpu(device, spec(layout), &bad) {
-            Err(orbitkv_client::Error::Server { message, .. }) => message.contains(field),
-            Ok(reg) => {
-                client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
-                false
-            }
-            Err(_) => false,
-        };
-        if !refused {
-            eprintln!("a registration with a bad {field} was not refused naming it");
-        }
-        all &= refused;
-    }
-    Ok(all)
-}
-
-/// After unregistering: a save naming the old registration is refused; a new registration
-/// (the engine registering again) gets a new generation, and the old one is still refused
-/// (`StaleGeneration` when its slot was reused).
-fn stale_check(
-    client: &mut Client,
-    old: &orbitkv_client::GpuRegistration,
-    (one, first_blocks): (&[ChunkKey], &[u64]),
-    device_uuid: &str,
-    layout: &LayoutDesc,
-    tensors: &[GpuTensor],
-) -> Result<bool, Error> {
-    use orbitkv_client::ErrorCode;
-    let refused = |r: Result<Vec<ChunkOutcome>, orbitkv_client::Error>| {
-        matches!(
-            r,
-            Err(orbitkv_client::Error::Server {
-                code: ErrorCode::NotFound | ErrorCode::StaleGeneration,
-                ..
-            })
-        )
-    };
-    let gone = refused(client.save(old, one, first_blocks));
-    let again = client
-        .register_gpu(device_uuid, spec(layout), tensors)
-        .map_err(client_err("register_gpu again"))?;
-    let newer = again.generation > old.generation;
-    let stale = refused(client.save(old, one, first_blocks));
-    client.unregister_gpu(&again).map_err(client_err("unregister_gpu"))?;
-    Ok(gone && newer && stale)
-}
-
-/// Evicts the first (up to) 256 chunks and starts their save: 128 MiB or more in the runs of
-/// device-gpu-server.sh, 2.4 ms or more of copies. Returns it and its chunk count 0.5 ms later
-/// (long enough for the server to take it, inside its copy), or None where it was answered by
-/// then (whatever the caller meant to do during the copy would come after it).
-fn save_copying(
-    client: &mut Client,
-    reg: &orbitkv_client::GpuRegistration,
-    (keys, blocks): (&[ChunkKey], &[u64]),
-    per_chunk: usize,
-) -> Result<Option<(orbitkv_client::Transfer, usize)>, Error> {
-    let n = keys.len().min(256);
-    client.evict(&keys[..n]).map_err(client_err("evict"))?;
-    let t = client
-        .start_save(reg, &keys[..n], &blocks[..n * per_chunk])
-        .map_err(client_err("start_save"))?;
-    std::thread::sleep(Duration::from_micros(500));
-    let answered = client.poll_transfer(&t).map_err(client_err("save"))?.is_some();
-    Ok((!answered).then_some((t, n)))
-}
-
-/// Starts a save of up to 256 chunks and, while it copies, unregisters `reg`; once the
-/// unregister returns, the engine's memory is its own again: the check overwrites every
-/// tensor at once, then waits for the save. True if every chunk of it was saved with the bytes
-/// from before the overwrite (the unregister waited for the copies); None where the save was
-/// answered before the unregister went out (nothing shown either way). The tensors get their
-/// bytes back afterwards.
-fn unregister_check(
-    client: &mut Client,
-    reg: &orbitkv_client::GpuRegistration,
-    (keys, blocks): (&[ChunkKey], &[u64]),
-    per_chunk: usize,
-    e: &Engine<'_>,
-) -> Result<Option<bool>, Error> {
-    let Some((t, n)) = save_copying(client, reg, (keys, blocks), per_chunk)? else {
-        eprintln!("unregister check not made: the save was answered before the unregister");
-        client.unregister_gpu(reg).map_err(client_err("unregister_gpu"))?;
-        return Ok(None);
-    };
-    client.unregister_gpu(reg).map_err(client_err("unregister_gpu during a save"))?;
-    let junk = vec![0x3cu8; e.originals[0].len()];
-    for i in 0..e.originals.len() {
-        e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
-    }
-    let outcomes = client.wait_transfer(&t).map_err(client_err("save during unregister"))?;
-    let mismatched = saved_mismatches(client, e, &keys[..n], &e.chunks[..n])?;
-    for (i, bytes) in e.originals.iter().enumerate() {
-        e.memory.write_tensor(i, bytes).map_err(|x| Error::Gpu(x.to_string()))?;
-    }
-    Ok(Some(not_done(&outcomes) == 0 && mismatched == 0))
-}
-
-/// Starts a save of up to 256 chunks, drops it unanswered 0.5 ms later (during its copy), and
-/// waits (up to 30 s) for the chunks to appear with the right bytes; None where the save was
-/// answered before the drop (nothing shown either way).
-fn cancel_check(
-    client: &mut Client,
-    reg: &orbitkv_client::GpuRegistration,
-    keys: &[ChunkKey],
-    blocks: &[u64],
-    per_chunk: usize,
-    e: &Engine<'_>,
-    layout: &LayoutDesc,
-) -> Result<Option<bool>, Error> {
-    let Some((t, n)) = save_copying(client, reg, (keys, blocks), per_chunk)? else {
-        eprintln!("cancel check not made: the save was answered before the drop");
-        return Ok(None);
-    };
-    // A dropped request runs to the end either way; the session collects its answer.
-    drop(t);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut want = Vec::new();
-    loop {
-        let leases = client.lookup_leased(&keys[..n]).map_err(client_err("lookup"))?;
-        let complete = leases.len() == n;
-        let mut right = complete;
-        if complete {
-            for (lease, blocks) in leases.iter().zip(&e.chunks[..n]) {
-                expected_chunk(layout, e.originals, blocks, &mut want);
-                right &= client.chunk(lease).map_err(client_err("chunk"))? == &want[..];
-            }
-        }
-        client.release(&leases).map_err(client_err("release"))?;
-        if complete || Instant::now() >= deadline {
-            return Ok(Some(right));
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[cfg(test)]
