@@ -157,65 +157,20 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let started = Instant::now();
     let socket = settings.socket.clone();
     let admin = admin_socket_path(&socket);
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).map_err(StartError::io("creating", dir))?;
-    }
-    // Refuse early if someone is serving here, before touching iceoryx2 state.
-    if UnixStream::connect(&socket).is_ok() {
-        return Err(StartError::AlreadyServing(socket));
-    }
+    claim_socket(&socket)?;
     let shards = settings.shards;
-    let gpu = orbitkv_gpu::resolve(settings.config.gpu)?;
-    match &gpu {
-        None => tracing::info!("GPU off (--gpu off)"),
-        Some(orbitkv_gpu::Probe::Absent { reason }) => {
-            tracing::info!(%reason, "no CUDA device: serving DRAM/SSD only (--gpu auto)")
-        }
-        Some(orbitkv_gpu::Probe::Present { devices }) => {
-            for d in devices {
-                tracing::info!(ordinal = d.ordinal, name = %d.name, uuid = %d.uuid, "CUDA device");
-            }
-        }
-    }
+    let gpu = resolve_gpu(&settings)?;
     let arena = Arc::new(
         Arena::create(settings.dram_bytes, settings.config.lock_arena)
             .map_err(StartError::Arena)?,
     );
-    // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) before
-    // the arena at shutdown.
-    let registration = match &gpu {
-        Some(orbitkv_gpu::Probe::Present { devices }) => {
-            let first = &devices[0];
-            match orbitkv_gpu::register_arena(first.ordinal as usize, &arena) {
-                Ok(r) => {
-                    tracing::info!(
-                        uuid = %first.uuid,
-                        bytes = arena.len(),
-                        ms = r.elapsed.as_millis() as u64,
-                        "arena registered with CUDA"
-                    );
-                    Some(Arc::new(r))
-                }
-                Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => {
-                    return Err(e.into())
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "arena not registered with CUDA: serving without GPU");
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
+    // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) after
+    // the GPU service has stopped, before the arena.
+    let registration = register_arena(&settings, gpu.as_ref(), &arena)?;
     let ipc = IpcNames::for_socket(&socket);
     ipc::remove_leftovers(&ipc);
-    let mut txs = Vec::new();
-    let mut rxs = Vec::new();
-    for _ in 0..shards {
-        let (tx, rx) = crossbeam_channel::bounded::<ControlMsg>(1024);
-        txs.push(tx);
-        rxs.push(rx);
-    }
+    let (txs, rxs): (Vec<_>, Vec<_>) =
+        (0..shards).map(|_| crossbeam_channel::bounded::<ControlMsg>(1024)).unzip();
     let service_prefix = format!("orbitkv/{}", std::process::id());
     let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
     doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD, WATCHDOG_ASLEEP_PERIOD)
@@ -233,30 +188,145 @@ fn run(settings: Settings) -> Result<(), StartError> {
     if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(host)) =
         (&shared.gpu, &registration)
     {
-        let limits = gpu::GpuLimits {
-            queue_depth: settings.config.gpu_queue_depth,
-            max_registrations: settings.config.max_gpu_registrations,
-            staging_bytes: settings.gpu_staging_bytes as usize,
-            staging_depth: settings.gpu_staging_depth,
-            checksums: settings.config.gpu_checksums,
-            copy: settings.config.gpu_copy,
-            timeline: settings.config.gpu_timeline,
-        };
-        let service = gpu::GpuService::new(devices.clone(), Arc::clone(host), shards, limits)?;
-        let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
-        service.start(Arc::clone(&shared.doorbells), &cores)?;
-        tracing::info!(
-            devices = devices.len(),
-            staging = settings.gpu_staging_bytes,
-            staging_depth = settings.gpu_staging_depth,
-            job = settings.gpu_job_bytes,
-            "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
-        );
-        let _ = shared.gpu_service.set(service);
+        start_gpu_service(&settings, &shared, devices, host)?;
     }
     if let Some(ssd) = &settings.ssd {
         remove_orphan_shard_files(&ssd.dir, shards)?;
     }
+    let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc)?;
+    start_listeners((&socket, &admin), &shared, &arena)?;
+    tracing::info!(
+        socket = %socket.display(),
+        shards,
+        arena = %format_bytes(settings.dram_bytes),
+        arena_locked = arena.locked(),
+        pinned,
+        startup_ms = started.elapsed().as_millis() as u64,
+        "orbitkv-server serving"
+    );
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
+    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
+    tracing::info!(signal, "shutting down: draining");
+    drain(&settings, &shared);
+    // Remove the sockets first so no new client finds a dying server.
+    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&admin);
+    for shard in 0..shards {
+        shared.send_control(shard, ControlMsg::Stop, Duration::from_secs(5));
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    // Copies in flight complete before the arena is unregistered and unmapped.
+    if let Some(service) = shared.gpu_service.get() {
+        service.shutdown();
+    }
+    ipc::remove_leftovers(&ipc);
+    tracing::info!("orbitkv-server stopped");
+    Ok(())
+}
+
+/// Makes the socket's directory and refuses when a live server answers on the socket, before
+/// anything else (iceoryx2 state) is touched.
+fn claim_socket(socket: &Path) -> Result<(), StartError> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).map_err(StartError::io("creating", dir))?;
+    }
+    if UnixStream::connect(socket).is_ok() {
+        return Err(StartError::AlreadyServing(socket.to_owned()));
+    }
+    Ok(())
+}
+
+/// `--gpu` applied to the devices found (logged).
+fn resolve_gpu(settings: &Settings) -> Result<Option<orbitkv_gpu::Probe>, StartError> {
+    let gpu = orbitkv_gpu::resolve(settings.config.gpu)?;
+    match &gpu {
+        None => tracing::info!("GPU off (--gpu off)"),
+        Some(orbitkv_gpu::Probe::Absent { reason }) => {
+            tracing::info!(%reason, "no CUDA device: serving DRAM/SSD only (--gpu auto)")
+        }
+        Some(orbitkv_gpu::Probe::Present { devices }) => {
+            for d in devices {
+                tracing::info!(ordinal = d.ordinal, name = %d.name, uuid = %d.uuid, "CUDA device");
+            }
+        }
+    }
+    Ok(gpu)
+}
+
+/// The arena registered with CUDA when a device is in use; a failure ends the start with
+/// `--gpu required`, and otherwise leaves the server serving without GPU (logged).
+fn register_arena(
+    settings: &Settings,
+    gpu: Option<&orbitkv_gpu::Probe>,
+    arena: &Arc<Arena>,
+) -> Result<Option<Arc<orbitkv_gpu::HostRegistration>>, StartError> {
+    let Some(orbitkv_gpu::Probe::Present { devices }) = gpu else { return Ok(None) };
+    let first = &devices[0];
+    match orbitkv_gpu::register_arena(first.ordinal as usize, arena) {
+        Ok(r) => {
+            tracing::info!(
+                uuid = %first.uuid,
+                bytes = arena.len(),
+                ms = r.elapsed.as_millis() as u64,
+                "arena registered with CUDA"
+            );
+            Ok(Some(Arc::new(r)))
+        }
+        Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "arena not registered with CUDA: serving without GPU");
+            Ok(None)
+        }
+    }
+}
+
+/// Starts the DMA thread pair of every device and hands the service to the shards.
+fn start_gpu_service(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    devices: &[orbitkv_gpu::DeviceInfo],
+    host: &Arc<orbitkv_gpu::HostRegistration>,
+) -> Result<(), StartError> {
+    let limits = gpu::GpuLimits {
+        queue_depth: settings.config.gpu_queue_depth,
+        max_registrations: settings.config.max_gpu_registrations,
+        staging_bytes: settings.gpu_staging_bytes as usize,
+        staging_depth: settings.gpu_staging_depth,
+        checksums: settings.config.gpu_checksums,
+        copy: settings.config.gpu_copy,
+        timeline: settings.config.gpu_timeline,
+    };
+    let shards = settings.shards;
+    let service = gpu::GpuService::new(devices.to_vec(), Arc::clone(host), shards, limits)?;
+    let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
+    service.start(Arc::clone(&shared.doorbells), &cores)?;
+    tracing::info!(
+        devices = devices.len(),
+        staging = settings.gpu_staging_bytes,
+        staging_depth = settings.gpu_staging_depth,
+        job = settings.gpu_job_bytes,
+        "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
+    );
+    let _ = shared.gpu_service.set(service);
+    Ok(())
+}
+
+/// Starts every shard's executor on its slice of the arena and waits until each serves (or
+/// says why not); the executors' handles, and whether they are pinned.
+fn start_shards(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+    controls: Vec<crossbeam_channel::Receiver<ControlMsg>>,
+    ipc: &IpcNames,
+) -> Result<(Vec<glommio::ExecutorJoinHandle<()>>, bool), StartError> {
+    let shards = settings.shards;
     let cpus = allowed_cpus();
     let pin = settings.config.pin && shards <= cpus.len();
     if settings.config.pin && !pin {
@@ -272,7 +342,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let io_memory = io_memory_per_ring(shards);
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(shards);
     let mut handles = Vec::new();
-    for (id, (slice, control)) in arena.split(shards).into_iter().zip(rxs).enumerate() {
+    for (id, (slice, control)) in arena.split(shards).into_iter().zip(controls).enumerate() {
         let core = ShardCore::new(
             ShardConfig {
                 id,
@@ -290,7 +360,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
             control,
             req_mesh: req_mesh.clone(),
             rep_mesh: rep_mesh.clone(),
-            shared: Arc::clone(&shared),
+            shared: Arc::clone(shared),
             ipc: ipc.clone(),
             ready: ready_tx.clone(),
             idle,
@@ -314,40 +384,33 @@ fn run(settings: Settings) -> Result<(), StartError> {
             Err(_) => return Err(StartError::ShardTimeout),
         }
     }
-    let listener = bind(&socket, 0o666)?;
-    let admin_listener = bind(&admin, 0o660)?;
-    {
-        let shared = Arc::clone(&shared);
-        let arena = Arc::clone(&arena);
-        std::thread::Builder::new()
-            .name("orbitkv-accept".into())
-            .spawn(move || bootstrap::serve(listener, shared, arena))
-            .map_err(StartError::thread("orbitkv-accept"))?;
-    }
-    {
-        let shared = Arc::clone(&shared);
-        std::thread::Builder::new()
-            .name("orbitkv-admin".into())
-            .spawn(move || admin::serve(admin_listener, shared))
-            .map_err(StartError::thread("orbitkv-admin"))?;
-    }
-    tracing::info!(
-        socket = %socket.display(),
-        shards,
-        arena = %format_bytes(settings.dram_bytes),
-        arena_locked = arena.locked(),
-        pinned = pin,
-        startup_ms = started.elapsed().as_millis() as u64,
-        "orbitkv-server serving"
-    );
+    Ok((handles, pin))
+}
 
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])
-    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
-    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
-    tracing::info!(signal, "shutting down: draining");
+/// Binds the bootstrap and admin sockets and starts the threads that accept on them.
+fn start_listeners(
+    (socket, admin): (&Path, &Path),
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+) -> Result<(), StartError> {
+    let listener = bind(socket, 0o666)?;
+    let admin_listener = bind(admin, 0o660)?;
+    let (s, a) = (Arc::clone(shared), Arc::clone(arena));
+    std::thread::Builder::new()
+        .name("orbitkv-accept".into())
+        .spawn(move || bootstrap::serve(listener, s, a))
+        .map_err(StartError::thread("orbitkv-accept"))?;
+    let s = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name("orbitkv-admin".into())
+        .spawn(move || admin::serve(admin_listener, s))
+        .map_err(StartError::thread("orbitkv-admin"))?;
+    Ok(())
+}
+
+/// Stops admitting writes and waits (up to `--drain-timeout`) for the reservations
+/// outstanding to be committed or aborted.
+fn drain(settings: &Settings, shared: &Shared) {
     shared.set_state(ServeState::Draining);
     let deadline = Instant::now() + settings.drain_timeout;
     while !shared.drained(Duration::from_secs(1)) {
@@ -357,22 +420,6 @@ fn run(settings: Settings) -> Result<(), StartError> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Remove the sockets first so no new client finds a dying server.
-    let _ = std::fs::remove_file(&socket);
-    let _ = std::fs::remove_file(&admin);
-    for shard in 0..shards {
-        shared.send_control(shard, ControlMsg::Stop, Duration::from_secs(5));
-    }
-    for h in handles {
-        let _ = h.join();
-    }
-    // Copies in flight complete before the arena is unregistered and unmapped.
-    if let Some(service) = shared.gpu_service.get() {
-        service.shutdown();
-    }
-    ipc::remove_leftovers(&ipc);
-    tracing::info!("orbitkv-server stopped");
-    Ok(())
 }
 
 #[cfg(test)]
