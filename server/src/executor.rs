@@ -227,66 +227,80 @@ async fn run(ctx: ShardContext) {
         IdlePolicy::Poll => shared.settings.spin_window,
         IdlePolicy::Sleep => Duration::ZERO,
     };
+    let started = async {
+        let node = open_node(id, &ipc)?;
+        let (req_tx, req_rx) = join_mesh(req_mesh, (id, "request")).await?;
+        let (rep_tx, rep_rx) = join_mesh(rep_mesh, (id, "reply")).await?;
+        let exec = Rc::new(Exec {
+            id,
+            shards,
+            cpu,
+            core: RefCell::new(core),
+            sessions: RefCell::new(HashMap::new()),
+            node,
+            shared,
+            req_tx,
+            rep_tx,
+            pending: RefCell::new(HashMap::new()),
+            next_req: Cell::new(1),
+            dropped_replies: Cell::new(0),
+            orphaned_requests: Cell::new(0),
+            rejected: Cell::new(0),
+            active: Cell::new(0),
+            deep_sleeps: Cell::new(0),
+            naps: Cell::new(0),
+            doorbell_wakeups: Cell::new(0),
+            gpu_waiters: RefCell::new(HashMap::new()),
+            gpu_next: Cell::new(1),
+        });
+        serve_peers(&exec, req_rx, rep_rx);
+        if let Some(cfg) = ssd {
+            open_ssd(&exec, &cfg)?;
+        }
+        Ok::<_, ShardStartError>(exec)
+    };
+    let exec = match started.await {
+        Ok(exec) => exec,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    tracing::info!(shard = id, cpu = ?cpu, "shard serving");
+    serve(&exec, &control, spin_window).await;
+    exec.sessions.borrow_mut().clear();
+    tracing::info!(shard = id, "shard stopped");
+}
+
+/// The shard's iceoryx2 node.
+fn open_node(id: usize, ipc: &IpcNames) -> Result<Node<IpcService>, ShardStartError> {
     let node_name = format!("orbitkv-shard-{id}");
-    let node = match ipc::config(&ipc).and_then(|cfg| {
-        NodeName::new(&node_name)
-            .map_err(|e| ipc::IpcError::new("node name", &node_name, e))
-            .and_then(|name| {
-                NodeBuilder::new()
-                    .name(&name)
-                    .config(&cfg)
-                    .create::<IpcService>()
-                    .map_err(|e| ipc::IpcError::new("node", &node_name, e))
-            })
-    }) {
-        Ok(n) => n,
-        Err(source) => {
-            let _ = ready.send(Err(ShardStartError::Ipc { shard: id, source }));
-            return;
-        }
-    };
-    let (req_tx, req_rx) = match join_mesh(req_mesh, (id, "request")).await {
-        Ok(ends) => ends,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let (rep_tx, rep_rx) = match join_mesh(rep_mesh, (id, "reply")).await {
-        Ok(ends) => ends,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let idle_poll_max = shared.settings.idle_poll_max;
-    let exec = Rc::new(Exec {
-        id,
-        shards,
-        cpu,
-        core: RefCell::new(core),
-        sessions: RefCell::new(HashMap::new()),
-        node,
-        shared,
-        req_tx,
-        rep_tx,
-        pending: RefCell::new(HashMap::new()),
-        next_req: Cell::new(1),
-        dropped_replies: Cell::new(0),
-        orphaned_requests: Cell::new(0),
-        rejected: Cell::new(0),
-        active: Cell::new(0),
-        deep_sleeps: Cell::new(0),
-        naps: Cell::new(0),
-        doorbell_wakeups: Cell::new(0),
-        gpu_waiters: RefCell::new(HashMap::new()),
-        gpu_next: Cell::new(1),
-    });
+    ipc::config(ipc)
+        .and_then(|cfg| {
+            let name = NodeName::new(&node_name)
+                .map_err(|e| ipc::IpcError::new("node name", &node_name, e))?;
+            NodeBuilder::new()
+                .name(&name)
+                .config(&cfg)
+                .create::<IpcService>()
+                .map_err(|e| ipc::IpcError::new("node", &node_name, e))
+        })
+        .map_err(|source| ShardStartError::Ipc { shard: id, source })
+}
+
+/// Starts the tasks that serve the other shards: their ops (executed and answered on the
+/// reply mesh) and the replies to this shard's own ops.
+fn serve_peers(
+    exec: &Rc<Exec>,
+    req_rx: Option<Receivers<MeshRequest>>,
+    rep_rx: Option<Receivers<MeshReply>>,
+) {
     // Ops from other shards: execute and answer on the reply mesh. Reply receivers never block,
     // so this task cannot deadlock against another shard's.
     if let Some(mut rx) = req_rx {
         for (peer, stream) in rx.streams() {
-            let e = Rc::clone(&exec);
+            let e = Rc::clone(exec);
             glommio::spawn_local(async move {
                 while let Some((rid, op)) = stream.recv().await {
                     e.shared.doorbells.mesh_received(e.id);
@@ -322,7 +336,7 @@ async fn run(ctx: ShardContext) {
     }
     if let Some(mut rx) = rep_rx {
         for (_peer, stream) in rx.streams() {
-            let e = Rc::clone(&exec);
+            let e = Rc::clone(exec);
             glommio::spawn_local(async move {
                 while let Some((rid, reply)) = stream.recv().await {
                     e.shared.doorbells.mesh_received(e.id);
@@ -334,32 +348,34 @@ async fn run(ctx: ShardContext) {
             .detach();
         }
     }
-    if let Some(cfg) = ssd {
-        match SsdStore::open(&cfg) {
-            Ok((store, report)) => {
-                if let Some(why) = &report.rebuilt {
-                    tracing::warn!(shard = id, path = %store.path().display(), reason = %why, "SSD file started afresh");
-                }
-                tracing::info!(
-                    shard = id,
-                    path = %store.path().display(),
-                    kept = report.recovery.kept,
-                    superseded = report.recovery.superseded,
-                    dropped = report.recovery.dropped,
-                    recovery_ms = report.elapsed.as_millis() as u64,
-                    "SSD tier recovered"
-                );
-                exec.core.borrow_mut().attach_ssd(store);
-            }
-            Err(source) => {
-                let _ = ready.send(Err(ShardStartError::Ssd { shard: id, source }));
-                return;
-            }
-        }
-    }
-    let _ = ready.send(Ok(()));
-    tracing::info!(shard = id, cpu = ?cpu, "shard serving");
+}
 
+/// Opens the shard's SSD file (recovering its records) and attaches it to the shard.
+fn open_ssd(exec: &Exec, cfg: &SsdConfig) -> Result<(), ShardStartError> {
+    let id = exec.id;
+    let (store, report) =
+        SsdStore::open(cfg).map_err(|source| ShardStartError::Ssd { shard: id, source })?;
+    if let Some(why) = &report.rebuilt {
+        tracing::warn!(shard = id, path = %store.path().display(), reason = %why, "SSD file started afresh");
+    }
+    tracing::info!(
+        shard = id,
+        path = %store.path().display(),
+        kept = report.recovery.kept,
+        superseded = report.recovery.superseded,
+        dropped = report.recovery.dropped,
+        recovery_ms = report.elapsed.as_millis() as u64,
+        "SSD tier recovered"
+    );
+    exec.core.borrow_mut().attach_ssd(store);
+    Ok(())
+}
+
+/// The shard's loop until it is told to stop: control messages, sessions' requests, GPU
+/// completions, SSD completions and upkeep; when idle, spin, nap or sleep on the doorbell.
+async fn serve(exec: &Rc<Exec>, control: &Receiver<ControlMsg>, spin_window: Duration) {
+    let (id, shards) = (exec.id, exec.shards);
+    let idle_poll_max = exec.shared.settings.idle_poll_max;
     let mut last_work = Instant::now();
     // Where the loop is, for `ctl stats` when the shard stops answering.
     let mut iteration = 0u64;
@@ -418,7 +434,7 @@ async fn run(ctx: ShardContext) {
             let e = &exec;
             e.deep_sleeps.set(e.deep_sleeps.get() + 1);
             beat(iteration, LoopStage::Sleeping);
-            if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(&control)) {
+            if e.shared.doorbells.sleep(id, DEEP_SLEEP, || e.has_work(control)) {
                 e.doorbell_wakeups.set(e.doorbell_wakeups.get() + 1);
                 last_work = Instant::now();
             }
@@ -435,8 +451,6 @@ async fn run(ctx: ShardContext) {
     }
     beat(iteration, LoopStage::Stopped);
     doorbells.disarm_nudge(id);
-    exec.sessions.borrow_mut().clear();
-    tracing::info!(shard = id, "shard stopped");
 }
 
 /// A task that never ends: each poll leaves its waker where the watchdog thread finds it
