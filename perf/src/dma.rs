@@ -250,52 +250,7 @@ impl Report for DmaReport {
             self.pieces,
             self.bytes as f64 / (1u64 << 20) as f64
         )?;
-        writeln!(
-            out,
-            "{:<6} {:<9} {:>10} {:>10} {:>7} {:>8} {:>10}",
-            "dir", "strategy", "GB/s", "best", "ratio", "batches", "mismatch"
-        )?;
-        for d in &self.results {
-            let dir = if d.direction == Direction::Save { "save" } else { "load" };
-            writeln!(
-                out,
-                "{dir:<6} {:<9} {:>10.2} {:>10} {:>7} {:>8} {:>10}",
-                "ceiling", d.ceiling_gbps, "", "1.000", "", ""
-            )?;
-            for s in &d.strategies {
-                let name = if s.strategy == "auto" {
-                    if s.staged {
-                        "auto:stg"
-                    } else {
-                        "auto:bat"
-                    }
-                } else {
-                    s.strategy
-                };
-                writeln!(
-                    out,
-                    "{dir:<6} {name:<9} {:>10.2} {:>10.2} {:>7.3} {:>8} {:>10}",
-                    s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
-                )?;
-                if let Some(t) = &s.timeline {
-                    writeln!(
-                        out,
-                        "  timeline: host {:.0} us (submit {:.0}), GPU {:.0} us, first copy at {:.0}, \
-                         copies {:.0} us busy at {:.2} GB/s, gaps {:.0} us (max {:.0}), kernel {:.0} us mean ({:.0} max)",
-                        t.host_total_us,
-                        t.host_submit_us,
-                        t.gpu_total_us,
-                        t.first_copy_start_us,
-                        t.copy_busy_us,
-                        t.copy_gbps,
-                        t.copy_gaps_us,
-                        t.copy_gap_max_us,
-                        t.kernel_mean_us,
-                        t.kernel_max_us
-                    )?;
-                }
-            }
-        }
+        write_local(out, &self.results)?;
         if let Some(c) = &self.checksums {
             writeln!(
                 out,
@@ -311,137 +266,7 @@ impl Report for DmaReport {
             }
         }
         if let Some(s) = &self.server {
-            writeln!(
-                out,
-                "server: rank {}/{}, {} chunks, failures save {} load {}",
-                s.tp_rank, s.tp_world_size, s.chunks, s.save_failures, s.load_failures,
-            )?;
-            if let (Some(save), Some(load)) = (s.save_ratio_bracketed, s.load_ratio_bracketed) {
-                let range = |r: &[f64]| {
-                    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-                    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    format!("{lo:.3}-{hi:.3}")
-                };
-                writeln!(
-                    out,
-                    "server against the ceiling's copy just before and after each: saves \
-                     {save:.3} ({}), loads {load:.3} ({})",
-                    range(&s.save_bracketed_ratios),
-                    range(&s.load_bracketed_ratios)
-                )?;
-            }
-            if let (Some(save), Some(load)) = (s.save_busy_gbps, s.load_busy_gbps) {
-                writeln!(
-                    out,
-                    "server DMA threads busy: saves {save:.2} GB/s, loads {load:.2} GB/s of their busy time"
-                )?;
-            }
-            if let (Some(sl), Some(st), Some(ll), Some(lt)) =
-                (s.save_lead_us, s.save_tail_us, s.load_lead_us, s.load_tail_us)
-            {
-                writeln!(
-                    out,
-                    "server requests around their copies: saves {sl:.0} us to the first job, \
-                     {st:.0} us after the last copy; loads {ll:.0} us, {lt:.0} us"
-                )?;
-            }
-            if let (Some(save), Some(load)) = (s.save_runs_per_job, s.load_runs_per_job) {
-                writeln!(
-                    out,
-                    "server host-side copies per job: saves {save:.1}, loads {load:.1} (about \
-                     one per shard when each shard's slots were adjacent)"
-                )?;
-            }
-            if let (Some(save), Some(load)) = (s.save_submit_us_per_job, s.load_submit_us_per_job) {
-                let wait = s.save_checksum_wait_us_per_job.unwrap_or(0.0);
-                writeln!(
-                    out,
-                    "server DMA threads per job: {save:.0} us handing a save to the GPU, {wait:.0} \
-                     us waiting for its checksums after its copy; {load:.0} us handing a load"
-                )?;
-            }
-            if let (Some(save), Some(load)) =
-                (s.save_submit_cpu_us_per_job, s.load_submit_cpu_us_per_job)
-            {
-                writeln!(
-                    out,
-                    "server DMA threads' own CPU time per job: {save:.0} us (saves), {load:.0} us \
-                     (loads)"
-                )?;
-            }
-            if let (Some(save), Some(load)) =
-                (s.save_submit_wait_us_per_job, s.load_submit_wait_us_per_job)
-            {
-                writeln!(
-                    out,
-                    "server DMA threads waiting per job for earlier jobs to free staging, tables \
-                     or checksum slots: {save:.0} us (saves), {load:.0} us (loads)"
-                )?;
-            }
-            for (way, parts) in [("saves", s.save_submit_parts), ("loads", s.load_submit_parts)] {
-                if let Some(p) = parts {
-                    writeln!(
-                        out,
-                        "server DMA thread per job, {way}: pieces {:.0} us, staged batches {:.0} \
-                         us, checksum tables {:.0} us, CUDA calls and the rest {:.0} us",
-                        p.pieces_us, p.stage_us, p.tables_us, p.cuda_us
-                    )?;
-                }
-            }
-            if let Some(b) = &s.beside_matmul {
-                let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
-                writeln!(
-                    out,
-                    "server beside the matmul: saves {} GB/s busy, {} us per job handing them to \
-                     the GPU, {} us waiting for checksums; loads {} GB/s busy, {} us per job; \
-                     streamed saves {} GB/s busy, loads {}",
-                    f(b.save_busy_gbps),
-                    f(b.save_submit_us_per_job),
-                    f(b.save_checksum_wait_us_per_job),
-                    f(b.load_busy_gbps),
-                    f(b.load_submit_us_per_job),
-                    f(b.stream_save_busy_gbps),
-                    f(b.stream_load_busy_gbps)
-                )?;
-            }
-            let beside = s.beside_matmul.as_ref();
-            for (way, t) in [
-                ("saves", s.save_timeline.as_ref()),
-                ("loads", s.load_timeline.as_ref()),
-                ("saves beside the matmul", beside.and_then(|b| b.save_timeline.as_ref())),
-                ("loads beside the matmul", beside.and_then(|b| b.load_timeline.as_ref())),
-            ] {
-                if let Some(t) = t {
-                    writeln!(
-                        out,
-                        "server GPU timeline, {way}: copies at {:.2} GB/s while copying; per \
-                         request {:.0} us on the GPU, copy stream idle {:.0} us, kernels {:.0} us, \
-                         busy periods {}",
-                        t.copy_gbps,
-                        t.span_us,
-                        t.copy_gaps_us,
-                        t.kernel_us,
-                        t.periods_per_request.map_or("?".into(), |p| format!("{p:.2}"))
-                    )?;
-                }
-            }
-            if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
-                writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
-            }
-            if let Some(d) = &s.duplex {
-                writeln!(
-                    out,
-                    "duplex: save {:.1} MiB beside load {:.1} MiB: {:.2} GB/s of {:.2} both ways ({:.3}), \
-                     failures {}, mismatched bytes {}",
-                    d.save_bytes as f64 / (1u64 << 20) as f64,
-                    d.load_bytes as f64 / (1u64 << 20) as f64,
-                    d.gbps,
-                    d.ceiling_gbps,
-                    d.ratio,
-                    d.failures,
-                    d.mismatched_bytes
-                )?;
-            }
+            write_server(out, s)?;
         }
         if let Some(c) = &self.engine_copies {
             writeln!(
@@ -475,34 +300,7 @@ impl Report for DmaReport {
             }
         }
         if let Some(i) = &self.interference {
-            writeln!(
-                out,
-                "matmul loop alone: {:.1}/s first, {:.1}/s last, {} windows {:.1}% apart at \
-                 most; {} round(s), each measurement against the windows alone around it",
-                i.matmul_per_s_alone,
-                i.matmul_per_s_alone_after,
-                i.solo_per_s.len(),
-                100.0 * i.solo_spread,
-                i.rounds
-            )?;
-            writeln!(
-                out,
-                "{:<6} {:<14} {:>10} {:>9} {:>17} {:>10}",
-                "dir", "beside", "matmul/s", "slower", "rounds' range", "copy GB/s"
-            )?;
-            for r in &i.rows {
-                writeln!(
-                    out,
-                    "{:<6} {:<14} {:>10.1} {:>8.2}% {:>7.2}% - {:>5.2}% {:>10.2}",
-                    r.direction,
-                    r.strategy,
-                    r.matmul_per_s,
-                    100.0 * r.slowdown,
-                    100.0 * r.slowdown_min,
-                    100.0 * r.slowdown_max,
-                    r.copy_gbps
-                )?;
-            }
+            write_interference(out, i)?;
         }
         Ok(())
     }
@@ -525,6 +323,236 @@ impl Report for DmaReport {
                 .as_ref()
                 .is_none_or(|d| d.rows.iter().all(|r| r.mismatched_bytes.unwrap_or(0) == 0))
     }
+}
+
+/// The matmul loop beside the copies: alone, then each row against the windows around it.
+fn write_interference(out: &mut dyn std::io::Write, i: &InterferenceResult) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "matmul loop alone: {:.1}/s first, {:.1}/s last, {} windows {:.1}% apart at \
+         most; {} round(s), each measurement against the windows alone around it",
+        i.matmul_per_s_alone,
+        i.matmul_per_s_alone_after,
+        i.solo_per_s.len(),
+        100.0 * i.solo_spread,
+        i.rounds
+    )?;
+    writeln!(
+        out,
+        "{:<6} {:<14} {:>10} {:>9} {:>17} {:>10}",
+        "dir", "beside", "matmul/s", "slower", "rounds' range", "copy GB/s"
+    )?;
+    for r in &i.rows {
+        writeln!(
+            out,
+            "{:<6} {:<14} {:>10.1} {:>8.2}% {:>7.2}% - {:>5.2}% {:>10.2}",
+            r.direction,
+            r.strategy,
+            r.matmul_per_s,
+            100.0 * r.slowdown,
+            100.0 * r.slowdown_min,
+            100.0 * r.slowdown_max,
+            r.copy_gbps
+        )?;
+    }
+    Ok(())
+}
+
+/// The local series: each direction's ceiling and strategies.
+fn write_local(out: &mut dyn std::io::Write, results: &[DirectionResult]) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:<6} {:<9} {:>10} {:>10} {:>7} {:>8} {:>10}",
+        "dir", "strategy", "GB/s", "best", "ratio", "batches", "mismatch"
+    )?;
+    for d in results {
+        let dir = if d.direction == Direction::Save { "save" } else { "load" };
+        writeln!(
+            out,
+            "{dir:<6} {:<9} {:>10.2} {:>10} {:>7} {:>8} {:>10}",
+            "ceiling", d.ceiling_gbps, "", "1.000", "", ""
+        )?;
+        for s in &d.strategies {
+            let name = if s.strategy == "auto" {
+                if s.staged {
+                    "auto:stg"
+                } else {
+                    "auto:bat"
+                }
+            } else {
+                s.strategy
+            };
+            writeln!(
+                out,
+                "{dir:<6} {name:<9} {:>10.2} {:>10.2} {:>7.3} {:>8} {:>10}",
+                s.gbps, s.best_gbps, s.ratio, s.batches, s.mismatched_bytes
+            )?;
+            if let Some(t) = &s.timeline {
+                writeln!(
+                    out,
+                    "  timeline: host {:.0} us (submit {:.0}), GPU {:.0} us, first copy at {:.0}, \
+                     copies {:.0} us busy at {:.2} GB/s, gaps {:.0} us (max {:.0}), kernel {:.0} us mean ({:.0} max)",
+                    t.host_total_us,
+                    t.host_submit_us,
+                    t.gpu_total_us,
+                    t.first_copy_start_us,
+                    t.copy_busy_us,
+                    t.copy_gbps,
+                    t.copy_gaps_us,
+                    t.copy_gap_max_us,
+                    t.kernel_mean_us,
+                    t.kernel_max_us
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The run through a server: its requests, and what its DMA threads did.
+fn write_server(
+    out: &mut dyn std::io::Write,
+    s: &crate::dma_server::ServedResult,
+) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "server: rank {}/{}, {} chunks, failures save {} load {}",
+        s.tp_rank, s.tp_world_size, s.chunks, s.save_failures, s.load_failures,
+    )?;
+    if let (Some(save), Some(load)) = (s.save_ratio_bracketed, s.load_ratio_bracketed) {
+        let range = |r: &[f64]| {
+            let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{lo:.3}-{hi:.3}")
+        };
+        writeln!(
+            out,
+            "server against the ceiling's copy just before and after each: saves \
+             {save:.3} ({}), loads {load:.3} ({})",
+            range(&s.save_bracketed_ratios),
+            range(&s.load_bracketed_ratios)
+        )?;
+    }
+    if let (Some(save), Some(load)) = (s.save_busy_gbps, s.load_busy_gbps) {
+        writeln!(
+            out,
+            "server DMA threads busy: saves {save:.2} GB/s, loads {load:.2} GB/s of their busy time"
+        )?;
+    }
+    if let (Some(sl), Some(st), Some(ll), Some(lt)) =
+        (s.save_lead_us, s.save_tail_us, s.load_lead_us, s.load_tail_us)
+    {
+        writeln!(
+            out,
+            "server requests around their copies: saves {sl:.0} us to the first job, \
+             {st:.0} us after the last copy; loads {ll:.0} us, {lt:.0} us"
+        )?;
+    }
+    if let (Some(save), Some(load)) = (s.save_runs_per_job, s.load_runs_per_job) {
+        writeln!(
+            out,
+            "server host-side copies per job: saves {save:.1}, loads {load:.1} (about \
+             one per shard when each shard's slots were adjacent)"
+        )?;
+    }
+    write_server_threads(out, s)?;
+    if let (Some(g), Some(per_rank)) = (s.group_prefix_chunks, &s.group_prefix_per_rank) {
+        writeln!(out, "group prefix after every rank saved: {g} (per rank {per_rank:?})")?;
+    }
+    if let Some(d) = &s.duplex {
+        writeln!(
+            out,
+            "duplex: save {:.1} MiB beside load {:.1} MiB: {:.2} GB/s of {:.2} both ways ({:.3}), \
+             failures {}, mismatched bytes {}",
+            d.save_bytes as f64 / (1u64 << 20) as f64,
+            d.load_bytes as f64 / (1u64 << 20) as f64,
+            d.gbps,
+            d.ceiling_gbps,
+            d.ratio,
+            d.failures,
+            d.mismatched_bytes
+        )?;
+    }
+    Ok(())
+}
+
+/// The server's DMA threads per job: handing jobs to the GPU, its own time, waits, the
+/// parts of a job's start, beside the matmul, and the GPU timelines.
+fn write_server_threads(
+    out: &mut dyn std::io::Write,
+    s: &crate::dma_server::ServedResult,
+) -> std::io::Result<()> {
+    if let (Some(save), Some(load)) = (s.save_submit_us_per_job, s.load_submit_us_per_job) {
+        let wait = s.save_checksum_wait_us_per_job.unwrap_or(0.0);
+        writeln!(
+            out,
+            "server DMA threads per job: {save:.0} us handing a save to the GPU, {wait:.0} \
+             us waiting for its checksums after its copy; {load:.0} us handing a load"
+        )?;
+    }
+    if let (Some(save), Some(load)) = (s.save_submit_cpu_us_per_job, s.load_submit_cpu_us_per_job) {
+        writeln!(
+            out,
+            "server DMA threads' own CPU time per job: {save:.0} us (saves), {load:.0} us \
+             (loads)"
+        )?;
+    }
+    if let (Some(save), Some(load)) = (s.save_submit_wait_us_per_job, s.load_submit_wait_us_per_job)
+    {
+        writeln!(
+            out,
+            "server DMA threads waiting per job for earlier jobs to free staging, tables \
+             or checksum slots: {save:.0} us (saves), {load:.0} us (loads)"
+        )?;
+    }
+    for (way, parts) in [("saves", s.save_submit_parts), ("loads", s.load_submit_parts)] {
+        if let Some(p) = parts {
+            writeln!(
+                out,
+                "server DMA thread per job, {way}: pieces {:.0} us, staged batches {:.0} \
+                 us, checksum tables {:.0} us, CUDA calls and the rest {:.0} us",
+                p.pieces_us, p.stage_us, p.tables_us, p.cuda_us
+            )?;
+        }
+    }
+    if let Some(b) = &s.beside_matmul {
+        let f = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.0}"));
+        writeln!(
+            out,
+            "server beside the matmul: saves {} GB/s busy, {} us per job handing them to \
+             the GPU, {} us waiting for checksums; loads {} GB/s busy, {} us per job; \
+             streamed saves {} GB/s busy, loads {}",
+            f(b.save_busy_gbps),
+            f(b.save_submit_us_per_job),
+            f(b.save_checksum_wait_us_per_job),
+            f(b.load_busy_gbps),
+            f(b.load_submit_us_per_job),
+            f(b.stream_save_busy_gbps),
+            f(b.stream_load_busy_gbps)
+        )?;
+    }
+    let beside = s.beside_matmul.as_ref();
+    for (way, t) in [
+        ("saves", s.save_timeline.as_ref()),
+        ("loads", s.load_timeline.as_ref()),
+        ("saves beside the matmul", beside.and_then(|b| b.save_timeline.as_ref())),
+        ("loads beside the matmul", beside.and_then(|b| b.load_timeline.as_ref())),
+    ] {
+        if let Some(t) = t {
+            writeln!(
+                out,
+                "server GPU timeline, {way}: copies at {:.2} GB/s while copying; per \
+                 request {:.0} us on the GPU, copy stream idle {:.0} us, kernels {:.0} us, \
+                 busy periods {}",
+                t.copy_gbps,
+                t.span_us,
+                t.copy_gaps_us,
+                t.kernel_us,
+                t.periods_per_request.map_or("?".into(), |p| format!("{p:.2}"))
+            )?;
+        }
+    }
+    Ok(())
 }
 
 fn cuda(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
