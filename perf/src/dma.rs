@@ -1306,8 +1306,8 @@ pub(crate) fn ratio(num: f64, den: f64) -> f64 {
 }
 
 /// Runs `dma`.
-pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
-    let (layout, layout_name) = layout_of(a)?;
+/// Refuses flags that cannot go together, naming the flag.
+fn check_args(a: &DmaArgs) -> Result<(), Error> {
     if a.blocks_per_chunk == 0 || !a.blocks.is_multiple_of(a.blocks_per_chunk) {
         return Err(Error::InvalidArgument {
             flag: "--blocks-per-chunk",
@@ -1335,25 +1335,14 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             ),
         });
     }
-    let barrier = a
-        .barrier
-        .as_deref()
-        .map(|dir| crate::barrier::Barrier::new(dir, a.tp_rank, a.tp_world_size, BARRIER_TIMEOUT))
-        .transpose()?;
-    let devices = match orbitkv_gpu::probe() {
-        Probe::Absent { reason } => return Err(Error::Gpu(format!("no CUDA device: {reason}"))),
-        Probe::Present { devices } => devices,
-    };
-    let info =
-        devices.iter().find(|d| d.ordinal as usize == a.device).cloned().ok_or_else(|| {
-            Error::InvalidArgument {
-                flag: "--device",
-                reason: format!("no device {} ({} found)", a.device, devices.len()),
-            }
-        })?;
-    let ctx: Arc<CudaContext> =
-        CudaContext::new(a.device).map_err(cuda("creating the CUDA context"))?;
-    let memory = Arc::new(EngineMemory::allocate(&ctx, layout).map_err(dma)?);
+    Ok(())
+}
+
+/// The stand-in engine (its tensors filled with seeded bytes), the arena registered with
+/// CUDA, the chunks' slots and a copy engine: everything a run measures with; and how long
+/// registering the arena took (ms).
+fn bench(a: &DmaArgs, ctx: &Arc<CudaContext>, layout: LayoutDesc) -> Result<(Bench, f64), Error> {
+    let memory = Arc::new(EngineMemory::allocate(ctx, layout).map_err(dma)?);
     let tensor_bytes = layout.tensor_bytes().expect("validated") as usize;
     let mut originals = Vec::with_capacity(layout.tensor_count() as usize);
     for i in 0..layout.tensor_count() as usize {
@@ -1398,9 +1387,9 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
     let job_chunks = chunks.iter().map(|(slot, ids)| (slice_at + slot, ids.clone())).collect();
     let bytes = chunk_len * nchunks;
     let engine =
-        CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM).map_err(dma)?;
-    let contiguous = Arc::new(DeviceBuffer::new(&ctx, bytes as usize).map_err(dma)?);
-    let mut bench = Bench {
+        CopyEngine::new(ctx, a.staging as usize, staging_depth(a), BATCHED_FROM).map_err(dma)?;
+    let contiguous = Arc::new(DeviceBuffer::new(ctx, bytes as usize).map_err(dma)?);
+    let bench = Bench {
         engine,
         memory,
         host: registration,
@@ -1420,6 +1409,31 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         server_jobs: a.server_jobs,
         checksum_form: a.checksum_form,
     };
+    Ok((bench, register_ms))
+}
+
+pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
+    let (layout, layout_name) = layout_of(a)?;
+    check_args(a)?;
+    let barrier = a
+        .barrier
+        .as_deref()
+        .map(|dir| crate::barrier::Barrier::new(dir, a.tp_rank, a.tp_world_size, BARRIER_TIMEOUT))
+        .transpose()?;
+    let devices = match orbitkv_gpu::probe() {
+        Probe::Absent { reason } => return Err(Error::Gpu(format!("no CUDA device: {reason}"))),
+        Probe::Present { devices } => devices,
+    };
+    let info =
+        devices.iter().find(|d| d.ordinal as usize == a.device).cloned().ok_or_else(|| {
+            Error::InvalidArgument {
+                flag: "--device",
+                reason: format!("no device {} ({} found)", a.device, devices.len()),
+            }
+        })?;
+    let ctx: Arc<CudaContext> =
+        CudaContext::new(a.device).map_err(cuda("creating the CUDA context"))?;
+    let (mut bench, register_ms) = bench(a, &ctx, layout)?;
     let mut results = Vec::new();
     let mut mismatched = 0;
     let mut server = None;
@@ -1553,7 +1567,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
             mismatched += bench.verify(Direction::Load)?;
         }
     }
-    let pieces = bench.pieces.len();
+    let (pieces, bytes) = (bench.pieces.len(), bench.bytes);
     // The copy engines and every transfer are done; the registration goes with the bench.
     drop(bench);
     Ok(DmaReport {
