@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use orbitkv_client::{Client, ClientOptions, Reserved};
+use orbitkv_client::{ChunkKey, Client, ClientOptions, Reserved};
 use orbitkv_gpu::dma::plan::Piece;
 use orbitkv_gpu::dma::{
     ChunkHasher, CopyEngine, CopyJob, Direction, SaveSums, Strategy, Transfer, JOB_BYTES,
@@ -68,85 +68,28 @@ pub(crate) fn run(
         .register_namespace(&descriptor(a, &layout, per_chunk))
         .map_err(client_err("register namespace"))?;
     let keys = chunk_keys(ns.id, a.seed, e.chunks.len());
-    let lens = vec![e.chunk_len; keys.len()];
     let bytes = e.chunk_len * keys.len() as u64;
-    let registration = register(a.device, &client)?;
-    let register_ms = registration.elapsed.as_secs_f64() * 1e3;
-    // The mapping is of this session's arena: a reconnect (to a restarted server) may bring
-    // another, so every copy checks that the session is still the same.
-    let session = client.session_id();
-    let same_session = |client: &Client| {
-        if client.session_id() == session {
-            Ok(())
-        } else {
-            Err(Error::Gpu("the session was reconnected: its arena mapping is new".into()))
-        }
-    };
+    let host = register(a.device, &client)?;
+    let register_ms = host.elapsed.as_secs_f64() * 1e3;
     // Start from the engine's own bytes (the earlier series may have left others).
     for (i, t) in e.originals.iter().enumerate() {
         e.memory.write_tensor(i, t).map_err(|x| Error::Gpu(x.to_string()))?;
     }
-
-    let mut failures = 0;
-    let mut pieces: Vec<Piece> = Vec::new();
-    let mut save_runs = Vec::new();
-    // As an engine should save: job by job (JOB_BYTES, as the server's DMA threads do), each
-    // job's commit running beside the next job's copy, with checksums computed here on the
-    // GPU (`commit_checked`: the shards then read one chunk per job, not every one).
-    let group = (JOB_BYTES / e.chunk_len).max(1) as usize;
     // Without the checksum kernels the shards compute them (the report says which).
     let mut hasher = ChunkHasher::new(engine.context()).ok();
     let checksums = if hasher.is_some() { "engine" } else { "shards" };
+    let session = client.session_id();
+    let mut s = Series { client, e, engine, host, keys, session, pieces: Vec::new(), failures: 0 };
+    let mut save_runs = Vec::new();
     for i in 0..=a.iterations {
-        client.evict(&keys).map_err(client_err("evict"))?;
+        s.client.evict(&s.keys).map_err(client_err("evict"))?;
         let t = Instant::now();
-        let mut in_flight: Option<InFlight> = None;
-        let saved = (|| {
-            for (kg, cg) in keys.chunks(group).zip(e.chunks.chunks(group)) {
-                let reserved =
-                    client.reserve(kg, &lens[..kg.len()]).map_err(client_err("reserve"))?;
-                let mut chunks = Vec::with_capacity(kg.len());
-                let mut slots: Vec<Reserved> = Vec::with_capacity(kg.len());
-                for (r, blocks) in reserved.into_iter().zip(cg) {
-                    match r {
-                        Ok(r) if r.len < e.chunk_len => {
-                            return Err(Error::Gpu(format!(
-                                "a slot of {} bytes for a {}-byte chunk",
-                                r.len, e.chunk_len
-                            )));
-                        }
-                        Ok(r) => {
-                            chunks.push((r.offset, blocks.clone()));
-                            slots.push(r);
-                        }
-                        Err(_) => failures += 1,
-                    }
-                }
-                same_session(&client)?;
-                let sums = hasher.as_mut().map_or(SaveSums::Off, SaveSums::Kernels);
-                let job = copy_job(Direction::Save, e, &registration, &chunks);
-                let transfer = engine
-                    .start(&job, Strategy::Auto, sums, &mut pieces)
-                    .map_err(|x| Error::Gpu(x.to_string()))?;
-                // The job before is copied by now or soon: commit it while this one copies.
-                if let Some(before) = in_flight.replace(InFlight { transfer, slots }) {
-                    failures += before.commit(&mut client)?;
-                }
-            }
-            if let Some(last) = in_flight.take() {
-                failures += last.commit(&mut client)?;
-            }
-            Ok(())
-        })();
-        // On a failure, a copy may still be writing its slots: dropping it waits for it.
-        drop(in_flight);
-        saved?;
+        s.save(hasher.as_mut())?;
         if i > 0 {
             save_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
     }
-    let mut mismatched_bytes = saved_mismatches(&mut client, e, &keys, &e.chunks)?;
-
+    let mut mismatched_bytes = saved_mismatches(&mut s.client, e, &s.keys, &e.chunks)?;
     let junk = vec![0x3cu8; e.originals[0].len()];
     for i in 0..e.originals.len() {
         e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
@@ -154,34 +97,16 @@ pub(crate) fn run(
     let mut load_runs = Vec::new();
     for i in 0..=a.iterations {
         let t = Instant::now();
-        let leases = client.lookup_leased(&keys).map_err(client_err("lookup"))?;
-        failures += (keys.len() - leases.len()) as u64;
-        let mut chunks = Vec::with_capacity(leases.len());
-        for (lease, blocks) in leases.iter().zip(&e.chunks) {
-            if lease.hit.len != e.chunk_len {
-                // Another length: not copied (the engine's blocks keep their junk).
-                failures += 1;
-                continue;
-            }
-            chunks.push((lease.hit.offset, blocks.clone()));
-        }
-        let copied = same_session(&client).and_then(|()| {
-            let job = copy_job(Direction::Load, e, &registration, &chunks);
-            let transfer = engine
-                .start(&job, Strategy::Auto, SaveSums::Off, &mut pieces)
-                .map_err(|x| Error::Gpu(x.to_string()))?;
-            transfer.finish().map(drop).map_err(|x| Error::Gpu(x.to_string()))
-        });
-        // Released whether or not the copy worked: it has finished either way.
-        failures += not_done(&client.release(&leases).map_err(client_err("release"))?);
-        copied?;
+        s.load()?;
         if i > 0 {
             load_runs.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
     }
     mismatched_bytes += tensor_mismatches(e)?;
-    // Unregistered before the client (and its mapping) goes.
-    drop(registration);
+    let failures = s.failures;
+    // Unregistered before the client (and the session's arena) goes.
+    let Series { client, host, .. } = s;
+    drop(host);
     drop(client);
     let (save_gbps, load_gbps) = (median(save_runs), median(load_runs));
     Ok(EngineCopiesResult {
@@ -196,6 +121,124 @@ pub(crate) fn run(
     })
 }
 
+/// The engine side of the series: its client, its copy engine, its mapping of the arena.
+struct Series<'a, 'e> {
+    client: Client,
+    e: &'a Engine<'e>,
+    engine: &'a mut CopyEngine,
+    host: Arc<HostRegistration>,
+    keys: Vec<ChunkKey>,
+    /// The session the mapping is of.
+    session: Option<u64>,
+    /// Pieces planned for a job, reused.
+    pieces: Vec<Piece>,
+    /// Chunks not reserved, committed, found or released as asked.
+    failures: u64,
+}
+
+impl Series<'_, '_> {
+    /// The mapping is of this session's arena: a reconnect (to a restarted server) may bring
+    /// another, so every copy checks that the session is still the same.
+    fn same_session(&self) -> Result<(), Error> {
+        if self.client.session_id() == self.session {
+            Ok(())
+        } else {
+            Err(Error::Gpu("the session was reconnected: its arena mapping is new".into()))
+        }
+    }
+
+    /// Copies `chunks` (arena offsets, block ids) one way and returns the transfer.
+    fn start(
+        &mut self,
+        direction: Direction,
+        chunks: &[(u64, Vec<u64>)],
+        sums: SaveSums<'_>,
+    ) -> Result<Transfer, Error> {
+        self.same_session()?;
+        let job = CopyJob {
+            direction,
+            memory: self.e.memory,
+            host: &self.host,
+            chunks,
+            chunk_len: self.e.chunk_len,
+        };
+        self.engine
+            .start(&job, Strategy::Auto, sums, &mut self.pieces)
+            .map_err(|x| Error::Gpu(x.to_string()))
+    }
+
+    /// One save, as an engine should save: job by job (JOB_BYTES, as the server's DMA threads
+    /// do), each job's commit running beside the next job's copy, with checksums computed
+    /// here on the GPU where `hasher` is (`commit_checked`: the shards then read one chunk per
+    /// job, not every one).
+    fn save(&mut self, mut hasher: Option<&mut ChunkHasher>) -> Result<(), Error> {
+        let e = self.e;
+        let group = (JOB_BYTES / e.chunk_len).max(1) as usize;
+        let keys = self.keys.clone();
+        let mut in_flight: Option<InFlight> = None;
+        let saved = (|| {
+            for (kg, cg) in keys.chunks(group).zip(e.chunks.chunks(group)) {
+                let lens = vec![e.chunk_len; kg.len()];
+                let reserved = self.client.reserve(kg, &lens).map_err(client_err("reserve"))?;
+                let mut chunks = Vec::with_capacity(kg.len());
+                let mut slots: Vec<Reserved> = Vec::with_capacity(kg.len());
+                for (r, blocks) in reserved.into_iter().zip(cg) {
+                    match r {
+                        Ok(r) if r.len < e.chunk_len => {
+                            return Err(Error::Gpu(format!(
+                                "a slot of {} bytes for a {}-byte chunk",
+                                r.len, e.chunk_len
+                            )));
+                        }
+                        Ok(r) => {
+                            chunks.push((r.offset, blocks.clone()));
+                            slots.push(r);
+                        }
+                        Err(_) => self.failures += 1,
+                    }
+                }
+                let sums = hasher.as_deref_mut().map_or(SaveSums::Off, SaveSums::Kernels);
+                let transfer = self.start(Direction::Save, &chunks, sums)?;
+                // The job before is copied by now or soon: commit it while this one copies.
+                if let Some(before) = in_flight.replace(InFlight { transfer, slots }) {
+                    self.failures += before.commit(&mut self.client)?;
+                }
+            }
+            if let Some(last) = in_flight.take() {
+                self.failures += last.commit(&mut self.client)?;
+            }
+            Ok(())
+        })();
+        // On a failure, a copy may still be writing its slots: dropping it waits for it.
+        drop(in_flight);
+        saved
+    }
+
+    /// One load: a leased lookup of every key, one copy of the chunks found into the
+    /// engine's blocks, the release.
+    fn load(&mut self) -> Result<(), Error> {
+        let e = self.e;
+        let leases = self.client.lookup_leased(&self.keys).map_err(client_err("lookup"))?;
+        self.failures += (self.keys.len() - leases.len()) as u64;
+        let mut chunks = Vec::with_capacity(leases.len());
+        for (lease, blocks) in leases.iter().zip(&e.chunks) {
+            if lease.hit.len != e.chunk_len {
+                // Another length: not copied (the engine's blocks keep their junk).
+                self.failures += 1;
+                continue;
+            }
+            chunks.push((lease.hit.offset, blocks.clone()));
+        }
+        let copied = self
+            .start(Direction::Load, &chunks, SaveSums::Off)
+            .and_then(|t| t.finish().map(drop).map_err(|x| Error::Gpu(x.to_string())));
+        // Released whether or not the copy worked: it has finished either way.
+        let released = self.client.release(&leases).map_err(client_err("release"))?;
+        self.failures += not_done(&released);
+        copied
+    }
+}
+
 /// This process's own mapping of the session's arena memfd, registered with CUDA on `device`.
 fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Error> {
     let fd = client
@@ -206,16 +249,6 @@ fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Err
     orbitkv_gpu::register_arena(device, &Arc::new(arena))
         .map(Arc::new)
         .map_err(|e| Error::Gpu(format!("registering the arena mapping: {e}")))
-}
-
-/// A copy of `chunks` (arena offsets, block ids) of the engine `e`.
-fn copy_job<'a>(
-    direction: Direction,
-    e: &'a Engine<'_>,
-    host: &'a Arc<HostRegistration>,
-    chunks: &'a [(u64, Vec<u64>)],
-) -> CopyJob<'a> {
-    CopyJob { direction, memory: e.memory, host, chunks, chunk_len: e.chunk_len }
 }
 
 /// A save job whose copy (and checksums) may still run; dropping it waits for them.
