@@ -92,6 +92,9 @@ fn send_welcome(stream: &UnixStream, w: &Welcome, fds: &[i32]) -> std::io::Resul
     Ok(())
 }
 
+/// Why a handshake is refused: the code and message the client gets.
+type Refusal = (ErrorCode, String);
+
 fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
     let creds = match getsockopt(&stream, sockopt::PeerCredentials) {
         Ok(c) => c,
@@ -101,54 +104,77 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         }
     };
     let (uid, pid) = (creds.uid(), creds.pid());
-    let hello = match read_frame(&mut DeadlineReader::new(&stream, HELLO_TIMEOUT), Vec::new()) {
+    // The uid is checked after the hello is read, so that a refused client can finish its
+    // write and read the refusal instead of a broken pipe.
+    let opened = read_hello(&stream, pid)
+        .and_then(|name| admit(shared, uid).map(|()| name))
+        .and_then(|name| open_session(shared, (uid, pid), &name).map(|o| (name, o)));
+    let (name, (session, home, service)) = match opened {
+        Ok(o) => o,
+        Err((code, message)) => return refuse(&stream, shared, code, message),
+    };
+    tracing::info!(session, pid, uid, home, name = %name, "session opened");
+    let fds = [arena.fd().as_raw_fd(), shared.doorbells.fd(home).as_raw_fd()];
+    match send_welcome(&stream, &welcome(shared, arena, (session, home), service), &fds) {
+        Err(e) => tracing::warn!(session, error = %e, "sending welcome failed"),
+        Ok(()) => wait_for_close(&stream, session),
+    }
+    // Listed as closing until the home shard has reclaimed it (it removes the entry then).
+    if let Some(info) =
+        shared.sessions.lock().expect("session table lock is never poisoned").get_mut(&session)
+    {
+        info.closing = true;
+    }
+    shared.send_control(home, ControlMsg::CloseSession { session }, Duration::from_secs(3600));
+}
+
+/// The client's hello: its name (64 characters at most), or why it is refused.
+fn read_hello(stream: &UnixStream, pid: i32) -> Result<String, Refusal> {
+    let hello = match read_frame(&mut DeadlineReader::new(stream, HELLO_TIMEOUT), Vec::new()) {
         Ok(b) => decode::<Bootstrap>(&b).map_err(|e| e.to_string()),
         Err(e) => Err(format!("reading hello: {e}")),
     };
-    let name = match hello {
+    match hello {
         Ok(Bootstrap::Hello { protocol_version, client_name }) => {
             if protocol_version != PROTOCOL_VERSION {
-                return refuse(
-                    &stream,
-                    shared,
+                return Err((
                     ErrorCode::VersionMismatch,
                     format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}"),
-                );
+                ));
             }
-            client_name.chars().take(64).collect::<String>()
+            Ok(client_name.chars().take(64).collect())
         }
-        Err(e) => {
-            return refuse(
-                &stream,
-                shared,
-                ErrorCode::Malformed,
-                format!("bad hello from pid {pid}: {e}"),
-            )
-        }
-    };
-    // The uid is checked after the hello is read, so that a refused client can finish its
-    // write and read the refusal instead of a broken pipe.
+        Err(e) => Err((ErrorCode::Malformed, format!("bad hello from pid {pid}: {e}"))),
+    }
+}
+
+/// Whether `uid` may open a session now: the server's own uid, root and `--allow-uid`, while
+/// the server is not draining.
+fn admit(shared: &Shared, uid: u32) -> Result<(), Refusal> {
     let own = nix::unistd::getuid().as_raw();
     if uid != own && uid != 0 && !shared.settings.config.allow_uid.contains(&uid) {
-        return refuse(
-            &stream,
-            shared,
+        return Err((
             ErrorCode::PermissionDenied,
             format!(
                 "uid {uid} is not allowed to connect (allowed: the server's uid {own}, root, and \
                  --allow-uid {:?})",
                 shared.settings.config.allow_uid
             ),
-        );
+        ));
     }
     if shared.state() == ServeState::Draining {
-        return refuse(
-            &stream,
-            shared,
-            ErrorCode::Draining,
-            "server is draining: no new sessions".into(),
-        );
+        return Err((ErrorCode::Draining, "server is draining: no new sessions".into()));
     }
+    Ok(())
+}
+
+/// Counts a new session (within `--max-sessions`) and has its home shard open its service:
+/// the session's id, home shard and service name.
+fn open_session(
+    shared: &Shared,
+    (uid, pid): (u32, i32),
+    name: &str,
+) -> Result<(u64, usize, String), Refusal> {
     let max = shared.settings.config.max_sessions;
     let session = shared.next_session_id();
     let home = shared.pick_home_shard();
@@ -158,26 +184,21 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         let mut sessions = shared.sessions.lock().expect("session table lock is never poisoned");
         let open = sessions.len();
         if open >= max {
-            drop(sessions);
-            return refuse(
-                &stream,
-                shared,
+            return Err((
                 ErrorCode::TooManySessions,
                 format!("{open} sessions open (--max-sessions {max})"),
-            );
+            ));
         }
-        sessions.insert(
-            session,
-            SessionInfo {
-                id: session,
-                pid,
-                uid,
-                name: name.clone(),
-                home_shard: home,
-                opened: SystemTime::now(),
-                closing: false,
-            },
-        );
+        let info = SessionInfo {
+            id: session,
+            pid,
+            uid,
+            name: name.to_string(),
+            home_shard: home,
+            opened: SystemTime::now(),
+            closing: false,
+        };
+        sessions.insert(session, info);
     }
     let service = format!("{}/s{session}", shared.service_prefix);
     let (reply, rx) = bounded(1);
@@ -196,10 +217,20 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
             // The shard may still open it later: the close follows in the same queue.
             shared.send_control(home, ControlMsg::CloseSession { session }, HELLO_TIMEOUT);
         }
-        return refuse(&stream, shared, ErrorCode::Internal, e);
+        return Err((ErrorCode::Internal, e));
     }
+    Ok((session, home, service))
+}
+
+/// What an accepted client is told: its session, where to reach its service, the limits.
+fn welcome(
+    shared: &Shared,
+    arena: &Arena,
+    (session, home): (u64, usize),
+    service: String,
+) -> Welcome {
     let cfg = &shared.settings.config;
-    let welcome = Welcome::Accepted {
+    Welcome::Accepted {
         protocol_version: PROTOCOL_VERSION,
         session_id: session,
         home_shard: home as u32,
@@ -212,36 +243,23 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         max_response_bytes: max_response_bytes(cfg.max_keys_per_request) as u64,
         max_keys_per_request: cfg.max_keys_per_request,
         max_inflight: cfg.max_inflight_per_session as u32,
-    };
-    tracing::info!(session, pid, uid, home, name = %name, "session opened");
-    if let Err(e) = send_welcome(
-        &stream,
-        &welcome,
-        &[arena.fd().as_raw_fd(), shared.doorbells.fd(home).as_raw_fd()],
-    ) {
-        tracing::warn!(session, error = %e, "sending welcome failed");
-    } else {
-        // The socket stays open for the life of the session; its close (or any protocol
-        // violation on it) means the requester is gone.
-        let _ = stream.set_read_timeout(None);
-        let mut buf = [0u8; 64];
-        match (&stream).read(&mut buf) {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(
-                session,
-                bytes = n,
-                "unexpected bytes on the bootstrap socket; closing session"
-            ),
-            Err(e) => {
-                tracing::debug!(session, error = %e, "bootstrap socket error; closing session")
-            }
+    }
+}
+
+/// Blocks until the client's bootstrap socket closes: it stays open for the life of the
+/// session, and its close (or any protocol violation on it) means the requester is gone.
+fn wait_for_close(stream: &UnixStream, session: u64) {
+    let _ = stream.set_read_timeout(None);
+    let mut buf = [0u8; 64];
+    match (&*stream).read(&mut buf) {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            session,
+            bytes = n,
+            "unexpected bytes on the bootstrap socket; closing session"
+        ),
+        Err(e) => {
+            tracing::debug!(session, error = %e, "bootstrap socket error; closing session")
         }
     }
-    // Listed as closing until the home shard has reclaimed it (it removes the entry then).
-    if let Some(info) =
-        shared.sessions.lock().expect("session table lock is never poisoned").get_mut(&session)
-    {
-        info.closing = true;
-    }
-    shared.send_control(home, ControlMsg::CloseSession { session }, Duration::from_secs(3600));
 }
