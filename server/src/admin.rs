@@ -208,6 +208,9 @@ fn evict(request: &Value, shared: &Shared) -> Value {
     reply
 }
 
+/// `orbitkv-ctl stats`: the server's state and every shard's counters as one JSON object. It
+/// lists the fields of the reply in one place (the reply is the reference operators read), so
+/// it runs past the usual length.
 fn stats(shared: &Shared) -> Value {
     let taken = snapshots(shared);
     let state = state_name(shared, &taken);

@@ -471,7 +471,8 @@ impl Future for NudgeTarget {
 }
 
 impl Exec {
-    /// Handles one control message; false means stop.
+    /// Handles one control message; false means stop. One arm per message kind (the whole
+    /// control protocol of a shard in one place), so it runs past the usual length.
     fn handle_control(self: &Rc<Self>, msg: ControlMsg) -> bool {
         match msg {
             ControlMsg::OpenSession { session, service, reply } => {

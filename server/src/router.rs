@@ -189,6 +189,8 @@ fn check_bounds(
     Ok(())
 }
 
+/// Executes one request of `session` on this shard. One arm per request kind, each a call or
+/// two: the dispatch reads best whole, so it stays one function past the usual length.
 async fn execute(
     exec: &Rc<Exec>,
     session: SessionId,
