@@ -392,6 +392,41 @@ impl ServerConfig {
                 ),
             ));
         }
+        let (shards, dram_bytes) = self.validate_shards()?;
+        let max_chunk = self.max_chunk_size.bytes();
+        if max_chunk == 0 {
+            return Err(invalid("--max-chunk-size", "must be positive"));
+        }
+        self.validate_limits()?;
+        let idle_poll_max = self.idle_poll_max.duration();
+        if idle_poll_max > Duration::from_millis(100) {
+            return Err(invalid("--idle-poll-max", "must be at most 100ms"));
+        }
+        let spin_window = self.spin_window.duration();
+        if spin_window > Duration::from_millis(100) {
+            return Err(invalid("--spin-window", "must be at most 100ms"));
+        }
+        let ssd = self.validate_ssd(shards)?;
+        let (gpu_staging_bytes, gpu_job_bytes, gpu_staging_depth) = self.validate_gpu()?;
+        Ok(Settings {
+            ssd,
+            config: self.clone(),
+            socket,
+            shards,
+            dram_bytes,
+            max_chunk_bytes: max_chunk,
+            spin_window,
+            idle_poll_max,
+            drain_timeout: self.drain_timeout.duration(),
+            gpu_staging_bytes,
+            gpu_job_bytes,
+            gpu_staging_depth,
+        })
+    }
+
+    /// The shard count (0: one per CPU minus one) and the arena's bytes (whole pages per
+    /// shard, at least 64 KiB each).
+    fn validate_shards(&self) -> Result<(usize, u64), ConfigError> {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         // One CPU is left to the engines (and the control and DMA threads): with it, shards
         // poll briefly after work and answer in microseconds; with none spare they must sleep
@@ -409,10 +444,11 @@ impl ServerConfig {
                 format!("{dram} bytes gives each of {shards} shards less than 64 KiB"),
             ));
         }
-        let max_chunk = self.max_chunk_size.bytes();
-        if max_chunk == 0 {
-            return Err(invalid("--max-chunk-size", "must be positive"));
-        }
+        Ok((shards, per_shard * shards as u64))
+    }
+
+    /// The per-session and per-request bounds and the mesh's depth.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         for (flag, v) in [
             ("--max-sessions", self.max_sessions as u64),
             ("--max-leases-per-session", self.max_leases_per_session),
@@ -432,15 +468,12 @@ impl ServerConfig {
         if self.max_inflight_per_session > 64 {
             return Err(invalid("--max-inflight-per-session", "must be at most 64"));
         }
-        let idle_poll_max = self.idle_poll_max.duration();
-        if idle_poll_max > Duration::from_millis(100) {
-            return Err(invalid("--idle-poll-max", "must be at most 100ms"));
-        }
-        let spin_window = self.spin_window.duration();
-        if spin_window > Duration::from_millis(100) {
-            return Err(invalid("--spin-window", "must be at most 100ms"));
-        }
-        let ssd = self.validate_ssd(shards)?;
+        Ok(())
+    }
+
+    /// The GPU staging and job sizes and the staging's parts (as given, or as many as the
+    /// staging holds jobs, 2 to 8); the queue and registration bounds.
+    fn validate_gpu(&self) -> Result<(u64, u64, usize), ConfigError> {
         let gpu_staging_bytes = self.gpu_staging.bytes();
         if !(1 << 20..=4 << 30).contains(&gpu_staging_bytes) {
             return Err(invalid("--gpu-staging", "must be between 1MiB and 4GiB"));
@@ -468,20 +501,7 @@ impl ServerConfig {
                 return Err(invalid(flag, format!("must be between 1 and {max}")));
             }
         }
-        Ok(Settings {
-            ssd,
-            config: self.clone(),
-            socket,
-            shards,
-            dram_bytes: per_shard * shards as u64,
-            max_chunk_bytes: max_chunk,
-            spin_window,
-            idle_poll_max,
-            drain_timeout: self.drain_timeout.duration(),
-            gpu_staging_bytes,
-            gpu_job_bytes,
-            gpu_staging_depth,
-        })
+        Ok((gpu_staging_bytes, gpu_job_bytes, gpu_staging_depth))
     }
 }
 
