@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use glommio::channels::local_channel;
+use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use orbitkv_gpu::dma::{Direction, EngineMemory};
 use orbitkv_gpu::LayoutDesc;
 use orbitkv_proto::{
@@ -172,10 +172,10 @@ pub(crate) async fn save(
     blocks: Vec<u64>,
 ) -> Response {
     let started = Instant::now();
-    let Transfer { device, memory, per_chunk, chunk_len } =
+    let transfer =
         match prepare(exec, session, Direction::Save, (registration, generation), (&keys, &blocks))
         {
-            Ok(t) => t,
+            Ok(t) => Rc::new(t),
             Err(answer) => return answer,
         };
     let phases = Rc::new(RequestPhases::new(started));
@@ -186,84 +186,45 @@ pub(crate) async fn save(
     // the first copy waits for its own group's reservations only, and the later groups are
     // reserved while the copy engine moves the ones before (reserving a whole 2 GiB save of
     // 512 KiB chunks first kept the engine idle for about a millisecond).
-    let group = (exec.shared.settings.gpu_job_bytes / chunk_len).max(1) as usize;
+    let group = (exec.shared.settings.gpu_job_bytes / transfer.chunk_len).max(1) as usize;
     let jobs = keys.len().div_ceil(group);
     let blocks = Rc::new(blocks);
     let mut tasks = Vec::new();
-    // A job's first GPU checksum is checked on its shard (hashing a chunk there), beside the
-    // next jobs' copies: the first job's, then one per `SpotChecks` share of chunks (every job
-    // of 64 MiB in chunks of up to 2 MiB). The last job's would instead delay the answer by
-    // that hash (0.1-0.4 ms for 0.5-2 MiB chunks, about 1% of a 2 GiB save). So the first job
-    // that is not the last says whether its check passed, and the last job, once its copy is
-    // done, commits unchecked when it did (normally known by then) and checks its own
-    // otherwise.
-    let (verdict_tx, verdict_rx) = local_channel::new_bounded::<bool>(1);
-    let (mut verdict_tx, mut verdict_rx) = (Some(verdict_tx), Some(verdict_rx));
-    let mut spot = SpotChecks::default();
+    let mut checks = SaveChecks::default();
     for (g, group_keys) in keys.chunks(group).enumerate() {
-        let last = g + 1 == jobs;
-        let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
-        let mut part: Vec<(usize, SlotRef, u64)> = Vec::with_capacity(items.len());
-        for (j, s) in reserve(exec, session, &items).await.into_iter().enumerate() {
-            let i = g * group + j;
-            match s {
-                Reservation::Slot { offset, generation, .. } => {
-                    part.push((i, SlotRef { key: keys[i], generation }, offset))
-                }
-                Reservation::Failed(code) => outcomes[i] = ChunkOutcome::Failed(code),
-            }
-        }
+        let mut part =
+            reserve_group(exec, session, group_keys, g * group, transfer.chunk_len, &mut outcomes)
+                .await;
         if part.is_empty() {
             continue;
         }
-        let report = if last { None } else { verdict_tx.take() };
-        let verdict = if last && verdict_tx.is_none() { verdict_rx.take() } else { None };
-        let checked = spot.job(part.len(), report.is_some(), last);
+        let check = checks.job(part.len(), g + 1 == jobs);
         // In arena order within the job: slots a shard allocated one after another then sit
         // side by side in the staging buffer too, and their host copies merge into one (a
         // copy per chunk under a megabyte costs the device-to-host engine a few percent).
         // Every chunk keeps its index, slot and checksum together, so order does not matter
         // otherwise.
         part.sort_by_key(|&(_, _, off)| off);
-        let (exec, memory, blocks) = (Rc::clone(exec), Arc::clone(&memory), Rc::clone(&blocks));
+        let (exec, transfer, blocks) = (Rc::clone(exec), Rc::clone(&transfer), Rc::clone(&blocks));
         let phases = Rc::clone(&phases);
         tasks.push(glommio::spawn_local(async move {
-            let chunks = part.iter().map(|&(i, _, off)| (off, blocks_of(&blocks, per_chunk, i))).collect();
+            let chunks = part
+                .iter()
+                .map(|&(i, _, off)| (off, blocks_of(&blocks, transfer.per_chunk, i)))
+                .collect();
             phases.submitted(Instant::now());
-            let copied =
-                exec.gpu_run(Direction::Save, device, memory, (chunks, chunk_len)).await;
+            let copied = exec
+                .gpu_run(
+                    Direction::Save,
+                    transfer.device,
+                    Arc::clone(&transfer.memory),
+                    (chunks, transfer.chunk_len),
+                )
+                .await;
             phases.copied(Instant::now());
             let refs: Vec<SlotRef> = part.iter().map(|r| r.1).collect();
-            let check = match verdict {
-                Some(rx) if rx.recv().await == Some(true) => Check::Nothing,
-                Some(_) => Check::First,
-                None if checked => Check::First,
-                None => Check::Nothing,
-            };
-            let results: Vec<ChunkOutcome> = match copied {
-                Ok(Some(sums)) if sums.len() == refs.len() => {
-                    let (out, verified) = commit_summed(&exec, session, &refs, sums, check).await;
-                    if let Some(tx) = report {
-                        let _ = tx.try_send(verified);
-                    }
-                    out
-                }
-                Ok(sums) => {
-                    if let Some(s) = sums {
-                        tracing::error!(
-                            got = s.len(),
-                            chunks = refs.len(),
-                            "GPU checksums for a job of another size; the shards compute them"
-                        );
-                    }
-                    per_slot(&exec, &refs, |slots| ShardOp::Commit { session, slots }).await
-                }
-                Err((code, message)) => {
-                    tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
-                    per_slot(&exec, &refs, |slots| ShardOp::Abort { session, slots }).await;
-                    vec![ChunkOutcome::Failed(code); refs.len()]
-                }
-            };
+            let results =
+                finish_save_job(&exec, (session, registration), &refs, copied, check).await;
             part.iter().map(|r| r.0).zip(results).collect::<Vec<_>>()
         }));
     }
@@ -276,6 +237,120 @@ pub(crate) async fn save(
         phases.finish(&gpu.counters, Direction::Save, Instant::now());
     }
     Response::Outcomes { outcomes }
+}
+
+/// Reserves the slots of one save group, whose first key is the request's `first`-th: the
+/// reserved ones as (index in the request, slot, arena offset); a refusal is written into
+/// `outcomes`.
+async fn reserve_group(
+    exec: &Rc<Exec>,
+    session: SessionId,
+    group_keys: &[ChunkKey],
+    first: usize,
+    chunk_len: u64,
+    outcomes: &mut [ChunkOutcome],
+) -> Vec<(usize, SlotRef, u64)> {
+    let items: Vec<(ChunkKey, u64)> = group_keys.iter().map(|k| (*k, chunk_len)).collect();
+    let mut part = Vec::with_capacity(items.len());
+    for (j, s) in reserve(exec, session, &items).await.into_iter().enumerate() {
+        let i = first + j;
+        match s {
+            Reservation::Slot { offset, generation, .. } => {
+                part.push((i, SlotRef { key: group_keys[j], generation }, offset))
+            }
+            Reservation::Failed(code) => outcomes[i] = ChunkOutcome::Failed(code),
+        }
+    }
+    part
+}
+
+/// Commits a save job whose copy is over (or aborts its reservations if the copy failed),
+/// after settling its spot check; the outcomes of `refs`, in order.
+async fn finish_save_job(
+    exec: &Rc<Exec>,
+    (session, registration): (SessionId, u64),
+    refs: &[SlotRef],
+    copied: Result<Option<Vec<u64>>, (ErrorCode, String)>,
+    check: JobCheck,
+) -> Vec<ChunkOutcome> {
+    let (check, report) = check.settle().await;
+    match copied {
+        Ok(Some(sums)) if sums.len() == refs.len() => {
+            let (out, verified) = commit_summed(exec, session, refs, sums, check).await;
+            if let Some(tx) = report {
+                let _ = tx.try_send(verified);
+            }
+            out
+        }
+        Ok(sums) => {
+            if let Some(s) = sums {
+                tracing::error!(
+                    got = s.len(),
+                    chunks = refs.len(),
+                    "GPU checksums for a job of another size; the shards compute them"
+                );
+            }
+            per_slot(exec, refs, |slots| ShardOp::Commit { session, slots }).await
+        }
+        Err((code, message)) => {
+            tracing::warn!(session, registration, %message, "GPU save failed; reservations aborted");
+            per_slot(exec, refs, |slots| ShardOp::Abort { session, slots }).await;
+            vec![ChunkOutcome::Failed(code); refs.len()]
+        }
+    }
+}
+
+/// A save's spot checks. A job's first GPU checksum is checked on its shard (hashing a chunk
+/// there), beside the next jobs' copies: the first job's, then one per `SpotChecks` share of
+/// chunks (every job of 64 MiB in chunks of up to 2 MiB). The last job's would instead delay
+/// the answer by that hash (0.1-0.4 ms for 0.5-2 MiB chunks, about 1% of a 2 GiB save). So the
+/// first job that is not the last says whether its check passed, and the last job, once its
+/// copy is done, commits unchecked when it did (normally known by then) and checks its own
+/// otherwise.
+struct SaveChecks {
+    spot: SpotChecks,
+    verdict_tx: Option<LocalSender<bool>>,
+    verdict_rx: Option<LocalReceiver<bool>>,
+}
+
+impl Default for SaveChecks {
+    fn default() -> Self {
+        let (tx, rx) = local_channel::new_bounded::<bool>(1);
+        Self { spot: SpotChecks::default(), verdict_tx: Some(tx), verdict_rx: Some(rx) }
+    }
+}
+
+impl SaveChecks {
+    /// The check of the next job, of `chunks` reserved chunks.
+    fn job(&mut self, chunks: usize, last: bool) -> JobCheck {
+        let report = if last { None } else { self.verdict_tx.take() };
+        let verdict = if last && self.verdict_tx.is_none() { self.verdict_rx.take() } else { None };
+        let checked = self.spot.job(chunks, report.is_some(), last);
+        JobCheck { report, verdict, checked }
+    }
+}
+
+/// One save job's part in its request's spot checks.
+struct JobCheck {
+    /// Where this job says whether its check passed (the first job that is not the last).
+    report: Option<LocalSender<bool>>,
+    /// The first job's verdict (the last job, when an earlier one reports).
+    verdict: Option<LocalReceiver<bool>>,
+    /// Whether this job checks, when it has no verdict to wait for.
+    checked: bool,
+}
+
+impl JobCheck {
+    /// Once the job's copy is over: what its commit checks, and where it reports the result.
+    async fn settle(self) -> (Check, Option<LocalSender<bool>>) {
+        let check = match self.verdict {
+            Some(rx) if rx.recv().await == Some(true) => Check::Nothing,
+            Some(_) => Check::First,
+            None if self.checked => Check::First,
+            None => Check::Nothing,
+        };
+        (check, self.report)
+    }
 }
 
 /// Which jobs of a GPU save check their first chunk's GPU checksum on its shard: hashing a
@@ -346,10 +421,10 @@ pub(crate) async fn load(
     blocks: Vec<u64>,
 ) -> Response {
     let started = Instant::now();
-    let Transfer { device, memory, per_chunk, chunk_len } =
+    let transfer =
         match prepare(exec, session, Direction::Load, (registration, generation), (&keys, &blocks))
         {
-            Ok(t) => t,
+            Ok(t) => Rc::new(t),
             Err(answer) => return answer,
         };
     let phases = Rc::new(RequestPhases::new(started));
@@ -361,39 +436,27 @@ pub(crate) async fn load(
     // released unread, and later groups are not looked up (their chunks answer `NotFound`, as
     // chunks past the prefix do). A job's leases are released as soon as its copy has
     // completed; every lease is released before the answer.
-    let group = (exec.shared.settings.gpu_job_bytes / chunk_len).max(1) as usize;
+    let group = (exec.shared.settings.gpu_job_bytes / transfer.chunk_len).max(1) as usize;
     let mut tasks = Vec::new();
-    let mut rest = Vec::new();
+    let mut unread = Vec::new();
     for (g, group_keys) in keys.chunks(group).enumerate() {
         let hits: Vec<Option<Hit>> = lookup(exec, session, group_keys, true).await;
-        let miss = hits.iter().position(Option::is_none);
-        let mut chunks = Vec::new();
-        let mut copying = Vec::new();
-        for (j, (key, h)) in group_keys.iter().zip(&hits).enumerate() {
-            let Some(h) = h else { continue };
-            let i = g * group + j;
-            let slot = SlotRef { key: *key, generation: h.generation };
-            if miss.is_some_and(|m| j >= m) {
-                rest.push(slot);
-            } else if h.len != chunk_len {
-                outcomes[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
-                rest.push(slot);
-            } else {
-                chunks.push((h.offset, blocks_of(&blocks, per_chunk, i)));
-                copying.push((i, slot));
-            }
-        }
-        if !chunks.is_empty() {
-            let (exec, memory) = (Rc::clone(exec), Arc::clone(&memory));
-            // In arena order within the job, as for saves (host copies of adjacent slots merge).
-            let mut order: Vec<usize> = (0..chunks.len()).collect();
-            order.sort_by_key(|&k| chunks[k].0);
-            let ids: Vec<(usize, SlotRef)> = order.iter().map(|&k| copying[k]).collect();
-            let part: Vec<(u64, Vec<u64>)> = order.iter().map(|&k| chunks[k].clone()).collect();
-            let phases = Rc::clone(&phases);
+        let job = LoadJob::sort(&transfer, &blocks, (g * group, group_keys), &hits, &mut outcomes);
+        unread.extend(job.unread);
+        if !job.chunks.is_empty() {
+            let (exec, transfer, phases) =
+                (Rc::clone(exec), Rc::clone(&transfer), Rc::clone(&phases));
+            let (ids, chunks) = (job.ids, job.chunks);
             tasks.push(glommio::spawn_local(async move {
                 phases.submitted(Instant::now());
-                let copied = exec.gpu_run(Direction::Load, device, memory, (part, chunk_len)).await;
+                let copied = exec
+                    .gpu_run(
+                        Direction::Load,
+                        transfer.device,
+                        Arc::clone(&transfer.memory),
+                        (chunks, transfer.chunk_len),
+                    )
+                    .await;
                 phases.copied(Instant::now());
                 let o = match copied {
                     Ok(_) => ChunkOutcome::Done,
@@ -409,7 +472,7 @@ pub(crate) async fn load(
                 (ids, o)
             }));
         }
-        if miss.is_some() {
+        if job.missed {
             break;
         }
     }
@@ -419,13 +482,63 @@ pub(crate) async fn load(
             outcomes[i] = o;
         }
     }
-    if !rest.is_empty() {
-        per_slot(exec, &rest, |slots| ShardOp::Release { session, slots }).await;
+    if !unread.is_empty() {
+        per_slot(exec, &unread, |slots| ShardOp::Release { session, slots }).await;
     }
     if let Some(gpu) = exec.shared.gpu_service.get() {
         phases.finish(&gpu.counters, Direction::Load, Instant::now());
     }
     Response::Outcomes { outcomes }
+}
+
+/// One load group's leased hits, sorted into the job that copies them and the leases released
+/// unread.
+struct LoadJob {
+    /// The copied chunks, in arena order, as (index in the request, slot).
+    ids: Vec<(usize, SlotRef)>,
+    /// The same chunks as (arena offset, engine blocks), the DMA thread's job.
+    chunks: Vec<(u64, Vec<u64>)>,
+    /// Hits past the group's first miss, or of another length, released unread.
+    unread: Vec<SlotRef>,
+    /// Whether the group has a miss (the prefix ends in it).
+    missed: bool,
+}
+
+impl LoadJob {
+    /// Sorts the `hits` of `group_keys`, whose first is the request's `first`-th; a hit of
+    /// another length than the registration's chunk answers `InvalidArgument` in `outcomes`.
+    fn sort(
+        transfer: &Transfer,
+        blocks: &[u64],
+        (first, group_keys): (usize, &[ChunkKey]),
+        hits: &[Option<Hit>],
+        outcomes: &mut [ChunkOutcome],
+    ) -> Self {
+        let miss = hits.iter().position(Option::is_none);
+        let mut copying = Vec::new();
+        let mut unread = Vec::new();
+        for (j, (key, h)) in group_keys.iter().zip(hits).enumerate() {
+            let Some(h) = h else { continue };
+            let i = first + j;
+            let slot = SlotRef { key: *key, generation: h.generation };
+            if miss.is_some_and(|m| j >= m) {
+                unread.push(slot);
+            } else if h.len != transfer.chunk_len {
+                outcomes[i] = ChunkOutcome::Failed(ErrorCode::InvalidArgument);
+                unread.push(slot);
+            } else {
+                copying.push((h.offset, i, slot));
+            }
+        }
+        // In arena order within the job, as for saves (host copies of adjacent slots merge).
+        copying.sort_by_key(|&(offset, _, _)| offset);
+        let chunks = copying
+            .iter()
+            .map(|&(offset, i, _)| (offset, blocks_of(blocks, transfer.per_chunk, i)))
+            .collect();
+        let ids = copying.into_iter().map(|(_, i, slot)| (i, slot)).collect();
+        Self { ids, chunks, unread, missed: miss.is_some() }
+    }
 }
 
 #[cfg(test)]
