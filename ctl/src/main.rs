@@ -114,36 +114,7 @@ fn main() -> ExitCode {
 
 fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
     match command {
-        Command::Health { json } => {
-            let v = match admin.call("health") {
-                Ok(v) => v,
-                Err(e) => {
-                    if json {
-                        println!("{}", serde_json::json!({"ready": false, "reason": e}));
-                    } else {
-                        println!("not ready: {e}");
-                    }
-                    return Ok(ExitCode::from(1));
-                }
-            };
-            let ready = v["ready"] == true;
-            if json {
-                println!("{v}");
-            } else if ready {
-                let degraded: Vec<&str> = v["degraded"]
-                    .as_array()
-                    .map(|d| d.iter().filter_map(|x| x.as_str()).collect())
-                    .unwrap_or_default();
-                if degraded.is_empty() {
-                    println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
-                } else {
-                    println!("ready (degraded: {})", degraded.join("; "));
-                }
-            } else {
-                println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
-            }
-            Ok(if ready { ExitCode::SUCCESS } else { ExitCode::from(1) })
-        }
+        Command::Health { json } => Ok(health(admin, json)),
         Command::Stats { json } => {
             let v = admin.call("stats")?;
             if json {
@@ -155,31 +126,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
         }
         Command::Drain { timeout } => {
             let timeout = parse_duration(&timeout).map_err(|e| format!("--timeout: {e}"))?;
-            let deadline = Instant::now() + timeout;
-            let mut v = admin.call("drain")?;
-            loop {
-                let state = v["state"].as_str().unwrap_or("").to_string();
-                if state == "drained" {
-                    println!("drained");
-                    return Ok(ExitCode::SUCCESS);
-                }
-                if state == "serving" {
-                    println!("not drained: the server was resumed");
-                    return Ok(ExitCode::from(1));
-                }
-                if Instant::now() >= deadline {
-                    let reservations: u64 = v["shards"]
-                        .as_array()
-                        .map(|s| s.iter().filter_map(|s| s["reservations"].as_u64()).sum())
-                        .unwrap_or(0);
-                    println!(
-                        "not drained after {timeout:?}: {reservations} uncommitted reservations remain"
-                    );
-                    return Ok(ExitCode::from(1));
-                }
-                std::thread::sleep(Duration::from_millis(50));
-                v = admin.call("stats")?;
-            }
+            drain(admin, timeout)
         }
         Command::Resume => {
             let v = admin.call("resume")?;
@@ -193,27 +140,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             ssd::dump(&dir, json)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Evict { namespace, all: _, json } => {
-            let request = match namespace {
-                Some(id) => serde_json::json!({"cmd": "evict", "namespace": id}),
-                None => serde_json::json!({"cmd": "evict", "all": true}),
-            };
-            let v = admin.request(&request)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
-            } else {
-                let (removed, busy) = (u64_of(&v, "removed"), u64_of(&v, "busy"));
-                print!("removed {removed} chunks");
-                if busy > 0 {
-                    print!(
-                        "; {busy} busy (leased, or being moved between tiers) stayed: evict again \
-                         once they are released"
-                    );
-                }
-                println!();
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Evict { namespace, all: _, json } => evict(admin, namespace, json),
         Command::Sessions { json } => {
             let v = admin.call("sessions")?;
             if json {
@@ -227,6 +154,95 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `health`: 0 when ready, 1 when not (or the server does not answer).
+fn health(admin: &AdminClient, json: bool) -> ExitCode {
+    let v = match admin.call("health") {
+        Ok(v) => v,
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"ready": false, "reason": e}));
+            } else {
+                println!("not ready: {e}");
+            }
+            return ExitCode::from(1);
+        }
+    };
+    let ready = v["ready"] == true;
+    if json {
+        println!("{v}");
+    } else if ready {
+        let degraded: Vec<&str> = v["degraded"]
+            .as_array()
+            .map(|d| d.iter().filter_map(|x| x.as_str()).collect())
+            .unwrap_or_default();
+        if degraded.is_empty() {
+            println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
+        } else {
+            println!("ready (degraded: {})", degraded.join("; "));
+        }
+    } else {
+        println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
+    }
+    if ready {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// `drain`: asks for a drain, then polls until the server is drained (0), resumed or still
+/// draining at `timeout` (1).
+fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, String> {
+    let deadline = Instant::now() + timeout;
+    let mut v = admin.call("drain")?;
+    loop {
+        let state = v["state"].as_str().unwrap_or("").to_string();
+        if state == "drained" {
+            println!("drained");
+            return Ok(ExitCode::SUCCESS);
+        }
+        if state == "serving" {
+            println!("not drained: the server was resumed");
+            return Ok(ExitCode::from(1));
+        }
+        if Instant::now() >= deadline {
+            let reservations: u64 = v["shards"]
+                .as_array()
+                .map(|s| s.iter().filter_map(|s| s["reservations"].as_u64()).sum())
+                .unwrap_or(0);
+            println!(
+                "not drained after {timeout:?}: {reservations} uncommitted reservations remain"
+            );
+            return Ok(ExitCode::from(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        v = admin.call("stats")?;
+    }
+}
+
+/// `evict`: one namespace, or everything when `namespace` is None.
+fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<ExitCode, String> {
+    let request = match namespace {
+        Some(id) => serde_json::json!({"cmd": "evict", "namespace": id}),
+        None => serde_json::json!({"cmd": "evict", "all": true}),
+    };
+    let v = admin.request(&request)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
+    } else {
+        let (removed, busy) = (u64_of(&v, "removed"), u64_of(&v, "busy"));
+        print!("removed {removed} chunks");
+        if busy > 0 {
+            print!(
+                "; {busy} busy (leased, or being moved between tiers) stayed: evict again once \
+                 they are released"
+            );
+        }
+        println!();
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A namespace id: decimal, or hexadecimal after `0x`.

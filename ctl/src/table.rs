@@ -10,6 +10,16 @@ use crate::u64_of;
 /// The `stats` table: a header line, then one row per shard and a total row.
 pub fn stats(v: &Value) -> String {
     let mut out = String::new();
+    header(&mut out, v);
+    if v["gpu_transfers"].is_object() {
+        gpu_lines(&mut out, &v["gpu_transfers"]);
+    }
+    render(&mut out, &shard_rows(v));
+    out
+}
+
+/// The server's line: state, sessions, arena, uptime, pid.
+fn header(out: &mut String, v: &Value) {
     let _ = writeln!(
         out,
         "state {}  sessions {}  arena {}{}  uptime {:.0}s  pid {}",
@@ -20,53 +30,57 @@ pub fn stats(v: &Value) -> String {
         v["uptime_s"].as_f64().unwrap_or(0.0),
         u64_of(v, "pid"),
     );
-    let g = &v["gpu_transfers"];
-    if g.is_object() {
-        // Host-side copies per job, when the server counts them and has run a job.
-        let runs =
-            |way: &str, jobs: &str| match (g[format!("{way}_host_runs")].as_u64(), u64_of(g, jobs))
-            {
-                (Some(r), j) if j > 0 => format!(", {:.1} host copies/job", r as f64 / j as f64),
-                _ => String::new(),
-            };
+}
+
+/// The GPU line, and the `--gpu-timeline` lines when the server keeps a timeline.
+fn gpu_lines(out: &mut String, g: &Value) {
+    // Host-side copies per job, when the server counts them and has run a job.
+    let runs =
+        |way: &str, jobs: &str| match (g[format!("{way}_host_runs")].as_u64(), u64_of(g, jobs)) {
+            (Some(r), j) if j > 0 => format!(", {:.1} host copies/job", r as f64 / j as f64),
+            _ => String::new(),
+        };
+    let _ = writeln!(
+        out,
+        "gpu {} device(s), {} registration(s)  saves {} ({}, busy {:.1}s{})  loads {} ({}, \
+         busy {:.1}s{})  failed {}  checksums {}  copy {}",
+        u64_of(g, "devices"),
+        u64_of(g, "registrations"),
+        u64_of(g, "save_jobs"),
+        format_bytes(u64_of(g, "saved_bytes")),
+        g["save_busy_s"].as_f64().unwrap_or(0.0),
+        runs("save", "save_jobs"),
+        u64_of(g, "load_jobs"),
+        format_bytes(u64_of(g, "loaded_bytes")),
+        g["load_busy_s"].as_f64().unwrap_or(0.0),
+        runs("load", "load_jobs"),
+        u64_of(g, "failed_jobs"),
+        g["checksums"].as_str().unwrap_or("?"),
+        g["copy"].as_str().unwrap_or("?"),
+    );
+    // `--gpu-timeline`: what the staged batches did on the GPU.
+    for way in ["save", "load"] {
+        let t = &g["timeline"][way];
+        if !t.is_object() {
+            continue;
+        }
+        let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
         let _ = writeln!(
             out,
-            "gpu {} device(s), {} registration(s)  saves {} ({}, busy {:.1}s{})  loads {} ({}, \
-             busy {:.1}s{})  failed {}  checksums {}  copy {}",
-            u64_of(g, "devices"),
-            u64_of(g, "registrations"),
-            u64_of(g, "save_jobs"),
-            format_bytes(u64_of(g, "saved_bytes")),
-            g["save_busy_s"].as_f64().unwrap_or(0.0),
-            runs("save", "save_jobs"),
-            u64_of(g, "load_jobs"),
-            format_bytes(u64_of(g, "loaded_bytes")),
-            g["load_busy_s"].as_f64().unwrap_or(0.0),
-            runs("load", "load_jobs"),
-            u64_of(g, "failed_jobs"),
-            g["checksums"].as_str().unwrap_or("?"),
-            g["copy"].as_str().unwrap_or("?"),
+            "gpu timeline {way}s: {} batches, copies {:.2} GB/s while copying, copy busy \
+             {:.3}s, copy stream idle between copies {:.2} ms, kernels {:.3}s, on the GPU {:.3}s",
+            u64_of(t, "batches"),
+            f("copy_gbps"),
+            f("copy_busy_s"),
+            f("copy_gaps_s") * 1e3,
+            f("kernel_busy_s"),
+            f("span_s"),
         );
-        // `--gpu-timeline`: what the staged batches did on the GPU.
-        for way in ["save", "load"] {
-            let t = &g["timeline"][way];
-            if !t.is_object() {
-                continue;
-            }
-            let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
-            let _ = writeln!(
-                out,
-                "gpu timeline {way}s: {} batches, copies {:.2} GB/s while copying, copy busy \
-                 {:.3}s, copy stream idle between copies {:.2} ms, kernels {:.3}s, on the GPU {:.3}s",
-                u64_of(t, "batches"),
-                f("copy_gbps"),
-                f("copy_busy_s"),
-                f("copy_gaps_s") * 1e3,
-                f("kernel_busy_s"),
-                f("span_s"),
-            );
-        }
     }
+}
+
+/// The shard table: the column names, one row per shard and a total row.
+fn shard_rows(v: &Value) -> Vec<Vec<String>> {
     let cols = [
         "shard",
         "core",
@@ -126,8 +140,7 @@ pub fn stats(v: &Value) -> String {
         ));
     }
     rows.push(row("total".into(), String::new(), &totals));
-    render(&mut out, &rows);
-    out
+    rows
 }
 
 /// Numeric columns of a shard row.
