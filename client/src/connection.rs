@@ -25,6 +25,9 @@ use crate::{ClientOptions, Error};
 /// Thread-safe flavour so that a `Client` can move between threads (engines hand sessions to
 /// worker threads); the server side of the same service uses the single-threaded flavour.
 type Svc = ipc_threadsafe::Service;
+/// The session's request-response service and its client port.
+type SessionService = PortFactory<Svc, [u8], (), [u8], ()>;
+type SessionPort = IoxClient<Svc, [u8], (), [u8], ()>;
 /// A request in flight.
 type Pending = PendingResponse<Svc, [u8], (), [u8], ()>;
 
@@ -136,8 +139,8 @@ pub(crate) struct Connection {
     /// The home shard's eventfd.
     doorbell: OwnedFd,
     // Field order matters on drop: port before service before node.
-    port: IoxClient<Svc, [u8], (), [u8], ()>,
-    _service: PortFactory<Svc, [u8], (), [u8], ()>,
+    port: SessionPort,
+    _service: SessionService,
     _node: Node<Svc>,
 }
 
@@ -151,145 +154,184 @@ fn ipc_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Ipc(format!("{what}: {e:?}"))
 }
 
+/// Reads the server's welcome and the descriptors it carried. `wrote` is how writing the
+/// hello went, reported when the server closed without a word.
+fn receive_welcome(
+    stream: &UnixStream,
+    (socket, timeout): (&std::path::Path, Duration),
+    wrote: std::io::Result<()>,
+) -> Result<(Welcome, Vec<OwnedFd>), Error> {
+    let connect_err = |source: std::io::Error| Error::Connect { socket: socket.to_owned(), source };
+    // The welcome carries the arena memfd on its first bytes.
+    let mut buf = vec![0u8; 4096];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+    let (got, fds) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| {
+            connect_err(if e == nix::errno::Errno::EAGAIN {
+                // The socket's read timeout: the server took the connection and never
+                // answered its hello.
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no welcome from the server within {timeout:?}"),
+                )
+            } else {
+                e.into()
+            })
+        })?;
+        let mut fds = Vec::new();
+        for c in msg.cmsgs().map_err(|e| connect_err(e.into()))? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // Own every received descriptor so none leaks.
+                fds.extend(raw.into_iter().map(crate::mapping::adopt_received_fd));
+            }
+        }
+        (msg.bytes, fds)
+    };
+    if got == 0 {
+        return Err(match wrote {
+            Err(e) => connect_err(e),
+            Ok(()) => Error::Disconnected("server closed the socket during bootstrap".into()),
+        });
+    }
+    buf.truncate(got);
+    let body = read_frame(&mut &*stream, buf).map_err(connect_err)?;
+    let welcome = decode::<Welcome>(&body).map_err(|e| Error::Protocol(e.to_string()))?;
+    Ok((welcome, fds))
+}
+
+/// What the server's welcome gave an admitted client.
+struct Admitted {
+    session_id: u64,
+    home_shard: u32,
+    arena_bytes: u64,
+    iox_root: String,
+    iox_prefix: String,
+    service_name: String,
+    max_request_bytes: u64,
+    max_keys_per_request: u32,
+    /// Requests that may wait unanswered besides the one being made.
+    max_deferred: usize,
+}
+
+impl Admitted {
+    /// The admission, or the server's refusal, or a protocol mismatch, as an error.
+    fn from_welcome(welcome: Welcome) -> Result<Self, Error> {
+        match welcome {
+            Welcome::Refused { code, message } => Err(Error::Refused { code, message }),
+            Welcome::Accepted { protocol_version, .. } if protocol_version != PROTOCOL_VERSION => {
+                Err(Error::Protocol(format!(
+                    "server speaks protocol {protocol_version}, client {PROTOCOL_VERSION}"
+                )))
+            }
+            Welcome::Accepted {
+                session_id,
+                home_shard,
+                arena_bytes,
+                iox_root,
+                iox_prefix,
+                service_name,
+                max_request_bytes,
+                max_keys_per_request,
+                max_inflight,
+                ..
+            } => Ok(Self {
+                session_id,
+                home_shard,
+                arena_bytes,
+                iox_root,
+                iox_prefix,
+                service_name,
+                max_request_bytes,
+                max_keys_per_request,
+                max_deferred: (max_inflight as usize).saturating_sub(1),
+            }),
+        }
+    }
+}
+
+/// The session's iceoryx2 node, its service and the client port its requests go through.
+fn open_port(admitted: &Admitted) -> Result<(Node<Svc>, SessionService, SessionPort), Error> {
+    // iceoryx2 logs through its own logger; keep it to errors unless IOX2_LOG_LEVEL says
+    // otherwise, so that an engine's stderr is not flooded when the server goes away.
+    set_log_level_from_env_or(LogLevel::Error);
+    let mut cfg = Config::default();
+    let root = iceoryx2::prelude::Path::new(admitted.iox_root.as_bytes())
+        .map_err(|e| ipc_err("root path", e))?;
+    cfg.global.set_root_path(&root);
+    cfg.global.prefix =
+        FileName::new(admitted.iox_prefix.as_bytes()).map_err(|e| ipc_err("prefix", e))?;
+    let node_name = NodeName::new(&format!("orbitkv-client-{}", std::process::id()))
+        .map_err(|e| ipc_err("node name", e))?;
+    let node = NodeBuilder::new()
+        .name(&node_name)
+        .config(&cfg)
+        .create::<Svc>()
+        .map_err(|e| ipc_err("node", e))?;
+    let svc_name =
+        ServiceName::new(&admitted.service_name).map_err(|e| ipc_err("service name", e))?;
+    let service = node
+        .service_builder(&svc_name)
+        .request_response::<[u8], [u8]>()
+        .open()
+        .map_err(|e| ipc_err("opening session service", e))?;
+    let port = service
+        .client_builder()
+        .initial_max_slice_len(4096)
+        .allocation_strategy(AllocationStrategy::PowerOfTwo)
+        .create()
+        .map_err(|e| ipc_err("client port", e))?;
+    Ok((node, service, port))
+}
+
 impl Connection {
+    /// Connects to the server's bootstrap socket, is admitted (the welcome brings the arena and
+    /// the home shard's doorbell), maps the arena and opens the session's request port.
     pub(crate) fn open(opts: &ClientOptions) -> Result<Self, Error> {
-        let (socket, name, timeout) =
-            (opts.socket.as_path(), opts.name.as_str(), opts.request_timeout);
+        let (socket, timeout) = (opts.socket.as_path(), opts.request_timeout);
         let stream = UnixStream::connect(socket)
             .map_err(|source| Error::Connect { socket: socket.to_owned(), source })?;
         let connect_err =
             |source: std::io::Error| Error::Connect { socket: socket.to_owned(), source };
         stream.set_read_timeout(Some(timeout)).map_err(connect_err)?;
-        let hello =
-            Bootstrap::Hello { protocol_version: PROTOCOL_VERSION, client_name: name.into() };
+        let hello = Bootstrap::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            client_name: opts.name.as_str().into(),
+        };
         // A server that refuses early may close before our write lands; its refusal is still
         // waiting to be read, so a failed write is only reported if there is nothing to read.
         let wrote = write_frame(&mut &stream, &encode(&hello));
-
-        // The welcome carries the arena memfd on its first bytes.
-        let mut buf = vec![0u8; 4096];
-        let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
-        let (got, fds) = {
-            let mut iov = [IoSliceMut::new(&mut buf)];
-            let msg = recvmsg::<()>(
-                stream.as_raw_fd(),
-                &mut iov,
-                Some(&mut cmsg),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )
-            .map_err(|e| {
-                connect_err(if e == nix::errno::Errno::EAGAIN {
-                    // The socket's read timeout: the server took the connection and never
-                    // answered its hello.
-                    std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no welcome from the server within {timeout:?}"),
-                    )
-                } else {
-                    e.into()
-                })
-            })?;
-            let mut fds = Vec::new();
-            for c in msg.cmsgs().map_err(|e| connect_err(e.into()))? {
-                if let ControlMessageOwned::ScmRights(raw) = c {
-                    // Own every received descriptor so none leaks.
-                    fds.extend(raw.into_iter().map(crate::mapping::adopt_received_fd));
-                }
-            }
-            (msg.bytes, fds)
-        };
-        if got == 0 {
-            return Err(match wrote {
-                Err(e) => connect_err(e),
-                Ok(()) => Error::Disconnected("server closed the socket during bootstrap".into()),
-            });
-        }
-        buf.truncate(got);
-        let body = read_frame(&mut &stream, buf).map_err(connect_err)?;
-        let welcome = decode::<Welcome>(&body).map_err(|e| Error::Protocol(e.to_string()))?;
-        let max_request_bytes;
-        let max_keys;
-        let max_deferred;
-        let (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name) =
-            match welcome {
-                Welcome::Refused { code, message } => return Err(Error::Refused { code, message }),
-                Welcome::Accepted { protocol_version, .. }
-                    if protocol_version != PROTOCOL_VERSION =>
-                {
-                    return Err(Error::Protocol(format!(
-                        "server speaks protocol {protocol_version}, client {PROTOCOL_VERSION}"
-                    )));
-                }
-                Welcome::Accepted {
-                    session_id,
-                    home_shard,
-                    arena_bytes,
-                    iox_root,
-                    iox_prefix,
-                    service_name,
-                    max_request_bytes: limit,
-                    max_keys_per_request,
-                    max_inflight,
-                    ..
-                } => {
-                    max_request_bytes = limit;
-                    max_keys = max_keys_per_request;
-                    max_deferred = (max_inflight as usize).saturating_sub(1);
-                    (session_id, home_shard, arena_bytes, iox_root, iox_prefix, service_name)
-                }
-            };
+        let (welcome, fds) = receive_welcome(&stream, (socket, timeout), wrote)?;
+        let admitted = Admitted::from_welcome(welcome)?;
         let mut fds = fds.into_iter();
-        let (Some(arena_fd), Some(doorbell_fd)) = (fds.next(), fds.next()) else {
+        let (Some(arena_fd), Some(doorbell)) = (fds.next(), fds.next()) else {
             return Err(Error::Protocol(
                 "welcome carried no arena and doorbell descriptors".into(),
             ));
         };
-        let arena =
-            ArenaMap::new(arena_fd, arena_bytes, opts.prefault_arena).map_err(Error::Protocol)?;
-        arena.doorbell(home_shard).map_err(Error::Protocol)?;
-        let doorbell = doorbell_fd;
+        let arena = ArenaMap::new(arena_fd, admitted.arena_bytes, opts.prefault_arena)
+            .map_err(Error::Protocol)?;
+        arena.doorbell(admitted.home_shard).map_err(Error::Protocol)?;
         stream.set_read_timeout(None).map_err(connect_err)?;
-
-        // iceoryx2 logs through its own logger; keep it to errors unless IOX2_LOG_LEVEL says
-        // otherwise, so that an engine's stderr is not flooded when the server goes away.
-        set_log_level_from_env_or(LogLevel::Error);
-        let mut cfg = Config::default();
-        let root = iceoryx2::prelude::Path::new(iox_root.as_bytes())
-            .map_err(|e| ipc_err("root path", e))?;
-        cfg.global.set_root_path(&root);
-        cfg.global.prefix =
-            FileName::new(iox_prefix.as_bytes()).map_err(|e| ipc_err("prefix", e))?;
-        let node_name = NodeName::new(&format!("orbitkv-client-{}", std::process::id()))
-            .map_err(|e| ipc_err("node name", e))?;
-        let node = NodeBuilder::new()
-            .name(&node_name)
-            .config(&cfg)
-            .create::<Svc>()
-            .map_err(|e| ipc_err("node", e))?;
-        let svc_name = ServiceName::new(&service_name).map_err(|e| ipc_err("service name", e))?;
-        let service = node
-            .service_builder(&svc_name)
-            .request_response::<[u8], [u8]>()
-            .open()
-            .map_err(|e| ipc_err("opening session service", e))?;
-        let port = service
-            .client_builder()
-            .initial_max_slice_len(4096)
-            .allocation_strategy(AllocationStrategy::PowerOfTwo)
-            .create()
-            .map_err(|e| ipc_err("client port", e))?;
+        let (node, service, port) = open_port(&admitted)?;
         Ok(Self {
             stream,
             last_alive: std::cell::Cell::new(Instant::now()),
-            session_id,
-            max_keys_per_request: max_keys,
-            max_request_bytes,
+            session_id: admitted.session_id,
+            max_keys_per_request: admitted.max_keys_per_request,
+            max_request_bytes: admitted.max_request_bytes,
             arena,
             deferred: VecDeque::new(),
-            max_deferred,
+            max_deferred: admitted.max_deferred,
             started: Arc::default(),
             deferred_failures: 0,
-            home_shard,
+            home_shard: admitted.home_shard,
             doorbell,
             port,
             _service: service,

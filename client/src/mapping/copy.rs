@@ -402,6 +402,8 @@ fn merge(acc: &[u64; 8], len: u64) -> u64 {
 /// `dst`, folding the first `fold` stripes into `acc` as stripes `first`, `first + 1`, ... of
 /// the loop (with their blocks' scrambles); `(first, fold)` is `stripes`. Prefetches 4 KiB
 /// ahead, as [`copy_prefetched`]; non-temporal stores (then an `sfence`) when `stream`.
+/// One function: the loop keeps its accumulators and pointers in registers across stripes,
+/// and the hot loop's body is the copy and the fold of one stripe side by side.
 ///
 /// # Safety
 /// The CPU has AVX2; `src` is valid for reads and `dst` for writes of `n_bytes` bytes, which
