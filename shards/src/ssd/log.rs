@@ -280,89 +280,120 @@ impl RegionLog {
     ) -> std::io::Result<(Self, RecoveryReport)> {
         let mut log = Self::new(sb);
         let mut report = RecoveryReport::default();
-        let mut block = vec![0u8; RECORD_HEADER_BYTES as usize];
-        let mut reader = BlockReader::new(&mut read);
-        // Highest sequence and generation of any valid header, kept or not: new writes must
-        // never reuse them, or a leftover could later pass for a current record.
-        let (mut max_sequence, mut max_generation) = (0u64, 0u64);
+        let mut scan = RegionScan {
+            reader: BlockReader::new(&mut read),
+            block: vec![0u8; RECORD_HEADER_BYTES as usize],
+            max_sequence: 0,
+            max_generation: 0,
+        };
         let mut found: Vec<(u32, u64, Vec<Placement>)> = Vec::new();
         for region in 0..sb.region_count as u32 {
-            let base = sb.region_offset(region as u64);
-            let mut at = 0u64;
-            let mut generation = None;
-            let mut last_seq = 0u64;
-            let mut records = Vec::new();
-            let mut end = 0u64;
-            let mut scanning = false;
-            while at + RECORD_HEADER_BYTES <= sb.region_bytes {
-                reader.block(base + at, base + sb.region_bytes, scanning, &mut block)?;
-                scanning = true; // until a record is found below
-                let decoded = RecordHeader::decode(&block);
-                if let Ok(h) = &decoded {
-                    max_sequence = max_sequence.max(h.sequence);
-                    max_generation = max_generation.max(h.region_generation);
-                }
-                match decoded {
-                    Ok(h)
-                        if generation.is_none_or(|g| g == h.region_generation)
-                            && h.sequence > last_seq
-                            && at + h.disk_bytes() <= sb.region_bytes =>
-                    {
-                        generation = Some(h.region_generation);
-                        last_seq = h.sequence;
-                        records.push(Placement { header: h, region, offset: base + at });
-                        at += h.disk_bytes();
-                        end = at;
-                        scanning = false;
-                    }
-                    // An earlier use of the region: where this generation's log ends, or
-                    // where one of its writes failed (its block never written) with later
-                    // records after it. Look further, as past a torn record.
-                    Ok(_) => at += PAGE_SIZE,
-                    Err(FormatError::BadMagic) if generation.is_none() => break, // never written
-                    // Unwritten space, or a payload block: look further for records that
-                    // completed after a torn one.
-                    Err(FormatError::BadMagic) => at += PAGE_SIZE,
-                    Err(_) => {
-                        // One of our header blocks, torn or corrupted.
-                        report.dropped += 1;
-                        at += PAGE_SIZE;
-                    }
-                }
-            }
-            if let Some(g) = generation {
+            if let Some((g, records, end)) = scan.region(sb, region, &mut report)? {
                 found.push((region, g, records));
                 log.regions[region as usize].used = end;
                 log.used_bytes += end;
             }
         }
+        log.install(found, &mut report);
+        // Every recovered region stays sealed: new records go to a fresh region (a new
+        // generation), never after possible leftovers of the crashed run.
+        log.active = None;
+        log.next_sequence = log.next_sequence.max(scan.max_sequence + 1);
+        log.next_generation = log.next_generation.max(scan.max_generation + 1);
+        report.kept = log.index.len() as u64;
+        Ok((log, report))
+    }
+
+    /// Seals the recovered regions, oldest generation first, and indexes their records in
+    /// sequence order (a later record of a key supersedes an earlier one).
+    fn install(&mut self, mut found: Vec<(u32, u64, Vec<Placement>)>, report: &mut RecoveryReport) {
         // Oldest generation first: sealed order, and later records win.
         found.sort_by_key(|(_, g, _)| *g);
         let mut all: Vec<Placement> = Vec::new();
         for (region, g, records) in &found {
-            let r = &mut log.regions[*region as usize];
+            let r = &mut self.regions[*region as usize];
             r.generation = *g;
-            log.free.retain(|f| f != region);
-            log.sealed.push_back(*region);
-            log.next_generation = log.next_generation.max(g + 1);
+            self.free.retain(|f| f != region);
+            self.sealed.push_back(*region);
+            self.next_generation = self.next_generation.max(g + 1);
             all.extend(records.iter().copied());
         }
         all.sort_by_key(|p| p.header.sequence);
         for p in &all {
-            log.next_sequence = log.next_sequence.max(p.header.sequence + 1);
-            log.regions[p.region as usize].pins += 1; // complete_write unpins
-            if log.index.contains_key(&p.header.key) {
+            self.next_sequence = self.next_sequence.max(p.header.sequence + 1);
+            self.regions[p.region as usize].pins += 1; // complete_write unpins
+            if self.index.contains_key(&p.header.key) {
                 report.superseded += 1;
             }
-            log.complete_write(p);
+            self.complete_write(p);
         }
-        // Every recovered region stays sealed: new records go to a fresh region (a new
-        // generation), never after possible leftovers of the crashed run.
-        log.active = None;
-        log.next_sequence = log.next_sequence.max(max_sequence + 1);
-        log.next_generation = log.next_generation.max(max_generation + 1);
-        report.kept = log.index.len() as u64;
-        Ok((log, report))
+    }
+}
+
+/// Recovery's scan of the regions, one after another.
+struct RegionScan<'a, F> {
+    reader: BlockReader<'a, F>,
+    /// A header block's bytes.
+    block: Vec<u8>,
+    /// Highest sequence and generation of any valid header, kept or not: new writes must
+    /// never reuse them, or a leftover could later pass for a current record.
+    max_sequence: u64,
+    max_generation: u64,
+}
+
+impl<F: FnMut(u64, &mut [u8]) -> std::io::Result<()>> RegionScan<'_, F> {
+    /// Scans `region` from its start: its newest generation, that generation's records in
+    /// order and where they end; None for a region never written.
+    fn region(
+        &mut self,
+        sb: Superblock,
+        region: u32,
+        report: &mut RecoveryReport,
+    ) -> std::io::Result<Option<(u64, Vec<Placement>, u64)>> {
+        let base = sb.region_offset(region as u64);
+        let mut at = 0u64;
+        let mut generation = None;
+        let mut last_seq = 0u64;
+        let mut records = Vec::new();
+        let mut end = 0u64;
+        let mut scanning = false;
+        while at + RECORD_HEADER_BYTES <= sb.region_bytes {
+            self.reader.block(base + at, base + sb.region_bytes, scanning, &mut self.block)?;
+            scanning = true; // until a record is found below
+            let decoded = RecordHeader::decode(&self.block);
+            if let Ok(h) = &decoded {
+                self.max_sequence = self.max_sequence.max(h.sequence);
+                self.max_generation = self.max_generation.max(h.region_generation);
+            }
+            match decoded {
+                Ok(h)
+                    if generation.is_none_or(|g| g == h.region_generation)
+                        && h.sequence > last_seq
+                        && at + h.disk_bytes() <= sb.region_bytes =>
+                {
+                    generation = Some(h.region_generation);
+                    last_seq = h.sequence;
+                    records.push(Placement { header: h, region, offset: base + at });
+                    at += h.disk_bytes();
+                    end = at;
+                    scanning = false;
+                }
+                // An earlier use of the region: where this generation's log ends, or
+                // where one of its writes failed (its block never written) with later
+                // records after it. Look further, as past a torn record.
+                Ok(_) => at += PAGE_SIZE,
+                Err(FormatError::BadMagic) if generation.is_none() => break, // never written
+                // Unwritten space, or a payload block: look further for records that
+                // completed after a torn one.
+                Err(FormatError::BadMagic) => at += PAGE_SIZE,
+                Err(_) => {
+                    // One of our header blocks, torn or corrupted.
+                    report.dropped += 1;
+                    at += PAGE_SIZE;
+                }
+            }
+        }
+        Ok(generation.map(|g| (g, records, end)))
     }
 }
 

@@ -134,6 +134,69 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
     move |source| SsdError::Io { op, path: path.to_owned(), source }
 }
 
+/// Why a shard file whose superblock reads `block` (the file being `len` bytes) cannot be
+/// used as it is and is started afresh; None when it matches `sb`.
+fn why_rebuild(sb: &Superblock, block: &[u8], len: u64) -> Option<String> {
+    match Superblock::decode(block) {
+        Ok(found) if found == *sb && len >= sb.file_bytes() => None,
+        Ok(found) if found == *sb => {
+            Some(format!("the file is {len} bytes, its geometry needs {}", sb.file_bytes()))
+        }
+        Ok(found) => Some(format!(
+            "written with {} shards, regions of {} x {} bytes; now {} shards, {} x {}",
+            found.shard_count,
+            found.region_count,
+            found.region_bytes,
+            sb.shard_count,
+            sb.region_count,
+            sb.region_bytes
+        )),
+        Err(e) => Some(format!("superblock unreadable ({e})")),
+    }
+}
+
+/// Starts a shard file afresh: drops every old byte (so no old record can ever be read as
+/// current), then preallocates the new geometry and writes the superblock.
+fn format_file(
+    file: &File,
+    path: &Path,
+    ring: &mut SsdRing,
+    sb: &Superblock,
+) -> Result<(), SsdError> {
+    file.set_len(0).map_err(io_err("truncating", path))?;
+    nix::fcntl::fallocate(
+        file,
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        sb.file_bytes() as libc::off_t,
+    )
+    .map_err(|e| io_err("preallocating", path)(e.into()))?;
+    let mut block = AlignedBlock::new();
+    block.bytes_mut().copy_from_slice(&sb.encode());
+    let id = ring.write_block(file, 0, block).map_err(io_err("writing", path))?;
+    wait_for(ring, id).map_err(io_err("writing superblock of", path))?;
+    Ok(())
+}
+
+/// Rebuilds a shard's log from its file. Recovery runs before the shard serves: plain
+/// positioned reads of any length (scans read 1 MiB windows), and the page cache is dropped
+/// afterwards.
+fn recover_file(path: &Path, sb: Superblock) -> Result<(RegionLog, RecoveryReport), SsdError> {
+    let plain = File::open(path).map_err(io_err("opening", path))?;
+    // Headers are read one by one far apart: readahead would only read payloads.
+    let _ =
+        nix::fcntl::posix_fadvise(&plain, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM);
+    let recovered = RegionLog::recover(sb, |at, buf| plain.read_exact_at(buf, at))
+        .map_err(io_err("recovering", path))?;
+    let _ = nix::fcntl::posix_fadvise(
+        &plain,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    );
+    Ok(recovered)
+}
+
 impl SsdStore {
     /// The geometry `cfg` gives: regions that fit the shard's share after the superblock.
     pub fn superblock(cfg: &SsdConfig) -> Result<Superblock, SsdError> {
@@ -177,76 +240,18 @@ impl SsdStore {
         let mut ring =
             SsdRing::new(cfg.ring_depth.max(2)).map_err(io_err("io_uring for", &path))?;
         let existing_len = file.metadata().map_err(io_err("stat", &path))?.len();
-        let mut rebuilt = None;
-        let mut fresh = existing_len < SUPERBLOCK_BYTES;
-        if !fresh {
+        let rebuilt = if existing_len < SUPERBLOCK_BYTES {
+            None
+        } else {
             let mut block = vec![0u8; SUPERBLOCK_BYTES as usize];
             ring.read_block_sync(&file, 0, &mut block).map_err(io_err("reading", &path))?;
-            match Superblock::decode(&block) {
-                Ok(found) if found == sb && existing_len >= sb.file_bytes() => {}
-                Ok(found) if found == sb => {
-                    rebuilt = Some(format!(
-                        "the file is {existing_len} bytes, its geometry needs {}",
-                        sb.file_bytes()
-                    ));
-                    fresh = true;
-                }
-                Ok(found) => {
-                    rebuilt = Some(format!(
-                        "written with {} shards, regions of {} x {} bytes; now {} shards, {} x {}",
-                        found.shard_count,
-                        found.region_count,
-                        found.region_bytes,
-                        sb.shard_count,
-                        sb.region_count,
-                        sb.region_bytes
-                    ));
-                    fresh = true;
-                }
-                Err(e) => {
-                    rebuilt = Some(format!("superblock unreadable ({e})"));
-                    fresh = true;
-                }
-            }
-        }
-        if fresh {
-            // Drop every old byte (so no old record can ever be read as current), then
-            // preallocate the new geometry and write the superblock.
-            file.set_len(0).map_err(io_err("truncating", &path))?;
-            nix::fcntl::fallocate(
-                &file,
-                nix::fcntl::FallocateFlags::empty(),
-                0,
-                sb.file_bytes() as libc::off_t,
-            )
-            .map_err(|e| io_err("preallocating", &path)(e.into()))?;
-            let mut block = AlignedBlock::new();
-            block.bytes_mut().copy_from_slice(&sb.encode());
-            let id = ring.write_block(&file, 0, block).map_err(io_err("writing", &path))?;
-            wait_for(&mut ring, id).map_err(io_err("writing superblock of", &path))?;
-        }
-        let (log, recovery) = if fresh {
+            why_rebuild(&sb, &block, existing_len)
+        };
+        let (log, recovery) = if existing_len < SUPERBLOCK_BYTES || rebuilt.is_some() {
+            format_file(&file, &path, &mut ring, &sb)?;
             (RegionLog::new(sb), RecoveryReport::default())
         } else {
-            // Recovery runs before the shard serves: plain positioned reads of any length
-            // (scans read 1 MiB windows), and the page cache is dropped afterwards.
-            let plain = File::open(&path).map_err(io_err("opening", &path))?;
-            // Headers are read one by one far apart: readahead would only read payloads.
-            let _ = nix::fcntl::posix_fadvise(
-                &plain,
-                0,
-                0,
-                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
-            );
-            let recovered = RegionLog::recover(sb, |at, buf| plain.read_exact_at(buf, at))
-                .map_err(io_err("recovering", &path))?;
-            let _ = nix::fcntl::posix_fadvise(
-                &plain,
-                0,
-                0,
-                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-            );
-            recovered
+            recover_file(&path, sb)?
         };
         ring.inject_delay(cfg.inject_delay);
         ring.inject_errors_every(cfg.inject_errors_every);
