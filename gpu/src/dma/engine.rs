@@ -57,6 +57,59 @@ struct Part {
     free: CudaEvent,
 }
 
+impl Part {
+    /// A part of `part_bytes` of staging, with tables for `max_descs` descriptors.
+    fn new(ctx: &Arc<CudaContext>, part_bytes: usize, max_descs: usize) -> Result<Self, DmaError> {
+        Ok(Part {
+            staging: DeviceBuffer::new(ctx, part_bytes)?,
+            descs_dev: DeviceBuffer::new(ctx, max_descs * KernelDesc::BYTES)?,
+            descs_host: PinnedHost::new(ctx, max_descs * KernelDesc::BYTES)?,
+            filled: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+            free: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
+        })
+    }
+}
+
+/// The engine's kernels, each None (with a warning logged) when its PTX did not load.
+struct Kernels {
+    copy: Option<CopyKernel>,
+    /// Why the segment copy kernel did not load.
+    copy_error: Option<String>,
+    scatter_uniform: Option<ScatterUniformKernel>,
+    block: Option<BlockKernel>,
+}
+
+impl Kernels {
+    /// Loads the segment copy, uniform scatter and block copy kernels, in that order.
+    fn load(ctx: &Arc<CudaContext>) -> Self {
+        let (copy, copy_error) = match CopyKernel::load(ctx) {
+            Ok(k) => (Some(k), None),
+            Err(e) => {
+                tracing::warn!(error = %e, "segment copy kernel not loaded (driver older than the PTX?): \
+                    copies go batched, slower for pages under 1 MiB");
+                (None, Some(e.to_string()))
+            }
+        };
+        let scatter_uniform = match ScatterUniformKernel::load(ctx) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::warn!(error = %e, "uniform scatter kernel not loaded: loads scatter \
+                    with the segment kernel, whose descriptor tables are three times larger");
+                None
+            }
+        };
+        let block = match BlockKernel::load(ctx) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::warn!(error = %e, "block copy kernel not loaded: staged copies are \
+                    planned a descriptor per page, which costs the DMA threads more per job");
+                None
+            }
+        };
+        Kernels { copy, copy_error, scatter_uniform, block }
+    }
+}
+
 /// Where one staged batch spent its time on the GPU (from [`CopyEngine::take_timeline`]):
 /// microseconds since the first recorded batch's first operation (its kernel for a save, its
 /// copy for a load) was reached on its stream.
@@ -182,6 +235,36 @@ enum Work {
     Summed(BlockLaunch, SummedGather, u32),
 }
 
+/// How one staged batch's kernel runs ([`CopyEngine::enqueue_batch`]).
+#[derive(Clone, Copy, Debug)]
+struct BatchKernel {
+    work: Work,
+    /// The staging part the batch was planned into, and that part's staging.
+    part: usize,
+    staging: u64,
+    /// Entries of the batch's table.
+    n: u32,
+    /// The one length of a load's segments, when the uniform scatter takes them.
+    uniform: Option<u64>,
+    /// The segment kernel's descriptors per warp and grid; the uniform scatter's grid.
+    group: u32,
+    grid: u32,
+    uniform_grid: u32,
+}
+
+/// Records event `i` of a timed batch (`timed`; None when untimed) on `stream`: 0 and 1 the
+/// kernel's start and end, 2 and 3 the copy's.
+fn mark_batch(
+    timed: Option<&[CudaEvent; 4]>,
+    i: usize,
+    stream: &CudaStream,
+) -> Result<(), DmaError> {
+    match timed {
+        Some(events) => events[i].record(stream).map_err(drv("cuEventRecord")),
+        None => Ok(()),
+    }
+}
+
 /// Launches the block kernel over `l` with the batch's block ids at `blocks` and the part's
 /// staging at `staging`: `MAX_GRID` blocks at most, a warp per group of units.
 ///
@@ -247,39 +330,10 @@ impl CopyEngine {
         let part_bytes = (staging_bytes / depth).max(1 << 16) / 16 * 16;
         // One descriptor per 2 KiB of staging on average, at least 4096.
         let max_descs = (part_bytes / 2048).max(4096);
-        let (kernel, kernel_error) = match CopyKernel::load(ctx) {
-            Ok(k) => (Some(k), None),
-            Err(e) => {
-                tracing::warn!(error = %e, "segment copy kernel not loaded (driver older than the PTX?): \
-                    copies go batched, slower for pages under 1 MiB");
-                (None, Some(e.to_string()))
-            }
-        };
-        let scatter_uniform = match ScatterUniformKernel::load(ctx) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                tracing::warn!(error = %e, "uniform scatter kernel not loaded: loads scatter \
-                    with the segment kernel, whose descriptor tables are three times larger");
-                None
-            }
-        };
-        let block_kernel = match BlockKernel::load(ctx) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                tracing::warn!(error = %e, "block copy kernel not loaded: staged copies are \
-                    planned a descriptor per page, which costs the DMA threads more per job");
-                None
-            }
-        };
+        let kernels = Kernels::load(ctx);
         let mut parts = Vec::with_capacity(depth);
         for _ in 0..depth {
-            parts.push(Part {
-                staging: DeviceBuffer::new(ctx, part_bytes)?,
-                descs_dev: DeviceBuffer::new(ctx, max_descs * KernelDesc::BYTES)?,
-                descs_host: PinnedHost::new(ctx, max_descs * KernelDesc::BYTES)?,
-                filled: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
-                free: ctx.new_event(None).map_err(drv("cuEventCreate"))?,
-            });
+            parts.push(Part::new(ctx, part_bytes, max_descs)?);
         }
         // The copy pipeline's streams get the context's highest priority: other work of this
         // process on the device (the chunk checksum kernels, on a default-priority stream)
@@ -289,10 +343,10 @@ impl CopyEngine {
             .map_err(drv("cuCtxGetStreamPriorityRange"))?;
         Ok(Self {
             ctx: Arc::clone(ctx),
-            kernel,
-            kernel_error,
-            scatter_uniform,
-            block_kernel,
+            kernel: kernels.copy,
+            kernel_error: kernels.copy_error,
+            scatter_uniform: kernels.scatter_uniform,
+            block_kernel: kernels.block,
             kernel_stream: ctx
                 .new_stream_with_priority(highest)
                 .map_err(drv("cuStreamCreateWithPriority"))?,
@@ -702,7 +756,30 @@ impl CopyEngine {
         let group = CopyKernel::group(b.bytes, segments);
         let grid = CopyKernel::grid(n, group, THREADS, MAX_GRID);
         let uniform_grid = n.div_ceil(THREADS / 32).clamp(1, MAX_GRID);
-        // Host side of the batch: one batched call for its runs.
+        let k = BatchKernel { work, part: last, staging, n, uniform, group, grid, uniform_grid };
+        self.host_runs_of(direction, b, &k, table_bytes);
+        let timed = self.batch_events(direction)?;
+        match direction {
+            Direction::Save => self.enqueue_gather_then_copy(&k, timed.as_ref())?,
+            Direction::Load => self.enqueue_copy_then_scatter(&k, timed.as_ref())?,
+        }
+        if let (Some(events), Some((_, batches))) = (timed, &mut self.timeline) {
+            batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
+        }
+        Ok(())
+    }
+
+    /// Host side of the batch `b`, planned into part `k.part`: one batched call for its runs
+    /// (into `dsts`, `srcs` and `sizes`), a load's table of `table_bytes` first.
+    fn host_runs_of(
+        &mut self,
+        direction: Direction,
+        b: &StagedBatch,
+        k: &BatchKernel,
+        table_bytes: usize,
+    ) {
+        let h = &self.parts[k.part];
+        let staging = k.staging;
         self.dsts.clear();
         self.srcs.clear();
         self.sizes.clear();
@@ -725,8 +802,12 @@ impl CopyEngine {
             self.srcs.push(src);
             self.sizes.push(r.len as usize);
         }
-        // With a timeline on: this batch's four events (kept only once all are recorded), and
-        // the start event, on the stream of the job's first operation.
+    }
+
+    /// With a timeline on: this batch's four events (kept only once all are recorded), and
+    /// the start event, on the stream of the job's first operation. None when no timeline is
+    /// on or it holds its most batches.
+    fn batch_events(&mut self, direction: Direction) -> Result<Option<[CudaEvent; 4]>, DmaError> {
         let timed = match &mut self.timeline {
             Some((start, batches)) if batches.len() < self.timeline_cap => {
                 let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -748,107 +829,122 @@ impl CopyEngine {
             }
             _ => None,
         };
-        let mark = |i: usize, stream: &CudaStream| -> Result<(), DmaError> {
-            match &timed {
-                Some(events) => events[i].record(stream).map_err(drv("cuEventRecord")),
-                None => Ok(()),
-            }
-        };
+        Ok(timed)
+    }
+
+    /// The segment kernel, where a batch needs it: a block-form job can be staged with only
+    /// the block kernel loaded (`--gpu-copy staged`), and never reaches for it.
+    fn segment_kernel(&self) -> Result<&CopyKernel, DmaError> {
+        self.kernel
+            .as_ref()
+            .ok_or_else(|| DmaError::Invalid("the segment copy kernel did not load".into()))
+    }
+
+    /// A save's batch, planned into part `k.part` with its host runs in `dsts`, `srcs` and
+    /// `sizes`: the gather on the kernel stream, then the copy to the host on the copy stream.
+    fn enqueue_gather_then_copy(
+        &mut self,
+        k: &BatchKernel,
+        timed: Option<&[CudaEvent; 4]>,
+    ) -> Result<(), DmaError> {
+        let mark = |i: usize, stream: &CudaStream| mark_batch(timed, i, stream);
+        let h = &self.parts[k.part];
         let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
-        // The segment kernel, where a batch needs it: a block-form job can be staged with only
-        // the block kernel loaded (`--gpu-copy staged`), and never reaches for it.
-        let kernel = || {
-            self.kernel
-                .as_ref()
-                .ok_or_else(|| DmaError::Invalid("the segment copy kernel did not load".into()))
-        };
         let block_kernel = self.block_kernel.as_ref();
-        match direction {
-            Direction::Save => {
-                // The thread saw `free` complete before it planned the batch.
-                mark(0, kernel_stream)?;
-                // The gather reads its table straight from the mapped pinned host copy (at its
-                // host address under unified addressing), never uploaded: an upload is a
-                // host-to-device copy, and beside a load it queues behind the load's data on
-                // the host-to-device copy engine, so a save beside a load advanced one batch
-                // per load batch (both at half rate; measured with `perf dma --duplex`).
-                // A block-form batch's ids are read in place the same way.
-                match work {
-                    // SAFETY: the block ids and the part table name engine parts
-                    // (submit_blocks' contract); staging and the host table as below.
-                    Work::Blocks(l) => unsafe {
-                        launch_blocks(block_kernel, kernel_stream, l, h.descs_host.addr(), staging)?
-                    },
-                    // SAFETY: as the block gather; the row sums go to the job's scratch rows,
-                    // which its checksum submission holds (`SummedSave`) until its fold.
-                    Work::Summed(l, g, first) => unsafe {
-                        let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..l };
-                        let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
-                        ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
-                    },
-                    // SAFETY: descriptors name engine pieces (submit's contract) and this
-                    // part's staging, free since `free` was seen passed; the host table stays
-                    // untouched until `free`, recorded after this batch's copy, has passed.
-                    Work::Segments { .. } => unsafe {
-                        kernel()?.launch(
-                            kernel_stream,
-                            h.descs_host.addr(),
-                            n,
-                            group,
-                            grid,
-                            THREADS,
-                        )?
-                    },
-                }
-                mark(1, kernel_stream)?;
-                h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
-                copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                mark(2, copy_stream)?;
-                // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
-                // registered arena slots.
-                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-                mark(3, copy_stream)?;
-                h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
+        let (staging, n, group, grid) = (k.staging, k.n, k.group, k.grid);
+        // The thread saw `free` complete before it planned the batch.
+        mark(0, kernel_stream)?;
+        // The gather reads its table straight from the mapped pinned host copy (at its
+        // host address under unified addressing), never uploaded: an upload is a
+        // host-to-device copy, and beside a load it queues behind the load's data on
+        // the host-to-device copy engine, so a save beside a load advanced one batch
+        // per load batch (both at half rate; measured with `perf dma --duplex`).
+        // A block-form batch's ids are read in place the same way.
+        match k.work {
+            // SAFETY: the block ids and the part table name engine parts
+            // (submit_blocks' contract); staging and the host table as below.
+            Work::Blocks(l) => unsafe {
+                launch_blocks(block_kernel, kernel_stream, l, h.descs_host.addr(), staging)?
+            },
+            // SAFETY: as the block gather; the row sums go to the job's scratch rows,
+            // which its checksum submission holds (`SummedSave`) until its fold.
+            Work::Summed(l, g, first) => unsafe {
+                let l = BlockLaunch { blocks: h.descs_host.addr(), staging, ..l };
+                let grid = CopyKernel::grid(l.count, l.group, THREADS, MAX_GRID);
+                ffi::launch_summed(kernel_stream, l, &g, first, (grid, THREADS))?
+            },
+            // SAFETY: descriptors name engine pieces (submit's contract) and this
+            // part's staging, free since `free` was seen passed; the host table stays
+            // untouched until `free`, recorded after this batch's copy, has passed.
+            Work::Segments { .. } => unsafe {
+                self.segment_kernel()?.launch(
+                    kernel_stream,
+                    h.descs_host.addr(),
+                    n,
+                    group,
+                    grid,
+                    THREADS,
+                )?
+            },
+        }
+        mark(1, kernel_stream)?;
+        h.filled.record(kernel_stream).map_err(drv("cuEventRecord"))?;
+        copy_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+        mark(2, copy_stream)?;
+        // SAFETY: staging filled (waited on `filled`); host ranges are the caller's
+        // registered arena slots.
+        unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+        mark(3, copy_stream)?;
+        h.free.record(copy_stream).map_err(drv("cuEventRecord"))?;
+        Ok(())
+    }
+
+    /// A load's batch, planned into part `k.part` with its table and host runs in `dsts`,
+    /// `srcs` and `sizes`: the copy from the host on the copy stream, then the scatter on the
+    /// kernel stream.
+    fn enqueue_copy_then_scatter(
+        &mut self,
+        k: &BatchKernel,
+        timed: Option<&[CudaEvent; 4]>,
+    ) -> Result<(), DmaError> {
+        let mark = |i: usize, stream: &CudaStream| mark_batch(timed, i, stream);
+        let h = &self.parts[k.part];
+        let (kernel_stream, copy_stream) = (&self.kernel_stream, &self.copy_stream);
+        let block_kernel = self.block_kernel.as_ref();
+        let (staging, n, group, grid) = (k.staging, k.n, k.group, k.grid);
+        // The part's staging and device table are free: the scatter that last read
+        // them was seen done before the batch was planned.
+        mark(2, copy_stream)?;
+        // SAFETY: the part is free (waited); the first copy is the part's own pinned
+        // table into its device table, the others host ranges per submit's contract.
+        unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
+        mark(3, copy_stream)?;
+        h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
+        kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
+        mark(0, kernel_stream)?;
+        let table = h.descs_dev.ptr();
+        match (k.work, k.uniform, &self.scatter_uniform) {
+            // SAFETY: staging filled (waited); the device table holds the batch's
+            // block ids, the part table names engine parts (submit_blocks' contract).
+            // Loads are never summed (`submit_blocks` keeps the fused form to saves).
+            (Work::Blocks(l) | Work::Summed(l, ..), _, _) => unsafe {
+                launch_blocks(block_kernel, kernel_stream, l, table, staging)?
+            },
+            (_, Some(len), Some(u)) => {
+                // SAFETY: staging filled (waited); the table holds the `n` segments'
+                // engine addresses, each `len` bytes at staging + d * len (uniform).
+                unsafe { u.launch(kernel_stream, table, n, staging, len, k.uniform_grid, THREADS)? }
             }
-            Direction::Load => {
-                // The part's staging and device table are free: the scatter that last read
-                // them was seen done before the batch was planned.
-                mark(2, copy_stream)?;
-                // SAFETY: the part is free (waited); the first copy is the part's own pinned
-                // table into its device table, the others host ranges per submit's contract.
-                unsafe { copy_runs(&mut self.dsts, &mut self.srcs, &mut self.sizes, copy_stream)? };
-                mark(3, copy_stream)?;
-                h.filled.record(copy_stream).map_err(drv("cuEventRecord"))?;
-                kernel_stream.wait(&h.filled).map_err(drv("cuStreamWaitEvent"))?;
-                mark(0, kernel_stream)?;
-                let table = h.descs_dev.ptr();
-                match (work, uniform, &self.scatter_uniform) {
-                    // SAFETY: staging filled (waited); the device table holds the batch's
-                    // block ids, the part table names engine parts (submit_blocks' contract).
-                    // Loads are never summed (`submit_blocks` keeps the fused form to saves).
-                    (Work::Blocks(l) | Work::Summed(l, ..), _, _) => unsafe {
-                        launch_blocks(block_kernel, kernel_stream, l, table, staging)?
-                    },
-                    (_, Some(len), Some(k)) => {
-                        // SAFETY: staging filled (waited); the table holds the `n` segments'
-                        // engine addresses, each `len` bytes at staging + d * len (uniform).
-                        unsafe {
-                            k.launch(kernel_stream, table, n, staging, len, uniform_grid, THREADS)?
-                        }
-                    }
-                    _ => {
-                        // SAFETY: staging filled (waited); the table holds the `n` segment
-                        // descriptors, destinations engine pieces.
-                        unsafe { kernel()?.launch(kernel_stream, table, n, group, grid, THREADS)? }
-                    }
+            _ => {
+                // SAFETY: staging filled (waited); the table holds the `n` segment
+                // descriptors, destinations engine pieces.
+                unsafe {
+                    self.segment_kernel()?.launch(kernel_stream, table, n, group, grid, THREADS)?
                 }
-                mark(1, kernel_stream)?;
-                h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
             }
         }
-        if let (Some(events), Some((_, batches))) = (timed, &mut self.timeline) {
-            batches.push(BatchEvents { bytes: b.bytes, runs: b.runs.len(), events });
-        }
+        mark(1, kernel_stream)?;
+        h.free.record(kernel_stream).map_err(drv("cuEventRecord"))?;
         Ok(())
     }
 

@@ -56,6 +56,34 @@ struct Slot {
     summing: Arc<AtomicBool>,
 }
 
+impl Slot {
+    /// Writes the pull's descriptors into the slot's pinned `pull_descs` (grown as needed):
+    /// `pull_count` pieces of `PULL_PIECE` bytes, from its pinned tables to its device tables,
+    /// `table_len` bytes in all.
+    fn write_pull_descs(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        table_len: usize,
+        pull_count: usize,
+    ) -> Result<(), DmaError> {
+        if self.pull_descs.len() < pull_count * KernelDesc::BYTES {
+            self.pull_descs =
+                PinnedHost::new(ctx, (pull_count * KernelDesc::BYTES).next_power_of_two())?;
+        }
+        let descs = self.pull_descs.bytes_mut();
+        for (i, out) in descs.chunks_exact_mut(KernelDesc::BYTES).take(pull_count).enumerate() {
+            let at = i * PULL_PIECE;
+            KernelDesc {
+                src: self.tables_host.addr() + at as u64,
+                dst: self.tables.ptr() + at as u64,
+                len: (table_len - at).min(PULL_PIECE) as u64,
+            }
+            .write_to(out);
+        }
+        Ok(())
+    }
+}
+
 /// The tables of one submission: chunks, the bytes the host writes (the pull brings them
 /// over, or for a block-form save the expansion reads them in place), the bytes the tables
 /// take on the device, and for a block-form save the expansion that writes them there.
@@ -64,6 +92,16 @@ struct Shape {
     host_len: usize,
     device_len: usize,
     expand: Option<ExpandLaunch>,
+}
+
+/// A submission's launches ([`ChunkHasher::enqueue_checksums`]): the checksum kernels', the
+/// expansion of a block-form save's records, and the pull of `pull_count` pieces (0 for a
+/// block-form save) of the `table_len` bytes of host tables.
+struct TablesLaunch {
+    checksum: ChecksumLaunch,
+    expand: Option<ExpandLaunch>,
+    pull_count: usize,
+    table_len: usize,
 }
 
 /// A fused-form save's checksums in the making ([`ChunkHasher::begin_summed`]): the slot whose
@@ -740,46 +778,15 @@ impl ChunkHasher {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let index = self.free_slot()?;
         let results = self.pinned_results(n * 8)?;
-        let slot = &mut self.slots[index];
         self.next = (self.next + 1) % SLOTS;
-        // The slot's tables and scratch are free once its last use finished.
-        super::wait_for(&slot.done, &mut self.times.waited)?;
-        if slot.tables_host.len() < table_len {
-            slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
-        }
-        // Built straight into the slot's pinned tables, in one pass over the pieces.
-        let t = std::time::Instant::now();
-        let image = write(&mut slot.tables_host.bytes_mut()[..table_len]);
-        self.times.planned += t.elapsed();
-        let (segs_offset, row_segs_offset, rows) = image?;
-        at_least(&self.ctx, &mut slot.tables, shape.device_len)?;
-        scratch_at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
-        let counters_len = n * COUNTERS_PER_CHUNK * 4;
-        if slot.counters.len() < counters_len {
-            slot.counters =
-                DeviceBuffer::zeroed_on(&self.ctx, counters_len.next_power_of_two(), &slot.stream)?;
-        }
+        let (segs_offset, row_segs_offset, rows) = self.write_slot_tables(index, &shape, write)?;
         // A block-form save's records are written on the device (no tables to bring over).
         let pull_count = if shape.expand.is_some() { 0 } else { table_len.div_ceil(PULL_PIECE) };
         if self.pull.is_some() && pull_count > 0 {
-            if slot.pull_descs.len() < pull_count * KernelDesc::BYTES {
-                slot.pull_descs = PinnedHost::new(
-                    &self.ctx,
-                    (pull_count * KernelDesc::BYTES).next_power_of_two(),
-                )?;
-            }
-            let descs = slot.pull_descs.bytes_mut();
-            for (i, out) in descs.chunks_exact_mut(KernelDesc::BYTES).take(pull_count).enumerate() {
-                let at = i * PULL_PIECE;
-                KernelDesc {
-                    src: slot.tables_host.addr() + at as u64,
-                    dst: slot.tables.ptr() + at as u64,
-                    len: (table_len - at).min(PULL_PIECE) as u64,
-                }
-                .write_to(out);
-            }
+            self.slots[index].write_pull_descs(&self.ctx, table_len, pull_count)?;
         }
         let event = self.ctx.new_event(None).map_err(drv("cuEventCreate"))?;
+        let slot = &self.slots[index];
         let stream = &slot.stream;
         let chunks_at = slot.tables.ptr();
         let launch = ChecksumLaunch {
@@ -797,53 +804,12 @@ impl ChunkHasher {
             row_segs: chunks_at + row_segs_offset as u64,
             ..e
         });
-        let kernels = &self.kernels;
-        let pull = self.pull.as_ref();
-        let enqueue = || -> Result<(), DmaError> {
-            match (&expand, pull) {
-                // The expansion reads the ids where they were written (mapped pinned memory,
-                // 8 bytes per block) and writes every record on the device.
-                // SAFETY: the pinned ids and the device tables belong to the slot, free
-                // (waited on `done` above) until `done` is recorded below; the bases are the
-                // job's memory (the caller's contract).
-                (Some(e), _) => unsafe { kernels.launch_expand(stream, e)? },
-                // The tables come over by the copy kernel, its warps reading the mapped pinned
-                // tables (and their own descriptors) in place. A copy would be a host-to-device
-                // copy, which beside a load queues behind the load's data on the copy engine,
-                // and the save's checksums (so the save) would wait a whole load batch.
-                // SAFETY: the pinned tables and descriptors and the device tables belong to
-                // the slot, free (waited on `done` above) until `done` is recorded below.
-                (None, Some(k)) => unsafe {
-                    // A warp per piece: the reads cross PCIe, and many in flight is what
-                    // brings the tables over quickly.
-                    let grid = CopyKernel::grid(pull_count as u32, 1, 256, u32::MAX);
-                    k.launch(stream, slot.pull_descs.addr(), pull_count as u32, 1, grid, 256)?;
-                },
-                // SAFETY: the same tables as the pull's (the slot's pinned descriptors, written,
-                // and its device tables, free until `done`), uploaded by a copy instead.
-                (None, None) => unsafe {
-                    ffi::copy_async(
-                        Way::HostToDevice,
-                        chunks_at,
-                        slot.tables_host.addr(),
-                        table_len,
-                        stream,
-                    )?;
-                },
-            }
-            // The fold kernel writes the checksums straight into the pinned results (host memory
-            // is mapped at the same address under unified addressing): a copy back would queue
-            // behind the saves' data on the device-to-host copy engine and hold the slot until
-            // a whole staging batch had crossed.
-            // SAFETY: tables uploaded earlier on this stream; scratch and counters are the
-            // slot's (the counters zero: zeroed on this stream at allocation, and put back by
-            // every fold, the slot's last one finished); `results` is pinned, owned by the
-            // ticket until its event completes; the pieces' memory is the caller's contract.
-            unsafe { kernels.launch(stream, &launch)? };
-            slot.done.record(stream).map_err(drv("cuEventRecord"))?;
-            event.record(stream).map_err(drv("cuEventRecord"))
-        };
-        if let Err(e) = enqueue() {
+        let tables = TablesLaunch { checksum: launch, expand, pull_count, table_len };
+        // SAFETY: the slot's tables were written and its buffers are free (waited on `done` in
+        // `write_slot_tables`); `results` is pinned, owned by the ticket below (or forgotten);
+        // the device memory the tables name is the caller's contract.
+        let enqueued = unsafe { self.enqueue_checksums(slot, &tables, &event) };
+        if let Err(e) = enqueued {
             // Whatever was queued may still read the slot and write `results`: let it finish
             // before they are reused or freed.
             if let Err(sync) = stream.synchronize() {
@@ -859,6 +825,94 @@ impl ChunkHasher {
             pool: Arc::clone(&self.pool),
             _memory: None,
         }))
+    }
+
+    /// Waits for slot `index`'s last use, then builds a submission's tables of `shape` into
+    /// its pinned buffer (`write`, see [`ChunkHasher::submit_tables`]) and makes room in its
+    /// device tables, scratch rows and counters. Returns what `write` said.
+    fn write_slot_tables(
+        &mut self,
+        index: usize,
+        shape: &Shape,
+        write: impl FnOnce(&mut [u8]) -> Result<(usize, usize, u64), DmaError>,
+    ) -> Result<(usize, usize, u64), DmaError> {
+        let table_len = shape.host_len;
+        let slot = &mut self.slots[index];
+        // The slot's tables and scratch are free once its last use finished.
+        super::wait_for(&slot.done, &mut self.times.waited)?;
+        if slot.tables_host.len() < table_len {
+            slot.tables_host = PinnedHost::new(&self.ctx, table_len.next_power_of_two())?;
+        }
+        // Built straight into the slot's pinned tables, in one pass over the pieces.
+        let t = std::time::Instant::now();
+        let image = write(&mut slot.tables_host.bytes_mut()[..table_len]);
+        self.times.planned += t.elapsed();
+        let (segs_offset, row_segs_offset, rows) = image?;
+        at_least(&self.ctx, &mut slot.tables, shape.device_len)?;
+        scratch_at_least(&self.ctx, &mut slot.scratch, (rows * ROW_BYTES) as usize)?;
+        counters_for(&self.ctx, slot, shape.chunks)?;
+        Ok((segs_offset, row_segs_offset, rows))
+    }
+
+    /// Enqueues a submission on `slot`'s stream: its tables brought to the device (by the
+    /// expansion, the pull or a copy), the checksum kernels, then `done` and `event`.
+    ///
+    /// # Safety
+    /// As [`ChunkHasher::submit`], for the device memory the tables name; the slot's pinned
+    /// tables (and pull descriptors) written, its buffers free until `done` is recorded here,
+    /// and the results `tables.checksum` names pinned and kept until `event` completes.
+    unsafe fn enqueue_checksums(
+        &self,
+        slot: &Slot,
+        tables: &TablesLaunch,
+        event: &CudaEvent,
+    ) -> Result<(), DmaError> {
+        let (kernels, pull, stream) = (&self.kernels, self.pull.as_ref(), &slot.stream);
+        let (pull_count, table_len) = (tables.pull_count, tables.table_len);
+        let chunks_at = slot.tables.ptr();
+        match (&tables.expand, pull) {
+            // The expansion reads the ids where they were written (mapped pinned memory,
+            // 8 bytes per block) and writes every record on the device.
+            // SAFETY: the pinned ids and the device tables belong to the slot, free
+            // (waited on `done` before the call) until `done` is recorded below; the bases are
+            // the job's memory (the caller's contract).
+            (Some(e), _) => unsafe { kernels.launch_expand(stream, e)? },
+            // The tables come over by the copy kernel, its warps reading the mapped pinned
+            // tables (and their own descriptors) in place. A copy would be a host-to-device
+            // copy, which beside a load queues behind the load's data on the copy engine,
+            // and the save's checksums (so the save) would wait a whole load batch.
+            // SAFETY: the pinned tables and descriptors and the device tables belong to
+            // the slot, free (waited on `done` before the call) until `done` is recorded below.
+            (None, Some(k)) => unsafe {
+                // A warp per piece: the reads cross PCIe, and many in flight is what
+                // brings the tables over quickly.
+                let grid = CopyKernel::grid(pull_count as u32, 1, 256, u32::MAX);
+                k.launch(stream, slot.pull_descs.addr(), pull_count as u32, 1, grid, 256)?;
+            },
+            // SAFETY: the same tables as the pull's (the slot's pinned descriptors, written,
+            // and its device tables, free until `done`), uploaded by a copy instead.
+            (None, None) => unsafe {
+                ffi::copy_async(
+                    Way::HostToDevice,
+                    chunks_at,
+                    slot.tables_host.addr(),
+                    table_len,
+                    stream,
+                )?;
+            },
+        }
+        // The fold kernel writes the checksums straight into the pinned results (host memory
+        // is mapped at the same address under unified addressing): a copy back would queue
+        // behind the saves' data on the device-to-host copy engine and hold the slot until
+        // a whole staging batch had crossed.
+        // SAFETY: tables uploaded earlier on this stream; scratch and counters are the
+        // slot's (the counters zero: zeroed on this stream at allocation, and put back by
+        // every fold, the slot's last one finished); the results (`tables.checksum.out`) are
+        // pinned, owned by the ticket until its event completes; the pieces' memory is the
+        // caller's contract.
+        unsafe { kernels.launch(stream, &tables.checksum)? };
+        slot.done.record(stream).map_err(drv("cuEventRecord"))?;
+        event.record(stream).map_err(drv("cuEventRecord"))
     }
 
     /// A pinned buffer of at least `len` bytes from the pool, or a new one.
