@@ -15,7 +15,7 @@ use orbitkv_gpu::dma::{
     EngineMemory, JobShape, SaveSums, Strategy, Transfer, BATCHED_FROM, JOB_BYTES,
     SUMMED_UNFINISHED,
 };
-use orbitkv_gpu::{HostRegistration, KvLayout, LayoutDesc, Probe};
+use orbitkv_gpu::{DeviceInfo, HostRegistration, KvLayout, LayoutDesc, Probe};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -1412,14 +1412,21 @@ fn bench(a: &DmaArgs, ctx: &Arc<CudaContext>, layout: LayoutDesc) -> Result<(Ben
     Ok((bench, register_ms))
 }
 
-pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
-    let (layout, layout_name) = layout_of(a)?;
-    check_args(a)?;
-    let barrier = a
-        .barrier
-        .as_deref()
-        .map(|dir| crate::barrier::Barrier::new(dir, a.tp_rank, a.tp_world_size, BARRIER_TIMEOUT))
-        .transpose()?;
+/// What a run's series measured, local or through the server: the rows of the report and the
+/// optional sections, with the bytes that differed across all of them.
+#[derive(Default)]
+struct Measured {
+    results: Vec<DirectionResult>,
+    mismatched: u64,
+    server: Option<crate::dma_server::ServedResult>,
+    interference: Option<InterferenceResult>,
+    checksums: Option<ChecksumResult>,
+    engine_copies: Option<crate::dma_engine_copies::EngineCopiesResult>,
+    duplex: Option<LocalDuplex>,
+}
+
+/// The device `--device` names, and a CUDA context on it.
+fn open_device(a: &DmaArgs) -> Result<(DeviceInfo, Arc<CudaContext>), Error> {
     let devices = match orbitkv_gpu::probe() {
         Probe::Absent { reason } => return Err(Error::Gpu(format!("no CUDA device: {reason}"))),
         Probe::Present { devices } => devices,
@@ -1433,140 +1440,24 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         })?;
     let ctx: Arc<CudaContext> =
         CudaContext::new(a.device).map_err(cuda("creating the CUDA context"))?;
+    Ok((info, ctx))
+}
+
+pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
+    let (layout, layout_name) = layout_of(a)?;
+    check_args(a)?;
+    let barrier = a
+        .barrier
+        .as_deref()
+        .map(|dir| crate::barrier::Barrier::new(dir, a.tp_rank, a.tp_world_size, BARRIER_TIMEOUT))
+        .transpose()?;
+    let (info, ctx) = open_device(a)?;
     let (mut bench, register_ms) = bench(a, &ctx, layout)?;
-    let mut results = Vec::new();
-    let mut mismatched = 0;
-    let mut server = None;
-    let mut interference = None;
-    let mut checksums = None;
-    let mut engine_copies = None;
-    let mut duplex = None;
-    if a.socket.is_some() {
-        // The group's ranks measure their ceilings together: the links they share are part
-        // of what they can reach together.
-        if let Some(b) = &barrier {
-            b.wait("ceiling")?;
-        }
-        let save_ceiling = bench.ceiling(Direction::Save)?;
-        let load_ceiling = bench.ceiling(Direction::Load)?;
-        let duplex_ceiling = if a.duplex { Some(bench.duplex_ceiling(&ctx, a)?) } else { None };
-        let shape = a.interference.then(|| bench.engine_side_shape(a));
-        let engine = crate::dma_server::Engine {
-            memory: &bench.memory,
-            originals: &bench.originals,
-            chunks: bench.chunks.iter().map(|(_, b)| b.clone()).collect(),
-            chunk_len: bench.chunk_len,
-            device_uuid: &info.uuid,
-        };
-        // The ceiling's copy around each timed save and load, alone on the links only when
-        // this process is the server's one engine rank.
-        let (buffer, host) = (&bench.contiguous, &bench.host);
-        let (at, len) = (bench.slice_at + bench.ceiling_at, bench.bytes);
-        let copies = &mut bench.engine;
-        let mut copy = |d: Direction| -> Result<f64, Error> {
-            let t = Instant::now();
-            let copy = copies.start_contiguous(d, (buffer, 0), host, at, len);
-            copy.and_then(Transfer::finish).map_err(dma)?;
-            Ok(gbps(len, t.elapsed().as_secs_f64()))
-        };
-        let ceiling: Option<crate::dma_server::CeilingCopy<'_>> =
-            if barrier.is_none() { Some(&mut copy) } else { None };
-        let (mut served, beside) =
-            crate::dma_server::run(a, &engine, barrier.as_ref(), duplex_ceiling, shape, ceiling)?;
-        interference = beside;
-        if a.engine_copies {
-            engine_copies = Some(crate::dma_engine_copies::run(
-                a,
-                &engine,
-                &mut bench.engine,
-                (save_ceiling, load_ceiling),
-            )?);
-        }
-        // The ceilings again after the series, the better of the two counting (as in the
-        // local series): a ceiling measured while something else briefly used the bus made
-        // ratios over 1 (a load ceiling of 44 GB/s against 55 in the rest of a run).
-        if let Some(b) = &barrier {
-            b.wait("ceiling-after")?;
-        }
-        let save_ceiling = save_ceiling.max(bench.ceiling(Direction::Save)?);
-        let load_ceiling = load_ceiling.max(bench.ceiling(Direction::Load)?);
-        if let Some(c) = &mut engine_copies {
-            c.save_ratio = ratio(c.save_gbps, save_ceiling);
-            c.load_ratio = ratio(c.load_gbps, load_ceiling);
-        }
-        if let Some(d) = &mut served.duplex {
-            d.ceiling_gbps = d.ceiling_gbps.max(bench.duplex_ceiling(&ctx, a)?);
-            d.ratio = ratio(d.gbps, d.ceiling_gbps);
-        }
-        let bytes = bench.bytes;
-        let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
-        let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {
-            strategy: "server",
-            staged,
-            blocks: None,
-            gbps,
-            best_gbps: gbps,
-            ratio: ratio(gbps, ceiling),
-            batches: 0,
-            mismatched_bytes: m,
-            timeline: None,
-        };
-        results.push(DirectionResult {
-            direction: Direction::Save,
-            ceiling_gbps: save_ceiling,
-            strategies: vec![row(served.save_gbps, save_ceiling, served.save_mismatched_bytes)],
-        });
-        results.push(DirectionResult {
-            direction: Direction::Load,
-            ceiling_gbps: load_ceiling,
-            strategies: vec![row(served.load_gbps, load_ceiling, served.load_mismatched_bytes)],
-        });
-        mismatched = served.save_mismatched_bytes + served.load_mismatched_bytes;
-        server = Some(served);
+    let measured = if a.socket.is_some() {
+        run_served(a, &mut bench, &ctx, &info, barrier.as_ref())?
     } else {
-        let strategies: Vec<(&'static str, Strategy)> = match a.strategy {
-            StrategyArg::Auto => vec![("auto", Strategy::Auto)],
-            StrategyArg::Staged => vec![("staged", Strategy::Staged)],
-            StrategyArg::Batched => vec![("batched", Strategy::Batched)],
-            StrategyArg::All => vec![
-                ("auto", Strategy::Auto),
-                ("staged", Strategy::Staged),
-                ("batched", Strategy::Batched),
-            ],
-        };
-        // Save first: the load series then starts from arena slots that hold the right bytes.
-        for direction in [Direction::Save, Direction::Load] {
-            let before = bench.ceiling(direction)?;
-            let mut rows = Vec::new();
-            for &(name, s) in &strategies {
-                rows.push(bench.series(direction, name, s)?);
-            }
-            let after = bench.ceiling(direction)?;
-            let ceiling = before.max(after);
-            for r in &mut rows {
-                r.ratio = ratio(r.gbps, ceiling);
-                mismatched += r.mismatched_bytes;
-            }
-            results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
-        }
-        let save_ceiling = results[0].ceiling_gbps;
-        checksums = bench.checksums(save_ceiling)?;
-        mismatched += checksums.as_ref().map_or(0, |c| c.mismatches);
-        if a.duplex {
-            let ceiling = bench.duplex_ceiling(&ctx, a)?;
-            let mut other =
-                CopyEngine::new(&ctx, a.staging as usize, staging_depth(a), BATCHED_FROM)
-                    .map_err(dma)?;
-            let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
-            mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
-            duplex = Some(d);
-        }
-        if a.interference {
-            interference = Some(bench.interference(a, &strategies)?);
-            // The loads under the matmul rewrote the tensors: check them once more.
-            mismatched += bench.verify(Direction::Load)?;
-        }
-    }
+        run_local(a, &mut bench, &ctx)?
+    };
     let (pieces, bytes) = (bench.pieces.len(), bench.bytes);
     // The copy engines and every transfer are done; the registration goes with the bench.
     drop(bench);
@@ -1594,14 +1485,178 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         server_jobs: a.server_jobs,
         iterations: a.iterations,
         register_ms,
-        results,
-        mismatched_bytes: mismatched,
-        server,
-        interference,
-        checksums,
-        engine_copies,
-        duplex,
+        results: measured.results,
+        mismatched_bytes: measured.mismatched,
+        server: measured.server,
+        interference: measured.interference,
+        checksums: measured.checksums,
+        engine_copies: measured.engine_copies,
+        duplex: measured.duplex,
     })
+}
+
+/// The run through the server (`--socket`): the ceilings, the served series (and the
+/// engine-side copies with `--engine-copies`), the ceilings again, and the `server` rows.
+fn run_served(
+    a: &DmaArgs,
+    bench: &mut Bench,
+    ctx: &Arc<CudaContext>,
+    info: &DeviceInfo,
+    barrier: Option<&crate::barrier::Barrier>,
+) -> Result<Measured, Error> {
+    // The group's ranks measure their ceilings together: the links they share are part
+    // of what they can reach together.
+    if let Some(b) = barrier {
+        b.wait("ceiling")?;
+    }
+    let save_ceiling = bench.ceiling(Direction::Save)?;
+    let load_ceiling = bench.ceiling(Direction::Load)?;
+    let duplex_ceiling = if a.duplex { Some(bench.duplex_ceiling(ctx, a)?) } else { None };
+    let shape = a.interference.then(|| bench.engine_side_shape(a));
+    let engine = crate::dma_server::Engine {
+        memory: &bench.memory,
+        originals: &bench.originals,
+        chunks: bench.chunks.iter().map(|(_, b)| b.clone()).collect(),
+        chunk_len: bench.chunk_len,
+        device_uuid: &info.uuid,
+    };
+    // The ceiling's copy around each timed save and load, alone on the links only when
+    // this process is the server's one engine rank.
+    let (buffer, host) = (&bench.contiguous, &bench.host);
+    let (at, len) = (bench.slice_at + bench.ceiling_at, bench.bytes);
+    let copies = &mut bench.engine;
+    let mut copy = |d: Direction| -> Result<f64, Error> {
+        let t = Instant::now();
+        let copy = copies.start_contiguous(d, (buffer, 0), host, at, len);
+        copy.and_then(Transfer::finish).map_err(dma)?;
+        Ok(gbps(len, t.elapsed().as_secs_f64()))
+    };
+    let ceiling: Option<crate::dma_server::CeilingCopy<'_>> =
+        if barrier.is_none() { Some(&mut copy) } else { None };
+    let (mut served, interference) =
+        crate::dma_server::run(a, &engine, barrier, duplex_ceiling, shape, ceiling)?;
+    let mut engine_copies = None;
+    if a.engine_copies {
+        engine_copies = Some(crate::dma_engine_copies::run(
+            a,
+            &engine,
+            &mut bench.engine,
+            (save_ceiling, load_ceiling),
+        )?);
+    }
+    // The ceilings again after the series, the better of the two counting (as in the
+    // local series): a ceiling measured while something else briefly used the bus made
+    // ratios over 1 (a load ceiling of 44 GB/s against 55 in the rest of a run).
+    if let Some(b) = barrier {
+        b.wait("ceiling-after")?;
+    }
+    let save_ceiling = save_ceiling.max(bench.ceiling(Direction::Save)?);
+    let load_ceiling = load_ceiling.max(bench.ceiling(Direction::Load)?);
+    if let Some(c) = &mut engine_copies {
+        c.save_ratio = ratio(c.save_gbps, save_ceiling);
+        c.load_ratio = ratio(c.load_gbps, load_ceiling);
+    }
+    if let Some(d) = &mut served.duplex {
+        d.ceiling_gbps = d.ceiling_gbps.max(bench.duplex_ceiling(ctx, a)?);
+        d.ratio = ratio(d.gbps, d.ceiling_gbps);
+    }
+    let results = served_rows(bench, &served, save_ceiling, load_ceiling);
+    let mismatched = served.save_mismatched_bytes + served.load_mismatched_bytes;
+    Ok(Measured {
+        results,
+        mismatched,
+        server: Some(served),
+        interference,
+        engine_copies,
+        ..Measured::default()
+    })
+}
+
+/// The `server` row of each direction, against the ceilings measured around the series.
+fn served_rows(
+    bench: &Bench,
+    served: &crate::dma_server::ServedResult,
+    save_ceiling: f64,
+    load_ceiling: f64,
+) -> Vec<DirectionResult> {
+    let bytes = bench.bytes;
+    let staged = bench.pieces.is_empty() || bytes / (bench.pieces.len() as u64) < BATCHED_FROM;
+    let row = |gbps: f64, ceiling: f64, m: u64| StrategyResult {
+        strategy: "server",
+        staged,
+        blocks: None,
+        gbps,
+        best_gbps: gbps,
+        ratio: ratio(gbps, ceiling),
+        batches: 0,
+        mismatched_bytes: m,
+        timeline: None,
+    };
+    vec![
+        DirectionResult {
+            direction: Direction::Save,
+            ceiling_gbps: save_ceiling,
+            strategies: vec![row(served.save_gbps, save_ceiling, served.save_mismatched_bytes)],
+        },
+        DirectionResult {
+            direction: Direction::Load,
+            ceiling_gbps: load_ceiling,
+            strategies: vec![row(served.load_gbps, load_ceiling, served.load_mismatched_bytes)],
+        },
+    ]
+}
+
+/// The strategies `--strategy` names, each with its name in the report.
+fn strategies_of(a: &DmaArgs) -> Vec<(&'static str, Strategy)> {
+    match a.strategy {
+        StrategyArg::Auto => vec![("auto", Strategy::Auto)],
+        StrategyArg::Staged => vec![("staged", Strategy::Staged)],
+        StrategyArg::Batched => vec![("batched", Strategy::Batched)],
+        StrategyArg::All => vec![
+            ("auto", Strategy::Auto),
+            ("staged", Strategy::Staged),
+            ("batched", Strategy::Batched),
+        ],
+    }
+}
+
+/// The local run: each strategy's series each way between its ceilings, the checksums, and
+/// with `--duplex` and `--interference` their series.
+fn run_local(a: &DmaArgs, bench: &mut Bench, ctx: &Arc<CudaContext>) -> Result<Measured, Error> {
+    let mut m = Measured::default();
+    let strategies = strategies_of(a);
+    // Save first: the load series then starts from arena slots that hold the right bytes.
+    for direction in [Direction::Save, Direction::Load] {
+        let before = bench.ceiling(direction)?;
+        let mut rows = Vec::new();
+        for &(name, s) in &strategies {
+            rows.push(bench.series(direction, name, s)?);
+        }
+        let after = bench.ceiling(direction)?;
+        let ceiling = before.max(after);
+        for r in &mut rows {
+            r.ratio = ratio(r.gbps, ceiling);
+            m.mismatched += r.mismatched_bytes;
+        }
+        m.results.push(DirectionResult { direction, ceiling_gbps: ceiling, strategies: rows });
+    }
+    let save_ceiling = m.results[0].ceiling_gbps;
+    m.checksums = bench.checksums(save_ceiling)?;
+    m.mismatched += m.checksums.as_ref().map_or(0, |c| c.mismatches);
+    if a.duplex {
+        let ceiling = bench.duplex_ceiling(ctx, a)?;
+        let mut other = CopyEngine::new(ctx, a.staging as usize, staging_depth(a), BATCHED_FROM)
+            .map_err(dma)?;
+        let d = bench.local_duplex(&mut other, ceiling, &strategies)?;
+        m.mismatched += d.rows.iter().filter_map(|r| r.mismatched_bytes).sum::<u64>();
+        m.duplex = Some(d);
+    }
+    if a.interference {
+        m.interference = Some(bench.interference(a, &strategies)?);
+        // The loads under the matmul rewrote the tensors: check them once more.
+        m.mismatched += bench.verify(Direction::Load)?;
+    }
+    Ok(m)
 }
 
 #[cfg(test)]

@@ -535,111 +535,42 @@ pub(crate) fn run(
 ) -> Result<(ServedResult, Option<InterferenceResult>), Error> {
     let meet = |phase: &str| barrier.map_or(Ok(()), |b| b.wait(phase));
     let socket = a.socket.as_ref().expect("server mode has a socket");
-    let layout = *e.memory.layout();
-    let mut client = Client::connect(ClientOptions {
-        name: "orbitkv-perf-dma".into(),
-        request_timeout: Duration::from_secs(120),
-        ..ClientOptions::with_socket(socket)
-    })
-    .map_err(client_err("connect"))?;
-    let per_chunk = e.chunks[0].len() as u32;
-    let descriptor = descriptor(a, &layout, per_chunk);
-    let ns = client.register_namespace(&descriptor).map_err(client_err("register namespace"))?;
-    if ns.max_chunk_bytes < e.chunk_len {
-        return Err(Error::Gpu(format!(
-            "namespace holds {} bytes per chunk, the layout needs {}",
-            ns.max_chunk_bytes, e.chunk_len
-        )));
-    }
-    let exports = e.memory.exports().map_err(|x| Error::Gpu(x.to_string()))?;
-    let tensors: Vec<GpuTensor> = exports
-        .iter()
-        .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
-        .collect();
-    let reg = client
-        .register_gpu(e.device_uuid, spec(&layout), &tensors)
-        .map_err(client_err("register_gpu"))?;
+    let Session { mut client, descriptor, ns, reg } = Session::open(a, e, socket)?;
     // Every rank of a group stores the same prompt's chunks, under its own namespace.
-    let keys_in = |ns: u64| chunk_keys(ns, a.seed, e.chunks.len());
-    let keys = keys_in(ns.id);
+    let keys = chunk_keys(ns, a.seed, e.chunks.len());
     let blocks: Vec<u64> = e.chunks.iter().flatten().copied().collect();
     let bytes = e.chunk_len * keys.len() as u64;
-    let gbps = |t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let mut requests = Requests { client: &mut client, reg: &reg, keys: &keys, blocks: &blocks };
 
-    let mut save_runs = Vec::new();
-    let mut save_failures = 0;
-    // The server's counters over the timed saves.
-    let mut save_sums = Sums::default();
-    let mut save_brackets = Brackets::default();
     meet("save")?;
-    for i in 0..=a.iterations {
-        client.evict(&keys).map_err(client_err("evict"))?;
-        if i == 1 {
-            save_brackets.window(&mut ceiling, Direction::Save)?;
-        }
-        let before = Counters::read(socket, "save");
-        let t = Instant::now();
-        let o = client.save(&reg, &keys, &blocks).map_err(client_err("save"))?;
-        if i > 0 {
-            save_brackets.intervals.push((bytes, t.elapsed()));
-            save_runs.push(gbps(t));
-            save_sums.add(before, Counters::read_after(socket, "save", &before));
-            save_brackets.window(&mut ceiling, Direction::Save)?;
-        }
-        save_failures += not_done(&o);
-    }
+    let mut save = requests.timed(a, socket, Direction::Save, bytes, &mut ceiling)?;
     meet("saved")?;
     // No rank evicts again before the "load" meeting: the group prefix is complete now.
     let group = if barrier.is_some() && a.tp_world_size > 1 {
-        let mut ranks = Vec::with_capacity(a.tp_world_size as usize);
-        for r in 0..a.tp_world_size {
-            let d = NamespaceDescriptor { tp_rank: r, ..descriptor.clone() };
-            let id = client.register_namespace(&d).map_err(client_err("register namespace"))?.id;
-            ranks.push(keys_in(id));
-        }
-        let views: Vec<&[ChunkKey]> = ranks.iter().map(|k| &k[..]).collect();
-        Some(client.lookup_group(&views).map_err(client_err("lookup_group"))?)
+        Some(group_prefix(a, e, requests.client, &descriptor)?)
     } else {
         None
     };
     // Every chunk, read through the mapped arena.
-    let save_mismatched_bytes = saved_mismatches(&mut client, e, &keys, &e.chunks)?;
+    save.mismatched_bytes = saved_mismatches(requests.client, e, &keys, &e.chunks)?;
 
     let junk = vec![0x5au8; e.originals[0].len()];
     for i in 0..e.originals.len() {
         e.memory.write_tensor(i, &junk).map_err(|x| Error::Gpu(x.to_string()))?;
     }
-    let mut load_runs = Vec::new();
-    let mut load_failures = 0;
-    let mut load_sums = Sums::default();
-    let mut load_brackets = Brackets::default();
     meet("load")?;
-    for i in 0..=a.iterations {
-        if i == 1 {
-            load_brackets.window(&mut ceiling, Direction::Load)?;
-        }
-        let before = Counters::read(socket, "load");
-        let t = Instant::now();
-        let o = client.load(&reg, &keys, &blocks).map_err(client_err("load"))?;
-        if i > 0 {
-            load_brackets.intervals.push((bytes, t.elapsed()));
-            load_runs.push(gbps(t));
-            load_sums.add(before, Counters::read_after(socket, "load", &before));
-            load_brackets.window(&mut ceiling, Direction::Load)?;
-        }
-        load_failures += not_done(&o);
-    }
-    let mut load_mismatched_bytes = tensor_mismatches(e)?;
+    let mut load = requests.timed(a, socket, Direction::Load, bytes, &mut ceiling)?;
+    load.mismatched_bytes = tensor_mismatches(e)?;
 
     let interference = match interference {
         Some(shape) => {
             // Each rank's matmul loop beside its own copies, all ranks at once.
             meet("interference")?;
             let (result, failed, counters) =
-                served_interference(a, e, &mut client, &reg, (&keys, &blocks), shape)?;
-            save_failures += failed.0;
-            load_failures += failed.1;
-            load_mismatched_bytes += tensor_mismatches(e)?;
+                served_interference(a, e, requests.client, &reg, (&keys, &blocks), shape)?;
+            save.failures += failed.0;
+            load.failures += failed.1;
+            load.mismatched_bytes += tensor_mismatches(e)?;
             Some((result, counters))
         }
         None => None,
@@ -649,27 +580,176 @@ pub(crate) fn run(
         None => (None, None),
     };
     let duplex = match duplex_ceiling {
-        Some(ceiling) => Some(duplex(a, e, &mut client, &reg, (&keys, &blocks), ceiling)?),
+        Some(ceiling) => Some(duplex(a, e, requests.client, &reg, (&keys, &blocks), ceiling)?),
         None => None,
     };
 
     // The checks below evict and re-register: after every rank's timed loads.
     meet("loaded")?;
     client.unregister_gpu(&reg).map_err(client_err("unregister_gpu"))?;
+    let extras = ServedExtras { group, duplex, beside_matmul };
+    let served = served_result(a, (save, load), bytes, keys.len(), extras);
+    Ok((served, interference))
+}
+
+/// What [`run`] holds with the server: its client, the namespace's descriptor and id, and
+/// the registration of this process's tensors.
+struct Session {
+    client: Client,
+    descriptor: NamespaceDescriptor,
+    ns: u64,
+    reg: orbitkv_client::GpuRegistration,
+}
+
+impl Session {
+    /// Connects to the server on `socket`, registers the run's namespace (checking that it
+    /// holds the layout's chunks) and shares the engine's tensors with the server.
+    fn open(a: &DmaArgs, e: &Engine<'_>, socket: &std::path::Path) -> Result<Self, Error> {
+        let layout = *e.memory.layout();
+        let mut client = Client::connect(ClientOptions {
+            name: "orbitkv-perf-dma".into(),
+            request_timeout: Duration::from_secs(120),
+            ..ClientOptions::with_socket(socket)
+        })
+        .map_err(client_err("connect"))?;
+        let per_chunk = e.chunks[0].len() as u32;
+        let descriptor = descriptor(a, &layout, per_chunk);
+        let ns =
+            client.register_namespace(&descriptor).map_err(client_err("register namespace"))?;
+        if ns.max_chunk_bytes < e.chunk_len {
+            return Err(Error::Gpu(format!(
+                "namespace holds {} bytes per chunk, the layout needs {}",
+                ns.max_chunk_bytes, e.chunk_len
+            )));
+        }
+        let exports = e.memory.exports().map_err(|x| Error::Gpu(x.to_string()))?;
+        let tensors: Vec<GpuTensor> = exports
+            .iter()
+            .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
+            .collect();
+        let reg = client
+            .register_gpu(e.device_uuid, spec(&layout), &tensors)
+            .map_err(client_err("register_gpu"))?;
+        Ok(Self { client, descriptor, ns: ns.id, reg })
+    }
+}
+
+/// The requests of a series through the server: every chunk's key, saved from (or loaded
+/// into) its blocks of the registered tensors.
+struct Requests<'a> {
+    client: &'a mut Client,
+    reg: &'a orbitkv_client::GpuRegistration,
+    keys: &'a [ChunkKey],
+    blocks: &'a [u64],
+}
+
+/// One direction's series through the server: each timed request's GB/s, the chunks not
+/// done, the server's counters over the timed requests, the ceiling's windows around them,
+/// and the bytes found wrong after it.
+#[derive(Default)]
+struct ServedSeries {
+    runs: Vec<f64>,
+    failures: u64,
+    sums: Sums,
+    brackets: Brackets,
+    mismatched_bytes: u64,
+}
+
+impl Requests<'_> {
+    /// One untimed request of every chunk, then `--iterations` timed ones (a save each after
+    /// an evict of every chunk), the ceiling's window before the first timed and after each;
+    /// `bytes` the bytes of one request. The series' `mismatched_bytes` are the caller's.
+    fn timed(
+        &mut self,
+        a: &DmaArgs,
+        socket: &std::path::Path,
+        direction: Direction,
+        bytes: u64,
+        ceiling: &mut Option<CeilingCopy<'_>>,
+    ) -> Result<ServedSeries, Error> {
+        let gbps = |t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let way = match direction {
+            Direction::Save => "save",
+            Direction::Load => "load",
+        };
+        let mut s = ServedSeries::default();
+        for i in 0..=a.iterations {
+            if direction == Direction::Save {
+                self.client.evict(self.keys).map_err(client_err("evict"))?;
+            }
+            if i == 1 {
+                s.brackets.window(ceiling, direction)?;
+            }
+            let before = Counters::read(socket, way);
+            let t = Instant::now();
+            let o = match direction {
+                Direction::Save => self.client.save(self.reg, self.keys, self.blocks),
+                Direction::Load => self.client.load(self.reg, self.keys, self.blocks),
+            }
+            .map_err(client_err(way))?;
+            if i > 0 {
+                s.brackets.intervals.push((bytes, t.elapsed()));
+                s.runs.push(gbps(t));
+                s.sums.add(before, Counters::read_after(socket, way, &before));
+                s.brackets.window(ceiling, direction)?;
+            }
+            s.failures += not_done(&o);
+        }
+        Ok(s)
+    }
+}
+
+/// The group prefix once every rank has saved: each rank's chunks under its own namespace
+/// (`descriptor` with the rank's `tp_rank`), looked up as a group.
+fn group_prefix(
+    a: &DmaArgs,
+    e: &Engine<'_>,
+    client: &mut Client,
+    descriptor: &NamespaceDescriptor,
+) -> Result<orbitkv_client::GroupPrefix, Error> {
+    let mut ranks = Vec::with_capacity(a.tp_world_size as usize);
+    for r in 0..a.tp_world_size {
+        let d = NamespaceDescriptor { tp_rank: r, ..descriptor.clone() };
+        let id = client.register_namespace(&d).map_err(client_err("register namespace"))?.id;
+        ranks.push(chunk_keys(id, a.seed, e.chunks.len()));
+    }
+    let views: Vec<&[ChunkKey]> = ranks.iter().map(|k| &k[..]).collect();
+    client.lookup_group(&views).map_err(client_err("lookup_group"))
+}
+
+/// What a server run may add besides its two series: the group prefix (`--barrier`), the
+/// duplex (`--duplex`) and the server's counters beside the matmul loop (`--interference`).
+struct ServedExtras {
+    group: Option<orbitkv_client::GroupPrefix>,
+    duplex: Option<DuplexResult>,
+    beside_matmul: Option<BesideMatmul>,
+}
+
+/// The report of a server run from its `(save, load)` series (of `bytes` and `chunks` each)
+/// and `extras`.
+fn served_result(
+    a: &DmaArgs,
+    (save, load): (ServedSeries, ServedSeries),
+    bytes: u64,
+    chunks: usize,
+    extras: ServedExtras,
+) -> ServedResult {
+    let ServedExtras { group, duplex, beside_matmul } = extras;
+    let (save_sums, load_sums) = (&save.sums, &load.sums);
     let (save_ceiling_windows_gbps, save_bracketed_ratios, save_ratio_bracketed) =
-        save_brackets.finish();
+        save.brackets.finish();
     let (load_ceiling_windows_gbps, load_bracketed_ratios, load_ratio_bracketed) =
-        load_brackets.finish();
-    let served = ServedResult {
-        save_gbps: median(save_runs),
-        load_gbps: median(load_runs),
-        save_failures,
-        load_failures,
-        save_mismatched_bytes,
-        load_mismatched_bytes,
+        load.brackets.finish();
+    ServedResult {
+        save_gbps: median(save.runs),
+        load_gbps: median(load.runs),
+        save_failures: save.failures,
+        load_failures: load.failures,
+        save_mismatched_bytes: save.mismatched_bytes,
+        load_mismatched_bytes: load.mismatched_bytes,
         tp_rank: a.tp_rank,
         tp_world_size: a.tp_world_size,
-        chunks: keys.len(),
+        chunks,
         group_prefix_chunks: group.as_ref().map(|g| g.chunks),
         group_prefix_per_rank: group.map(|g| g.per_rank),
         duplex,
@@ -702,8 +782,7 @@ pub(crate) fn run(
         load_ceiling_windows_gbps,
         load_bracketed_ratios,
         load_ratio_bracketed,
-    };
-    Ok((served, interference))
+    }
 }
 
 /// Mismatched bytes between the engine's tensors and what they held before any load.
@@ -743,16 +822,59 @@ fn served_interference(
             eprintln!("--interference: no engine-gather rows: {err}");
             None
         });
-    let mut gather_failed = false;
     let mut windows = Windows::default();
-    let mut failed = (0, 0);
-    let mut sums = [Sums::default(), Sums::default()];
-    let mut copied = [0u64, 0];
-    let mut stream_sums = [Sums::default(), Sums::default()];
-    let mut stream_copied = [0u64, 0];
+    let mut beside = ServedBeside {
+        requests: Requests { client, reg, keys, blocks },
+        socket,
+        chunk_len: e.chunk_len,
+        bytes,
+        failed: (0, 0),
+        sums: [Sums::default(), Sums::default()],
+        copied: [0u64, 0],
+        stream_sums: [Sums::default(), Sums::default()],
+        stream_copied: [0u64, 0],
+    };
     for _ in 0..a.interference_rounds {
+        beside.server_rows(&mut windows, &mut matmul)?;
+        beside.streamed_rows(&mut windows, &mut matmul)?;
+        matmul.engine_side_rows(&mut windows)?;
+        beside.engine_gather_rows(&mut windows, &mut matmul, &mut gathered);
+        windows.end_round();
+    }
+    if let Some(g) = gathered {
+        let client = &mut *beside.requests.client;
+        client.unregister_gpu(&g.reg).map_err(client_err("unregister_gpu (engine staging)"))?;
+    }
+    let result = windows.finish(&matmul);
+    Ok((result, beside.failed, beside.counters()))
+}
+
+/// The server's rows beside the matmul loop ([`served_interference`]) and what they add up
+/// over the rounds: the chunks not done (saves, loads), and per way (save, load) the server's
+/// counters with the bytes they cover, for the requests of every chunk and for the streamed
+/// runs.
+struct ServedBeside<'a> {
+    requests: Requests<'a>,
+    socket: &'a std::path::Path,
+    chunk_len: u64,
+    /// Bytes of a request of every chunk.
+    bytes: u64,
+    failed: (u64, u64),
+    sums: [Sums; 2],
+    copied: [u64; 2],
+    stream_sums: [Sums; 2],
+    stream_copied: [u64; 2],
+}
+
+impl ServedBeside<'_> {
+    /// The `server` rows: back-to-back saves (each after an evict), then loads, of every chunk.
+    fn server_rows(&mut self, windows: &mut Windows, matmul: &mut MatmulLoop) -> Result<(), Error> {
+        let (socket, bytes) = (self.socket, self.bytes);
         for (w, way) in ["save", "load"].into_iter().enumerate() {
-            windows.measure(&mut matmul, "server", way, |m| {
+            let r = &mut self.requests;
+            let (client, reg, keys, blocks) = (&mut *r.client, r.reg, r.keys, r.blocks);
+            let (sums, copied, failed) = (&mut self.sums, &mut self.copied, &mut self.failed);
+            windows.measure(matmul, "server", way, |m| {
                 let (rate, runs) = m.during(|| {
                     if way == "save" {
                         client.evict(keys).map_err(client_err("evict"))?;
@@ -779,11 +901,25 @@ fn served_interference(
                 Ok((rate, median(runs.into_iter().map(|r| r.0).collect())))
             })?;
         }
+        Ok(())
+    }
+
+    /// The `server-stream` rows: saves, then loads, streamed (see [`streamed`]).
+    fn streamed_rows(
+        &mut self,
+        windows: &mut Windows,
+        matmul: &mut MatmulLoop,
+    ) -> Result<(), Error> {
+        let (socket, chunk_len) = (self.socket, self.chunk_len);
         for (w, way) in ["save", "load"].into_iter().enumerate() {
-            windows.measure(&mut matmul, "server-stream", way, |m| {
+            let r = &mut self.requests;
+            let (client, reg, keys, blocks) = (&mut *r.client, r.reg, r.keys, r.blocks);
+            let (stream_sums, stream_copied) = (&mut self.stream_sums, &mut self.stream_copied);
+            let failed = &mut self.failed;
+            windows.measure(matmul, "server-stream", way, |m| {
                 let before = Counters::read(socket, way);
                 let (rate, runs) =
-                    m.during(|| streamed(client, reg, (keys, blocks, e.chunk_len), way))?;
+                    m.during(|| streamed(client, reg, (keys, blocks, chunk_len), way))?;
                 stream_sums[w].add(before, Counters::read_after(socket, way, &before));
                 let (moved, not_done, took) =
                     runs.iter().fold((0, 0, 0.0), |t, r| (t.0 + r.0, t.1 + r.1, t.2 + r.2));
@@ -796,10 +932,23 @@ fn served_interference(
                 Ok((rate, moved as f64 / took / 1e9))
             })?;
         }
-        matmul.engine_side_rows(&mut windows)?;
+        Ok(())
+    }
+
+    /// The `engine-gather` rows, when `gathered` is registered: saves, then loads. A failure
+    /// loses these rows only (the staging's registration is dropped, said on stderr), not the
+    /// run's others.
+    fn engine_gather_rows(
+        &mut self,
+        windows: &mut Windows,
+        matmul: &mut MatmulLoop,
+        gathered: &mut Option<Gathered>,
+    ) {
+        let mut gather_failed = false;
         if let Some(g) = gathered.as_mut() {
             for way in ["save", "load"] {
-                let measured = windows.measure(&mut matmul, "engine-gather", way, |m| {
+                let (client, failed) = (&mut *self.requests.client, &mut self.failed);
+                let measured = windows.measure(matmul, "engine-gather", way, |m| {
                     let (rate, gbps, not_done) = engine_gather(m, client, g, way)?;
                     if way == "save" {
                         failed.0 += not_done;
@@ -819,28 +968,29 @@ fn served_interference(
         }
         if gather_failed {
             if let Some(g) = gathered.take() {
-                let _ = client.unregister_gpu(&g.reg);
+                let _ = self.requests.client.unregister_gpu(&g.reg);
             }
         }
-        windows.end_round();
     }
-    if let Some(g) = gathered {
-        client.unregister_gpu(&g.reg).map_err(client_err("unregister_gpu (engine staging)"))?;
+
+    /// The server's counters over the saves and loads of every chunk, and over the streamed
+    /// ones.
+    fn counters(&self) -> BesideMatmul {
+        let [save, load] = &self.sums;
+        let (copied, stream_sums, stream_copied) =
+            (&self.copied, &self.stream_sums, &self.stream_copied);
+        BesideMatmul {
+            save_busy_gbps: busy_gbps(copied[0], save.busy_s),
+            save_submit_us_per_job: save.per_job(save.submit_s * 1e6),
+            save_checksum_wait_us_per_job: save.per_job(save.checksum_wait_s * 1e6),
+            load_busy_gbps: busy_gbps(copied[1], load.busy_s),
+            load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
+            save_timeline: save.timeline(),
+            load_timeline: load.timeline(),
+            stream_save_busy_gbps: busy_gbps(stream_copied[0], stream_sums[0].busy_s),
+            stream_load_busy_gbps: busy_gbps(stream_copied[1], stream_sums[1].busy_s),
+        }
     }
-    let result = windows.finish(&matmul);
-    let [save, load] = sums;
-    let counters = BesideMatmul {
-        save_busy_gbps: busy_gbps(copied[0], save.busy_s),
-        save_submit_us_per_job: save.per_job(save.submit_s * 1e6),
-        save_checksum_wait_us_per_job: save.per_job(save.checksum_wait_s * 1e6),
-        load_busy_gbps: busy_gbps(copied[1], load.busy_s),
-        load_submit_us_per_job: load.per_job(load.submit_s * 1e6),
-        save_timeline: save.timeline(),
-        load_timeline: load.timeline(),
-        stream_save_busy_gbps: busy_gbps(stream_copied[0], stream_sums[0].busy_s),
-        stream_load_busy_gbps: busy_gbps(stream_copied[1], stream_sums[1].busy_s),
-    };
-    Ok((result, failed, counters))
 }
 
 /// The `engine-gather` rows: the matmul loop's process gathers its pages into its staging, as
@@ -956,6 +1106,52 @@ impl Gathered {
         self.loads += 1;
         Some(b)
     }
+
+    /// Starts the transfer of a batch through staging slot `j`: a save (`way`) of a fresh
+    /// batch, or a load of the next saved one. Returns (slot, batch, transfer).
+    fn start(
+        &mut self,
+        client: &mut Client,
+        j: usize,
+        way: &'static str,
+    ) -> Result<(usize, u64, orbitkv_client::Transfer), Error> {
+        let save = way == "save";
+        let (b, t) = if save {
+            let b = self.next;
+            self.next += 1;
+            (b, client.start_save(&self.reg, &self.keys(b), &self.blocks(j)))
+        } else {
+            let b = self.next_load().expect("saved batches");
+            (b, client.start_load(&self.reg, &self.keys(b), &self.blocks(j)))
+        };
+        t.map(|t| (j, b, t)).map_err(client_err(way))
+    }
+
+    /// Batch `b`'s transfer through slot `j` answered `o`: the slot goes back to the matmul
+    /// loop (after a save, the batch is kept for the loads if stored whole). Returns (chunks
+    /// done, chunks not done).
+    fn finish(
+        &mut self,
+        m: &mut MatmulLoop,
+        j: usize,
+        b: u64,
+        o: &[ChunkOutcome],
+        save: bool,
+    ) -> Result<(u64, u64), Error> {
+        if save {
+            // Only a batch stored whole is loaded later.
+            if not_done(o) == 0 {
+                self.saved.push_back(b);
+            }
+            if self.saved.len() > GATHERED_KEPT {
+                self.saved.pop_front();
+            }
+            m.command(&format!("free {j}"))
+        } else {
+            m.command(&format!("loaded {j} {b}"))
+        }
+        .map(|()| (o.len() as u64 - not_done(o), not_done(o)))
+    }
 }
 
 /// (chunks per staging slot, slots) of the engine-side copies' staging, when a slot holds
@@ -978,7 +1174,6 @@ fn engine_gather(
     g: &mut Gathered,
     way: &'static str,
 ) -> Result<(f64, f64, u64), Error> {
-    use crate::dma_interference::{Handoff, WINDOW};
     let save = way == "save";
     if !save && g.saved.is_empty() {
         return Err(Error::Gpu("--interference: engine-gather loads before any save".into()));
@@ -987,40 +1182,38 @@ fn engine_gather(
     m.command(if save { "save-server" } else { "load-server" })?;
     // (slot, batch, transfer) in start order.
     let mut inflight: VecDeque<(usize, u64, orbitkv_client::Transfer)> = VecDeque::new();
-    let start = |client: &mut Client, g: &mut Gathered, j: usize| {
-        let (b, t) = if save {
-            let b = g.next;
-            g.next += 1;
-            (b, client.start_save(&g.reg, &g.keys(b), &g.blocks(j)))
-        } else {
-            let b = g.next_load().expect("saved batches");
-            (b, client.start_load(&g.reg, &g.keys(b), &g.blocks(j)))
-        };
-        t.map(|t| (j, b, t)).map_err(client_err(way))
-    };
     if !save {
         for j in 0..g.depth {
-            inflight.push_back(start(client, g, j)?);
+            inflight.push_back(g.start(client, j, way)?);
         }
     }
+    let (window, moved, mut not_done_) = gather_window(m, client, g, way, &mut inflight)?;
+    let (t0, m0) = window;
+    let (took, m1) = (t0.elapsed().as_secs_f64(), m.mark());
+    while let Some((j, b, t)) = inflight.pop_front() {
+        let o = client.wait_transfer(&t).map_err(client_err(way))?;
+        not_done_ += g.finish(m, j, b, &o, save)?.1;
+    }
+    m.command("idle")?;
+    Ok((m.rate(m0, m1), moved as f64 / took / 1e9, not_done_))
+}
+
+/// The body of [`engine_gather`]: starts a transfer for every slot the matmul loop hands over
+/// and finishes those that complete, until a window has passed since the first completed.
+/// Returns when that window began (and the loop's mark then), the bytes moved since, and the
+/// chunks not done; the transfers still in flight stay in `inflight`.
+fn gather_window(
+    m: &mut MatmulLoop,
+    client: &mut Client,
+    g: &mut Gathered,
+    way: &'static str,
+    inflight: &mut VecDeque<(usize, u64, orbitkv_client::Transfer)>,
+) -> Result<((Instant, usize), u64, u64), Error> {
+    use crate::dma_interference::{Handoff, WINDOW};
+    let save = way == "save";
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut window: Option<(Instant, usize)> = None;
     let (mut moved, mut not_done_) = (0u64, 0u64);
-    let finish = |m: &mut MatmulLoop, g: &mut Gathered, j: usize, b: u64, o: &[ChunkOutcome]| {
-        if save {
-            // Only a batch stored whole is loaded later.
-            if not_done(o) == 0 {
-                g.saved.push_back(b);
-            }
-            if g.saved.len() > GATHERED_KEPT {
-                g.saved.pop_front();
-            }
-            m.command(&format!("free {j}"))
-        } else {
-            m.command(&format!("loaded {j} {b}"))
-        }
-        .map(|()| (o.len() as u64 - not_done(o), not_done(o)))
-    };
     loop {
         let mut busy = false;
         while let Some(h) = m.handoff(Duration::ZERO) {
@@ -1033,14 +1226,14 @@ fn engine_gather(
             if j >= g.depth {
                 return Err(Error::Gpu(format!("--interference: the matmul loop named slot {j}")));
             }
-            inflight.push_back(start(client, g, j)?);
+            inflight.push_back(g.start(client, j, way)?);
         }
         let mut k = 0;
         while k < inflight.len() {
             match client.poll_transfer(&inflight[k].2).map_err(client_err(way))? {
                 Some(o) => {
                     let (j, b, _) = inflight.remove(k).expect("in range");
-                    let (done, missed) = finish(m, g, j, b, &o)?;
+                    let (done, missed) = g.finish(m, j, b, &o, save)?;
                     not_done_ += missed;
                     match window {
                         Some(_) => moved += done * g.chunk_len,
@@ -1065,14 +1258,8 @@ fn engine_gather(
             std::thread::sleep(Duration::from_micros(20));
         }
     }
-    let (t0, m0) = window.expect("the loop ends inside a window");
-    let (took, m1) = (t0.elapsed().as_secs_f64(), m.mark());
-    while let Some((j, b, t)) = inflight.pop_front() {
-        let o = client.wait_transfer(&t).map_err(client_err(way))?;
-        not_done_ += finish(m, g, j, b, &o)?.1;
-    }
-    m.command("idle")?;
-    Ok((m.rate(m0, m1), moved as f64 / took / 1e9, not_done_))
+    let window = window.expect("the loop ends inside a window");
+    Ok((window, moved, not_done_))
 }
 
 /// Groups a streamed run splits the chunks into: two in flight, and a group saved again only

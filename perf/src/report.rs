@@ -181,8 +181,9 @@ fn or_unknown<T: ToString>(v: Option<T>) -> String {
     v.map_or_else(|| "?".to_string(), |v| v.to_string())
 }
 
-impl Report for ServeReport {
-    fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
+impl ServeReport {
+    /// The table's first lines: the run's settings and the server.
+    fn write_setup(&self, out: &mut dyn Write) -> std::io::Result<()> {
         let keys = match self.zipf_theta {
             Some(t) => format!("zipf {t}"),
             None => self.keys.to_string(),
@@ -206,25 +207,12 @@ impl Report for ServeReport {
             or_unknown(self.shards),
             or_unknown(self.evictions)
         )?;
-        op_line(out, "get", &self.get)?;
-        op_line(out, "put", &self.put)?;
-        if let Some(l) = &self.lookup_batch {
-            op_line(out, &format!("lookup x{}", l.batch), &l.latency)?;
-            writeln!(
-                out,
-                "{:<14} {:.0} batches/s, {:.0} keys/s, {} keys/s per shard, {} short",
-                "",
-                l.batches_per_s,
-                l.keys_per_s,
-                l.keys_per_s_per_shard.map_or_else(|| "?".to_string(), |k| format!("{k:.0}")),
-                l.lookup_short
-            )?;
-        }
-        writeln!(
-            out,
-            "hits {}   misses {}   hit ratio {:.3}",
-            self.hits, self.misses, self.hit_ratio
-        )?;
+        Ok(())
+    }
+
+    /// The gets' GB/s against the yardstick: memcpy, the client's copy routine and, with
+    /// `--baseline-every`, the windows around each interval.
+    fn write_throughput(&self, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(
             out,
             "get throughput {:.2} GB/s per thread ({:.2} x memcpy {:.2} GB/s), {:.2} GB/s aggregate, {} key(s) per get",
@@ -254,6 +242,33 @@ impl Report for ServeReport {
                 }
             )?;
         }
+        Ok(())
+    }
+}
+
+impl Report for ServeReport {
+    fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        self.write_setup(out)?;
+        op_line(out, "get", &self.get)?;
+        op_line(out, "put", &self.put)?;
+        if let Some(l) = &self.lookup_batch {
+            op_line(out, &format!("lookup x{}", l.batch), &l.latency)?;
+            writeln!(
+                out,
+                "{:<14} {:.0} batches/s, {:.0} keys/s, {} keys/s per shard, {} short",
+                "",
+                l.batches_per_s,
+                l.keys_per_s,
+                l.keys_per_s_per_shard.map_or_else(|| "?".to_string(), |k| format!("{k:.0}")),
+                l.lookup_short
+            )?;
+        }
+        writeln!(
+            out,
+            "hits {}   misses {}   hit ratio {:.3}",
+            self.hits, self.misses, self.hit_ratio
+        )?;
+        self.write_throughput(out)?;
         writeln!(
             out,
             "errors {}   verify failures {}   puts rejected {}",

@@ -247,13 +247,43 @@ fn spawn(
     Ok(c)
 }
 
-fn measure(
+/// The yardstick: memcpy and `copy_chunk` GB/s at the value size.
+#[derive(Clone, Copy)]
+struct Yardstick {
+    memcpy_gbps: f64,
+    copy_chunk_gbps: f64,
+}
+
+impl Yardstick {
+    /// Measures memcpy, then `copy_chunk`, of `value_size` for [`BASELINE`] each.
+    fn measure(value_size: usize) -> Self {
+        let memcpy_gbps = baseline::memcpy_gbps(value_size, BASELINE);
+        let copy_chunk_gbps = baseline::copy_chunk_gbps(value_size, BASELINE);
+        Self { memcpy_gbps, copy_chunk_gbps }
+    }
+}
+
+/// What [`run_phases`] saw: the clients' counts, the CPUs they were pinned to, when each
+/// phase began, and the yardstick and the server's facts before and after the phases.
+struct Phases {
+    total: ClientStats,
+    client_cpus: Vec<usize>,
+    main_start: Instant,
+    lookup_start: Option<Instant>,
+    before: Yardstick,
+    after: Yardstick,
+    evictions_before: Option<ServerFacts>,
+    evictions_after: Option<ServerFacts>,
+}
+
+/// Starts the clients, measures the yardstick once they are all at the start line, runs the
+/// main phase (and the lookup phase), joins the clients and measures the yardstick again.
+fn run_phases(
     a: &ServeArgs,
     plan: &Arc<Plan>,
     socket: &Path,
     facts: Option<ServerFacts>,
-    nkeys: u64,
-) -> Result<ServeReport, Error> {
+) -> Result<Phases, Error> {
     let progress = Arc::new(Progress::default());
     // Clients (and the memcpy baseline, on this thread) run on CPUs no shard is pinned to.
     let cpus = placement::free_cpus(&admin::shard_cores(socket).unwrap_or_default());
@@ -264,8 +294,7 @@ fn measure(
 
     // Every client is connected and idle at the start line: measure the yardstick now (and
     // again after the run).
-    let memcpy_gbps_before = baseline::memcpy_gbps(plan.value_size, BASELINE);
-    let copy_chunk_gbps_before = baseline::copy_chunk_gbps(plan.value_size, BASELINE);
+    let before = Yardstick::measure(plan.value_size);
     let phases = if plan.lookup.is_some() { 2 } else { 1 };
     let show = std::io::stderr().is_terminal() && a.duration * phases > PROGRESS_AFTER;
     let evictions_before = facts.and_then(|_| admin::facts(socket).ok());
@@ -285,35 +314,40 @@ fn measure(
         progress::wait_until(start + a.duration, "lookup", &progress, show);
     }
     let total = clients.join()?;
-    let memcpy_gbps_after = baseline::memcpy_gbps(plan.value_size, BASELINE);
-    let copy_chunk_gbps_after = baseline::copy_chunk_gbps(plan.value_size, BASELINE);
-    // The better of the two: a machine that was slow for one of them cannot flatter the ratio.
-    let memcpy_gbps = memcpy_gbps_before.max(memcpy_gbps_after);
-    let copy_chunk_gbps = copy_chunk_gbps_before.max(copy_chunk_gbps_after);
+    let after = Yardstick::measure(plan.value_size);
     let evictions_after = facts.and_then(|_| admin::facts(socket).ok());
-    let evictions = match (evictions_before, evictions_after) {
-        (Some(b), Some(a)) => Some(a.evictions.saturating_sub(b.evictions)),
-        _ => None,
-    };
-    let shards = evictions_after.or(facts).map(|f| f.shards);
+    Ok(Phases {
+        total,
+        client_cpus,
+        main_start,
+        lookup_start,
+        before,
+        after,
+        evictions_before,
+        evictions_after,
+    })
+}
 
-    let m = &total.main;
-    // Without the yardstick's windows inside the phase (each client's, spread over them).
-    let windows = m.bracketed.time.as_secs_f64() / a.clients as f64;
-    let main_wall =
-        (m.ended.map_or(a.duration, |e| e.saturating_duration_since(main_start)).as_secs_f64()
-            - windows)
-            .max(f64::MIN_POSITIVE);
-    let gbps = |bytes: u64, time: Duration| {
-        let secs = time.as_secs_f64();
-        if secs > 0.0 {
-            bytes as f64 / secs / 1e9
-        } else {
-            0.0
-        }
-    };
-    let get_gbps = gbps(m.get_bytes, m.get_time);
-    let lookup_batch = plan.lookup.zip(lookup_start).map(|(lp, start)| {
+/// GB/s of `bytes` in `time` (0 for no time).
+fn gbps(bytes: u64, time: Duration) -> f64 {
+    let secs = time.as_secs_f64();
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// The lookup phase's summary, when it ran (from `lookup_start`); per shard when the server
+/// said how many it has.
+fn lookup_summary(
+    a: &ServeArgs,
+    plan: &Plan,
+    total: &ClientStats,
+    lookup_start: Option<Instant>,
+    shards: Option<usize>,
+) -> Option<LookupSummary> {
+    plan.lookup.zip(lookup_start).map(|(lp, start)| {
         let l = &total.lookup;
         let wall = l.ended.map_or(a.duration, |e| e.saturating_duration_since(start)).as_secs_f64();
         let keys_per_s = l.keys as f64 / wall;
@@ -328,24 +362,60 @@ fn measure(
             setup_missing: l.setup_missing,
             wall_s: wall,
         }
-    });
+    })
+}
+
+/// Says on stderr the first error of each kind, and that `--verify-only` verified nothing
+/// when it found none of the `nkeys` keys.
+fn print_notes(a: &ServeArgs, total: &ClientStats, nkeys: u64) {
     for (kind, message) in &total.errors.first {
         eprintln!(
             "orbitkv-perf: {} {kind} error(s), first: {message}",
             total.errors.counts.get(kind).copied().unwrap_or(0)
         );
     }
-    let lookups = m.hits + m.misses;
-    if a.verify_only && m.hits == 0 {
+    if a.verify_only && total.main.hits == 0 {
         eprintln!(
             "orbitkv-perf: note: --verify-only found none of the {nkeys} keys of seed {}: \
              nothing was verified",
             a.seed
         );
     }
+}
+
+fn measure(
+    a: &ServeArgs,
+    plan: &Arc<Plan>,
+    socket: &Path,
+    facts: Option<ServerFacts>,
+    nkeys: u64,
+) -> Result<ServeReport, Error> {
+    let ran = run_phases(a, plan, socket, facts)?;
+    let (total, main_start) = (&ran.total, ran.main_start);
+    let (memcpy_gbps_before, memcpy_gbps_after) = (ran.before.memcpy_gbps, ran.after.memcpy_gbps);
+    // The better of the two: a machine that was slow for one of them cannot flatter the ratio.
+    let memcpy_gbps = memcpy_gbps_before.max(memcpy_gbps_after);
+    let copy_chunk_gbps = ran.before.copy_chunk_gbps.max(ran.after.copy_chunk_gbps);
+    let evictions = match (ran.evictions_before, ran.evictions_after) {
+        (Some(b), Some(a)) => Some(a.evictions.saturating_sub(b.evictions)),
+        _ => None,
+    };
+    let shards = ran.evictions_after.or(facts).map(|f| f.shards);
+
+    let m = &total.main;
+    // Without the yardstick's windows inside the phase (each client's, spread over them).
+    let windows = m.bracketed.time.as_secs_f64() / a.clients as f64;
+    let main_wall =
+        (m.ended.map_or(a.duration, |e| e.saturating_duration_since(main_start)).as_secs_f64()
+            - windows)
+            .max(f64::MIN_POSITIVE);
+    let get_gbps = gbps(m.get_bytes, m.get_time);
+    let lookup_batch = lookup_summary(a, plan, total, ran.lookup_start, shards);
+    print_notes(a, total, nkeys);
+    let lookups = m.hits + m.misses;
     Ok(ServeReport {
         socket: socket.display().to_string(),
-        client_cpus,
+        client_cpus: ran.client_cpus,
         embedded: a.embedded,
         verify_only: a.verify_only,
         clients: a.clients,

@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use orbitkv_client::{ChunkKey, Client, ClientOptions, ErrorCode, NamespaceDescriptor, PutOutcome};
+use orbitkv_client::{
+    ChunkKey, Client, ClientOptions, ErrorCode, Lease, NamespaceDescriptor, PutOutcome,
+};
 use orbitkv_proto::chunk_checksum;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -122,144 +124,172 @@ fn connect(id: usize, plan: &Plan) -> Result<(Client, KeySpace), Error> {
     Ok((client, space))
 }
 
+/// The main phase's state across its gets: the random stream, the run of keys being got (and
+/// their indices among the main keys), the buffers the hits are copied into, the values put
+/// for the missing rest, and the yardstick's bracket.
+struct MainRun<'p> {
+    rng: SmallRng,
+    bufs: Vec<Vec<u8>>,
+    values: Vec<Vec<u8>>,
+    keys: Vec<ChunkKey>,
+    indices: Vec<u64>,
+    bracket: Option<Bracket<'p>>,
+}
+
 impl Worker<'_> {
     /// Read-through cache: get (lookup with lease, copy, release) and put on a miss (unless
     /// the plan is verify-only). With `get_batch` > 1 each get is a run of consecutive keys:
     /// the present prefix is copied, the missing rest put.
     fn main_phase(&mut self, end: Instant) {
-        let (client, id, plan, space, progress) =
-            (&mut self.client, self.id, self.plan, self.space, self.progress);
-        let stats = &mut self.stats;
-        let mut rng = SmallRng::seed_from_u64(plan.seed.wrapping_add(id as u64));
+        let (id, plan, space, progress) = (self.id, self.plan, self.space, self.progress);
         let n = plan.get_batch;
-        let mut bufs = vec![vec![0u8; plan.value_size]; n];
-        let mut values = vec![vec![0u8; plan.value_size]; n];
-        let s = &mut stats.main;
-        let errors = &mut stats.errors;
-        let mut keys = Vec::with_capacity(n);
-        let mut indices = Vec::with_capacity(n);
-        let mut bracket =
-            plan.baseline.as_ref().map(|(every, source)| Bracket::start(source, *every, id));
+        let mut run = MainRun {
+            rng: SmallRng::seed_from_u64(plan.seed.wrapping_add(id as u64)),
+            bufs: vec![vec![0u8; plan.value_size]; n],
+            values: vec![vec![0u8; plan.value_size]; n],
+            keys: Vec::with_capacity(n),
+            indices: Vec::with_capacity(n),
+            bracket: plan
+                .baseline
+                .as_ref()
+                .map(|(every, source)| Bracket::start(source, *every, id)),
+        };
         while Instant::now() < end {
-            if let Some(b) = bracket.as_mut() {
+            if let Some(b) = run.bracket.as_mut() {
                 b.between(end);
             }
-            let first = plan.picker.pick(&mut rng);
-            indices.clear();
-            indices.extend((0..n as u64).map(|k| (first + k) % plan.nkeys));
-            keys.clear();
-            keys.extend(indices.iter().map(|&i| space.key(i)));
+            let first = plan.picker.pick(&mut run.rng);
+            run.indices.clear();
+            run.indices.extend((0..n as u64).map(|k| (first + k) % plan.nkeys));
+            run.keys.clear();
+            run.keys.extend(run.indices.iter().map(|&i| space.key(i)));
             let started = Instant::now();
-            let leases = match client.lookup_leased(&keys) {
+            let leases = match self.client.lookup_leased(&run.keys) {
                 Ok(l) => l,
                 Err(e) => {
-                    errors.client("lookup", &e);
+                    self.stats.errors.client("lookup", &e);
                     continue;
                 }
             };
             let hits = leases.len();
+            let s = &mut self.stats.main;
             s.hits += hits as u64;
             s.misses += (n - hits) as u64;
             for k in 0..n {
                 progress.op(k < hits);
             }
-            if hits > 0 {
-                // Copy while leased; a chunk of the wrong length is not copied and fails
-                // verification.
-                let copy_started = Instant::now();
-                let mut copied = Vec::with_capacity(hits);
-                let mut failed = None;
-                for (lease, buf) in leases.iter().zip(bufs.iter_mut()) {
-                    match client.chunk(lease) {
-                        Ok(bytes) if bytes.len() == buf.len() => {
-                            orbitkv_client::copy_chunk(buf, bytes);
-                            copied.push(true);
-                        }
-                        Ok(_) => copied.push(false),
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
-                }
-                s.copy_time += copy_started.elapsed();
-                // One round trip per get: the release travels while the client verifies.
-                let released = client.release_deferred(&leases);
-                let took = started.elapsed();
-                if let Some(e) = failed {
-                    // The release of a lease that cannot be read fails for the same reason.
-                    errors.client("chunk", &e);
-                    continue;
-                }
-                count_release(released, errors);
-                s.get.record(took);
-                s.get_time += took;
-                if let Some(b) = bracket.as_mut() {
-                    let copied_bytes = copied.iter().filter(|c| **c).count() * plan.value_size;
-                    b.got(copied_bytes as u64, took);
-                }
-                for (k, lease) in leases.iter().enumerate() {
-                    let buf = &bufs[k];
-                    let mismatch = if copied[k] {
-                        s.get_bytes += buf.len() as u64;
-                        first_mismatch(&keys[k].digest, buf)
-                            .map(|at| format!("byte {at} differs"))
-                            .or_else(|| {
-                                // The bytes are right; the checksum that travels with them
-                                // (to SSD and peers) must describe them too.
-                                (chunk_checksum(buf) != lease.hit.checksum).then(|| {
-                                    format!(
-                                        "checksum {:#x} in the lease is wrong",
-                                        lease.hit.checksum
-                                    )
-                                })
-                            })
-                    } else {
-                        Some(format!("{} bytes instead of {}", lease.hit.len, buf.len()))
-                    };
-                    if let Some(what) = mismatch {
-                        s.verify_failures += 1;
-                        if s.verify_failures <= MISMATCH_REPORTS {
-                            eprintln!(
-                                "orbitkv-perf: client {id}: key {} read back wrong: {what}",
-                                indices[k]
-                            );
-                        }
-                    }
-                }
+            if hits > 0 && !self.got(&mut run, &leases, started) {
+                continue;
             }
             if hits == n || plan.verify_only {
                 continue;
             }
-            // The missing rest of the run, put in one request.
-            for (key, value) in keys[hits..].iter().zip(values.iter_mut()) {
-                fill_value(&key.digest, value);
-            }
-            let items: Vec<(ChunkKey, &[u8])> =
-                keys[hits..].iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
-            let started = Instant::now();
-            let outcome = client.put(&items);
-            let took = started.elapsed();
-            match outcome {
-                Ok(outcomes) => {
-                    s.put.record(took);
-                    for o in outcomes {
-                        match o {
-                            PutOutcome::Stored => s.put_stored += 1,
-                            PutOutcome::AlreadyPresent => s.put_already_present += 1,
-                            PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
-                                s.put_rejected += 1
-                            }
-                            PutOutcome::Failed(code) => errors.code("put", code),
-                        }
-                    }
+            self.put_missing(&mut run, hits);
+        }
+        self.end_main_phase(run.bracket);
+    }
+
+    /// The hits of a get (`leases`, looked up from `started`): copied while leased, released,
+    /// timed and verified. False when a chunk could not be read (an error; the get is not
+    /// timed).
+    fn got(&mut self, run: &mut MainRun<'_>, leases: &[Lease], started: Instant) -> bool {
+        let (client, plan) = (&mut self.client, self.plan);
+        let (s, errors) = (&mut self.stats.main, &mut self.stats.errors);
+        // Copy while leased; a chunk of the wrong length is not copied and fails
+        // verification.
+        let copy_started = Instant::now();
+        let (copied, failed) = copy_leased(client, leases, &mut run.bufs);
+        s.copy_time += copy_started.elapsed();
+        // One round trip per get: the release travels while the client verifies.
+        let released = client.release_deferred(leases);
+        let took = started.elapsed();
+        if let Some(e) = failed {
+            // The release of a lease that cannot be read fails for the same reason.
+            errors.client("chunk", &e);
+            return false;
+        }
+        count_release(released, errors);
+        s.get.record(took);
+        s.get_time += took;
+        if let Some(b) = run.bracket.as_mut() {
+            let copied_bytes = copied.iter().filter(|c| **c).count() * plan.value_size;
+            b.got(copied_bytes as u64, took);
+        }
+        self.verify(run, leases, &copied);
+        true
+    }
+
+    /// Checks each hit of a get against its key's bytes and its lease's checksum (`copied`:
+    /// whether it was copied, being of the right length); a wrong one is counted, the first
+    /// few said on stderr.
+    fn verify(&mut self, run: &MainRun<'_>, leases: &[Lease], copied: &[bool]) {
+        let (id, s) = (self.id, &mut self.stats.main);
+        let (bufs, keys, indices) = (&run.bufs, &run.keys, &run.indices);
+        for (k, lease) in leases.iter().enumerate() {
+            let buf = &bufs[k];
+            let mismatch = if copied[k] {
+                s.get_bytes += buf.len() as u64;
+                first_mismatch(&keys[k].digest, buf).map(|at| format!("byte {at} differs")).or_else(
+                    || {
+                        // The bytes are right; the checksum that travels with them
+                        // (to SSD and peers) must describe them too.
+                        (chunk_checksum(buf) != lease.hit.checksum).then(|| {
+                            format!("checksum {:#x} in the lease is wrong", lease.hit.checksum)
+                        })
+                    },
+                )
+            } else {
+                Some(format!("{} bytes instead of {}", lease.hit.len, buf.len()))
+            };
+            if let Some(what) = mismatch {
+                s.verify_failures += 1;
+                if s.verify_failures <= MISMATCH_REPORTS {
+                    eprintln!(
+                        "orbitkv-perf: client {id}: key {} read back wrong: {what}",
+                        indices[k]
+                    );
                 }
-                Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
-                    s.put_rejected += 1
-                }
-                Err(e) => errors.client("put", &e),
             }
         }
+    }
+
+    /// The missing rest of a get's run (its keys after the first `hits`), put in one request.
+    fn put_missing(&mut self, run: &mut MainRun<'_>, hits: usize) {
+        let (s, errors) = (&mut self.stats.main, &mut self.stats.errors);
+        // The missing rest of the run, put in one request.
+        for (key, value) in run.keys[hits..].iter().zip(run.values.iter_mut()) {
+            fill_value(&key.digest, value);
+        }
+        let items: Vec<(ChunkKey, &[u8])> =
+            run.keys[hits..].iter().zip(&run.values).map(|(k, v)| (*k, v.as_slice())).collect();
+        let started = Instant::now();
+        let outcome = self.client.put(&items);
+        let took = started.elapsed();
+        match outcome {
+            Ok(outcomes) => {
+                s.put.record(took);
+                for o in outcomes {
+                    match o {
+                        PutOutcome::Stored => s.put_stored += 1,
+                        PutOutcome::AlreadyPresent => s.put_already_present += 1,
+                        PutOutcome::Failed(ErrorCode::NoSpace | ErrorCode::Busy) => {
+                            s.put_rejected += 1
+                        }
+                        PutOutcome::Failed(code) => errors.code("put", code),
+                    }
+                }
+            }
+            Err(e) if matches!(e.code(), Some(ErrorCode::NoSpace | ErrorCode::Busy)) => {
+                s.put_rejected += 1
+            }
+            Err(e) => errors.client("put", &e),
+        }
+    }
+
+    /// The end of the main phase: the deferred releases' answers, the bracket's windows and
+    /// the phase's end.
+    fn end_main_phase(&mut self, bracket: Option<Bracket<'_>>) {
+        let (client, s, errors) = (&mut self.client, &mut self.stats.main, &mut self.stats.errors);
         // Deferred releases answer later; any that failed are errors of this run.
         if let Err(e) = client.flush() {
             errors.client("release", &e);
@@ -270,6 +300,32 @@ impl Worker<'_> {
         }
         s.ended = Some(Instant::now());
     }
+}
+
+/// Copies each leased chunk into its buffer, in order, until one cannot be read; returns
+/// whether each was copied (a chunk of the wrong length is not) and the error that stopped
+/// the copies.
+fn copy_leased(
+    client: &Client,
+    leases: &[Lease],
+    bufs: &mut [Vec<u8>],
+) -> (Vec<bool>, Option<orbitkv_client::Error>) {
+    let mut copied = Vec::with_capacity(leases.len());
+    let mut failed = None;
+    for (lease, buf) in leases.iter().zip(bufs.iter_mut()) {
+        match client.chunk(lease) {
+            Ok(bytes) if bytes.len() == buf.len() => {
+                orbitkv_client::copy_chunk(buf, bytes);
+                copied.push(true);
+            }
+            Ok(_) => copied.push(false),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    (copied, failed)
 }
 
 fn count_release(released: Result<(), orbitkv_client::Error>, errors: &mut ErrorCounts) {
