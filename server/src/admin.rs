@@ -12,10 +12,12 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use crate::deadline::DeadlineReader;
-use crate::shared::{ServeState, ShardSnapshot, Shared};
+use orbitkv_shards::{LatencyHistogram, OpKind};
 
-const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
+use crate::deadline::DeadlineReader;
+use crate::metrics::Sample;
+use crate::shared::{ServeState, Shared};
+
 const MAX_LINE: u64 = 4096;
 
 /// Admin connections served at once; more wait in the listen backlog.
@@ -74,59 +76,15 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
     (&stream).write_all(&out)
 }
 
-/// The shards' snapshots, with the writes admitted and not yet answered counted just before
-/// them (a write answered after the count left its reservation in the snapshots, or is
-/// counted).
-fn snapshots(shared: &Shared) -> (u64, Vec<Option<ShardSnapshot>>) {
-    let admitted = shared.writes_admitted();
-    (admitted, shared.snapshots(SNAPSHOT_TIMEOUT))
-}
-
-/// The state name for `ctl`: `serving`, `draining`, or `drained` (no admitted write left and
-/// no reservation on any shard).
-fn state_name(
-    shared: &Shared,
-    (admitted, snaps): &(u64, Vec<Option<ShardSnapshot>>),
-) -> &'static str {
-    match shared.state() {
-        ServeState::Serving => "serving",
-        ServeState::Draining if *admitted == 0 && shared.writes_settled(snaps) => "drained",
-        ServeState::Draining => "draining",
-    }
-}
-
 fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
     match cmd {
         "evict" => evict(request, shared),
-        "health" => {
-            let taken = snapshots(shared);
-            let all_answer = taken.1.iter().all(Option::is_some);
-            let state = state_name(shared, &taken);
-            let snaps = taken.1;
-            let ready = all_answer && state == "serving";
-            let reason = if !all_answer {
-                "a shard is not answering"
-            } else if !ready {
-                "not admitting new work (draining)"
-            } else {
-                "serving"
-            };
-            // Serving but impaired: reported, not fatal (DRAM keeps serving).
-            let degraded: Vec<String> = snaps
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| {
-                    let errors = s.as_ref()?.stats.ssd.map_or(0, |x| x.io_errors);
-                    (errors > 0).then(|| format!("shard {i}: {errors} SSD I/O errors"))
-                })
-                .collect();
-            json!({"ok": true, "ready": ready, "state": state, "reason": reason, "degraded": degraded})
-        }
+        "health" => Sample::take(shared).health().json(),
         "stats" => stats(shared),
         "drain" => {
             shared.set_state(ServeState::Draining);
             tracing::info!("draining: new sessions and writes are refused");
-            json!({"ok": true, "state": state_name(shared, &snapshots(shared))})
+            json!({"ok": true, "state": Sample::take(shared).state})
         }
         "resume" => {
             shared.set_state(ServeState::Serving);
@@ -212,10 +170,9 @@ fn evict(request: &Value, shared: &Shared) -> Value {
 /// lists the fields of the reply in one place (the reply is the reference operators read), so
 /// it runs past the usual length.
 fn stats(shared: &Shared) -> Value {
-    let taken = snapshots(shared);
-    let state = state_name(shared, &taken);
-    let snaps = taken.1;
-    let shards: Vec<Value> = snaps
+    let sample = Sample::take(shared);
+    let shards: Vec<Value> = sample
+        .shards
         .iter()
         .enumerate()
         .map(|(id, s)| match s {
@@ -230,18 +187,7 @@ fn stats(shared: &Shared) -> Value {
                 let st = &s.stats;
                 let errors: Map<String, Value> =
                     st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();
-                let latency: Map<String, Value> = st
-                    .latency
-                    .iter()
-                    .filter(|(_, l)| l.count > 0)
-                    .map(|(op, l)| {
-                        (
-                            op.as_str().to_string(),
-                            json!({"count": l.count, "p50_ns": l.p50_ns, "p99_ns": l.p99_ns,
-                                   "p999_ns": l.p999_ns, "max_ns": l.max_ns}),
-                        )
-                    })
-                    .collect();
+                let latency = latency_json(&st.latency);
                 json!({
                     "id": id,
                     "answering": true,
@@ -273,6 +219,7 @@ fn stats(shared: &Shared) -> Value {
                     "ssd_reads": st.ssd.map_or(0, |x| x.reads),
                     "ssd_writes": st.ssd.map_or(0, |x| x.writes),
                     "ssd_io_errors": st.ssd.map_or(0, |x| x.io_errors),
+                    "ssd_in_flight": st.ssd.map_or(0, |x| x.in_flight),
                     "ssd_reclaimed": st.ssd.map_or(0, |x| x.reclaimed),
                     "demotions": st.demotions,
                     "promotions": st.promotions,
@@ -287,23 +234,38 @@ fn stats(shared: &Shared) -> Value {
             }
         })
         .collect();
-    let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
     json!({
         "ok": true,
-        "state": state,
-        "writes_admitted": shared.writes_admitted(),
+        "state": sample.state,
+        "writes_admitted": sample.writes_admitted,
         "pid": std::process::id(),
-        "uptime_s": shared.started.elapsed().as_secs_f64(),
+        "uptime_s": sample.uptime_s,
         "socket": shared.settings.socket.display().to_string(),
-        "sessions": sessions,
-        "refused_sessions": shared.refused_sessions.load(std::sync::atomic::Ordering::Relaxed),
+        "sessions": sample.sessions,
+        "refused_sessions": sample.refused_sessions,
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
         "gpu_mode": shared.settings.config.gpu.as_str(),
         "gpu": shared.gpu,
-        "gpu_transfers": shared.gpu_service.get().map(gpu_transfers),
+        "gpu_transfers": sample.gpu.as_ref().map(gpu_transfers),
+        "latency": latency_json(&sample.merged_latency()),
         "shards": shards,
     })
+}
+
+/// Latency quantiles by operation, in nanoseconds.
+fn latency_json(latency: &[(OpKind, LatencyHistogram)]) -> Map<String, Value> {
+    latency
+        .iter()
+        .map(|(op, h)| {
+            let l = h.summary();
+            (
+                op.as_str().to_string(),
+                json!({"count": l.count, "p50_ns": l.p50_ns, "p99_ns": l.p99_ns,
+                       "p999_ns": l.p999_ns, "max_ns": l.max_ns}),
+            )
+        })
+        .collect()
 }
 
 /// The GPU service's counters for `stats`: counts as they are, nanosecond counters in seconds.
@@ -321,6 +283,12 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         "save_host_runs": n(&c.save_host_runs),
         "load_host_runs": n(&c.load_host_runs),
         "failed_jobs": n(&c.failed_jobs),
+        "save_in_flight": n(&c.save_in_flight),
+        "load_in_flight": n(&c.load_in_flight),
+        "save_queued": g.queued(orbitkv_gpu::dma::Direction::Save),
+        "load_queued": g.queued(orbitkv_gpu::dma::Direction::Load),
+        "threads_lost": g.threads_lost(),
+        "checksums_distrusted": g.checksums_distrusted(),
         "save_requests": n(&c.save_requests),
         "load_requests": n(&c.load_requests),
         "save_pickups": n(&c.save_pickups),

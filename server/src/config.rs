@@ -62,6 +62,11 @@ pub struct ServerConfig {
     #[arg(long, value_name = "PATH")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket: Option<PathBuf>,
+    /// Metrics listener (TCP address): Prometheus text at /metrics, liveness at /healthz,
+    /// readiness at /readyz. Default: none (off).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Shard executors, one pinned core each; 0 = one per CPU minus one (left for the
     /// engines, control and DMA threads), at least 1. Default: 0.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]

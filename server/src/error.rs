@@ -17,6 +17,14 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// `--metrics-addr` could not be bound (in use, not local, no permission).
+    #[error("--metrics-addr {addr}: {source}")]
+    Metrics {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// A live server answers on the socket.
     #[error("another server is already serving on {}", .0.display())]
     AlreadyServing(PathBuf),

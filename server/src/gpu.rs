@@ -196,6 +196,12 @@ pub struct GpuCounters {
     pub load_host_runs: AtomicU64,
     /// Jobs that failed in CUDA.
     pub failed_jobs: AtomicU64,
+    /// Save jobs on the device now (started, not yet answered), as the save thread last saw.
+    pub save_in_flight: AtomicU64,
+    /// The same for loads.
+    pub load_in_flight: AtomicU64,
+    /// DMA threads stopped by a panic (their copies fail until the server restarts).
+    pub threads_lost: AtomicU64,
     /// Nanoseconds during which the save thread had at least one job on the GPU (from a
     /// job's submission until its completion, checksums included, is noticed: within about
     /// 10 us): a save's bytes over this, against its request-to-answer rate, shows what the
@@ -543,6 +549,16 @@ impl GpuService {
         }
     }
 
+    /// Whether a GPU checksum failed its check (saves' checksums are then the shards').
+    pub fn checksums_distrusted(&self) -> bool {
+        self.checksums_distrusted.load(Ordering::Relaxed)
+    }
+
+    /// DMA threads stopped by a panic.
+    pub fn threads_lost(&self) -> u64 {
+        self.counters.threads_lost.load(Ordering::Relaxed)
+    }
+
     /// A GPU checksum differed from the bytes that landed: from now on the shards compute
     /// every save's checksums (until restart). Logged once.
     pub fn distrust_checksums(&self) {
@@ -645,6 +661,19 @@ impl GpuService {
         if let Some(t) = w.thread.get() {
             t.unpark();
         }
+    }
+
+    /// Jobs waiting in the shards' queues for the threads of `direction`.
+    pub fn queued(&self, direction: Direction) -> usize {
+        (0..self.devices.len())
+            .map(|d| {
+                self.workers[worker_of(d, direction)]
+                    .queues
+                    .iter()
+                    .map(ArrayQueue::len)
+                    .sum::<usize>()
+            })
+            .sum()
     }
 
     /// Takes one completion for `shard`, from the first DMA thread with one.

@@ -11,6 +11,7 @@ mod error;
 mod executor;
 mod gpu;
 mod ipc;
+mod metrics;
 mod router;
 mod shared;
 mod transfer;
@@ -158,6 +159,14 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let socket = settings.socket.clone();
     let admin = admin_socket_path(&socket);
     claim_socket(&socket)?;
+    // Bound before anything starts: an address in use stops the server at once.
+    let metrics_listener = settings
+        .config
+        .metrics_addr
+        .map(|addr| {
+            metrics::http::bind(addr).map_err(|source| StartError::Metrics { addr, source })
+        })
+        .transpose()?;
     let shards = settings.shards;
     let gpu = resolve_gpu(&settings)?;
     let arena = Arc::new(
@@ -194,7 +203,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
         remove_orphan_shard_files(&ssd.dir, shards)?;
     }
     let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc)?;
-    start_listeners((&socket, &admin), &shared, &arena)?;
+    start_listeners((&socket, &admin), metrics_listener, &shared, &arena)?;
     tracing::info!(
         socket = %socket.display(),
         shards,
@@ -387,9 +396,11 @@ fn start_shards(
     Ok((handles, pin))
 }
 
-/// Binds the bootstrap and admin sockets and starts the threads that accept on them.
+/// Binds the bootstrap and admin sockets and starts the threads that accept on them and on
+/// the metrics listener.
 fn start_listeners(
     (socket, admin): (&Path, &Path),
+    metrics_listener: Option<std::net::TcpListener>,
     shared: &Arc<Shared>,
     arena: &Arc<Arena>,
 ) -> Result<(), StartError> {
@@ -405,6 +416,18 @@ fn start_listeners(
         .name("orbitkv-admin".into())
         .spawn(move || admin::serve(admin_listener, s))
         .map_err(StartError::thread("orbitkv-admin"))?;
+    if let Some(listener) = metrics_listener {
+        let addr = listener.local_addr().map_err(|source| StartError::Os {
+            what: "reading the metrics listener's address",
+            source,
+        })?;
+        let s = Arc::clone(shared);
+        std::thread::Builder::new()
+            .name("orbitkv-metrics".into())
+            .spawn(move || metrics::http::serve(listener, s))
+            .map_err(StartError::thread("orbitkv-metrics"))?;
+        tracing::info!(%addr, "metrics on http://{addr}/metrics (and /healthz, /readyz)");
+    }
     Ok(())
 }
 

@@ -32,6 +32,8 @@ fn op_kind(r: &Request) -> OpKind {
         Request::Reserve { .. } => OpKind::Reserve,
         Request::Commit { .. } | Request::CommitChecked { .. } => OpKind::Commit,
         Request::Release { .. } => OpKind::Release,
+        Request::Save { .. } => OpKind::Save,
+        Request::Load { .. } => OpKind::Load,
         _ => OpKind::Other,
     }
 }

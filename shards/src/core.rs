@@ -9,7 +9,7 @@ use orbitkv_proto::{
 use crate::alloc::{Extent, ExtentAllocator};
 use crate::arena::ArenaSlice;
 use crate::entries::{Entries, EntryIdx, EntryState};
-use crate::metrics::{ShardMetrics, ShardStats};
+use crate::metrics::{LatencyHistogram, OpKind, ShardMetrics, ShardStats};
 use crate::ops::{SessionId, ShardOp, ShardReply};
 
 /// Static parameters of one shard.
@@ -692,8 +692,22 @@ impl ShardCore {
                 .filter(|c| m.errors[c.index()] > 0)
                 .map(|c| (c, m.errors[c.index()]))
                 .collect(),
-            latency: m.latency_summaries(),
+            latency: self.latencies(),
         }
+    }
+
+    /// The request latencies recorded here, and the SSD tier's.
+    fn latencies(&self) -> Vec<(OpKind, LatencyHistogram)> {
+        let mut all = self.metrics.latencies();
+        if let Some(ssd) = &self.ssd {
+            let (reads, writes) = ssd.latencies();
+            for (op, h) in [(OpKind::SsdRead, reads), (OpKind::SsdWrite, writes)] {
+                if h.count() > 0 {
+                    all.push((op, h.clone()));
+                }
+            }
+        }
+        all
     }
 }
 

@@ -22,6 +22,6 @@ pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
 pub use arena::{Arena, ArenaSlice, SliceReader, DOORBELL_STRIDE, HEADER_BYTES};
 pub use core::{EvictSummary, HashRange, ShardConfig, ShardCore};
 pub use error::Error;
-pub use metrics::{LatencySummary, OpKind, ShardMetrics, ShardStats};
+pub use metrics::{LatencyHistogram, LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
 pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

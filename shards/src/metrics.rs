@@ -3,7 +3,10 @@
 use hdrhistogram::Histogram;
 use orbitkv_proto::ErrorCode;
 
-/// Operations whose latency is recorded (a bounded label set).
+/// Operations whose latency is recorded (a bounded label set). An engine's put is a
+/// `Reserve` then a `Commit`, its get a leased `Lookup` then a `Release`; `Save` and `Load` are
+/// GPU requests (the whole request, copies included); `SsdRead` and `SsdWrite` are the SSD
+/// tier's promotions and demotions, from submission to completion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
     /// Leased or plain lookup.
@@ -14,14 +17,31 @@ pub enum OpKind {
     Commit,
     /// Release.
     Release,
+    /// GPU save.
+    Save,
+    /// GPU load.
+    Load,
+    /// SSD read (a promotion).
+    SsdRead,
+    /// SSD write (a demotion).
+    SsdWrite,
     /// Everything else (register, abort, evict, ping).
     Other,
 }
 
 impl OpKind {
     /// Every kind.
-    pub const ALL: [OpKind; 5] =
-        [OpKind::Lookup, OpKind::Reserve, OpKind::Commit, OpKind::Release, OpKind::Other];
+    pub const ALL: [OpKind; 9] = [
+        OpKind::Lookup,
+        OpKind::Reserve,
+        OpKind::Commit,
+        OpKind::Release,
+        OpKind::Save,
+        OpKind::Load,
+        OpKind::SsdRead,
+        OpKind::SsdWrite,
+        OpKind::Other,
+    ];
 
     /// Stable label.
     pub fn as_str(self) -> &'static str {
@@ -30,6 +50,10 @@ impl OpKind {
             OpKind::Reserve => "reserve",
             OpKind::Commit => "commit",
             OpKind::Release => "release",
+            OpKind::Save => "save",
+            OpKind::Load => "load",
+            OpKind::SsdRead => "ssd_read",
+            OpKind::SsdWrite => "ssd_write",
             OpKind::Other => "other",
         }
     }
@@ -48,6 +72,82 @@ pub struct LatencySummary {
     pub p999_ns: u64,
     /// Maximum.
     pub max_ns: u64,
+}
+
+/// The latencies of one operation kind: a histogram of 2 significant digits (quantiles
+/// within 1%) from 1 ns to 60 s (longer ones count as 60 s), and the exact sum. Recorded on
+/// its shard's core; a snapshot is a copy (about 30 KiB), merged and read on the control
+/// thread.
+#[derive(Clone, Debug)]
+pub struct LatencyHistogram {
+    histogram: Histogram<u64>,
+    sum_ns: u64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self {
+            histogram: Histogram::new_with_bounds(1, Self::MAX_NS, 2)
+                .expect("static histogram bounds are valid"),
+            sum_ns: 0,
+        }
+    }
+}
+
+impl LatencyHistogram {
+    /// The largest latency recorded as itself.
+    pub const MAX_NS: u64 = 60_000_000_000;
+
+    /// Records one operation of `nanos`.
+    pub fn record(&mut self, nanos: u64) {
+        self.histogram.saturating_record(nanos.clamp(1, Self::MAX_NS));
+        self.sum_ns = self.sum_ns.saturating_add(nanos);
+    }
+
+    /// Operations recorded.
+    pub fn count(&self) -> u64 {
+        self.histogram.len()
+    }
+
+    /// The sum of their latencies.
+    pub fn sum_ns(&self) -> u64 {
+        self.sum_ns
+    }
+
+    /// Adds `other`'s operations (another shard's, for a server-wide view).
+    pub fn merge(&mut self, other: &LatencyHistogram) {
+        self.histogram.add(&other.histogram).expect("histograms of equal bounds merge");
+        self.sum_ns = self.sum_ns.saturating_add(other.sum_ns);
+    }
+
+    /// Its quantiles.
+    pub fn summary(&self) -> LatencySummary {
+        let h = &self.histogram;
+        if h.is_empty() {
+            return LatencySummary::default();
+        }
+        LatencySummary {
+            count: h.len(),
+            p50_ns: h.value_at_quantile(0.5),
+            p99_ns: h.value_at_quantile(0.99),
+            p999_ns: h.value_at_quantile(0.999),
+            max_ns: h.max(),
+        }
+    }
+
+    /// Operations at or below each of `bounds_ns` (ascending), not cumulated: the counts of
+    /// `(previous bound, bound]`, then the count above the last bound. One pass over the
+    /// recorded values.
+    pub fn bucket_counts(&self, bounds_ns: &[u64]) -> Vec<u64> {
+        let mut counts = vec![0u64; bounds_ns.len() + 1];
+        for v in self.histogram.iter_recorded() {
+            // A recorded value stands for its bucket's values (within 1%): counted at the
+            // highest of them.
+            let i = bounds_ns.partition_point(|&b| b < v.value_iterated_to());
+            counts[i] += v.count_at_value();
+        }
+        counts
+    }
 }
 
 /// Counters a shard keeps; everything is a plain integer bumped on the shard's own core.
@@ -83,7 +183,7 @@ pub struct ShardMetrics {
     pub admission_rejections: u64,
     /// Errors returned, by code.
     pub errors: [u64; ErrorCode::ALL.len()],
-    latency: Vec<Histogram<u64>>,
+    latency: Vec<LatencyHistogram>,
 }
 
 impl Default for ShardMetrics {
@@ -104,13 +204,7 @@ impl Default for ShardMetrics {
             promotions: 0,
             admission_rejections: 0,
             errors: [0; ErrorCode::ALL.len()],
-            latency: OpKind::ALL
-                .iter()
-                .map(|_| {
-                    Histogram::new_with_bounds(1, 60_000_000_000, 3)
-                        .expect("static histogram bounds are valid")
-                })
-                .collect(),
+            latency: OpKind::ALL.iter().map(|_| LatencyHistogram::default()).collect(),
         }
     }
 }
@@ -123,29 +217,16 @@ impl ShardMetrics {
 
     /// Records the latency of one request handled with this shard as home.
     pub fn record_latency(&mut self, op: OpKind, nanos: u64) {
-        let h = &mut self.latency[op as usize];
-        h.saturating_record(nanos.max(1));
+        self.latency[op as usize].record(nanos);
     }
 
-    /// Quantiles of every op kind.
-    pub fn latency_summaries(&self) -> Vec<(OpKind, LatencySummary)> {
+    /// The histograms of the kinds recorded at least once.
+    pub fn latencies(&self) -> Vec<(OpKind, LatencyHistogram)> {
         OpKind::ALL
             .iter()
             .zip(&self.latency)
-            .map(|(&op, h)| {
-                let s = if h.is_empty() {
-                    LatencySummary::default()
-                } else {
-                    LatencySummary {
-                        count: h.len(),
-                        p50_ns: h.value_at_quantile(0.5),
-                        p99_ns: h.value_at_quantile(0.99),
-                        p999_ns: h.value_at_quantile(0.999),
-                        max_ns: h.max(),
-                    }
-                };
-                (op, s)
-            })
+            .filter(|(_, h)| h.count() > 0)
+            .map(|(&op, h)| (op, h.clone()))
             .collect()
     }
 }
@@ -197,6 +278,7 @@ pub struct ShardStats {
     pub admission_rejections: u64,
     /// Errors by code, only non-zero ones.
     pub errors: Vec<(ErrorCode, u64)>,
-    /// Request latency by op, for requests whose home is this shard.
-    pub latency: Vec<(OpKind, LatencySummary)>,
+    /// Latency by op, of the kinds recorded at least once: requests whose home is this shard,
+    /// and this shard's SSD operations.
+    pub latency: Vec<(OpKind, LatencyHistogram)>,
 }

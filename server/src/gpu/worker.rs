@@ -170,6 +170,7 @@ pub(crate) fn run<D: Device>(lanes: &Lanes<'_, D::Memory>, device: impl FnOnce()
     tracing::error!(direction = ?lanes.direction, "GPU DMA thread panicked; its copies fail from now on");
     let failed = || Err(JobError::ThreadFailed);
     let counters = lanes.counters;
+    counters.threads_lost.fetch_add(1, Ordering::Relaxed);
     if let Some(job) = starting.take() {
         counters.failed_jobs.fetch_add(1, Ordering::Relaxed);
         undelivered.push_back((job.shard, GpuDone { id: job.id, result: failed() }));
@@ -203,9 +204,9 @@ fn work<D: Device>(
     let mut spin = SpinUntil::new(Instant::now());
     // Since when at least one job has been on the device (None while none is).
     let mut busy_since: Option<Instant> = None;
-    let busy_ns = match lanes.direction {
-        Direction::Save => &lanes.counters.save_busy_ns,
-        Direction::Load => &lanes.counters.load_busy_ns,
+    let (busy_ns, in_flight) = match lanes.direction {
+        Direction::Save => (&lanes.counters.save_busy_ns, &lanes.counters.save_in_flight),
+        Direction::Load => (&lanes.counters.load_busy_ns, &lanes.counters.load_in_flight),
     };
     // Sleeps (between looks at the copies in flight) as asked, not 50 us longer: the default
     // timer slack would delay each request's last completion by that much.
@@ -227,6 +228,9 @@ fn work<D: Device>(
         let Held { inflight, undelivered, .. } = held;
         progressed |= device.advance(inflight);
         progressed |= complete(lanes, device, inflight, undelivered);
+        if progressed {
+            in_flight.store(inflight.len() as u64, Ordering::Relaxed);
+        }
         // Busy time is added as it passes (the counter moves under sustained load too); an
         // interval ends once no job is in flight.
         if let Some(t) = busy_since {

@@ -16,6 +16,7 @@ use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry};
 use super::ring::{AlignedBlock, SsdRing};
 use crate::alloc::PAGE_SIZE;
 use crate::arena::ArenaSlice;
+use crate::metrics::LatencyHistogram;
 
 /// Where and how big one shard's SSD store is.
 #[derive(Clone, Debug)]
@@ -86,6 +87,8 @@ pub struct SsdStats {
     pub checksum_failures: u64,
     /// Records dropped by region reclaim.
     pub reclaimed: u64,
+    /// Reads and writes submitted and not yet completed.
+    pub in_flight: u64,
 }
 
 /// A finished SSD operation, for the shard to act on.
@@ -120,8 +123,12 @@ pub struct SsdStore {
     file: File,
     log: RegionLog,
     ring: SsdRing,
-    pending: HashMap<u64, Pending>,
+    /// Operations submitted and not yet completed, with when they were submitted.
+    pending: HashMap<u64, (Instant, Pending)>,
     stats: SsdStats,
+    /// Latencies of reads (promotions) and writes (demotions), submission to completion.
+    read_latency: LatencyHistogram,
+    write_latency: LatencyHistogram,
 }
 
 impl std::fmt::Debug for SsdStore {
@@ -261,7 +268,16 @@ impl SsdStore {
             records: log.len() as u64,
             ..SsdStats::default()
         };
-        let store = Self { path, file, log, ring, pending: HashMap::new(), stats };
+        let store = Self {
+            path,
+            file,
+            log,
+            ring,
+            pending: HashMap::new(),
+            stats,
+            read_latency: LatencyHistogram::default(),
+            write_latency: LatencyHistogram::default(),
+        };
         Ok((store, OpenReport { recovery, rebuilt, elapsed: started.elapsed() }))
     }
 
@@ -272,7 +288,17 @@ impl SsdStore {
 
     /// Counters.
     pub fn stats(&self) -> SsdStats {
-        SsdStats { used_bytes: self.log.used_bytes(), records: self.log.len() as u64, ..self.stats }
+        SsdStats {
+            used_bytes: self.log.used_bytes(),
+            records: self.log.len() as u64,
+            in_flight: self.pending.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Latencies of its reads and of its writes.
+    pub fn latencies(&self) -> (&LatencyHistogram, &LatencyHistogram) {
+        (&self.read_latency, &self.write_latency)
     }
 
     /// The SSD record of `key`, if any.
@@ -326,7 +352,7 @@ impl SsdStore {
             rounded,
         ) {
             Ok(id) => {
-                self.pending.insert(id, Pending::Demote(placement));
+                self.pending.insert(id, (Instant::now(), Pending::Demote(placement)));
                 Ok(())
             }
             Err(e) => {
@@ -356,7 +382,8 @@ impl SsdStore {
         ) {
             Ok(id) => {
                 self.log.pin(entry.region);
-                self.pending.insert(id, Pending::Promote { key, entry, slot_offset });
+                self.pending
+                    .insert(id, (Instant::now(), Pending::Promote { key, entry, slot_offset }));
                 true
             }
             Err(e) => {
@@ -372,9 +399,11 @@ impl SsdStore {
     pub fn poll(&mut self, slice: &ArenaSlice) -> Vec<SsdEvent> {
         let mut events = Vec::new();
         for c in self.ring.poll() {
-            let Some(op) = self.pending.remove(&c.id) else { continue };
+            let Some((submitted, op)) = self.pending.remove(&c.id) else { continue };
+            let took = submitted.elapsed().as_nanos() as u64;
             match op {
                 Pending::Demote(p) => {
+                    self.write_latency.record(took);
                     let ok = matches!(c.result, Ok(n) if n == RECORD_HEADER_BYTES + p.header.len.div_ceil(PAGE_SIZE) * PAGE_SIZE);
                     if ok {
                         self.log.complete_write(&p);
@@ -387,6 +416,7 @@ impl SsdStore {
                     events.push(SsdEvent::Demoted { key: p.header.key, stored: ok });
                 }
                 Pending::Promote { key, entry, slot_offset } => {
+                    self.read_latency.record(took);
                     self.log.unpin(entry.region);
                     let read_ok = matches!(c.result, Ok(n) if n >= entry.len);
                     let verified = read_ok

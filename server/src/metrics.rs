@@ -1,0 +1,575 @@
+//! What the server reports about itself, taken once per question ([`Sample`]) and shown two
+//! ways: the admin socket's `stats` and `health` (`orbitkv-ctl`), and the Prometheus
+//! exposition of `--metrics-addr` ([`http`]). Both read the same sample, so they agree.
+//!
+//! The shards keep their counters and latency histograms on their own cores; a sample asks
+//! each for a copy over its control queue (a few tens of microseconds of its loop), and
+//! everything else (merging, quantiles, encoding) runs on the thread that asked.
+
+pub(crate) mod http;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use orbitkv_gpu::dma::Direction;
+use orbitkv_proto::ErrorCode;
+use orbitkv_shards::{LatencyHistogram, OpKind};
+use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Unit;
+use serde_json::{json, Value};
+
+use crate::gpu::GpuService;
+use crate::shared::{ServeState, ShardSnapshot, Shared};
+
+/// How long a sample waits for a shard's answer before reporting it as not answering.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Upper bounds of the latency histograms' Prometheus buckets, in nanoseconds (1 us to 10 s).
+const BUCKETS_NS: [u64; 22] = [
+    1_000,
+    2_000,
+    5_000,
+    10_000,
+    20_000,
+    50_000,
+    100_000,
+    200_000,
+    500_000,
+    1_000_000,
+    2_000_000,
+    5_000_000,
+    10_000_000,
+    20_000_000,
+    50_000_000,
+    100_000_000,
+    200_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_000_000_000,
+    5_000_000_000,
+    10_000_000_000,
+];
+
+/// Refusals at a bound: the error codes that say "not now, too many" rather than "wrong".
+const REFUSALS: [ErrorCode; 3] = [ErrorCode::Busy, ErrorCode::LeaseLimit, ErrorCode::NoSpace];
+
+/// Everything the server reports, taken at one moment.
+#[derive(Debug)]
+pub(crate) struct Sample {
+    /// `serving`, `draining` or `drained` (no admitted write left, no reservation anywhere).
+    pub state: &'static str,
+    /// Writes admitted and not yet answered, counted just before the snapshots.
+    pub writes_admitted: u64,
+    /// Each shard's snapshot; None for a shard that did not answer in time.
+    pub shards: Vec<Option<ShardSnapshot>>,
+    /// Sessions open (or closing).
+    pub sessions: usize,
+    /// Sessions refused at the bootstrap.
+    pub refused_sessions: u64,
+    pub uptime_s: f64,
+    pub gpu: Option<Arc<GpuService>>,
+}
+
+impl Sample {
+    /// Takes a sample (waits up to 2 s for each shard).
+    pub fn take(shared: &Shared) -> Self {
+        let writes_admitted = shared.writes_admitted();
+        let shards = shared.snapshots(SNAPSHOT_TIMEOUT);
+        let state = match shared.state() {
+            ServeState::Serving => "serving",
+            ServeState::Draining if writes_admitted == 0 && shared.writes_settled(&shards) => {
+                "drained"
+            }
+            ServeState::Draining => "draining",
+        };
+        let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
+        Self {
+            state,
+            writes_admitted,
+            shards,
+            sessions,
+            refused_sessions: shared.refused_sessions.load(Ordering::Relaxed),
+            uptime_s: shared.started.elapsed().as_secs_f64(),
+            gpu: shared.gpu_service.get().cloned(),
+        }
+    }
+
+    /// The answering shards' snapshots with their ids.
+    fn answering(&self) -> impl Iterator<Item = (usize, &ShardSnapshot)> {
+        self.shards.iter().enumerate().filter_map(|(i, s)| Some((i, s.as_ref()?)))
+    }
+
+    /// Every shard's latencies of each kind merged: the server-wide view.
+    pub fn merged_latency(&self) -> Vec<(OpKind, LatencyHistogram)> {
+        let mut merged: Vec<(OpKind, LatencyHistogram)> = Vec::new();
+        for (_, s) in self.answering() {
+            for (op, h) in &s.stats.latency {
+                match merged.iter_mut().find(|(o, _)| o == op) {
+                    Some((_, m)) => m.merge(h),
+                    None => merged.push((*op, h.clone())),
+                }
+            }
+        }
+        merged.sort_by_key(|(op, _)| OpKind::ALL.iter().position(|o| o == op));
+        merged
+    }
+
+    /// Readiness and degradation.
+    pub fn health(&self) -> Health {
+        let all_answer = self.shards.iter().all(Option::is_some);
+        let ready = all_answer && self.state == "serving";
+        let reason = if !all_answer {
+            "a shard is not answering"
+        } else if !ready {
+            "not admitting new work (draining)"
+        } else {
+            "serving"
+        };
+        // Serving but impaired: reported, not fatal (DRAM keeps serving).
+        let mut degraded: Vec<String> = self
+            .answering()
+            .filter_map(|(i, s)| {
+                let errors = s.stats.ssd.map_or(0, |x| x.io_errors);
+                (errors > 0).then(|| format!("shard {i}: {errors} SSD I/O errors"))
+            })
+            .collect();
+        if let Some(g) = &self.gpu {
+            if g.checksums_distrusted() {
+                degraded.push(
+                    "GPU checksums failed a check: saves' checksums are computed on the shards \
+                     until the server restarts"
+                        .into(),
+                );
+            }
+            if g.threads_lost() > 0 {
+                degraded.push(format!(
+                    "{} GPU DMA thread(s) stopped after a panic: their GPU saves or loads fail \
+                     until the server restarts",
+                    g.threads_lost()
+                ));
+            }
+        }
+        Health { ready, state: self.state, reason, degraded }
+    }
+}
+
+/// Whether the server accepts engine work, and what is impaired.
+pub(crate) struct Health {
+    /// Accepting engine work: serving (not draining) and every shard answering.
+    pub ready: bool,
+    pub state: &'static str,
+    /// Why (not) ready, in words.
+    pub reason: &'static str,
+    /// Serving, but impaired: one line per problem.
+    pub degraded: Vec<String>,
+}
+
+impl Health {
+    /// The admin socket's `health` reply (`orbitkv-ctl health --json`), also `/readyz`'s body.
+    pub fn json(&self) -> Value {
+        json!({"ok": true, "ready": self.ready, "state": self.state, "reason": self.reason,
+               "degraded": self.degraded})
+    }
+}
+
+/// The Prometheus text exposition (OpenMetrics 1.0) of `sample`.
+pub(crate) fn exposition(sample: Sample) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Exposition(sample)));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// A sample as a collector: its metric families, encoded on each scrape (a registry and a
+/// sample are made per scrape).
+#[derive(Debug)]
+struct Exposition(Sample);
+
+type Labels = Vec<(&'static str, String)>;
+
+impl prometheus_client::collector::Collector for Exposition {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let mut out = Families(&mut encoder);
+        let s = &self.0;
+        server_families(&mut out, s)?;
+        shard_families(&mut out, s)?;
+        latency_families(&mut out, s)?;
+        if let Some(g) = &s.gpu {
+            gpu_families(&mut out, g)?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes metric families: a name, a help line, a type, then one value per label set.
+struct Families<'e, 'a>(&'e mut DescriptorEncoder<'a>);
+
+impl Families<'_, '_> {
+    fn family(
+        &mut self,
+        (name, help, unit): (&str, &str, Option<Unit>),
+        metric_type: MetricType,
+        write: impl FnOnce(&mut MetricEncoder<'_>) -> std::fmt::Result,
+    ) -> std::fmt::Result {
+        let mut m = self.0.encode_descriptor(name, help, unit.as_ref(), metric_type)?;
+        write(&mut m)
+    }
+
+    /// A counter (its name gets `_total`).
+    fn counter(
+        &mut self,
+        what: (&str, &str, Option<Unit>),
+        series: impl IntoIterator<Item = (Labels, u64)>,
+    ) -> std::fmt::Result {
+        self.family(what, MetricType::Counter, |m| {
+            for (labels, v) in series {
+                if labels.is_empty() {
+                    m.encode_counter::<NoLabelSet, u64, u64>(&v, None)?;
+                } else {
+                    m.encode_family(&labels)?.encode_counter::<NoLabelSet, u64, u64>(&v, None)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// A gauge.
+    fn gauge(
+        &mut self,
+        what: (&str, &str, Option<Unit>),
+        series: impl IntoIterator<Item = (Labels, f64)>,
+    ) -> std::fmt::Result {
+        self.family(what, MetricType::Gauge, |m| {
+            for (labels, v) in series {
+                if labels.is_empty() {
+                    m.encode_gauge(&v)?;
+                } else {
+                    m.encode_family(&labels)?.encode_gauge(&v)?;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+fn shard_label(id: usize) -> Labels {
+    vec![("shard", id.to_string())]
+}
+
+fn with(mut labels: Labels, key: &'static str, value: &str) -> Labels {
+    labels.push((key, value.to_string()));
+    labels
+}
+
+fn flag(b: bool) -> f64 {
+    if b {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+fn server_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
+    let health = s.health();
+    let one = |v: f64| vec![(Labels::new(), v)];
+    out.gauge(
+        ("orbitkv_ready", "1 when accepting engine work (serving, every shard answering).", None),
+        one(flag(health.ready)),
+    )?;
+    out.gauge(
+        (
+            "orbitkv_draining",
+            "1 while draining or drained (new sessions and writes refused).",
+            None,
+        ),
+        one(flag(s.state != "serving")),
+    )?;
+    out.gauge(
+        (
+            "orbitkv_degraded",
+            "Problems that impair serving without stopping it (see ctl health).",
+            None,
+        ),
+        one(health.degraded.len() as f64),
+    )?;
+    out.gauge(
+        ("orbitkv_uptime", "Time since the server started.", Some(Unit::Seconds)),
+        one(s.uptime_s),
+    )?;
+    out.gauge(
+        ("orbitkv_sessions", "Engine sessions open (or closing).", None),
+        one(s.sessions as f64),
+    )?;
+    out.counter(
+        (
+            "orbitkv_sessions_refused",
+            "Sessions refused at the bootstrap (limits, uid, draining).",
+            None,
+        ),
+        [(Labels::new(), s.refused_sessions)],
+    )?;
+    out.gauge(
+        ("orbitkv_writes_admitted", "Writes admitted and not yet answered.", None),
+        one(s.writes_admitted as f64),
+    )?;
+    out.gauge(
+        ("orbitkv_shard_up", "1 when the shard answered the scrape within 2 s.", None),
+        s.shards.iter().enumerate().map(|(i, x)| (shard_label(i), flag(x.is_some()))),
+    )
+}
+
+/// Per shard (and tier) counters and gauges, of the shards that answered.
+fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
+    let shards: Vec<(usize, &ShardSnapshot)> = s.answering().collect();
+    let per = |f: &dyn Fn(&ShardSnapshot) -> u64| -> Vec<(Labels, u64)> {
+        shards.iter().map(|(i, x)| (shard_label(*i), f(x))).collect()
+    };
+    let per_g = |f: &dyn Fn(&ShardSnapshot) -> u64| -> Vec<(Labels, f64)> {
+        shards.iter().map(|(i, x)| (shard_label(*i), f(x) as f64)).collect()
+    };
+    let tiers = |dram: &dyn Fn(&ShardSnapshot) -> u64,
+                 ssd: &dyn Fn(&ShardSnapshot) -> Option<u64>|
+     -> Vec<(Labels, f64)> {
+        let mut v = Vec::new();
+        for (i, x) in &shards {
+            v.push((with(shard_label(*i), "tier", "dram"), dram(x) as f64));
+            if let Some(n) = ssd(x) {
+                v.push((with(shard_label(*i), "tier", "ssd"), n as f64));
+            }
+        }
+        v
+    };
+    let tier_counts = |dram: &dyn Fn(&ShardSnapshot) -> u64,
+                       ssd: &dyn Fn(&ShardSnapshot) -> u64|
+     -> Vec<(Labels, u64)> {
+        let mut v = Vec::new();
+        for (i, x) in &shards {
+            v.push((with(shard_label(*i), "tier", "dram"), dram(x)));
+            if x.stats.ssd.is_some() {
+                v.push((with(shard_label(*i), "tier", "ssd"), ssd(x)));
+            }
+        }
+        v
+    };
+    out.counter(
+        ("orbitkv_hits", "Lookup keys found, by the tier that held them.", None),
+        tier_counts(&|x| x.stats.hits, &|x| x.stats.ssd_hits),
+    )?;
+    out.counter(
+        ("orbitkv_misses", "Lookup keys found in no tier.", None),
+        per(&|x| x.stats.misses),
+    )?;
+    out.counter(
+        (
+            "orbitkv_evictions",
+            "Chunks dropped to make room: from DRAM (demoted or gone), from SSD (region reclaim).",
+            None,
+        ),
+        tier_counts(&|x| x.stats.evictions, &|x| x.stats.ssd.map_or(0, |d| d.reclaimed)),
+    )?;
+    out.counter(
+        ("orbitkv_removals", "Chunks removed by explicit evict requests.", None),
+        per(&|x| x.stats.removals),
+    )?;
+    out.counter(
+        ("orbitkv_demotions", "Chunks written to SSD and dropped from DRAM.", None),
+        per(&|x| x.stats.demotions),
+    )?;
+    out.counter(
+        ("orbitkv_promotions", "Chunks read back from SSD into DRAM.", None),
+        per(&|x| x.stats.promotions),
+    )?;
+    out.counter(
+        (
+            "orbitkv_ssd_admission_rejections",
+            "DRAM victims the SSD admission filter turned away.",
+            None,
+        ),
+        per(&|x| x.stats.admission_rejections),
+    )?;
+    out.gauge(
+        (
+            "orbitkv_used",
+            "Bytes in use by tier (DRAM: allocated pages; SSD: regions holding records).",
+            Some(Unit::Bytes),
+        ),
+        tiers(&|x| x.stats.dram_used_bytes, &|x| x.stats.ssd.map(|d| d.used_bytes)),
+    )?;
+    out.gauge(
+        ("orbitkv_capacity", "Capacity by tier.", Some(Unit::Bytes)),
+        tiers(&|x| x.stats.dram_capacity_bytes, &|x| x.stats.ssd.map(|d| d.capacity_bytes)),
+    )?;
+    out.gauge(
+        ("orbitkv_entries", "Chunks held by tier (DRAM: visible chunks; SSD: records).", None),
+        tiers(&|x| x.stats.entries, &|x| x.stats.ssd.map(|d| d.records)),
+    )?;
+    out.counter(("orbitkv_commits", "Chunks committed.", None), per(&|x| x.stats.commits))?;
+    out.counter(
+        ("orbitkv_committed", "Bytes committed.", Some(Unit::Bytes)),
+        per(&|x| x.stats.bytes_committed),
+    )?;
+    out.gauge(("orbitkv_leases", "Leases held by engines.", None), per_g(&|x| x.stats.leases))?;
+    out.gauge(
+        ("orbitkv_reservations", "Reservations not yet committed or aborted.", None),
+        per_g(&|x| x.stats.reservations),
+    )?;
+    out.gauge(
+        ("orbitkv_namespaces", "Namespaces registered.", None),
+        per_g(&|x| x.stats.namespaces),
+    )?;
+    out.gauge(
+        ("orbitkv_shard_sessions", "Sessions homed on the shard.", None),
+        per_g(&|x| x.sessions),
+    )?;
+    out.gauge(
+        ("orbitkv_ssd_in_flight", "SSD reads and writes submitted and not yet completed.", None),
+        shards.iter().filter_map(|(i, x)| Some((shard_label(*i), x.stats.ssd?.in_flight as f64))),
+    )?;
+    let ssd = |f: &dyn Fn(&orbitkv_shards::ssd::store::SsdStats) -> u64| -> Vec<(Labels, u64)> {
+        shards.iter().filter_map(|(i, x)| Some((shard_label(*i), f(&x.stats.ssd?)))).collect()
+    };
+    out.counter(("orbitkv_ssd_reads", "SSD payload reads completed.", None), ssd(&|d| d.reads))?;
+    out.counter(("orbitkv_ssd_writes", "SSD record writes completed.", None), ssd(&|d| d.writes))?;
+    out.counter(
+        ("orbitkv_ssd_io_errors", "SSD reads or writes that failed with an I/O error.", None),
+        ssd(&|d| d.io_errors),
+    )?;
+    let code_series = |codes: &[ErrorCode], key: &'static str| -> Vec<(Labels, u64)> {
+        let mut v = Vec::new();
+        for (i, x) in &shards {
+            for c in codes {
+                let n = x.stats.errors.iter().find(|(e, _)| e == c).map_or(0, |(_, n)| *n);
+                v.push((with(shard_label(*i), key, c.as_str()), n));
+            }
+        }
+        v
+    };
+    out.counter(
+        (
+            "orbitkv_refusals",
+            "Requests or chunks refused at a bound: busy, lease_limit, no_space.",
+            None,
+        ),
+        code_series(&REFUSALS, "reason"),
+    )?;
+    out.counter(
+        ("orbitkv_errors", "Error replies and per-chunk failures, by code.", None),
+        code_series(&ErrorCode::ALL, "code"),
+    )?;
+    out.counter(
+        (
+            "orbitkv_rejected_requests",
+            "Requests rejected before execution (malformed, too large, draining, limits).",
+            None,
+        ),
+        per(&|x| x.rejected_requests),
+    )?;
+    out.counter(
+        ("orbitkv_dropped_replies", "Replies dropped because their client had gone.", None),
+        per(&|x| x.dropped_replies),
+    )?;
+    let mut sums = Vec::new();
+    for (i, x) in &shards {
+        sums.push((with(shard_label(*i), "source", "gpu"), x.stats.given_checksum_mismatches));
+        if let Some(d) = x.stats.ssd {
+            sums.push((with(shard_label(*i), "source", "ssd"), d.checksum_failures));
+        }
+    }
+    out.counter(
+        (
+            "orbitkv_checksum_failures",
+            "Chunks whose bytes failed their checksum (dropped, never served).",
+            None,
+        ),
+        sums,
+    )
+}
+
+/// The operations' latency histograms, per shard.
+fn latency_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
+    let help = "Latency of requests by their home shard (lookup, reserve, commit, release, save, \
+                load, other) and of the shard's SSD reads and writes.";
+    out.family(("orbitkv_op_latency", help, Some(Unit::Seconds)), MetricType::Histogram, |m| {
+        for (i, x) in s.answering() {
+            for (op, h) in &x.stats.latency {
+                let counts = h.bucket_counts(&BUCKETS_NS);
+                let buckets: Vec<(f64, u64)> = BUCKETS_NS
+                    .iter()
+                    .map(|&b| b as f64 / 1e9)
+                    .chain([f64::MAX])
+                    .zip(counts)
+                    .collect();
+                let labels = with(shard_label(i), "op", op.as_str());
+                m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                    h.sum_ns() as f64 / 1e9,
+                    h.count(),
+                    &buckets,
+                    None,
+                )?;
+            }
+        }
+        Ok(())
+    })
+}
+
+fn gpu_families(out: &mut Families<'_, '_>, g: &GpuService) -> std::fmt::Result {
+    let c = &g.counters;
+    let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let one = |v: f64| vec![(Labels::new(), v)];
+    let dir = |save: u64, load: u64| {
+        vec![
+            (vec![("direction", "save".to_string())], save),
+            (vec![("direction", "load".to_string())], load),
+        ]
+    };
+    out.gauge(("orbitkv_gpu_devices", "GPUs in use.", None), one(g.devices().len() as f64))?;
+    out.gauge(
+        ("orbitkv_gpu_registrations", "Engine GPU registrations.", None),
+        one(g.registrations() as f64),
+    )?;
+    out.counter(
+        ("orbitkv_gpu_jobs", "GPU copy jobs completed.", None),
+        dir(n(&c.saves), n(&c.loads)),
+    )?;
+    out.counter(
+        ("orbitkv_gpu", "Bytes copied between GPUs and the arena.", Some(Unit::Bytes)),
+        dir(n(&c.saved_bytes), n(&c.loaded_bytes)),
+    )?;
+    out.counter(
+        ("orbitkv_gpu_requests", "Save and load requests that queued at least one job.", None),
+        dir(n(&c.save_requests), n(&c.load_requests)),
+    )?;
+    out.counter(
+        ("orbitkv_gpu_failed_jobs", "GPU jobs that failed.", None),
+        [(Labels::new(), n(&c.failed_jobs))],
+    )?;
+    let fdir = |save: u64, load: u64| dir(save, load).into_iter().map(|(l, v)| (l, v as f64));
+    out.gauge(
+        ("orbitkv_gpu_jobs_in_flight", "GPU jobs on the device now.", None),
+        fdir(n(&c.save_in_flight), n(&c.load_in_flight)),
+    )?;
+    out.gauge(
+        ("orbitkv_gpu_jobs_queued", "GPU jobs waiting for their DMA thread.", None),
+        fdir(g.queued(Direction::Save) as u64, g.queued(Direction::Load) as u64),
+    )?;
+    out.family(
+        ("orbitkv_gpu_busy", "Time with at least one job on the device.", Some(Unit::Seconds)),
+        MetricType::Counter,
+        |m| {
+            for (way, ns) in [("save", n(&c.save_busy_ns)), ("load", n(&c.load_busy_ns))] {
+                let labels = vec![("direction", way.to_string())];
+                m.encode_family(&labels)?
+                    .encode_counter::<NoLabelSet, f64, f64>(&(ns as f64 / 1e9), None)?;
+            }
+            Ok(())
+        },
+    )?;
+    out.gauge(
+        ("orbitkv_gpu_threads_lost", "DMA threads stopped by a panic (their copies fail).", None),
+        one(g.threads_lost() as f64),
+    )
+}
