@@ -15,7 +15,37 @@ pub fn stats(v: &Value) -> String {
         gpu_lines(&mut out, &v["gpu_transfers"]);
     }
     render(&mut out, &shard_rows(v));
+    if let Some(rows) = latency_rows(&v["latency"]) {
+        out.push('\n');
+        render(&mut out, &rows);
+    }
     out
+}
+
+/// The server-wide latency table: one row per operation recorded (requests by kind, SSD reads
+/// and writes), None when nothing was.
+fn latency_rows(latency: &Value) -> Option<Vec<Vec<String>>> {
+    let ops = latency.as_object().filter(|o| !o.is_empty())?;
+    let mut rows: Vec<Vec<String>> = vec![["latency", "count", "p50", "p99", "p999", "max"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()];
+    for (op, l) in ops {
+        let mut row = vec![op.clone(), u64_of(l, "count").to_string()];
+        row.extend(["p50_ns", "p99_ns", "p999_ns", "max_ns"].map(|k| duration(u64_of(l, k))));
+        rows.push(row);
+    }
+    Some(rows)
+}
+
+/// Nanoseconds in the unit that reads best.
+fn duration(ns: u64) -> String {
+    match ns {
+        0..=999 => format!("{ns}ns"),
+        1_000..=999_999 => format!("{:.1}us", ns as f64 / 1e3),
+        1_000_000..=999_999_999 => format!("{:.2}ms", ns as f64 / 1e6),
+        _ => format!("{:.2}s", ns as f64 / 1e9),
+    }
 }
 
 /// The server's line: state, sessions, arena, uptime, pid.
@@ -219,6 +249,27 @@ mod tests {
         // Three cells of the row are sizes of two words each ("4.0 KiB", "512.0 MiB", "0 B").
         assert_eq!(header.len(), first.len() - 3, "{t}");
         assert_eq!(header.last(), Some(&"promoted"), "{t}");
+    }
+
+    #[test]
+    fn stats_table_has_the_latency_quantiles_of_each_operation() {
+        let v = serde_json::json!({
+            "state": "serving", "shards": [],
+            "latency": {
+                "lookup": {"count": 10, "p50_ns": 4200, "p99_ns": 950, "p999_ns": 2_500_000, "max_ns": 3_000_000_000u64},
+            }
+        });
+        let t = stats(&v);
+        let row = t.lines().find(|l| l.trim_start().starts_with("lookup")).expect("a lookup row");
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cells, ["lookup", "10", "4.2us", "950ns", "2.50ms", "3.00s"], "{t}");
+        assert!(
+            t.lines().any(|l| l.trim_start().starts_with("latency") && l.contains("p999")),
+            "{t}"
+        );
+        // No table when nothing was recorded.
+        let quiet = stats(&serde_json::json!({"state": "serving", "shards": [], "latency": {}}));
+        assert!(!quiet.contains("latency"), "{quiet}");
     }
 
     #[test]

@@ -282,3 +282,39 @@ pub struct ShardStats {
     /// and this shard's SSD operations.
     pub latency: Vec<(OpKind, LatencyHistogram)>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_count_each_value_once_at_its_bound() {
+        let mut h = LatencyHistogram::default();
+        for ns in [500, 1_000, 1_500, 40_000, 2_000_000, 90_000_000_000] {
+            h.record(ns);
+        }
+        let counts = h.bucket_counts(&[1_000, 10_000, 1_000_000]);
+        // 500 and 1000 at or below 1 us (1000 within the histogram's 1%), 1500 below 10 us,
+        // none up to 1 ms, two above (90 s counted as the 60 s ceiling).
+        assert_eq!(counts.iter().sum::<u64>(), 6);
+        assert_eq!(counts[0] + counts[1], 3);
+        assert_eq!(counts[2], 1);
+        assert_eq!(counts[3], 2);
+        assert_eq!(h.sum_ns(), 500 + 1_000 + 1_500 + 40_000 + 2_000_000 + 90_000_000_000);
+    }
+
+    #[test]
+    fn merged_histograms_give_the_quantiles_of_all_values() {
+        let (mut a, mut b) = (LatencyHistogram::default(), LatencyHistogram::default());
+        (1..=900).for_each(|i| a.record(i * 1_000));
+        (901..=1000).for_each(|i| b.record(i * 1_000));
+        a.merge(&b);
+        let s = a.summary();
+        assert_eq!(s.count, 1000);
+        let near = |got: u64, want: u64| got.abs_diff(want) * 100 <= want;
+        assert!(near(s.p50_ns, 500_000), "{s:?}");
+        assert!(near(s.p99_ns, 990_000), "{s:?}");
+        assert!(near(s.max_ns, 1_000_000), "{s:?}");
+        assert_eq!(LatencyHistogram::default().summary(), LatencySummary::default());
+    }
+}
