@@ -1,8 +1,10 @@
-//! Live counters for the once-a-second progress line on a terminal.
+//! Live counters for the progress bar of long runs on a terminal (off when stderr is not a
+//! terminal or `--json` is given).
 
-use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Counters the clients bump after each operation (outside the timed region).
 #[derive(Debug, Default)]
@@ -30,9 +32,21 @@ impl Progress {
     }
 }
 
-/// Sleeps until `end`; when `show` is set, rewrites a progress line on stderr every second.
+/// Sleeps until `end`; when `show` is set, shows a progress bar of the phase on stderr
+/// (indicatif), updated every second and cleared at the end.
 pub(crate) fn wait_until(end: Instant, phase: &str, progress: &Progress, show: bool) {
     let start = Instant::now();
+    let total_ms = end.saturating_duration_since(start).as_millis() as u64;
+    let bar = if show {
+        let bar = ProgressBar::with_draw_target(Some(total_ms), ProgressDrawTarget::stderr());
+        let style = ProgressStyle::with_template("{prefix:>6} {elapsed:>4} {bar:30} {msg}")
+            .expect("a valid template");
+        bar.set_style(style);
+        bar.set_prefix(phase.to_string());
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
     loop {
         let now = Instant::now();
         if now >= end {
@@ -40,22 +54,46 @@ pub(crate) fn wait_until(end: Instant, phase: &str, progress: &Progress, show: b
         }
         std::thread::sleep((end - now).min(Duration::from_secs(1)));
         if show {
-            let ops = progress.ops.load(Ordering::Relaxed);
-            let hits = progress.hits.load(Ordering::Relaxed);
-            let batches = progress.batches.load(Ordering::Relaxed);
-            let ratio = if ops == 0 { 0.0 } else { hits as f64 / ops as f64 };
-            let line = if phase == "lookup" {
-                format!("{batches} batches")
-            } else {
-                format!("{ops} ops, hit ratio {ratio:.3}")
-            };
-            let mut err = std::io::stderr().lock();
-            // Progress is cosmetic: a closed stderr must not stop the benchmark.
-            let _ = write!(err, "\r\x1b[K[{phase} {:>5.1}s] {line}", start.elapsed().as_secs_f64());
-            let _ = err.flush();
+            bar.set_position(start.elapsed().as_millis() as u64);
+            bar.set_message(progress.line(phase));
         }
     }
-    if show {
-        let _ = write!(std::io::stderr().lock(), "\r\x1b[K");
+    bar.finish_and_clear();
+}
+
+impl Progress {
+    /// What the bar says after the counters so far.
+    fn line(&self, phase: &str) -> String {
+        let ops = self.ops.load(Ordering::Relaxed);
+        let hits = self.hits.load(Ordering::Relaxed);
+        if phase == "lookup" {
+            format!("{} batches", self.batches.load(Ordering::Relaxed))
+        } else {
+            let ratio = if ops == 0 { 0.0 } else { hits as f64 / ops as f64 };
+            format!("{ops} ops, hit ratio {ratio:.3}")
+        }
     }
+}
+
+/// Runs `work`; when `show` is set, a spinner on stderr names the phase and counts its time
+/// against the `expected` length meanwhile (indicatif's ticker thread draws it).
+pub(crate) fn during<T>(
+    phase: &str,
+    expected: Duration,
+    show: bool,
+    work: impl FnOnce() -> T,
+) -> T {
+    if !show {
+        return work();
+    }
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template("{spinner} {prefix} {elapsed} of {msg}")
+        .expect("a valid template");
+    bar.set_style(style);
+    bar.set_prefix(phase.to_string());
+    bar.set_message(format!("{:.0}s", expected.as_secs_f64()));
+    bar.enable_steady_tick(Duration::from_millis(250));
+    let out = work();
+    bar.finish_and_clear();
+    out
 }

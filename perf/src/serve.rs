@@ -33,7 +33,7 @@ const LOOKUP_ARENA_SHARE: u64 = 4;
 const BASELINE: Duration = Duration::from_secs(1);
 /// Most keys per get (`--get-batch`): each client holds two value buffers per key.
 const MAX_GET_BATCH: u64 = 4096;
-/// Runs longer than this show a progress line on a terminal.
+/// Runs longer than this show a progress bar on a terminal (not with `--json`).
 const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 /// Most clients.
 const MAX_CLIENTS: usize = 4096;
@@ -296,7 +296,7 @@ fn run_phases(
     // again after the run).
     let before = Yardstick::measure(plan.value_size);
     let phases = if plan.lookup.is_some() { 2 } else { 1 };
-    let show = std::io::stderr().is_terminal() && a.duration * phases > PROGRESS_AFTER;
+    let show = !a.json && std::io::stderr().is_terminal() && a.duration * phases > PROGRESS_AFTER;
     let evictions_before = facts.and_then(|_| admin::facts(socket).ok());
 
     let main_start = Instant::now();

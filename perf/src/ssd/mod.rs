@@ -8,10 +8,13 @@ mod report;
 
 pub(crate) use report::SsdReport;
 
+use std::io::IsTerminal;
+
 use orbitkv_shards::PAGE_SIZE;
 
 use crate::args::SsdArgs;
 use crate::error::{invalid, Error};
+use crate::progress;
 use crate::report::OpSummary;
 use drive::DriveConfig;
 
@@ -72,7 +75,11 @@ fn check(a: &SsdArgs) -> Result<DriveConfig, Error> {
 pub(crate) fn run(a: &SsdArgs) -> Result<SsdReport, Error> {
     let cfg = check(a)?;
     let test_file = file::prepare(&a.dir, a.file_size)?;
-    let r = drive::drive(&test_file.direct, &test_file.path, &cfg)?;
+    // A bar on a terminal while each part runs (not with --json).
+    let show = !a.json && std::io::stderr().is_terminal();
+    let r = progress::during("SsdRing", a.duration, show, || {
+        drive::drive(&test_file.direct, &test_file.path, &cfg)
+    })?;
     drop(test_file.direct);
 
     let fio_bin = if a.no_fio {
@@ -87,7 +94,9 @@ pub(crate) fn run(a: &SsdArgs) -> Result<SsdReport, Error> {
     };
     let (fio, fio_error) = match fio_bin {
         None => (None, None),
-        Some(bin) => match fio::run(&bin, &cfg, &test_file.path) {
+        Some(bin) => match progress::during("fio", a.duration, show, || {
+            fio::run(&bin, &cfg, &test_file.path)
+        }) {
             Ok(f) => (Some(f), None),
             Err(e) => {
                 eprintln!("orbitkv-perf: note: no fio baseline: {e}");
