@@ -47,6 +47,7 @@ pub(crate) fn serve(listener: TcpListener, shared: Arc<Shared>) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(SAMPLERS)
+        .thread_name("orbitkv-sample")
         .build();
     let runtime = match runtime {
         Ok(r) => r,
