@@ -224,8 +224,10 @@ fn the_shipped_config_file_states_the_defaults() {
     let c: ServerConfig = toml::from_str(include_str!("../../../deploy/orbitkv.toml"))
         .expect("deploy/orbitkv.toml: a key the server no longer knows?");
     c.validate().expect("deploy/orbitkv.toml validates");
-    // Everything but the arena's size (a host's choice) is the default.
-    assert_eq!(ServerConfig { dram: ServerConfig::default().dram, ..c }, ServerConfig::default());
+    // Everything but the arena's size and the metrics listener (a host's choices) is the
+    // default.
+    let d = ServerConfig::default();
+    assert_eq!(ServerConfig { dram: d.dram, metrics_addr: d.metrics_addr, ..c }, d);
 }
 
 #[cfg(feature = "failpoints")]
@@ -233,4 +235,196 @@ fn the_shipped_config_file_states_the_defaults() {
 fn fault_injection_is_an_option_of_failpoints_builds() {
     let c = flags(&["--ssd-inject-latency", "5ms", "--ssd-inject-errors-every", "3"]).unwrap();
     assert_eq!(c.ssd_faults(), (Duration::from_millis(5), 3));
+}
+
+/// The reference of every option, read by the tests below.
+const REFERENCE: &str = include_str!("../../../docs/configuration.md");
+
+/// The fault injection flags of `failpoints` builds, documented in every build.
+const FAULT_FLAGS: [&str; 2] = ["--ssd-inject-latency", "--ssd-inject-errors-every"];
+
+/// Whether `text` names `word` on its own: not as the start of a longer flag or key (`--ssd`
+/// in `--ssd-dir`).
+fn names(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(at, _)| {
+        let next = text[at + word.len()..].chars().next();
+        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
+}
+
+/// The reference's table row of the long flag `flag`: the one line that starts with it.
+fn row(flag: &str) -> &'static str {
+    let rows: Vec<&str> = REFERENCE
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("| `")
+                .and_then(|l| l.strip_prefix(flag))
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('`'))
+        })
+        .collect();
+    assert_eq!(rows.len(), 1, "docs/configuration.md: one table row for {flag}: {rows:?}");
+    rows[0]
+}
+
+/// A configuration with every option that has no value by default set, so that its TOML
+/// (what `--print-config` prints) has every key.
+fn every_key_set() -> ServerConfig {
+    flags(&[
+        "--socket",
+        "/run/orbitkv/test.sock",
+        "--metrics-addr",
+        "127.0.0.1:9464",
+        "--ssd-dir",
+        "/var/lib/orbitkv",
+        "--gpu-staging-depth",
+        "3",
+        "--allow-uid",
+        "1000",
+    ])
+    .unwrap()
+}
+
+/// The long flags of this build's command line (without `--help` and `--version`).
+fn long_flags() -> Vec<String> {
+    Args::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long())
+        .filter(|l| !matches!(*l, "help" | "version"))
+        .map(|l| format!("--{l}"))
+        .collect()
+}
+
+/// The fault injection flags this build lacks (documented all the same).
+fn fault_flags_not_built() -> Vec<String> {
+    let missing: &[&str] = if cfg!(feature = "failpoints") { &[] } else { &FAULT_FLAGS };
+    missing.iter().map(|f| f.to_string()).collect()
+}
+
+#[test]
+fn the_reference_documents_every_flag_and_key() {
+    let built = long_flags();
+    for flag in ["--config", "--print-config", "--metrics-addr", "--no-pin", "--no-lock-arena"] {
+        assert!(built.iter().any(|l| l == flag), "{flag} is not a flag: {built:?}");
+    }
+    // Test-only flags: real in the builds that have them, documented in every build.
+    #[cfg(feature = "failpoints")]
+    for flag in FAULT_FLAGS {
+        assert!(built.iter().any(|l| l == flag), "{flag} is not a flag of failpoints builds");
+    }
+    for flag in built.iter().chain(&fault_flags_not_built()) {
+        assert!(names(REFERENCE, flag), "docs/configuration.md does not name {flag}");
+        let _ = row(flag);
+    }
+
+    // Every key of the printed configuration: one per option, --config and --print-config
+    // aside (flags only).
+    let printed = toml::Table::try_from(every_key_set()).unwrap();
+    assert_eq!(printed.len(), built.len() - 2, "{printed:?}");
+    let test_only: Vec<String> =
+        fault_flags_not_built().iter().map(|f| f.trim_start_matches('-').to_string()).collect();
+    for key in printed.keys().chain(&test_only) {
+        assert!(
+            REFERENCE.contains(&format!("`{key}`")),
+            "docs/configuration.md does not name the key `{key}`"
+        );
+    }
+}
+
+/// Each option's row states, in its default column, the default the code has (what
+/// `--print-config` prints).
+#[test]
+fn the_reference_states_each_default() {
+    let defaults = toml::Table::try_from(ServerConfig::default()).unwrap();
+    let mut checked = 0;
+    for arg in Args::command().get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        let key = arg.get_id().as_str().replace('_', "-");
+        let Some(value) = defaults.get(&key) else { continue };
+        let line = row(&format!("--{long}"));
+        // | flag / key | meaning | default | unit, range |
+        let cells: Vec<&str> = line.split(" | ").collect();
+        assert_eq!(cells.len(), 4, "--{long}: {line}");
+        let cell = cells[2];
+        let stated = match value {
+            toml::Value::String(s) => cell.contains(&format!("`{s}`")),
+            toml::Value::Integer(n) => cell.split_whitespace().next() == Some(&n.to_string()),
+            toml::Value::Boolean(b) => cell.contains(&format!("{b}`")),
+            toml::Value::Array(a) => a.is_empty() && cell.contains("`[]`"),
+            other => panic!("--{long}: a default of an unexpected type: {other}"),
+        };
+        assert!(stated, "--{long}: the default {value} is not in its row's default: {cell}");
+        checked += 1;
+    }
+    assert!(checked >= 25, "{checked} defaults checked");
+}
+
+/// What `--print-config` prints (`toml::to_string`, as main does) is a config file that gives
+/// the same configuration, and prints the same again.
+#[test]
+fn print_config_output_round_trips_through_a_file() {
+    let mut argv = vec![
+        "--socket",
+        "/run/orbitkv/test.sock",
+        "--metrics-addr",
+        "[::1]:9464",
+        "--shards",
+        "3",
+        "--dram",
+        "1000",
+        "--no-pin",
+        "--no-lock-arena",
+        "--allow-uid",
+        "7",
+        "--allow-uid",
+        "8",
+        "--max-chunk-size",
+        "1.5GiB",
+        "--spin-window",
+        "1500ns",
+        "--drain-timeout",
+        "1.5s",
+        "--ssd-dir",
+        "/var/lib/orbitkv",
+        "--ssd",
+        "2GB",
+        "--ssd-region-size",
+        "128KiB",
+        "--gpu",
+        "off",
+        "--gpu-staging-depth",
+        "3",
+        "--gpu-copy",
+        "batched",
+        "--gpu-checksums",
+        "verify",
+        "--gpu-timeline",
+    ];
+    if cfg!(feature = "failpoints") {
+        argv.extend(["--ssd-inject-latency", "250us", "--ssd-inject-errors-every", "5"]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("printed.toml");
+    let file = path.to_str().unwrap();
+    for (what, config) in [
+        ("defaults", ServerConfig::default()),
+        ("every key", every_key_set()),
+        ("non-defaults", flags(&argv).unwrap()),
+        ("a v4 metrics address", flags(&["--metrics-addr", "0.0.0.0:9100"]).unwrap()),
+    ] {
+        let printed = toml::to_string(&config).unwrap();
+        std::fs::write(&path, &printed).unwrap();
+        let read = flags(&["--config", file]).unwrap();
+        assert_eq!(read, config, "{what}: {printed}");
+        assert_eq!(toml::to_string(&read).unwrap(), printed, "{what}");
+    }
+    let c = flags(&argv).unwrap();
+    let printed = toml::to_string(&c).unwrap();
+    assert!(printed.contains("metrics-addr = \"[::1]:9464\""), "{printed}");
+    assert_eq!(c.metrics_addr, Some("[::1]:9464".parse().unwrap()));
+    // The whole command line, file then flags, is what --print-config reports.
+    let (c, print) = from_command_line(["orbitkv-server", "--config", file, "--print-config"])
+        .map_err(|e| e.to_string())
+        .unwrap();
+    assert!(print);
+    assert_eq!(c.metrics_addr, Some("0.0.0.0:9100".parse().unwrap()));
 }
