@@ -6,6 +6,7 @@
 //! slots unless `--slots in-order`, one chunk per slot) into the CUDA-registered arena; load scatters them back. Before
 //! each measured series the destination is scribbled over, after it every byte is compared.
 
+use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,7 @@ use crate::args::{DmaArgs, DtypeArg, LayoutArg, SlotOrderArg, StrategyArg};
 use crate::dma_interference::{EngineSide, InterferenceResult, MatmulLoop, Windows};
 use crate::dma_server::median;
 use crate::error::Error;
+use crate::progress;
 use crate::report::Report;
 
 /// One strategy's series in one direction.
@@ -1453,11 +1455,15 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         .transpose()?;
     let (info, ctx) = open_device(a)?;
     let (mut bench, register_ms) = bench(a, &ctx, layout)?;
-    let measured = if a.socket.is_some() {
-        run_served(a, &mut bench, &ctx, &info, barrier.as_ref())?
-    } else {
-        run_local(a, &mut bench, &ctx)?
-    };
+    // A spinner on a terminal while the series run (not with --json).
+    let show = !a.json && std::io::stderr().is_terminal();
+    let measured = progress::during(&format!("dma {layout_name}"), None, show, || {
+        if a.socket.is_some() {
+            run_served(a, &mut bench, &ctx, &info, barrier.as_ref())
+        } else {
+            run_local(a, &mut bench, &ctx)
+        }
+    })?;
     let (pieces, bytes) = (bench.pieces.len(), bench.bytes);
     // The copy engines and every transfer are done; the registration goes with the bench.
     drop(bench);

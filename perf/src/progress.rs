@@ -76,10 +76,10 @@ impl Progress {
 }
 
 /// Runs `work`; when `show` is set, a spinner on stderr names the phase and counts its time
-/// against the `expected` length meanwhile (indicatif's ticker thread draws it).
+/// (against the `expected` length, when known) meanwhile (indicatif's ticker thread draws it).
 pub(crate) fn during<T>(
     phase: &str,
-    expected: Duration,
+    expected: Option<Duration>,
     show: bool,
     work: impl FnOnce() -> T,
 ) -> T {
@@ -87,11 +87,15 @@ pub(crate) fn during<T>(
         return work();
     }
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template("{spinner} {prefix} {elapsed} of {msg}")
-        .expect("a valid template");
-    bar.set_style(style);
+    let template = match expected {
+        Some(_) => "{spinner} {prefix} {elapsed} of {msg}",
+        None => "{spinner} {prefix} {elapsed}",
+    };
+    bar.set_style(ProgressStyle::with_template(template).expect("a valid template"));
     bar.set_prefix(phase.to_string());
-    bar.set_message(format!("{:.0}s", expected.as_secs_f64()));
+    if let Some(e) = expected {
+        bar.set_message(format!("{:.0}s", e.as_secs_f64()));
+    }
     bar.enable_steady_tick(Duration::from_millis(250));
     let out = work();
     bar.finish_and_clear();

@@ -77,7 +77,7 @@ pub(crate) fn run(a: &SsdArgs) -> Result<SsdReport, Error> {
     let test_file = file::prepare(&a.dir, a.file_size)?;
     // A bar on a terminal while each part runs (not with --json).
     let show = !a.json && std::io::stderr().is_terminal();
-    let r = progress::during("SsdRing", a.duration, show, || {
+    let r = progress::during("SsdRing", Some(a.duration), show, || {
         drive::drive(&test_file.direct, &test_file.path, &cfg)
     })?;
     drop(test_file.direct);
@@ -94,7 +94,7 @@ pub(crate) fn run(a: &SsdArgs) -> Result<SsdReport, Error> {
     };
     let (fio, fio_error) = match fio_bin {
         None => (None, None),
-        Some(bin) => match progress::during("fio", a.duration, show, || {
+        Some(bin) => match progress::during("fio", Some(a.duration), show, || {
             fio::run(&bin, &cfg, &test_file.path)
         }) {
             Ok(f) => (Some(f), None),
