@@ -70,6 +70,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Cluster mode: this node's membership and the members with their epochs (exit 1 when
+    /// the cluster is unavailable or the server is standalone).
+    Peers {
+        /// Print the server's JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Offline tools for the SSD tier's files (run on a stopped server's --ssd-dir).
     Ssd {
         #[command(subcommand)]
@@ -141,6 +148,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Evict { namespace, all: _, json } => evict(admin, namespace, json),
+        Command::Peers { json } => peers(admin, json),
         Command::Sessions { json } => {
             let v = admin.call("sessions")?;
             if json {
@@ -182,6 +190,15 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
         } else {
             println!("ready (degraded: {})", degraded.join("; "));
         }
+        // Cluster mode: reported apart; local work does not depend on it.
+        let c = &v["cluster"];
+        if c.is_object() && c["available"] != true {
+            println!(
+                "cluster {}: {}",
+                c["state"].as_str().unwrap_or("?"),
+                c["reason"].as_str().unwrap_or("")
+            );
+        }
     } else {
         println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
     }
@@ -220,6 +237,17 @@ fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, String> {
         std::thread::sleep(Duration::from_millis(50));
         v = admin.call("stats")?;
     }
+}
+
+/// `peers`: exit 0 while the cluster is available, 1 otherwise.
+fn peers(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
+    let v = admin.call("peers")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
+    } else {
+        print!("{}", table::peers(&v));
+    }
+    Ok(if v["available"] == true { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 /// `evict`: one namespace, or everything when `namespace` is None.

@@ -184,6 +184,38 @@ fn row(first: String, core: String, n: &[u64; COLS]) -> Vec<String> {
     r
 }
 
+/// The `peers` table: this node's membership, then one row per member.
+pub fn peers(v: &Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "cluster {}  node {}  epoch {}  {}{}",
+        v["cluster"].as_str().unwrap_or("?"),
+        v["node_id"].as_str().unwrap_or("?"),
+        v["epoch"].as_u64().map_or("-".into(), |e| e.to_string()),
+        v["state"].as_str().unwrap_or("?"),
+        match v["reason"].as_str() {
+            Some(r) if !r.is_empty() => format!(": {r}"),
+            _ => String::new(),
+        }
+    );
+    let mut rows = vec![["node", "epoch", "peer address", "shards", "pid"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()];
+    for m in v["members"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        rows.push(vec![
+            m["node_id"].as_str().unwrap_or("?").to_string(),
+            u64_of(m, "epoch").to_string(),
+            m["peer_addr"].as_str().unwrap_or("?").to_string(),
+            u64_of(m, "shards").to_string(),
+            u64_of(m, "pid").to_string(),
+        ]);
+    }
+    render(&mut out, &rows);
+    out
+}
+
 /// The `sessions` table.
 pub fn sessions(v: &Value) -> String {
     let mut rows = vec![["id", "pid", "uid", "shard", "name"]

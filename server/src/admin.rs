@@ -1,7 +1,8 @@
 //! The admin socket (`<socket>.admin`): one JSON request line, one JSON response line.
 //!
 //! Commands: `{"cmd":"health"}`, `{"cmd":"stats"}`, `{"cmd":"drain"}`, `{"cmd":"resume"}`,
-//! `{"cmd":"sessions"}`, `{"cmd":"evict","namespace":ID}` or `{"cmd":"evict","all":true}`.
+//! `{"cmd":"sessions"}`, `{"cmd":"peers"}`, `{"cmd":"evict","namespace":ID}` or
+//! `{"cmd":"evict","all":true}`.
 //! Unknown or malformed input gets `{"ok":false,"error":...}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -81,6 +82,16 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
         "evict" => evict(request, shared),
         "health" => Sample::take(shared).health().json(),
         "stats" => stats(shared),
+        "peers" => match shared.cluster.get() {
+            Some(c) => {
+                let mut v = crate::metrics::cluster_json(&c.status());
+                v["ok"] = json!(true);
+                v
+            }
+            None => {
+                json!({"ok": false, "error": "standalone: this server is not in a cluster (no --etcd)"})
+            }
+        },
         "drain" => {
             shared.set_state(ServeState::Draining);
             tracing::info!("draining: new sessions and writes are refused");

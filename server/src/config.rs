@@ -67,6 +67,29 @@ pub struct ServerConfig {
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Cluster mode: etcd endpoints, comma-separated (`http://10.0.0.5:2379,...`). Without
+    /// it the server is standalone. Default: none.
+    #[arg(long, value_name = "URLS", value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub etcd: Vec<String>,
+    /// Cluster mode: the cluster's name (letters, digits, `.`, `_`, `-`; at most 64).
+    /// Default: orbitkv.
+    #[arg(long, value_name = "NAME", default_value = "orbitkv", hide_default_value = true)]
+    pub cluster: String,
+    /// Cluster mode: this node's id, unique in the cluster (letters, digits, `.`, `_`, `-`; at
+    /// most 64). Default: the host name.
+    #[arg(long, value_name = "ID")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// Cluster mode: the address peers reach this node at (required with --etcd).
+    /// Default: none.
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_addr: Option<std::net::SocketAddr>,
+    /// Cluster mode: the TTL of this node's member key in etcd: a node that stops leaves the
+    /// membership at most this long after (1s-300s). Default: 10s.
+    #[arg(long, value_name = "DUR", default_value = "10s", hide_default_value = true)]
+    pub cluster_lease_ttl: Span,
     /// Shard executors, one pinned core each; 0 = one per CPU minus one (left for the
     /// engines, control and DMA threads), at least 1. Default: 0.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
@@ -296,6 +319,8 @@ pub struct Settings {
     pub drain_timeout: Duration,
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
+    /// Cluster mode, when configured.
+    pub cluster: Option<orbitkv_peer::ClusterConfig>,
     /// GPU staging bytes per DMA thread and device.
     pub gpu_staging_bytes: u64,
     /// Bytes of chunks per GPU copy job.
@@ -413,8 +438,10 @@ impl ServerConfig {
         }
         let ssd = self.validate_ssd(shards)?;
         let (gpu_staging_bytes, gpu_job_bytes, gpu_staging_depth) = self.validate_gpu()?;
+        let cluster = self.validate_cluster(shards)?;
         Ok(Settings {
             ssd,
+            cluster,
             config: self.clone(),
             socket,
             shards,
@@ -427,6 +454,69 @@ impl ServerConfig {
             gpu_job_bytes,
             gpu_staging_depth,
         })
+    }
+
+    /// Cluster mode's settings, with `--etcd`; the cluster flags without it are an error.
+    fn validate_cluster(
+        &self,
+        shards: usize,
+    ) -> Result<Option<orbitkv_peer::ClusterConfig>, ConfigError> {
+        let name_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        };
+        if !name_ok(&self.cluster) {
+            return Err(invalid(
+                "--cluster",
+                format!("{:?}: use 1-64 letters, digits, '.', '_' or '-'", self.cluster),
+            ));
+        }
+        let ttl = self.cluster_lease_ttl.duration();
+        if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&ttl) {
+            return Err(invalid("--cluster-lease-ttl", "must be 1s to 300s"));
+        }
+        if self.etcd.is_empty() {
+            for (flag, set) in
+                [("--node-id", self.node_id.is_some()), ("--peer-addr", self.peer_addr.is_some())]
+            {
+                if set {
+                    return Err(invalid(flag, "is for cluster mode: give --etcd too"));
+                }
+            }
+            return Ok(None);
+        }
+        if let Some(bad) =
+            self.etcd.iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+        {
+            return Err(invalid("--etcd", format!("{bad:?}: give endpoints as http://HOST:PORT")));
+        }
+        let node_id = match &self.node_id {
+            Some(id) => id.clone(),
+            None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default(),
+        };
+        if !name_ok(&node_id) {
+            return Err(invalid(
+                "--node-id",
+                format!("{node_id:?}: use 1-64 letters, digits, '.', '_' or '-'"),
+            ));
+        }
+        let Some(peer_addr) = self.peer_addr else {
+            return Err(invalid(
+                "--peer-addr",
+                "cluster mode (--etcd) needs the address peers reach this node at",
+            ));
+        };
+        Ok(Some(orbitkv_peer::ClusterConfig {
+            etcd: self.etcd.clone(),
+            cluster: self.cluster.clone(),
+            node_id,
+            peer_addr,
+            shards,
+            lease_ttl: ttl,
+        }))
     }
 
     /// The shard count (0: one per CPU minus one) and the arena's bytes (whole pages per

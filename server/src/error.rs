@@ -25,6 +25,9 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// Joining the cluster was refused (`--node-id` held, bad `--etcd`).
+    #[error(transparent)]
+    Cluster(#[from] orbitkv_peer::JoinError),
     /// A live server answers on the socket.
     #[error("another server is already serving on {}", .0.display())]
     AlreadyServing(PathBuf),

@@ -154,6 +154,11 @@ fn io_memory_per_ring(shards: usize) -> usize {
     (per / 4096 * 4096) as usize
 }
 
+/// How long the start waits for the first attempt to join the cluster.
+const CLUSTER_JOIN_WAIT: Duration = Duration::from_secs(5);
+/// How long the shutdown waits for the member key's removal.
+const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
+
 fn run(settings: Settings) -> Result<(), StartError> {
     let started = Instant::now();
     let socket = settings.socket.clone();
@@ -167,6 +172,12 @@ fn run(settings: Settings) -> Result<(), StartError> {
             metrics::http::bind(addr).map_err(|source| StartError::Metrics { addr, source })
         })
         .transpose()?;
+    // Cluster mode: join before serving (a node id held by a live member stops the start; an
+    // etcd that does not answer does not: the server serves locally and keeps trying).
+    let cluster = match &settings.cluster {
+        Some(cfg) => Some(orbitkv_peer::Cluster::start(cfg.clone(), CLUSTER_JOIN_WAIT)?),
+        None => None,
+    };
     let shards = settings.shards;
     let gpu = resolve_gpu(&settings)?;
     let arena = Arc::new(
@@ -193,6 +204,9 @@ fn run(settings: Settings) -> Result<(), StartError> {
         ipc.clone(),
         service_prefix,
     );
+    if let Some(c) = cluster {
+        let _ = shared.cluster.set(c);
+    }
     // GPU save/load needs the arena registered with CUDA.
     if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(host)) =
         (&shared.gpu, &registration)
@@ -221,6 +235,9 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
     tracing::info!(signal, "shutting down: draining");
     drain(&settings, &shared);
+    if let Some(c) = shared.cluster.get() {
+        c.leave(CLUSTER_LEAVE_WAIT);
+    }
     // Remove the sockets first so no new client finds a dying server.
     let _ = std::fs::remove_file(&socket);
     let _ = std::fs::remove_file(&admin);

@@ -70,6 +70,8 @@ pub(crate) struct Sample {
     pub refused_sessions: u64,
     pub uptime_s: f64,
     pub gpu: Option<Arc<GpuService>>,
+    /// Cluster membership, in cluster mode.
+    pub cluster: Option<orbitkv_peer::Status>,
 }
 
 impl Sample {
@@ -93,6 +95,7 @@ impl Sample {
             refused_sessions: shared.refused_sessions.load(Ordering::Relaxed),
             uptime_s: shared.started.elapsed().as_secs_f64(),
             gpu: shared.gpu_service.get().cloned(),
+            cluster: shared.cluster.get().map(|c| c.status()),
         }
     }
 
@@ -151,7 +154,8 @@ impl Sample {
                 ));
             }
         }
-        Health { ready, state: self.state, reason, degraded }
+        let cluster = self.cluster.as_ref().map(cluster_json);
+        Health { ready, state: self.state, reason, degraded, cluster }
     }
 }
 
@@ -164,14 +168,42 @@ pub(crate) struct Health {
     pub reason: &'static str,
     /// Serving, but impaired: one line per problem.
     pub degraded: Vec<String>,
+    /// Cluster mode: membership, reported apart from local readiness.
+    pub cluster: Option<Value>,
 }
 
 impl Health {
     /// The admin socket's `health` reply (`orbitkv-ctl health --json`), also `/readyz`'s body.
     pub fn json(&self) -> Value {
-        json!({"ok": true, "ready": self.ready, "state": self.state, "reason": self.reason,
-               "degraded": self.degraded})
+        let mut v = json!({"ok": true, "ready": self.ready, "state": self.state,
+                           "reason": self.reason, "degraded": self.degraded});
+        if let Some(c) = &self.cluster {
+            v["cluster"] = c.clone();
+        }
+        v
     }
+}
+
+/// Cluster membership as `health` and `peers` show it: `available` (joined), the state's
+/// name and reason, this node's id and epoch, and the members.
+pub(crate) fn cluster_json(s: &orbitkv_peer::Status) -> Value {
+    use orbitkv_peer::State;
+    let (state, reason) = match &s.state {
+        State::Joining => ("joining", String::new()),
+        State::Joined => ("joined", String::new()),
+        State::Unavailable(why) => ("unavailable", why.clone()),
+        State::Conflict(why) => ("conflict", format!("node id held by {why}")),
+    };
+    json!({
+        "available": s.state == State::Joined,
+        "state": state,
+        "reason": reason,
+        "since_s": s.since.elapsed().as_secs_f64(),
+        "cluster": s.cluster,
+        "node_id": s.node_id,
+        "epoch": s.epoch,
+        "members": s.members,
+    })
 }
 
 /// The Prometheus text exposition (OpenMetrics 1.0) of `sample`.
@@ -200,6 +232,9 @@ impl prometheus_client::collector::Collector for Exposition {
         latency_families(&mut out, s)?;
         if let Some(g) = &s.gpu {
             gpu_families(&mut out, g)?;
+        }
+        if let Some(c) = &s.cluster {
+            cluster_families(&mut out, c)?;
         }
         Ok(())
     }
@@ -571,5 +606,25 @@ fn gpu_families(out: &mut Families<'_, '_>, g: &GpuService) -> std::fmt::Result 
     out.gauge(
         ("orbitkv_gpu_threads_lost", "DMA threads stopped by a panic (their copies fail).", None),
         one(g.threads_lost() as f64),
+    )
+}
+
+fn cluster_families(out: &mut Families<'_, '_>, c: &orbitkv_peer::Status) -> std::fmt::Result {
+    let one = |v: f64| vec![(Labels::new(), v)];
+    out.gauge(
+        ("orbitkv_cluster_available", "1 while this node holds its membership in etcd.", None),
+        one(flag(c.state == orbitkv_peer::State::Joined)),
+    )?;
+    out.gauge(
+        (
+            "orbitkv_cluster_members",
+            "Members of the cluster as last read (this one included).",
+            None,
+        ),
+        one(c.members.len() as f64),
+    )?;
+    out.gauge(
+        ("orbitkv_cluster_epoch", "This node's epoch (incremented at every start).", None),
+        one(c.epoch.unwrap_or(0) as f64),
     )
 }

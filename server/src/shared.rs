@@ -116,6 +116,8 @@ pub struct Shared {
     pub doorbells: Arc<Doorbells>,
     /// GPU save/load, when a GPU is in use (set once at start).
     pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
+    /// Cluster membership, in cluster mode (`--etcd`).
+    pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
     /// What `--gpu` found (None with `--gpu off`).
     pub gpu: Option<orbitkv_gpu::Probe>,
     /// Open sessions.
@@ -151,6 +153,7 @@ impl Shared {
             shard_tx,
             doorbells,
             gpu_service: OnceLock::new(),
+            cluster: OnceLock::new(),
             gpu,
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),

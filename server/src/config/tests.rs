@@ -280,6 +280,12 @@ fn every_key_set() -> ServerConfig {
         "3",
         "--allow-uid",
         "1000",
+        "--etcd",
+        "http://127.0.0.1:2379",
+        "--node-id",
+        "n1",
+        "--peer-addr",
+        "127.0.0.1:7000",
     ])
     .unwrap()
 }

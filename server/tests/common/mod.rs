@@ -1,6 +1,8 @@
 //! Helpers for scenario tests: start the real `orbitkv-server` on a temporary socket.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
