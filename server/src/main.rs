@@ -164,20 +164,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let socket = settings.socket.clone();
     let admin = admin_socket_path(&socket);
     claim_socket(&socket)?;
-    // Bound before anything starts: an address in use stops the server at once.
-    let metrics_listener = settings
-        .config
-        .metrics_addr
-        .map(|addr| {
-            metrics::http::bind(addr).map_err(|source| StartError::Metrics { addr, source })
-        })
-        .transpose()?;
-    // Cluster mode: join before serving (a node id held by a live member stops the start; an
-    // etcd that does not answer does not: the server serves locally and keeps trying).
-    let cluster = match &settings.cluster {
-        Some(cfg) => Some(orbitkv_peer::Cluster::start(cfg.clone(), CLUSTER_JOIN_WAIT)?),
-        None => None,
-    };
+    let (metrics_listener, cluster) = outside_links(&settings)?;
     let shards = settings.shards;
     let gpu = resolve_gpu(&settings)?;
     let arena = Arc::new(
@@ -411,6 +398,28 @@ fn start_shards(
         }
     }
     Ok((handles, pin))
+}
+
+/// What starts before the server: the metrics listener, bound (an address in use stops the
+/// server at once), and in cluster mode the membership (a node id held by a live member
+/// stops the start; an etcd that does not answer does not: the server serves locally and
+/// keeps trying).
+#[allow(clippy::type_complexity)]
+fn outside_links(
+    settings: &Settings,
+) -> Result<(Option<std::net::TcpListener>, Option<Arc<orbitkv_peer::Cluster>>), StartError> {
+    let metrics_listener = settings
+        .config
+        .metrics_addr
+        .map(|addr| {
+            metrics::http::bind(addr).map_err(|source| StartError::Metrics { addr, source })
+        })
+        .transpose()?;
+    let cluster = match &settings.cluster {
+        Some(cfg) => Some(orbitkv_peer::Cluster::start(cfg.clone(), CLUSTER_JOIN_WAIT)?),
+        None => None,
+    };
+    Ok((metrics_listener, cluster))
 }
 
 /// Binds the bootstrap and admin sockets and starts the threads that accept on them and on

@@ -359,44 +359,94 @@ fn server_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
 
 /// Per shard (and tier) counters and gauges, of the shards that answered.
 fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
-    let shards: Vec<(usize, &ShardSnapshot)> = s.answering().collect();
-    let per = |f: &dyn Fn(&ShardSnapshot) -> u64| -> Vec<(Labels, u64)> {
-        shards.iter().map(|(i, x)| (shard_label(*i), f(x))).collect()
-    };
-    let per_g = |f: &dyn Fn(&ShardSnapshot) -> u64| -> Vec<(Labels, f64)> {
-        shards.iter().map(|(i, x)| (shard_label(*i), f(x) as f64)).collect()
-    };
-    let tiers = |dram: &dyn Fn(&ShardSnapshot) -> u64,
-                 ssd: &dyn Fn(&ShardSnapshot) -> Option<u64>|
-     -> Vec<(Labels, f64)> {
+    let sh = Shards(s.answering().collect());
+    tier_families(out, &sh)?;
+    flow_families(out, &sh)?;
+    size_families(out, &sh)?;
+    holding_families(out, &sh)?;
+    ssd_families(out, &sh)?;
+    error_families(out, &sh)
+}
+
+/// The answering shards, with the label sets their series take.
+struct Shards<'a>(Vec<(usize, &'a ShardSnapshot)>);
+
+type Of<'f, T> = &'f dyn Fn(&ShardSnapshot) -> T;
+
+impl Shards<'_> {
+    /// One counter value per shard.
+    fn per(&self, f: Of<'_, u64>) -> Vec<(Labels, u64)> {
+        self.0.iter().map(|(i, x)| (shard_label(*i), f(x))).collect()
+    }
+
+    /// One gauge value per shard.
+    fn gauges(&self, f: Of<'_, u64>) -> Vec<(Labels, f64)> {
+        self.0.iter().map(|(i, x)| (shard_label(*i), f(x) as f64)).collect()
+    }
+
+    /// A gauge per shard and tier (the SSD's where the shard has one).
+    fn tiers(&self, dram: Of<'_, u64>, ssd: Of<'_, Option<u64>>) -> Vec<(Labels, f64)> {
         let mut v = Vec::new();
-        for (i, x) in &shards {
+        for (i, x) in &self.0 {
             v.push((with(shard_label(*i), "tier", "dram"), dram(x) as f64));
             if let Some(n) = ssd(x) {
                 v.push((with(shard_label(*i), "tier", "ssd"), n as f64));
             }
         }
         v
-    };
-    let tier_counts = |dram: &dyn Fn(&ShardSnapshot) -> u64,
-                       ssd: &dyn Fn(&ShardSnapshot) -> u64|
-     -> Vec<(Labels, u64)> {
+    }
+
+    /// A counter per shard and tier (the SSD's where the shard has one).
+    fn tier_counts(&self, dram: Of<'_, u64>, ssd: Of<'_, u64>) -> Vec<(Labels, u64)> {
         let mut v = Vec::new();
-        for (i, x) in &shards {
+        for (i, x) in &self.0 {
             v.push((with(shard_label(*i), "tier", "dram"), dram(x)));
             if x.stats.ssd.is_some() {
                 v.push((with(shard_label(*i), "tier", "ssd"), ssd(x)));
             }
         }
         v
-    };
+    }
+
+    /// One value per shard with an SSD tier.
+    fn ssd(&self, f: &dyn Fn(&orbitkv_shards::ssd::store::SsdStats) -> u64) -> Vec<(Labels, u64)> {
+        self.0.iter().filter_map(|(i, x)| Some((shard_label(*i), f(&x.stats.ssd?)))).collect()
+    }
+
+    /// Per shard, the count of each of `codes` (0 where none), labelled `key`.
+    fn codes(&self, codes: &[ErrorCode], key: &'static str) -> Vec<(Labels, u64)> {
+        let mut v = Vec::new();
+        for (i, x) in &self.0 {
+            for c in codes {
+                let n = x.stats.errors.iter().find(|(e, _)| e == c).map_or(0, |(_, n)| *n);
+                v.push((with(shard_label(*i), key, c.as_str()), n));
+            }
+        }
+        v
+    }
+
+    /// Per shard, checksum failures by where they were found.
+    fn checksum_failures(&self) -> Vec<(Labels, u64)> {
+        let mut v = Vec::new();
+        for (i, x) in &self.0 {
+            v.push((with(shard_label(*i), "source", "gpu"), x.stats.given_checksum_mismatches));
+            if let Some(d) = x.stats.ssd {
+                v.push((with(shard_label(*i), "source", "ssd"), d.checksum_failures));
+            }
+        }
+        v
+    }
+}
+
+/// Lookups and evictions, by tier.
+fn tier_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
     out.counter(
         ("orbitkv_hits", "Lookup keys found, by the tier that held them.", None),
-        tier_counts(&|x| x.stats.hits, &|x| x.stats.ssd_hits),
+        sh.tier_counts(&|x| x.stats.hits, &|x| x.stats.ssd_hits),
     )?;
     out.counter(
         ("orbitkv_misses", "Lookup keys found in no tier.", None),
-        per(&|x| x.stats.misses),
+        sh.per(&|x| x.stats.misses),
     )?;
     out.counter(
         (
@@ -404,19 +454,24 @@ fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
             "Chunks dropped to make room: from DRAM (demoted or gone), from SSD (region reclaim).",
             None,
         ),
-        tier_counts(&|x| x.stats.evictions, &|x| x.stats.ssd.map_or(0, |d| d.reclaimed)),
+        sh.tier_counts(&|x| x.stats.evictions, &|x| x.stats.ssd.map_or(0, |d| d.reclaimed)),
     )?;
+    Ok(())
+}
+
+/// Chunks removed and moved between tiers.
+fn flow_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
     out.counter(
         ("orbitkv_removals", "Chunks removed by explicit evict requests.", None),
-        per(&|x| x.stats.removals),
+        sh.per(&|x| x.stats.removals),
     )?;
     out.counter(
         ("orbitkv_demotions", "Chunks written to SSD and dropped from DRAM.", None),
-        per(&|x| x.stats.demotions),
+        sh.per(&|x| x.stats.demotions),
     )?;
     out.counter(
         ("orbitkv_promotions", "Chunks read back from SSD into DRAM.", None),
-        per(&|x| x.stats.promotions),
+        sh.per(&|x| x.stats.promotions),
     )?;
     out.counter(
         (
@@ -424,76 +479,86 @@ fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
             "DRAM victims the SSD admission filter turned away.",
             None,
         ),
-        per(&|x| x.stats.admission_rejections),
+        sh.per(&|x| x.stats.admission_rejections),
     )?;
+    Ok(())
+}
+
+/// Bytes and chunks held, by tier.
+fn size_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
     out.gauge(
         (
             "orbitkv_used",
             "Bytes in use by tier (DRAM: allocated pages; SSD: regions holding records).",
             Some(Unit::Bytes),
         ),
-        tiers(&|x| x.stats.dram_used_bytes, &|x| x.stats.ssd.map(|d| d.used_bytes)),
+        sh.tiers(&|x| x.stats.dram_used_bytes, &|x| x.stats.ssd.map(|d| d.used_bytes)),
     )?;
     out.gauge(
         ("orbitkv_capacity", "Capacity by tier.", Some(Unit::Bytes)),
-        tiers(&|x| x.stats.dram_capacity_bytes, &|x| x.stats.ssd.map(|d| d.capacity_bytes)),
+        sh.tiers(&|x| x.stats.dram_capacity_bytes, &|x| x.stats.ssd.map(|d| d.capacity_bytes)),
     )?;
     out.gauge(
         ("orbitkv_entries", "Chunks held by tier (DRAM: visible chunks; SSD: records).", None),
-        tiers(&|x| x.stats.entries, &|x| x.stats.ssd.map(|d| d.records)),
+        sh.tiers(&|x| x.stats.entries, &|x| x.stats.ssd.map(|d| d.records)),
     )?;
-    out.counter(("orbitkv_commits", "Chunks committed.", None), per(&|x| x.stats.commits))?;
+    Ok(())
+}
+
+/// Commits, and what engines hold.
+fn holding_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
+    out.counter(("orbitkv_commits", "Chunks committed.", None), sh.per(&|x| x.stats.commits))?;
     out.counter(
         ("orbitkv_committed", "Bytes committed.", Some(Unit::Bytes)),
-        per(&|x| x.stats.bytes_committed),
+        sh.per(&|x| x.stats.bytes_committed),
     )?;
-    out.gauge(("orbitkv_leases", "Leases held by engines.", None), per_g(&|x| x.stats.leases))?;
+    out.gauge(("orbitkv_leases", "Leases held by engines.", None), sh.gauges(&|x| x.stats.leases))?;
     out.gauge(
         ("orbitkv_reservations", "Reservations not yet committed or aborted.", None),
-        per_g(&|x| x.stats.reservations),
+        sh.gauges(&|x| x.stats.reservations),
     )?;
     out.gauge(
         ("orbitkv_namespaces", "Namespaces registered.", None),
-        per_g(&|x| x.stats.namespaces),
+        sh.gauges(&|x| x.stats.namespaces),
     )?;
     out.gauge(
         ("orbitkv_shard_sessions", "Sessions homed on the shard.", None),
-        per_g(&|x| x.sessions),
+        sh.gauges(&|x| x.sessions),
     )?;
+    Ok(())
+}
+
+/// The SSD tier's operations.
+fn ssd_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
     out.gauge(
         ("orbitkv_ssd_in_flight", "SSD reads and writes submitted and not yet completed.", None),
-        shards.iter().filter_map(|(i, x)| Some((shard_label(*i), x.stats.ssd?.in_flight as f64))),
+        sh.ssd(&|d| d.in_flight).into_iter().map(|(l, v)| (l, v as f64)),
     )?;
-    let ssd = |f: &dyn Fn(&orbitkv_shards::ssd::store::SsdStats) -> u64| -> Vec<(Labels, u64)> {
-        shards.iter().filter_map(|(i, x)| Some((shard_label(*i), f(&x.stats.ssd?)))).collect()
-    };
-    out.counter(("orbitkv_ssd_reads", "SSD payload reads completed.", None), ssd(&|d| d.reads))?;
-    out.counter(("orbitkv_ssd_writes", "SSD record writes completed.", None), ssd(&|d| d.writes))?;
+    out.counter(("orbitkv_ssd_reads", "SSD payload reads completed.", None), sh.ssd(&|d| d.reads))?;
+    out.counter(
+        ("orbitkv_ssd_writes", "SSD record writes completed.", None),
+        sh.ssd(&|d| d.writes),
+    )?;
     out.counter(
         ("orbitkv_ssd_io_errors", "SSD reads or writes that failed with an I/O error.", None),
-        ssd(&|d| d.io_errors),
+        sh.ssd(&|d| d.io_errors),
     )?;
-    let code_series = |codes: &[ErrorCode], key: &'static str| -> Vec<(Labels, u64)> {
-        let mut v = Vec::new();
-        for (i, x) in &shards {
-            for c in codes {
-                let n = x.stats.errors.iter().find(|(e, _)| e == c).map_or(0, |(_, n)| *n);
-                v.push((with(shard_label(*i), key, c.as_str()), n));
-            }
-        }
-        v
-    };
+    Ok(())
+}
+
+/// Refusals, errors and checksum failures.
+fn error_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
     out.counter(
         (
             "orbitkv_refusals",
             "Requests or chunks refused at a bound: busy, lease_limit, no_space.",
             None,
         ),
-        code_series(&REFUSALS, "reason"),
+        sh.codes(&REFUSALS, "reason"),
     )?;
     out.counter(
         ("orbitkv_errors", "Error replies and per-chunk failures, by code.", None),
-        code_series(&ErrorCode::ALL, "code"),
+        sh.codes(&ErrorCode::ALL, "code"),
     )?;
     out.counter(
         (
@@ -501,26 +566,19 @@ fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
             "Requests rejected before execution (malformed, too large, draining, limits).",
             None,
         ),
-        per(&|x| x.rejected_requests),
+        sh.per(&|x| x.rejected_requests),
     )?;
     out.counter(
         ("orbitkv_dropped_replies", "Replies dropped because their client had gone.", None),
-        per(&|x| x.dropped_replies),
+        sh.per(&|x| x.dropped_replies),
     )?;
-    let mut sums = Vec::new();
-    for (i, x) in &shards {
-        sums.push((with(shard_label(*i), "source", "gpu"), x.stats.given_checksum_mismatches));
-        if let Some(d) = x.stats.ssd {
-            sums.push((with(shard_label(*i), "source", "ssd"), d.checksum_failures));
-        }
-    }
     out.counter(
         (
             "orbitkv_checksum_failures",
             "Chunks whose bytes failed their checksum (dropped, never served).",
             None,
         ),
-        sums,
+        sh.checksum_failures(),
     )
 }
 
