@@ -49,7 +49,11 @@ def run_engine(tmp: str, name: str, socket, steps, policy: str = "recompute"):
     spec_path, out_path = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", ORBITKV_LOG="info")
+    # The connector logs its totals when vLLM shuts the engine down gracefully; vLLM kills the
+    # engine process after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s by default), and the CPU
+    # worker's own teardown takes about 4 s on a 2-core VM: give it room on a loaded machine.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", ORBITKV_LOG="info",
+               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "engine.py"), spec_path, out_path],
                           env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
