@@ -284,6 +284,32 @@ mod tests {
     }
 
     #[test]
+    fn peers_table_has_the_membership_line_and_a_row_per_member() {
+        let v = serde_json::json!({
+            "ok": true, "available": false, "state": "unavailable",
+            "reason": "etcd lease grant: timed out", "cluster": "prod", "node_id": "a", "epoch": 3,
+            "members": [
+                {"node_id": "a", "epoch": 3, "peer_addr": "10.0.0.1:7000", "shards": 4, "pid": 11},
+                {"node_id": "b", "epoch": 7, "peer_addr": "10.0.0.2:7000", "shards": 8, "pid": 22}
+            ]
+        });
+        let t = peers(&v);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0], "cluster prod  node a  epoch 3  unavailable: etcd lease grant: timed out",
+            "{t}"
+        );
+        assert_eq!(lines.len(), 4, "{t}");
+        let b: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(b, ["b", "7", "10.0.0.2:7000", "8", "22"], "{t}");
+        // Joined, before the first epoch: no reason, epoch shown as -.
+        let joining =
+            peers(&serde_json::json!({"cluster": "c", "node_id": "n", "state": "joining",
+                                                "reason": "", "epoch": null, "members": []}));
+        assert!(joining.starts_with("cluster c  node n  epoch -  joining\n"), "{joining}");
+    }
+
+    #[test]
     fn stats_table_has_the_latency_quantiles_of_each_operation() {
         let v = serde_json::json!({
             "state": "serving", "shards": [],
