@@ -14,6 +14,9 @@
 //! etcd unreachable: the server keeps serving locally; the cluster is reported unavailable
 //! and the thread keeps trying, rejoining (same epoch) when etcd is back.
 
+#[cfg(feature = "te-python")]
+pub mod te;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

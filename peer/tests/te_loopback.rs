@@ -1,0 +1,116 @@
+//! Real bytes through Mooncake Transfer Engine on loopback TCP (feature `te-python`; the
+//! pinned wheel must be importable: scripts/test sets that up): two engines, each with memory
+//! mapped as the arena is (shared), read and write each other's exactly; a range outside the
+//! peer's registered memory and a peer that is gone are errors, not hangs.
+#![cfg(feature = "te-python")]
+
+use std::num::NonZeroUsize;
+use std::ptr::NonNull;
+
+use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
+use orbitkv_peer::te::{TeError, TransferEngine};
+
+/// Shared anonymous memory (as the arena's memfd mapping), unmapped on drop.
+struct Mapping {
+    ptr: NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(len: usize) -> Self {
+        // SAFETY: a new anonymous mapping; nothing else refers to it.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                NonZeroUsize::new(len).unwrap(),
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+            )
+        }
+        .unwrap();
+        Mapping { ptr, len }
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` bytes, readable and writable, alive while self is; TE
+        // writes into it only during a call that has returned before this borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new`, unmapped once.
+        unsafe { munmap(self.ptr, self.len) }.unwrap();
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn two_engines_read_and_write_each_others_memory_exactly() {
+    let (mut a_mem, mut b_mem) = (Mapping::new(64 * MIB), Mapping::new(64 * MIB));
+    let want = pattern(64 * MIB, 7);
+    a_mem.bytes().copy_from_slice(&want);
+    let a = TransferEngine::new("127.0.0.1", "tcp").unwrap();
+    let b = TransferEngine::new("127.0.0.1", "tcp").unwrap();
+    assert_ne!(a.segment(), b.segment());
+    a.register(a_mem.addr(), 64 * MIB as u64).unwrap();
+    b.register(b_mem.addr(), 64 * MIB as u64).unwrap();
+
+    // One read of 48 MiB from an offset.
+    b.read(a.segment(), b_mem.addr(), a_mem.addr() + MIB as u64, 48 * MIB as u64).unwrap();
+    assert!(b_mem.bytes()[..48 * MIB] == want[MIB..49 * MIB], "the read's bytes differ");
+
+    // Many 32 KiB pieces, more than one batch's worth (1024), scattered.
+    let piece = 32 * 1024;
+    let n = 1100;
+    let ranges: Vec<(u64, u64, u64)> = (0..n)
+        .map(|i| {
+            let from = (i * 7919 % 2048) * piece;
+            (b_mem.addr() + (i * piece) as u64, a_mem.addr() + from as u64, piece as u64)
+        })
+        .collect();
+    b.read_many(a.segment(), &ranges).unwrap();
+    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
+        let from = (remote - a_mem.addr()) as usize;
+        assert!(
+            b_mem.bytes()[i * piece..(i + 1) * piece] == want[from..from + piece],
+            "piece {i} differs"
+        );
+    }
+
+    // A write the other way.
+    let back = pattern(8 * MIB, 9);
+    b_mem.bytes()[..8 * MIB].copy_from_slice(&back);
+    b.write(a.segment(), b_mem.addr(), a_mem.addr() + 32 * MIB as u64, 8 * MIB as u64).unwrap();
+    assert!(a_mem.bytes()[32 * MIB..40 * MIB] == back[..], "the write's bytes differ");
+
+    // Outside the peer's registered memory: an error, nothing written.
+    let outside = a_mem.addr() + 64 * MIB as u64;
+    let err = b.read(a.segment(), b_mem.addr(), outside, 4096).unwrap_err();
+    assert!(matches!(err, TeError::Failed { what: "transfer_sync_read", .. }), "{err}");
+
+    // A peer that is gone: an error at once.
+    let c = TransferEngine::new("127.0.0.1", "tcp").unwrap();
+    let gone = c.segment().to_string();
+    drop(c);
+    let err = b.read(&gone, b_mem.addr(), 0, 4096).unwrap_err();
+    assert!(matches!(err, TeError::Failed { .. } | TeError::Python(_)), "{err}");
+}
