@@ -117,6 +117,8 @@ pub struct ShardCore {
     pub(crate) warned_too_large: bool,
     /// Counters and latency recorders of this shard.
     pub metrics: ShardMetrics,
+    /// The catalog of peers' chunks and the peer reads to start (cluster mode).
+    pub(crate) peering: crate::peering::Peering,
 }
 
 impl ShardCore {
@@ -138,6 +140,7 @@ impl ShardCore {
             demoting_pages: 0,
             warned_too_large: false,
             metrics: ShardMetrics::default(),
+            peering: Default::default(),
         }
     }
 
@@ -297,6 +300,11 @@ impl ShardCore {
         }
         self.namespaces.insert(id, Namespace { descriptor, max_chunk_bytes: max });
         Ok(max)
+    }
+
+    /// The largest chunk of a registered namespace, or None when it is not registered here.
+    pub(crate) fn max_chunk_bytes_of(&self, namespace: u64) -> Option<u64> {
+        self.namespaces.get(&namespace).map(|n| n.max_chunk_bytes)
     }
 
     fn hit(&self, idx: EntryIdx) -> Hit {
@@ -602,6 +610,8 @@ impl ShardCore {
             Some((_, e))
                 if e.state == EntryState::Demoting
                     || e.state == (EntryState::Reserved { owner: SessionId::MAX })
+                    || e.state
+                        == (EntryState::Reserved { owner: crate::peering::PEER_PROMOTER })
                     || (e.state.visible() && e.leases > 0) =>
             {
                 return Err(ErrorCode::Busy)
@@ -675,6 +685,12 @@ impl ShardCore {
             demotions: m.demotions,
             promotions: m.promotions,
             admission_rejections: m.admission_rejections,
+            peer_hits: m.peer_hits,
+            peer_fetches: m.peer_fetches,
+            peer_bytes: m.peer_bytes,
+            peer_fetch_failures: m.peer_fetch_failures,
+            peer_checksum_mismatches: m.peer_checksum_mismatches,
+            catalog_entries: self.catalog_len() as u64,
             reservations: self.reservations,
             leases: self.leases,
             namespaces: self.namespaces.len() as u64,

@@ -12,6 +12,7 @@ use orbitkv_proto::ChunkKey;
 
 use crate::alloc::Extent;
 use crate::ops::SessionId;
+use crate::peering::{InventoryChunk, InventoryDelta, InventoryLog};
 
 /// Index of an entry in the slab.
 pub(crate) type EntryIdx = u32;
@@ -61,6 +62,8 @@ pub(crate) struct Entries {
     tail: Option<EntryIdx>,
     hand: Option<EntryIdx>,
     ready: u64,
+    /// The DRAM inventory's change log, in cluster mode (see `peering`).
+    pub log: Option<InventoryLog>,
 }
 
 impl Entries {
@@ -83,6 +86,16 @@ impl Entries {
 
     pub fn ready_count(&self) -> u64 {
         self.ready
+    }
+
+    /// Every visible chunk (ready or demoting), for a peer's inventory snapshot.
+    pub fn visible_chunks(&self) -> Vec<InventoryChunk> {
+        self.slab
+            .iter()
+            .flatten()
+            .filter(|e| e.state.visible())
+            .map(|e| InventoryChunk { key: e.key, len: e.len, checksum: e.checksum })
+            .collect()
     }
 
     /// Inserts a reserved entry (not yet evictable or visible).
@@ -124,6 +137,15 @@ impl Entries {
 
     /// Makes a reserved entry ready and puts it at the head of the SIEVE queue.
     pub fn make_ready(&mut self, idx: EntryIdx, checksum: u64) {
+        self.enqueue(idx, checksum);
+        if let Some(log) = self.log.as_mut() {
+            let e = self.slab[idx as usize].as_ref().expect("live index points at a live entry");
+            log.record(InventoryDelta::Added(InventoryChunk { key: e.key, len: e.len, checksum }));
+        }
+    }
+
+    /// Marks an entry ready and puts it at the head of the SIEVE queue.
+    fn enqueue(&mut self, idx: EntryIdx, checksum: u64) {
         let old_head = self.head;
         {
             let e = self.get_mut(idx);
@@ -162,7 +184,8 @@ impl Entries {
         debug_assert_eq!(self.get(idx).state, EntryState::Demoting);
         let checksum = self.get(idx).checksum;
         self.get_mut(idx).state = EntryState::Reserved { owner: SessionId::MAX };
-        self.make_ready(idx, checksum);
+        // Visible throughout: nothing for the inventory.
+        self.enqueue(idx, checksum);
     }
 
     fn unlink(&mut self, idx: EntryIdx) {
@@ -197,6 +220,11 @@ impl Entries {
         };
         if state == EntryState::Ready {
             self.unlink(idx);
+        }
+        if state.visible() {
+            if let Some(log) = self.log.as_mut() {
+                log.record(InventoryDelta::Removed(key));
+            }
         }
         self.index.remove(&key);
         self.free_slots.push(idx);

@@ -15,6 +15,7 @@ mod entries;
 mod error;
 mod metrics;
 mod ops;
+mod peering;
 pub mod ssd;
 mod tiering;
 
@@ -24,4 +25,5 @@ pub use core::{EvictSummary, HashRange, ShardConfig, ShardCore};
 pub use error::Error;
 pub use metrics::{LatencyHistogram, LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
+pub use peering::{InventoryChunk, InventoryDelta, InventoryDrain, PeerFetch, RemoteChunk};
 pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

@@ -181,6 +181,17 @@ pub struct ShardMetrics {
     pub promotions: u64,
     /// DRAM victims the SSD admission filter turned away.
     pub admission_rejections: u64,
+    /// Lookups that found a chunk only in a peer's inventory (and fetched it).
+    pub peer_hits: u64,
+    /// Chunks read from peers and stored here.
+    pub peer_fetches: u64,
+    /// Their bytes.
+    pub peer_bytes: u64,
+    /// Peer reads that failed (the owner no longer had the chunk, refused, or the read or
+    /// its checksum failed): the lookup answered a miss.
+    pub peer_fetch_failures: u64,
+    /// ... of which the bytes read differed from the owner's checksum.
+    pub peer_checksum_mismatches: u64,
     /// Errors returned, by code.
     pub errors: [u64; ErrorCode::ALL.len()],
     latency: Vec<LatencyHistogram>,
@@ -203,6 +214,11 @@ impl Default for ShardMetrics {
             demotions: 0,
             promotions: 0,
             admission_rejections: 0,
+            peer_hits: 0,
+            peer_fetches: 0,
+            peer_bytes: 0,
+            peer_fetch_failures: 0,
+            peer_checksum_mismatches: 0,
             errors: [0; ErrorCode::ALL.len()],
             latency: OpKind::ALL.iter().map(|_| LatencyHistogram::default()).collect(),
         }
@@ -276,6 +292,18 @@ pub struct ShardStats {
     pub promotions: u64,
     /// SSD admission rejections.
     pub admission_rejections: u64,
+    /// Lookups served by reading a peer's chunk.
+    pub peer_hits: u64,
+    /// Chunks read from peers.
+    pub peer_fetches: u64,
+    /// Their bytes.
+    pub peer_bytes: u64,
+    /// Peer reads that failed (answered as misses).
+    pub peer_fetch_failures: u64,
+    /// ... of which for a checksum mismatch.
+    pub peer_checksum_mismatches: u64,
+    /// Entries in this shard's slice of the peer catalog.
+    pub catalog_entries: u64,
     /// Errors by code, only non-zero ones.
     pub errors: Vec<(ErrorCode, u64)>,
     /// Latency by op, of the kinds recorded at least once: requests whose home is this shard,

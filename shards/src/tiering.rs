@@ -33,6 +33,8 @@ pub struct TieredLookup {
     /// Generation of each pending position's promotion entry, which this lookup pins so the
     /// promoted chunk cannot be evicted before [`ShardCore::finish_lookup`] takes it.
     pins: Vec<u64>,
+    /// Where each pending position's chunk comes from (`Ssd` or `Peer`).
+    tiers: Vec<Tier>,
 }
 
 impl ShardCore {
@@ -51,8 +53,8 @@ impl ShardCore {
         self.ssd.as_ref().map_or(0, SsdStore::inflight)
     }
 
-    /// Looks keys up in DRAM; a key found only on SSD starts (or joins) its promotion and is
-    /// listed in `pending`.
+    /// Looks keys up in DRAM; a key found only on SSD, or only in a peer's inventory, starts
+    /// (or joins) its promotion and is listed in `pending`.
     pub fn lookup_start(
         &mut self,
         session: SessionId,
@@ -60,27 +62,39 @@ impl ShardCore {
         lease: bool,
     ) -> TieredLookup {
         let hits = self.lookup(session, keys, lease);
-        let mut pending = Vec::new();
-        let mut pins = Vec::new();
-        if self.ssd.is_none() {
-            return TieredLookup { hits, pending, pins };
+        let (mut pending, mut pins, mut tiers) = (Vec::new(), Vec::new(), Vec::new());
+        if self.ssd.is_none() && !self.has_catalog() {
+            return TieredLookup { hits, pending, pins, tiers };
         }
         for (i, key) in keys.iter().enumerate() {
             if hits[i].is_some() {
                 continue;
             }
-            if self.promotion_pending(key) || self.start_promotion(key) {
-                // An SSD hit from now on (a miss again if the promotion fails: finish_lookup).
-                self.metrics.misses -= 1;
+            // A hit of that tier from now on (a miss again if the promotion fails:
+            // finish_lookup).
+            let tier = if self.promotion_pending(key) || self.start_promotion(key) {
                 self.metrics.ssd_hits += 1;
-                let idx = self.entries.find(key).expect("a pending promotion has its entry");
-                let e = self.entries.get_mut(idx);
-                e.leases += 1;
-                pins.push(e.generation);
-                pending.push(i);
-            }
+                Tier::Ssd
+            } else if self.peer_promotion_pending(key) || self.start_peer_promotion(key) {
+                self.metrics.peer_hits += 1;
+                Tier::Peer
+            } else {
+                continue;
+            };
+            self.metrics.misses -= 1;
+            let idx = self.entries.find(key).expect("a pending promotion has its entry");
+            let e = self.entries.get_mut(idx);
+            e.leases += 1;
+            pins.push(e.generation);
+            pending.push(i);
+            tiers.push(tier);
         }
-        TieredLookup { hits, pending, pins }
+        TieredLookup { hits, pending, pins, tiers }
+    }
+
+    /// True while `key` is being read into DRAM, from SSD or from a peer.
+    pub fn moving_in(&self, key: &ChunkKey) -> bool {
+        self.promotion_pending(key) || self.peer_promotion_pending(key)
     }
 
     /// True while `key` is being read from SSD into DRAM.
@@ -91,7 +105,7 @@ impl ShardCore {
     }
 
     /// Second pass: the promoted keys of `first` are looked up again in DRAM (leased if asked)
-    /// and reported with tier `Ssd`. A promotion that failed its checksum is a miss.
+    /// and reported with the tier they came from. A promotion that failed is a miss.
     pub fn finish_lookup(
         &mut self,
         session: SessionId,
@@ -105,13 +119,16 @@ impl ShardCore {
         // The first pass already counted these keys.
         self.metrics.hits = hits;
         self.metrics.misses = misses;
-        for (&i, hit) in first.pending.iter().zip(found) {
+        for ((&i, hit), &tier) in first.pending.iter().zip(found).zip(&first.tiers) {
             if hit.is_none() {
                 // The promotion failed (checksum or read): a miss after all.
-                self.metrics.ssd_hits -= 1;
+                match tier {
+                    Tier::Peer => self.metrics.peer_hits -= 1,
+                    _ => self.metrics.ssd_hits -= 1,
+                }
                 self.metrics.misses += 1;
             }
-            first.hits[i] = hit.map(|h| Hit { tier: Tier::Ssd, ..h });
+            first.hits[i] = hit.map(|h| Hit { tier, ..h });
         }
         // Drop this lookup's pins (a failed promotion's entry is already gone).
         for (&i, &generation) in first.pending.iter().zip(&first.pins) {
