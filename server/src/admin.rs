@@ -86,6 +86,26 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
             Some(c) => {
                 let mut v = crate::metrics::cluster_json(&c.status());
                 v["ok"] = json!(true);
+                v["peering"] = json!(shared.peer_fetches.get().is_some());
+                let peers: serde_json::Map<String, Value> = c
+                    .peers()
+                    .into_iter()
+                    .map(|(node, p)| {
+                        let view = json!({
+                            "epoch": p.epoch,
+                            "stream": p.stream,
+                            "complete": p.complete,
+                            "catalog_entries": p.catalog_entries,
+                            "grants_held": p.grants_held,
+                            "grants_given": p.grants_given,
+                            "chunks_read": p.chunks_read,
+                            "bytes_read": p.bytes_read,
+                            "read_failures": p.read_failures,
+                        });
+                        (node, view)
+                    })
+                    .collect();
+                v["peers"] = Value::Object(peers);
                 v
             }
             None => {

@@ -90,6 +90,14 @@ pub struct ServerConfig {
     /// membership at most this long after (1s-300s). Default: 10s.
     #[arg(long, value_name = "DUR", default_value = "10s", hide_default_value = true)]
     pub cluster_lease_ttl: Span,
+    /// Cluster mode: catalog entries kept per peer (each costs about 150 bytes here); a peer
+    /// holding more is covered partially. Default: 262144.
+    #[arg(long, value_name = "N", default_value_t = 262_144, hide_default_value = true)]
+    pub peer_catalog_entries: usize,
+    /// Cluster mode: grants (chunks pinned here for a peer's read) one peer may hold at once;
+    /// more are refused until it releases some. Default: 4096.
+    #[arg(long, value_name = "N", default_value_t = 4096, hide_default_value = true)]
+    pub peer_max_grants: usize,
     /// Shard executors, one pinned core each; 0 = one per CPU minus one (left for the
     /// engines, control and DMA threads), at least 1. Default: 0.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
@@ -475,6 +483,12 @@ impl ServerConfig {
         let ttl = self.cluster_lease_ttl.duration();
         if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&ttl) {
             return Err(invalid("--cluster-lease-ttl", "must be 1s to 300s"));
+        }
+        if !(1..=1 << 26).contains(&self.peer_catalog_entries) {
+            return Err(invalid("--peer-catalog-entries", "must be 1 to 67108864"));
+        }
+        if !(1..=1 << 20).contains(&self.peer_max_grants) {
+            return Err(invalid("--peer-max-grants", "must be 1 to 1048576"));
         }
         if self.etcd.is_empty() {
             for (flag, set) in

@@ -28,6 +28,9 @@ pub enum StartError {
     /// Joining the cluster was refused (`--node-id` held, bad `--etcd`).
     #[error(transparent)]
     Cluster(#[from] orbitkv_peer::JoinError),
+    /// Cluster peering could not start.
+    #[error("cluster: {0}")]
+    Peering(orbitkv_peer::PeeringError),
     /// A live server answers on the socket.
     #[error("another server is already serving on {}", .0.display())]
     AlreadyServing(PathBuf),

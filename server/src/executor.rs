@@ -307,7 +307,7 @@ fn serve_peers(
                     // A lookup may wait for SSD promotions, and a commit of long chunks hashes
                     // them a piece at a time: run such an op in its own task so that later
                     // ops from the same peer are not queued behind it.
-                    if (matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().has_ssd())
+                    if (matches!(op, ShardOp::Lookup { .. }) && e.core.borrow().tiered())
                         || e.hashes_long(&op)
                     {
                         let e = Rc::clone(&e);
@@ -569,6 +569,7 @@ impl Exec {
                 );
                 let _ = reply.send(summary);
             }
+            ControlMsg::Peer(msg) => msg.apply(&mut self.core.borrow_mut()),
             ControlMsg::Stop => return false,
         }
         true
@@ -631,19 +632,17 @@ impl Exec {
         sent
     }
 
-    /// Executes an op on this shard. A lookup that finds chunks only on SSD waits here until
-    /// their promotion into DRAM completes (the main loop drives the SSD ring).
+    /// Executes an op on this shard. A lookup that finds chunks only on SSD or only at a peer
+    /// waits here until their promotion into DRAM completes (the main loop drives the SSD
+    /// ring and takes the peer thread's answers).
     pub(crate) async fn apply_local(&self, op: ShardOp) -> ShardReply {
         match op {
-            ShardOp::Lookup { session, keys, lease } if self.core.borrow().has_ssd() => {
+            ShardOp::Lookup { session, keys, lease } if self.core.borrow().tiered() => {
                 let first = self.core.borrow_mut().lookup_start(session, &keys, lease);
+                self.hand_peer_fetches();
                 if !first.pending.is_empty() {
                     self.active.set(self.active.get() + 1);
-                    while first
-                        .pending
-                        .iter()
-                        .any(|&i| self.core.borrow().promotion_pending(&keys[i]))
-                    {
+                    while first.pending.iter().any(|&i| self.core.borrow().moving_in(&keys[i])) {
                         glommio::timer::sleep(Duration::from_micros(20)).await;
                     }
                     self.active.set(self.active.get() - 1);
@@ -661,6 +660,22 @@ impl Exec {
                 self.core.borrow_mut().apply_hashed(op, &hashed)
             }
             op => self.core.borrow_mut().apply(op),
+        }
+    }
+
+    /// Hands the peer reads a lookup started to the peer thread; a read that cannot be queued
+    /// (no peering, or its queue full) ends at once as a miss.
+    fn hand_peer_fetches(&self) {
+        let fetches = self.core.borrow_mut().take_peer_fetches();
+        for f in fetches {
+            let queued = self
+                .shared
+                .peer_fetches
+                .get()
+                .is_some_and(|q| q.try_send(crate::peering::to_fetch(f)).is_ok());
+            if !queued {
+                let _ = self.core.borrow_mut().finish_peer_fetch(&f, false);
+            }
         }
     }
 

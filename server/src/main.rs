@@ -12,6 +12,7 @@ mod executor;
 mod gpu;
 mod ipc;
 mod metrics;
+mod peering;
 mod router;
 mod shared;
 mod transfer;
@@ -154,6 +155,9 @@ fn io_memory_per_ring(shards: usize) -> usize {
     (per / 4096 * 4096) as usize
 }
 
+/// Inventory changes a shard logs between two drains by the peer thread (every 50 ms); more
+/// and the peer thread reads the shard's whole inventory instead.
+const INVENTORY_LOG: usize = 65_536;
 /// How long the start waits for the first attempt to join the cluster.
 const CLUSTER_JOIN_WAIT: Duration = Duration::from_secs(5);
 /// How long the shutdown waits for the member key's removal.
@@ -204,6 +208,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
         remove_orphan_shard_files(&ssd.dir, shards)?;
     }
     let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc)?;
+    start_peering(&settings, &shared, &arena)?;
     start_listeners((&socket, &admin), metrics_listener, &shared, &arena)?;
     tracing::info!(
         socket = %socket.display(),
@@ -241,6 +246,34 @@ fn run(settings: Settings) -> Result<(), StartError> {
     ipc::remove_leftovers(&ipc);
     tracing::info!("orbitkv-server stopped");
     Ok(())
+}
+
+/// In cluster mode, peering (inventory, grants, peer reads) once the shards run. A build
+/// without a Transfer Engine stays a member only, and says so.
+fn start_peering(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+) -> Result<(), StartError> {
+    let Some(cluster) = shared.cluster.get() else { return Ok(()) };
+    let cfg = orbitkv_peer::PeeringConfig {
+        node: Arc::new(peering::Node(Arc::clone(shared))),
+        arena: (arena.base_ptr() as u64, arena.len()),
+        catalog_max_per_peer: settings.config.peer_catalog_entries,
+        max_grants_per_peer: settings.config.peer_max_grants,
+    };
+    match cluster.start_peering(cfg) {
+        Ok(queue) => {
+            let _ = shared.peer_fetches.set(queue);
+            tracing::info!(segment = %cluster.te_segment(), "cluster: peering started");
+            Ok(())
+        }
+        Err(e @ orbitkv_peer::PeeringError::NoTransferEngine) => {
+            tracing::warn!("cluster: {e}");
+            Ok(())
+        }
+        Err(e) => Err(StartError::Peering(e)),
+    }
 }
 
 /// Makes the socket's directory and refuses when a live server answers on the socket, before
@@ -356,7 +389,7 @@ fn start_shards(
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(shards);
     let mut handles = Vec::new();
     for (id, (slice, control)) in arena.split(shards).into_iter().zip(controls).enumerate() {
-        let core = ShardCore::new(
+        let mut core = ShardCore::new(
             ShardConfig {
                 id,
                 max_chunk_bytes: settings.max_chunk_bytes,
@@ -364,6 +397,9 @@ fn start_shards(
             },
             slice,
         );
+        if settings.cluster.is_some() {
+            core.enable_inventory(INVENTORY_LOG);
+        }
         let ctx = ShardContext {
             id,
             shards,

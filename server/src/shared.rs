@@ -52,6 +52,8 @@ pub enum ControlMsg {
         /// Where to send what was done.
         reply: Sender<EvictSummary>,
     },
+    /// Cluster peering's business with the shard (inventory, grants, catalog, peer reads).
+    Peer(crate::peering::PeerMsg),
     /// Leave the executor loop.
     Stop,
 }
@@ -118,6 +120,8 @@ pub struct Shared {
     pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
     /// Cluster membership, in cluster mode (`--etcd`).
     pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
+    /// Where shards queue their peer reads, once peering runs.
+    pub peer_fetches: OnceLock<tokio::sync::mpsc::Sender<orbitkv_peer::Fetch>>,
     /// What `--gpu` found (None with `--gpu off`).
     pub gpu: Option<orbitkv_gpu::Probe>,
     /// Open sessions.
@@ -154,6 +158,7 @@ impl Shared {
             doorbells,
             gpu_service: OnceLock::new(),
             cluster: OnceLock::new(),
+            peer_fetches: OnceLock::new(),
             gpu,
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),

@@ -134,6 +134,8 @@ fn cluster_flags_are_checked() {
         (vec!["--etcd", "127.0.0.1:2379", "--peer-addr", "127.0.0.1:1"], "--etcd"),
         (vec!["--cluster", "no spaces"], "--cluster"),
         (vec!["--cluster-lease-ttl", "0s"], "--cluster-lease-ttl"),
+        (vec!["--peer-catalog-entries", "0"], "--peer-catalog-entries"),
+        (vec!["--peer-max-grants", "0"], "--peer-max-grants"),
     ] {
         let out = Command::new(server_bin())
             .args(["--socket", "/tmp/okv-cluster-flags.sock", "--dram", "16MiB"])

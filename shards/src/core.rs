@@ -690,6 +690,7 @@ impl ShardCore {
             peer_bytes: m.peer_bytes,
             peer_fetch_failures: m.peer_fetch_failures,
             peer_checksum_mismatches: m.peer_checksum_mismatches,
+            peer_grants: m.peer_grants,
             catalog_entries: self.catalog_len() as u64,
             reservations: self.reservations,
             leases: self.leases,

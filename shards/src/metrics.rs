@@ -192,6 +192,8 @@ pub struct ShardMetrics {
     pub peer_fetch_failures: u64,
     /// ... of which the bytes read differed from the owner's checksum.
     pub peer_checksum_mismatches: u64,
+    /// Chunks leased here for peers' reads.
+    pub peer_grants: u64,
     /// Errors returned, by code.
     pub errors: [u64; ErrorCode::ALL.len()],
     latency: Vec<LatencyHistogram>,
@@ -219,6 +221,7 @@ impl Default for ShardMetrics {
             peer_bytes: 0,
             peer_fetch_failures: 0,
             peer_checksum_mismatches: 0,
+            peer_grants: 0,
             errors: [0; ErrorCode::ALL.len()],
             latency: OpKind::ALL.iter().map(|_| LatencyHistogram::default()).collect(),
         }
@@ -302,6 +305,8 @@ pub struct ShardStats {
     pub peer_fetch_failures: u64,
     /// ... of which for a checksum mismatch.
     pub peer_checksum_mismatches: u64,
+    /// Chunks leased here for peers' reads.
+    pub peer_grants: u64,
     /// Entries in this shard's slice of the peer catalog.
     pub catalog_entries: u64,
     /// Errors by code, only non-zero ones.

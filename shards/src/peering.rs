@@ -252,6 +252,21 @@ impl ShardCore {
         outcome
     }
 
+    /// Leases `keys` for a peer's grant (`session` is the grant holder's): DRAM hits only,
+    /// counted as grants rather than as lookups.
+    pub fn lease_for_peer(
+        &mut self,
+        session: SessionId,
+        keys: &[ChunkKey],
+    ) -> Vec<Option<orbitkv_proto::Hit>> {
+        let (hits, misses) = (self.metrics.hits, self.metrics.misses);
+        let found = self.lookup(session, keys, true);
+        self.metrics.hits = hits;
+        self.metrics.misses = misses;
+        self.metrics.peer_grants += found.iter().filter(|h| h.is_some()).count() as u64;
+        found
+    }
+
     /// True while `key` is being read from a peer into DRAM.
     pub fn peer_promotion_pending(&self, key: &ChunkKey) -> bool {
         self.entries.find(key).is_some_and(|idx| {

@@ -48,6 +48,11 @@ impl ShardCore {
         self.ssd.is_some()
     }
 
+    /// True when a lookup may have to wait for a chunk moving in (from SSD or a peer).
+    pub fn tiered(&self) -> bool {
+        self.ssd.is_some() || self.has_catalog()
+    }
+
     /// SSD operations in flight.
     pub fn ssd_inflight(&self) -> usize {
         self.ssd.as_ref().map_or(0, SsdStore::inflight)

@@ -1,0 +1,174 @@
+//! What peering asks of the local server ([`LocalNode`]), and how it is started.
+
+use std::sync::Arc;
+
+use orbitkv_proto::{ChunkKey, Hit, SlotRef};
+
+use crate::Cluster;
+
+/// A chunk as inventories describe it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Length in bytes.
+    pub len: u64,
+    /// xxh3-64 of its bytes.
+    pub checksum: u64,
+}
+
+/// One change to a shard's DRAM inventory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delta {
+    /// The chunk became visible.
+    Added(Chunk),
+    /// The chunk left DRAM.
+    Removed(ChunkKey),
+}
+
+/// A peer read a shard waits for: the bytes of `key` from peer `peer` into the local arena
+/// at `offset` (a reserved slot of generation `generation` on shard `shard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fetch {
+    /// The shard waiting.
+    pub shard: usize,
+    /// The chunk.
+    pub key: ChunkKey,
+    /// The peer (as the catalog numbers it).
+    pub peer: u32,
+    /// Offset of the local slot in the arena.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The slot's generation.
+    pub generation: u64,
+}
+
+/// The local server, as peering uses it. Calls block (they go through the shards' control
+/// queues) and are made from the runtime's blocking pool; `None` means a shard did not answer.
+pub trait LocalNode: Send + Sync + 'static {
+    /// Shard count (keys are placed by [`ChunkKey::shard`]).
+    fn shards(&self) -> usize;
+    /// The chunks shard `shard` holds in DRAM; restarts its change log.
+    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<Chunk>>;
+    /// The changes on shard `shard` since the last drain or snapshot, and whether some were
+    /// lost (the log filled): then a snapshot is due.
+    fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)>;
+    /// Leases `keys` for grant holder `holder` (DRAM only): a hit or None per key.
+    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Vec<Option<Hit>>;
+    /// Returns leases of `holder`.
+    fn release(&self, holder: u64, slots: &[SlotRef]);
+    /// Returns every lease of `holder`.
+    fn release_all(&self, holder: u64);
+    /// Adds to the catalog what peer `peer` holds, and removes what it no longer holds.
+    fn catalog_apply(&self, peer: u32, added: Vec<Chunk>, removed: Vec<ChunkKey>);
+    /// Forgets everything of peer `peer`.
+    fn catalog_drop(&self, peer: u32);
+    /// A peer read is over: `read` when its bytes landed (the shard checks their checksum).
+    fn fetched(&self, fetch: Fetch, read: bool);
+}
+
+/// What peering needs besides the cluster.
+pub struct PeeringConfig {
+    /// The local server.
+    pub node: Arc<dyn LocalNode>,
+    /// Address and length of the arena mapping in this process (registered with TE: peers
+    /// read from it, and peer reads land in it).
+    pub arena: (u64, u64),
+    /// Catalog entries kept per peer; more and its coverage is partial.
+    pub catalog_max_per_peer: usize,
+    /// Grants a requester may hold here at once.
+    pub max_grants_per_peer: usize,
+}
+
+impl std::fmt::Debug for PeeringConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeeringConfig")
+            .field("arena", &self.arena)
+            .field("catalog_max_per_peer", &self.catalog_max_per_peer)
+            .field("max_grants_per_peer", &self.max_grants_per_peer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why peering did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PeeringError {
+    /// This build has no Transfer Engine route.
+    #[error(
+        "this build has no Mooncake Transfer Engine (build with the te-python feature): \
+         cluster membership only, no peer reads"
+    )]
+    NoTransferEngine,
+    /// Registering the arena with TE failed.
+    #[error("registering the arena with the Transfer Engine: {0}")]
+    Register(String),
+    /// Already started.
+    #[error("peering already started")]
+    AlreadyStarted,
+}
+
+/// What this node knows of one peer, for `ctl peers`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerView {
+    /// The peer's epoch the stream is for.
+    pub epoch: u64,
+    /// `connecting`, `snapshot`, `live`, or `error: ...`.
+    pub stream: String,
+    /// Whether the catalog holds the peer's whole inventory.
+    pub complete: bool,
+    /// Catalog entries of the peer.
+    pub catalog_entries: u64,
+    /// Grants this node holds at the peer now.
+    pub grants_held: u64,
+    /// Grants the peer holds here now.
+    pub grants_given: u64,
+    /// Bytes read from the peer.
+    pub bytes_read: u64,
+    /// Chunks read from the peer.
+    pub chunks_read: u64,
+    /// Reads from the peer that failed.
+    pub read_failures: u64,
+}
+
+/// Fetches queued from the shards to the peer thread at most.
+pub const FETCH_QUEUE: usize = 4096;
+
+impl Cluster {
+    /// Starts peering on the peer thread: registers the arena with TE, serves the peer RPC on
+    /// `--peer-addr`, follows the members' inventories and performs the shards' peer reads.
+    /// The sender is where shards queue their [`Fetch`]es (bounded: a full queue is a miss).
+    pub fn start_peering(
+        self: &Arc<Self>,
+        cfg: PeeringConfig,
+    ) -> Result<tokio::sync::mpsc::Sender<Fetch>, PeeringError> {
+        let te = self.te.clone().ok_or(PeeringError::NoTransferEngine)?;
+        let listener = self
+            .listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or(PeeringError::AlreadyStarted)?;
+        te.register(cfg.arena.0, cfg.arena.1).map_err(|e| PeeringError::Register(e.to_string()))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(FETCH_QUEUE);
+        let cfg = Arc::new(cfg);
+        let owner = crate::owner::Owner::new(Arc::clone(self), Arc::clone(&cfg), te.clone());
+        let this = Arc::clone(self);
+        self.runtime.spawn(async move {
+            owner.serve(listener).await;
+        });
+        let requester = crate::requester::Requester::new(this, cfg, te);
+        self.runtime.spawn(requester.run(rx));
+        Ok(tx)
+    }
+
+    /// What peering knows of each peer, by node id.
+    pub fn peers(&self) -> std::collections::BTreeMap<String, PeerView> {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn update_peer(&self, node: &str, f: impl FnOnce(&mut PeerView)) {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        f(peers.entry(node.to_owned()).or_default());
+    }
+}

@@ -1,0 +1,429 @@
+//! The owner side of peering: this node's DRAM inventory as peers see it (a view kept from
+//! the shards' change logs, served as a snapshot then deltas), and grants on its chunks.
+//!
+//! A grant is a lease the shards hold for a requester's *holder* (one per requester node and
+//! epoch). It is returned when the requester releases it after its read, or when the requester
+//! is proven gone: its member key left etcd (or came back with another epoch) and a lease TTL
+//! more has passed, so no read of its can still be running. Grants per requester are bounded.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use orbitkv_proto::{ChunkKey, SlotRef};
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::rpc::peer_server::{Peer, PeerServer};
+use crate::rpc::{
+    GrantReply, GrantRequest, Granted, InventoryRequest, InventoryUpdate, ReleaseReply,
+    ReleaseRequest,
+};
+use crate::{Chunk, Cluster, Delta, Engine, PeeringConfig, State};
+
+/// How often the shards' change logs are drained.
+const INVENTORY_TICK: Duration = Duration::from_millis(50);
+/// How often grant holders are checked against the members.
+const REAP_TICK: Duration = Duration::from_millis(500);
+/// Chunks per snapshot message.
+const SNAPSHOT_PART: usize = 4096;
+/// Inventory updates a subscriber may fall behind before its stream is ended.
+const UPDATES_BEHIND: usize = 1024;
+
+/// One batch of inventory changes.
+#[derive(Debug, Default)]
+struct Update {
+    added: Vec<Chunk>,
+    removed: Vec<ChunkKey>,
+}
+
+/// The inventory as peers see it: what the shards hold in DRAM, by key.
+struct View {
+    chunks: HashMap<ChunkKey, (u64, u64)>,
+    updates: broadcast::Sender<Arc<Update>>,
+}
+
+struct Holder {
+    id: u64,
+    grants: HashMap<u64, SlotRef>,
+    /// Grants being taken now (counted against the bound).
+    pending: usize,
+    /// When the requester was first seen gone.
+    gone_since: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Grants {
+    next_holder: u64,
+    next_grant: u64,
+    /// By requester node id and epoch.
+    holders: HashMap<(String, u64), Holder>,
+}
+
+pub(crate) struct Owner {
+    cluster: Arc<Cluster>,
+    cfg: Arc<PeeringConfig>,
+    te: Engine,
+    view: Mutex<View>,
+    grants: Mutex<Grants>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs a blocking call of the local node on the runtime's blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("local node calls do not panic")
+}
+
+impl Owner {
+    pub(crate) fn new(cluster: Arc<Cluster>, cfg: Arc<PeeringConfig>, te: Engine) -> Arc<Self> {
+        let (updates, _) = broadcast::channel(UPDATES_BEHIND);
+        Arc::new(Self {
+            cluster,
+            cfg,
+            te,
+            view: Mutex::new(View { chunks: HashMap::new(), updates }),
+            grants: Mutex::new(Grants::default()),
+        })
+    }
+
+    /// Keeps the view, reaps the grants of requesters gone, and serves the RPC on `listener`.
+    pub(crate) async fn serve(self: Arc<Self>, listener: std::net::TcpListener) {
+        tokio::spawn(Arc::clone(&self).follow_shards());
+        tokio::spawn(Arc::clone(&self).reap());
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "peer RPC: the listener could not be used");
+                return;
+            }
+        };
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let served = tonic::transport::Server::builder()
+            .add_service(PeerServer::new(Service(self)))
+            .serve_with_incoming(incoming)
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "peer RPC: stopped");
+        }
+    }
+
+    /// Drains the shards' change logs into the view and the subscribers' streams; a shard
+    /// whose log overflowed is read whole and compared with the view.
+    async fn follow_shards(self: Arc<Self>) {
+        let shards = self.cfg.node.shards();
+        let mut fresh = vec![true; shards];
+        loop {
+            let node = Arc::clone(&self.cfg.node);
+            let wanted = fresh.clone();
+            let got = blocking(move || {
+                (0..shards)
+                    .map(|s| {
+                        if wanted[s] {
+                            node.inventory_snapshot(s).map(Err)
+                        } else {
+                            node.inventory_drain(s).map(Ok)
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await;
+            let mut update = Update::default();
+            {
+                let mut view = lock(&self.view);
+                for (s, r) in got.into_iter().enumerate() {
+                    match r {
+                        None => {} // the shard did not answer: next round
+                        Some(Ok((deltas, overflowed))) => {
+                            fresh[s] = overflowed;
+                            for d in deltas {
+                                match d {
+                                    Delta::Added(c) => {
+                                        view.chunks.insert(c.key, (c.len, c.checksum));
+                                        update.added.push(c);
+                                    }
+                                    Delta::Removed(k) => {
+                                        if view.chunks.remove(&k).is_some() {
+                                            update.removed.push(k);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        Some(Err(snapshot)) => {
+                            fresh[s] = false;
+                            view.resync(s, shards, snapshot, &mut update);
+                        }
+                    }
+                }
+                if !update.added.is_empty() || !update.removed.is_empty() {
+                    // No subscriber is no error.
+                    let _ = view.updates.send(Arc::new(update));
+                }
+            }
+            tokio::time::sleep(INVENTORY_TICK).await;
+        }
+    }
+
+    /// Returns the grants of requesters gone for longer than a lease TTL (their member key
+    /// left etcd, or it has another epoch now). Nothing is reaped while etcd is unreachable:
+    /// then no death can be proven.
+    async fn reap(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(REAP_TICK).await;
+            let status = self.cluster.status();
+            if status.state != State::Joined {
+                continue;
+            }
+            let bound = self.cluster.cfg.lease_ttl;
+            let mut gone = Vec::new();
+            {
+                let mut g = lock(&self.grants);
+                let now = Instant::now();
+                g.holders.retain(|(node, epoch), h| {
+                    let alive =
+                        status.members.iter().any(|m| m.node_id == *node && m.epoch == *epoch);
+                    if alive {
+                        h.gone_since = None;
+                        return true;
+                    }
+                    let since = *h.gone_since.get_or_insert(now);
+                    if now.duration_since(since) < bound || h.pending > 0 {
+                        return true;
+                    }
+                    gone.push((node.clone(), *epoch, h.id, h.grants.len()));
+                    false
+                });
+            }
+            for (node, epoch, id, grants) in gone {
+                tracing::info!(requester = %node, epoch, grants, "peer gone: its grants returned");
+                self.cluster.update_peer(&node, |v| v.grants_given = 0);
+                let n = Arc::clone(&self.cfg.node);
+                blocking(move || n.release_all(id)).await;
+            }
+        }
+    }
+
+    /// This node's epoch, or UNAVAILABLE before it has one.
+    fn epoch(&self) -> Result<u64, Status> {
+        self.cluster.epoch().ok_or_else(|| Status::unavailable("this node has not joined yet"))
+    }
+
+    fn check_owner_epoch(&self, asked: u64) -> Result<u64, Status> {
+        let epoch = self.epoch()?;
+        if asked != epoch {
+            return Err(Status::failed_precondition(format!(
+                "owner epoch {asked} is stale: {} is at epoch {epoch}",
+                self.cluster.cfg.node_id
+            )));
+        }
+        Ok(epoch)
+    }
+}
+
+impl View {
+    /// Replaces what the view holds of shard `shard` by `snapshot`, noting the differences.
+    fn resync(&mut self, shard: usize, shards: usize, snapshot: Vec<Chunk>, update: &mut Update) {
+        let mut now: HashMap<ChunkKey, (u64, u64)> =
+            snapshot.into_iter().map(|c| (c.key, (c.len, c.checksum))).collect();
+        self.chunks.retain(|k, v| {
+            if k.shard(shards) != shard {
+                return true;
+            }
+            match now.remove(k) {
+                Some(same) if same == *v => true,
+                Some(other) => {
+                    *v = other;
+                    update.added.push(Chunk { key: *k, len: other.0, checksum: other.1 });
+                    true
+                }
+                None => {
+                    update.removed.push(*k);
+                    false
+                }
+            }
+        });
+        for (key, (len, checksum)) in now {
+            self.chunks.insert(key, (len, checksum));
+            update.added.push(Chunk { key, len, checksum });
+        }
+    }
+}
+
+fn chunk_msg(c: &Chunk) -> crate::rpc::Chunk {
+    crate::rpc::Chunk { key: Some((&c.key).into()), len: c.len, checksum: c.checksum }
+}
+
+/// The RPC service over an [`Owner`].
+struct Service(Arc<Owner>);
+
+#[tonic::async_trait]
+impl Peer for Service {
+    type InventoryStream = ReceiverStream<Result<InventoryUpdate, Status>>;
+
+    async fn inventory(
+        &self,
+        request: Request<InventoryRequest>,
+    ) -> Result<Response<Self::InventoryStream>, Status> {
+        let r = request.into_inner();
+        let owner_epoch = self.0.epoch()?;
+        let max = if r.max_entries == 0 { usize::MAX } else { r.max_entries as usize };
+        // The snapshot and the subscription under one lock: no change falls between them.
+        let (snapshot, complete, mut updates) = {
+            let view = lock(&self.0.view);
+            let snapshot: Vec<crate::rpc::Chunk> = view
+                .chunks
+                .iter()
+                .take(max)
+                .map(|(key, &(len, checksum))| chunk_msg(&Chunk { key: *key, len, checksum }))
+                .collect();
+            (snapshot, view.chunks.len() <= max, view.updates.subscribe())
+        };
+        tracing::info!(requester = %r.requester, epoch = r.requester_epoch, chunks = snapshot.len(), complete, "peer subscribed to the inventory");
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut parts = snapshot.chunks(SNAPSHOT_PART).peekable();
+            let msg = |added: Vec<crate::rpc::Chunk>, removed, end| InventoryUpdate {
+                owner_epoch,
+                added,
+                removed,
+                snapshot_end: end,
+                complete: end && complete,
+            };
+            if parts.peek().is_none()
+                && tx.send(Ok(msg(Vec::new(), Vec::new(), true))).await.is_err()
+            {
+                return;
+            }
+            while let Some(part) = parts.next() {
+                let end = parts.peek().is_none();
+                if tx.send(Ok(msg(part.to_vec(), Vec::new(), end))).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                let next = match updates.recv().await {
+                    Ok(u) => Ok(msg(
+                        u.added.iter().map(chunk_msg).collect(),
+                        u.removed.iter().map(Into::into).collect(),
+                        false,
+                    )),
+                    Err(broadcast::error::RecvError::Lagged(n)) => Err(Status::resource_exhausted(
+                        format!("fell {n} inventory updates behind; subscribe again"),
+                    )),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                };
+                let stop = next.is_err();
+                if tx.send(next).await.is_err() || stop {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn grant(&self, request: Request<GrantRequest>) -> Result<Response<GrantReply>, Status> {
+        let r = request.into_inner();
+        let owner = &self.0;
+        let owner_epoch = owner.check_owner_epoch(r.owner_epoch)?;
+        let keys: Vec<ChunkKey> = r
+            .keys
+            .iter()
+            .map(|k| k.to_chunk_key())
+            .collect::<Option<_>>()
+            .ok_or_else(|| Status::invalid_argument("a key's digest is not 32 bytes"))?;
+        let max = owner.cfg.max_grants_per_peer;
+        let holder = {
+            let mut g = lock(&owner.grants);
+            let next = g.next_holder + 1;
+            let h =
+                g.holders.entry((r.requester.clone(), r.requester_epoch)).or_insert_with(|| {
+                    Holder { id: next, grants: HashMap::new(), pending: 0, gone_since: None }
+                });
+            if h.grants.len() + h.pending + keys.len() > max {
+                return Err(Status::resource_exhausted(format!(
+                    "{} holds {} grants here; {} more exceed the bound of {max} per peer",
+                    r.requester,
+                    h.grants.len() + h.pending,
+                    keys.len()
+                )));
+            }
+            h.pending += keys.len();
+            let id = h.id;
+            if id == next {
+                g.next_holder = next;
+            }
+            id
+        };
+        let node = Arc::clone(&owner.cfg.node);
+        let asked = keys.clone();
+        let hits = blocking(move || node.grant(holder, &asked)).await;
+        let mut chunks = Vec::with_capacity(keys.len());
+        let given = {
+            let mut g = lock(&owner.grants);
+            let mut next_grant = g.next_grant;
+            let h = g
+                .holders
+                .get_mut(&(r.requester.clone(), r.requester_epoch))
+                .expect("a holder with pending grants is not reaped");
+            h.pending -= keys.len();
+            for (key, hit) in keys.iter().zip(hits) {
+                chunks.push(match hit {
+                    Some(hit) => {
+                        next_grant += 1;
+                        h.grants
+                            .insert(next_grant, SlotRef { key: *key, generation: hit.generation });
+                        Granted {
+                            present: true,
+                            addr: owner.cfg.arena.0 + hit.offset,
+                            len: hit.len,
+                            checksum: hit.checksum,
+                            generation: hit.generation,
+                            grant_id: next_grant,
+                        }
+                    }
+                    None => Granted::default(),
+                });
+            }
+            let given = h.grants.len() as u64;
+            g.next_grant = next_grant;
+            given
+        };
+        owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
+        Ok(Response::new(GrantReply {
+            owner_epoch,
+            segment: owner.te.segment().to_owned(),
+            chunks,
+        }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseReply>, Status> {
+        let r = request.into_inner();
+        let owner = &self.0;
+        owner.check_owner_epoch(r.owner_epoch)?;
+        let (holder, slots, unknown, given) = {
+            let mut g = lock(&owner.grants);
+            let Some(h) = g.holders.get_mut(&(r.requester.clone(), r.requester_epoch)) else {
+                return Ok(Response::new(ReleaseReply {
+                    released: 0,
+                    unknown: r.grant_ids.len() as u32,
+                }));
+            };
+            let slots: Vec<SlotRef> =
+                r.grant_ids.iter().filter_map(|id| h.grants.remove(id)).collect();
+            let unknown = (r.grant_ids.len() - slots.len()) as u32;
+            (h.id, slots, unknown, h.grants.len() as u64)
+        };
+        let released = slots.len() as u32;
+        let node = Arc::clone(&owner.cfg.node);
+        blocking(move || node.release(holder, &slots)).await;
+        owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
+        Ok(Response::new(ReleaseReply { released, unknown }))
+    }
+}

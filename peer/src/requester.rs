@@ -1,0 +1,307 @@
+//! The requester side of peering: a subscription to each member's inventory, kept in the
+//! shards' catalog slices (bounded per peer), and the peer reads the shards queue: grant at
+//! the owner, Transfer Engine read into the local slot, release, hand back to the shard (which
+//! verifies the checksum before anything is served).
+//!
+//! Peers are numbered per (node id, epoch): a restarted peer is a new peer, its old catalog
+//! entries go with the old number. While etcd is unreachable no new remote work starts: the
+//! subscriptions end and their catalog entries are dropped, to come back with the members.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use orbitkv_proto::ChunkKey;
+use tokio::sync::mpsc;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::rpc::peer_client::PeerClient;
+use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
+use crate::{Chunk, Cluster, Engine, Fetch, Member, PeeringConfig, State};
+
+/// How often the members are compared with the subscriptions.
+const MEMBERS_TICK: Duration = Duration::from_millis(200);
+/// Pause before a broken subscription is tried again.
+const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
+/// How long one grant or release call may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
+const FETCH_BATCH: usize = 1024;
+
+/// A followed peer.
+struct Link {
+    index: u32,
+    epoch: u64,
+    channel: Channel,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+pub(crate) struct Requester {
+    cluster: Arc<Cluster>,
+    cfg: Arc<PeeringConfig>,
+    te: Engine,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("local node calls do not panic")
+}
+
+impl Requester {
+    pub(crate) fn new(cluster: Arc<Cluster>, cfg: Arc<PeeringConfig>, te: Engine) -> Arc<Self> {
+        Arc::new(Self { cluster, cfg, te })
+    }
+
+    /// Follows the members and serves the shards' fetches until the runtime stops.
+    pub(crate) async fn run(self: Arc<Self>, mut fetches: mpsc::Receiver<Fetch>) {
+        let mut links: HashMap<String, Link> = HashMap::new();
+        let mut next_index = 0u32;
+        let mut tick = tokio::time::interval(MEMBERS_TICK);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.reconcile(&mut links, &mut next_index).await,
+                first = fetches.recv() => {
+                    let Some(first) = first else { return };
+                    let mut batch = vec![first];
+                    while batch.len() < FETCH_BATCH {
+                        match fetches.try_recv() {
+                            Ok(f) => batch.push(f),
+                            Err(_) => break,
+                        }
+                    }
+                    self.dispatch(&links, batch).await;
+                }
+            }
+        }
+    }
+
+    /// Starts following new members (and new epochs of known ones), stops following those
+    /// gone; all of them while etcd is unreachable.
+    async fn reconcile(self: &Arc<Self>, links: &mut HashMap<String, Link>, next: &mut u32) {
+        let status = self.cluster.status();
+        let members: Vec<&Member> = if status.state == State::Joined {
+            status
+                .members
+                .iter()
+                .filter(|m| m.node_id != status.node_id && !m.te_segment.is_empty())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let gone: Vec<String> = links
+            .iter()
+            .filter(|(node, l)| !members.iter().any(|m| m.node_id == **node && m.epoch == l.epoch))
+            .map(|(node, _)| node.clone())
+            .collect();
+        for node in gone {
+            let link = links.remove(&node).expect("listed above");
+            link.follower.abort();
+            let n = Arc::clone(&self.cfg.node);
+            blocking(move || n.catalog_drop(link.index)).await;
+            tracing::info!(peer = %node, epoch = link.epoch, "peer left (or etcd is away): its catalog dropped");
+            let mut peers = self.cluster.peers.lock().unwrap_or_else(|e| e.into_inner());
+            peers.remove(&node);
+        }
+        for m in members {
+            if links.contains_key(&m.node_id) {
+                continue;
+            }
+            let Ok(endpoint) = Endpoint::from_shared(format!("http://{}", m.peer_addr)) else {
+                tracing::warn!(peer = %m.node_id, addr = %m.peer_addr, "a member's peer address is not usable; skipped");
+                continue;
+            };
+            let channel = endpoint.connect_timeout(CALL_TIMEOUT).connect_lazy();
+            *next += 1;
+            let index = *next;
+            let follower = tokio::spawn(Arc::clone(self).follow(m.clone(), index, channel.clone()));
+            links.insert(m.node_id.clone(), Link { index, epoch: m.epoch, channel, follower });
+        }
+    }
+
+    /// Keeps peer `m`'s inventory in the catalog under `index`, subscribing again after a
+    /// pause whenever the stream breaks (its entries are dropped first).
+    async fn follow(self: Arc<Self>, m: Member, index: u32, channel: Channel) {
+        loop {
+            self.cluster.update_peer(&m.node_id, |v| {
+                *v = crate::PeerView { epoch: m.epoch, stream: "connecting".into(), ..v.clone() };
+            });
+            let why = match self.follow_once(&m, index, channel.clone()).await {
+                Ok(()) => "ended by the owner".to_owned(),
+                Err(e) => e,
+            };
+            tracing::warn!(peer = %m.node_id, why = %why, "peer inventory stream broken; subscribing again");
+            let n = Arc::clone(&self.cfg.node);
+            blocking(move || n.catalog_drop(index)).await;
+            self.cluster.update_peer(&m.node_id, |v| {
+                v.stream = format!("error: {why}");
+                v.catalog_entries = 0;
+                v.complete = false;
+            });
+            tokio::time::sleep(RESUBSCRIBE_AFTER).await;
+        }
+    }
+
+    async fn follow_once(&self, m: &Member, index: u32, channel: Channel) -> Result<(), String> {
+        let max = self.cfg.catalog_max_per_peer;
+        let request = InventoryRequest {
+            requester: self.cluster.cfg.node_id.clone(),
+            requester_epoch: self.cluster.epoch().unwrap_or(0),
+            max_entries: max as u64,
+        };
+        let mut stream = PeerClient::new(channel)
+            .inventory(request)
+            .await
+            .map_err(|s| s.message().to_owned())?
+            .into_inner();
+        self.cluster.update_peer(&m.node_id, |v| v.stream = "snapshot".into());
+        let mut held: HashSet<ChunkKey> = HashSet::new();
+        let mut complete = true;
+        while let Some(u) = stream.message().await.map_err(|s| s.message().to_owned())? {
+            if u.owner_epoch != m.epoch {
+                return Err(format!("the owner is at epoch {}, not {}", u.owner_epoch, m.epoch));
+            }
+            let mut added = Vec::with_capacity(u.added.len());
+            for c in &u.added {
+                let Some(key) = c.key.as_ref().and_then(Key::to_chunk_key) else { continue };
+                if held.contains(&key) || held.len() < max {
+                    held.insert(key);
+                    added.push(Chunk { key, len: c.len, checksum: c.checksum });
+                } else {
+                    // Over the bound: coverage is partial from here on.
+                    complete = false;
+                }
+            }
+            let removed: Vec<ChunkKey> =
+                u.removed.iter().filter_map(Key::to_chunk_key).filter(|k| held.remove(k)).collect();
+            if u.snapshot_end {
+                complete &= u.complete;
+            }
+            if !added.is_empty() || !removed.is_empty() {
+                let n = Arc::clone(&self.cfg.node);
+                blocking(move || n.catalog_apply(index, added, removed)).await;
+            }
+            let entries = held.len() as u64;
+            self.cluster.update_peer(&m.node_id, |v| {
+                if u.snapshot_end {
+                    v.stream = "live".into();
+                }
+                v.catalog_entries = entries;
+                v.complete = complete;
+            });
+        }
+        Ok(())
+    }
+
+    /// Groups `batch` by peer and starts each group's reads; fetches of peers not followed
+    /// (any more) fail at once.
+    async fn dispatch(self: &Arc<Self>, links: &HashMap<String, Link>, batch: Vec<Fetch>) {
+        let mut groups: HashMap<u32, Vec<Fetch>> = HashMap::new();
+        for f in batch {
+            groups.entry(f.peer).or_default().push(f);
+        }
+        for (peer, fetches) in groups {
+            match links.iter().find(|(_, l)| l.index == peer) {
+                Some((node, l)) => {
+                    let (node, epoch, channel) = (node.clone(), l.epoch, l.channel.clone());
+                    tokio::spawn(Arc::clone(self).read(node, epoch, channel, fetches));
+                }
+                None => {
+                    let n = Arc::clone(&self.cfg.node);
+                    blocking(move || fetches.into_iter().for_each(|f| n.fetched(f, false))).await;
+                }
+            }
+        }
+    }
+
+    /// Grant, read, release, hand back: one peer's group of fetches.
+    async fn read(
+        self: Arc<Self>,
+        node: String,
+        epoch: u64,
+        channel: Channel,
+        fetches: Vec<Fetch>,
+    ) {
+        let read = match self.read_group(&node, epoch, channel, &fetches).await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(peer = %node, chunks = fetches.len(), error = %e, "peer read failed: answered as misses");
+                vec![false; fetches.len()]
+            }
+        };
+        let (ok, bytes) = fetches
+            .iter()
+            .zip(&read)
+            .filter(|(_, r)| **r)
+            .fold((0u64, 0u64), |(n, b), (f, _)| (n + 1, b + f.len));
+        let failed = fetches.len() as u64 - ok;
+        self.cluster.update_peer(&node, |v| {
+            v.chunks_read += ok;
+            v.bytes_read += bytes;
+            v.read_failures += failed;
+        });
+        let n = Arc::clone(&self.cfg.node);
+        blocking(move || fetches.into_iter().zip(read).for_each(|(f, r)| n.fetched(f, r))).await;
+    }
+
+    async fn read_group(
+        &self,
+        node: &str,
+        epoch: u64,
+        channel: Channel,
+        fetches: &[Fetch],
+    ) -> Result<Vec<bool>, String> {
+        let me = (self.cluster.cfg.node_id.clone(), self.cluster.epoch().unwrap_or(0));
+        let mut client = PeerClient::new(channel);
+        let request = GrantRequest {
+            requester: me.0.clone(),
+            requester_epoch: me.1,
+            owner_epoch: epoch,
+            keys: fetches.iter().map(|f| (&f.key).into()).collect(),
+        };
+        let reply = tokio::time::timeout(CALL_TIMEOUT, client.grant(request))
+            .await
+            .map_err(|_| "grant timed out".to_owned())?
+            .map_err(|s| format!("grant: {}", s.message()))?
+            .into_inner();
+        if reply.chunks.len() != fetches.len() {
+            return Err(format!(
+                "grant answered {} chunks for {}",
+                reply.chunks.len(),
+                fetches.len()
+            ));
+        }
+        let mut read = vec![false; fetches.len()];
+        let mut ranges = Vec::new();
+        let mut ids = Vec::new();
+        for (i, (f, g)) in fetches.iter().zip(&reply.chunks).enumerate() {
+            if g.present {
+                ids.push(g.grant_id);
+                if g.len == f.len {
+                    ranges.push((self.cfg.arena.0 + f.offset, g.addr, f.len));
+                    read[i] = true;
+                }
+            }
+        }
+        self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
+        let te = self.te.clone();
+        let segment = reply.segment.clone();
+        let moved = if ranges.is_empty() {
+            Ok(())
+        } else {
+            blocking(move || te.read_many(&segment, &ranges).map_err(|e| e.to_string())).await
+        };
+        // The reads are over (done or failed): the grants can go back.
+        let release = ReleaseRequest {
+            requester: me.0,
+            requester_epoch: me.1,
+            owner_epoch: epoch,
+            grant_ids: ids.clone(),
+        };
+        if let Err(e) = tokio::time::timeout(CALL_TIMEOUT, client.release(release)).await {
+            // The owner returns them once this node is gone; until then they stay counted.
+            tracing::warn!(peer = %node, grants = ids.len(), error = %e, "releasing grants timed out");
+        }
+        self.cluster
+            .update_peer(node, |v| v.grants_held = v.grants_held.saturating_sub(ids.len() as u64));
+        moved.map(|()| read)
+    }
+}

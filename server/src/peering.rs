@@ -1,0 +1,215 @@
+//! The server as cluster peering sees it ([`orbitkv_peer::LocalNode`]): the shards reached
+//! through their control queues, each call waiting for the shards' answers. Grants are leases
+//! held by a session id of their own per requester (never a client's), so that the shards'
+//! lease accounting, eviction and reclaim treat them as any other holder's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Sender};
+use orbitkv_peer::{Chunk, Delta, Fetch, LocalNode};
+use orbitkv_proto::{ChunkKey, Hit, SlotRef};
+use orbitkv_shards::{InventoryChunk, InventoryDelta, PeerFetch, SessionId, ShardCore};
+
+use crate::shared::{ControlMsg, Shared};
+
+/// Session ids of grant holders: `GRANT_SESSIONS + holder` (clients' ids count up from 1).
+const GRANT_SESSIONS: SessionId = 1 << 62;
+/// How long a call waits for a shard.
+const SHARD_WAIT: Duration = Duration::from_secs(5);
+
+/// What the peer thread asks one shard (see [`ControlMsg::Peer`]).
+#[derive(Debug)]
+pub enum PeerMsg {
+    /// The DRAM inventory now (the change log restarts).
+    Snapshot(Sender<Vec<InventoryChunk>>),
+    /// The changes since the last drain, and whether some were lost.
+    Drain(Sender<(Vec<InventoryDelta>, bool)>),
+    /// Lease keys for a grant holder.
+    Grant { session: SessionId, keys: Vec<ChunkKey>, reply: Sender<Vec<Option<Hit>>> },
+    /// Return leases of a grant holder.
+    Release { session: SessionId, slots: Vec<SlotRef> },
+    /// Return every lease of a grant holder.
+    ReleaseAll { session: SessionId },
+    /// Catalog changes of one peer.
+    Catalog { peer: u32, added: Vec<InventoryChunk>, removed: Vec<ChunkKey> },
+    /// Forget a peer's catalog entries.
+    Forget { peer: u32 },
+    /// A peer read is over.
+    Fetched { fetch: PeerFetch, read: bool },
+}
+
+impl PeerMsg {
+    /// Applies the message to the shard's state.
+    pub fn apply(self, core: &mut ShardCore) {
+        match self {
+            PeerMsg::Snapshot(reply) => {
+                let _ = reply.send(core.inventory_snapshot());
+            }
+            PeerMsg::Drain(reply) => {
+                let d = core.inventory_drain();
+                let _ = reply.send((d.deltas, d.overflowed));
+            }
+            PeerMsg::Grant { session, keys, reply } => {
+                let _ = reply.send(core.lease_for_peer(session, &keys));
+            }
+            PeerMsg::Release { session, slots } => {
+                core.apply(orbitkv_shards::ShardOp::Release { session, slots });
+            }
+            PeerMsg::ReleaseAll { session } => {
+                core.apply(orbitkv_shards::ShardOp::SessionClosed { session });
+            }
+            PeerMsg::Catalog { peer, added, removed } => core.catalog_apply(peer, &added, &removed),
+            PeerMsg::Forget { peer } => {
+                core.catalog_drop(peer);
+            }
+            PeerMsg::Fetched { fetch, read } => {
+                // A failure is counted and logged by the shard; the lookup answers a miss.
+                let _ = core.finish_peer_fetch(&fetch, read);
+            }
+        }
+    }
+}
+
+/// The shards, for the peer thread.
+pub struct Node(pub Arc<Shared>);
+
+impl Node {
+    fn send(&self, shard: usize, msg: PeerMsg) -> bool {
+        let sent = self.0.send_control(shard, ControlMsg::Peer(msg), SHARD_WAIT);
+        if !sent {
+            tracing::warn!(shard, "peering: a shard's control queue stayed full");
+        }
+        sent
+    }
+
+    fn ask<T>(&self, shard: usize, make: impl FnOnce(Sender<T>) -> PeerMsg) -> Option<T> {
+        let (tx, rx) = bounded(1);
+        if !self.send(shard, make(tx)) {
+            return None;
+        }
+        rx.recv_timeout(SHARD_WAIT).ok()
+    }
+
+    /// `items` split by the shard of their key, in order within each shard.
+    fn by_shard<T>(&self, items: Vec<T>, key: impl Fn(&T) -> ChunkKey) -> Vec<Vec<(usize, T)>> {
+        let n = self.0.shards();
+        let mut out: Vec<Vec<(usize, T)>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, item) in items.into_iter().enumerate() {
+            out[key(&item).shard(n)].push((i, item));
+        }
+        out
+    }
+}
+
+fn chunk(c: InventoryChunk) -> Chunk {
+    Chunk { key: c.key, len: c.len, checksum: c.checksum }
+}
+
+fn inventory_chunk(c: Chunk) -> InventoryChunk {
+    InventoryChunk { key: c.key, len: c.len, checksum: c.checksum }
+}
+
+impl LocalNode for Node {
+    fn shards(&self) -> usize {
+        self.0.shards()
+    }
+
+    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<Chunk>> {
+        let got = self.ask(shard, PeerMsg::Snapshot)?;
+        Some(got.into_iter().map(chunk).collect())
+    }
+
+    fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)> {
+        let (deltas, overflowed) = self.ask(shard, PeerMsg::Drain)?;
+        let deltas = deltas
+            .into_iter()
+            .map(|d| match d {
+                InventoryDelta::Added(c) => Delta::Added(chunk(c)),
+                InventoryDelta::Removed(k) => Delta::Removed(k),
+            })
+            .collect();
+        Some((deltas, overflowed))
+    }
+
+    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Vec<Option<Hit>> {
+        let session = GRANT_SESSIONS + holder;
+        let mut out = vec![None; keys.len()];
+        for (shard, part) in self.by_shard(keys.to_vec(), |k| *k).into_iter().enumerate() {
+            if part.is_empty() {
+                continue;
+            }
+            let keys: Vec<ChunkKey> = part.iter().map(|(_, k)| *k).collect();
+            if let Some(hits) = self.ask(shard, |reply| PeerMsg::Grant { session, keys, reply }) {
+                for ((i, _), hit) in part.into_iter().zip(hits) {
+                    out[i] = hit;
+                }
+            }
+        }
+        out
+    }
+
+    fn release(&self, holder: u64, slots: &[SlotRef]) {
+        let session = GRANT_SESSIONS + holder;
+        for (shard, part) in self.by_shard(slots.to_vec(), |s| s.key).into_iter().enumerate() {
+            if !part.is_empty() {
+                let slots = part.into_iter().map(|(_, s)| s).collect();
+                self.send(shard, PeerMsg::Release { session, slots });
+            }
+        }
+    }
+
+    fn release_all(&self, holder: u64) {
+        let session = GRANT_SESSIONS + holder;
+        for shard in 0..self.0.shards() {
+            self.send(shard, PeerMsg::ReleaseAll { session });
+        }
+    }
+
+    fn catalog_apply(&self, peer: u32, added: Vec<Chunk>, removed: Vec<ChunkKey>) {
+        let n = self.0.shards();
+        let mut adds: Vec<Vec<InventoryChunk>> = vec![Vec::new(); n];
+        let mut removes: Vec<Vec<ChunkKey>> = vec![Vec::new(); n];
+        for c in added {
+            adds[c.key.shard(n)].push(inventory_chunk(c));
+        }
+        for k in removed {
+            removes[k.shard(n)].push(k);
+        }
+        for (shard, (added, removed)) in adds.into_iter().zip(removes).enumerate() {
+            if !added.is_empty() || !removed.is_empty() {
+                self.send(shard, PeerMsg::Catalog { peer, added, removed });
+            }
+        }
+    }
+
+    fn catalog_drop(&self, peer: u32) {
+        for shard in 0..self.0.shards() {
+            self.send(shard, PeerMsg::Forget { peer });
+        }
+    }
+
+    fn fetched(&self, fetch: Fetch, read: bool) {
+        let fetch = PeerFetch {
+            shard: fetch.shard,
+            key: fetch.key,
+            peer: fetch.peer,
+            offset: fetch.offset,
+            len: fetch.len,
+            generation: fetch.generation,
+        };
+        self.send(fetch.shard, PeerMsg::Fetched { fetch, read });
+    }
+}
+
+/// A shard's peer reads, as the peer thread takes them.
+pub fn to_fetch(f: PeerFetch) -> Fetch {
+    Fetch {
+        shard: f.shard,
+        key: f.key,
+        peer: f.peer,
+        offset: f.offset,
+        len: f.len,
+        generation: f.generation,
+    }
+}
