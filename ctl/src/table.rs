@@ -184,12 +184,13 @@ fn row(first: String, core: String, n: &[u64; COLS]) -> Vec<String> {
     r
 }
 
-/// The `peers` table: this node's membership, then one row per member.
+/// The `peers` table: this node's membership, then one row per member with what peering
+/// knows of it (its inventory stream, catalog entries and coverage, grants each way, reads).
 pub fn peers(v: &Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "cluster {}  node {}  epoch {}  {}{}",
+        "cluster {}  node {}  epoch {}  {}{}{}",
         v["cluster"].as_str().unwrap_or("?"),
         v["node_id"].as_str().unwrap_or("?"),
         v["epoch"].as_u64().map_or("-".into(), |e| e.to_string()),
@@ -197,20 +198,41 @@ pub fn peers(v: &Value) -> String {
         match v["reason"].as_str() {
             Some(r) if !r.is_empty() => format!(": {r}"),
             _ => String::new(),
-        }
+        },
+        if v["peering"] == false { "  (peering off: membership only)" } else { "" }
     );
-    let mut rows = vec![["node", "epoch", "peer address", "shards", "pid"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect::<Vec<_>>()];
+    let mut rows = vec![[
+        "node", "epoch", "peer address", "shards", "pid", "stream", "catalog", "held", "given",
+        "read", "failed",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect::<Vec<_>>()];
+    let me = v["node_id"].as_str().unwrap_or("");
     for m in v["members"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
-        rows.push(vec![
-            m["node_id"].as_str().unwrap_or("?").to_string(),
+        let node = m["node_id"].as_str().unwrap_or("?");
+        let mut row = vec![
+            node.to_string(),
             u64_of(m, "epoch").to_string(),
             m["peer_addr"].as_str().unwrap_or("?").to_string(),
             u64_of(m, "shards").to_string(),
             u64_of(m, "pid").to_string(),
-        ]);
+        ];
+        let p = &v["peers"][node];
+        if node == me || p.is_null() {
+            row.extend(["-"; 6].iter().map(|s| s.to_string()));
+        } else {
+            let entries = u64_of(p, "catalog_entries").to_string();
+            row.extend([
+                p["stream"].as_str().unwrap_or("?").to_string(),
+                if p["complete"] == true { entries } else { format!("{entries} (partial)") },
+                u64_of(p, "grants_held").to_string(),
+                u64_of(p, "grants_given").to_string(),
+                format_bytes(u64_of(p, "bytes_read")),
+                u64_of(p, "read_failures").to_string(),
+            ]);
+        }
+        rows.push(row);
     }
     render(&mut out, &rows);
     out
@@ -301,7 +323,22 @@ mod tests {
         );
         assert_eq!(lines.len(), 4, "{t}");
         let b: Vec<&str> = lines[3].split_whitespace().collect();
-        assert_eq!(b, ["b", "7", "10.0.0.2:7000", "8", "22"], "{t}");
+        assert_eq!(b, ["b", "7", "10.0.0.2:7000", "8", "22", "-", "-", "-", "-", "-", "-"], "{t}");
+        // Peering: this node's row has no peer columns, a peer's has its stream and catalog.
+        let mut v = v;
+        v["peering"] = serde_json::json!(true);
+        v["peers"] = serde_json::json!({"b": {
+            "epoch": 7, "stream": "live", "complete": false, "catalog_entries": 3,
+            "grants_held": 1, "grants_given": 2, "chunks_read": 8, "bytes_read": 524288,
+            "read_failures": 4}});
+        let t = peers(&v);
+        let lines: Vec<&str> = t.lines().collect();
+        let a: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(a[5..], ["-"; 6], "{t}");
+        let b: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(b[5..], ["live", "3", "(partial)", "1", "2", "512.0", "KiB", "4"], "{t}");
+        v["peering"] = serde_json::json!(false);
+        assert!(peers(&v).lines().next().unwrap().ends_with("(peering off: membership only)"));
         // Joined, before the first epoch: no reason, epoch shown as -.
         let joining =
             peers(&serde_json::json!({"cluster": "c", "node_id": "n", "state": "joining",
