@@ -202,8 +202,17 @@ pub fn peers(v: &Value) -> String {
         if v["peering"] == false { "  (peering off: membership only)" } else { "" }
     );
     let mut rows = vec![[
-        "node", "epoch", "peer address", "shards", "pid", "stream", "catalog", "held", "given",
-        "read", "failed",
+        "node",
+        "epoch",
+        "peer address",
+        "shards",
+        "pid",
+        "stream",
+        "catalog",
+        "held",
+        "given",
+        "read",
+        "failed",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -219,7 +219,7 @@ fn stats(shared: &Shared) -> Value {
                 let errors: Map<String, Value> =
                     st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();
                 let latency = latency_json(&st.latency);
-                json!({
+                let mut v = json!({
                     "id": id,
                     "answering": true,
                     "executor_nudges": shared.doorbells.nudges(id),
@@ -261,7 +261,20 @@ fn stats(shared: &Shared) -> Value {
                     "naps": s.naps,
                     "errors": errors,
                     "latency": latency,
-                })
+                });
+                let peer = json!({
+                    "peer_hits": st.peer_hits,
+                    "peer_reads": st.peer_fetches,
+                    "peer_read_bytes": st.peer_bytes,
+                    "peer_read_failures": st.peer_fetch_failures,
+                    "peer_checksum_failures": st.peer_checksum_mismatches,
+                    "peer_grants": st.peer_grants,
+                    "catalog_entries": st.catalog_entries,
+                });
+                if let (Some(v), Value::Object(peer)) = (v.as_object_mut(), peer) {
+                    v.extend(peer);
+                }
+                v
             }
         })
         .collect();

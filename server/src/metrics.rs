@@ -360,12 +360,16 @@ fn server_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
 /// Per shard (and tier) counters and gauges, of the shards that answered.
 fn shard_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
     let sh = Shards(s.answering().collect());
-    tier_families(out, &sh)?;
+    tier_families(out, &sh, s.cluster.is_some())?;
     flow_families(out, &sh)?;
     size_families(out, &sh)?;
     holding_families(out, &sh)?;
     ssd_families(out, &sh)?;
-    error_families(out, &sh)
+    error_families(out, &sh)?;
+    if s.cluster.is_some() {
+        peer_families(out, &sh)?;
+    }
+    Ok(())
 }
 
 /// The answering shards, with the label sets their series take.
@@ -433,17 +437,23 @@ impl Shards<'_> {
             if let Some(d) = x.stats.ssd {
                 v.push((with(shard_label(*i), "source", "ssd"), d.checksum_failures));
             }
+            if x.stats.peer_checksum_mismatches > 0 {
+                v.push((with(shard_label(*i), "source", "peer"), x.stats.peer_checksum_mismatches));
+            }
         }
         v
     }
 }
 
-/// Lookups and evictions, by tier.
-fn tier_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
-    out.counter(
-        ("orbitkv_hits", "Lookup keys found, by the tier that held them.", None),
-        sh.tier_counts(&|x| x.stats.hits, &|x| x.stats.ssd_hits),
-    )?;
+/// Lookups and evictions, by tier (hits from peers in cluster mode).
+fn tier_families(out: &mut Families<'_, '_>, sh: &Shards<'_>, cluster: bool) -> std::fmt::Result {
+    let mut hits = sh.tier_counts(&|x| x.stats.hits, &|x| x.stats.ssd_hits);
+    if cluster {
+        hits.extend(
+            sh.0.iter().map(|(i, x)| (with(shard_label(*i), "tier", "peer"), x.stats.peer_hits)),
+        );
+    }
+    out.counter(("orbitkv_hits", "Lookup keys found, by the tier that held them.", None), hits)?;
     out.counter(
         ("orbitkv_misses", "Lookup keys found in no tier.", None),
         sh.per(&|x| x.stats.misses),
@@ -664,6 +674,34 @@ fn gpu_families(out: &mut Families<'_, '_>, g: &GpuService) -> std::fmt::Result 
     out.gauge(
         ("orbitkv_gpu_threads_lost", "DMA threads stopped by a panic (their copies fail).", None),
         one(g.threads_lost() as f64),
+    )
+}
+
+/// Peer reads and grants, per shard (cluster mode).
+fn peer_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Result {
+    out.counter(
+        ("orbitkv_peer_reads", "Chunks read from peers and stored here.", None),
+        sh.per(&|x| x.stats.peer_fetches),
+    )?;
+    out.counter(
+        ("orbitkv_peer_read", "Bytes read from peers.", Some(Unit::Bytes)),
+        sh.per(&|x| x.stats.peer_bytes),
+    )?;
+    out.counter(
+        (
+            "orbitkv_peer_read_failures",
+            "Peer reads that failed (the lookup answered a miss): refused, gone, or a bad checksum.",
+            None,
+        ),
+        sh.per(&|x| x.stats.peer_fetch_failures),
+    )?;
+    out.counter(
+        ("orbitkv_peer_grants", "Chunks leased here for peers' reads.", None),
+        sh.per(&|x| x.stats.peer_grants),
+    )?;
+    out.gauge(
+        ("orbitkv_catalog_entries", "Peers' chunks this shard's catalog slice lists.", None),
+        sh.gauges(&|x| x.stats.catalog_entries),
     )
 }
 
