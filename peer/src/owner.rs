@@ -28,6 +28,8 @@ const INVENTORY_TICK: Duration = Duration::from_millis(50);
 const REAP_TICK: Duration = Duration::from_millis(500);
 /// Chunks per snapshot message.
 const SNAPSHOT_PART: usize = 4096;
+/// Cancelled grant requests remembered per requester.
+const CANCELS_KEPT: usize = 1024;
 /// Inventory updates a subscriber may fall behind before its stream is ended.
 const UPDATES_BEHIND: usize = 1024;
 
@@ -46,9 +48,15 @@ struct View {
 
 struct Holder {
     id: u64,
-    grants: HashMap<u64, SlotRef>,
+    /// By grant id: the slot and the request that gave it.
+    grants: HashMap<u64, (SlotRef, u64)>,
     /// Grants being taken now (counted against the bound).
     pending: usize,
+    /// Grant requests the requester cancelled (their answers were lost), most recent last:
+    /// a grant that completes after its cancel returns what it took at once.
+    cancelled: std::collections::VecDeque<u64>,
+    /// The grant ids each answered request gave, for a cancel that comes after the answer.
+    by_request: HashMap<u64, Vec<u64>>,
     /// When the requester was first seen gone.
     gone_since: Option<Instant>,
 }
@@ -224,6 +232,24 @@ impl Owner {
     }
 }
 
+impl Grants {
+    /// The holder of requester `node` at `epoch`, made on first use.
+    fn holder(&mut self, node: &str, epoch: u64) -> &mut Holder {
+        let next = &mut self.next_holder;
+        self.holders.entry((node.to_owned(), epoch)).or_insert_with(|| {
+            *next += 1;
+            Holder {
+                id: *next,
+                grants: HashMap::new(),
+                pending: 0,
+                cancelled: Default::default(),
+                by_request: HashMap::new(),
+                gone_since: None,
+            }
+        })
+    }
+}
+
 impl View {
     /// Replaces what the view holds of shard `shard` by `snapshot`, noting the differences.
     fn resync(&mut self, shard: usize, shards: usize, snapshot: Vec<Chunk>, update: &mut Update) {
@@ -326,8 +352,28 @@ impl Peer for Service {
     }
 
     async fn grant(&self, request: Request<GrantRequest>) -> Result<Response<GrantReply>, Status> {
-        let r = request.into_inner();
-        let owner = &self.0;
+        // In a task of its own: a requester that gives up (timeout, disconnect) drops this
+        // future, and the leases taken must still be recorded for their release.
+        let owner = Arc::clone(&self.0);
+        tokio::spawn(async move { owner.grant(request.into_inner()).await })
+            .await
+            .map_err(|e| Status::internal(format!("grant: {e}")))?
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseReply>, Status> {
+        let owner = Arc::clone(&self.0);
+        tokio::spawn(async move { owner.release(request.into_inner()).await })
+            .await
+            .map_err(|e| Status::internal(format!("release: {e}")))?
+    }
+}
+
+impl Owner {
+    async fn grant(self: &Arc<Self>, r: GrantRequest) -> Result<Response<GrantReply>, Status> {
+        let owner = self;
         let owner_epoch = owner.check_owner_epoch(r.owner_epoch)?;
         let keys: Vec<ChunkKey> = r
             .keys
@@ -338,11 +384,7 @@ impl Peer for Service {
         let max = owner.cfg.max_grants_per_peer;
         let holder = {
             let mut g = lock(&owner.grants);
-            let next = g.next_holder + 1;
-            let h =
-                g.holders.entry((r.requester.clone(), r.requester_epoch)).or_insert_with(|| {
-                    Holder { id: next, grants: HashMap::new(), pending: 0, gone_since: None }
-                });
+            let h = g.holder(&r.requester, r.requester_epoch);
             if h.grants.len() + h.pending + keys.len() > max {
                 return Err(Status::resource_exhausted(format!(
                     "{} holds {} grants here; {} more exceed the bound of {max} per peer",
@@ -352,16 +394,13 @@ impl Peer for Service {
                 )));
             }
             h.pending += keys.len();
-            let id = h.id;
-            if id == next {
-                g.next_holder = next;
-            }
-            id
+            h.id
         };
         let node = Arc::clone(&owner.cfg.node);
         let asked = keys.clone();
         let hits = blocking(move || node.grant(holder, &asked)).await;
         let mut chunks = Vec::with_capacity(keys.len());
+        let mut undo = Vec::new();
         let given = {
             let mut g = lock(&owner.grants);
             let mut next_grant = g.next_grant;
@@ -370,12 +409,19 @@ impl Peer for Service {
                 .get_mut(&(r.requester.clone(), r.requester_epoch))
                 .expect("a holder with pending grants is not reaped");
             h.pending -= keys.len();
+            let cancelled = r.request_id != 0 && h.cancelled.contains(&r.request_id);
+            let mut ids = Vec::new();
             for (key, hit) in keys.iter().zip(hits) {
                 chunks.push(match hit {
+                    Some(hit) if cancelled => {
+                        undo.push(SlotRef { key: *key, generation: hit.generation });
+                        Granted::default()
+                    }
                     Some(hit) => {
                         next_grant += 1;
-                        h.grants
-                            .insert(next_grant, SlotRef { key: *key, generation: hit.generation });
+                        ids.push(next_grant);
+                        let slot = SlotRef { key: *key, generation: hit.generation };
+                        h.grants.insert(next_grant, (slot, r.request_id));
                         Granted {
                             present: true,
                             addr: owner.cfg.arena.0 + hit.offset,
@@ -388,10 +434,18 @@ impl Peer for Service {
                     None => Granted::default(),
                 });
             }
+            if r.request_id != 0 && !ids.is_empty() {
+                h.by_request.insert(r.request_id, ids);
+            }
             let given = h.grants.len() as u64;
             g.next_grant = next_grant;
             given
         };
+        if !undo.is_empty() {
+            let node = Arc::clone(&owner.cfg.node);
+            blocking(move || node.release(holder, &undo)).await;
+            return Err(Status::cancelled("the requester cancelled this grant"));
+        }
         owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
         Ok(Response::new(GrantReply {
             owner_epoch,
@@ -401,23 +455,47 @@ impl Peer for Service {
     }
 
     async fn release(
-        &self,
-        request: Request<ReleaseRequest>,
+        self: &Arc<Self>,
+        r: ReleaseRequest,
     ) -> Result<Response<ReleaseReply>, Status> {
-        let r = request.into_inner();
-        let owner = &self.0;
+        let owner = self;
         owner.check_owner_epoch(r.owner_epoch)?;
         let (holder, slots, unknown, given) = {
             let mut g = lock(&owner.grants);
-            let Some(h) = g.holders.get_mut(&(r.requester.clone(), r.requester_epoch)) else {
+            let key = (r.requester.clone(), r.requester_epoch);
+            if r.requests.is_empty() && !g.holders.contains_key(&key) {
                 return Ok(Response::new(ReleaseReply {
                     released: 0,
                     unknown: r.grant_ids.len() as u32,
                 }));
-            };
-            let slots: Vec<SlotRef> =
-                r.grant_ids.iter().filter_map(|id| h.grants.remove(id)).collect();
-            let unknown = (r.grant_ids.len() - slots.len()) as u32;
+            }
+            // A cancel may come before the first grant: the holder remembers it.
+            let h = g.holder(&r.requester, r.requester_epoch);
+            let mut ids = r.grant_ids.clone();
+            for req in &r.requests {
+                match h.by_request.remove(req) {
+                    Some(given) => ids.extend(given),
+                    None => {
+                        // Not answered yet (or it took nothing): remembered, bounded.
+                        if h.cancelled.len() >= CANCELS_KEPT {
+                            h.cancelled.pop_front();
+                        }
+                        h.cancelled.push_back(*req);
+                    }
+                }
+            }
+            let mut slots = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let Some((slot, req)) = h.grants.remove(id) else { continue };
+                slots.push(slot);
+                if let Some(given) = h.by_request.get_mut(&req) {
+                    given.retain(|g| g != id);
+                    if given.is_empty() {
+                        h.by_request.remove(&req);
+                    }
+                }
+            }
+            let unknown = ids.len().saturating_sub(slots.len()) as u32;
             (h.id, slots, unknown, h.grants.len() as u64)
         };
         let released = slots.len() as u32;

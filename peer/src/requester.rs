@@ -40,6 +40,8 @@ pub(crate) struct Requester {
     cluster: Arc<Cluster>,
     cfg: Arc<PeeringConfig>,
     te: Engine,
+    /// Grant request ids (from 1; 0 means none).
+    next_request: std::sync::atomic::AtomicU64,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -48,7 +50,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 
 impl Requester {
     pub(crate) fn new(cluster: Arc<Cluster>, cfg: Arc<PeeringConfig>, te: Engine) -> Arc<Self> {
-        Arc::new(Self { cluster, cfg, te })
+        Arc::new(Self { cluster, cfg, te, next_request: 1.into() })
     }
 
     /// Follows the members and serves the shards' fetches until the runtime stops.
@@ -251,17 +253,34 @@ impl Requester {
     ) -> Result<Vec<bool>, String> {
         let me = (self.cluster.cfg.node_id.clone(), self.cluster.epoch().unwrap_or(0));
         let mut client = PeerClient::new(channel);
+        let request_id = self.next_request.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let release = |client: &mut PeerClient<Channel>| {
+            let release = ReleaseRequest {
+                requester: me.0.clone(),
+                requester_epoch: me.1,
+                owner_epoch: epoch,
+                grant_ids: Vec::new(),
+                requests: vec![request_id],
+            };
+            let mut client = client.clone();
+            async move { tokio::time::timeout(CALL_TIMEOUT, client.release(release)).await }
+        };
         let request = GrantRequest {
             requester: me.0.clone(),
             requester_epoch: me.1,
             owner_epoch: epoch,
             keys: fetches.iter().map(|f| (&f.key).into()).collect(),
+            request_id,
         };
-        let reply = tokio::time::timeout(CALL_TIMEOUT, client.grant(request))
-            .await
-            .map_err(|_| "grant timed out".to_owned())?
-            .map_err(|s| format!("grant: {}", s.message()))?
-            .into_inner();
+        let reply = match tokio::time::timeout(CALL_TIMEOUT, client.grant(request)).await {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(s)) => return Err(format!("grant: {}", s.message())),
+            Err(_) => {
+                // The owner may still grant: cancel, so that what it takes goes back.
+                let _ = release(&mut client).await;
+                return Err("grant timed out (cancelled)".to_owned());
+            }
+        };
         if reply.chunks.len() != fetches.len() {
             return Err(format!(
                 "grant answered {} chunks for {}",
@@ -290,13 +309,7 @@ impl Requester {
             blocking(move || te.read_many(&segment, &ranges).map_err(|e| e.to_string())).await
         };
         // The reads are over (done or failed): the grants can go back.
-        let release = ReleaseRequest {
-            requester: me.0,
-            requester_epoch: me.1,
-            owner_epoch: epoch,
-            grant_ids: ids.clone(),
-        };
-        if let Err(e) = tokio::time::timeout(CALL_TIMEOUT, client.release(release)).await {
+        if let Err(e) = release(&mut client).await {
             // The owner returns them once this node is gone; until then they stay counted.
             tracing::warn!(peer = %node, grants = ids.len(), error = %e, "releasing grants timed out");
         }

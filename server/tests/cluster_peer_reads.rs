@@ -59,6 +59,7 @@ fn grant(
     port: u16,
     owner_epoch: u64,
     keys: &[orbitkv_proto::ChunkKey],
+    request_id: u64,
 ) -> Result<Vec<u64>, tonic::Status> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -69,6 +70,7 @@ fn grant(
                 requester_epoch: 1,
                 owner_epoch,
                 keys: keys.iter().map(Key::from).collect(),
+                request_id,
             })
             .await?
             .into_inner();
@@ -76,7 +78,12 @@ fn grant(
     })
 }
 
-fn release(port: u16, owner_epoch: u64, ids: Vec<u64>) -> Result<u32, tonic::Status> {
+fn release(
+    port: u16,
+    owner_epoch: u64,
+    ids: Vec<u64>,
+    requests: Vec<u64>,
+) -> Result<u32, tonic::Status> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let mut c = PeerClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap();
@@ -86,6 +93,7 @@ fn release(port: u16, owner_epoch: u64, ids: Vec<u64>) -> Result<u32, tonic::Sta
                 requester_epoch: 1,
                 owner_epoch,
                 grant_ids: ids,
+                requests,
             })
             .await?
             .into_inner();
@@ -140,14 +148,24 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
 
     // Grants are fenced by the owner's epoch; a holder that is no member loses its grants
     // once the lease TTL has passed.
-    let ids = grant(7401, 1, &keys[..2]).unwrap();
+    // A grant cancelled before it is answered gives back what it takes; a release by request
+    // id gives back all the request got.
+    assert_eq!(release(7401, 1, vec![], vec![9]).unwrap(), 0);
+    let cancelled = grant(7401, 1, &keys[..2], 9).unwrap_err();
+    assert_eq!(cancelled.code(), tonic::Code::Cancelled, "{cancelled:?}");
+    assert_eq!(a.shard_sum("leases"), 0);
+    assert_eq!(grant(7401, 1, &keys[..3], 10).unwrap().len(), 3);
+    assert_eq!(a.shard_sum("leases"), 3);
+    assert_eq!(release(7401, 1, vec![], vec![10]).unwrap(), 3);
+    assert_eq!(a.shard_sum("leases"), 0);
+    let ids = grant(7401, 1, &keys[..2], 11).unwrap();
     assert_eq!(ids.len(), 2);
     assert_eq!(a.shard_sum("leases"), 2);
-    let stale = grant(7401, 7, &keys[..1]).unwrap_err();
+    let stale = grant(7401, 7, &keys[..1], 12).unwrap_err();
     assert_eq!(stale.code(), tonic::Code::FailedPrecondition, "{stale:?}");
     assert!(stale.message().contains("stale"), "{stale:?}");
     a.wait_for("the ghost's grants returned", |a| a.shard_sum("leases") == 0);
-    assert_eq!(release(7401, 1, ids).unwrap(), 0, "already returned");
+    assert_eq!(release(7401, 1, ids, vec![]).unwrap(), 0, "already returned");
 
     // The owner restarts (SIGKILL): it leaves b's catalog, comes back with epoch 2, refuses
     // epoch 1, and b follows it again.
@@ -156,7 +174,7 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     until(&b, "a dropped from b's catalog", |v| v["peers"].get("a").is_none());
     let a = member(&etcd, "a", 7401, &["--shards", "2"]);
     assert_eq!(a.admin("peers")["epoch"], 2);
-    let old = grant(7401, 1, &keys[..1]).unwrap_err();
+    let old = grant(7401, 1, &keys[..1], 13).unwrap_err();
     assert_eq!(old.code(), tonic::Code::FailedPrecondition, "{old:?}");
     let mut ca = a.client("engine-a2");
     ca.register_namespace(&namespace(16)).unwrap();
