@@ -1,4 +1,4 @@
-//! The command line: `serve`, `idle`, `wake`, `ssd` and `dma`.
+//! The command line: `serve`, `idle`, `wake`, `ssd`, `dma`, `checksum` and `peer`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -40,6 +40,12 @@ pub(crate) enum Command {
     /// when they checksum commits themselves, `--gpu-checksums cpu`), with one to several
     /// threads at once, compared with a single-thread memcpy measured in the same run.
     Checksum(ChecksumArgs),
+    /// Cluster peer reads: chunks put on one Manager (the owner) and looked up on another of
+    /// the same cluster (the requester), which reads them with Mooncake Transfer Engine;
+    /// compared with raw Transfer Engine reads of the same bytes, in the same batches, over
+    /// loopback TCP in the same run. Both Managers on this host; needs a build with the
+    /// `te-python` feature (exits 2 without).
+    Peer(PeerArgs),
 }
 
 /// Engine KV layouts (see `orbitkv_gpu::KvLayout`).
@@ -400,6 +406,32 @@ pub(crate) struct ChecksumArgs {
     /// How long each thread count hashes (default: 2s).
     #[arg(long, value_name = "DUR", value_parser = duration, default_value = "2s")]
     pub duration: Duration,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `orbitkv-perf peer`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct PeerArgs {
+    /// Bootstrap socket of the owner (the chunks are put there).
+    #[arg(long, value_name = "PATH")]
+    pub owner: PathBuf,
+    /// Bootstrap socket of the requester (the chunks are read there, from the owner).
+    #[arg(long, value_name = "PATH")]
+    pub requester: PathBuf,
+    /// Bytes per chunk, a multiple of 4 KiB (4KiB to 16MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "1MiB")]
+    pub chunk_size: u64,
+    /// Chunks read in the throughput part (1 to 65536).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub chunks: u32,
+    /// Chunks per lookup (and per raw Transfer Engine batch), 1 to 1024.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub batch: u32,
+    /// Single-chunk lookups timed for the lookup-to-first-byte latency (0 to 10000).
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub latency_samples: u32,
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -19,6 +19,7 @@ mod embedded;
 mod error;
 mod gate;
 mod idle;
+mod peer;
 mod placement;
 mod progress;
 mod report;
@@ -47,6 +48,7 @@ fn main() -> ExitCode {
         Command::Ssd(a) => ("ssd", ssd::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Dma(a) => ("dma", dma::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Checksum(a) => ("checksum", checksum::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Peer(a) => ("peer", peer::run(&a).and_then(|r| emit(&r, a.json))),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,

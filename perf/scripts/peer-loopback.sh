@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Two Managers of one cluster on this host (a private etcd, loopback peer addresses) and
+# `orbitkv-perf peer` between them; extra arguments go to `orbitkv-perf peer`.
+#
+#   TE_VENV=target/venvs/te-0.3.13.post1 perf/scripts/peer-loopback.sh --chunks 512
+#
+# Needs etcd on PATH and release builds with the Transfer Engine:
+#   PYO3_PYTHON=$TE_VENV/bin/python cargo build --release -p orbitkv-server -p orbitkv-perf \
+#     --features orbitkv-server/te-python,orbitkv-perf/te-python
+# SHARDS (default 1) and DRAM (default 2GiB) size each Manager.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+TE_VENV=${TE_VENV:-target/venvs/te-0.3.13.post1}
+BIN=${BIN:-target/release}
+SHARDS=${SHARDS:-1}
+DRAM=${DRAM:-2GiB}
+PYTHONPATH=$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export PYTHONPATH
+DIR=$(mktemp -d /tmp/okv-peer-XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$DIR"
+}
+trap cleanup EXIT
+etcd --name p --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
+  --advertise-client-urls http://127.0.0.1:23791 --listen-peer-urls http://127.0.0.1:23801 \
+  --initial-advertise-peer-urls http://127.0.0.1:23801 --initial-cluster p=http://127.0.0.1:23801 \
+  >"$DIR/etcd.log" 2>&1 &
+pids+=($!)
+for node in a b; do
+  port=$([ "$node" = a ] && echo 7601 || echo 7602)
+  "$BIN/orbitkv-server" --socket "$DIR/$node.sock" --no-lock-arena --shards "$SHARDS" --dram "$DRAM" \
+    --etcd http://127.0.0.1:23791 --cluster perf --node-id "$node" --peer-addr "127.0.0.1:$port" \
+    >"$DIR/$node.log" 2>&1 &
+  pids+=($!)
+done
+for node in a b; do
+  for _ in $(seq 200); do
+    [ -S "$DIR/$node.sock" ] && break
+    sleep 0.05
+  done
+done
+sleep 1 # the inventory streams start on the members' next read of etcd
+"$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"

@@ -1,0 +1,461 @@
+//! `orbitkv-perf peer`: cluster peer reads. Chunks are put on the owner; the requester, a
+//! Manager of the same cluster, is asked for them and reads them from the owner with Mooncake
+//! Transfer Engine (grant, TE read into a local slot, checksum check, release): what an engine
+//! on the requester's host sees as a remote get. The baseline is raw Transfer Engine reads of
+//! the same bytes in the same batches between two engines of this process over loopback TCP,
+//! in the same run. Both Managers must run on this host (their sockets are local).
+//!
+//! Measured: remote get GB/s over `--chunks` chunks read `--batch` per lookup (each lookup
+//! timed from request to answer: the chunks are in the requester's arena when it returns), and
+//! the lookup-to-first-byte latency of single-chunk lookups. Every chunk read is verified.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use orbitkv_client::{ChunkKey, Client, ClientOptions, Dtype, NamespaceDescriptor, Tier};
+use serde::Serialize;
+
+use crate::admin;
+use crate::args::PeerArgs;
+use crate::error::{invalid, Error};
+use crate::stats::Latency;
+
+/// Bytes per token of the benchmark namespace (fp32, one layer, one head of 512, K and V).
+const TOKEN_BYTES: u64 = 4096;
+/// Longest wait for the requester's catalog to list the chunks put on the owner.
+const CATALOG_WAIT: Duration = Duration::from_secs(60);
+/// Largest batch in bytes (each side of the raw baseline holds one).
+const MAX_BATCH_BYTES: u64 = 1 << 30;
+
+/// Latency quantiles in microseconds.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Quantiles {
+    pub samples: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+impl From<&Latency> for Quantiles {
+    fn from(l: &Latency) -> Self {
+        Quantiles {
+            samples: l.count(),
+            p50_us: l.quantile_us(0.5),
+            p99_us: l.quantile_us(0.99),
+            max_us: l.max_us(),
+        }
+    }
+}
+
+/// The result of `peer`.
+#[derive(Debug, Serialize)]
+pub(crate) struct PeerReport {
+    /// Node ids.
+    pub owner: String,
+    pub requester: String,
+    pub chunk_bytes: u64,
+    /// Chunks in the throughput part, and per lookup.
+    pub chunks: u64,
+    pub batch: u64,
+    /// Remote gets through the requester.
+    pub remote_gbps: f64,
+    /// Raw Transfer Engine reads of the same bytes in the same batches.
+    pub te_gbps: f64,
+    /// `remote_gbps / te_gbps`.
+    pub ratio: f64,
+    /// Single-chunk lookups on the requester, request to answer (bytes local).
+    pub first_byte: Quantiles,
+    /// Single-chunk raw Transfer Engine reads.
+    pub te_first_byte: Quantiles,
+    /// Chunks whose bytes were checked, and of those, wrong ones.
+    pub verified_chunks: u64,
+    pub wrong_chunks: u64,
+    /// Chunks the requester did not find at the owner (not a peer hit).
+    pub missed_chunks: u64,
+}
+
+impl crate::report::Report for PeerReport {
+    fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            out,
+            "peer reads: owner {} -> requester {}, {} chunks of {}, {} per lookup",
+            self.owner,
+            self.requester,
+            self.chunks,
+            orbitkv_proto::format_bytes(self.chunk_bytes),
+            self.batch
+        )?;
+        writeln!(out, "{:<26} {:>8}", "", "GB/s")?;
+        writeln!(out, "{:<26} {:>8.2}", "remote get (requester)", self.remote_gbps)?;
+        writeln!(out, "{:<26} {:>8.2}", "raw Transfer Engine read", self.te_gbps)?;
+        writeln!(out, "{:<26} {:>8.2}", "ratio", self.ratio)?;
+        let q = |q: &Quantiles| {
+            format!("p50 {:.0}us  p99 {:.0}us  max {:.0}us", q.p50_us, q.p99_us, q.max_us)
+        };
+        writeln!(
+            out,
+            "lookup to first byte, 1 chunk ({} samples): {}",
+            self.first_byte.samples,
+            q(&self.first_byte)
+        )?;
+        writeln!(out, "raw Transfer Engine read, 1 chunk: {}", q(&self.te_first_byte))?;
+        writeln!(
+            out,
+            "verified {} chunks: {} wrong, {} not found at the owner",
+            self.verified_chunks, self.wrong_chunks, self.missed_chunks
+        )
+    }
+
+    fn passed(&self) -> bool {
+        self.wrong_chunks == 0 && self.missed_chunks == 0
+    }
+}
+
+/// Checks the flags before anything connects.
+fn check(a: &PeerArgs) -> Result<(), Error> {
+    if a.chunk_size < TOKEN_BYTES || a.chunk_size > 16 << 20 || a.chunk_size % TOKEN_BYTES != 0 {
+        return Err(invalid("--chunk-size", "must be a multiple of 4 KiB from 4KiB to 16MiB"));
+    }
+    if a.chunks == 0 || a.chunks > 65_536 {
+        return Err(invalid("--chunks", format!("must be 1 to 65536, not {}", a.chunks)));
+    }
+    if a.batch == 0 || a.batch > 1024 {
+        return Err(invalid("--batch", format!("must be 1 to 1024, not {}", a.batch)));
+    }
+    if a.batch as u64 * a.chunk_size > MAX_BATCH_BYTES {
+        return Err(invalid("--batch", "a batch must hold at most 1 GiB (--batch x --chunk-size)"));
+    }
+    if a.latency_samples > 10_000 {
+        return Err(invalid("--latency-samples", "must be 0 to 10000"));
+    }
+    Ok(())
+}
+
+/// The deterministic bytes of chunk `i` of run `seed`.
+fn fill(seed: u64, i: u64, out: &mut [u8]) {
+    let mut x = (seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+    for word in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        word.copy_from_slice(&x.to_le_bytes()[..word.len()]);
+    }
+}
+
+fn namespace(chunk_size: u64) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model: "orbitkv-perf/peer".into(),
+        dtype: Dtype::Fp32,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 512,
+        kv_tensors: 2,
+        tokens_per_chunk: (chunk_size / TOKEN_BYTES) as u32,
+        layout_version: 1,
+        tp_rank: 0,
+        tp_world_size: 1,
+    }
+}
+
+fn connect(socket: &Path, name: &str, client: usize) -> Result<Client, Error> {
+    Client::connect(ClientOptions { name: name.into(), ..ClientOptions::with_socket(socket) })
+        .map_err(|source| Error::Client { client, source })
+}
+
+/// The node id of the Manager at `socket`, checking that it peers.
+fn node_of(socket: &Path, flag: &'static str) -> Result<(String, String), Error> {
+    let v = admin::request(socket, "peers")
+        .map_err(|e| invalid(flag, format!("not a cluster member: {e}")))?;
+    if v["peering"] != true {
+        return Err(invalid(
+            flag,
+            "its Manager is in a cluster but does not peer (no Transfer Engine)",
+        ));
+    }
+    let node = v["node_id"].as_str().unwrap_or_default().to_owned();
+    let cluster = v["cluster"].as_str().unwrap_or_default().to_owned();
+    Ok((node, cluster))
+}
+
+/// Catalog entries of `owner` on the requester at `socket`.
+fn catalog_of(socket: &Path, owner: &str) -> Result<u64, Error> {
+    let v = admin::request(socket, "peers")?;
+    Ok(v["peers"][owner]["catalog_entries"].as_u64().unwrap_or(0))
+}
+
+/// Runs the benchmark.
+pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
+    check(a)?;
+    let raw = te::Baseline::new(a)?;
+    let (owner, cluster) = node_of(&a.owner, "--owner")?;
+    let (requester, other) = node_of(&a.requester, "--requester")?;
+    if cluster != other || owner == requester {
+        return Err(invalid(
+            "--requester",
+            format!("{requester} of cluster {other:?} is not another member of {owner}'s cluster {cluster:?}"),
+        ));
+    }
+    let ns = namespace(a.chunk_size);
+    let mut put = connect(&a.owner, "orbitkv-perf-peer-owner", 0)?;
+    let mut get = connect(&a.requester, "orbitkv-perf-peer-requester", 1)?;
+    put.register_namespace(&ns).map_err(|source| Error::Client { client: 0, source })?;
+    get.register_namespace(&ns).map_err(|source| Error::Client { client: 1, source })?;
+
+    // Keys of this run only (none is on the requester yet).
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        ^ std::process::id() as u64;
+    let total = a.latency_samples as u64 + a.chunks as u64;
+    let tokens: Vec<u32> = (0..total * ns.tokens_per_chunk as u64)
+        .map(|t| (t as u32).wrapping_mul(2_654_435_761) ^ seed as u32)
+        .collect();
+    let keys: Vec<ChunkKey> =
+        orbitkv_client::prefix_digests(&tokens, ns.tokens_per_chunk as usize, &seed.to_le_bytes())
+            .into_iter()
+            .map(|d| ChunkKey::new(ns.id(), d))
+            .collect();
+    let before = catalog_of(&a.requester, &owner)?;
+    let mut value = vec![0u8; a.chunk_size as usize];
+    for (i, part) in keys.chunks(a.batch as usize).enumerate() {
+        let values: Vec<Vec<u8>> = (0..part.len())
+            .map(|j| {
+                fill(seed, (i * a.batch as usize + j) as u64, &mut value);
+                value.clone()
+            })
+            .collect();
+        let items: Vec<(ChunkKey, &[u8])> =
+            part.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+        put.put(&items).map_err(|source| Error::Client { client: 0, source })?;
+    }
+    let deadline = Instant::now() + CATALOG_WAIT;
+    while catalog_of(&a.requester, &owner)? < before + total {
+        if Instant::now() > deadline {
+            return Err(Error::Setup(format!(
+                "{requester}'s catalog of {owner} did not grow by {total} entries in {CATALOG_WAIT:?} \
+                 (is --peer-catalog-entries on the requester large enough?)"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let mut check =
+        Verify { seed, expected: vec![0u8; a.chunk_size as usize], ..Verify::default() };
+    let (samples, rest) = keys.split_at(a.latency_samples as usize);
+    let mut first_byte = Latency::default();
+    for (i, k) in samples.iter().enumerate() {
+        let t = Instant::now();
+        let leases = get
+            .lookup_leased(std::slice::from_ref(k))
+            .map_err(|source| Error::Client { client: 1, source })?;
+        first_byte.record(t.elapsed());
+        check.leases(&mut get, &leases, i as u64)?;
+    }
+    let mut spent = Duration::ZERO;
+    for (b, part) in rest.chunks(a.batch as usize).enumerate() {
+        let t = Instant::now();
+        let leases =
+            get.lookup_leased(part).map_err(|source| Error::Client { client: 1, source })?;
+        spent += t.elapsed();
+        let first = samples.len() as u64 + (b * a.batch as usize) as u64;
+        check.leases(&mut get, &leases, first)?;
+        check.missed += (part.len() - leases.len()) as u64;
+    }
+    let bytes = a.chunks as u64 * a.chunk_size;
+    let remote_gbps = bytes as f64 / spent.as_secs_f64().max(1e-9) / 1e9;
+    let (te_gbps, te_first_byte) = raw.measure(a)?;
+    Ok(PeerReport {
+        owner,
+        requester,
+        chunk_bytes: a.chunk_size,
+        chunks: a.chunks as u64,
+        batch: a.batch as u64,
+        remote_gbps,
+        te_gbps,
+        ratio: if te_gbps > 0.0 { remote_gbps / te_gbps } else { 0.0 },
+        first_byte: (&first_byte).into(),
+        te_first_byte,
+        verified_chunks: check.verified,
+        wrong_chunks: check.wrong,
+        missed_chunks: check.missed,
+    })
+}
+
+/// Checks what the requester answered against the bytes put.
+#[derive(Default)]
+struct Verify {
+    seed: u64,
+    expected: Vec<u8>,
+    verified: u64,
+    wrong: u64,
+    missed: u64,
+}
+
+impl Verify {
+    /// `leases` answer keys numbered from `first`: each must be a peer hit with the chunk's
+    /// bytes; all are released.
+    fn leases(
+        &mut self,
+        get: &mut Client,
+        leases: &[orbitkv_client::Lease],
+        first: u64,
+    ) -> Result<(), Error> {
+        for (j, l) in leases.iter().enumerate() {
+            fill(self.seed, first + j as u64, &mut self.expected);
+            let bytes = get.chunk(l).map_err(|source| Error::Client { client: 1, source })?;
+            self.verified += 1;
+            if l.hit.tier != Tier::Peer || bytes != self.expected.as_slice() {
+                self.wrong += 1;
+            }
+        }
+        get.release(leases).map_err(|source| Error::Client { client: 1, source })?;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "te-python")]
+mod te {
+    use std::time::{Duration, Instant};
+
+    use orbitkv_peer::te::TransferEngine;
+
+    use super::{fill, Quantiles};
+    use crate::args::PeerArgs;
+    use crate::error::Error;
+    use crate::stats::Latency;
+
+    /// Two engines of this process on loopback TCP, one batch of buffer each side.
+    pub(super) struct Baseline {
+        reader: TransferEngine,
+        owner: TransferEngine,
+        src: Vec<u8>,
+        dst: Vec<u8>,
+    }
+
+    fn te_err(e: orbitkv_peer::te::TeError) -> Error {
+        Error::Setup(format!("raw Transfer Engine baseline: {e}"))
+    }
+
+    impl Baseline {
+        pub(super) fn new(a: &PeerArgs) -> Result<Self, Error> {
+            let bytes = (a.batch as u64 * a.chunk_size) as usize;
+            let owner = TransferEngine::new("127.0.0.1", "tcp").map_err(te_err)?;
+            let reader = TransferEngine::new("127.0.0.1", "tcp").map_err(te_err)?;
+            let mut src = vec![0u8; bytes];
+            for (i, c) in src.chunks_mut(a.chunk_size as usize).enumerate() {
+                fill(7, i as u64, c);
+            }
+            Ok(Self { reader, owner, src, dst: vec![0u8; bytes] })
+        }
+
+        /// GB/s of `--chunks` chunks read `--batch` at a time, and single-chunk latencies.
+        pub(super) fn measure(mut self, a: &PeerArgs) -> Result<(f64, Quantiles), Error> {
+            // Addresses of buffers that live (and stay put) until the engines are dropped.
+            let (src, dst) = (self.src.as_ptr() as u64, self.dst.as_mut_ptr() as u64);
+            let len = self.src.len() as u64;
+            self.owner.register(src, len).map_err(te_err)?;
+            self.reader.register(dst, len).map_err(te_err)?;
+            let peer = self.owner.segment().to_owned();
+            let chunk = a.chunk_size;
+            let batch = |n: u64| -> Vec<(u64, u64, u64)> {
+                (0..n).map(|j| (dst + j * chunk, src + j * chunk, chunk)).collect()
+            };
+            // The first transfer opens the connection: not timed.
+            self.reader.read_many(&peer, &batch(1)).map_err(te_err)?;
+            let mut single = Latency::default();
+            for _ in 0..a.latency_samples {
+                let t = Instant::now();
+                self.reader.read(&peer, dst, src, chunk).map_err(te_err)?;
+                single.record(t.elapsed());
+            }
+            let mut spent = Duration::ZERO;
+            let mut left = a.chunks as u64;
+            while left > 0 {
+                let n = left.min(a.batch as u64);
+                let ranges = batch(n);
+                let t = Instant::now();
+                self.reader.read_many(&peer, &ranges).map_err(te_err)?;
+                spent += t.elapsed();
+                left -= n;
+            }
+            if self.dst != self.src {
+                return Err(Error::Setup("raw Transfer Engine baseline: bytes read differ".into()));
+            }
+            let bytes = a.chunks as u64 * chunk;
+            Ok((bytes as f64 / spent.as_secs_f64().max(1e-9) / 1e9, (&single).into()))
+        }
+    }
+}
+
+#[cfg(not(feature = "te-python"))]
+mod te {
+    use super::Quantiles;
+    use crate::args::PeerArgs;
+    use crate::error::Error;
+
+    pub(super) enum Baseline {}
+
+    impl Baseline {
+        pub(super) fn new(_a: &PeerArgs) -> Result<Self, Error> {
+            Err(Error::Setup(
+                "this orbitkv-perf has no Transfer Engine: build it with `--features te-python` \
+                 (and PYO3_PYTHON naming a Python with the pinned Mooncake wheel)"
+                    .into(),
+            ))
+        }
+
+        pub(super) fn measure(self, _a: &PeerArgs) -> Result<(f64, Quantiles), Error> {
+            match self {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> PeerArgs {
+        PeerArgs {
+            owner: "/nowhere/a.sock".into(),
+            requester: "/nowhere/b.sock".into(),
+            chunk_size: 1 << 20,
+            chunks: 256,
+            batch: 32,
+            latency_samples: 100,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn bad_flags_are_named_before_connecting() {
+        let why = |f: fn(&mut PeerArgs)| {
+            let mut a = args();
+            f(&mut a);
+            check(&a).unwrap_err().to_string()
+        };
+        assert!(why(|a| a.chunk_size = 1000).contains("--chunk-size"));
+        assert!(why(|a| a.chunk_size = 32 << 20).contains("--chunk-size"));
+        assert!(why(|a| a.chunks = 0).contains("--chunks"));
+        assert!(why(|a| a.batch = 0).contains("--batch"));
+        assert!(why(|a| a.batch = 2000).contains("--batch"));
+        assert!(why(|a| {
+            a.chunk_size = 16 << 20;
+            a.batch = 128;
+        })
+        .contains("1 GiB"));
+        assert!(why(|a| a.latency_samples = 20_000).contains("--latency-samples"));
+        assert!(check(&args()).is_ok());
+    }
+
+    #[test]
+    fn chunk_bytes_differ_between_chunks_and_runs() {
+        let (mut a, mut b, mut c) = (vec![0u8; 4096], vec![0u8; 4096], vec![0u8; 4096]);
+        fill(1, 0, &mut a);
+        fill(1, 1, &mut b);
+        fill(2, 0, &mut c);
+        assert!(a != b && a != c);
+        fill(1, 0, &mut b);
+        assert_eq!(a, b, "deterministic");
+    }
+}

@@ -1,0 +1,72 @@
+//! `orbitkv-perf peer` between two Managers of one cluster (a real etcd, the pinned Transfer
+//! Engine wheel on loopback TCP): every chunk read on the requester is a verified peer hit,
+//! both rates and the latencies are reported. Rates are not asserted (timing belongs in
+//! reports). Needs `te-python` builds of orbitkv-perf and of the orbitkv-server beside it
+//! (scripts/test builds both in its Transfer Engine step).
+#![cfg(feature = "te-python")]
+
+mod common;
+#[allow(dead_code)] // the harness has more than this test uses
+#[path = "../../server/tests/common/etcd.rs"]
+mod etcd;
+
+use common::{num, run, run_json, TestServer};
+
+fn member(etcd: &etcd::Etcd, node: &str, port: u16) -> TestServer {
+    let peer = format!("127.0.0.1:{port}");
+    TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "64MiB",
+        "--etcd",
+        &etcd.url,
+        "--cluster",
+        "perf",
+        "--node-id",
+        node,
+        "--peer-addr",
+        &peer,
+        "--cluster-lease-ttl",
+        "2s",
+    ])
+}
+
+#[test]
+fn peer_reads_are_verified_peer_hits_with_a_raw_baseline() {
+    let etcd = etcd::Etcd::start();
+    let a = member(&etcd, "a", 7501);
+    let b = member(&etcd, "b", 7502);
+    let v = run_json(&[
+        "peer",
+        "--owner",
+        a.socket(),
+        "--requester",
+        b.socket(),
+        "--chunk-size",
+        "256KiB",
+        "--chunks",
+        "24",
+        "--batch",
+        "8",
+        "--latency-samples",
+        "4",
+        "--json",
+    ]);
+    assert_eq!(v["owner"], "a", "{v}");
+    assert_eq!(v["requester"], "b", "{v}");
+    assert_eq!(num(&v, &["verified_chunks"]), 28.0, "{v}");
+    assert_eq!(num(&v, &["wrong_chunks"]), 0.0, "{v}");
+    assert_eq!(num(&v, &["missed_chunks"]), 0.0, "{v}");
+    assert_eq!(num(&v, &["first_byte", "samples"]), 4.0, "{v}");
+    for key in ["remote_gbps", "te_gbps", "ratio"] {
+        assert!(num(&v, &[key]) > 0.0, "{key}: {v}");
+    }
+    assert_eq!(b.shard_sum("peer_reads"), 28);
+
+    // A socket that is no peering member is named.
+    let out = run(&["peer", "--owner", a.socket(), "--requester", "/nowhere/x.sock"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--requester"), "{stderr}");
+}
