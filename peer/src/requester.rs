@@ -308,13 +308,18 @@ impl Requester {
         } else {
             blocking(move || te.read_many(&segment, &ranges).map_err(|e| e.to_string())).await
         };
-        // The reads are over (done or failed): the grants can go back.
-        if let Err(e) = release(&mut client).await {
-            // The owner returns them once this node is gone; until then they stay counted.
-            tracing::warn!(peer = %node, grants = ids.len(), error = %e, "releasing grants timed out");
-        }
-        self.cluster
-            .update_peer(node, |v| v.grants_held = v.grants_held.saturating_sub(ids.len() as u64));
+        // The reads are over (done or failed): the grants go back, while the shards already
+        // take the chunks.
+        let held = ids.len() as u64;
+        let (cluster, node, releasing) =
+            (Arc::clone(&self.cluster), node.to_owned(), release(&mut client));
+        tokio::spawn(async move {
+            if let Err(e) = releasing.await {
+                // The owner returns them once this node is gone; until then they stay counted.
+                tracing::warn!(peer = %node, grants = held, error = %e, "releasing grants timed out");
+            }
+            cluster.update_peer(&node, |v| v.grants_held = v.grants_held.saturating_sub(held));
+        });
         moved.map(|()| read)
     }
 }

@@ -21,7 +21,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$DIR"
+  [ -n "${KEEP:-}" ] && cp "$DIR"/*.log /tmp/x/ ; rm -rf "$DIR"
 }
 trap cleanup EXIT
 etcd --name p --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
@@ -43,4 +43,4 @@ for node in a b; do
   done
 done
 sleep 1 # the inventory streams start on the members' next read of etcd
-"$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
+KEEP=${KEEP:-}; "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"

@@ -18,6 +18,7 @@ use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
+use orbitkv_proto::ChunkKey;
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{HashRange, SessionId, ShardCore, ShardOp, ShardReply};
 
@@ -186,6 +187,8 @@ pub(crate) struct Exec {
     /// Requests waiting for a GPU copy, by job id.
     gpu_waiters: RefCell<HashMap<u64, LocalSender<crate::gpu::GpuResult>>>,
     gpu_next: Cell<u64>,
+    /// Lookups waiting for a peer read, by key.
+    peer_waiters: RefCell<HashMap<ChunkKey, Vec<LocalSender<()>>>>,
 }
 
 /// This shard's ends of a mesh, or none with one shard.
@@ -252,6 +255,7 @@ async fn run(ctx: ShardContext) {
             doorbell_wakeups: Cell::new(0),
             gpu_waiters: RefCell::new(HashMap::new()),
             gpu_next: Cell::new(1),
+            peer_waiters: RefCell::new(HashMap::new()),
         });
         serve_peers(&exec, req_rx, rep_rx);
         if let Some(cfg) = ssd {
@@ -569,7 +573,12 @@ impl Exec {
                 );
                 let _ = reply.send(summary);
             }
-            ControlMsg::Peer(msg) => msg.apply(&mut self.core.borrow_mut()),
+            ControlMsg::Peer(msg) => {
+                let fetched = msg.apply(&mut self.core.borrow_mut());
+                if let Some(key) = fetched {
+                    self.peer_fetched(&key);
+                }
+            }
             ControlMsg::Stop => return false,
         }
         true
@@ -641,11 +650,7 @@ impl Exec {
                 let first = self.core.borrow_mut().lookup_start(session, &keys, lease);
                 self.hand_peer_fetches();
                 if !first.pending.is_empty() {
-                    self.active.set(self.active.get() + 1);
-                    while first.pending.iter().any(|&i| self.core.borrow().moving_in(&keys[i])) {
-                        glommio::timer::sleep(Duration::from_micros(20)).await;
-                    }
-                    self.active.set(self.active.get() - 1);
+                    self.wait_moving_in(first.pending.iter().map(|&i| keys[i])).await;
                 }
                 ShardReply::Hits(self.core.borrow_mut().finish_lookup(session, &keys, lease, first))
             }
@@ -663,6 +668,46 @@ impl Exec {
         }
     }
 
+    /// Waits until none of `keys` is moving into DRAM. SSD reads complete on this shard's
+    /// ring, which the loop keeps polling while they are in flight; a peer read (milliseconds)
+    /// ends with a control message, which rings the doorbell and wakes its waiters
+    /// ([`Exec::peer_fetched`]): the loop may sleep meanwhile and leave the cores to the
+    /// Transfer Engine.
+    async fn wait_moving_in(&self, keys: impl Iterator<Item = ChunkKey>) {
+        let mut ssd = Vec::new();
+        let mut peer = Vec::new();
+        for key in keys {
+            let core = self.core.borrow();
+            if core.promotion_pending(&key) {
+                ssd.push(key);
+            } else if core.peer_promotion_pending(&key) {
+                let (tx, rx) = local_channel::new_bounded(1);
+                self.peer_waiters.borrow_mut().entry(key).or_default().push(tx);
+                peer.push(rx);
+            }
+        }
+        for rx in peer {
+            // None: the sender went without a word (the shard stops); either way it is over.
+            let _ = rx.recv().await;
+        }
+        if !ssd.is_empty() {
+            self.active.set(self.active.get() + 1);
+            while ssd.iter().any(|k| self.core.borrow().moving_in(k)) {
+                glommio::timer::sleep(Duration::from_micros(20)).await;
+            }
+            self.active.set(self.active.get() - 1);
+        }
+    }
+
+    /// A peer read of `key` ended (the control message applied): its lookups go on.
+    fn peer_fetched(&self, key: &ChunkKey) {
+        if let Some(waiters) = self.peer_waiters.borrow_mut().remove(key) {
+            for tx in waiters {
+                let _ = tx.try_send(());
+            }
+        }
+    }
+
     /// Hands the peer reads a lookup started to the peer thread; a read that cannot be queued
     /// (no peering, or its queue full) ends at once as a miss.
     fn hand_peer_fetches(&self) {
@@ -675,6 +720,7 @@ impl Exec {
                 .is_some_and(|q| q.try_send(crate::peering::to_fetch(f)).is_ok());
             if !queued {
                 let _ = self.core.borrow_mut().finish_peer_fetch(&f, false);
+                self.peer_fetched(&f.key);
             }
         }
     }

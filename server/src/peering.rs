@@ -40,8 +40,9 @@ pub enum PeerMsg {
 }
 
 impl PeerMsg {
-    /// Applies the message to the shard's state.
-    pub fn apply(self, core: &mut ShardCore) {
+    /// Applies the message to the shard's state; the key of a peer read that ended, whose
+    /// lookups may go on.
+    pub fn apply(self, core: &mut ShardCore) -> Option<ChunkKey> {
         match self {
             PeerMsg::Snapshot(reply) => {
                 let _ = reply.send(core.inventory_snapshot());
@@ -66,8 +67,10 @@ impl PeerMsg {
             PeerMsg::Fetched { fetch, read } => {
                 // A failure is counted and logged by the shard; the lookup answers a miss.
                 let _ = core.finish_peer_fetch(&fetch, read);
+                return Some(fetch.key);
             }
         }
+        None
     }
 }
 
