@@ -109,7 +109,18 @@ impl Owner {
                 return;
             }
         };
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Small answers (grants) must leave at once: without TCP_NODELAY, Nagle's algorithm
+        // held each one back until the requester's delayed ACK, some 40 ms.
+        let incoming = tokio_stream::StreamExt::map(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            |stream| {
+                stream.inspect(|s| {
+                    if let Err(e) = s.set_nodelay(true) {
+                        tracing::warn!(error = %e, "peer RPC: TCP_NODELAY not set");
+                    }
+                })
+            },
+        );
         let served = tonic::transport::Server::builder()
             .add_service(PeerServer::new(Service(self)))
             .serve_with_incoming(incoming)

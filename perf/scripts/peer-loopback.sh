@@ -32,7 +32,7 @@ pids+=($!)
 for node in a b; do
   port=$([ "$node" = a ] && echo 7601 || echo 7602)
   "$BIN/orbitkv-server" --socket "$DIR/$node.sock" --no-lock-arena --shards "$SHARDS" --dram "$DRAM" \
-    --etcd http://127.0.0.1:23791 --cluster perf --node-id "$node" --peer-addr "127.0.0.1:$port" \
+    ${SERVER_ARGS:-} --etcd http://127.0.0.1:23791 --cluster perf --node-id "$node" --peer-addr "127.0.0.1:$port" \
     >"$DIR/$node.log" 2>&1 &
   pids+=($!)
 done
