@@ -3,7 +3,8 @@
 //! Transfer Engine (grant, TE read into a local slot, checksum check, release): what an engine
 //! on the requester's host sees as a remote get. The baseline is raw Transfer Engine reads of
 //! the same bytes in the same batches between two engines of this process over loopback TCP,
-//! in the same run. Both Managers must run on this host (their sockets are local).
+//! alternating with the remote reads batch by batch (both see the same moments of a shared
+//! host). Both Managers must run on this host (their sockets are local).
 //!
 //! Measured: remote get GB/s over `--chunks` chunks read `--batch` per lookup (each lookup
 //! timed from request to answer: the chunks are in the requester's arena when it returns), and
@@ -240,10 +241,13 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
         std::thread::sleep(Duration::from_millis(20));
     }
 
+    // Remote and raw reads alternate, batch by batch, so that both see the same moments of a
+    // shared host.
+    let mut raw = raw.start(a)?;
     let mut check =
         Verify { seed, expected: vec![0u8; a.chunk_size as usize], ..Verify::default() };
     let (samples, rest) = keys.split_at(a.latency_samples as usize);
-    let mut first_byte = Latency::default();
+    let (mut first_byte, mut te_first_byte) = (Latency::default(), Latency::default());
     for (i, k) in samples.iter().enumerate() {
         let t = Instant::now();
         let leases = get
@@ -251,8 +255,10 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
             .map_err(|source| Error::Client { client: 1, source })?;
         first_byte.record(t.elapsed());
         check.leases(&mut get, &leases, i as u64)?;
+        check.missed += 1 - leases.len() as u64;
+        te_first_byte.record(raw.read(1)?);
     }
-    let mut spent = Duration::ZERO;
+    let (mut spent, mut te_spent) = (Duration::ZERO, Duration::ZERO);
     for (b, part) in rest.chunks(a.batch as usize).enumerate() {
         let t = Instant::now();
         let leases =
@@ -261,10 +267,12 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
         let first = samples.len() as u64 + (b * a.batch as usize) as u64;
         check.leases(&mut get, &leases, first)?;
         check.missed += (part.len() - leases.len()) as u64;
+        te_spent += raw.read(part.len() as u64)?;
     }
+    raw.verify()?;
     let bytes = a.chunks as u64 * a.chunk_size;
-    let remote_gbps = bytes as f64 / spent.as_secs_f64().max(1e-9) / 1e9;
-    let (te_gbps, te_first_byte) = raw.measure(a)?;
+    let gbps = |d: Duration| bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9;
+    let (remote_gbps, te_gbps) = (gbps(spent), gbps(te_spent));
     Ok(PeerReport {
         owner,
         requester,
@@ -275,7 +283,7 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
         te_gbps,
         ratio: if te_gbps > 0.0 { remote_gbps / te_gbps } else { 0.0 },
         first_byte: (&first_byte).into(),
-        te_first_byte,
+        te_first_byte: (&te_first_byte).into(),
         verified_chunks: check.verified,
         wrong_chunks: check.wrong,
         missed_chunks: check.missed,
@@ -320,10 +328,9 @@ mod te {
 
     use orbitkv_peer::te::TransferEngine;
 
-    use super::{fill, Quantiles};
+    use super::fill;
     use crate::args::PeerArgs;
     use crate::error::Error;
-    use crate::stats::Latency;
 
     /// Two engines of this process on loopback TCP, one batch of buffer each side.
     pub(super) struct Baseline {
@@ -333,11 +340,19 @@ mod te {
         dst: Vec<u8>,
     }
 
+    /// A started baseline: its buffers registered, its connection open.
+    pub(super) struct Running {
+        b: Baseline,
+        peer: String,
+        chunk: u64,
+    }
+
     fn te_err(e: orbitkv_peer::te::TeError) -> Error {
         Error::Setup(format!("raw Transfer Engine baseline: {e}"))
     }
 
     impl Baseline {
+        /// The engines (started first: a missing wheel fails before anything is put).
         pub(super) fn new(a: &PeerArgs) -> Result<Self, Error> {
             let bytes = (a.batch as u64 * a.chunk_size) as usize;
             let owner = TransferEngine::new("127.0.0.1", "tcp").map_err(te_err)?;
@@ -349,52 +364,50 @@ mod te {
             Ok(Self { reader, owner, src, dst: vec![0u8; bytes] })
         }
 
-        /// GB/s of `--chunks` chunks read `--batch` at a time, and single-chunk latencies.
-        pub(super) fn measure(mut self, a: &PeerArgs) -> Result<(f64, Quantiles), Error> {
-            // Addresses of buffers that live (and stay put) until the engines are dropped.
-            let (src, dst) = (self.src.as_ptr() as u64, self.dst.as_mut_ptr() as u64);
+        /// Registers the buffers and opens the connection (one untimed read).
+        pub(super) fn start(self, a: &PeerArgs) -> Result<Running, Error> {
+            // The buffers live, unmoved, as long as the engines (both in `Running`).
             let len = self.src.len() as u64;
-            self.owner.register(src, len).map_err(te_err)?;
-            self.reader.register(dst, len).map_err(te_err)?;
+            self.owner.register(self.src.as_ptr() as u64, len).map_err(te_err)?;
+            self.reader.register(self.dst.as_ptr() as u64, len).map_err(te_err)?;
             let peer = self.owner.segment().to_owned();
-            let chunk = a.chunk_size;
-            let batch = |n: u64| -> Vec<(u64, u64, u64)> {
-                (0..n).map(|j| (dst + j * chunk, src + j * chunk, chunk)).collect()
-            };
-            // The first transfer opens the connection: not timed.
-            self.reader.read_many(&peer, &batch(1)).map_err(te_err)?;
-            let mut single = Latency::default();
-            for _ in 0..a.latency_samples {
-                let t = Instant::now();
-                self.reader.read(&peer, dst, src, chunk).map_err(te_err)?;
-                single.record(t.elapsed());
-            }
-            let mut spent = Duration::ZERO;
-            let mut left = a.chunks as u64;
-            while left > 0 {
-                let n = left.min(a.batch as u64);
-                let ranges = batch(n);
-                let t = Instant::now();
-                self.reader.read_many(&peer, &ranges).map_err(te_err)?;
-                spent += t.elapsed();
-                left -= n;
-            }
-            if self.dst != self.src {
+            let mut r = Running { b: self, peer, chunk: a.chunk_size };
+            r.read(1)?;
+            Ok(r)
+        }
+    }
+
+    impl Running {
+        /// Reads the first `n` chunks of the owner's buffer in one batch; how long it took.
+        pub(super) fn read(&mut self, n: u64) -> Result<Duration, Error> {
+            let (src, dst) = (self.b.src.as_ptr() as u64, self.b.dst.as_mut_ptr() as u64);
+            let c = self.chunk;
+            let ranges: Vec<(u64, u64, u64)> =
+                (0..n).map(|j| (dst + j * c, src + j * c, c)).collect();
+            let t = Instant::now();
+            self.b.reader.read_many(&self.peer, &ranges).map_err(te_err)?;
+            Ok(t.elapsed())
+        }
+
+        /// Checks that the bytes read are the owner's.
+        pub(super) fn verify(&self) -> Result<(), Error> {
+            if self.b.dst != self.b.src {
                 return Err(Error::Setup("raw Transfer Engine baseline: bytes read differ".into()));
             }
-            let bytes = a.chunks as u64 * chunk;
-            Ok((bytes as f64 / spent.as_secs_f64().max(1e-9) / 1e9, (&single).into()))
+            Ok(())
         }
     }
 }
 
 #[cfg(not(feature = "te-python"))]
 mod te {
-    use super::Quantiles;
+    use std::time::Duration;
+
     use crate::args::PeerArgs;
     use crate::error::Error;
 
     pub(super) enum Baseline {}
+    pub(super) enum Running {}
 
     impl Baseline {
         pub(super) fn new(_a: &PeerArgs) -> Result<Self, Error> {
@@ -405,8 +418,18 @@ mod te {
             ))
         }
 
-        pub(super) fn measure(self, _a: &PeerArgs) -> Result<(f64, Quantiles), Error> {
+        pub(super) fn start(self, _a: &PeerArgs) -> Result<Running, Error> {
             match self {}
+        }
+    }
+
+    impl Running {
+        pub(super) fn read(&mut self, _n: u64) -> Result<Duration, Error> {
+            match *self {}
+        }
+
+        pub(super) fn verify(&self) -> Result<(), Error> {
+            match *self {}
         }
     }
 }
