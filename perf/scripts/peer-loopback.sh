@@ -7,7 +7,7 @@
 # Needs etcd on PATH and release builds with the Transfer Engine:
 #   PYO3_PYTHON=$TE_VENV/bin/python cargo build --release -p orbitkv-server -p orbitkv-perf \
 #     --features orbitkv-server/te-python,orbitkv-perf/te-python
-# SHARDS (default 1) and DRAM (default 2GiB) size each Manager.
+# SHARDS (default 1) and DRAM (default 2GiB) size each Manager; SERVER_ARGS adds flags to both.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TE_VENV=${TE_VENV:-target/venvs/te-0.3.13.post1}
@@ -21,7 +21,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  [ -n "${KEEP:-}" ] && cp "$DIR"/*.log /tmp/x/ ; rm -rf "$DIR"
+  rm -rf "$DIR"
 }
 trap cleanup EXIT
 etcd --name p --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
@@ -43,4 +43,4 @@ for node in a b; do
   done
 done
 sleep 1 # the inventory streams start on the members' next read of etcd
-KEEP=${KEEP:-}; "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
+"$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
