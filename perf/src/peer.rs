@@ -115,7 +115,10 @@ impl crate::report::Report for PeerReport {
 
 /// Checks the flags before anything connects.
 fn check(a: &PeerArgs) -> Result<(), Error> {
-    if a.chunk_size < TOKEN_BYTES || a.chunk_size > 16 << 20 || a.chunk_size % TOKEN_BYTES != 0 {
+    if a.chunk_size < TOKEN_BYTES
+        || a.chunk_size > 16 << 20
+        || !a.chunk_size.is_multiple_of(TOKEN_BYTES)
+    {
         return Err(invalid("--chunk-size", "must be a multiple of 4 KiB from 4KiB to 16MiB"));
     }
     if a.chunks == 0 || a.chunks > 65_536 {
