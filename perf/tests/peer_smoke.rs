@@ -13,23 +13,9 @@ mod etcd;
 use common::{num, run, run_json, TestServer};
 
 fn member(etcd: &etcd::Etcd, node: &str, port: u16) -> TestServer {
-    let peer = format!("127.0.0.1:{port}");
-    TestServer::start(&[
-        "--shards",
-        "1",
-        "--dram",
-        "64MiB",
-        "--etcd",
-        &etcd.url,
-        "--cluster",
-        "perf",
-        "--node-id",
-        node,
-        "--peer-addr",
-        &peer,
-        "--cluster-lease-ttl",
-        "2s",
-    ])
+    let mut args = vec!["--shards".to_string(), "1".into(), "--dram".into(), "64MiB".into()];
+    args.extend(etcd.member_args("perf", node, port));
+    TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 #[test]

@@ -14,23 +14,9 @@ use orbitkv_client::PutOutcome;
 use serde_json::Value;
 
 fn member(etcd: &Etcd, node: &str, port: u16) -> TestServer {
-    let peer = format!("127.0.0.1:{port}");
-    TestServer::start(&[
-        "--shards",
-        "1",
-        "--dram",
-        "16MiB",
-        "--etcd",
-        &etcd.url,
-        "--cluster",
-        "t",
-        "--node-id",
-        node,
-        "--peer-addr",
-        &peer,
-        "--cluster-lease-ttl",
-        "2s",
-    ])
+    let mut args = vec!["--shards".to_string(), "1".into(), "--dram".into(), "16MiB".into()];
+    args.extend(etcd.member_args("t", node, port));
+    TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 /// Waits (up to 20 s) until `f` holds for the server's `peers` answer.

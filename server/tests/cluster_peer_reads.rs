@@ -23,23 +23,12 @@ const LEN: usize = 64 << 10;
 const BIG: usize = 1 << 20;
 
 fn member(etcd: &Etcd, node: &str, port: u16, extra: &[&str]) -> TestServer {
-    let peer = format!("127.0.0.1:{port}");
-    let dram = if extra.contains(&"--dram") { vec![] } else { vec!["--dram", "64MiB"] };
-    let mut args = dram;
-    args.extend([
-        "--etcd",
-        &etcd.url,
-        "--cluster",
-        "reads",
-        "--node-id",
-        node,
-        "--peer-addr",
-        &peer,
-        "--cluster-lease-ttl",
-        "2s",
-    ]);
-    args.extend_from_slice(extra);
-    TestServer::start(&args)
+    let mut args = etcd.member_args("reads", node, port);
+    if !extra.contains(&"--dram") {
+        args.extend(["--dram".into(), "64MiB".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 /// Waits (up to 30 s) until `f` holds for the server's `peers` answer.

@@ -50,6 +50,17 @@ impl Etcd {
         std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
     }
 
+    /// The server flags of a member of cluster `cluster` with id `node`, its peer address on
+    /// loopback port `port`, and a 2 s lease TTL (a dead member leaves within it).
+    pub fn member_args(&self, cluster: &str, node: &str, port: u16) -> Vec<String> {
+        ["--etcd", &self.url, "--cluster", cluster, "--node-id", node]
+            .into_iter()
+            .map(String::from)
+            .chain(["--peer-addr".into(), format!("127.0.0.1:{port}")])
+            .chain(["--cluster-lease-ttl".into(), "2s".into()])
+            .collect()
+    }
+
     /// SIGSTOP: etcd stops answering (its connections stay open, as with a network
     /// partition); `resume` lets it go on.
     pub fn pause(&self) {
