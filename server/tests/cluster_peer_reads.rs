@@ -264,3 +264,58 @@ fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
     assert_eq!(b.shard_sum("peer_checksum_failures"), 0);
     assert_eq!(b.admin("health")["ready"], true);
 }
+
+#[test]
+fn a_requester_killed_while_reading_has_its_grants_returned() {
+    let etcd = Etcd::start();
+    let a = member(&etcd, "a", 7421, &["--shards", "1", "--dram", "512MiB"]);
+    let mut b = member(&etcd, "b", 7422, &["--shards", "1", "--dram", "512MiB"]);
+    let mut ca = a.client("engine-a");
+    let ns = ca.register_namespace(&namespace(256)).unwrap().id;
+    let prefixes: Vec<Vec<orbitkv_proto::ChunkKey>> =
+        (0..4).map(|p| chain(ns, 2000 + p, 96)).collect();
+    for keys in &prefixes {
+        put_values(&mut ca, keys, BIG);
+    }
+    until(&b, "b follows a", |v| v["peers"]["a"]["catalog_entries"] == 384);
+    let socket = b.socket().to_owned();
+    let read = prefixes.clone();
+    let reader = std::thread::spawn(move || {
+        let Ok(mut cb) =
+            orbitkv_client::Client::connect(orbitkv_client::ClientOptions::with_socket(socket))
+        else {
+            return;
+        };
+        if cb.register_namespace(&namespace(256)).is_err() {
+            return;
+        }
+        // b dies under these: whatever they answer is not the point.
+        for keys in &read {
+            let _ = cb.lookup_leased(keys);
+        }
+    });
+    // Kill b while a holds grants for it (or, if the reads outran this poll, after them).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let granted = loop {
+        let v = a.admin("peers");
+        if v["peers"]["b"]["grants_given"].as_u64().unwrap_or(0) > 0 {
+            break true;
+        }
+        if Instant::now() > deadline || reader.is_finished() {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    b.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = b.wait_exit(Duration::from_secs(5));
+    let _ = reader.join();
+    eprintln!("killed while a held grants for b: {granted}");
+    // b's member key expires (2 s), a lease TTL more proves it gone: its grants come back.
+    a.wait_for("b's grants returned", |a| a.shard_sum("leases") == 0);
+    until(&a, "b gone", |v| v["peers"].get("b").is_none_or(|p| p["grants_given"] == 0));
+    // a serves everything it had.
+    for keys in &prefixes {
+        assert_eq!(ca.lookup(keys).unwrap().len(), 96);
+    }
+    assert_eq!(a.admin("health")["ready"], true);
+}
