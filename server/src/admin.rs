@@ -62,12 +62,25 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
 }
 
 fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
+    let creds = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(std::io::Error::from)?;
     let mut line = String::new();
     BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
         .read_line(&mut line)?;
     let reply = match serde_json::from_str::<Value>(&line) {
         Ok(v) => match v.get("cmd").and_then(Value::as_str) {
-            Some(cmd) => command(cmd, &v, shared),
+            Some(cmd) => match allowed(cmd, (creds.uid(), creds.gid()), shared) {
+                Ok(()) => command(cmd, &v, shared),
+                Err(why) => {
+                    tracing::warn!(
+                        uid = creds.uid(),
+                        pid = creds.pid(),
+                        cmd,
+                        "admin command refused"
+                    );
+                    json!({"ok": false, "error": why, "code": "permission_denied"})
+                }
+            },
             None => json!({"ok": false, "error": "request has no \"cmd\" string"}),
         },
         Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
@@ -75,6 +88,15 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
     out.push(b'\n');
     (&stream).write_all(&out)
+}
+
+/// Whether the connection's `(uid, gid)` may run `cmd`: commands that change state need an
+/// admin uid, the others a uid or group allowed sessions.
+fn allowed(cmd: &str, (uid, gid): (u32, u32), shared: &Shared) -> Result<(), String> {
+    match cmd {
+        "drain" | "resume" | "evict" => shared.access.may_change(uid, cmd),
+        _ => shared.access.may_connect(uid, gid),
+    }
 }
 
 fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {

@@ -103,11 +103,11 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
             return;
         }
     };
-    let (uid, pid) = (creds.uid(), creds.pid());
+    let (uid, gid, pid) = (creds.uid(), creds.gid(), creds.pid());
     // The uid is checked after the hello is read, so that a refused client can finish its
     // write and read the refusal instead of a broken pipe.
     let opened = read_hello(&stream, pid)
-        .and_then(|name| admit(shared, uid).map(|()| name))
+        .and_then(|name| admit(shared, uid, gid).map(|()| name))
         .and_then(|name| open_session(shared, (uid, pid), &name).map(|o| (name, o)));
     let (name, (session, home, service)) = match opened {
         Ok(o) => o,
@@ -148,20 +148,10 @@ fn read_hello(stream: &UnixStream, pid: i32) -> Result<String, Refusal> {
     }
 }
 
-/// Whether `uid` may open a session now: the server's own uid, root and `--allow-uid`, while
-/// the server is not draining.
-fn admit(shared: &Shared, uid: u32) -> Result<(), Refusal> {
-    let own = nix::unistd::getuid().as_raw();
-    if uid != own && uid != 0 && !shared.settings.config.allow_uid.contains(&uid) {
-        return Err((
-            ErrorCode::PermissionDenied,
-            format!(
-                "uid {uid} is not allowed to connect (allowed: the server's uid {own}, root, and \
-                 --allow-uid {:?})",
-                shared.settings.config.allow_uid
-            ),
-        ));
-    }
+/// Whether `uid` (of effective group `gid`) may open a session now: the allow lists
+/// ([`crate::access::Access`]), while the server is not draining.
+fn admit(shared: &Shared, uid: u32, gid: u32) -> Result<(), Refusal> {
+    shared.access.may_connect(uid, gid).map_err(|why| (ErrorCode::PermissionDenied, why))?;
     if shared.state() == ServeState::Draining {
         return Err((ErrorCode::Draining, "server is draining: no new sessions".into()));
     }

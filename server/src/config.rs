@@ -117,6 +117,21 @@ pub struct ServerConfig {
     /// flags add to the file's list). Default: none.
     #[arg(long, value_name = "UID")]
     pub allow_uid: Vec<u32>,
+    /// Gids whose processes (their effective group, as the kernel reports the peer) may open
+    /// sessions (the flag repeats; flags add to the file's list). Default: none.
+    #[arg(long, value_name = "GID")]
+    pub allow_gid: Vec<u32>,
+    /// Uids allowed the admin commands that change state (drain, resume, evict) besides the
+    /// server's own and root; everyone allowed a session may read health, stats, sessions and
+    /// peers (the flag repeats; flags add to the file's list). Default: none.
+    #[arg(long, value_name = "UID")]
+    pub admin_uid: Vec<u32>,
+    /// Group of the bootstrap and admin sockets (a name or a gid); both are mode 0660, so
+    /// only the server's uid, root and this group's members can connect at all. Default: the
+    /// server's group.
+    #[arg(long, value_name = "GROUP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_group: Option<String>,
     /// Most concurrent sessions. Default: 256.
     #[arg(long, value_name = "N", default_value_t = 256, hide_default_value = true)]
     pub max_sessions: usize,
@@ -271,6 +286,18 @@ where
     Ok((config, args.print_config))
 }
 
+/// The gid of `--socket-group`: a group name, or a number.
+fn resolve_group(group: &str) -> Result<u32, ConfigError> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(group) {
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
+        Ok(None) => Err(invalid("--socket-group", format!("no group named {group:?}"))),
+        Err(e) => Err(invalid("--socket-group", format!("looking up {group:?}: {e}"))),
+    }
+}
+
 /// Why a command line gives no configuration: clap's own error (printed with usage, or
 /// `--help` / `--version`), or the file's.
 #[derive(Debug, thiserror::Error)]
@@ -329,6 +356,8 @@ pub struct Settings {
     pub ssd: Option<SsdSettings>,
     /// Cluster mode, when configured.
     pub cluster: Option<orbitkv_peer::ClusterConfig>,
+    /// The sockets' group (`--socket-group`), resolved.
+    pub socket_gid: Option<u32>,
     /// GPU staging bytes per DMA thread and device.
     pub gpu_staging_bytes: u64,
     /// Bytes of chunks per GPU copy job.
@@ -447,9 +476,11 @@ impl ServerConfig {
         let ssd = self.validate_ssd(shards)?;
         let (gpu_staging_bytes, gpu_job_bytes, gpu_staging_depth) = self.validate_gpu()?;
         let cluster = self.validate_cluster(shards)?;
+        let socket_gid = self.socket_group.as_deref().map(resolve_group).transpose()?;
         Ok(Settings {
             ssd,
             cluster,
+            socket_gid,
             config: self.clone(),
             socket,
             shards,

@@ -2,6 +2,7 @@
 
 #![deny(unsafe_code)]
 
+mod access;
 mod admin;
 mod bootstrap;
 mod config;
@@ -77,7 +78,7 @@ fn fail(message: &str) -> ExitCode {
 
 /// Binds a Unix socket at `path`, refusing if a live server answers there and replacing a
 /// stale socket file left by a crash.
-fn bind(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
+fn bind(path: &Path, mode: u32, gid: Option<u32>) -> Result<UnixListener, StartError> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
             return Err(StartError::AlreadyServing(path.to_owned()));
@@ -85,6 +86,10 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
         std::fs::remove_file(path).map_err(StartError::io("removing stale socket", path))?;
     }
     let listener = UnixListener::bind(path).map_err(StartError::io("binding", path))?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .map_err(StartError::io("setting the group (--socket-group) of", path))?;
+    }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(StartError::io("setting permissions of", path))?;
     Ok(listener)
@@ -466,8 +471,10 @@ fn start_listeners(
     shared: &Arc<Shared>,
     arena: &Arc<Arena>,
 ) -> Result<(), StartError> {
-    let listener = bind(socket, 0o666)?;
-    let admin_listener = bind(admin, 0o660)?;
+    // Only the server's uid, root and the socket group reach the allow lists at all.
+    let gid = shared.settings.socket_gid;
+    let listener = bind(socket, 0o660, gid)?;
+    let admin_listener = bind(admin, 0o660, gid)?;
     let (s, a) = (Arc::clone(shared), Arc::clone(arena));
     std::thread::Builder::new()
         .name("orbitkv-accept".into())

@@ -118,6 +118,8 @@ pub struct Shared {
     pub doorbells: Arc<Doorbells>,
     /// GPU save/load, when a GPU is in use (set once at start).
     pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
+    /// Who may open sessions and run admin commands.
+    pub access: crate::access::Access,
     /// Cluster membership, in cluster mode (`--etcd`).
     pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
     /// Where shards queue their peer reads, once peering runs.
@@ -151,6 +153,7 @@ impl Shared {
         service_prefix: String,
     ) -> Arc<Self> {
         Arc::new(Self {
+            access: crate::access::Access::new(&settings.config, nix::unistd::getuid().as_raw()),
             settings,
             state: AtomicU8::new(ServeState::Serving as u8),
             writes_admitted: AtomicU64::new(0),

@@ -51,13 +51,14 @@ fn connect_as_nobody(server: &TestServer) -> Option<String> {
 
 #[test]
 fn uid_outside_the_allow_list_is_refused() {
-    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB"]);
+    // In the sockets' group, so that the allow list is what refuses it.
+    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB", "--socket-group", "65534"]);
     let Some(result) = connect_as_nobody(&server) else {
         return;
     };
     assert!(result.contains(&format!("{:?}", Some(ErrorCode::PermissionDenied))), "{result}");
-    assert!(result.contains(&format!("uid {NOBODY} is not allowed")), "{result}");
-    assert!(result.contains("--allow-uid"), "{result}");
+    assert!(result.contains(&format!("uid {NOBODY} (gid {NOBODY}) is not allowed")), "{result}");
+    assert!(result.contains("--allow-uid") && result.contains("--allow-gid"), "{result}");
     assert_eq!(server.admin("stats")["refused_sessions"], 1);
     assert_eq!(server.admin("stats")["sessions"], 0);
     server.client("root").ping().unwrap();
@@ -68,7 +69,16 @@ fn uid_outside_the_allow_list_is_refused() {
 /// docs/operations.md: its shared memory is owner-only.)
 #[test]
 fn allowed_uid_passes_the_bootstrap_check() {
-    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB", "--allow-uid", "65534"]);
+    let server = TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "8MiB",
+        "--allow-uid",
+        "65534",
+        "--socket-group",
+        "65534",
+    ]);
     let Some(result) = connect_as_nobody(&server) else {
         return;
     };

@@ -280,6 +280,8 @@ fn every_key_set() -> ServerConfig {
         "3",
         "--allow-uid",
         "1000",
+        "--socket-group",
+        "0",
         "--etcd",
         "http://127.0.0.1:2379",
         "--node-id",

@@ -1,0 +1,97 @@
+//! Who may do what: the peer credentials (`SO_PEERCRED`) of a connection against the allow
+//! lists. Sessions: the server's uid, root, `--allow-uid` and processes whose effective group
+//! is in `--allow-gid`. Admin commands that read (health, stats, sessions, peers): the same
+//! set. Admin commands that change state (drain, resume, evict): the server's uid, root and
+//! `--admin-uid`. The sockets themselves are mode 0660 in `--socket-group` (else the server's
+//! group), so nobody else reaches these checks at all.
+
+use crate::config::ServerConfig;
+
+/// The allow lists, as configured.
+#[derive(Clone, Debug)]
+pub struct Access {
+    own_uid: u32,
+    allow_uid: Vec<u32>,
+    allow_gid: Vec<u32>,
+    admin_uid: Vec<u32>,
+}
+
+impl Access {
+    /// The lists of `config`, for a server running as `own_uid`.
+    pub fn new(config: &ServerConfig, own_uid: u32) -> Self {
+        Self {
+            own_uid,
+            allow_uid: config.allow_uid.clone(),
+            allow_gid: config.allow_gid.clone(),
+            admin_uid: config.admin_uid.clone(),
+        }
+    }
+
+    /// Whether a process of `uid` and effective group `gid` may open a session (and read the
+    /// admin answers); why not, naming the flags, if it may not.
+    pub fn may_connect(&self, uid: u32, gid: u32) -> Result<(), String> {
+        if uid == self.own_uid
+            || uid == 0
+            || self.allow_uid.contains(&uid)
+            || self.allow_gid.contains(&gid)
+        {
+            return Ok(());
+        }
+        Err(format!(
+            "uid {uid} (gid {gid}) is not allowed to connect (allowed: the server's uid {}, root, \
+             --allow-uid {:?}, --allow-gid {:?})",
+            self.own_uid, self.allow_uid, self.allow_gid
+        ))
+    }
+
+    /// Whether `uid` may run an admin command that changes state (`what`); why not if not.
+    pub fn may_change(&self, uid: u32, what: &str) -> Result<(), String> {
+        if uid == self.own_uid || uid == 0 || self.admin_uid.contains(&uid) {
+            return Ok(());
+        }
+        Err(format!(
+            "uid {uid} may not {what}: admin commands that change state are for the server's uid \
+             {}, root and --admin-uid {:?}",
+            self.own_uid, self.admin_uid
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn access() -> Access {
+        let config = ServerConfig {
+            allow_uid: vec![1000],
+            allow_gid: vec![2000],
+            admin_uid: vec![1001],
+            ..ServerConfig::default()
+        };
+        Access::new(&config, 500)
+    }
+
+    #[test]
+    fn sessions_for_own_root_and_the_allow_lists() {
+        let a = access();
+        for (uid, gid) in [(500, 9), (0, 9), (1000, 9), (7, 2000)] {
+            assert!(a.may_connect(uid, gid).is_ok(), "{uid}/{gid}");
+        }
+        let why = a.may_connect(7, 9).unwrap_err();
+        assert!(why.contains("uid 7 (gid 9)") && why.contains("--allow-gid [2000]"), "{why}");
+    }
+
+    #[test]
+    fn state_changes_for_own_root_and_admin_uids_only() {
+        let a = access();
+        for uid in [500, 0, 1001] {
+            assert!(a.may_change(uid, "drain").is_ok(), "{uid}");
+        }
+        // Allowed a session is not allowed to change state.
+        let why = a.may_change(1000, "drain").unwrap_err();
+        assert!(
+            why.contains("uid 1000 may not drain") && why.contains("--admin-uid [1001]"),
+            "{why}"
+        );
+    }
+}
