@@ -57,9 +57,71 @@ impl Access {
     }
 }
 
+/// Which uid owns each namespace registered in this run: a namespace belongs to the first uid
+/// that registers it, unless its model is shared (`--shared-model`): then it is everyone's.
+#[derive(Debug, Default)]
+pub struct NamespaceOwners {
+    shared_models: Vec<String>,
+    owners: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+}
+
+impl NamespaceOwners {
+    /// The owner table of a server whose shared models are `shared_models`.
+    pub fn new(shared_models: Vec<String>) -> Self {
+        Self { shared_models, owners: Default::default() }
+    }
+
+    /// Takes namespace `id` (of model `model`) for `uid`: true when this call made `uid` its
+    /// owner (to undo with [`NamespaceOwners::release`] if the registration then fails);
+    /// why not, naming the flag, when another uid owns it.
+    pub fn claim(&self, id: u64, model: &str, uid: u32) -> Result<bool, String> {
+        if self.shared_models.iter().any(|m| m == model) {
+            return Ok(false);
+        }
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        match owners.get(&id) {
+            Some(&owner) if owner == uid => Ok(false),
+            Some(&owner) => Err(format!(
+                "namespace {id:#018x} (model {model:?}) belongs to uid {owner}: tenants do not \
+                 share namespaces unless the model is declared shared (--shared-model)"
+            )),
+            None => {
+                owners.insert(id, uid);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Forgets the owner a failed registration claimed (`claimed` as [`NamespaceOwners::claim`]
+    /// answered).
+    pub fn release(&self, id: u64, claimed: bool) {
+        if claimed {
+            self.owners.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_is_its_first_registrants_unless_its_model_is_shared() {
+        let owners = NamespaceOwners::new(vec!["shared-m".into()]);
+        assert_eq!(owners.claim(1, "private", 1000), Ok(true));
+        assert_eq!(owners.claim(1, "private", 1000), Ok(false), "the owner again");
+        let why = owners.claim(1, "private", 2000).unwrap_err();
+        assert!(why.contains("belongs to uid 1000") && why.contains("--shared-model"), "{why}");
+        for uid in [1000, 2000, 0] {
+            assert_eq!(owners.claim(2, "shared-m", uid), Ok(false), "shared: everyone's");
+        }
+        // A failed registration gives its claim back: another uid may take it then.
+        assert_eq!(owners.claim(3, "other", 2000), Ok(true));
+        owners.release(3, true);
+        assert_eq!(owners.claim(3, "other", 1000), Ok(true));
+        owners.release(3, false);
+        assert!(owners.claim(3, "other", 2000).is_err(), "not claimed by that call: kept");
+    }
 
     fn access() -> Access {
         let config = ServerConfig {

@@ -126,6 +126,12 @@ pub struct ServerConfig {
     /// peers (the flag repeats; flags add to the file's list). Default: none.
     #[arg(long, value_name = "UID")]
     pub admin_uid: Vec<u32>,
+    /// Models whose namespaces every allowed uid may register and use (shared between
+    /// tenants); any other namespace belongs to the first uid that registers it in this run,
+    /// and another uid's registration is refused (the flag repeats; flags add to the file's
+    /// list). Default: none.
+    #[arg(long, value_name = "MODEL")]
+    pub shared_model: Vec<String>,
     /// Group of the bootstrap and admin sockets (a name or a gid); both are mode 0660, so
     /// only the server's uid, root and this group's members can connect at all. Default: the
     /// server's group.

@@ -159,6 +159,8 @@ struct SessionState {
     leases: Cell<u64>,
     reservations: Cell<u64>,
     inflight: Cell<usize>,
+    /// The namespaces this session registered: its requests may name no other.
+    namespaces: RefCell<std::collections::HashSet<u64>>,
 }
 
 /// The executor's state, shared by its tasks through `Rc`.
@@ -490,6 +492,7 @@ impl Exec {
                                 leases: Cell::new(0),
                                 reservations: Cell::new(0),
                                 inflight: Cell::new(0),
+                                namespaces: RefCell::new(Default::default()),
                             }),
                         );
                     });
@@ -923,6 +926,14 @@ impl SessionCounters {
     }
     pub(crate) fn add_reservations(&self, delta: i64) {
         self.0.reservations.set(self.0.reservations.get().saturating_add_signed(delta));
+    }
+    /// Whether the session registered namespace `id`.
+    pub(crate) fn registered(&self, id: u64) -> bool {
+        self.0.namespaces.borrow().contains(&id)
+    }
+    /// Notes that the session registered namespace `id`.
+    pub(crate) fn add_namespace(&self, id: u64) {
+        self.0.namespaces.borrow_mut().insert(id);
     }
     /// Marks the request finished.
     pub(crate) fn done(&self) {

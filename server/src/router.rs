@@ -103,6 +103,27 @@ pub(crate) fn dispatch(
     }
 }
 
+/// Takes namespace `d` for the session's uid ([`crate::access::NamespaceOwners::claim`]).
+fn claim_namespace(
+    exec: &Exec,
+    session: SessionId,
+    d: &orbitkv_proto::NamespaceDescriptor,
+) -> Result<bool, String> {
+    let uid = exec
+        .shared
+        .sessions
+        .lock()
+        .expect("session table lock is never poisoned")
+        .get(&session)
+        .map_or(u32::MAX, |s| s.uid);
+    exec.shared.namespace_owners.claim(d.id(), &d.model, uid)
+}
+
+/// Forgets the owner a failed registration claimed.
+fn unclaim_namespace(exec: &Exec, id: u64, claimed: bool) {
+    exec.shared.namespace_owners.release(id, claimed);
+}
+
 /// Bounds and state checks that need no shard.
 fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (ErrorCode, String)> {
     let cfg = &exec.shared.settings.config;
@@ -111,6 +132,15 @@ fn check(exec: &Exec, counters: &SessionCounters, r: &Request) -> Result<(), (Er
         return Err((
             ErrorCode::TooLarge,
             format!("{n} keys exceed --max-keys-per-request {}", cfg.max_keys_per_request),
+        ));
+    }
+    if let Some(key) = r.find_key(|k| !counters.registered(k.namespace)) {
+        return Err((
+            ErrorCode::UnknownNamespace,
+            format!(
+                "namespace {:#018x} is not registered by this session: register it first",
+                key.namespace
+            ),
         ));
     }
     let result = check_bounds(exec, counters, r, n);
@@ -203,17 +233,26 @@ async fn execute(
         Request::Ping => Response::Pong,
         Request::RegisterNamespace { descriptor } => {
             let id = descriptor.id();
+            let claimed = match claim_namespace(exec, session, &descriptor) {
+                Ok(claimed) => claimed,
+                Err(message) => return Response::error(ErrorCode::PermissionDenied, message),
+            };
             let mut max = 0;
             for shard in 0..exec.shards {
                 let op = ShardOp::Register { descriptor: descriptor.clone() };
                 match exec.exec_on(shard, op).await {
                     ShardReply::Registered(Ok(m)) => max = m,
                     ShardReply::Registered(Err((code, message))) => {
-                        return Response::Error { code, message }
+                        unclaim_namespace(exec, id, claimed);
+                        return Response::Error { code, message };
                     }
-                    other => return internal(shard, &other),
+                    other => {
+                        unclaim_namespace(exec, id, claimed);
+                        return internal(shard, &other);
+                    }
                 }
             }
+            counters.add_namespace(id);
             Response::Registered { namespace: id, max_chunk_bytes: max }
         }
         Request::Lookup { keys, lease } => {

@@ -120,6 +120,8 @@ pub struct Shared {
     pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
     /// Who may open sessions and run admin commands.
     pub access: crate::access::Access,
+    /// The uid that owns each namespace registered in this run (shared models aside).
+    pub namespace_owners: crate::access::NamespaceOwners,
     /// Cluster membership, in cluster mode (`--etcd`).
     pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
     /// Where shards queue their peer reads, once peering runs.
@@ -154,6 +156,9 @@ impl Shared {
     ) -> Arc<Self> {
         Arc::new(Self {
             access: crate::access::Access::new(&settings.config, nix::unistd::getuid().as_raw()),
+            namespace_owners: crate::access::NamespaceOwners::new(
+                settings.config.shared_model.clone(),
+            ),
             settings,
             state: AtomicU8::new(ServeState::Serving as u8),
             writes_admitted: AtomicU64::new(0),

@@ -91,6 +91,7 @@ fn demoted_chunks_are_served_from_ssd_and_survive_restarts() {
     server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(server.log().contains("SSD tier recovered"), "{}", server.log());
     let mut c = server.client("after-restart");
+    c.register_namespace(&namespace(16)).unwrap();
     let (found, from_ssd) = read_all(&mut c, &keys);
     assert!(found as u64 >= on_ssd_before, "found {found} of {on_ssd_before} SSD records");
     assert_eq!(found, from_ssd, "DRAM starts empty: every hit comes from SSD");
@@ -108,6 +109,7 @@ fn demoted_chunks_are_served_from_ssd_and_survive_restarts() {
         server.wait_exit(Duration::from_secs(10));
         server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let mut c = server.client("checker");
+        c.register_namespace(&namespace(16)).unwrap();
         let (found_old, _) = read_all(&mut c, &keys);
         let (found_new, _) = read_all(&mut c, &more);
         assert!(found_old + found_new > 0, "round {round}: nothing survived");
@@ -140,6 +142,7 @@ fn a_corrupted_record_is_never_served() {
     let args = ssd_args(dir.path());
     server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let mut c = server.client("r");
+    c.register_namespace(&namespace(16)).unwrap();
     let (found, _) = read_all(&mut c, &keys); // asserts every served byte is right
     assert!(found > 0, "shard 1's records are intact");
     assert!(server.shard_sum("checksum_failures") > 0);
@@ -230,6 +233,7 @@ fn another_shard_count_starts_cold_and_removes_orphan_files() {
     assert!(server.log().contains("started afresh"), "{}", server.log());
     assert!(!dir.path().join("shard-1.okv").exists(), "orphan file removed");
     let mut c = server.client("r");
+    c.register_namespace(&namespace(16)).unwrap();
     assert_eq!(read_all(&mut c, &keys), (0, 0), "nothing is read through the wrong placement");
 }
 
@@ -348,6 +352,7 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
     let (slow_key, flag) = (cold[0], done.clone());
     let slow = std::thread::spawn(move || {
         let mut s = Client::connect(orbitkv_client::ClientOptions::with_socket(socket)).unwrap();
+        s.register_namespace(&namespace(16)).unwrap();
         let leases = s.lookup_leased(&[slow_key]).unwrap();
         flag.store(true, std::sync::atomic::Ordering::SeqCst);
         let got = leases.first().map(|l| (l.hit.tier, s.chunk(l).unwrap().to_vec()));
@@ -412,6 +417,7 @@ fn slow_lookup_process() {
     let env = std::env::var(SLOW_LOOKUP_ENV).expect("run by its test");
     let (socket, ns) = env.split_once(' ').expect("SOCKET NAMESPACE");
     let mut c = Client::connect(orbitkv_client::ClientOptions::with_socket(socket)).unwrap();
+    c.register_namespace(&namespace(16)).unwrap();
     let key = chain(ns.parse().unwrap(), 41, 200)[1];
     let _ = c.lookup_leased(&[key]);
     unreachable!("killed while its lookup waits on the disk");
@@ -451,6 +457,7 @@ fn a_request_outliving_its_client_ends_before_the_reclaim() {
     assert_eq!(server.admin("sessions")["sessions"].as_array().unwrap().len(), 0);
     // Nothing lost: the chunk is served with its bytes.
     let mut c = server.client("after");
+    c.register_namespace(&namespace(16)).unwrap();
     let leases = c.lookup_leased(&cold[1..2]).unwrap();
     assert_eq!(leases.len(), 1);
     assert_eq!(c.chunk(&leases[0]).unwrap(), &value_for(&cold[1], LEN)[..]);

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{chain, namespace, value_for, TestServer};
-use orbitkv_client::{ChunkOutcome, PutOutcome, Tier};
+use orbitkv_client::{ChunkOutcome, ErrorCode, PutOutcome, Tier};
 
 #[test]
 fn several_clients_share_chunks_byte_exact() {
@@ -89,8 +89,10 @@ fn lookup_returns_the_longest_prefix_across_shards() {
     assert_eq!(server.shard_sum("leases"), 25);
     c.release(&leases).unwrap();
     assert_eq!(server.shard_sum("leases"), 0);
-    // A key of an unknown namespace is simply a miss.
-    assert_eq!(c.lookup(&chain(ns ^ 1, 7, 3)).unwrap().len(), 0);
+    // A key of a namespace this session did not register is refused, naming it.
+    let e = c.lookup(&chain(ns ^ 1, 7, 3)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownNamespace), "{e}");
+    assert!(e.to_string().contains("not registered by this session"), "{e}");
     // Explicit evict makes a chunk disappear and shortens the prefix.
     assert_eq!(c.evict(&keys[3..4]).unwrap(), vec![ChunkOutcome::Done]);
     assert_eq!(c.lookup(&keys).unwrap().len(), 3);

@@ -365,6 +365,27 @@ impl Request {
         }
     }
 
+    /// The first key (or slot's key) of the request that `refused` picks.
+    pub fn find_key(&self, mut refused: impl FnMut(&ChunkKey) -> bool) -> Option<ChunkKey> {
+        match self {
+            Request::Ping
+            | Request::RegisterNamespace { .. }
+            | Request::RegisterGpu { .. }
+            | Request::UnregisterGpu { .. } => None,
+            Request::Save { keys, .. }
+            | Request::Load { keys, .. }
+            | Request::Lookup { keys, .. }
+            | Request::Evict { keys }
+            | Request::Reserve { keys, .. } => keys.iter().find(|k| refused(k)).copied(),
+            Request::Commit { slots }
+            | Request::Abort { slots }
+            | Request::Release { slots }
+            | Request::CommitChecked { slots, .. } => {
+                slots.iter().map(|s| s.key).find(|k| refused(k))
+            }
+        }
+    }
+
     /// Number of keys or slots the request names.
     pub fn key_count(&self) -> usize {
         match self {

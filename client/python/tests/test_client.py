@@ -115,10 +115,11 @@ def test_typed_errors_carry_kind_and_code(client, server):
     # Larger than the namespace's chunks: the server's refusal, per key.
     big = bytes(ns.max_chunk_bytes + 1)
     assert client.put([(keys[0], big)]) == ["too_large"]
-    # An unknown namespace: refused by the server with its code.
+    # A namespace this session did not register: the server refuses the request, naming it.
     stranger = ChunkKey(12345, bytes(32))
-    out = client.put([(stranger, b"x" * 10)])
-    assert out == ["unknown_namespace"]
+    with pytest.raises(orbitkv.ServerError, match="not registered by this session") as e:
+        client.put([(stranger, b"x" * 10)])
+    assert e.value.code == "unknown_namespace"
     # The server goes on serving.
     client.ping()
     assert issubclass(orbitkv.Timeout, orbitkv.Disconnected)

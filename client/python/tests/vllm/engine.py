@@ -28,9 +28,10 @@ def corrupt(llm, spec, socket, name, prompt, block):
     parent = None
     for b in range(block + 1):
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[b * bs:(b + 1) * bs], None)
-    ns = namespace(cfg, 0, layout_name(cfg)).id
-    key = orbitkv.ChunkKey(ns, orbitkv.chunk_digest(bytes(parent)))
+    d = namespace(cfg, 0, layout_name(cfg))
+    key = orbitkv.ChunkKey(d.id, orbitkv.chunk_digest(bytes(parent)))
     c = orbitkv.Client(socket)
+    c.register_namespace(d)  # a session names only namespaces it registered
     assert c.lookup([key]), "the block to corrupt was saved"
     assert c.evict([key]) == ["done"]
     assert c.put([(key, b"\x01" * 100)]) == ["stored"]

@@ -177,6 +177,7 @@ def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatc
     assert w.get_finished({"s"}) == ({"s"}, None)
     # Corrupt the second chunk: another length under its key.
     c = orbitkv.Client(server.socket)
+    c.register_namespace(namespace(cfg, 0, "LBHNC"))  # a session names only namespaces it registered
     key = orbitkv.ChunkKey(w.ns_id, digests[1])
     assert c.evict([key]) == ["done"] and c.put([(key, b"x" * 10)]) == ["stored"]
     before = {k: v.clone() for k, v in kv.items()}
