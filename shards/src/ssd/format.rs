@@ -20,6 +20,8 @@ use crate::alloc::PAGE_SIZE;
 pub const SUPERBLOCK_BYTES: u64 = PAGE_SIZE;
 /// Bytes of a record header block.
 pub const RECORD_HEADER_BYTES: u64 = PAGE_SIZE;
+/// Largest payload a record header may state (1 TiB, far above any region).
+pub const MAX_RECORD_LEN: u64 = 1 << 40;
 /// Version of this format; a file of another version is refused (or rebuilt), never misread.
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -198,7 +200,9 @@ impl RecordHeader {
             sequence: get_u64(b, 72),
             region_generation: get_u64(b, 80),
         };
-        if h.len == 0 {
+        // Zero is no record; past MAX_RECORD_LEN no region could hold it (and its size on disk
+        // would overflow).
+        if h.len == 0 || h.len > MAX_RECORD_LEN {
             return Err(FormatError::Field("len"));
         }
         Ok(h)
@@ -257,5 +261,16 @@ mod tests {
         let mut torn = vec![0u8; 4096];
         torn[..2048].copy_from_slice(&b[..2048]);
         assert!(RecordHeader::decode(&torn).is_err());
+    }
+
+    #[test]
+    fn a_sealed_header_stating_an_impossible_length_is_refused() {
+        let mut b = vec![0u8; RECORD_HEADER_BYTES as usize];
+        for len in [MAX_RECORD_LEN + 1, u64::MAX] {
+            RecordHeader { len, ..header() }.encode_into(&mut b);
+            assert_eq!(RecordHeader::decode(&b), Err(FormatError::Field("len")), "{len}");
+        }
+        RecordHeader { len: MAX_RECORD_LEN, ..header() }.encode_into(&mut b);
+        assert!(RecordHeader::decode(&b).is_ok());
     }
 }

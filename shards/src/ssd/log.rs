@@ -369,7 +369,7 @@ impl<F: FnMut(u64, &mut [u8]) -> std::io::Result<()>> RegionScan<'_, F> {
                 Ok(h)
                     if generation.is_none_or(|g| g == h.region_generation)
                         && h.sequence > last_seq
-                        && at + h.disk_bytes() <= sb.region_bytes =>
+                        && at.checked_add(h.disk_bytes()).is_some_and(|e| e <= sb.region_bytes) =>
                 {
                     generation = Some(h.region_generation);
                     last_seq = h.sequence;
