@@ -410,48 +410,7 @@ impl Owner {
         let node = Arc::clone(&owner.cfg.node);
         let asked = keys.clone();
         let hits = blocking(move || node.grant(holder, &asked)).await;
-        let mut chunks = Vec::with_capacity(keys.len());
-        let mut undo = Vec::new();
-        let given = {
-            let mut g = lock(&owner.grants);
-            let mut next_grant = g.next_grant;
-            let h = g
-                .holders
-                .get_mut(&(r.requester.clone(), r.requester_epoch))
-                .expect("a holder with pending grants is not reaped");
-            h.pending -= keys.len();
-            let cancelled = r.request_id != 0 && h.cancelled.contains(&r.request_id);
-            let mut ids = Vec::new();
-            for (key, hit) in keys.iter().zip(hits) {
-                chunks.push(match hit {
-                    Some(hit) if cancelled => {
-                        undo.push(SlotRef { key: *key, generation: hit.generation });
-                        Granted::default()
-                    }
-                    Some(hit) => {
-                        next_grant += 1;
-                        ids.push(next_grant);
-                        let slot = SlotRef { key: *key, generation: hit.generation };
-                        h.grants.insert(next_grant, (slot, r.request_id));
-                        Granted {
-                            present: true,
-                            addr: owner.cfg.arena.0 + hit.offset,
-                            len: hit.len,
-                            checksum: hit.checksum,
-                            generation: hit.generation,
-                            grant_id: next_grant,
-                        }
-                    }
-                    None => Granted::default(),
-                });
-            }
-            if r.request_id != 0 && !ids.is_empty() {
-                h.by_request.insert(r.request_id, ids);
-            }
-            let given = h.grants.len() as u64;
-            g.next_grant = next_grant;
-            given
-        };
+        let (chunks, undo, given) = owner.record_grants(&r, &keys, hits);
         if !undo.is_empty() {
             let node = Arc::clone(&owner.cfg.node);
             blocking(move || node.release(holder, &undo)).await;
@@ -463,6 +422,57 @@ impl Owner {
             segment: owner.te.segment().to_owned(),
             chunks,
         }))
+    }
+
+    /// Records the leases the shards took for grant request `r` (one hit or miss per key) as
+    /// grants of its holder: the answer per key, the leases to give back at once (the request
+    /// was cancelled before this answer), and the grants the holder has now.
+    fn record_grants(
+        &self,
+        r: &GrantRequest,
+        keys: &[ChunkKey],
+        hits: Vec<Option<orbitkv_proto::Hit>>,
+    ) -> (Vec<Granted>, Vec<SlotRef>, u64) {
+        let mut chunks = Vec::with_capacity(keys.len());
+        let mut undo = Vec::new();
+        let mut g = lock(&self.grants);
+        let mut next_grant = g.next_grant;
+        let h = g
+            .holders
+            .get_mut(&(r.requester.clone(), r.requester_epoch))
+            .expect("a holder with pending grants is not reaped");
+        h.pending -= keys.len();
+        let cancelled = r.request_id != 0 && h.cancelled.contains(&r.request_id);
+        let mut ids = Vec::new();
+        for (key, hit) in keys.iter().zip(hits) {
+            chunks.push(match hit {
+                Some(hit) if cancelled => {
+                    undo.push(SlotRef { key: *key, generation: hit.generation });
+                    Granted::default()
+                }
+                Some(hit) => {
+                    next_grant += 1;
+                    ids.push(next_grant);
+                    let slot = SlotRef { key: *key, generation: hit.generation };
+                    h.grants.insert(next_grant, (slot, r.request_id));
+                    Granted {
+                        present: true,
+                        addr: self.cfg.arena.0 + hit.offset,
+                        len: hit.len,
+                        checksum: hit.checksum,
+                        generation: hit.generation,
+                        grant_id: next_grant,
+                    }
+                }
+                None => Granted::default(),
+            });
+        }
+        if r.request_id != 0 && !ids.is_empty() {
+            h.by_request.insert(r.request_id, ids);
+        }
+        let given = h.grants.len() as u64;
+        g.next_grant = next_grant;
+        (chunks, undo, given)
     }
 
     async fn release(

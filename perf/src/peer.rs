@@ -188,6 +188,54 @@ fn catalog_of(socket: &Path, owner: &str) -> Result<u64, Error> {
     Ok(v["peers"][owner]["catalog_entries"].as_u64().unwrap_or(0))
 }
 
+/// Puts this run's chunks on the owner (keys of this run only: none is on the requester yet)
+/// and waits until the requester's catalog lists them: the seed of their bytes, and the keys.
+fn put_chunks(
+    a: &PeerArgs,
+    put: &mut Client,
+    ns: &NamespaceDescriptor,
+    (owner, requester): (&str, &str),
+) -> Result<(u64, Vec<ChunkKey>), Error> {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        ^ std::process::id() as u64;
+    let total = a.latency_samples as u64 + a.chunks as u64;
+    let tokens: Vec<u32> = (0..total * ns.tokens_per_chunk as u64)
+        .map(|t| (t as u32).wrapping_mul(2_654_435_761) ^ seed as u32)
+        .collect();
+    let keys: Vec<ChunkKey> =
+        orbitkv_client::prefix_digests(&tokens, ns.tokens_per_chunk as usize, &seed.to_le_bytes())
+            .into_iter()
+            .map(|d| ChunkKey::new(ns.id(), d))
+            .collect();
+    let before = catalog_of(&a.requester, owner)?;
+    let mut value = vec![0u8; a.chunk_size as usize];
+    for (i, part) in keys.chunks(a.batch as usize).enumerate() {
+        let values: Vec<Vec<u8>> = (0..part.len())
+            .map(|j| {
+                fill(seed, (i * a.batch as usize + j) as u64, &mut value);
+                value.clone()
+            })
+            .collect();
+        let items: Vec<(ChunkKey, &[u8])> =
+            part.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+        put.put(&items).map_err(|source| Error::Client { client: 0, source })?;
+    }
+    let deadline = Instant::now() + CATALOG_WAIT;
+    while catalog_of(&a.requester, owner)? < before + total {
+        if Instant::now() > deadline {
+            return Err(Error::Setup(format!(
+                "{requester}'s catalog of {owner} did not grow by {total} entries in {CATALOG_WAIT:?} \
+                 (is --peer-catalog-entries on the requester large enough?)"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    Ok((seed, keys))
+}
+
 /// Runs the benchmark.
 pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
     check(a)?;
@@ -206,43 +254,7 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
     put.register_namespace(&ns).map_err(|source| Error::Client { client: 0, source })?;
     get.register_namespace(&ns).map_err(|source| Error::Client { client: 1, source })?;
 
-    // Keys of this run only (none is on the requester yet).
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
-        ^ std::process::id() as u64;
-    let total = a.latency_samples as u64 + a.chunks as u64;
-    let tokens: Vec<u32> = (0..total * ns.tokens_per_chunk as u64)
-        .map(|t| (t as u32).wrapping_mul(2_654_435_761) ^ seed as u32)
-        .collect();
-    let keys: Vec<ChunkKey> =
-        orbitkv_client::prefix_digests(&tokens, ns.tokens_per_chunk as usize, &seed.to_le_bytes())
-            .into_iter()
-            .map(|d| ChunkKey::new(ns.id(), d))
-            .collect();
-    let before = catalog_of(&a.requester, &owner)?;
-    let mut value = vec![0u8; a.chunk_size as usize];
-    for (i, part) in keys.chunks(a.batch as usize).enumerate() {
-        let values: Vec<Vec<u8>> = (0..part.len())
-            .map(|j| {
-                fill(seed, (i * a.batch as usize + j) as u64, &mut value);
-                value.clone()
-            })
-            .collect();
-        let items: Vec<(ChunkKey, &[u8])> =
-            part.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
-        put.put(&items).map_err(|source| Error::Client { client: 0, source })?;
-    }
-    let deadline = Instant::now() + CATALOG_WAIT;
-    while catalog_of(&a.requester, &owner)? < before + total {
-        if Instant::now() > deadline {
-            return Err(Error::Setup(format!(
-                "{requester}'s catalog of {owner} did not grow by {total} entries in {CATALOG_WAIT:?} \
-                 (is --peer-catalog-entries on the requester large enough?)"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (seed, keys) = put_chunks(a, &mut put, &ns, (&owner, &requester))?;
 
     // Remote and raw reads alternate, batch by batch, so that both see the same moments of a
     // shared host.

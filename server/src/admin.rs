@@ -236,68 +236,7 @@ fn stats(shared: &Shared) -> Value {
                 json!({"id": id, "answering": false, "loop_iteration": iteration, "loop_stage": stage,
                        "executor_nudges": shared.doorbells.nudges(id)})
             }
-            Some(s) => {
-                let st = &s.stats;
-                let errors: Map<String, Value> =
-                    st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();
-                let latency = latency_json(&st.latency);
-                let mut v = json!({
-                    "id": id,
-                    "answering": true,
-                    "executor_nudges": shared.doorbells.nudges(id),
-                    "core": s.core,
-                    "sessions": s.sessions,
-                    "dram_capacity_bytes": st.dram_capacity_bytes,
-                    "dram_used_bytes": st.dram_used_bytes,
-                    "entries": st.entries,
-                    "reservations": st.reservations,
-                    "leases": st.leases,
-                    "namespaces": st.namespaces,
-                    "hits": st.hits,
-                    "misses": st.misses,
-                    "evictions": st.evictions,
-                    "removals": st.removals,
-                    "commits": st.commits,
-                    "bytes_committed": st.bytes_committed,
-                    "gpu_checksums": st.given_checksums,
-                    "gpu_checksums_verified": st.given_checksums_verified,
-                    "gpu_checksum_mismatches": st.given_checksum_mismatches,
-                    "rejected_requests": s.rejected_requests,
-                    "dropped_replies": s.dropped_replies,
-                    "orphaned_requests": s.orphaned_requests,
-                    "ssd_capacity_bytes": st.ssd.map_or(0, |x| x.capacity_bytes),
-                    "ssd_used_bytes": st.ssd.map_or(0, |x| x.used_bytes),
-                    "ssd_records": st.ssd.map_or(0, |x| x.records),
-                    "ssd_hits": st.ssd_hits,
-                    "ssd_reads": st.ssd.map_or(0, |x| x.reads),
-                    "ssd_writes": st.ssd.map_or(0, |x| x.writes),
-                    "ssd_io_errors": st.ssd.map_or(0, |x| x.io_errors),
-                    "ssd_in_flight": st.ssd.map_or(0, |x| x.in_flight),
-                    "ssd_reclaimed": st.ssd.map_or(0, |x| x.reclaimed),
-                    "demotions": st.demotions,
-                    "promotions": st.promotions,
-                    "checksum_failures": st.ssd.map_or(0, |x| x.checksum_failures),
-                    "admission_rejections": st.admission_rejections,
-                    "deep_sleeps": s.deep_sleeps,
-                    "doorbell_wakeups": s.doorbell_wakeups,
-                    "naps": s.naps,
-                    "errors": errors,
-                    "latency": latency,
-                });
-                let peer = json!({
-                    "peer_hits": st.peer_hits,
-                    "peer_reads": st.peer_fetches,
-                    "peer_read_bytes": st.peer_bytes,
-                    "peer_read_failures": st.peer_fetch_failures,
-                    "peer_checksum_failures": st.peer_checksum_mismatches,
-                    "peer_grants": st.peer_grants,
-                    "catalog_entries": st.catalog_entries,
-                });
-                if let (Some(v), Value::Object(peer)) = (v.as_object_mut(), peer) {
-                    v.extend(peer);
-                }
-                v
-            }
+            Some(s) => shard_json(id, s, shared),
         })
         .collect();
     json!({
@@ -317,6 +256,70 @@ fn stats(shared: &Shared) -> Value {
         "latency": latency_json(&sample.merged_latency()),
         "shards": shards,
     })
+}
+
+/// One answering shard's part of `stats`.
+fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> Value {
+    let st = &s.stats;
+    let errors: Map<String, Value> =
+        st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();
+    let latency = latency_json(&st.latency);
+    let mut v = json!({
+        "id": id,
+        "answering": true,
+        "executor_nudges": shared.doorbells.nudges(id),
+        "core": s.core,
+        "sessions": s.sessions,
+        "dram_capacity_bytes": st.dram_capacity_bytes,
+        "dram_used_bytes": st.dram_used_bytes,
+        "entries": st.entries,
+        "reservations": st.reservations,
+        "leases": st.leases,
+        "namespaces": st.namespaces,
+        "hits": st.hits,
+        "misses": st.misses,
+        "evictions": st.evictions,
+        "removals": st.removals,
+        "commits": st.commits,
+        "bytes_committed": st.bytes_committed,
+        "gpu_checksums": st.given_checksums,
+        "gpu_checksums_verified": st.given_checksums_verified,
+        "gpu_checksum_mismatches": st.given_checksum_mismatches,
+        "rejected_requests": s.rejected_requests,
+        "dropped_replies": s.dropped_replies,
+        "orphaned_requests": s.orphaned_requests,
+        "ssd_capacity_bytes": st.ssd.map_or(0, |x| x.capacity_bytes),
+        "ssd_used_bytes": st.ssd.map_or(0, |x| x.used_bytes),
+        "ssd_records": st.ssd.map_or(0, |x| x.records),
+        "ssd_hits": st.ssd_hits,
+        "ssd_reads": st.ssd.map_or(0, |x| x.reads),
+        "ssd_writes": st.ssd.map_or(0, |x| x.writes),
+        "ssd_io_errors": st.ssd.map_or(0, |x| x.io_errors),
+        "ssd_in_flight": st.ssd.map_or(0, |x| x.in_flight),
+        "ssd_reclaimed": st.ssd.map_or(0, |x| x.reclaimed),
+        "demotions": st.demotions,
+        "promotions": st.promotions,
+        "checksum_failures": st.ssd.map_or(0, |x| x.checksum_failures),
+        "admission_rejections": st.admission_rejections,
+        "deep_sleeps": s.deep_sleeps,
+        "doorbell_wakeups": s.doorbell_wakeups,
+        "naps": s.naps,
+        "errors": errors,
+        "latency": latency,
+    });
+    let peer = json!({
+        "peer_hits": st.peer_hits,
+        "peer_reads": st.peer_fetches,
+        "peer_read_bytes": st.peer_bytes,
+        "peer_read_failures": st.peer_fetch_failures,
+        "peer_checksum_failures": st.peer_checksum_mismatches,
+        "peer_grants": st.peer_grants,
+        "catalog_entries": st.catalog_entries,
+    });
+    if let (Some(v), Value::Object(peer)) = (v.as_object_mut(), peer) {
+        v.extend(peer);
+    }
+    v
 }
 
 /// Latency quantiles by operation, in nanoseconds.

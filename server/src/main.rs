@@ -232,13 +232,25 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
     tracing::info!(signal, "shutting down: draining");
     drain(&settings, &shared);
+    shut_down(&shared, (&socket, &admin), handles, &ipc);
+    Ok(())
+}
+
+/// After the drain: leaves the cluster, removes the sockets, stops the shards and the GPU
+/// service, in that order.
+fn shut_down(
+    shared: &Shared,
+    (socket, admin): (&Path, &Path),
+    handles: Vec<glommio::ExecutorJoinHandle<()>>,
+    ipc: &IpcNames,
+) {
     if let Some(c) = shared.cluster.get() {
         c.leave(CLUSTER_LEAVE_WAIT);
     }
     // Remove the sockets first so no new client finds a dying server.
-    let _ = std::fs::remove_file(&socket);
-    let _ = std::fs::remove_file(&admin);
-    for shard in 0..shards {
+    let _ = std::fs::remove_file(socket);
+    let _ = std::fs::remove_file(admin);
+    for shard in 0..shared.shards() {
         shared.send_control(shard, ControlMsg::Stop, Duration::from_secs(5));
     }
     for h in handles {
@@ -248,9 +260,8 @@ fn run(settings: Settings) -> Result<(), StartError> {
     if let Some(service) = shared.gpu_service.get() {
         service.shutdown();
     }
-    ipc::remove_leftovers(&ipc);
+    ipc::remove_leftovers(ipc);
     tracing::info!("orbitkv-server stopped");
-    Ok(())
 }
 
 /// In cluster mode, peering (inventory, grants, peer reads) once the shards run. A build
