@@ -6,10 +6,8 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::process::Command;
 
 use common::TestServer;
 use orbitkv_client::{Client, ClientOptions};
@@ -43,29 +41,8 @@ fn attempts_as_child() {
 
 /// What the child printed, by line prefix (`SESSION`, `ADMIN health`, `ADMIN drain`).
 fn attempts_as_nobody(server: &TestServer) -> Option<Vec<String>> {
-    if !nix::unistd::getuid().is_root() {
-        println!("skipped: switching to uid {NOBODY} needs root");
-        return None;
-    }
-    std::fs::set_permissions(server.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "attempts_as_child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ENV, &server.socket)
-        .env("HOME", "/tmp")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let lines: Vec<String> = ["SESSION", "ADMIN health", "ADMIN drain"]
-        .iter()
-        .map(|p| {
-            stdout.lines().find_map(|l| l.find(p).map(|i| l[i..].to_string())).unwrap_or_else(
-                || panic!("no {p} line: {stdout} {}", String::from_utf8_lossy(&out.stderr)),
-            )
-        })
-        .collect();
-    Some(lines)
+    let prefixes = ["SESSION", "ADMIN health", "ADMIN drain"];
+    common::run_as_nobody(server, "attempts_as_child", CHILD_ENV, &prefixes)
 }
 
 fn start(extra: &[&str]) -> TestServer {

@@ -191,20 +191,30 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     assert_eq!(hit[0].tier, Tier::Peer);
 }
 
+/// 4 prefixes of 96 chunks of 1 MiB put on `a` (chains from `seed`), once `b` lists them: each
+/// lookup of a prefix on `b` reads 96 MiB from `a`. The client that put them, and the keys.
+fn big_prefixes(
+    a: &TestServer,
+    b: &TestServer,
+    seed: u32,
+) -> (orbitkv_client::Client, Vec<Vec<orbitkv_proto::ChunkKey>>) {
+    let mut ca = a.client("engine-a");
+    let ns = ca.register_namespace(&namespace(256)).unwrap().id;
+    let prefixes: Vec<Vec<orbitkv_proto::ChunkKey>> =
+        (0..4).map(|p| chain(ns, seed + p, 96)).collect();
+    for keys in &prefixes {
+        put_values(&mut ca, keys, BIG);
+    }
+    until(b, "b follows a", |v| v["peers"]["a"]["catalog_entries"] == 384);
+    (ca, prefixes)
+}
+
 #[test]
 fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
     let etcd = Etcd::start();
     let mut a = member(&etcd, "a", 7411, &["--shards", "1", "--dram", "512MiB"]);
     let b = member(&etcd, "b", 7412, &["--shards", "2", "--dram", "512MiB"]);
-    let mut ca = a.client("engine-a");
-    let ns = ca.register_namespace(&namespace(256)).unwrap().id;
-    // 4 prefixes of 96 chunks of 1 MiB: each lookup of b reads one prefix (96 MiB) from a.
-    let prefixes: Vec<Vec<orbitkv_proto::ChunkKey>> =
-        (0..4).map(|p| chain(ns, 1000 + p, 96)).collect();
-    for keys in &prefixes {
-        put_values(&mut ca, keys, BIG);
-    }
-    until(&b, "b follows a", |v| v["peers"]["a"]["catalog_entries"] == 384);
+    let (_ca, prefixes) = big_prefixes(&a, &b, 1000);
 
     let socket = b.socket().to_owned();
     let read = prefixes.clone();
@@ -270,14 +280,7 @@ fn a_requester_killed_while_reading_has_its_grants_returned() {
     let etcd = Etcd::start();
     let a = member(&etcd, "a", 7421, &["--shards", "1", "--dram", "512MiB"]);
     let mut b = member(&etcd, "b", 7422, &["--shards", "1", "--dram", "512MiB"]);
-    let mut ca = a.client("engine-a");
-    let ns = ca.register_namespace(&namespace(256)).unwrap().id;
-    let prefixes: Vec<Vec<orbitkv_proto::ChunkKey>> =
-        (0..4).map(|p| chain(ns, 2000 + p, 96)).collect();
-    for keys in &prefixes {
-        put_values(&mut ca, keys, BIG);
-    }
-    until(&b, "b follows a", |v| v["peers"]["a"]["catalog_entries"] == 384);
+    let (mut ca, prefixes) = big_prefixes(&a, &b, 2000);
     let socket = b.socket().to_owned();
     let read = prefixes.clone();
     let reader = std::thread::spawn(move || {

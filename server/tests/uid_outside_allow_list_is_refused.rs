@@ -2,10 +2,6 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
-use std::process::Command;
-
 use common::TestServer;
 use orbitkv_client::{Client, ClientOptions, ErrorCode};
 
@@ -24,29 +20,8 @@ fn connect_as_child() {
 }
 
 fn connect_as_nobody(server: &TestServer) -> Option<String> {
-    if !nix::unistd::getuid().is_root() {
-        println!("skipped: switching to uid {NOBODY} needs root");
-        return None;
-    }
-    std::fs::set_permissions(server.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "connect_as_child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ENV, &server.socket)
-        .env("HOME", "/tmp")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    Some(
-        stdout
-            .lines()
-            .find_map(|l| l.find("RESULT").map(|i| &l[i..]))
-            .unwrap_or_else(|| {
-                panic!("child printed no result: {stdout} {}", String::from_utf8_lossy(&out.stderr))
-            })
-            .to_string(),
-    )
+    let lines = common::run_as_nobody(server, "connect_as_child", CHILD_ENV, &["RESULT"])?;
+    lines.into_iter().next()
 }
 
 #[test]

@@ -288,6 +288,42 @@ pub fn reconnect(c: &mut Client) {
     }
 }
 
+/// Runs the ignored test `helper` of this test binary as uid and gid 65534 (nobody), with
+/// `env` = the server's socket, and returns, for each of `prefixes`, the first line of its
+/// output holding it (from the prefix on). None (saying so) when this process is not root.
+pub fn run_as_nobody(
+    server: &TestServer,
+    helper: &str,
+    env: &str,
+    prefixes: &[&str],
+) -> Option<Vec<String>> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !nix::unistd::getuid().is_root() {
+        println!("skipped: switching to uid 65534 needs root");
+        return None;
+    }
+    std::fs::set_permissions(server.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", helper, "--nocapture", "--test-threads", "1"])
+        .env(env, &server.socket)
+        .env("HOME", "/tmp")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let lines = prefixes
+        .iter()
+        .map(|p| {
+            stdout.lines().find_map(|l| l.find(p).map(|i| l[i..].to_string())).unwrap_or_else(
+                || panic!("no {p} line: {stdout} {}", String::from_utf8_lossy(&out.stderr)),
+            )
+        })
+        .collect();
+    Some(lines)
+}
+
 /// The server binary the tests start: the one cargo built for them, or the one named by
 /// `ORBITKV_TEST_SERVER_BIN` (a test binary run on another machine, e.g. a CUDA host without a
 /// Rust toolchain, with a release build of the server beside it).
