@@ -231,6 +231,20 @@ impl Owner {
         self.cluster.epoch().ok_or_else(|| Status::unavailable("this node has not joined yet"))
     }
 
+    /// Refuses a requester that is not a member of the cluster at that epoch (as last read
+    /// from etcd): only members take grants and inventories, so the holders here, and what
+    /// they pin, are bounded by the cluster's size.
+    fn check_member(&self, requester: &str, epoch: u64) -> Result<(), Status> {
+        let status = self.cluster.status();
+        if status.members.iter().any(|m| m.node_id == requester && m.epoch == epoch) {
+            return Ok(());
+        }
+        Err(Status::permission_denied(format!(
+            "{requester} at epoch {epoch} is not a member of cluster {} (as {} last read it)",
+            status.cluster, status.node_id
+        )))
+    }
+
     fn check_owner_epoch(&self, asked: u64) -> Result<u64, Status> {
         let epoch = self.epoch()?;
         if asked != epoch {
@@ -307,6 +321,7 @@ impl Peer for Service {
     ) -> Result<Response<Self::InventoryStream>, Status> {
         let r = request.into_inner();
         let owner_epoch = self.0.epoch()?;
+        self.0.check_member(&r.requester, r.requester_epoch)?;
         let max = if r.max_entries == 0 { usize::MAX } else { r.max_entries as usize };
         // The snapshot and the subscription under one lock: no change falls between them.
         let (snapshot, complete, mut updates) = {
@@ -386,6 +401,7 @@ impl Owner {
     async fn grant(self: &Arc<Self>, r: GrantRequest) -> Result<Response<GrantReply>, Status> {
         let owner = self;
         let owner_epoch = owner.check_owner_epoch(r.owner_epoch)?;
+        owner.check_member(&r.requester, r.requester_epoch)?;
         let keys: Vec<ChunkKey> = r
             .keys
             .iter()

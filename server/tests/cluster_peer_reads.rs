@@ -1,9 +1,10 @@
 //! Cluster peer reads against a real etcd and real Mooncake Transfer Engines (the pinned
 //! wheel, TCP on loopback): a chunk put on one Manager is read on another byte-exact, reported
 //! as a peer hit and then as a local one; a catalog over its bound says its coverage is
-//! partial; an owner that restarts has a new epoch, refuses grants of the old one and is
-//! followed again; grants of a requester that is not a member are returned after the lease
-//! TTL; etcd away stops remote work (the catalog goes) while local serving goes on.
+//! partial; only members take grants; an owner that restarts has a new epoch, refuses grants
+//! of the old one and is followed again; a requester or an owner killed mid-read leaves nothing
+//! held and nothing wrong; etcd away stops remote work (the catalog goes) while local serving
+//! goes on.
 //!
 //! Needs a server built with `te-python` (scripts/test runs this in the Transfer Engine venv).
 #![cfg(feature = "te-python")]
@@ -44,8 +45,10 @@ fn until(server: &TestServer, what: &str, f: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
+/// A grant at the owner on loopback `port`, asked as `(requester, its epoch)`.
 fn grant(
     port: u16,
+    (requester, requester_epoch): (&str, u64),
     owner_epoch: u64,
     keys: &[orbitkv_proto::ChunkKey],
     request_id: u64,
@@ -55,8 +58,8 @@ fn grant(
         let mut c = PeerClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap();
         let r = c
             .grant(GrantRequest {
-                requester: "ghost".into(),
-                requester_epoch: 1,
+                requester: requester.into(),
+                requester_epoch,
                 owner_epoch,
                 keys: keys.iter().map(Key::from).collect(),
                 request_id,
@@ -69,6 +72,7 @@ fn grant(
 
 fn release(
     port: u16,
+    (requester, requester_epoch): (&str, u64),
     owner_epoch: u64,
     ids: Vec<u64>,
     requests: Vec<u64>,
@@ -78,8 +82,8 @@ fn release(
         let mut c = PeerClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap();
         let r = c
             .release(ReleaseRequest {
-                requester: "ghost".into(),
-                requester_epoch: 1,
+                requester: requester.into(),
+                requester_epoch,
                 owner_epoch,
                 grant_ids: ids,
                 requests,
@@ -135,26 +139,34 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
     assert_eq!(a.shard_sum("leases"), 0);
 
-    // Grants are fenced by the owner's epoch; a holder that is no member loses its grants
-    // once the lease TTL has passed.
-    // A grant cancelled before it is answered gives back what it takes; a release by request
-    // id gives back all the request got.
-    assert_eq!(release(7401, 1, vec![], vec![9]).unwrap(), 0);
-    let cancelled = grant(7401, 1, &keys[..2], 9).unwrap_err();
+    // Only members take grants: a stranger, or a member at another epoch, is refused.
+    for who in [("ghost", 1), ("b", 7)] {
+        let e = grant(7401, who, 1, &keys[..2], 1).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{who:?}: {e:?}");
+        assert!(e.message().contains("not a member"), "{e:?}");
+    }
+    assert_eq!(a.shard_sum("leases"), 0);
+    // As b (request ids far from b's own): a grant cancelled before it is answered gives back
+    // what it takes; a release by request id gives back all the request got; grants are
+    // fenced by the owner's epoch.
+    let b1 = ("b", 1);
+    assert_eq!(release(7401, b1, 1, vec![], vec![1_000_009]).unwrap(), 0);
+    let cancelled = grant(7401, b1, 1, &keys[..2], 1_000_009).unwrap_err();
     assert_eq!(cancelled.code(), tonic::Code::Cancelled, "{cancelled:?}");
     assert_eq!(a.shard_sum("leases"), 0);
-    assert_eq!(grant(7401, 1, &keys[..3], 10).unwrap().len(), 3);
+    assert_eq!(grant(7401, b1, 1, &keys[..3], 1_000_010).unwrap().len(), 3);
     assert_eq!(a.shard_sum("leases"), 3);
-    assert_eq!(release(7401, 1, vec![], vec![10]).unwrap(), 3);
+    assert_eq!(release(7401, b1, 1, vec![], vec![1_000_010]).unwrap(), 3);
     assert_eq!(a.shard_sum("leases"), 0);
-    let ids = grant(7401, 1, &keys[..2], 11).unwrap();
+    let ids = grant(7401, b1, 1, &keys[..2], 1_000_011).unwrap();
     assert_eq!(ids.len(), 2);
     assert_eq!(a.shard_sum("leases"), 2);
-    let stale = grant(7401, 7, &keys[..1], 12).unwrap_err();
+    let stale = grant(7401, b1, 7, &keys[..1], 1_000_012).unwrap_err();
     assert_eq!(stale.code(), tonic::Code::FailedPrecondition, "{stale:?}");
     assert!(stale.message().contains("stale"), "{stale:?}");
-    a.wait_for("the ghost's grants returned", |a| a.shard_sum("leases") == 0);
-    assert_eq!(release(7401, 1, ids, vec![]).unwrap(), 0, "already returned");
+    assert_eq!(release(7401, b1, 1, ids.clone(), vec![]).unwrap(), 2);
+    assert_eq!(release(7401, b1, 1, ids, vec![]).unwrap(), 0, "already returned");
+    assert_eq!(a.shard_sum("leases"), 0);
 
     // The owner restarts (SIGKILL): it leaves b's catalog, comes back with epoch 2, refuses
     // epoch 1, and b follows it again.
@@ -163,7 +175,7 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     until(&b, "a dropped from b's catalog", |v| v["peers"].get("a").is_none());
     let a = member(&etcd, "a", 7401, &["--shards", "2"]);
     assert_eq!(a.admin("peers")["epoch"], 2);
-    let old = grant(7401, 1, &keys[..1], 13).unwrap_err();
+    let old = grant(7401, b1, 1, &keys[..1], 1_000_013).unwrap_err();
     assert_eq!(old.code(), tonic::Code::FailedPrecondition, "{old:?}");
     let mut ca = a.client("engine-a2");
     ca.register_namespace(&namespace(16)).unwrap();
