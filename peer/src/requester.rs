@@ -306,7 +306,12 @@ impl Requester {
         let moved = if ranges.is_empty() {
             Ok(())
         } else {
-            blocking(move || te.read_many(&segment, &ranges).map_err(|e| e.to_string())).await
+            blocking(move || {
+                // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
+                fail::fail_point!("peer-te-read", |_| Err("failpoint peer-te-read".to_owned()));
+                te.read_many(&segment, &ranges).map_err(|e| e.to_string())
+            })
+            .await
         };
         // The reads are over (done or failed): the grants go back, while the shards already
         // take the chunks.

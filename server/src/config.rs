@@ -190,16 +190,6 @@ pub struct ServerConfig {
     /// io_uring depth of each shard's SSD ring (1-4096). Default: 64.
     #[arg(long, value_name = "N", default_value_t = 64, hide_default_value = true)]
     pub ssd_queue_depth: u32,
-    /// Fault injection (builds with the `failpoints` feature only): every SSD I/O waits this
-    /// long in the kernel before it starts, as on a slow disk. Default: 0.
-    #[cfg(feature = "failpoints")]
-    #[arg(long, value_name = "DUR", default_value = "0", hide_default_value = true)]
-    pub ssd_inject_latency: Span,
-    /// Fault injection (builds with the `failpoints` feature only): every N-th SSD I/O
-    /// fails (0: none). Default: 0.
-    #[cfg(feature = "failpoints")]
-    #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
-    pub ssd_inject_errors_every: u64,
     /// Use CUDA: auto (when a device exists), off, or required (refuse to start without
     /// one). Default: auto.
     #[arg(long, value_name = "MODE", value_enum, default_value_t = GpuMode::Auto,
@@ -390,16 +380,30 @@ pub struct SsdSettings {
 }
 
 impl ServerConfig {
-    /// The configured fault injection: (latency per SSD I/O, every n-th fails).
+    /// The SSD fault injection the failpoints ask for: (latency per SSD I/O, every n-th
+    /// fails). `FAILPOINTS="ssd-io-delay=return(50ms);ssd-io-errors-every=return(3)"`
+    /// (docs/hardening.md).
     #[cfg(feature = "failpoints")]
-    fn ssd_faults(&self) -> (Duration, u64) {
-        (self.ssd_inject_latency.duration(), self.ssd_inject_errors_every)
+    fn ssd_faults(&self) -> Result<(Duration, u64), ConfigError> {
+        let arg = |name: &str| fail::eval(name, |arg| arg).flatten();
+        let delay = match arg("ssd-io-delay") {
+            Some(d) => orbitkv_proto::parse_duration(&d)
+                .map_err(|e| invalid("FAILPOINTS ssd-io-delay", e.to_string()))?,
+            None => Duration::ZERO,
+        };
+        let every = match arg("ssd-io-errors-every") {
+            Some(n) => n.parse().map_err(|_| {
+                invalid("FAILPOINTS ssd-io-errors-every", format!("{n:?} is not a count"))
+            })?,
+            None => 0,
+        };
+        Ok((delay, every))
     }
 
     /// No fault injection in builds without `failpoints`.
     #[cfg(not(feature = "failpoints"))]
-    fn ssd_faults(&self) -> (Duration, u64) {
-        (Duration::ZERO, 0)
+    fn ssd_faults(&self) -> Result<(Duration, u64), ConfigError> {
+        Ok((Duration::ZERO, 0))
     }
 
     fn validate_ssd(&self, shards: usize) -> Result<Option<SsdSettings>, ConfigError> {
@@ -439,7 +443,7 @@ impl ServerConfig {
         if self.ssd_queue_depth == 0 || self.ssd_queue_depth > 4096 {
             return Err(invalid("--ssd-queue-depth", "must be between 1 and 4096"));
         }
-        let (inject_latency, inject_errors_every) = self.ssd_faults();
+        let (inject_latency, inject_errors_every) = self.ssd_faults()?;
         Ok(Some(SsdSettings {
             dir: dir.clone(),
             per_shard_bytes,

@@ -51,6 +51,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     iceoryx2::prelude::set_log_level_from_env_or(iceoryx2::prelude::LogLevel::Warn);
+    // Test builds: the failpoints named in FAILPOINTS, for the process's life.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let (config, print_config) = match config::from_command_line(std::env::args_os()) {
         Ok(c) => c,
         // Usage errors, --help and --version: clap prints them and picks the exit code.

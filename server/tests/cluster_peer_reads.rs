@@ -334,3 +334,36 @@ fn a_requester_killed_while_reading_has_its_grants_returned() {
     }
     assert_eq!(a.admin("health")["ready"], true);
 }
+
+/// Failpoint `peer-te-read` (builds with `failpoints`): every Transfer Engine read of the
+/// requester fails. Its lookups answer misses, its reserved slots and the owner's grants are
+/// given back, the failures are counted, and local serving goes on.
+#[cfg(feature = "failpoints")]
+#[test]
+fn failing_transfer_engine_reads_are_misses_and_hold_nothing() {
+    let etcd = Etcd::start();
+    let a = member(&etcd, "a", 7431, &["--shards", "1"]);
+    let mut args = etcd.member_args("reads", "b", 7432);
+    args.extend(["--dram".into(), "64MiB".into(), "--shards".into(), "2".into()]);
+    let b = TestServer::start_env(
+        &[("FAILPOINTS", "peer-te-read=return")],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut ca = a.client("engine-a");
+    let ns = ca.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 51, 6);
+    put_values(&mut ca, &keys, LEN);
+    until(&b, "b follows a", |v| v["peers"]["a"]["catalog_entries"] == 6);
+    let mut cb = b.client("engine-b");
+    cb.register_namespace(&namespace(16)).unwrap();
+    assert!(cb.lookup_leased(&keys).unwrap().is_empty(), "every read failed: misses");
+    let v = until(&b, "failures counted", |v| v["peers"]["a"]["read_failures"] == 6);
+    assert_eq!(v["peers"]["a"]["chunks_read"], 0, "{v}");
+    b.wait_for("nothing reserved", |b| b.shard_sum("reservations") == 0);
+    assert_eq!(b.shard_sum("peer_read_failures"), 6);
+    a.wait_for("the grants given back", |a| a.shard_sum("leases") == 0);
+    // b's own chunks are untouched by it.
+    let mine = chain(ns, 52, 2);
+    put_values(&mut cb, &mine, LEN);
+    assert_eq!(cb.lookup(&mine).unwrap().len(), 2);
+}

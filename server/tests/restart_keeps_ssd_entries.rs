@@ -330,8 +330,7 @@ fn on_a_slow_disk(dir: &std::path::Path) -> (TestServer, u64, Vec<ChunkKey>) {
     fill(&server, &mut c, &cold);
     drop(c);
     assert!(server.stop().success());
-    args.extend(["--ssd-inject-latency", "2s"]);
-    server.spawn(&args);
+    server.spawn_env(&[("FAILPOINTS", "ssd-io-delay=return(2s)")], &args);
     (server, ns, cold)
 }
 
@@ -375,20 +374,21 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
 #[test]
 fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let server = TestServer::start(&[
-        "--shards",
-        "1",
-        "--dram",
-        "2MiB",
-        "--ssd",
-        "24MiB",
-        "--ssd-region-size",
-        "1MiB",
-        "--ssd-inject-errors-every",
-        "3",
-        "--ssd-dir",
-        dir.path().to_str().unwrap(),
-    ]);
+    let server = TestServer::start_env(
+        &[("FAILPOINTS", "ssd-io-errors-every=return(3)")],
+        &[
+            "--shards",
+            "1",
+            "--dram",
+            "2MiB",
+            "--ssd",
+            "24MiB",
+            "--ssd-region-size",
+            "1MiB",
+            "--ssd-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
     let mut c = server.client("faulty-disk");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 61, 300);

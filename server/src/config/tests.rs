@@ -120,7 +120,7 @@ fn bad_flag_values_are_refused_naming_the_flag() {
         let e = flags(&[gone, "1"]).unwrap_err();
         assert!(e.contains(gone), "{gone}: {e}");
     }
-    #[cfg(not(feature = "failpoints"))]
+    // SSD fault injection is failpoints (FAILPOINTS), in every build no flag.
     for gone in ["--ssd-inject-latency", "--ssd-inject-errors-every"] {
         assert!(flags(&[gone, "1"]).unwrap_err().contains(gone));
     }
@@ -215,7 +215,6 @@ fn the_printed_config_reads_back_as_the_same_config() {
     for gone in ["staging-gate", "shard-checksums"] {
         assert!(!d.contains(gone), "{d}");
     }
-    #[cfg(not(feature = "failpoints"))]
     assert!(!d.contains("inject"), "{d}");
 }
 
@@ -230,18 +229,8 @@ fn the_shipped_config_file_states_the_defaults() {
     assert_eq!(ServerConfig { dram: d.dram, metrics_addr: d.metrics_addr, ..c }, d);
 }
 
-#[cfg(feature = "failpoints")]
-#[test]
-fn fault_injection_is_an_option_of_failpoints_builds() {
-    let c = flags(&["--ssd-inject-latency", "5ms", "--ssd-inject-errors-every", "3"]).unwrap();
-    assert_eq!(c.ssd_faults(), (Duration::from_millis(5), 3));
-}
-
 /// The reference of every option, read by the tests below.
 const REFERENCE: &str = include_str!("../../../docs/configuration.md");
-
-/// The fault injection flags of `failpoints` builds, documented in every build.
-const FAULT_FLAGS: [&str; 2] = ["--ssd-inject-latency", "--ssd-inject-errors-every"];
 
 /// Whether `text` names `word` on its own: not as the start of a longer flag or key (`--ssd`
 /// in `--ssd-dir`).
@@ -302,24 +291,13 @@ fn long_flags() -> Vec<String> {
         .collect()
 }
 
-/// The fault injection flags this build lacks (documented all the same).
-fn fault_flags_not_built() -> Vec<String> {
-    let missing: &[&str] = if cfg!(feature = "failpoints") { &[] } else { &FAULT_FLAGS };
-    missing.iter().map(|f| f.to_string()).collect()
-}
-
 #[test]
 fn the_reference_documents_every_flag_and_key() {
     let built = long_flags();
     for flag in ["--config", "--print-config", "--metrics-addr", "--no-pin", "--no-lock-arena"] {
         assert!(built.iter().any(|l| l == flag), "{flag} is not a flag: {built:?}");
     }
-    // Test-only flags: real in the builds that have them, documented in every build.
-    #[cfg(feature = "failpoints")]
-    for flag in FAULT_FLAGS {
-        assert!(built.iter().any(|l| l == flag), "{flag} is not a flag of failpoints builds");
-    }
-    for flag in built.iter().chain(&fault_flags_not_built()) {
+    for flag in &built {
         assert!(names(REFERENCE, flag), "docs/configuration.md does not name {flag}");
         let _ = row(flag);
     }
@@ -328,9 +306,7 @@ fn the_reference_documents_every_flag_and_key() {
     // aside (flags only).
     let printed = toml::Table::try_from(every_key_set()).unwrap();
     assert_eq!(printed.len(), built.len() - 2, "{printed:?}");
-    let test_only: Vec<String> =
-        fault_flags_not_built().iter().map(|f| f.trim_start_matches('-').to_string()).collect();
-    for key in printed.keys().chain(&test_only) {
+    for key in printed.keys() {
         assert!(
             REFERENCE.contains(&format!("`{key}`")),
             "docs/configuration.md does not name the key `{key}`"
@@ -370,7 +346,7 @@ fn the_reference_states_each_default() {
 /// the same configuration, and prints the same again.
 #[test]
 fn print_config_output_round_trips_through_a_file() {
-    let mut argv = vec![
+    let argv = vec![
         "--socket",
         "/run/orbitkv/test.sock",
         "--metrics-addr",
@@ -407,9 +383,6 @@ fn print_config_output_round_trips_through_a_file() {
         "verify",
         "--gpu-timeline",
     ];
-    if cfg!(feature = "failpoints") {
-        argv.extend(["--ssd-inject-latency", "250us", "--ssd-inject-errors-every", "5"]);
-    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("printed.toml");
     let file = path.to_str().unwrap();

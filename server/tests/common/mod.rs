@@ -19,6 +19,16 @@ pub struct TestServer {
 }
 
 impl TestServer {
+    /// As [`TestServer::start`], with environment variables `env` (for example the
+    /// failpoints of a `failpoints` build: `FAILPOINTS`).
+    pub fn start_env(env: &[(&str, &str)], args: &[&str]) -> TestServer {
+        let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
+        let socket = dir.path().join("s.sock");
+        let mut s = TestServer { child: None, dir, socket };
+        s.spawn_env(env, args);
+        s
+    }
+
     /// Starts the server with `args` (plus `--socket`) and waits until it serves.
     pub fn start(args: &[&str]) -> TestServer {
         let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
@@ -35,8 +45,14 @@ impl TestServer {
     }
 
     pub fn spawn(&mut self, args: &[&str]) {
+        self.spawn_env(&[], args)
+    }
+
+    /// As [`TestServer::spawn`], with environment variables `env`.
+    pub fn spawn_env(&mut self, env: &[(&str, &str)], args: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
         let child = Command::new(server_bin())
+            .envs(env.iter().copied())
             .arg("--socket")
             .arg(&self.socket)
             .args(["--no-lock-arena"])
