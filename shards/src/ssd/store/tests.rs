@@ -141,7 +141,7 @@ fn bad_configurations_name_the_problem() {
     assert!(e.contains("opening") && e.contains("nope/deeper"), "{e}");
 }
 
-/// `--ssd-inject-errors-every 1` fails demotion writes too: the record is not stored, the
+/// Every I/O failing (`ssd-io-errors-every=return(1)`) fails demotion writes too: the record is not stored, the
 /// failure is counted, and the chunk's slot is the caller's again.
 #[test]
 fn injected_errors_reach_demotion_writes() {
