@@ -259,3 +259,50 @@ fn kubernetes_config_loads_and_outlives_the_drain() {
     let service = read(&deploy_dir().join("k8s/service.yaml"));
     assert!(service.contains("port: 9464"), "{service}");
 }
+
+/// The `- --flag=value` items of the first `command:` list under `service:` in a compose file,
+/// with `${VAR:-default}` replaced by its default.
+fn compose_command(yaml: &str, service: &str) -> Vec<String> {
+    let mut lines = yaml.lines().skip_while(|l| l.trim() != format!("{service}:"));
+    lines.next().unwrap_or_else(|| panic!("no service {service}"));
+    lines
+        .skip_while(|l| l.trim() != "command:")
+        .skip(1)
+        .take_while(|l| l.trim_start().starts_with("- "))
+        .map(|l| {
+            let item = l.trim_start().trim_start_matches("- ").to_string();
+            match (item.find("${"), item.find(":-"), item.find('}')) {
+                (Some(a), Some(d), Some(z)) if a < d && d < z => {
+                    format!("{}{}{}", &item[..a], &item[d + 2..z], &item[z + 1..])
+                }
+                _ => item,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn compose_commands_are_flags_the_server_takes() {
+    for (file, cluster) in [("compose.yaml", false), ("compose.cluster.yaml", true)] {
+        let yaml = read(&deploy_dir().join(file));
+        let flags = compose_command(&yaml, "orbitkv-server");
+        assert!(flags.len() >= 4, "{file}: {flags:?}");
+        assert_eq!(flags.iter().any(|f| f.starts_with("--etcd=")), cluster, "{file}: {flags:?}");
+        // The config file as the container mounts it: the repository's example.
+        let flags: Vec<String> = flags
+            .into_iter()
+            .map(|f| match f.strip_prefix("--config=") {
+                Some(_) => format!("--config={}", deploy_dir().join("orbitkv.toml").display()),
+                None => f,
+            })
+            .collect();
+        let out = Command::new(server_bin()).args(&flags).arg("--print-config").output().unwrap();
+        assert!(
+            out.status.success(),
+            "{file}: {flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(printed.contains("etcd = [\"http://etcd:2379\"]"), cluster, "{printed}");
+    }
+}
