@@ -244,6 +244,36 @@ impl Requester {
         blocking(move || fetches.into_iter().zip(read).for_each(|(f, r)| n.fetched(f, r))).await;
     }
 
+    /// What a grant answer lets this node read: per fetch whether it is read, the TE ranges
+    /// `(local, remote, len)` of those, and every grant id taken (to release).
+    #[allow(clippy::type_complexity)]
+    fn plan_reads(
+        &self,
+        fetches: &[Fetch],
+        reply: &crate::rpc::GrantReply,
+    ) -> Result<(Vec<bool>, Vec<(u64, u64, u64)>, Vec<u64>), String> {
+        if reply.chunks.len() != fetches.len() {
+            return Err(format!(
+                "grant answered {} chunks for {}",
+                reply.chunks.len(),
+                fetches.len()
+            ));
+        }
+        let mut read = vec![false; fetches.len()];
+        let mut ranges = Vec::new();
+        let mut ids = Vec::new();
+        for (i, (f, g)) in fetches.iter().zip(&reply.chunks).enumerate() {
+            if g.present {
+                ids.push(g.grant_id);
+                if g.len == f.len {
+                    ranges.push((self.cfg.arena.0 + f.offset, g.addr, f.len));
+                    read[i] = true;
+                }
+            }
+        }
+        Ok((read, ranges, ids))
+    }
+
     async fn read_group(
         &self,
         node: &str,
@@ -281,25 +311,14 @@ impl Requester {
                 return Err("grant timed out (cancelled)".to_owned());
             }
         };
-        if reply.chunks.len() != fetches.len() {
-            return Err(format!(
-                "grant answered {} chunks for {}",
-                reply.chunks.len(),
-                fetches.len()
-            ));
-        }
-        let mut read = vec![false; fetches.len()];
-        let mut ranges = Vec::new();
-        let mut ids = Vec::new();
-        for (i, (f, g)) in fetches.iter().zip(&reply.chunks).enumerate() {
-            if g.present {
-                ids.push(g.grant_id);
-                if g.len == f.len {
-                    ranges.push((self.cfg.arena.0 + f.offset, g.addr, f.len));
-                    read[i] = true;
-                }
+        let (read, ranges, ids) = match self.plan_reads(fetches, &reply) {
+            Ok(plan) => plan,
+            Err(e) => {
+                // A malformed answer: what it may have granted goes back.
+                let _ = release(&mut client).await;
+                return Err(e);
             }
-        }
+        };
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
         let te = self.te.clone();
         let segment = reply.segment.clone();

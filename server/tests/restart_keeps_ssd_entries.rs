@@ -14,11 +14,27 @@ use orbitkv_client::{ChunkKey, Client, Tier};
 const LEN: usize = 16 << 10;
 
 fn ssd_args(dir: &std::path::Path) -> Vec<String> {
-    ["--shards", "2", "--dram", "2MiB", "--ssd", "24MiB", "--ssd-region-size", "1MiB", "--ssd-dir"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([dir.display().to_string()])
-        .collect()
+    ssd_args_with(dir, 2)
+}
+
+/// Two MiB of DRAM over `shards` shards and 24 MiB of SSD in 1 MiB regions under `dir`.
+fn ssd_args_with(dir: &std::path::Path, shards: usize) -> Vec<String> {
+    let shards = shards.to_string();
+    [
+        "--shards",
+        &shards,
+        "--dram",
+        "2MiB",
+        "--ssd",
+        "24MiB",
+        "--ssd-region-size",
+        "1MiB",
+        "--ssd-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([dir.display().to_string()])
+    .collect()
 }
 
 fn start(dir: &std::path::Path) -> TestServer {
@@ -218,18 +234,8 @@ fn another_shard_count_starts_cold_and_removes_orphan_files() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let (mut server, keys) = filled_then_stopped(dir.path(), 8);
     assert!(dir.path().join("shard-1.okv").exists());
-    server.spawn(&[
-        "--shards",
-        "1",
-        "--dram",
-        "2MiB",
-        "--ssd",
-        "24MiB",
-        "--ssd-region-size",
-        "1MiB",
-        "--ssd-dir",
-        dir.path().to_str().unwrap(),
-    ]);
+    let one = ssd_args_with(dir.path(), 1);
+    server.spawn(&one.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(server.log().contains("started afresh"), "{}", server.log());
     assert!(!dir.path().join("shard-1.okv").exists(), "orphan file removed");
     let mut c = server.client("r");
@@ -374,20 +380,10 @@ fn a_slow_disk_does_not_hold_up_dram_hits() {
 #[test]
 fn ssd_io_errors_leave_the_server_serving_and_are_reported() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let args = ssd_args_with(dir.path(), 1);
     let server = TestServer::start_env(
         &[("FAILPOINTS", "ssd-io-errors-every=return(3)")],
-        &[
-            "--shards",
-            "1",
-            "--dram",
-            "2MiB",
-            "--ssd",
-            "24MiB",
-            "--ssd-region-size",
-            "1MiB",
-            "--ssd-dir",
-            dir.path().to_str().unwrap(),
-        ],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     let mut c = server.client("faulty-disk");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
