@@ -130,12 +130,21 @@ impl Owner {
         }
     }
 
-    /// Drains the shards' change logs into the view and the subscribers' streams; a shard
-    /// whose log overflowed is read whole and compared with the view.
+    /// Drains the shards' change logs into the view and the subscribers' streams, while there
+    /// are subscribers; a shard whose log overflowed (or that was not followed) is read whole
+    /// and compared with the view.
     async fn follow_shards(self: Arc<Self>) {
         let shards = self.cfg.node.shards();
         let mut fresh = vec![true; shards];
         loop {
+            // Nobody follows this node: leave the shards asleep (their logs overflow, bounded)
+            // and read them whole once a subscriber comes; its snapshot is then corrected by
+            // the deltas of that resync.
+            if lock(&self.view).updates.receiver_count() == 0 {
+                fresh.fill(true);
+                tokio::time::sleep(INVENTORY_TICK).await;
+                continue;
+            }
             let node = Arc::clone(&self.cfg.node);
             let wanted = fresh.clone();
             let got = blocking(move || {
