@@ -90,7 +90,7 @@ pub struct ServerConfig {
     /// membership at most this long after (1s-300s). Default: 10s.
     #[arg(long, value_name = "DUR", default_value = "10s", hide_default_value = true)]
     pub cluster_lease_ttl: Span,
-    /// Cluster mode: catalog entries kept per peer (each costs about 150 bytes here); a peer
+    /// Cluster mode: catalog entries kept per peer (each an estimated 150 bytes here); a peer
     /// holding more is covered partially. Default: 262144.
     #[arg(long, value_name = "N", default_value_t = 262_144, hide_default_value = true)]
     pub peer_catalog_entries: usize,
