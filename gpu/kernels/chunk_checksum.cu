@@ -560,48 +560,16 @@ ORBITKV_DEVICE void piece_sums(u64 w0, u64 w1, u32 o, int last, const u64* key, 
     }
 }
 
-// Lane j of chunk k of `len`-byte chunks (a multiple of 1 KiB) whose rows lie from
-// scratch + 8 * k * (full_blocks(len) + 1): folded, then merged by the chunk's last lane.
-ORBITKV_DEVICE void fold_uniform_lane(u64 len, u64 k, u32 j, u64* scratch, u32* counters,
-                                      u64* out) {
-    fold_chunk_lane(len, k * (full_blocks(len) + 1), k, j, scratch, counters, out);
-}
-
 // orbitkv_xxh3_fold_merge for chunks all of `len` bytes (a multiple of 1 KiB), chunk k's rows
-// from k * (full_blocks(len) + 1): no chunk table.
+// from k * (full_blocks(len) + 1): no chunk table. Lane j of chunk k is folded, then merged by
+// the chunk's last lane.
 ORBITKV_KERNEL void orbitkv_xxh3_fold_uniform(u64 len, u32 nchunks, u64* scratch, u32* counters,
                                               u64* out) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 k = t >> 3;
     if (k < nchunks) {
-        fold_uniform_lane(len, k, (u32)(t & 7u), scratch, counters, out);
-    }
-}
-
-// One save job of orbitkv_xxh3_fold_uniform_jobs: its chunks' length, count, scratch rows,
-// counters and checksums (device addresses; `out` may be mapped pinned memory).
-typedef struct {
-    u64 len;
-    u64 nchunks;
-    u64 scratch;
-    u64 counters;
-    u64 out;
-} FoldJob;
-
-// orbitkv_xxh3_fold_uniform over several jobs in one launch (eight threads per chunk, the
-// jobs' chunks one after another): their chains side by side, so beside an engine's kernels
-// the fold holds SMs once for several jobs rather than once per job.
-ORBITKV_KERNEL void orbitkv_xxh3_fold_uniform_jobs(const FoldJob* jobs, u32 njobs) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 k = t >> 3;
-    for (u32 i = 0; i < njobs; i++) {
-        const FoldJob* f = &jobs[i];
-        if (k < f->nchunks) {
-            fold_uniform_lane(f->len, k, (u32)(t & 7u), (u64*)f->scratch, (u32*)f->counters,
-                              (u64*)f->out);
-            return;
-        }
-        k -= f->nchunks;
+        fold_chunk_lane(len, k * (full_blocks(len) + 1), k, (u32)(t & 7u), scratch, counters,
+                        out);
     }
 }
 

@@ -268,16 +268,7 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
 
 #[test]
 fn fused_row_sums_and_the_uniform_fold_give_chunk_checksum() {
-    uniform_fold_gives_chunk_checksum("fused");
-}
-
-/// The same rows folded as several jobs in one launch (`orbitkv_xxh3_fold_uniform_jobs`).
-#[test]
-fn the_uniform_fold_of_several_jobs_gives_chunk_checksum() {
-    uniform_fold_gives_chunk_checksum("fused-jobs");
-}
-
-fn uniform_fold_gives_chunk_checksum(mode: &str) {
+    let mode = "fused";
     let emu = emulator(mode);
     let mut rng = Rng(0x1357_9bdf_2468_ace0);
     // One row, two, the fold's groups of 16 rows around their edges, 2 MiB.

@@ -171,7 +171,7 @@ struct PendingRows {
     results: PinnedHost,
 }
 
-/// One job of the uniform fold (`FoldJob` in chunk_checksum.cu).
+/// One job of the uniform fold (`orbitkv_xxh3_fold_uniform`'s arguments).
 struct FoldJobRecord {
     len: u64,
     nchunks: u64,

@@ -69,13 +69,12 @@ static unsigned char* read_data(u64 data_len) {
     return data;
 }
 
-// The fused form's arithmetic (argument `fused`; `fused-jobs` folds the chunks as several
-// jobs in one launch of orbitkv_xxh3_fold_uniform_jobs): input nchunks, chunk_len (a multiple
+// The fused form's arithmetic (argument `fused`): input nchunks, chunk_len (a multiple
 // of 1 KiB), then the chunks' bytes one after another. Each row's lane sums are the sums of
 // piece_sums over its 64 pieces of 16 bytes (what the warp's threads add up with shuffles in
 // orbitkv_copy_blocks_summed), then orbitkv_xxh3_fold_uniform folds them, thread by thread in
 // reverse order; prints one checksum per chunk; exits 3 when a counter is left non-zero.
-static int fused(int jobs) {
+static int fused(void) {
     u64* head = read_exact(2 * sizeof(u64));
     u64 nchunks = head[0], len = head[1];
     unsigned char* data = read_data(nchunks * len);
@@ -97,25 +96,11 @@ static int fused(int jobs) {
     }
     blockDim.x = 128;
     gridDim.x = (u32)((nchunks * 8 + 127) / 128);
-    // With `jobs`, the chunks as jobs of 1, 2, 3, ... chunks (the last takes what is left),
-    // each with its own scratch rows, counters and checksums, folded in one launch.
-    FoldJob table[64];
-    u32 njobs = 0;
-    for (u64 c = 0; jobs && c < nchunks && njobs < 64; njobs++) {
-        u64 n = njobs + 1 < nchunks - c ? njobs + 1 : nchunks - c;
-        table[njobs] = (FoldJob){len, n, (u64)(scratch + 8 * c * rpc), (u64)(counters + c),
-                                 (u64)(out + c)};
-        c += n;
-    }
     for (u64 i = 0; i < nchunks * 8; i++) {
         u64 t = nchunks * 8 - 1 - i;
         blockIdx.x = (u32)(t / 128);
         threadIdx.x = (u32)(t % 128);
-        if (jobs) {
-            orbitkv_xxh3_fold_uniform_jobs(table, njobs);
-        } else {
-            orbitkv_xxh3_fold_uniform(len, (u32)nchunks, scratch, counters, out);
-        }
+        orbitkv_xxh3_fold_uniform(len, (u32)nchunks, scratch, counters, out);
     }
     for (u64 c = 0; c < nchunks; c++) {
         printf("%016llx\n", out[c]);
@@ -131,10 +116,7 @@ int main(int argc, char** argv) {
         return 7;
     }
     if (argc > 1 && strcmp(argv[1], "fused") == 0) {
-        return fused(0);
-    }
-    if (argc > 1 && strcmp(argv[1], "fused-jobs") == 0) {
-        return fused(1);
+        return fused();
     }
     u64 nchunks, nsegs, rows;
     HashChunk* chunks;
