@@ -249,12 +249,12 @@ def main():
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                               if not k.endswith("runs_s")}), flush=True)
             results["runs"].append(r)
-            b.close()
-            # The next run's keys are new; free the Manager's DRAM of this run's pages.
-            c = orbitkv.Client(sock)
-            ns = b.ns_id
+            # The next run's keys are new; free the Manager's DRAM of this run's pages (through
+            # the session that registered their namespace: only it may name the namespace).
             for i in range(a.batches):
-                c.evict([orbitkv.ChunkKey(ns, orbitkv.chunk_digest(bytes.fromhex(k))) for k in keys(f"{threads}-{i}", BATCH)])
+                b.client.evict([orbitkv.ChunkKey(b.ns_id, orbitkv.chunk_digest(bytes.fromhex(k)))
+                                for k in keys(f"{threads}-{i}", BATCH)])
+            b.close()
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)
