@@ -606,17 +606,17 @@ impl Client {
     pub fn put(&mut self, items: &[(ChunkKey, &[u8])]) -> Result<Vec<PutOutcome>, Error> {
         let keys: Vec<ChunkKey> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
-        self.put_with(&keys, &lens, |i, w| w.write(items[i].1))
+        self.put_with(&keys, &lens, |i| vec![items[i].1])
     }
 
-    /// Stores chunks whose bytes `fill(i, writer)` writes, in order, into chunk `i`'s reserved
-    /// slot (of `lens[i]` bytes): reserve, fill each (on up to `copy_threads` threads, hashing
-    /// as they go when `client_checksums` is on), commit.
-    pub(crate) fn put_with(
+    /// Stores chunks whose bytes are `pieces(i)`, in order, for chunk `i` (`lens[i]` bytes in
+    /// all): reserve, copy each into its slot (on up to `copy_threads` threads, two chunks side
+    /// by side, hashing as they go when `client_checksums` is on), commit.
+    pub(crate) fn put_with<'s>(
         &mut self,
         keys: &[ChunkKey],
         lens: &[u64],
-        fill: impl Fn(usize, &mut crate::copies::SlotWriter<'_>) + Sync,
+        pieces: impl Fn(usize) -> Vec<&'s [u8]> + Sync,
     ) -> Result<Vec<PutOutcome>, Error> {
         let reserved = self.reserve(keys, lens)?;
         let mut out = Vec::with_capacity(keys.len());
@@ -642,17 +642,33 @@ impl Client {
         let mut sums = vec![0u64; to_commit.len()];
         match self.slots_mut(&to_commit) {
             Ok(slots) => {
-                let items: Vec<(usize, &mut [u8], &mut u64)> = positions
-                    .iter()
-                    .copied()
-                    .zip(slots)
-                    .zip(sums.iter_mut())
-                    .map(|((i, slot), sum)| (i, slot, sum))
-                    .collect();
-                crate::copies::for_each(threads, items, |(i, slot, sum)| {
-                    let mut w = crate::copies::SlotWriter::new(slot, summed, stores);
-                    fill(i, &mut w);
-                    *sum = w.finish();
+                let mut items = positions.iter().copied().zip(slots).zip(sums.iter_mut());
+                // Chunks two by two, a pair copied side by side, where that leaves every thread
+                // a pair.
+                let paired = to_commit.len() >= 2 * threads;
+                let mut pairs = Vec::with_capacity(to_commit.len());
+                while let Some(((i, slot), sum)) = items.next() {
+                    let b = if paired { items.next() } else { None };
+                    pairs.push(((i, slot, sum), b.map(|((i, s), m)| (i, s, m))));
+                }
+                crate::copies::for_each(threads, pairs, |(a, b)| {
+                    use crate::copies::SlotWriter;
+                    let (ia, slot_a, sum_a) = a;
+                    let mut wa = SlotWriter::new(slot_a, summed, stores);
+                    match b {
+                        Some((ib, slot_b, sum_b)) => {
+                            let mut wb = SlotWriter::new(slot_b, summed, stores);
+                            SlotWriter::write_pieces_pair(
+                                &mut wa,
+                                &pieces(ia),
+                                &mut wb,
+                                &pieces(ib),
+                            );
+                            *sum_b = wb.finish();
+                        }
+                        None => pieces(ia).into_iter().for_each(|p| wa.write(p)),
+                    }
+                    *sum_a = wa.finish();
                 });
             }
             Err(e) => {

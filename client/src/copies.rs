@@ -49,6 +49,37 @@ impl<'a> SlotWriter<'a> {
         self.at += src.len();
     }
 
+    /// Appends `src_a` to `a` and `src_b` to `b`: where both are hashed, side by side
+    /// ([`crate::mapping::SummingCopy::write_pair`]); otherwise one after the other.
+    pub(crate) fn write_pair(a: &mut Self, src_a: &[u8], b: &mut Self, src_b: &[u8]) {
+        match (a.sum.as_mut(), b.sum.as_mut()) {
+            (Some(sa), Some(sb)) => crate::mapping::SummingCopy::write_pair(
+                (sa, &mut *a.slot, src_a),
+                (sb, &mut *b.slot, src_b),
+            ),
+            _ => {
+                a.write(src_a);
+                b.write(src_b);
+                return;
+            }
+        }
+        a.at += src_a.len();
+        b.at += src_b.len();
+    }
+
+    /// Writes two chunks whose sources are `a` and `b` (pieces in order), piece by piece side
+    /// by side where they have as many pieces.
+    pub(crate) fn write_pieces_pair(a: &mut Self, pa: &[&[u8]], b: &mut Self, pb: &[&[u8]]) {
+        if pa.len() == pb.len() {
+            for (x, y) in pa.iter().zip(pb) {
+                Self::write_pair(a, x, b, y);
+            }
+        } else {
+            pa.iter().for_each(|x| a.write(x));
+            pb.iter().for_each(|y| b.write(y));
+        }
+    }
+
     /// The checksum of what was written (0 when not hashed).
     pub(crate) fn finish(self) -> u64 {
         self.sum.map_or(0, |s| s.finish(self.slot))
@@ -104,6 +135,35 @@ mod tests {
             assert_eq!(sum, if hashed { orbitkv_proto::chunk_checksum(&src) } else { 0 });
         }
     }
+
+    /// Two slots written as pairs of pieces (as many pieces, or not), hashed or not.
+    #[test]
+    fn two_slots_written_side_by_side_are_each_whole() {
+        let src: Vec<u8> =
+            (0..600_000u32).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+        let (a, b) = src.split_at(300_000);
+        type Pieces<'a> = &'a [&'a [u8]];
+        let cuts: [(Pieces, Pieces); 2] = [
+            (&[&a[..1000], &a[1000..]], &[&b[..1000], &b[1000..]]),
+            (&[&a[..1000], &a[1000..]], &[&b[..5], &b[5..70_000], &b[70_000..]]),
+        ];
+        for (hashed, (pa, pb)) in [false, true].into_iter().flat_map(|h| cuts.map(|c| (h, c))) {
+            let (mut slot_a, mut slot_b) = (vec![0u8; a.len()], vec![0u8; b.len()]);
+            let mut wa = super::SlotWriter::new(&mut slot_a, hashed, super::Stores::Streamed);
+            let mut wb = super::SlotWriter::new(&mut slot_b, hashed, super::Stores::Streamed);
+            super::SlotWriter::write_pieces_pair(&mut wa, pa, &mut wb, pb);
+            let (sa, sb) = (wa.finish(), wb.finish());
+            assert!(
+                slot_a == a && slot_b == b,
+                "hashed {hashed}, {} / {} pieces",
+                pa.len(),
+                pb.len()
+            );
+            let want = |x: &[u8]| if hashed { orbitkv_proto::chunk_checksum(x) } else { 0 };
+            assert_eq!((sa, sb), (want(a), want(b)), "hashed {hashed}");
+        }
+    }
+
     use std::sync::Mutex;
 
     #[test]

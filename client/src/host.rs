@@ -81,12 +81,16 @@ impl Client {
     ) -> Result<Vec<PutOutcome>, Error> {
         let shape: Vec<(usize, BlockLayout)> = regions.iter().map(|(r, l)| (r.len(), *l)).collect();
         let (per_chunk, len) = check(&shape, keys, blocks)?;
-        self.put_with(keys, &vec![len; keys.len()], |i, w| {
-            for (region, layout) in regions {
-                for &b in &blocks[i * per_chunk..(i + 1) * per_chunk] {
-                    w.write(&region[layout.range(b).expect("checked against every region")]);
-                }
-            }
+        self.put_with(keys, &vec![len; keys.len()], |i| {
+            let chunk = &blocks[i * per_chunk..(i + 1) * per_chunk];
+            regions
+                .iter()
+                .flat_map(|(region, layout)| {
+                    chunk
+                        .iter()
+                        .map(|&b| &region[layout.range(b).expect("checked against every region")])
+                })
+                .collect()
         })
     }
 
