@@ -15,7 +15,7 @@
 
 use orbitkv_proto::{decode, encode, Bootstrap, ChunkKey, Request, Response, Welcome};
 use orbitkv_shards::ssd::format::{
-    RecordHeader, Superblock, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
+    RecordHeader, RecordKind, Superblock, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
 };
 use orbitkv_shards::ssd::log::RegionLog;
 use prost::Message;
@@ -96,13 +96,26 @@ pub fn ssd_recovery(data: &[u8]) {
         if s[0] & 1 == 0 {
             let mut digest = [0u8; 32];
             digest[..8].copy_from_slice(&s[32..40]);
+            // Mostly chunks; a tombstone of a key, a namespace or everything now and then.
+            let kind = match s[3] & 0x3f {
+                1 => RecordKind::Tombstone,
+                2 => RecordKind::NamespaceTombstone,
+                3 => RecordKind::EverythingTombstone,
+                _ => RecordKind::Chunk,
+            };
             let h = RecordHeader {
+                kind,
                 key: ChunkKey::new(u(8) & 0xff, digest),
-                // Mostly small (within a region), sometimes anything.
-                len: if s[1] & 0x80 == 0 { u(16) % (REGION_BYTES * 2) } else { u(16) },
+                // Mostly small (within a region), sometimes anything; none for a tombstone.
+                len: match kind {
+                    RecordKind::Chunk if s[1] & 0x80 == 0 => u(16) % (REGION_BYTES * 2),
+                    RecordKind::Chunk => u(16),
+                    _ => 0,
+                },
                 checksum: 0,
                 sequence: u(24) % 64,
                 region_generation: u64::from(s[2] % 4),
+                reclaimed_below: u64::from(s[4] % 4),
             };
             h.encode_into(block);
         } else {
@@ -122,6 +135,7 @@ pub fn ssd_recovery(data: &[u8]) {
     if let Ok((log, report)) = RegionLog::recover(sb, read) {
         assert_eq!(log.len() as u64, report.kept);
         for (_, e) in log.iter() {
+            assert!(e.len > 0, "a tombstone indexed as a chunk: {e:?}");
             let region_start = sb.region_offset(u64::from(e.region));
             assert!(e.region < REGIONS as u32, "{e:?}");
             assert!(e.offset >= region_start, "{e:?}");

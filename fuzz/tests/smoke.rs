@@ -3,7 +3,7 @@
 //! becomes a seed here (its input in `seeds()`), so it is checked on every run from then on.
 
 use orbitkv_proto::{encode, Bootstrap, ChunkKey, Request, SlotRef, PROTOCOL_VERSION};
-use orbitkv_shards::ssd::format::{RecordHeader, Superblock, FORMAT_VERSION};
+use orbitkv_shards::ssd::format::{RecordHeader, RecordKind, Superblock, FORMAT_VERSION};
 use prost::Message;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -98,10 +98,21 @@ fn ssd_blocks() {
         region_count: 16,
     };
     let mut header = vec![0u8; 4096];
-    RecordHeader { key: key(5), len: 8192, checksum: 3, sequence: 7, region_generation: 2 }
-        .encode_into(&mut header);
+    let chunk = RecordHeader {
+        kind: RecordKind::Chunk,
+        key: key(5),
+        len: 8192,
+        checksum: 3,
+        sequence: 7,
+        region_generation: 2,
+        reclaimed_below: 1,
+    };
+    chunk.encode_into(&mut header);
+    let mut tombstone = vec![0u8; 4096];
+    RecordHeader { kind: RecordKind::Tombstone, len: 0, checksum: 0, sequence: 8, ..chunk }
+        .encode_into(&mut tombstone);
     // Mutations of a sealed block are caught by its checksum; cuts and zeroes by its magic.
-    run(orbitkv_fuzz::ssd_blocks, &[sb.encode(), header]);
+    run(orbitkv_fuzz::ssd_blocks, &[sb.encode(), header, tombstone]);
 }
 
 #[test]

@@ -11,6 +11,7 @@ use crate::arena::ArenaSlice;
 use crate::entries::{Entries, EntryIdx, EntryState};
 use crate::metrics::{LatencyHistogram, OpKind, ShardMetrics, ShardStats};
 use crate::ops::{SessionId, ShardOp, ShardReply};
+use crate::ssd::format::RecordKind;
 
 /// Static parameters of one shard.
 #[derive(Clone, Debug)]
@@ -92,8 +93,24 @@ struct Namespace {
 pub struct EvictSummary {
     /// Chunks removed from every tier.
     pub removed: u64,
-    /// Chunks left in place: leased, or being moved between tiers.
+    /// Chunks left in place: leased, or being moved between tiers (or on SSD while its
+    /// tier could not start the deletion's record).
     pub busy: u64,
+    /// Chunks removed whose deletion the SSD tier failed to record (they may come back after
+    /// a restart); set by the caller once the tombstones have landed.
+    pub not_durable: u64,
+}
+
+/// A tombstone write an eviction started: until it lands, the deletion of what it covers is
+/// not durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StartedTombstone {
+    /// The SSD tier's ticket ([`ShardCore::tombstone_result`]).
+    pub ticket: u64,
+    /// The key evicted (a namespace tombstone: a key of its namespace, digest zero).
+    pub key: ChunkKey,
+    /// Chunks on SSD whose deletion it records.
+    pub covers: u64,
 }
 
 #[derive(Debug)]
@@ -119,6 +136,10 @@ pub struct ShardCore {
     pub metrics: ShardMetrics,
     /// The catalog of peers' chunks and the peer reads to start (cluster mode).
     pub(crate) peering: crate::peering::Peering,
+    /// Tombstone writes in flight or landed and not yet asked for: None until they land.
+    tombstones: HashMap<u64, Option<bool>>,
+    /// Tombstones started since the caller last took them.
+    started_tombstones: Vec<StartedTombstone>,
 }
 
 impl ShardCore {
@@ -141,6 +162,35 @@ impl ShardCore {
             warned_too_large: false,
             metrics: ShardMetrics::default(),
             peering: Default::default(),
+            tombstones: HashMap::new(),
+            started_tombstones: Vec::new(),
+        }
+    }
+
+    /// The tombstones evictions started since the last call: the caller answers an evict
+    /// only once they have landed ([`ShardCore::tombstone_result`]).
+    pub fn take_started_tombstones(&mut self) -> Vec<StartedTombstone> {
+        std::mem::take(&mut self.started_tombstones)
+    }
+
+    /// Whether tombstone `ticket` landed (`Some(true)`), failed (`Some(false)`: what it
+    /// deleted may come back after a restart) or is still being written (None). Given once.
+    pub fn tombstone_result(&mut self, ticket: u64) -> Option<bool> {
+        let done = (*self.tombstones.get(&ticket)?)?;
+        self.tombstones.remove(&ticket);
+        Some(done)
+    }
+
+    /// Records that an eviction started tombstone `ticket` covering `covers` chunks.
+    fn started_tombstone(&mut self, ticket: u64, key: ChunkKey, covers: u64) {
+        self.tombstones.insert(ticket, None);
+        self.started_tombstones.push(StartedTombstone { ticket, key, covers });
+    }
+
+    /// A tombstone write landed or failed.
+    pub(crate) fn tombstone_done(&mut self, ticket: u64, stored: bool) {
+        if let Some(slot) = self.tombstones.get_mut(&ticket) {
+            *slot = Some(stored);
         }
     }
 
@@ -602,10 +652,19 @@ impl ShardCore {
         Ok(())
     }
 
-    /// Removes a chunk from every tier; leased or demoting chunks answer `Busy`.
+    /// Removes a chunk from every tier; leased or demoting chunks answer `Busy`. Its SSD
+    /// record is deleted by a tombstone (started here; see
+    /// [`ShardCore::take_started_tombstones`]), so that it never comes back at recovery;
+    /// `Busy` when the SSD tier cannot start one now.
     fn evict(&mut self, key: &ChunkKey) -> Result<(), ErrorCode> {
+        self.evict_key(key, true)
+    }
+
+    /// [`ShardCore::evict`]; without `tombstone` the caller has deleted its SSD record
+    /// durably already (a namespace tombstone) or will not.
+    fn evict_key(&mut self, key: &ChunkKey, tombstone: bool) -> Result<(), ErrorCode> {
         let on_ssd = self.ssd.as_ref().is_some_and(|ssd| ssd.get(key).is_some());
-        match self.entries.find(key).map(|idx| (idx, self.entries.get(idx))) {
+        let in_dram = match self.entries.find(key).map(|idx| (idx, self.entries.get(idx))) {
             // Demoting (a write reads the slot), promoting (a read fills it) or leased.
             Some((_, e))
                 if e.state == EntryState::Demoting
@@ -616,15 +675,22 @@ impl ShardCore {
             {
                 return Err(ErrorCode::Busy)
             }
-            Some((idx, e)) if e.state == EntryState::Ready => {
-                let e = self.entries.remove(idx);
-                self.alloc.free(e.extent);
-            }
+            Some((idx, e)) if e.state == EntryState::Ready => Some(idx),
             _ if !on_ssd => return Err(ErrorCode::NotFound),
-            _ => {}
+            _ => None,
+        };
+        if let Some(ssd) = self.ssd.as_mut().filter(|_| on_ssd) {
+            if tombstone {
+                let ticket =
+                    ssd.tombstone(RecordKind::Tombstone, *key).map_err(|_| ErrorCode::Busy)?;
+                self.started_tombstone(ticket, *key, 1);
+            } else {
+                ssd.remove(key);
+            }
         }
-        if let Some(ssd) = self.ssd.as_mut() {
-            ssd.remove(key);
+        if let Some(idx) = in_dram {
+            let e = self.entries.remove(idx);
+            self.alloc.free(e.extent);
         }
         self.metrics.removals += 1;
         Ok(())
@@ -634,21 +700,52 @@ impl ShardCore {
     /// tier, as [`ShardOp::Evict`] does key by key. Chunks that are leased, or that a tier
     /// is moving, stay and are counted as busy; writes not yet committed are left alone.
     pub fn evict_namespace(&mut self, namespace: Option<u64>) -> EvictSummary {
+        self.evict_namespace_once(namespace).0
+    }
+
+    /// [`ShardCore::evict_namespace`], and how many of the chunks it left stayed because the
+    /// SSD tier could not start the namespace's tombstone now (its queue full, or a region
+    /// being opened): evict again once the tombstones in flight have landed.
+    pub fn evict_namespace_once(&mut self, namespace: Option<u64>) -> (EvictSummary, u64) {
         let wanted = |k: &&ChunkKey| namespace.is_none_or(|n| k.namespace == n);
         let mut keys: HashSet<ChunkKey> = self.entries.keys().filter(wanted).copied().collect();
-        if let Some(ssd) = self.ssd.as_ref() {
-            keys.extend(ssd.keys().filter(wanted).copied());
+        let on_ssd: HashSet<ChunkKey> =
+            self.ssd.iter().flat_map(|ssd| ssd.keys().filter(wanted).copied()).collect();
+        keys.extend(&on_ssd);
+        // One tombstone for the namespace (or everything) deletes its SSD records durably.
+        let mut recorded = false;
+        if let Some(ssd) = self.ssd.as_mut().filter(|_| !on_ssd.is_empty()) {
+            let (kind, key) = match namespace {
+                Some(n) => (RecordKind::NamespaceTombstone, ChunkKey::new(n, [0; 32])),
+                None => (RecordKind::EverythingTombstone, ChunkKey::new(0, [0; 32])),
+            };
+            if let Ok(ticket) = ssd.tombstone(kind, key) {
+                self.started_tombstone(ticket, key, on_ssd.len() as u64);
+                recorded = true;
+            }
         }
         let mut summary = EvictSummary::default();
+        let mut unrecorded = 0;
         for key in keys {
-            match self.evict(&key) {
+            if on_ssd.contains(&key) && !recorded {
+                // Its deletion could not be recorded now: it stays, to be evicted again.
+                summary.busy += 1;
+                unrecorded += 1;
+                continue;
+            }
+            match self.evict_key(&key, false) {
                 Ok(()) => summary.removed += 1,
+                // On SSD only: the tombstone took it.
+                Err(ErrorCode::NotFound) if on_ssd.contains(&key) => {
+                    self.metrics.removals += 1;
+                    summary.removed += 1;
+                }
                 Err(ErrorCode::Busy) => summary.busy += 1,
                 // A reservation not yet committed: not a chunk yet.
                 Err(_) => {}
             }
         }
-        summary
+        (summary, unrecorded)
     }
 
     /// Drops every lease and reservation of `session`; returns (leases, reservations) dropped.

@@ -189,6 +189,7 @@ impl ShardCore {
                         self.entries.end_demotion(idx);
                     }
                 }
+                SsdEvent::Tombstoned { ticket, stored } => self.tombstone_done(ticket, stored),
                 SsdEvent::Promoted { key, verified } => {
                     let Some(idx) = self.entries.find(&key) else { continue };
                     if verified {

@@ -244,7 +244,7 @@ fn a_namespace_is_evicted_whole_except_what_is_busy() {
         Reservation::Failed(code) => panic!("reserve: {code:?}"),
     };
     let removals = core.stats().removals;
-    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 3, busy: 1 });
+    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 3, busy: 1, not_durable: 0 });
     assert_eq!(core.stats().removals, removals + 3);
     let present = |core: &mut ShardCore, ns: u64| {
         (0..4).filter(|&i| core.lookup(4, &[key(ns, i)], false)[0].is_some()).count()
@@ -260,10 +260,10 @@ fn a_namespace_is_evicted_whole_except_what_is_busy() {
     assert!(core.lookup(4, &[key(a, 9)], false)[0].is_some());
     // Once released, the last chunk goes; a namespace with nothing left removes nothing.
     core.close_session(2);
-    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 2, busy: 0 });
+    assert_eq!(core.evict_namespace(Some(a)), EvictSummary { removed: 2, busy: 0, not_durable: 0 });
     assert_eq!(core.evict_namespace(Some(12345)), EvictSummary::default());
     // Every namespace.
-    assert_eq!(core.evict_namespace(None), EvictSummary { removed: 4, busy: 0 });
+    assert_eq!(core.evict_namespace(None), EvictSummary { removed: 4, busy: 0, not_durable: 0 });
     assert_eq!(present(&mut core, b), 0);
 }
 

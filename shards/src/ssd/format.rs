@@ -4,6 +4,7 @@
 //! block 0            superblock (4 KiB)
 //! region r           at SUPERBLOCK_BYTES + r * region_bytes, a log of records:
 //!   record           header block (4 KiB) + payload, padded to 4 KiB
+//!   tombstone        header block alone: a deletion of a key, a namespace or everything
 //! ```
 //!
 //! Every integer is little endian. Every block carries an xxh3-64 of its own bytes, so a torn
@@ -23,7 +24,8 @@ pub const RECORD_HEADER_BYTES: u64 = PAGE_SIZE;
 /// Largest payload a record header may state (1 TiB, far above any region).
 pub const MAX_RECORD_LEN: u64 = 1 << 40;
 /// Version of this format; a file of another version is refused (or rebuilt), never misread.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version 2 added tombstones and the reclaimed-generation mark of every header.
+pub const FORMAT_VERSION: u32 = 2;
 
 const SUPER_MAGIC: [u8; 8] = *b"OKVSSD\0\x01";
 const RECORD_MAGIC: [u8; 8] = *b"OKVREC\0\x01";
@@ -144,12 +146,49 @@ impl Superblock {
     }
 }
 
+/// What a record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecordKind {
+    /// A chunk: its payload follows the header.
+    Chunk,
+    /// The deletion of `key`: every earlier record of it is gone.
+    Tombstone,
+    /// The deletion of `key.namespace`: every earlier record of the namespace is gone.
+    NamespaceTombstone,
+    /// The deletion of everything: every earlier record is gone.
+    EverythingTombstone,
+}
+
+impl RecordKind {
+    fn code(self) -> u32 {
+        match self {
+            Self::Chunk => 0,
+            Self::Tombstone => 1,
+            Self::NamespaceTombstone => 2,
+            Self::EverythingTombstone => 3,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Self> {
+        Some(match code {
+            0 => Self::Chunk,
+            1 => Self::Tombstone,
+            2 => Self::NamespaceTombstone,
+            3 => Self::EverythingTombstone,
+            _ => return None,
+        })
+    }
+}
+
 /// The header block of one record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecordHeader {
+    /// A chunk or a tombstone.
+    pub kind: RecordKind,
     /// The chunk.
     pub key: ChunkKey,
-    /// Payload bytes (the record occupies the header plus `len` rounded up to 4 KiB).
+    /// Payload bytes (the record occupies the header plus `len` rounded up to 4 KiB); zero
+    /// for a tombstone.
     pub len: u64,
     /// xxh3-64 of the payload, computed at commit and carried unchanged.
     pub checksum: u64,
@@ -158,6 +197,10 @@ pub struct RecordHeader {
     /// Generation of the region when the record was written; a record from an earlier use
     /// of the region is stale.
     pub region_generation: u64,
+    /// Every region generation below this one had been reclaimed when the record was
+    /// written: recovery ignores a region still showing such a generation (one whose first
+    /// write after its reclaim never landed), so that nothing reclaimed comes back.
+    pub reclaimed_below: u64,
 }
 
 impl RecordHeader {
@@ -172,12 +215,14 @@ impl RecordHeader {
         b.fill(0);
         b[..8].copy_from_slice(&RECORD_MAGIC);
         put_u32(b, 8, FORMAT_VERSION);
+        put_u32(b, 12, self.kind.code());
         put_u64(b, 16, self.key.namespace);
         b[24..56].copy_from_slice(&self.key.digest);
         put_u64(b, 56, self.len);
         put_u64(b, 64, self.checksum);
         put_u64(b, 72, self.sequence);
         put_u64(b, 80, self.region_generation);
+        put_u64(b, 88, self.reclaimed_below);
         seal(b);
     }
 
@@ -193,16 +238,23 @@ impl RecordHeader {
         }
         let mut digest: Digest = [0; 32];
         digest.copy_from_slice(&b[24..56]);
+        let kind = RecordKind::from_code(get_u32(b, 12)).ok_or(FormatError::Field("kind"))?;
         let h = RecordHeader {
+            kind,
             key: ChunkKey::new(get_u64(b, 16), digest),
             len: get_u64(b, 56),
             checksum: get_u64(b, 64),
             sequence: get_u64(b, 72),
             region_generation: get_u64(b, 80),
+            reclaimed_below: get_u64(b, 88),
         };
-        // Zero is no record; past MAX_RECORD_LEN no region could hold it (and its size on disk
-        // would overflow).
-        if h.len == 0 || h.len > MAX_RECORD_LEN {
+        // A chunk of zero bytes is no record; past MAX_RECORD_LEN no region could hold it (and
+        // its size on disk would overflow). A tombstone has no payload.
+        let len_ok = match kind {
+            RecordKind::Chunk => h.len > 0 && h.len <= MAX_RECORD_LEN,
+            _ => h.len == 0 && h.checksum == 0,
+        };
+        if !len_ok {
             return Err(FormatError::Field("len"));
         }
         Ok(h)
@@ -215,11 +267,13 @@ mod tests {
 
     fn header() -> RecordHeader {
         RecordHeader {
+            kind: RecordKind::Chunk,
             key: ChunkKey::new(7, [3; 32]),
             len: 5000,
             checksum: 0xfeed,
             sequence: 42,
             region_generation: 2,
+            reclaimed_below: 1,
         }
     }
 
@@ -272,5 +326,30 @@ mod tests {
         }
         RecordHeader { len: MAX_RECORD_LEN, ..header() }.encode_into(&mut b);
         assert!(RecordHeader::decode(&b).is_ok());
+    }
+
+    #[test]
+    fn tombstones_round_trip_and_carry_nothing() {
+        let mut b = vec![0u8; RECORD_HEADER_BYTES as usize];
+        for kind in
+            [RecordKind::Tombstone, RecordKind::NamespaceTombstone, RecordKind::EverythingTombstone]
+        {
+            let t = RecordHeader { kind, len: 0, checksum: 0, ..header() };
+            t.encode_into(&mut b);
+            assert_eq!(RecordHeader::decode(&b), Ok(t));
+            assert_eq!(t.disk_bytes(), RECORD_HEADER_BYTES);
+            // A tombstone stating a payload, or a chunk none, is refused.
+            RecordHeader { len: 4096, ..t }.encode_into(&mut b);
+            assert_eq!(RecordHeader::decode(&b), Err(FormatError::Field("len")), "{kind:?}");
+        }
+        RecordHeader { len: 0, ..header() }.encode_into(&mut b);
+        assert_eq!(RecordHeader::decode(&b), Err(FormatError::Field("len")));
+        // An unknown kind (sealed, so not a torn block) is refused, naming the field.
+        header().encode_into(&mut b);
+        b[12] = 9;
+        let n = b.len() - 8;
+        let sum = xxh3_64(&b[..n]);
+        b[n..].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(RecordHeader::decode(&b), Err(FormatError::Field("kind")));
     }
 }

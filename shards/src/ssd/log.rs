@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 
 use orbitkv_proto::ChunkKey;
 
-use super::format::{FormatError, RecordHeader, Superblock, RECORD_HEADER_BYTES};
+use super::format::{FormatError, RecordHeader, RecordKind, Superblock, RECORD_HEADER_BYTES};
 use crate::alloc::PAGE_SIZE;
 
 /// Where a live record is.
@@ -82,6 +82,11 @@ pub struct RecoveryReport {
     pub superseded: u64,
     /// Header blocks that failed validation where a record was expected.
     pub dropped: u64,
+    /// Records deleted by a later tombstone (of their key, namespace, or everything).
+    pub deleted: u64,
+    /// Regions left out because a later record says they had been reclaimed (their first
+    /// write after the reclaim never landed).
+    pub reclaimed: u64,
 }
 
 /// The region log; see the module docs.
@@ -177,7 +182,39 @@ impl RegionLog {
         len: u64,
         checksum: u64,
     ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
-        let mut header = RecordHeader { key, len, checksum, sequence: 0, region_generation: 0 };
+        self.place_record(RecordKind::Chunk, key, len, checksum)
+    }
+
+    /// Finds room for a tombstone (a header block alone) as [`RegionLog::place`] does. A
+    /// tombstone deletes only records written before it: its key's (`Tombstone`), its key's
+    /// namespace's (`NamespaceTombstone`) or all (`EverythingTombstone`). It outlives every
+    /// record it deletes: those lie in its region or in older ones, and regions are
+    /// reclaimed oldest first.
+    pub fn place_tombstone(
+        &mut self,
+        kind: RecordKind,
+        key: ChunkKey,
+    ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
+        debug_assert_ne!(kind, RecordKind::Chunk, "a tombstone");
+        self.place_record(kind, key, 0, 0)
+    }
+
+    fn place_record(
+        &mut self,
+        kind: RecordKind,
+        key: ChunkKey,
+        len: u64,
+        checksum: u64,
+    ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
+        let mut header = RecordHeader {
+            kind,
+            key,
+            len,
+            checksum,
+            sequence: 0,
+            region_generation: 0,
+            reclaimed_below: 0,
+        };
         let bytes = header.disk_bytes();
         if bytes > self.sb.region_bytes {
             return Err(PlaceError::TooLarge);
@@ -216,10 +253,21 @@ impl RegionLog {
         self.next_sequence += 1;
         header.region_generation = r.generation;
         let offset = self.sb.region_offset(region as u64) + r.used;
+        header.reclaimed_below = self.oldest_generation_in_use();
+        let r = &mut self.regions[region as usize];
         r.used += bytes;
         r.pins += 1;
         self.used_bytes += bytes;
         Ok((Placement { header, region, offset }, dropped))
+    }
+
+    /// The generation of the oldest region holding records (sealed, or the active one):
+    /// every older generation was reclaimed.
+    fn oldest_generation_in_use(&self) -> u64 {
+        let generation = |r: u32| self.regions[r as usize].generation;
+        let sealed = self.sealed.front().map(|&r| generation(r));
+        let active = self.active.map(generation);
+        sealed.into_iter().chain(active).min().unwrap_or(0)
     }
 
     fn reclaim(&mut self, region: u32) -> Vec<ChunkKey> {
@@ -241,6 +289,11 @@ impl RegionLog {
         }
         if self.regions[p.region as usize].generation != p.header.region_generation {
             return; // reclaimed meanwhile (cannot happen while pinned; kept for safety)
+        }
+        if p.header.kind != RecordKind::Chunk {
+            // A tombstone on disk: what it deletes left the index when it was placed (and a
+            // record of its key written since is newer than it).
+            return;
         }
         let entry = SsdEntry {
             region: p.region,
@@ -285,15 +338,30 @@ impl RegionLog {
             block: vec![0u8; RECORD_HEADER_BYTES as usize],
             max_sequence: 0,
             max_generation: 0,
+            reclaimed_below: 0,
         };
-        let mut found: Vec<(u32, u64, Vec<Placement>)> = Vec::new();
+        let mut found: Vec<(u32, u64, Vec<Placement>, u64)> = Vec::new();
         for region in 0..sb.region_count as u32 {
             if let Some((g, records, end)) = scan.region(sb, region, &mut report)? {
-                found.push((region, g, records));
-                log.regions[region as usize].used = end;
-                log.used_bytes += end;
+                found.push((region, g, records, end));
             }
         }
+        // A region still showing a generation that a later record says was reclaimed: its
+        // first write after the reclaim never landed. What it holds was dropped (and may
+        // have been deleted since, by a tombstone reclaimed in turn): it stays free.
+        found.retain(|(_, g, _, _)| {
+            let keep = *g >= scan.reclaimed_below;
+            report.reclaimed += u64::from(!keep);
+            keep
+        });
+        let found = found
+            .into_iter()
+            .map(|(region, g, records, end)| {
+                log.regions[region as usize].used = end;
+                log.used_bytes += end;
+                (region, g, records)
+            })
+            .collect();
         log.install(found, &mut report);
         // Every recovered region stays sealed: new records go to a fresh region (a new
         // generation), never after possible leftovers of the crashed run.
@@ -305,7 +373,8 @@ impl RegionLog {
     }
 
     /// Seals the recovered regions, oldest generation first, and indexes their records in
-    /// sequence order (a later record of a key supersedes an earlier one).
+    /// sequence order (a later record of a key supersedes an earlier one; a tombstone deletes
+    /// what came before it).
     fn install(&mut self, mut found: Vec<(u32, u64, Vec<Placement>)>, report: &mut RecoveryReport) {
         // Oldest generation first: sealed order, and later records win.
         found.sort_by_key(|(_, g, _)| *g);
@@ -321,11 +390,28 @@ impl RegionLog {
         all.sort_by_key(|p| p.header.sequence);
         for p in &all {
             self.next_sequence = self.next_sequence.max(p.header.sequence + 1);
-            self.regions[p.region as usize].pins += 1; // complete_write unpins
-            if self.index.contains_key(&p.header.key) {
-                report.superseded += 1;
+            let key = p.header.key;
+            let deleted: Vec<ChunkKey> = match p.header.kind {
+                RecordKind::Chunk => {
+                    self.regions[p.region as usize].pins += 1; // complete_write unpins
+                    if self.index.contains_key(&key) {
+                        report.superseded += 1;
+                    }
+                    self.complete_write(p);
+                    continue;
+                }
+                RecordKind::Tombstone => {
+                    self.index.contains_key(&key).then_some(key).into_iter().collect()
+                }
+                RecordKind::NamespaceTombstone => {
+                    self.index.keys().filter(|k| k.namespace == key.namespace).copied().collect()
+                }
+                RecordKind::EverythingTombstone => self.index.keys().copied().collect(),
+            };
+            report.deleted += deleted.len() as u64;
+            for k in &deleted {
+                self.remove(k);
             }
-            self.complete_write(p);
         }
     }
 }
@@ -339,6 +425,9 @@ struct RegionScan<'a, F> {
     /// never reuse them, or a leftover could later pass for a current record.
     max_sequence: u64,
     max_generation: u64,
+    /// Highest `reclaimed_below` of any valid header: regions of older generations were
+    /// reclaimed.
+    reclaimed_below: u64,
 }
 
 impl<F: FnMut(u64, &mut [u8]) -> std::io::Result<()>> RegionScan<'_, F> {
@@ -364,6 +453,7 @@ impl<F: FnMut(u64, &mut [u8]) -> std::io::Result<()>> RegionScan<'_, F> {
             if let Ok(h) = &decoded {
                 self.max_sequence = self.max_sequence.max(h.sequence);
                 self.max_generation = self.max_generation.max(h.region_generation);
+                self.reclaimed_below = self.reclaimed_below.max(h.reclaimed_below);
             }
             match decoded {
                 Ok(h)

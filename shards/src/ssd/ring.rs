@@ -309,6 +309,19 @@ impl SsdRing {
         self.block_op(file, at, block, true)
     }
 
+    /// Writes a record that is one 4 KiB header block alone (a tombstone) at file offset
+    /// `at`: as [`SsdRing::write_block`], but, as every record write, through the injected
+    /// faults.
+    pub fn write_header(
+        &mut self,
+        file: &File,
+        at: u64,
+        block: AlignedBlock,
+    ) -> std::io::Result<u64> {
+        let fd = self.target(file);
+        self.block_op_on(fd, at, block, true)
+    }
+
     /// Reads one 4 KiB block at file offset `at`; the completion carries it.
     pub fn read_block(&mut self, file: &File, at: u64) -> std::io::Result<u64> {
         self.block_op(file, at, AlignedBlock::new(), false)
@@ -321,11 +334,20 @@ impl SsdRing {
         block: AlignedBlock,
         write: bool,
     ) -> std::io::Result<u64> {
+        self.block_op_on(types::Fd(file.as_raw_fd()), at, block, write)
+    }
+
+    fn block_op_on(
+        &mut self,
+        fd: types::Fd,
+        at: u64,
+        block: AlignedBlock,
+        write: bool,
+    ) -> std::io::Result<u64> {
         let iov = Box::new([
             libc::iovec { iov_base: block.ptr.as_ptr().cast(), iov_len: PAGE_SIZE as usize },
             libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
         ]);
-        let fd = types::Fd(file.as_raw_fd());
         let entry = if write {
             opcode::Writev::new(fd, iov.as_ptr(), 1).offset(at).build()
         } else {

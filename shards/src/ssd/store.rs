@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use orbitkv_proto::chunk_checksum;
 use orbitkv_proto::ChunkKey;
 
-use super::format::{Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES};
+use super::format::{
+    RecordKind, Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
+};
 use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry};
 use super::ring::{AlignedBlock, SsdRing};
 use crate::alloc::PAGE_SIZE;
@@ -87,6 +89,8 @@ pub struct SsdStats {
     pub checksum_failures: u64,
     /// Records dropped by region reclaim.
     pub reclaimed: u64,
+    /// Tombstones written (explicit evictions of chunks on SSD).
+    pub tombstones: u64,
     /// Reads and writes submitted and not yet completed.
     pub in_flight: u64,
 }
@@ -110,10 +114,19 @@ pub enum SsdEvent {
         /// Whether the bytes passed their checksum.
         verified: bool,
     },
+    /// A tombstone write finished: on `stored`, what it deletes never comes back at
+    /// recovery.
+    Tombstoned {
+        /// The ticket [`SsdStore::tombstone`] gave.
+        ticket: u64,
+        /// Whether the write succeeded.
+        stored: bool,
+    },
 }
 
 enum Pending {
     Demote(Placement),
+    Tombstone(Placement),
     Promote { key: ChunkKey, entry: SsdEntry, slot_offset: u64 },
 }
 
@@ -364,6 +377,44 @@ impl SsdStore {
         }
     }
 
+    /// Starts writing a tombstone: of `key` (`RecordKind::Tombstone`), of `key.namespace`
+    /// (`NamespaceTombstone`) or of everything (`EverythingTombstone`), deleting at recovery
+    /// every record written before it; what it deletes leaves the index now (a key's record,
+    /// or every record of the namespace, or all). A ticket for [`SsdEvent::Tombstoned`];
+    /// `Busy` when it cannot start now (nothing changed then).
+    pub fn tombstone(&mut self, kind: RecordKind, key: ChunkKey) -> Result<u64, PlaceError> {
+        if !self.ring.has_room() {
+            return Err(PlaceError::Busy);
+        }
+        let (placement, dropped) = self.log.place_tombstone(kind, key)?;
+        self.stats.reclaimed += dropped.len() as u64;
+        let mut header = AlignedBlock::new();
+        placement.header.encode_into(header.bytes_mut());
+        match self.ring.write_header(&self.file, placement.offset, header) {
+            Ok(id) => {
+                self.pending.insert(id, (Instant::now(), Pending::Tombstone(placement)));
+                let gone: Vec<ChunkKey> = match kind {
+                    RecordKind::Chunk | RecordKind::Tombstone => vec![key],
+                    RecordKind::NamespaceTombstone => {
+                        self.keys().filter(|k| k.namespace == key.namespace).copied().collect()
+                    }
+                    RecordKind::EverythingTombstone => self.keys().copied().collect(),
+                };
+                for k in &gone {
+                    self.log.remove(k);
+                }
+                self.stats.tombstones += 1;
+                Ok(id)
+            }
+            Err(e) => {
+                self.log.abort_write(&placement);
+                self.stats.io_errors += 1;
+                tracing::warn!(path = %self.path.display(), error = %e, "SSD tombstone not submitted");
+                Err(PlaceError::Busy)
+            }
+        }
+    }
+
     /// Starts reading `key`'s record into the arena slot at `slot_offset` of `slice` (at least
     /// the record's length, page-rounded). The slot must stay reserved until
     /// [`SsdEvent::Promoted`]. Returns false when the key is not on SSD or the ring is full.
@@ -414,6 +465,18 @@ impl SsdStore {
                         tracing::warn!(path = %self.path.display(), result = ?c.result, "SSD write failed");
                     }
                     events.push(SsdEvent::Demoted { key: p.header.key, stored: ok });
+                }
+                Pending::Tombstone(p) => {
+                    self.write_latency.record(took);
+                    let ok = matches!(c.result, Ok(n) if n == RECORD_HEADER_BYTES);
+                    if ok {
+                        self.log.complete_write(&p);
+                    } else {
+                        self.log.abort_write(&p);
+                        self.stats.io_errors += 1;
+                        tracing::error!(path = %self.path.display(), result = ?c.result, "SSD tombstone write failed: what it deleted may come back after a restart");
+                    }
+                    events.push(SsdEvent::Tombstoned { ticket: c.id, stored: ok });
                 }
                 Pending::Promote { key, entry, slot_offset } => {
                     self.read_latency.record(took);

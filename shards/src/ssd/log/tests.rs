@@ -266,3 +266,101 @@ fn records_after_a_failed_write_mid_region_survive_a_restart() {
     assert!(back.get(&key(101)).is_none());
     assert!(back.get(&key(102)).is_some(), "live before the restart, lost after");
 }
+
+/// Writes a tombstone of `kind` for `key` (its header block alone).
+fn tombstone(log: &mut RegionLog, disk: &mut Disk, kind: RecordKind, key: ChunkKey) {
+    let (p, _) = log.place_tombstone(kind, key).unwrap();
+    assert_eq!(p.header.disk_bytes(), RECORD_HEADER_BYTES);
+    disk.write(&p, &[]);
+    log.remove(&key);
+    log.complete_write(&p);
+}
+
+fn other_namespace(i: u32) -> ChunkKey {
+    ChunkKey::new(10, key(i).digest)
+}
+
+/// A tombstone deletes its key's earlier records at recovery, not a later one; a namespace
+/// tombstone every earlier record of its namespace; an everything tombstone all earlier.
+#[test]
+fn tombstones_delete_what_came_before_them() {
+    let sb = sb(4, 64 << 10);
+    let mut log = RegionLog::new(sb);
+    let mut disk = Disk::new(&sb);
+    for i in 0..4 {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+    }
+    put(&mut log, &mut disk, 1, 12 << 10).unwrap(); // a second record of key 1
+    tombstone(&mut log, &mut disk, RecordKind::Tombstone, key(1));
+    tombstone(&mut log, &mut disk, RecordKind::Tombstone, key(2));
+    put(&mut log, &mut disk, 2, 12 << 10).unwrap(); // written again after its tombstone
+    let v = value(5, 8192);
+    let (p, _) = log.place(other_namespace(5), 8192, xxhash_rust::xxh3::xxh3_64(&v)).unwrap();
+    disk.write(&p, &v);
+    log.complete_write(&p);
+    let (back, report) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    assert!(back.get(&key(1)).is_none(), "both records of key 1 are deleted");
+    assert_eq!(back.get(&key(2)), log.get(&key(2)), "the record after the tombstone stays");
+    for i in [0, 3] {
+        assert_eq!(back.get(&key(i)), log.get(&key(i)), "key {i}");
+    }
+    assert_eq!((back.len(), report.deleted), (4, 2), "{report:?}");
+
+    // Namespace 9 goes; namespace 10's record stays. Then everything.
+    tombstone(&mut log, &mut disk, RecordKind::NamespaceTombstone, key(0));
+    let (back, report) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    assert_eq!(back.len(), 1, "{report:?}");
+    assert!(back.get(&other_namespace(5)).is_some());
+    tombstone(&mut log, &mut disk, RecordKind::EverythingTombstone, key(0));
+    put(&mut log, &mut disk, 7, 4096).unwrap();
+    let (back, _) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    assert_eq!(back.len(), 1);
+    assert_eq!(back.get(&key(7)), log.get(&key(7)));
+}
+
+/// A tombstone outlives what it deletes: regions go oldest first, so the record's region is
+/// reclaimed before (or with) the tombstone's; until then recovery still deletes it.
+#[test]
+fn a_tombstone_outlives_the_records_it_deletes() {
+    let (sb, mut log, mut disk) = filled(3); // keys 0..8 in regions 0 and 1
+    tombstone(&mut log, &mut disk, RecordKind::Tombstone, key(0)); // region 2
+    let mut i = 100;
+    // Write until region 0 (key 0's) is reclaimed and reused; then until the tombstone's
+    // region would be next.
+    while log.get(&key(4)).is_some() {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+        let (back, _) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+        assert!(back.get(&key(0)).is_none(), "key 0 came back after {} writes", i - 100);
+        i += 1;
+    }
+}
+
+/// A reclaimed region whose first write after the reclaim failed still shows its old
+/// generation on disk: later records' mark keeps recovery from bringing it back, and with it
+/// a record whose tombstone was reclaimed since.
+#[test]
+fn a_reclaimed_region_whose_first_write_failed_stays_reclaimed() {
+    let (sb, mut log, mut disk) = filled(3); // keys 0..8 fill regions 0 and 1
+    tombstone(&mut log, &mut disk, RecordKind::Tombstone, key(1)); // region 2
+    for i in 100..103 {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap(); // region 2 full
+    }
+    // Region 0 is reclaimed for the next record, whose write fails (nothing reaches disk).
+    let (failed, dropped) = log.place(key(200), 12 << 10, 0).unwrap();
+    assert_eq!((failed.region, dropped.len()), (0, 3), "{dropped:?}");
+    log.abort_write(&failed);
+    // Records go on into region 1 (reclaimed), then region 2 (the tombstone's) is reclaimed.
+    let mut i = 300;
+    while log.superblock().region_count > 0 && log.get(&key(100)).is_some() {
+        put(&mut log, &mut disk, i, 12 << 10).unwrap();
+        i += 1;
+    }
+    let (back, report) = RegionLog::recover(sb, |at, buf| disk.read(at, buf)).unwrap();
+    for k in 0..4 {
+        assert!(back.get(&key(k)).is_none(), "key {k} of the reclaimed region came back");
+    }
+    assert!(report.reclaimed >= 1, "{report:?}");
+    for (k, e) in log.iter() {
+        assert_eq!(back.get(k), Some(*e), "a live record lost");
+    }
+}
