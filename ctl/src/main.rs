@@ -268,6 +268,13 @@ fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<Exit
                  they are released"
             );
         }
+        let not_durable = u64_of(&v, "not_durable");
+        if not_durable > 0 {
+            print!(
+                "; the SSD tier could not record the deletion of {not_durable}: they may come \
+                 back after a restart (see the server log; evict again)"
+            );
+        }
         println!();
     }
     Ok(ExitCode::SUCCESS)

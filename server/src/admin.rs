@@ -188,7 +188,7 @@ fn evict(request: &Value, shared: &Shared) -> Value {
         (None, None) => return refuse("evict: give \"namespace\": ID or \"all\": true"),
     };
     let answers = shared.evict(namespace, EVICT_TIMEOUT);
-    let (mut removed, mut busy) = (0, 0);
+    let (mut removed, mut busy, mut not_durable) = (0, 0, 0);
     let mut silent = Vec::new();
     let shards: Vec<Value> = answers
         .iter()
@@ -197,7 +197,8 @@ fn evict(request: &Value, shared: &Shared) -> Value {
             Some(s) => {
                 removed += s.removed;
                 busy += s.busy;
-                json!({"id": id, "removed": s.removed, "busy": s.busy})
+                not_durable += s.not_durable;
+                json!({"id": id, "removed": s.removed, "busy": s.busy, "not_durable": s.not_durable})
             }
             None => {
                 silent.push(id.to_string());
@@ -205,9 +206,9 @@ fn evict(request: &Value, shared: &Shared) -> Value {
             }
         })
         .collect();
-    tracing::info!(namespace = ?namespace, removed, busy, "evict from the admin socket");
+    tracing::info!(namespace = ?namespace, removed, busy, not_durable, "evict from the admin socket");
     let mut reply = json!({"ok": silent.is_empty(), "namespace": namespace, "removed": removed,
-                           "busy": busy, "shards": shards});
+                           "busy": busy, "not_durable": not_durable, "shards": shards});
     if !silent.is_empty() {
         reply["error"] = json!(format!(
             "evict: shard(s) {} did not answer within {} s (they may still evict); the others \
@@ -297,6 +298,7 @@ fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> V
         "ssd_io_errors": st.ssd.map_or(0, |x| x.io_errors),
         "ssd_in_flight": st.ssd.map_or(0, |x| x.in_flight),
         "ssd_reclaimed": st.ssd.map_or(0, |x| x.reclaimed),
+        "ssd_tombstones": st.ssd.map_or(0, |x| x.tombstones),
         "demotions": st.demotions,
         "promotions": st.promotions,
         "checksum_failures": st.ssd.map_or(0, |x| x.checksum_failures),

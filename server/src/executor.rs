@@ -18,9 +18,11 @@ use glommio::channels::channel_mesh::{Full, MeshBuilder, Receivers, Senders};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
-use orbitkv_proto::ChunkKey;
+use orbitkv_proto::{ChunkKey, ChunkOutcome, ErrorCode};
 use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
-use orbitkv_shards::{HashRange, SessionId, ShardCore, ShardOp, ShardReply};
+use orbitkv_shards::{
+    EvictSummary, HashRange, SessionId, ShardCore, ShardOp, ShardReply, StartedTombstone,
+};
 
 use crate::doorbell::{Doorbells, LoopStage};
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
@@ -49,6 +51,10 @@ const DEEP_SLEEP: Duration = Duration::from_millis(250);
 /// Bytes of a commit's chunks hashed between two turns of the shard's other work (about
 /// 50-100 us of one core); commits hashing less run in one go.
 const HASH_PIECE: u64 = 1 << 20;
+
+/// How many more times an admin evict of a namespace tries, a millisecond apart, while its
+/// chunks on SSD stay because their shard could not start the namespace's tombstone yet.
+const EVICT_RETRIES: u32 = 100;
 
 /// Everything a shard executor starts with.
 pub struct ShardContext {
@@ -370,6 +376,8 @@ fn open_ssd(exec: &Exec, cfg: &SsdConfig) -> Result<(), ShardStartError> {
         kept = report.recovery.kept,
         superseded = report.recovery.superseded,
         dropped = report.recovery.dropped,
+        deleted = report.recovery.deleted,
+        reclaimed_regions = report.recovery.reclaimed,
         recovery_ms = report.elapsed.as_millis() as u64,
         "SSD tier recovered"
     );
@@ -566,15 +574,21 @@ impl Exec {
                 });
             }
             ControlMsg::Evict { namespace, reply } => {
-                let summary = self.core.borrow_mut().evict_namespace(namespace);
-                tracing::info!(
-                    shard = self.id,
-                    namespace = ?namespace,
-                    removed = summary.removed,
-                    busy = summary.busy,
-                    "evicted on request"
-                );
-                let _ = reply.send(summary);
+                let (exec, id) = (Rc::clone(self), self.id);
+                // Answered once the deletion is on SSD; the loop goes on meanwhile.
+                glommio::spawn_local(async move {
+                    let summary = exec.evict_namespace(namespace).await;
+                    tracing::info!(
+                        shard = id,
+                        namespace = ?namespace,
+                        removed = summary.removed,
+                        busy = summary.busy,
+                        not_durable = summary.not_durable,
+                        "evicted on request"
+                    );
+                    let _ = reply.send(summary);
+                })
+                .detach();
             }
             ControlMsg::Peer(msg) => {
                 let fetched = msg.apply(&mut self.core.borrow_mut());
@@ -667,8 +681,89 @@ impl Exec {
                 self.active.set(self.active.get() - 1);
                 self.core.borrow_mut().apply_hashed(op, &hashed)
             }
+            ShardOp::Evict { keys } => ShardReply::Outcomes(self.evict(&keys).await),
             op => self.core.borrow_mut().apply(op),
         }
+    }
+
+    /// Evicts `keys`, answering once their tombstones are on SSD. A key whose tombstone could
+    /// not start (`Busy`: the SSD queue full, or a region being opened by the write before
+    /// it) is evicted again once the tombstones started have landed, while that makes
+    /// progress; leased chunks stay `Busy`.
+    async fn evict(&self, keys: &[ChunkKey]) -> Vec<ChunkOutcome> {
+        let mut outcomes = vec![ChunkOutcome::Failed(ErrorCode::Internal); keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        loop {
+            let batch = pending.iter().map(|&i| keys[i]).collect();
+            let reply = self.core.borrow_mut().apply(ShardOp::Evict { keys: batch });
+            let started = self.core.borrow_mut().take_started_tombstones();
+            if let ShardReply::Outcomes(o) = reply {
+                for (&i, o) in pending.iter().zip(o) {
+                    outcomes[i] = o;
+                }
+            }
+            let progress = !started.is_empty();
+            for t in self.wait_tombstones(started).await {
+                // Gone now, but its deletion is not on SSD: it may come back after a restart
+                // (logged by the tier).
+                if let Some(i) = keys.iter().position(|k| *k == t.key) {
+                    outcomes[i] = ChunkOutcome::Failed(ErrorCode::Internal);
+                }
+            }
+            pending.retain(|&i| outcomes[i] == ChunkOutcome::Failed(ErrorCode::Busy));
+            if pending.is_empty() || !progress {
+                return outcomes;
+            }
+        }
+    }
+
+    /// Evicts a namespace (every chunk with None) as [`ShardCore::evict_namespace`] does, and
+    /// again while chunks on SSD stayed only because the namespace's tombstone could not
+    /// start yet (a region being opened; a bounded number of tries a millisecond apart).
+    async fn evict_namespace(&self, namespace: Option<u64>) -> EvictSummary {
+        let mut total = EvictSummary::default();
+        for attempt in 0.. {
+            let (summary, unrecorded) = self.core.borrow_mut().evict_namespace_once(namespace);
+            let started = self.core.borrow_mut().take_started_tombstones();
+            total.removed += summary.removed;
+            total.busy = summary.busy;
+            for t in self.wait_tombstones(started).await {
+                total.not_durable += t.covers;
+            }
+            if unrecorded == 0 || attempt == EVICT_RETRIES {
+                break;
+            }
+            glommio::timer::sleep(Duration::from_millis(1)).await;
+        }
+        total
+    }
+
+    /// Waits until the tombstones `started` have landed on SSD (the loop keeps polling the
+    /// ring while they are in flight): an eviction is answered only once it is durable.
+    /// Returns those whose write failed.
+    async fn wait_tombstones(&self, started: Vec<StartedTombstone>) -> Vec<StartedTombstone> {
+        let mut failed = Vec::new();
+        if started.is_empty() {
+            return failed;
+        }
+        self.active.set(self.active.get() + 1);
+        let mut waiting = started;
+        loop {
+            waiting.retain(|t| match self.core.borrow_mut().tombstone_result(t.ticket) {
+                None => true,
+                Some(true) => false,
+                Some(false) => {
+                    failed.push(*t);
+                    false
+                }
+            });
+            if waiting.is_empty() {
+                break;
+            }
+            glommio::timer::sleep(Duration::from_micros(20)).await;
+        }
+        self.active.set(self.active.get() - 1);
+        failed
     }
 
     /// Waits until none of `keys` is moving into DRAM. SSD reads complete on this shard's

@@ -1,6 +1,8 @@
 //! `orbitkv-server`: the per-host OrbitKV Manager.
 
 #![deny(unsafe_code)]
+// The stats reply is one json! object of many keys.
+#![recursion_limit = "256"]
 
 mod access;
 mod admin;

@@ -34,7 +34,9 @@ pub enum ErrorCode {
     TooManySessions = 14,
     /// An argument is out of range (zero length, bad offset, ...).
     InvalidArgument = 15,
-    /// An internal invariant failed; the request was not applied.
+    /// An internal invariant failed; the request was not applied. For an evict: the chunk is
+    /// gone, but the SSD tier failed to record its deletion (it may come back after a
+    /// restart).
     Internal = 16,
     /// The server cannot serve this request here: no usable GPU, or not the device named.
     Unavailable = 17,

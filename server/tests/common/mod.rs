@@ -88,8 +88,13 @@ impl TestServer {
     }
 
     pub fn try_admin(&self, cmd: &str) -> std::io::Result<Value> {
+        self.try_admin_request(&serde_json::json!({ "cmd": cmd }))
+    }
+
+    /// One admin request with arguments (`{"cmd": ..., ...}`).
+    pub fn try_admin_request(&self, request: &Value) -> std::io::Result<Value> {
         let mut s = UnixStream::connect(self.admin_path())?;
-        s.write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes())?;
+        s.write_all(format!("{request}\n").as_bytes())?;
         let mut line = String::new();
         BufReader::new(s).read_line(&mut line)?;
         serde_json::from_str(&line).map_err(|e| std::io::Error::other(e.to_string()))
