@@ -1,8 +1,8 @@
 //! The admin socket (`<socket>.admin`): one JSON request line, one JSON response line.
 //!
 //! Commands: `{"cmd":"health"}`, `{"cmd":"stats"}`, `{"cmd":"drain"}`, `{"cmd":"resume"}`,
-//! `{"cmd":"sessions"}`, `{"cmd":"peers"}`, `{"cmd":"evict","namespace":ID}` or
-//! `{"cmd":"evict","all":true}`.
+//! `{"cmd":"sessions"}`, `{"cmd":"peers"}`, `{"cmd":"audit"}`, `{"cmd":"evict","namespace":ID}`
+//! or `{"cmd":"evict","all":true}`.
 //! Unknown or malformed input gets `{"ok":false,"error":...}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -102,6 +102,7 @@ fn allowed(cmd: &str, (uid, gid): (u32, u32), shared: &Shared) -> Result<(), Str
 fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
     match cmd {
         "evict" => evict(request, shared),
+        "audit" => audit(shared),
         "health" => Sample::take(shared).health().json(),
         "stats" => stats(shared),
         "peers" => match shared.cluster.get() {
@@ -164,6 +165,38 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
         }
         other => json!({"ok": false, "error": format!("unknown command {other:?}")}),
     }
+}
+
+/// How long `audit` waits for every shard's full scan.
+const AUDIT_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// `audit`: every shard's full scan of its bookkeeping (entries, arena pages, leases,
+/// reservations, the SSD log) against its counters, and the server's session table; `ok` is
+/// false when any shard found an inconsistency or did not answer. Read-only.
+fn audit(shared: &Shared) -> Value {
+    let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
+    let mut problems = Vec::new();
+    let shards: Vec<Value> = shared
+        .audits(AUDIT_TIMEOUT)
+        .into_iter()
+        .enumerate()
+        .map(|(id, a)| match a {
+            Some(a) => {
+                problems.extend(a.problems.iter().map(|p| format!("shard {id}: {p}")));
+                json!({"id": id, "entries": a.entries, "entry_pages": a.entry_pages,
+                       "leases": a.leases, "pins": a.pins, "reservations": a.reservations,
+                       "ssd_records": a.ssd_records, "problems": a.problems})
+            }
+            None => {
+                problems.push(format!(
+                    "shard {id} did not answer within {} s",
+                    AUDIT_TIMEOUT.as_secs()
+                ));
+                json!({"id": id, "answering": false})
+            }
+        })
+        .collect();
+    json!({"ok": problems.is_empty(), "sessions": sessions, "problems": problems, "shards": shards})
 }
 
 /// How long `evict` waits for every shard's pass over its keys.

@@ -559,6 +559,9 @@ impl Exec {
                     .detach();
                 }
             }
+            ControlMsg::Audit { reply } => {
+                let _ = reply.send(self.core.borrow().audit());
+            }
             ControlMsg::Stats { reply } => {
                 let stats = self.core.borrow().stats();
                 let _ = reply.send(ShardSnapshot {

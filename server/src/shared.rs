@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, Sender};
-use orbitkv_shards::{EvictSummary, SessionId, ShardStats};
+use orbitkv_shards::{Audit, EvictSummary, SessionId, ShardStats};
 
 use crate::config::Settings;
 use crate::doorbell::Doorbells;
@@ -44,6 +44,11 @@ pub enum ControlMsg {
     Stats {
         /// Where to send it.
         reply: Sender<ShardSnapshot>,
+    },
+    /// A full scan of the shard's bookkeeping ([`orbitkv_shards::ShardCore::audit`]).
+    Audit {
+        /// Where to send it.
+        reply: Sender<Audit>,
     },
     /// Remove the chunks of a namespace (of every namespace with None) from every tier.
     Evict {
@@ -226,6 +231,12 @@ impl Shared {
     /// within `timeout`.
     pub fn snapshots(&self, timeout: Duration) -> Vec<Option<ShardSnapshot>> {
         self.ask_all(|reply| ControlMsg::Stats { reply }, timeout)
+    }
+
+    /// Every shard's audit, in shard order (`None` for a shard that did not answer within
+    /// `timeout`).
+    pub fn audits(&self, timeout: Duration) -> Vec<Option<Audit>> {
+        self.ask_all(|reply| ControlMsg::Audit { reply }, timeout)
     }
 
     /// Removes the chunks of `namespace` (of every namespace with None) on every shard: each

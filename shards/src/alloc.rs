@@ -119,6 +119,11 @@ impl ExtentAllocator {
         self.by_len.remove(&(len, start));
     }
 
+    /// The free extents, in page order (an audit's full scan).
+    pub(crate) fn free_extents(&self) -> impl Iterator<Item = Extent> + '_ {
+        self.by_start.iter().map(|(&start_page, &pages)| Extent { start_page, pages })
+    }
+
     #[cfg(test)]
     fn check_invariants(&self) {
         let mut free = 0;

@@ -101,6 +101,25 @@ pub struct EvictSummary {
     pub not_durable: u64,
 }
 
+/// What [`ShardCore::audit`] found: the counts a full scan gives, and every inconsistency.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Audit {
+    /// Entries in the slab (any state).
+    pub entries: u64,
+    /// Arena pages the entries hold.
+    pub entry_pages: u64,
+    /// Leases the entries carry.
+    pub leases: u64,
+    /// Of those, pins of lookups waiting for a tier (not sessions' leases).
+    pub pins: u64,
+    /// Entries reserved by sessions.
+    pub reservations: u64,
+    /// Records in the SSD index.
+    pub ssd_records: u64,
+    /// What does not add up (empty when the shard is consistent).
+    pub problems: Vec<String>,
+}
+
 /// A tombstone write an eviction started: until it lands, the deletion of what it covers is
 /// not durable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +184,73 @@ impl ShardCore {
             tombstones: HashMap::new(),
             started_tombstones: Vec::new(),
         }
+    }
+
+    /// A full scan of the shard's bookkeeping against its counters: the entries' extents are
+    /// disjoint and, with the free extents, tile the slice; the allocator's used pages, the
+    /// leases and reservations counted, the sessions' holdings and the index all agree with
+    /// the entries; the SSD log is consistent ([`crate::ssd::log::RegionLog::audit`]).
+    pub fn audit(&self) -> Audit {
+        let mut a = Audit::default();
+        let mut extents: Vec<Extent> = self.alloc.free_extents().collect();
+        let mut session_reserved = 0u64;
+        for (_, e) in self.entries.all() {
+            a.entries += 1;
+            a.entry_pages += e.extent.pages;
+            a.leases += u64::from(e.leases);
+            // Promoters (SSD and peer reads) reserve under ids above every session's.
+            if matches!(e.state, EntryState::Reserved { owner } if owner < crate::peering::PEER_PROMOTER)
+            {
+                session_reserved += 1;
+            }
+            extents.push(e.extent);
+        }
+        a.reservations = session_reserved;
+        extents.sort_by_key(|x| x.start_page);
+        let mut next = 0;
+        for x in &extents {
+            if x.start_page != next {
+                a.problems
+                    .push(format!("pages {next}..{} are neither free nor held", x.start_page));
+            }
+            next = x.start_page + x.pages;
+        }
+        if next != self.alloc.capacity_pages() {
+            a.problems
+                .push(format!("extents end at page {next} of {}", self.alloc.capacity_pages()));
+        }
+        if a.entry_pages != self.alloc.used_pages() {
+            a.problems.push(format!(
+                "entries hold {} pages, the allocator counts {} used",
+                a.entry_pages,
+                self.alloc.used_pages()
+            ));
+        }
+        if a.entries != self.entries.indexed() as u64 {
+            a.problems.push(format!("{} entries, {} indexed", a.entries, self.entries.indexed()));
+        }
+        let held: u64 =
+            self.sessions.values().flat_map(|h| h.leases.values()).map(|&n| u64::from(n)).sum();
+        // Beyond the sessions' leases, entries carry the pins of lookups waiting for a tier.
+        if held != self.leases || a.leases < held {
+            a.problems.push(format!(
+                "entries carry {} leases, sessions hold {held}, the shard counts {}",
+                a.leases, self.leases
+            ));
+        }
+        a.pins = a.leases.saturating_sub(held);
+        let reserved: u64 = self.sessions.values().map(|h| h.reservations.len() as u64).sum();
+        if reserved != self.reservations || reserved != session_reserved {
+            a.problems.push(format!(
+                "sessions hold {reserved} reservations, entries show {session_reserved}, the shard counts {}",
+                self.reservations
+            ));
+        }
+        if let Some(ssd) = &self.ssd {
+            a.ssd_records = ssd.keys().count() as u64;
+            a.problems.extend(ssd.audit());
+        }
+        a
     }
 
     /// The tombstones evictions started since the last call: the caller answers an evict

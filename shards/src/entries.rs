@@ -88,6 +88,16 @@ impl Entries {
         self.ready
     }
 
+    /// Every entry, with its slot index (an audit's full scan).
+    pub fn all(&self) -> impl Iterator<Item = (EntryIdx, &Entry)> {
+        self.slab.iter().enumerate().filter_map(|(i, e)| Some((i as EntryIdx, e.as_ref()?)))
+    }
+
+    /// Keys indexed (an audit compares them with the entries).
+    pub fn indexed(&self) -> usize {
+        self.index.len()
+    }
+
     /// Every visible chunk (ready or demoting), for a peer's inventory snapshot.
     pub fn visible_chunks(&self) -> Vec<InventoryChunk> {
         self.slab

@@ -353,6 +353,9 @@ proptest! {
             extents.sort();
             prop_assert!(extents.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "overlapping slots: {:?}", extents);
             prop_assert_eq!(extents.iter().map(|e| e.1).sum::<u64>(), core.alloc.used_pages());
+            let audit = core.audit();
+            prop_assert!(audit.problems.is_empty(), "{:?}", audit.problems);
+            prop_assert_eq!(audit.leases, held.len() as u64);
         }
         core.close_session(2);
         core.close_session(3);
@@ -594,4 +597,24 @@ fn verified_commits_hashed_outside_the_shard() {
     assert!(core.hash_ranges(&ShardOp::Evict { keys: vec![key(ns, 1)] }).is_empty());
     let gone = SlotRef { key: key(ns, 2), generation: 1 };
     assert!(core.hash_ranges(&ShardOp::Commit { session: 5, slots: vec![gone] }).is_empty());
+}
+
+/// The audit's full scan finds a counter that disagrees with the entries, and a page that is
+/// neither free nor held.
+#[test]
+fn the_audit_finds_what_does_not_add_up() {
+    let (mut core, ns) = shard(8);
+    put(&mut core, 1, key(ns, 1), 1, 5000).unwrap();
+    let hit = core.lookup(2, &[key(ns, 1)], true)[0].unwrap();
+    let audit = core.audit();
+    assert!(audit.problems.is_empty(), "{:?}", audit.problems);
+    assert_eq!((audit.entries, audit.leases, audit.pins), (1, 1, 0));
+    core.leases += 1;
+    assert_eq!(core.audit().problems.len(), 1, "{:?}", core.audit().problems);
+    core.leases -= 1;
+    core.release(2, &SlotRef { key: key(ns, 1), generation: hit.generation }).unwrap();
+    let idx = core.entries.find(&key(ns, 1)).unwrap();
+    core.entries.get_mut(idx).extent.pages -= 1; // a page leaks
+    let problems = core.audit().problems;
+    assert!(problems.iter().any(|p| p.contains("neither free nor held")), "{problems:?}");
 }

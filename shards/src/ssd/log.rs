@@ -149,6 +149,41 @@ impl RegionLog {
         self.index.iter()
     }
 
+    /// What a full scan of the log's bookkeeping finds wrong (empty when it is consistent):
+    /// every indexed record inside its region's used bytes and listed by it, the regions'
+    /// used bytes summing to `used_bytes`, every region free, active or sealed exactly once.
+    pub fn audit(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for (key, e) in &self.index {
+            let r = &self.regions[e.region as usize];
+            let start = self.sb.region_offset(u64::from(e.region));
+            let end = e.payload_offset() + e.len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+            if e.offset < start || end > start + r.used {
+                problems
+                    .push(format!("record {e:?} lies outside its region's {} used bytes", r.used));
+            }
+            if !r.keys.contains(key) {
+                problems.push(format!("region {} does not list a record it holds", e.region));
+            }
+        }
+        let listed: usize = self.regions.iter().map(|r| r.keys.len()).sum();
+        if listed != self.index.len() {
+            problems.push(format!("regions list {listed} records, the index {}", self.index.len()));
+        }
+        let used: u64 = self.regions.iter().map(|r| r.used).sum();
+        if used != self.used_bytes {
+            problems.push(format!("regions use {used} bytes, the log counts {}", self.used_bytes));
+        }
+        let mut seen = vec![0u32; self.regions.len()];
+        for r in self.free.iter().chain(&self.sealed).chain(self.active.iter()) {
+            seen[*r as usize] += 1;
+        }
+        if let Some(r) = seen.iter().position(|&n| n != 1) {
+            problems.push(format!("region {r} is free, active or sealed {} times", seen[r]));
+        }
+        problems
+    }
+
     /// The live record of `key`.
     pub fn get(&self, key: &ChunkKey) -> Option<SsdEntry> {
         self.index.get(key).copied()

@@ -505,6 +505,11 @@ impl SsdStore {
         events
     }
 
+    /// What a full scan of the log finds wrong ([`RegionLog::audit`]).
+    pub fn audit(&self) -> Vec<String> {
+        self.log.audit()
+    }
+
     /// Every key with a record, in no particular order.
     pub fn keys(&self) -> impl Iterator<Item = &ChunkKey> {
         self.log.iter().map(|(k, _)| k)
