@@ -21,6 +21,12 @@ pub(crate) fn path(socket: &Path) -> PathBuf {
 
 /// Sends `{"cmd": cmd}` and returns the answer, which must say `"ok": true`.
 pub(crate) fn request(socket: &Path, cmd: &str) -> Result<Value, Error> {
+    request_json(socket, &json!({ "cmd": cmd }))
+}
+
+/// Sends `request` (`{"cmd": ..., ...}`) and returns the answer, which must say `"ok": true`.
+pub(crate) fn request_json(socket: &Path, request: &Value) -> Result<Value, Error> {
+    let cmd = request["cmd"].as_str().unwrap_or("?");
     let path = path(socket);
     let fail = |reason: String| Error::Admin { path: path.clone(), reason };
     let io = |what: &str, e: std::io::Error| fail(format!("{what}: {e}"));
@@ -29,7 +35,7 @@ pub(crate) fn request(socket: &Path, cmd: &str) -> Result<Value, Error> {
         .set_read_timeout(Some(TIMEOUT))
         .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
         .map_err(|e| io("cannot set timeouts", e))?;
-    let mut line = json!({ "cmd": cmd }).to_string();
+    let mut line = request.to_string();
     line.push('\n');
     (&stream).write_all(line.as_bytes()).map_err(|e| io("cannot send", e))?;
     let mut answer = String::new();

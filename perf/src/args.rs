@@ -46,6 +46,81 @@ pub(crate) enum Command {
     /// loopback TCP in the same run. Both Managers on this host; needs a build with the
     /// `te-python` feature (exits 2 without).
     Peer(PeerArgs),
+    /// Many client processes against one server for a set time: random client SIGKILLs,
+    /// mixed value sizes, a working set beyond DRAM and SSD, evictions, drains and audits from
+    /// the admin socket meanwhile; then every client is killed and the server must come to
+    /// rest (no session, lease or reservation left, every shard's full scan consistent, RSS
+    /// growth bounded). Every byte read is verified. Exit 1 when any of that fails.
+    Soak(SoakArgs),
+    /// One client process of `soak` (started by it).
+    #[command(hide = true)]
+    SoakClient(SoakClientArgs),
+}
+
+/// Flags of `orbitkv-perf soak`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct SoakArgs {
+    /// Bootstrap socket of a running server to soak (default: start a private one, the binary
+    /// next to this one, with `--dram`, `--ssd` and `--shards`).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// DRAM arena of the private server (default: 64MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "64MiB")]
+    pub dram: u64,
+    /// SSD tier of the private server, in its temporary directory (default: 128MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "128MiB")]
+    pub ssd: u64,
+    /// SSD region size of the private server (default: 4MiB).
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "4MiB")]
+    pub ssd_region_size: u64,
+    /// Shards of the private server; 0 = the server's default (default: 0).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub shards: usize,
+    /// How long the clients run (default: 60s).
+    #[arg(long, value_name = "DUR", value_parser = duration, default_value = "60s")]
+    pub duration: Duration,
+    /// Client processes at once (default: 4).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub clients: usize,
+    /// Keys of the shared key space; each has a fixed size from `--value-sizes` (default:
+    /// 8000: about 900 MiB with the default sizes).
+    #[arg(long, value_name = "N", default_value_t = 8000)]
+    pub keys: u64,
+    /// Value sizes, comma-separated (default: 4KiB,64KiB,256KiB).
+    #[arg(long, value_name = "SIZES", value_parser = size, value_delimiter = ',',
+          default_value = "4KiB,64KiB,256KiB")]
+    pub value_sizes: Vec<u64>,
+    /// A random client is killed with SIGKILL (and another started) this often; 0s = never
+    /// (default: 2s).
+    #[arg(long, value_name = "DUR", value_parser = duration, default_value = "2s")]
+    pub kill_every: Duration,
+    /// An admin action at random (evict the namespace, drain for 200 ms and resume, audit)
+    /// this often; 0s = never (default: 3s).
+    #[arg(long, value_name = "DUR", value_parser = duration, default_value = "3s")]
+    pub admin_every: Duration,
+    /// Seed of the kills, the admin actions and the clients' seeds (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `orbitkv-perf soak-client`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct SoakClientArgs {
+    /// Bootstrap socket of the server.
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// Seed of this client's choices.
+    #[arg(long, value_name = "N")]
+    pub seed: u64,
+    /// Keys of the shared key space.
+    #[arg(long, value_name = "N")]
+    pub keys: u64,
+    /// Value sizes, comma-separated.
+    #[arg(long, value_name = "SIZES", value_parser = size, value_delimiter = ',')]
+    pub value_sizes: Vec<u64>,
 }
 
 /// Engine KV layouts (see `orbitkv_gpu::KvLayout`).

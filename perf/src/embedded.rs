@@ -27,6 +27,8 @@ pub(crate) struct Options {
     pub shards: usize,
     /// Pass `--no-lock-arena`.
     pub no_lock_arena: bool,
+    /// An SSD tier of (bytes, region bytes) in the server's temporary directory.
+    pub ssd: Option<(u64, u64)>,
 }
 
 /// A running private server; dropping it stops the server and removes its directory.
@@ -84,6 +86,13 @@ impl EmbeddedServer {
         }
         if opts.no_lock_arena {
             cmd.arg("--no-lock-arena");
+        }
+        if let Some((bytes, region)) = opts.ssd {
+            cmd.arg("--ssd")
+                .arg(bytes.to_string())
+                .arg("--ssd-region-size")
+                .arg(region.to_string());
+            cmd.arg("--ssd-dir").arg(dir.path());
         }
         let child = cmd
             .stdin(Stdio::null())

@@ -25,6 +25,7 @@ mod progress;
 mod report;
 mod sampler;
 mod serve;
+mod soak;
 mod ssd;
 mod stats;
 mod wake;
@@ -49,6 +50,8 @@ fn main() -> ExitCode {
         Command::Dma(a) => ("dma", dma::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Checksum(a) => ("checksum", checksum::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Peer(a) => ("peer", peer::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Soak(a) => ("soak", soak::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::SoakClient(a) => ("soak-client", soak::client(&a)),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,

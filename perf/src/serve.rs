@@ -46,6 +46,7 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
             dram: a.embedded_dram.unwrap_or(EMBEDDED_DRAM),
             shards: a.embedded_shards.unwrap_or(0),
             no_lock_arena: a.no_lock_arena,
+            ssd: None,
         })?)
     } else {
         None
