@@ -77,6 +77,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A full scan of every shard's bookkeeping against its counters (entries, arena pages,
+    /// leases, reservations, the SSD log); exit 1 when anything does not add up.
+    Audit {
+        /// Print the server's JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Offline tools for the SSD tier's files (run on a stopped server's --ssd-dir).
     Ssd {
         #[command(subcommand)]
@@ -149,6 +156,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
         }
         Command::Evict { namespace, all: _, json } => evict(admin, namespace, json),
         Command::Peers { json } => peers(admin, json),
+        Command::Audit { json } => audit(admin, json),
         Command::Sessions { json } => {
             let v = admin.call("sessions")?;
             if json {
@@ -161,6 +169,38 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// `audit`: 0 when every shard's scan is consistent, 1 when one is not (its problems printed).
+fn audit(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
+    match admin.call("audit") {
+        Ok(v) if json => {
+            println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok(v) => {
+            let shards = v["shards"].as_array().cloned().unwrap_or_default();
+            let sum = |f: &str| shards.iter().filter_map(|s| s[f].as_u64()).sum::<u64>();
+            println!(
+                "consistent: {} shards, {} entries, {} leases ({} lookup pins), {} reservations, \
+                 {} SSD records, {} sessions",
+                shards.len(),
+                sum("entries"),
+                sum("leases"),
+                sum("pins"),
+                sum("reservations"),
+                sum("ssd_records"),
+                u64_of(&v, "sessions")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        // The server answered, and what it found does not add up.
+        Err(e) if e.starts_with("server: ") => {
+            println!("inconsistent: {}", &e["server: ".len()..]);
+            Ok(ExitCode::from(1))
+        }
+        Err(e) => Err(e),
     }
 }
 

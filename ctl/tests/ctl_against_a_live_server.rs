@@ -188,6 +188,11 @@ fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
     assert_eq!((present(&mut c, a), present(&mut c, b)), (10, 10));
     let leased = c.lookup_leased(&keys(a)[3..4]).unwrap();
     assert_eq!(leased.len(), 1);
+    // The audit's full scan agrees with the counters: 20 entries, the one lease.
+    let out = ctl(&socket, &["audit"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("consistent: 2 shards, 20 entries, 1 leases"), "{text}");
 
     // Namespace a: all but the leased chunk go, on every shard; b stays whole.
     let out = ctl(&socket, &["evict", "--namespace", &a.to_string(), "--json"]);
@@ -226,6 +231,15 @@ fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
     assert!(ctl(&socket, &["health"]).status.success());
     c.put(&[(keys(a)[0], &value)]).unwrap();
     assert_eq!(present(&mut c, a), 1);
+    let v = json(&ctl(&socket, &["audit", "--json"]));
+    assert_eq!(
+        (v["ok"].as_bool(), v["problems"].as_array().map(Vec::len)),
+        (Some(true), Some(0)),
+        "{v}"
+    );
+    let entries: u64 =
+        v["shards"].as_array().unwrap().iter().map(|s| s["entries"].as_u64().unwrap()).sum();
+    assert_eq!(entries, 1, "{v}");
 }
 
 #[test]

@@ -196,7 +196,12 @@ fn audit(shared: &Shared) -> Value {
             }
         })
         .collect();
-    json!({"ok": problems.is_empty(), "sessions": sessions, "problems": problems, "shards": shards})
+    let mut reply = json!({"ok": problems.is_empty(), "sessions": sessions, "problems": problems, "shards": shards});
+    if let Some(first) = problems.first() {
+        reply["error"] =
+            json!(format!("audit: {} inconsistencies; the first: {first}", problems.len()));
+    }
+    reply
 }
 
 /// How long `evict` waits for every shard's pass over its keys.
