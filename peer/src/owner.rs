@@ -435,13 +435,12 @@ impl Owner {
         let node = Arc::clone(&owner.cfg.node);
         let asked = keys.clone();
         let hits = blocking(move || node.grant(holder, &asked)).await;
-        let (chunks, undo, given) = owner.record_grants(&r, &keys, hits);
+        let (chunks, undo) = owner.record_grants(&r, &keys, hits);
         if !undo.is_empty() {
             let node = Arc::clone(&owner.cfg.node);
             blocking(move || node.release(holder, &undo)).await;
             return Err(Status::cancelled("the requester cancelled this grant"));
         }
-        owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
         Ok(Response::new(GrantReply {
             owner_epoch,
             segment: owner.te.segment().to_owned(),
@@ -451,13 +450,14 @@ impl Owner {
 
     /// Records the leases the shards took for grant request `r` (one hit or miss per key) as
     /// grants of its holder: the answer per key, the leases to give back at once (the request
-    /// was cancelled before this answer), and the grants the holder has now.
+    /// was cancelled before this answer). The peer view's count of grants given is set under
+    /// the same lock (set after it, a grant's count could land after a later release's).
     fn record_grants(
         &self,
         r: &GrantRequest,
         keys: &[ChunkKey],
         hits: Vec<Option<orbitkv_proto::Hit>>,
-    ) -> (Vec<Granted>, Vec<SlotRef>, u64) {
+    ) -> (Vec<Granted>, Vec<SlotRef>) {
         let mut chunks = Vec::with_capacity(keys.len());
         let mut undo = Vec::new();
         let mut g = lock(&self.grants);
@@ -497,7 +497,8 @@ impl Owner {
         }
         let given = h.grants.len() as u64;
         g.next_grant = next_grant;
-        (chunks, undo, given)
+        self.cluster.update_peer(&r.requester, |v| v.grants_given = given);
+        (chunks, undo)
     }
 
     async fn release(
@@ -506,7 +507,7 @@ impl Owner {
     ) -> Result<Response<ReleaseReply>, Status> {
         let owner = self;
         owner.check_owner_epoch(r.owner_epoch)?;
-        let (holder, slots, unknown, given) = {
+        let (holder, slots, unknown) = {
             let mut g = lock(&owner.grants);
             let key = (r.requester.clone(), r.requester_epoch);
             if r.requests.is_empty() && !g.holders.contains_key(&key) {
@@ -542,12 +543,14 @@ impl Owner {
                 }
             }
             let unknown = ids.len().saturating_sub(slots.len()) as u32;
-            (h.id, slots, unknown, h.grants.len() as u64)
+            // Under the grants' lock, as a grant sets it.
+            let given = h.grants.len() as u64;
+            owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
+            (h.id, slots, unknown)
         };
         let released = slots.len() as u32;
         let node = Arc::clone(&owner.cfg.node);
         blocking(move || node.release(holder, &slots)).await;
-        owner.cluster.update_peer(&r.requester, |v| v.grants_given = given);
         Ok(Response::new(ReleaseReply { released, unknown }))
     }
 }

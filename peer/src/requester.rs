@@ -25,6 +25,10 @@ const MEMBERS_TICK: Duration = Duration::from_millis(200);
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(1);
 /// How long one grant or release call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Times a release is sent before it is given up (the owner keeps the leases until then).
+const RELEASE_TRIES: u32 = 4;
+/// Pause before a release is sent again (times the attempt).
+const RELEASE_RETRY_AFTER: Duration = Duration::from_millis(250);
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
 const FETCH_BATCH: usize = 1024;
 
@@ -284,15 +288,15 @@ impl Requester {
         let me = (self.cluster.cfg.node_id.clone(), self.cluster.epoch().unwrap_or(0));
         let mut client = PeerClient::new(channel);
         let request_id = self.next_request.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let release = |client: &mut PeerClient<Channel>| {
-            let release = ReleaseRequest {
-                requester: me.0.clone(),
-                requester_epoch: me.1,
-                owner_epoch: epoch,
-                grant_ids: Vec::new(),
-                requests: vec![request_id],
-            };
-            let mut client = client.clone();
+        let releasing = ReleaseRequest {
+            requester: me.0.clone(),
+            requester_epoch: me.1,
+            owner_epoch: epoch,
+            grant_ids: Vec::new(),
+            requests: vec![request_id],
+        };
+        let release = move |client: &mut PeerClient<Channel>| {
+            let (mut client, release) = (client.clone(), releasing.clone());
             async move { tokio::time::timeout(CALL_TIMEOUT, client.release(release)).await }
         };
         let request = GrantRequest {
@@ -335,12 +339,21 @@ impl Requester {
         // The reads are over (done or failed): the grants go back, while the shards already
         // take the chunks.
         let held = ids.len() as u64;
-        let (cluster, node, releasing) =
-            (Arc::clone(&self.cluster), node.to_owned(), release(&mut client));
+        let (cluster, node) = (Arc::clone(&self.cluster), node.to_owned());
         tokio::spawn(async move {
-            if let Err(e) = releasing.await {
-                // The owner returns them once this node is gone; until then they stay counted.
-                tracing::warn!(peer = %node, grants = held, error = %e, "releasing grants timed out");
+            // A release refused or lost is sent again: until the owner has it, it keeps the
+            // leases (it would return them only once this node is gone).
+            for attempt in 1..=RELEASE_TRIES {
+                let why = match release(&mut client).await {
+                    Ok(Ok(_)) => break,
+                    Ok(Err(status)) => status.message().to_owned(),
+                    Err(_) => "timed out".to_owned(),
+                };
+                if attempt == RELEASE_TRIES {
+                    tracing::warn!(peer = %node, grants = held, error = %why, "releasing grants failed; the owner returns them once this node is gone");
+                } else {
+                    tokio::time::sleep(RELEASE_RETRY_AFTER * attempt).await;
+                }
             }
             cluster.update_peer(&node, |v| v.grants_held = v.grants_held.saturating_sub(held));
         });
