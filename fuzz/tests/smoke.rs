@@ -170,3 +170,33 @@ fn peer_messages() {
     };
     run(orbitkv_fuzz::peer_messages, &[update.encode_to_vec(), grant.encode_to_vec()]);
 }
+
+#[test]
+fn admin_request() {
+    let seeds: Vec<Vec<u8>> = [
+        r#"{"cmd":"stats"}"#,
+        r#"{"cmd":"evict","namespace":12}"#,
+        r#"{"cmd":"evict","all":true}"#,
+        r#"{"cmd":"evict","all":true,"namespace":1}"#,
+        r#"{"cmd":"audit","extra":[1,2,{"x":null}]}"#,
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    run(orbitkv_server::fuzzing::admin_request, &seeds);
+}
+
+#[test]
+fn config_file() {
+    let seeds: Vec<Vec<u8>> = [
+        "",
+        "shards = 2\ndram = \"64MiB\"\n",
+        "dram = \"1GiB\"\nallow-uid = [0, 65534]\nspin-window = \"2ms\"\ngpu = \"off\"\n",
+        "ssd = \"1GiB\"\nssd-dir = \"/tmp\"\nssd-region-size = \"4MiB\"\n",
+        include_str!("../../deploy/orbitkv.toml"),
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    run(orbitkv_server::fuzzing::config_file, &seeds);
+}

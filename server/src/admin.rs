@@ -67,27 +67,44 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
         .read_line(&mut line)?;
-    let reply = match serde_json::from_str::<Value>(&line) {
-        Ok(v) => match v.get("cmd").and_then(Value::as_str) {
-            Some(cmd) => match allowed(cmd, (creds.uid(), creds.gid()), shared) {
-                Ok(()) => command(cmd, &v, shared),
-                Err(why) => {
-                    tracing::warn!(
-                        uid = creds.uid(),
-                        pid = creds.pid(),
-                        cmd,
-                        "admin command refused"
-                    );
-                    json!({"ok": false, "error": why, "code": "permission_denied"})
-                }
-            },
-            None => json!({"ok": false, "error": "request has no \"cmd\" string"}),
+    let reply = match parse_request(&line) {
+        Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), shared) {
+            Ok(()) => command(&cmd, &v, shared),
+            Err(why) => {
+                tracing::warn!(uid = creds.uid(), pid = creds.pid(), cmd, "admin command refused");
+                json!({"ok": false, "error": why, "code": "permission_denied"})
+            }
         },
-        Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
+        Err(why) => json!({"ok": false, "error": why}),
     };
     let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
     out.push(b'\n');
     (&stream).write_all(&out)
+}
+
+/// One request line: a JSON object with a `"cmd"` string; the command and the whole object,
+/// or why not (the answer's error).
+pub(crate) fn parse_request(line: &str) -> Result<(String, Value), String> {
+    let v = serde_json::from_str::<Value>(line).map_err(|e| format!("request is not JSON: {e}"))?;
+    match v.get("cmd").and_then(Value::as_str) {
+        Some(cmd) => Ok((cmd.to_owned(), v)),
+        None => Err("request has no \"cmd\" string".to_owned()),
+    }
+}
+
+/// What an `evict` request names: a namespace, or every chunk (None); or why it names
+/// neither (the answer's error).
+pub(crate) fn evict_target(request: &Value) -> Result<Option<u64>, &'static str> {
+    match (request.get("namespace"), request.get("all")) {
+        (Some(n), None) => n
+            .as_u64()
+            .map(Some)
+            .ok_or("evict: \"namespace\" must be a namespace id (an unsigned 64-bit integer)"),
+        (None, Some(Value::Bool(true))) => Ok(None),
+        (None, Some(_)) => Err("evict: \"all\" must be true"),
+        (Some(_), Some(_)) => Err("evict: give \"namespace\" or \"all\", not both"),
+        (None, None) => Err("evict: give \"namespace\": ID or \"all\": true"),
+    }
 }
 
 /// Whether the connection's `(uid, gid)` may run `cmd`: commands that change state need an
@@ -210,20 +227,9 @@ const EVICT_TIMEOUT: Duration = Duration::from_secs(8);
 /// `evict`: removes a namespace's chunks (`"namespace": ID`) or every chunk (`"all": true`)
 /// from every tier of every shard. Leased chunks, and chunks a tier is moving, stay (`busy`).
 fn evict(request: &Value, shared: &Shared) -> Value {
-    let refuse = |e: &str| json!({"ok": false, "error": e});
-    let namespace = match (request.get("namespace"), request.get("all")) {
-        (Some(n), None) => match n.as_u64() {
-            Some(id) => Some(id),
-            None => {
-                return refuse(
-                    "evict: \"namespace\" must be a namespace id (an unsigned 64-bit integer)",
-                )
-            }
-        },
-        (None, Some(Value::Bool(true))) => None,
-        (None, Some(_)) => return refuse("evict: \"all\" must be true"),
-        (Some(_), Some(_)) => return refuse("evict: give \"namespace\" or \"all\", not both"),
-        (None, None) => return refuse("evict: give \"namespace\": ID or \"all\": true"),
+    let namespace = match evict_target(request) {
+        Ok(n) => n,
+        Err(why) => return json!({"ok": false, "error": why}),
     };
     let answers = shared.evict(namespace, EVICT_TIMEOUT);
     let (mut removed, mut busy, mut not_durable) = (0, 0, 0);

@@ -306,6 +306,14 @@ pub enum CommandLineError {
     File(#[from] ConfigError),
 }
 
+/// A config file's TOML `text` alone (no flag given), as `--config` reads it, validated.
+pub(crate) fn from_file_text(text: &str) -> Result<Settings, String> {
+    let matches = Args::command().try_get_matches_from(["orbitkv-server"]).map_err(|e| e.to_string())?;
+    let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+    let config = merge(text, &args.server, &matches)?;
+    config.validate().map_err(|e| e.to_string())
+}
+
 /// The file's TOML `text` with the options `matches` got from the command line taken from
 /// `flags` instead.
 fn merge(text: &str, flags: &ServerConfig, matches: &ArgMatches) -> Result<ServerConfig, String> {

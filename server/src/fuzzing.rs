@@ -1,0 +1,25 @@
+//! Entry points for the fuzz targets (`fuzz/`, cargo fuzz) into the decoders of outside input
+//! that live in the server: each takes arbitrary bytes and must never panic.
+
+/// A line on the admin socket: parsed as the server parses it, an `evict`'s target read, and
+/// a request that parses is parsed the same again from its own serialization.
+pub fn admin_request(data: &[u8]) {
+    let Ok(line) = std::str::from_utf8(data) else { return };
+    let Ok((cmd, v)) = crate::admin::parse_request(line) else { return };
+    if cmd == "evict" {
+        let _ = crate::admin::evict_target(&v);
+    }
+    let again = crate::admin::parse_request(&v.to_string()).expect("a parsed request re-parses");
+    assert_eq!(again, (cmd, v));
+}
+
+/// A config file's text, as `--config` reads it: TOML into the options, then validated (a
+/// config that validates prints, with `--print-config`, as TOML that reads back the same).
+pub fn config_file(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    if let Ok(settings) = crate::config::from_file_text(text) {
+        let printed = toml::to_string(&settings.config).expect("a configuration prints");
+        let back = crate::config::from_file_text(&printed).expect("what printed reads back");
+        assert_eq!(back.config, settings.config, "{printed}");
+    }
+}

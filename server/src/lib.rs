@@ -1,0 +1,554 @@
+//! `orbitkv-server`: the per-host OrbitKV Manager. The binary's `main` is [`main`]; the
+//! library exists for it and for [`fuzzing`], which drives the decoders of outside input that
+//! live here (the admin socket's requests, the config file) in process.
+
+#![deny(unsafe_code)]
+// The stats reply is one json! object of many keys.
+#![recursion_limit = "256"]
+
+mod access;
+mod admin;
+mod bootstrap;
+mod config;
+mod deadline;
+mod doorbell;
+mod error;
+mod executor;
+mod gpu;
+mod ipc;
+mod metrics;
+mod peering;
+mod router;
+mod shared;
+mod transfer;
+
+pub mod fuzzing;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::channels::channel_mesh::MeshBuilder;
+use orbitkv_proto::{admin_socket_path, format_bytes};
+use orbitkv_shards::ssd::store::SsdConfig;
+use orbitkv_shards::{Arena, ShardConfig, ShardCore};
+
+use crate::config::Settings;
+use crate::error::StartError;
+use crate::executor::{IdlePolicy, ShardContext};
+use crate::ipc::IpcNames;
+use crate::shared::{ControlMsg, ServeState, Shared};
+
+/// How often the watchdog looks for a shard executor that parked with work queued.
+const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
+/// How often it looks while every shard sleeps on its doorbell (an idle server).
+const WATCHDOG_ASLEEP_PERIOD: Duration = Duration::from_millis(100);
+
+/// The server: parses the command line, runs until SIGTERM or SIGINT.
+pub fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ORBITKV_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    iceoryx2::prelude::set_log_level_from_env_or(iceoryx2::prelude::LogLevel::Warn);
+    // Test builds: the failpoints named in FAILPOINTS, for the process's life.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
+    let (config, print_config) = match config::from_command_line(std::env::args_os()) {
+        Ok(c) => c,
+        // Usage errors, --help and --version: clap prints them and picks the exit code.
+        Err(config::CommandLineError::Flags(e)) => e.exit(),
+        Err(e) => return fail(&e.to_string()),
+    };
+    if print_config {
+        print!("{}", toml::to_string(&config).expect("the config struct serializes to TOML"));
+        return ExitCode::SUCCESS;
+    }
+    let settings = match config.validate() {
+        Ok(s) => s,
+        Err(e) => return fail(&e.to_string()),
+    };
+    match run(settings) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e.to_string()),
+    }
+}
+
+fn fail(message: &str) -> ExitCode {
+    eprintln!("orbitkv-server: error: {message}");
+    ExitCode::from(2)
+}
+
+/// Binds a Unix socket at `path`, refusing if a live server answers there and replacing a
+/// stale socket file left by a crash.
+fn bind(path: &Path, mode: u32, gid: Option<u32>) -> Result<UnixListener, StartError> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(StartError::AlreadyServing(path.to_owned()));
+        }
+        std::fs::remove_file(path).map_err(StartError::io("removing stale socket", path))?;
+    }
+    let listener = UnixListener::bind(path).map_err(StartError::io("binding", path))?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .map_err(StartError::io("setting the group (--socket-group) of", path))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(StartError::io("setting permissions of", path))?;
+    Ok(listener)
+}
+
+/// Removes SSD files of shards this run does not have (an earlier run with more shards), so
+/// that the directory never holds more than the configured cap.
+fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), StartError> {
+    let entries = std::fs::read_dir(dir).map_err(StartError::io("reading --ssd-dir", dir))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(id) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("shard-"))
+            .and_then(|n| n.strip_suffix(".okv"))
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if id >= shards {
+            tracing::warn!(path = %entry.path().display(), shards, "removing the SSD file of a shard this run does not have");
+            std::fs::remove_file(entry.path()).map_err(StartError::io("removing", entry.path()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Cores for the GPU DMA threads (a save and a load thread per device, in that order): the
+/// allowed cores `cpus` after the shards' own, when pinning is on and there are enough of
+/// them; otherwise none, and the threads run unpinned beside the shards (said in the log).
+fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<usize> {
+    if !pin {
+        return Vec::new();
+    }
+    let wanted = shards + 2 * devices;
+    if wanted > cpus.len() {
+        tracing::info!(
+            shards,
+            dma_threads = 2 * devices,
+            cpus = cpus.len(),
+            "GPU DMA threads run unpinned: fewer cores than shards and DMA threads"
+        );
+        return Vec::new();
+    }
+    let cores = cpus[shards..wanted].to_vec();
+    tracing::info!(?cores, "GPU DMA threads pinned, one core each");
+    cores
+}
+
+/// CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
+        Ok(set) => {
+            (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
+        }
+        Err(_) => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
+    }
+}
+
+/// io_uring memory per ring so that every executor's three rings fit RLIMIT_MEMLOCK.
+fn io_memory_per_ring(shards: usize) -> usize {
+    const MAX: u64 = 1 << 20;
+    const MIN: u64 = 64 << 10;
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
+        .map(|(soft, _)| soft)
+        .unwrap_or(8 << 20);
+    let per = (limit / (shards as u64 * 4)).clamp(MIN, MAX);
+    (per / 4096 * 4096) as usize
+}
+
+/// Inventory changes a shard logs between two drains by the peer thread (every 50 ms); more
+/// and the peer thread reads the shard's whole inventory instead.
+const INVENTORY_LOG: usize = 65_536;
+/// How long the start waits for the first attempt to join the cluster.
+const CLUSTER_JOIN_WAIT: Duration = Duration::from_secs(5);
+/// How long the shutdown waits for the member key's removal.
+const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
+
+fn run(settings: Settings) -> Result<(), StartError> {
+    let started = Instant::now();
+    let socket = settings.socket.clone();
+    let admin = admin_socket_path(&socket);
+    claim_socket(&socket)?;
+    let (metrics_listener, cluster) = outside_links(&settings)?;
+    let shards = settings.shards;
+    let gpu = resolve_gpu(&settings)?;
+    let arena = Arc::new(
+        Arena::create(settings.dram_bytes, settings.config.lock_arena)
+            .map_err(StartError::Arena)?,
+    );
+    // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) after
+    // the GPU service has stopped, before the arena.
+    let registration = register_arena(&settings, gpu.as_ref(), &arena)?;
+    let ipc = IpcNames::for_socket(&socket);
+    ipc::remove_leftovers(&ipc);
+    let (txs, rxs): (Vec<_>, Vec<_>) =
+        (0..shards).map(|_| crossbeam_channel::bounded::<ControlMsg>(1024)).unzip();
+    let service_prefix = format!("orbitkv/{}", std::process::id());
+    let doorbells = Arc::new(doorbell::Doorbells::new(Arc::clone(&arena), shards)?);
+    doorbell::watch(Arc::downgrade(&doorbells), WATCHDOG_PERIOD, WATCHDOG_ASLEEP_PERIOD)
+        .map_err(StartError::thread("orbitkv-watchdog"))?;
+    let shared = Shared::new(
+        settings.clone(),
+        txs,
+        doorbells,
+        gpu,
+        arena.locked(),
+        ipc.clone(),
+        service_prefix,
+    );
+    if let Some(c) = cluster {
+        let _ = shared.cluster.set(c);
+    }
+    // GPU save/load needs the arena registered with CUDA.
+    if let (Some(orbitkv_gpu::Probe::Present { devices }), Some(host)) =
+        (&shared.gpu, &registration)
+    {
+        start_gpu_service(&settings, &shared, devices, host)?;
+    }
+    if let Some(ssd) = &settings.ssd {
+        remove_orphan_shard_files(&ssd.dir, shards)?;
+    }
+    let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc)?;
+    start_peering(&settings, &shared, &arena)?;
+    start_listeners((&socket, &admin), metrics_listener, &shared, &arena)?;
+    tracing::info!(
+        socket = %socket.display(),
+        shards,
+        arena = %format_bytes(settings.dram_bytes),
+        arena_locked = arena.locked(),
+        pinned,
+        startup_ms = started.elapsed().as_millis() as u64,
+        "orbitkv-server serving"
+    );
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
+    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
+    tracing::info!(signal, "shutting down: draining");
+    drain(&settings, &shared);
+    shut_down(&shared, (&socket, &admin), handles, &ipc);
+    Ok(())
+}
+
+/// After the drain: leaves the cluster, removes the sockets, stops the shards and the GPU
+/// service, in that order.
+fn shut_down(
+    shared: &Shared,
+    (socket, admin): (&Path, &Path),
+    handles: Vec<glommio::ExecutorJoinHandle<()>>,
+    ipc: &IpcNames,
+) {
+    if let Some(c) = shared.cluster.get() {
+        c.leave(CLUSTER_LEAVE_WAIT);
+    }
+    // Remove the sockets first so no new client finds a dying server.
+    let _ = std::fs::remove_file(socket);
+    let _ = std::fs::remove_file(admin);
+    for shard in 0..shared.shards() {
+        shared.send_control(shard, ControlMsg::Stop, Duration::from_secs(5));
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    // Copies in flight complete before the arena is unregistered and unmapped.
+    if let Some(service) = shared.gpu_service.get() {
+        service.shutdown();
+    }
+    ipc::remove_leftovers(ipc);
+    tracing::info!("orbitkv-server stopped");
+}
+
+/// In cluster mode, peering (inventory, grants, peer reads) once the shards run. A build
+/// without a Transfer Engine stays a member only, and says so.
+fn start_peering(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+) -> Result<(), StartError> {
+    let Some(cluster) = shared.cluster.get() else { return Ok(()) };
+    let cfg = orbitkv_peer::PeeringConfig {
+        node: Arc::new(peering::Node(Arc::clone(shared))),
+        arena: (arena.base_ptr() as u64, arena.len()),
+        catalog_max_per_peer: settings.config.peer_catalog_entries,
+        max_grants_per_peer: settings.config.peer_max_grants,
+    };
+    match cluster.start_peering(cfg) {
+        Ok(queue) => {
+            let _ = shared.peer_fetches.set(queue);
+            tracing::info!(segment = %cluster.te_segment(), "cluster: peering started");
+            Ok(())
+        }
+        Err(e @ orbitkv_peer::PeeringError::NoTransferEngine) => {
+            tracing::warn!("cluster: {e}");
+            Ok(())
+        }
+        Err(e) => Err(StartError::Peering(e)),
+    }
+}
+
+/// Makes the socket's directory and refuses when a live server answers on the socket, before
+/// anything else (iceoryx2 state) is touched.
+fn claim_socket(socket: &Path) -> Result<(), StartError> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).map_err(StartError::io("creating", dir))?;
+    }
+    if UnixStream::connect(socket).is_ok() {
+        return Err(StartError::AlreadyServing(socket.to_owned()));
+    }
+    Ok(())
+}
+
+/// `--gpu` applied to the devices found (logged).
+fn resolve_gpu(settings: &Settings) -> Result<Option<orbitkv_gpu::Probe>, StartError> {
+    let gpu = orbitkv_gpu::resolve(settings.config.gpu)?;
+    match &gpu {
+        None => tracing::info!("GPU off (--gpu off)"),
+        Some(orbitkv_gpu::Probe::Absent { reason }) => {
+            tracing::info!(%reason, "no CUDA device: serving DRAM/SSD only (--gpu auto)")
+        }
+        Some(orbitkv_gpu::Probe::Present { devices }) => {
+            for d in devices {
+                tracing::info!(ordinal = d.ordinal, name = %d.name, uuid = %d.uuid, "CUDA device");
+            }
+        }
+    }
+    Ok(gpu)
+}
+
+/// The arena registered with CUDA when a device is in use; a failure ends the start with
+/// `--gpu required`, and otherwise leaves the server serving without GPU (logged).
+fn register_arena(
+    settings: &Settings,
+    gpu: Option<&orbitkv_gpu::Probe>,
+    arena: &Arc<Arena>,
+) -> Result<Option<Arc<orbitkv_gpu::HostRegistration>>, StartError> {
+    let Some(orbitkv_gpu::Probe::Present { devices }) = gpu else { return Ok(None) };
+    let first = &devices[0];
+    match orbitkv_gpu::register_arena(first.ordinal as usize, arena) {
+        Ok(r) => {
+            tracing::info!(
+                uuid = %first.uuid,
+                bytes = arena.len(),
+                ms = r.elapsed.as_millis() as u64,
+                "arena registered with CUDA"
+            );
+            Ok(Some(Arc::new(r)))
+        }
+        Err(e) if settings.config.gpu == orbitkv_gpu::GpuMode::Required => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "arena not registered with CUDA: serving without GPU");
+            Ok(None)
+        }
+    }
+}
+
+/// Starts the DMA thread pair of every device and hands the service to the shards.
+fn start_gpu_service(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    devices: &[orbitkv_gpu::DeviceInfo],
+    host: &Arc<orbitkv_gpu::HostRegistration>,
+) -> Result<(), StartError> {
+    let limits = gpu::GpuLimits {
+        queue_depth: settings.config.gpu_queue_depth,
+        max_registrations: settings.config.max_gpu_registrations,
+        staging_bytes: settings.gpu_staging_bytes as usize,
+        staging_depth: settings.gpu_staging_depth,
+        checksums: settings.config.gpu_checksums,
+        copy: settings.config.gpu_copy,
+        timeline: settings.config.gpu_timeline,
+    };
+    let shards = settings.shards;
+    let service = gpu::GpuService::new(devices.to_vec(), Arc::clone(host), shards, limits)?;
+    let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
+    service.start(Arc::clone(&shared.doorbells), &cores)?;
+    tracing::info!(
+        devices = devices.len(),
+        staging = settings.gpu_staging_bytes,
+        staging_depth = settings.gpu_staging_depth,
+        job = settings.gpu_job_bytes,
+        "GPU save/load ready (gpu-d2h-D, gpu-h2d-D per device D)"
+    );
+    let _ = shared.gpu_service.set(service);
+    Ok(())
+}
+
+/// Starts every shard's executor on its slice of the arena and waits until each serves (or
+/// says why not); the executors' handles, and whether they are pinned.
+fn start_shards(
+    settings: &Settings,
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+    controls: Vec<crossbeam_channel::Receiver<ControlMsg>>,
+    ipc: &IpcNames,
+) -> Result<(Vec<glommio::ExecutorJoinHandle<()>>, bool), StartError> {
+    let shards = settings.shards;
+    let cpus = allowed_cpus();
+    let pin = settings.config.pin && shards <= cpus.len();
+    if settings.config.pin && !pin {
+        tracing::warn!(shards, cpus = cpus.len(), "more shards than CPUs: shards run unpinned");
+    }
+    // With a core to spare for clients, shards poll briefly after work; when every core runs a
+    // shard, polling would starve the clients, so shards sleep on their doorbells at once.
+    let idle = if shards < cpus.len() { IdlePolicy::Poll } else { IdlePolicy::Sleep };
+    tracing::info!(?idle, shards, cpus = cpus.len(), "idle policy");
+    let depth = settings.config.mesh_queue_depth;
+    let req_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
+    let rep_mesh = (shards > 1).then(|| MeshBuilder::full(shards, depth));
+    let io_memory = io_memory_per_ring(shards);
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded(shards);
+    let mut handles = Vec::new();
+    for (id, (slice, control)) in arena.split(shards).into_iter().zip(controls).enumerate() {
+        let mut core = ShardCore::new(
+            ShardConfig {
+                id,
+                max_chunk_bytes: settings.max_chunk_bytes,
+                max_namespaces: settings.config.max_namespaces,
+            },
+            slice,
+        );
+        if settings.cluster.is_some() {
+            core.enable_inventory(INVENTORY_LOG);
+        }
+        let ctx = ShardContext {
+            id,
+            shards,
+            cpu: pin.then(|| cpus[id]),
+            io_memory,
+            core,
+            control,
+            req_mesh: req_mesh.clone(),
+            rep_mesh: rep_mesh.clone(),
+            shared: Arc::clone(shared),
+            ipc: ipc.clone(),
+            ready: ready_tx.clone(),
+            idle,
+            ssd: settings.ssd.as_ref().map(|s| SsdConfig {
+                dir: s.dir.clone(),
+                shard_id: id as u32,
+                shard_count: shards as u32,
+                capacity_bytes: s.per_shard_bytes,
+                region_bytes: s.region_bytes,
+                ring_depth: s.queue_depth,
+                inject_delay: s.inject_latency,
+                inject_errors_every: s.inject_errors_every,
+            }),
+        };
+        handles.push(executor::spawn(ctx)?);
+    }
+    for _ in 0..shards {
+        match ready_rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(StartError::ShardTimeout),
+        }
+    }
+    Ok((handles, pin))
+}
+
+/// What starts before the server: the metrics listener, bound (an address in use stops the
+/// server at once), and in cluster mode the membership (a node id held by a live member
+/// stops the start; an etcd that does not answer does not: the server serves locally and
+/// keeps trying).
+#[allow(clippy::type_complexity)]
+fn outside_links(
+    settings: &Settings,
+) -> Result<(Option<std::net::TcpListener>, Option<Arc<orbitkv_peer::Cluster>>), StartError> {
+    let metrics_listener = settings
+        .config
+        .metrics_addr
+        .map(|addr| {
+            metrics::http::bind(addr).map_err(|source| StartError::Metrics { addr, source })
+        })
+        .transpose()?;
+    let cluster = match &settings.cluster {
+        Some(cfg) => Some(orbitkv_peer::Cluster::start(cfg.clone(), CLUSTER_JOIN_WAIT)?),
+        None => None,
+    };
+    Ok((metrics_listener, cluster))
+}
+
+/// Binds the bootstrap and admin sockets and starts the threads that accept on them and on
+/// the metrics listener.
+fn start_listeners(
+    (socket, admin): (&Path, &Path),
+    metrics_listener: Option<std::net::TcpListener>,
+    shared: &Arc<Shared>,
+    arena: &Arc<Arena>,
+) -> Result<(), StartError> {
+    // Only the server's uid, root and the socket group reach the allow lists at all.
+    let gid = shared.settings.socket_gid;
+    let listener = bind(socket, 0o660, gid)?;
+    let admin_listener = bind(admin, 0o660, gid)?;
+    let (s, a) = (Arc::clone(shared), Arc::clone(arena));
+    std::thread::Builder::new()
+        .name("orbitkv-accept".into())
+        .spawn(move || bootstrap::serve(listener, s, a))
+        .map_err(StartError::thread("orbitkv-accept"))?;
+    let s = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name("orbitkv-admin".into())
+        .spawn(move || admin::serve(admin_listener, s))
+        .map_err(StartError::thread("orbitkv-admin"))?;
+    if let Some(listener) = metrics_listener {
+        let addr = listener.local_addr().map_err(|source| StartError::Os {
+            what: "reading the metrics listener's address",
+            source,
+        })?;
+        let s = Arc::clone(shared);
+        std::thread::Builder::new()
+            .name("orbitkv-metrics".into())
+            .spawn(move || metrics::http::serve(listener, s))
+            .map_err(StartError::thread("orbitkv-metrics"))?;
+        tracing::info!(%addr, "metrics on http://{addr}/metrics (and /healthz, /readyz)");
+    }
+    Ok(())
+}
+
+/// Stops admitting writes and waits (up to `--drain-timeout`) for the reservations
+/// outstanding to be committed or aborted.
+fn drain(settings: &Settings, shared: &Shared) {
+    shared.set_state(ServeState::Draining);
+    let deadline = Instant::now() + settings.drain_timeout;
+    while !shared.drained(Duration::from_secs(1)) {
+        if Instant::now() >= deadline {
+            tracing::warn!("drain timeout reached with reservations outstanding; exiting anyway");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dma_cores;
+
+    #[test]
+    fn dma_threads_take_the_cores_after_the_shards() {
+        let cpus: Vec<usize> = (0..16).collect();
+        assert_eq!(dma_cores(true, &cpus, 4, 1), vec![4, 5]);
+        assert_eq!(dma_cores(true, &cpus, 4, 2), vec![4, 5, 6, 7]);
+        // The allowed cores need not start at 0 nor be adjacent.
+        assert_eq!(dma_cores(true, &[2, 3, 8, 9, 12], 2, 1), vec![8, 9]);
+        assert_eq!(dma_cores(true, &[0, 1, 2], 1, 1), vec![1, 2]);
+        // Too few cores (CI's two), or pinning off: the threads run unpinned.
+        assert!(dma_cores(true, &[0, 1], 1, 1).is_empty());
+        assert!(dma_cores(false, &cpus, 4, 1).is_empty());
+    }
+}
