@@ -325,6 +325,7 @@ fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> V
         "misses": st.misses,
         "evictions": st.evictions,
         "removals": st.removals,
+        "quota_refusals": st.quota_refusals,
         "commits": st.commits,
         "bytes_committed": st.bytes_committed,
         "gpu_checksums": st.given_checksums,

@@ -153,6 +153,15 @@ pub struct ServerConfig {
     /// Largest chunk any namespace may declare. Default: 256MiB.
     #[arg(long, value_name = "SIZE", default_value = "256MiB", hide_default_value = true)]
     pub max_chunk_size: ByteSize,
+    /// Most DRAM one namespace may hold (its share on each shard; 0: no limit). A write past
+    /// it evicts the namespace's own chunks first and is refused with `QuotaExceeded` when
+    /// they cannot make room. Default: 0.
+    #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
+    pub namespace_dram_limit: ByteSize,
+    /// DRAM of each namespace that eviction for room leaves alone (its share on each shard;
+    /// 0: none): other namespaces' writes cannot push one below it. Default: 0.
+    #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
+    pub namespace_dram_guarantee: ByteSize,
     /// Most namespaces registered at once. Default: 1024.
     #[arg(long, value_name = "N", default_value_t = 1024, hide_default_value = true)]
     pub max_namespaces: usize,
@@ -308,7 +317,8 @@ pub enum CommandLineError {
 
 /// A config file's TOML `text` alone (no flag given), as `--config` reads it, validated.
 pub(crate) fn from_file_text(text: &str) -> Result<Settings, String> {
-    let matches = Args::command().try_get_matches_from(["orbitkv-server"]).map_err(|e| e.to_string())?;
+    let matches =
+        Args::command().try_get_matches_from(["orbitkv-server"]).map_err(|e| e.to_string())?;
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     let config = merge(text, &args.server, &matches)?;
     config.validate().map_err(|e| e.to_string())
@@ -356,6 +366,10 @@ pub struct Settings {
     pub idle_poll_max: Duration,
     /// SIGTERM drain timeout.
     pub drain_timeout: Duration,
+    /// Each shard's share of `--namespace-dram-limit`, in pages (0: none).
+    pub namespace_limit_pages: u64,
+    /// Each shard's share of `--namespace-dram-guarantee`, in pages (0: none).
+    pub namespace_guarantee_pages: u64,
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
     /// Cluster mode, when configured.
@@ -478,6 +492,7 @@ impl ServerConfig {
             ));
         }
         let (shards, dram_bytes) = self.validate_shards()?;
+        let (namespace_limit_pages, namespace_guarantee_pages) = self.validate_quotas(shards)?;
         let max_chunk = self.max_chunk_size.bytes();
         if max_chunk == 0 {
             return Err(invalid("--max-chunk-size", "must be positive"));
@@ -496,6 +511,8 @@ impl ServerConfig {
         let cluster = self.validate_cluster(shards)?;
         let socket_gid = self.socket_group.as_deref().map(resolve_group).transpose()?;
         Ok(Settings {
+            namespace_limit_pages,
+            namespace_guarantee_pages,
             ssd,
             cluster,
             socket_gid,
@@ -511,6 +528,27 @@ impl ServerConfig {
             gpu_job_bytes,
             gpu_staging_depth,
         })
+    }
+
+    /// Each shard's share of `--namespace-dram-limit` and `--namespace-dram-guarantee`, in
+    /// arena pages (rounded up; 0: none).
+    fn validate_quotas(&self, shards: usize) -> Result<(u64, u64), ConfigError> {
+        let per_shard = |b: u64| b.div_ceil(shards as u64).div_ceil(orbitkv_shards::PAGE_SIZE);
+        let (limit, guarantee) =
+            (self.namespace_dram_limit.bytes(), self.namespace_dram_guarantee.bytes());
+        if limit > 0 && guarantee > limit {
+            return Err(invalid(
+                "--namespace-dram-guarantee",
+                format!("{guarantee} bytes is more than --namespace-dram-limit ({limit} bytes)"),
+            ));
+        }
+        if guarantee >= self.dram.bytes() && guarantee > 0 {
+            return Err(invalid(
+                "--namespace-dram-guarantee",
+                "must be less than --dram (a namespace at its guarantee would leave no room)",
+            ));
+        }
+        Ok((per_shard(limit), per_shard(guarantee)))
     }
 
     /// Cluster mode's settings, with `--etcd`; the cluster flags without it are an error.

@@ -420,6 +420,8 @@ fn start_shards(
                 id,
                 max_chunk_bytes: settings.max_chunk_bytes,
                 max_namespaces: settings.config.max_namespaces,
+                namespace_limit_pages: settings.namespace_limit_pages,
+                namespace_guarantee_pages: settings.namespace_guarantee_pages,
             },
             slice,
         );

@@ -1,5 +1,6 @@
 //! Every bound answers with a typed error and a message, is counted, and leaves the server
-//! serving: leases and reservations per session, sessions, chunk size, arena space.
+//! serving: leases and reservations per session, sessions, chunk size, arena space, a
+//! namespace's DRAM limit (with another namespace's guarantee kept).
 
 mod common;
 
@@ -100,6 +101,15 @@ fn bad_flags_are_refused_naming_the_flag() {
         (&["--max-sessions", "0"][..], "--max-sessions"),
         (&["--shards", "1", "--dram", "4KiB"][..], "--dram"),
         (&["--idle-poll-max", "5s"][..], "--idle-poll-max"),
+        (
+            &["--namespace-dram-limit", "1MiB", "--namespace-dram-guarantee", "2MiB"][..],
+            "--namespace-dram-guarantee",
+        ),
+        (
+            &["--dram", "8MiB", "--namespace-dram-guarantee", "8MiB"][..],
+            "--namespace-dram-guarantee",
+        ),
+        (&["--namespace-dram-limit", "x"][..], "--namespace-dram-limit"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
             .args(["--socket", "/tmp/orbitkv-bad-flags-test.sock"])
@@ -186,4 +196,56 @@ fn dropped_started_requests_count_until_answered() {
     assert_eq!(c.session_id(), session, "no reconnect");
     assert_eq!(server.admin("stats")["sessions"], 1);
     assert!(!server.log().contains("receive failed"), "{}", server.log());
+}
+
+/// A namespace at `--namespace-dram-limit` evicts its own chunks for its writes; with every one
+/// of them leased its next write is refused with `QuotaExceeded`, counted; another namespace
+/// keeps its `--namespace-dram-guarantee` through it all, and writes on.
+#[test]
+fn a_namespace_over_its_dram_limit_gets_quota_exceeded() {
+    let server = TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "4MiB",
+        "--namespace-dram-limit",
+        "1MiB",
+        "--namespace-dram-guarantee",
+        "512KiB",
+    ]);
+    let mut quiet = server.client("quiet");
+    let q = quiet.register_namespace(&namespace(16)).unwrap().id;
+    let quiet_keys = chain(q, 1, 8); // 8 x 64 KiB: 512 KiB, its guarantee
+    for k in &quiet_keys {
+        quiet.put(&[(*k, &value_for(k, 64 << 10))]).unwrap();
+    }
+    let mut noisy = server.client("noisy");
+    let other = orbitkv_client::NamespaceDescriptor { model: "noisy".into(), ..namespace(16) };
+    let n = noisy.register_namespace(&other).unwrap().id;
+    let noisy_keys = chain(n, 2, 64); // 4 MiB through a 1 MiB limit
+    for k in &noisy_keys {
+        assert_eq!(noisy.put(&[(*k, &value_for(k, 64 << 10))]).unwrap(), vec![PutOutcome::Stored]);
+    }
+    assert_eq!(quiet.lookup(&quiet_keys).unwrap().len(), 8, "the quiet namespace kept all");
+    let present: Vec<_> = noisy_keys
+        .iter()
+        .filter(|k| noisy.lookup(std::slice::from_ref(*k)).unwrap().len() == 1)
+        .copied()
+        .collect();
+    assert_eq!(present.len(), 16, "1 MiB of 64 KiB chunks");
+    let held = noisy.lookup_leased(&present).unwrap();
+    let more = chain(n, 3, 1);
+    let out = noisy.put(&[(more[0], &value_for(&more[0], 64 << 10))]).unwrap();
+    assert_eq!(out, vec![PutOutcome::Failed(ErrorCode::QuotaExceeded)]);
+    noisy.release(&held).unwrap();
+    assert_eq!(server.shard_sum("quota_refusals"), 1);
+    let stats = server.admin("stats");
+    assert_eq!(stats["shards"][0]["errors"]["quota_exceeded"].as_u64(), Some(1), "{stats}");
+    // Released, its own chunks make room again; the quiet namespace writes on.
+    assert_eq!(
+        noisy.put(&[(more[0], &value_for(&more[0], 64 << 10))]).unwrap(),
+        vec![PutOutcome::Stored]
+    );
+    let k = chain(q, 4, 1)[0];
+    assert_eq!(quiet.put(&[(k, &value_for(&k, 64 << 10))]).unwrap(), vec![PutOutcome::Stored]);
 }

@@ -14,7 +14,7 @@ use crate::ops::{SessionId, ShardOp, ShardReply};
 use crate::ssd::format::RecordKind;
 
 /// Static parameters of one shard.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct ShardConfig {
     /// This shard's id.
     pub id: usize,
@@ -22,6 +22,15 @@ pub struct ShardConfig {
     pub max_chunk_bytes: u64,
     /// Most namespaces held at once (`--max-namespaces`).
     pub max_namespaces: usize,
+    /// Most arena pages one namespace may hold on this shard; 0: no limit
+    /// (`--namespace-dram-limit`, this shard's share). A reservation past it evicts the
+    /// namespace's own chunks first, and is refused with `QuotaExceeded` when they do not make
+    /// room.
+    pub namespace_limit_pages: u64,
+    /// Arena pages of each namespace that eviction for room leaves alone; 0: none
+    /// (`--namespace-dram-guarantee`, this shard's share): another namespace's writes cannot
+    /// push one below it.
+    pub namespace_guarantee_pages: u64,
 }
 
 /// A chunk a commit hashes ([`ShardCore::hash_ranges`]): its key and its bytes' place in the
@@ -134,7 +143,7 @@ pub struct StartedTombstone {
 
 #[derive(Debug)]
 pub struct ShardCore {
-    cfg: ShardConfig,
+    pub(crate) cfg: ShardConfig,
     pub(crate) slice: ArenaSlice,
     pub(crate) alloc: ExtentAllocator,
     pub(crate) entries: Entries,
@@ -225,6 +234,13 @@ impl ShardCore {
                 a.entry_pages,
                 self.alloc.used_pages()
             ));
+        }
+        let mut by_ns: HashMap<u64, u64> = HashMap::new();
+        for (_, e) in self.entries.all() {
+            *by_ns.entry(e.key.namespace).or_default() += e.extent.pages;
+        }
+        if &by_ns != self.entries.pages_by_namespace() {
+            a.problems.push("the pages counted per namespace differ from the entries'".into());
         }
         if a.entries != self.entries.indexed() as u64 {
             a.problems.push(format!("{} entries, {} indexed", a.entries, self.entries.indexed()));
@@ -571,9 +587,10 @@ impl ShardCore {
         run: Option<&mut SlotRun>,
     ) -> Result<Reservation, ErrorCode> {
         self.check_new(key, len)?;
+        self.quota_room(key.namespace, ExtentAllocator::pages_for(len))?;
         let extent = match run.and_then(|r| r.take(len)) {
             Some(extent) => extent,
-            None => self.allocate(len)?,
+            None => self.allocate(key.namespace, len)?,
         };
         let generation = self.next_generation();
         let idx = self.entries.insert_reserved(*key, session, extent, len, generation);
@@ -606,11 +623,16 @@ impl ShardCore {
     /// Allocates an extent for `len` bytes, evicting SIEVE victims if needed (a bounded number
     /// per call: when leased entries fragment the slice, emptying the cache could still not
     /// make room).
-    pub(crate) fn allocate(&mut self, len: u64) -> Result<crate::alloc::Extent, ErrorCode> {
+    pub(crate) fn allocate(
+        &mut self,
+        namespace: u64,
+        len: u64,
+    ) -> Result<crate::alloc::Extent, ErrorCode> {
         let pages = ExtentAllocator::pages_for(len);
         if pages > self.alloc.capacity_pages() {
             return Err(ErrorCode::NoSpace);
         }
+        self.quota_room(namespace, pages)?;
         let mut budget = MAX_EVICTIONS_PER_RESERVATION.max(2 * pages);
         loop {
             if let Some(extent) = self.alloc.alloc(pages) {
@@ -624,9 +646,29 @@ impl ShardCore {
         }
     }
 
-    /// Evicts the next victim and frees its extent (None when nothing can be evicted).
+    /// Makes `namespace` fit `pages` more under its limit by evicting its own victims;
+    /// `QuotaExceeded` (counted) when they do not make room.
+    fn quota_room(&mut self, namespace: u64, pages: u64) -> Result<(), ErrorCode> {
+        let limit = self.cfg.namespace_limit_pages;
+        if limit == 0 {
+            return Ok(());
+        }
+        while self.entries.namespace_pages(namespace) + pages > limit {
+            let Some(victim) = self.entries.pick_victim_sparing(0, Some(namespace)) else {
+                self.metrics.quota_refusals += 1;
+                return Err(ErrorCode::QuotaExceeded);
+            };
+            let e = self.entries.remove(victim);
+            self.alloc.free(e.extent);
+            self.metrics.evictions += 1;
+        }
+        Ok(())
+    }
+
+    /// Evicts the next victim and frees its extent (None when nothing can be evicted), sparing
+    /// namespaces at their guarantee.
     fn evict_one(&mut self) -> Option<()> {
-        let victim = self.entries.pick_victim()?;
+        let victim = self.entries.pick_victim_sparing(self.cfg.namespace_guarantee_pages, None)?;
         let evicted = self.entries.remove(victim);
         self.alloc.free(evicted.extent);
         self.metrics.evictions += 1;
@@ -881,6 +923,7 @@ impl ShardCore {
             hits: m.hits,
             misses: m.misses,
             evictions: m.evictions,
+            quota_refusals: m.quota_refusals,
             removals: m.removals,
             commits: m.commits,
             bytes_committed: m.bytes_committed,

@@ -62,6 +62,8 @@ pub(crate) struct Entries {
     tail: Option<EntryIdx>,
     hand: Option<EntryIdx>,
     ready: u64,
+    /// Arena pages held per namespace (every entry, any state): quotas and guarantees.
+    ns_pages: HashMap<u64, u64>,
     /// The DRAM inventory's change log, in cluster mode (see `peering`).
     pub log: Option<InventoryLog>,
 }
@@ -117,6 +119,7 @@ impl Entries {
         len: u64,
         generation: u64,
     ) -> EntryIdx {
+        *self.ns_pages.entry(key.namespace).or_default() += extent.pages;
         let entry = Entry {
             key,
             state: EntryState::Reserved { owner },
@@ -238,21 +241,47 @@ impl Entries {
         }
         self.index.remove(&key);
         self.free_slots.push(idx);
-        self.slab[idx as usize].take().expect("removing a live entry")
+        let e = self.slab[idx as usize].take().expect("removing a live entry");
+        if let Some(p) = self.ns_pages.get_mut(&key.namespace) {
+            *p -= e.extent.pages;
+            if *p == 0 {
+                self.ns_pages.remove(&key.namespace);
+            }
+        }
+        e
+    }
+
+    /// Arena pages the entries of namespace `ns` hold.
+    pub fn namespace_pages(&self, ns: u64) -> u64 {
+        self.ns_pages.get(&ns).copied().unwrap_or(0)
+    }
+
+    /// Arena pages per namespace (an audit compares them with the entries).
+    pub fn pages_by_namespace(&self) -> &HashMap<u64, u64> {
+        &self.ns_pages
     }
 
     /// Picks the SIEVE victim: an unvisited, unleased ready entry. `None` when every ready entry
     /// is leased (or there is none).
+    #[cfg(test)]
     pub fn pick_victim(&mut self) -> Option<EntryIdx> {
+        self.pick_victim_sparing(0, None)
+    }
+
+    /// [`Entries::pick_victim`] among the entries of namespace `only` (all with None), sparing
+    /// an entry whose namespace would fall below `guarantee` pages without it.
+    pub fn pick_victim_sparing(&mut self, guarantee: u64, only: Option<u64>) -> Option<EntryIdx> {
         // Two full passes suffice: the first clears every visited bit it passes.
         let budget = self.ready.saturating_mul(2).saturating_add(1);
         let mut cur = self.hand.or(self.tail)?;
         for _ in 0..budget {
-            let (leases, visited, prev) = {
+            let (leases, visited, prev, ns, pages) = {
                 let e = self.get(cur);
-                (e.leases, e.visited, e.prev)
+                (e.leases, e.visited, e.prev, e.key.namespace, e.extent.pages)
             };
-            if leases == 0 && !visited {
+            let spared = only.is_some_and(|n| n != ns)
+                || (guarantee > 0 && self.namespace_pages(ns) - pages < guarantee);
+            if leases == 0 && !visited && !spared {
                 self.hand = (prev != NIL).then_some(prev);
                 return Some(cur);
             }

@@ -161,6 +161,8 @@ pub struct ShardMetrics {
     pub evictions: u64,
     /// Chunks removed by explicit evict requests.
     pub removals: u64,
+    /// Reservations refused with `QuotaExceeded` (a namespace at its DRAM limit).
+    pub quota_refusals: u64,
     /// Chunks committed.
     pub commits: u64,
     /// Bytes committed.
@@ -206,6 +208,7 @@ impl Default for ShardMetrics {
             misses: 0,
             evictions: 0,
             removals: 0,
+            quota_refusals: 0,
             commits: 0,
             bytes_committed: 0,
             given_checksums: 0,
@@ -275,6 +278,8 @@ pub struct ShardStats {
     pub evictions: u64,
     /// Explicit removals.
     pub removals: u64,
+    /// Reservations refused at a namespace's DRAM limit.
+    pub quota_refusals: u64,
     /// Commits.
     pub commits: u64,
     /// Bytes committed.

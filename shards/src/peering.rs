@@ -188,7 +188,7 @@ impl ShardCore {
         {
             return false;
         }
-        let Ok(extent) = self.allocate(remote.len) else { return false };
+        let Ok(extent) = self.allocate(key.namespace, remote.len) else { return false };
         let generation = self.next_generation();
         let idx = self.entries.insert_reserved(*key, PEER_PROMOTER, extent, remote.len, generation);
         self.entries.get_mut(idx).checksum = remote.checksum;
@@ -290,7 +290,12 @@ mod tests {
         let arena = Arc::new(Arena::create(64 * crate::PAGE_SIZE, false).unwrap());
         let slice = arena.split(1).pop().unwrap();
         let mut core = ShardCore::new(
-            ShardConfig { id: 0, max_chunk_bytes: 1 << 20, max_namespaces: 4 },
+            ShardConfig {
+                id: 0,
+                max_chunk_bytes: 1 << 20,
+                max_namespaces: 4,
+                ..Default::default()
+            },
             slice,
         );
         let descriptor = NamespaceDescriptor {

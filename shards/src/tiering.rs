@@ -155,7 +155,7 @@ impl ShardCore {
         if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
             return false;
         }
-        let Ok(extent) = self.allocate(entry.len) else { return false };
+        let Ok(extent) = self.allocate(key.namespace, entry.len) else { return false };
         let generation = self.next_generation();
         let idx = self.entries.insert_reserved(*key, PROMOTER, extent, entry.len, generation);
         self.entries.get_mut(idx).checksum = entry.checksum;
@@ -218,7 +218,8 @@ impl ShardCore {
             if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
                 break;
             }
-            let Some(victim) = self.entries.pick_victim() else { break };
+            let guarantee = self.cfg.namespace_guarantee_pages;
+            let Some(victim) = self.entries.pick_victim_sparing(guarantee, None) else { break };
             let (key, len, checksum, extent, reads) = {
                 let e = self.entries.get(victim);
                 (e.key, e.len, e.checksum, e.extent, e.reads)

@@ -45,6 +45,9 @@ pub enum ErrorCode {
     /// A checksum given with a commit differs from the chunk's bytes; the chunk was not
     /// stored.
     ChecksumMismatch = 19,
+    /// The namespace holds as much DRAM as `--namespace-dram-limit` allows and none of its own
+    /// chunks could be evicted to make room (all leased or being written).
+    QuotaExceeded = 20,
 }
 
 impl ErrorCode {
@@ -70,11 +73,12 @@ impl ErrorCode {
             Self::Unavailable => "unavailable",
             Self::DeviceError => "device_error",
             Self::ChecksumMismatch => "checksum_mismatch",
+            Self::QuotaExceeded => "quota_exceeded",
         }
     }
 
     /// Every code, in wire order (for counters indexed by code).
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         Self::Malformed,
         Self::VersionMismatch,
         Self::PermissionDenied,
@@ -94,6 +98,7 @@ impl ErrorCode {
         Self::Unavailable,
         Self::DeviceError,
         Self::ChecksumMismatch,
+        Self::QuotaExceeded,
     ];
 
     /// Dense index in `0..ALL.len()`.

@@ -25,8 +25,10 @@ fn descriptor(tokens_per_chunk: u32) -> NamespaceDescriptor {
 fn shard(pages: u64) -> (ShardCore, u64) {
     let arena = Arc::new(Arena::create(pages * crate::PAGE_SIZE, false).unwrap());
     let slice = arena.split(1).pop().unwrap();
-    let mut core =
-        ShardCore::new(ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4 }, slice);
+    let mut core = ShardCore::new(
+        ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4, ..Default::default() },
+        slice,
+    );
     let ns = descriptor(4);
     let id = ns.id();
     assert!(matches!(core.register(ns), Ok(16384)));
@@ -617,4 +619,74 @@ fn the_audit_finds_what_does_not_add_up() {
     core.entries.get_mut(idx).extent.pages -= 1; // a page leaks
     let problems = core.audit().problems;
     assert!(problems.iter().any(|p| p.contains("neither free nor held")), "{problems:?}");
+}
+
+/// A shard of `pages` pages with two namespaces (a noisy and a quiet one) under `cfg`'s
+/// limit and guarantee.
+fn two_tenants(pages: u64, limit: u64, guarantee: u64) -> (ShardCore, u64, u64) {
+    let arena = Arc::new(Arena::create(pages * crate::PAGE_SIZE, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let cfg = ShardConfig {
+        max_chunk_bytes: 1 << 30,
+        max_namespaces: 4,
+        namespace_limit_pages: limit,
+        namespace_guarantee_pages: guarantee,
+        ..Default::default()
+    };
+    let mut core = ShardCore::new(cfg, slice);
+    let noisy = descriptor(4);
+    let quiet = NamespaceDescriptor { model: "quiet-model".into(), ..descriptor(4) };
+    let (n, q) = (noisy.id(), quiet.id());
+    core.register(noisy).unwrap();
+    core.register(quiet).unwrap();
+    (core, n, q)
+}
+
+/// A noisy namespace writing far more than the shard holds cannot evict a quiet one below
+/// its guarantee; without a guarantee it does.
+#[test]
+fn a_noisy_namespace_cannot_evict_a_quiet_one_below_its_guarantee() {
+    for guarantee in [0, 6] {
+        let (mut core, noisy, quiet) = two_tenants(24, 0, guarantee);
+        for i in 0..8 {
+            put(&mut core, 1, key(quiet, i), i, 4096).unwrap();
+        }
+        for i in 0..200 {
+            put(&mut core, 2, key(noisy, i), i, 4096).unwrap();
+        }
+        let left = (0..8).filter(|&i| core.lookup(3, &[key(quiet, i)], false)[0].is_some()).count();
+        if guarantee == 0 {
+            assert_eq!(left, 0, "without a guarantee SIEVE takes them all");
+        } else {
+            assert_eq!(left, 6, "the guarantee's 6 pages stay");
+        }
+        assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
+    }
+}
+
+/// A namespace at its limit evicts its own chunks for its next writes, never another's; when
+/// none of its own can go (leased), the write is refused with `QuotaExceeded` and counted.
+#[test]
+fn a_namespace_at_its_limit_evicts_its_own_then_is_refused() {
+    let (mut core, noisy, quiet) = two_tenants(64, 10, 0);
+    for i in 0..4 {
+        put(&mut core, 1, key(quiet, i), i, 4096).unwrap();
+    }
+    for i in 0..30 {
+        put(&mut core, 2, key(noisy, i), i, 4096).unwrap();
+    }
+    assert_eq!(core.entries.namespace_pages(noisy), 10);
+    assert_eq!(core.entries.namespace_pages(quiet), 4, "another's chunks are not its room");
+    // Lease all ten: nothing of its own can make room.
+    let leased: Vec<ChunkKey> = (20..30).map(|i| key(noisy, i)).collect();
+    let hits = core.lookup(2, &leased, true);
+    assert!(hits.iter().all(Option::is_some), "{hits:?}");
+    assert!(matches!(
+        core.reserve(2, &[key(noisy, 99)], &[4096])[0],
+        Reservation::Failed(ErrorCode::QuotaExceeded)
+    ));
+    assert_eq!(core.stats().quota_refusals, 1);
+    // The quiet namespace still writes.
+    put(&mut core, 1, key(quiet, 50), 50, 4096).unwrap();
+    assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
 }

@@ -21,8 +21,10 @@ fn core_with_chunks(
 ) -> (ShardCore, u64) {
     let arena = Arc::new(Arena::create(dram_pages * 4096, false).unwrap());
     let slice = arena.split(1).pop().unwrap();
-    let mut core =
-        ShardCore::new(ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4 }, slice);
+    let mut core = ShardCore::new(
+        ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4, ..Default::default() },
+        slice,
+    );
     let ns = NamespaceDescriptor {
         model: "t".into(),
         dtype: Dtype::Fp32,
