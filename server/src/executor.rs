@@ -182,7 +182,7 @@ pub(crate) struct Exec {
     rep_tx: Option<Senders<MeshReply>>,
     pending: RefCell<HashMap<u64, LocalSender<ShardReply>>>,
     next_req: Cell<u64>,
-    dropped_replies: Cell<u64>,
+    pub(crate) dropped_replies: Cell<u64>,
     /// Requests still in flight when their session closed.
     orphaned_requests: Cell<u64>,
     pub(crate) rejected: Cell<u64>,

@@ -85,11 +85,17 @@ pub(crate) fn dispatch(
             exec.active.set(exec.active.get() + 1);
             glommio::spawn_local(async move {
                 let kind = op_kind(&request);
+                let holds = matches!(
+                    request,
+                    Request::Reserve { .. } | Request::Lookup { lease: true, .. }
+                );
                 let response = execute(&exec, session, &counters, request).await;
                 if let Response::Error { code, .. } = &response {
                     exec.core.borrow_mut().metrics.count_error(*code);
                 }
-                exec.respond(req, &encode(&response));
+                if !(holds && late_or_lost_reply(&exec).await) {
+                    exec.respond(req, &encode(&response));
+                }
                 drop(admitted);
                 counters.done();
                 exec.active.set(exec.active.get() - 1);
@@ -101,6 +107,21 @@ pub(crate) fn dispatch(
             .detach();
         }
     }
+}
+
+/// Tests only (failpoints, never in release builds): the answer of a request that took leases
+/// or reservations comes late (`session-reply-delay`, `return(DUR)`: the client may give up or
+/// die meanwhile) or never (`session-reply-drop`, `return`: true, counted as a dropped reply).
+async fn late_or_lost_reply(exec: &Exec) -> bool {
+    let delay = fail::eval("session-reply-delay", |arg| arg).flatten();
+    if let Some(d) = delay.and_then(|d| orbitkv_proto::parse_duration(&d).ok()) {
+        glommio::timer::sleep(d).await;
+    }
+    let lost = fail::eval("session-reply-drop", |_| ()).is_some();
+    if lost {
+        exec.dropped_replies.set(exec.dropped_replies.get() + 1);
+    }
+    lost
 }
 
 /// Takes namespace `d` for the session's uid ([`crate::access::NamespaceOwners::claim`]).
