@@ -130,6 +130,9 @@ pub enum JobError {
     /// The DMA thread stopped on a bug; every job it held or is given fails.
     #[error("the GPU DMA thread failed (see the server log)")]
     ThreadFailed,
+    /// A fault injected by a failpoint (builds with the `failpoints` feature only).
+    #[error("injected fault: failpoint {0}")]
+    Injected(&'static str),
 }
 
 /// How a job ended: Ok (with a save's chunk checksums when the GPU computed them), or why not.

@@ -286,6 +286,8 @@ fn start<D: Device>(
     }
     let cpu_at_submit = thread_cpu_ns();
     *starting = Some(Starting { shard, id, _memory: job.memory.clone() });
+    // Tests: the thread panics with this job taken (`panic`).
+    fail::fail_point!("dma-thread-panic");
     let started = device.start(job, inflight);
     *starting = None;
     match started {
@@ -341,6 +343,13 @@ fn complete<D: Device>(
             }
             Ok(Progress::Done) => Ok(()),
             Err(e) => Err(e),
+        };
+        // Tests: the answer of a finished job comes late (`sleep(MS)`: the thread waits with
+        // the job, and its memory, held) or says the copy failed (`return`).
+        fail::fail_point!("dma-late-completion");
+        let result = match fail::eval("dma-job-error", |_| ()) {
+            Some(()) => result.and(Err(JobError::Injected("dma-job-error"))),
+            None => result,
         };
         let job = inflight.pop_front().expect("the front job");
         // A failed job's device work holds its memory as long as the device may touch it.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod etcd;
+pub mod gpu;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
