@@ -3,10 +3,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-
-use common::{chain, namespace, value_for, TestServer};
+use common::{chain, helper_process, kill9, namespace, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions};
 
 const CHILD_ENV: &str = "ORBITKV_TEST_HOLDER_SOCKET";
@@ -41,26 +38,13 @@ fn sigkill_reclaims_everything() {
     let mine = other.lookup_leased(&keys[..3]).unwrap();
     let used_before = server.shard_sum("dram_used_bytes");
 
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "holder_process", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ENV, &server.socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.unwrap().contains("HOLDING")), "child never took its holdings");
+    let child = helper_process("holder_process", (CHILD_ENV, &server.socket), "HOLDING");
     assert_eq!(server.shard_sum("leases"), 13);
     assert_eq!(server.shard_sum("reservations"), 5);
     assert_eq!(server.admin("stats")["sessions"], 2);
     assert!(server.shard_sum("dram_used_bytes") > used_before);
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    child.wait().unwrap();
+    kill9(child);
     server.wait_for("reclaim", |s| s.shard_sum("leases") == 3 && s.shard_sum("reservations") == 0);
     assert_eq!(server.admin("stats")["sessions"], 1);
     assert_eq!(server.shard_sum("dram_used_bytes"), used_before, "reserved bytes returned");

@@ -5,11 +5,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{chain, namespace, value_for, TestServer};
+use common::{chain, helper_process, kill9, namespace, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions};
 
 const CHILD_ENV: &str = "ORBITKV_TEST_WAITER_SOCKET";
@@ -52,23 +50,10 @@ fn a_client_killed_while_its_reply_is_late_is_reclaimed() {
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 50_000)).collect();
     let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
     writer.put(&items).unwrap(); // one reserve, answered 2 s late
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "late_reply_waiter", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ENV, &server.socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.unwrap().contains("ASKING")));
+    let child = helper_process("late_reply_waiter", (CHILD_ENV, &server.socket), "ASKING");
     // The leases are taken; the answer waits. The client dies meanwhile.
     server.wait_for("leases taken", |s| s.shard_sum("leases") > 0);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    child.wait().unwrap();
+    kill9(child);
     server.wait_for("reclaim", |s| s.shard_sum("leases") == 0 && s.admin("stats")["sessions"] == 1);
     assert!(server.shard_sum("orphaned_requests") >= 1, "its request outlived it, counted");
     let audit = server.try_admin_request(&serde_json::json!({"cmd": "audit"})).unwrap();

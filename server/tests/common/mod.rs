@@ -353,3 +353,29 @@ pub fn server_bin() -> PathBuf {
     std::env::var_os("ORBITKV_TEST_SERVER_BIN")
         .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_orbitkv-server")), PathBuf::from)
 }
+
+/// Runs the ignored test `helper` of this test binary as a child process with `env` (a client
+/// that takes holdings, says `marker` on stdout and waits to be killed); returns once it has
+/// said so.
+pub fn helper_process(helper: &str, env: (&str, &Path), marker: &str) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", helper, "--nocapture", "--test-threads", "1"])
+        .env(env.0, env.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|l| l.unwrap().contains(marker)), "{helper} never said {marker}");
+    child
+}
+
+/// Kills `child` with SIGKILL and reaps it.
+pub fn kill9(mut child: Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+}
