@@ -326,6 +326,7 @@ fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> V
         "evictions": st.evictions,
         "removals": st.removals,
         "quota_refusals": st.quota_refusals,
+        "ssd_quota_drops": st.ssd_quota_drops,
         "commits": st.commits,
         "bytes_committed": st.bytes_committed,
         "gpu_checksums": st.given_checksums,

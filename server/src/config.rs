@@ -162,6 +162,10 @@ pub struct ServerConfig {
     /// 0: none): other namespaces' writes cannot push one below it. Default: 0.
     #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
     pub namespace_dram_guarantee: ByteSize,
+    /// Most SSD one namespace's records may take (its share on each shard; 0: no limit): a
+    /// namespace at it has its DRAM victims dropped instead of written to SSD. Default: 0.
+    #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
+    pub namespace_ssd_limit: ByteSize,
     /// Most namespaces registered at once. Default: 1024.
     #[arg(long, value_name = "N", default_value_t = 1024, hide_default_value = true)]
     pub max_namespaces: usize,
@@ -370,6 +374,8 @@ pub struct Settings {
     pub namespace_limit_pages: u64,
     /// Each shard's share of `--namespace-dram-guarantee`, in pages (0: none).
     pub namespace_guarantee_pages: u64,
+    /// Each shard's share of `--namespace-ssd-limit`, in bytes (0: none).
+    pub namespace_ssd_limit_bytes: u64,
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
     /// Cluster mode, when configured.
@@ -511,6 +517,7 @@ impl ServerConfig {
         let cluster = self.validate_cluster(shards)?;
         let socket_gid = self.socket_group.as_deref().map(resolve_group).transpose()?;
         Ok(Settings {
+            namespace_ssd_limit_bytes: self.namespace_ssd_share(shards),
             namespace_limit_pages,
             namespace_guarantee_pages,
             ssd,
@@ -549,6 +556,11 @@ impl ServerConfig {
             ));
         }
         Ok((per_shard(limit), per_shard(guarantee)))
+    }
+
+    /// Each shard's share of `--namespace-ssd-limit`, in bytes (0: none).
+    fn namespace_ssd_share(&self, shards: usize) -> u64 {
+        self.namespace_ssd_limit.bytes().div_ceil(shards as u64)
     }
 
     /// Cluster mode's settings, with `--etcd`; the cluster flags without it are an error.

@@ -422,6 +422,7 @@ fn start_shards(
                 max_namespaces: settings.config.max_namespaces,
                 namespace_limit_pages: settings.namespace_limit_pages,
                 namespace_guarantee_pages: settings.namespace_guarantee_pages,
+                namespace_ssd_limit_bytes: settings.namespace_ssd_limit_bytes,
             },
             slice,
         );

@@ -31,6 +31,10 @@ pub struct ShardConfig {
     /// (`--namespace-dram-guarantee`, this shard's share): another namespace's writes cannot
     /// push one below it.
     pub namespace_guarantee_pages: u64,
+    /// Most bytes one namespace's records may take in this shard's SSD file; 0: no limit
+    /// (`--namespace-ssd-limit`, this shard's share). A victim of a namespace at it is dropped
+    /// from DRAM instead of written to SSD (counted as `ssd_quota_drops`).
+    pub namespace_ssd_limit_bytes: u64,
 }
 
 /// A chunk a commit hashes ([`ShardCore::hash_ranges`]): its key and its bytes' place in the
@@ -924,6 +928,7 @@ impl ShardCore {
             misses: m.misses,
             evictions: m.evictions,
             quota_refusals: m.quota_refusals,
+            ssd_quota_drops: m.ssd_quota_drops,
             removals: m.removals,
             commits: m.commits,
             bytes_committed: m.bytes_committed,

@@ -163,6 +163,8 @@ pub struct ShardMetrics {
     pub removals: u64,
     /// Reservations refused with `QuotaExceeded` (a namespace at its DRAM limit).
     pub quota_refusals: u64,
+    /// Victims dropped instead of demoted: their namespace at its SSD limit.
+    pub ssd_quota_drops: u64,
     /// Chunks committed.
     pub commits: u64,
     /// Bytes committed.
@@ -209,6 +211,7 @@ impl Default for ShardMetrics {
             evictions: 0,
             removals: 0,
             quota_refusals: 0,
+            ssd_quota_drops: 0,
             commits: 0,
             bytes_committed: 0,
             given_checksums: 0,
@@ -280,6 +283,8 @@ pub struct ShardStats {
     pub removals: u64,
     /// Reservations refused at a namespace's DRAM limit.
     pub quota_refusals: u64,
+    /// Victims dropped, not demoted, at a namespace's SSD limit.
+    pub ssd_quota_drops: u64,
     /// Commits.
     pub commits: u64,
     /// Bytes committed.

@@ -228,8 +228,20 @@ impl ShardCore {
                 .ssd
                 .as_ref()
                 .is_some_and(|s| s.get(&key).is_some_and(|r| r.checksum == checksum));
-            if on_ssd || (reads == 0 && half_full) {
-                if !on_ssd {
+            // A namespace at its SSD share: its victims are dropped, not written.
+            let limit = self.cfg.namespace_ssd_limit_bytes;
+            let page = crate::PAGE_SIZE;
+            let record = crate::ssd::format::RECORD_HEADER_BYTES + len.div_ceil(page) * page;
+            let over = !on_ssd
+                && limit > 0
+                && self
+                    .ssd
+                    .as_ref()
+                    .is_some_and(|s| s.namespace_bytes(key.namespace) + record > limit);
+            if on_ssd || over || (reads == 0 && half_full) {
+                if over {
+                    self.metrics.ssd_quota_drops += 1;
+                } else if !on_ssd {
                     self.metrics.admission_rejections += 1;
                 }
                 let e = self.entries.remove(victim);

@@ -34,6 +34,11 @@ impl SsdEntry {
     pub fn payload_offset(&self) -> u64 {
         self.offset + RECORD_HEADER_BYTES
     }
+
+    /// Bytes the record takes on disk, its header included.
+    pub fn disk_bytes(&self) -> u64 {
+        RECORD_HEADER_BYTES + self.len.div_ceil(PAGE_SIZE) * PAGE_SIZE
+    }
 }
 
 /// A place handed out for one record, not visible until [`RegionLog::complete_write`].
@@ -101,6 +106,8 @@ pub struct RegionLog {
     next_sequence: u64,
     next_generation: u64,
     used_bytes: u64,
+    /// Bytes on disk of the live records of each namespace (headers included).
+    ns_bytes: HashMap<u64, u64>,
 }
 
 impl RegionLog {
@@ -116,6 +123,7 @@ impl RegionLog {
             next_sequence: 1,
             next_generation: 1,
             used_bytes: 0,
+            ns_bytes: HashMap::new(),
         }
     }
 
@@ -174,6 +182,13 @@ impl RegionLog {
         if used != self.used_bytes {
             problems.push(format!("regions use {used} bytes, the log counts {}", self.used_bytes));
         }
+        let mut by_ns: HashMap<u64, u64> = HashMap::new();
+        for (k, e) in &self.index {
+            *by_ns.entry(k.namespace).or_default() += e.disk_bytes();
+        }
+        if by_ns != self.ns_bytes {
+            problems.push("the bytes counted per namespace differ from the records'".into());
+        }
         let mut seen = vec![0u32; self.regions.len()];
         for r in self.free.iter().chain(&self.sealed).chain(self.active.iter()) {
             seen[*r as usize] += 1;
@@ -205,7 +220,22 @@ impl RegionLog {
     pub fn remove(&mut self, key: &ChunkKey) -> Option<SsdEntry> {
         let e = self.index.remove(key)?;
         self.regions[e.region as usize].keys.retain(|k| k != key);
+        self.uncount(key.namespace, &e);
         Some(e)
+    }
+
+    /// Bytes on disk of namespace `ns`'s live records (headers included).
+    pub fn namespace_bytes(&self, ns: u64) -> u64 {
+        self.ns_bytes.get(&ns).copied().unwrap_or(0)
+    }
+
+    fn uncount(&mut self, ns: u64, e: &SsdEntry) {
+        if let Some(b) = self.ns_bytes.get_mut(&ns) {
+            *b -= e.disk_bytes();
+            if *b == 0 {
+                self.ns_bytes.remove(&ns);
+            }
+        }
     }
 
     /// Finds room for a record of `len` bytes and pins its region until
@@ -311,7 +341,9 @@ impl RegionLog {
         self.used_bytes -= r.used;
         r.used = 0;
         for k in &keys {
-            self.index.remove(k);
+            if let Some(e) = self.index.remove(k) {
+                self.uncount(k.namespace, &e);
+            }
         }
         keys
     }
@@ -339,7 +371,9 @@ impl RegionLog {
         };
         if let Some(old) = self.index.insert(p.header.key, entry) {
             self.regions[old.region as usize].keys.retain(|k| *k != p.header.key);
+            self.uncount(p.header.key.namespace, &old);
         }
+        *self.ns_bytes.entry(p.header.key.namespace).or_default() += entry.disk_bytes();
         self.regions[p.region as usize].keys.push(p.header.key);
     }
 

@@ -505,6 +505,11 @@ impl SsdStore {
         events
     }
 
+    /// Bytes on disk of namespace `ns`'s records.
+    pub fn namespace_bytes(&self, ns: u64) -> u64 {
+        self.log.namespace_bytes(ns)
+    }
+
     /// What a full scan of the log finds wrong ([`RegionLog::audit`]).
     pub fn audit(&self) -> Vec<String> {
         self.log.audit()

@@ -267,3 +267,23 @@ fn a_failed_promotion_is_a_miss() {
     assert_eq!(core.stats().ssd_hits, after.ssd_hits + 1);
     assert_eq!(core.stats().misses, after.misses);
 }
+
+/// A namespace at its SSD share has its victims dropped, not written: its records stay under
+/// the share, the drops are counted, and the audit agrees.
+#[test]
+fn a_namespace_at_its_ssd_limit_is_not_demoted_past_it() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut core, ns) = core_with_ssd(64, dir.path());
+    core.cfg.namespace_ssd_limit_bytes = 40 * 8192; // forty records of 4000 bytes
+    for i in 0..200 {
+        put(&mut core, key(ns, i), i, 4000).unwrap();
+        assert!(get(&mut core, key(ns, i), false).is_some());
+        settle(&mut core);
+    }
+    let stats = core.stats();
+    let ssd = core.ssd.as_ref().unwrap();
+    assert!(ssd.namespace_bytes(ns) <= 40 * 8192, "{}", ssd.namespace_bytes(ns));
+    assert_eq!(stats.ssd.unwrap().records, 40, "{stats:?}");
+    assert!(stats.ssd_quota_drops > 100, "{stats:?}");
+    assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
+}
