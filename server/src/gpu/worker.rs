@@ -378,17 +378,27 @@ fn complete<D: Device>(
 }
 
 /// Hands completions to their shards' rings, oldest first, ringing each shard; keeps those
-/// that do not fit. True when any was delivered.
+/// that do not fit, and every later one of the same shard (a ring that was full may have room
+/// again a moment later: a later answer must not overtake the one kept). True when any was
+/// delivered.
 fn deliver<M>(lanes: &Lanes<'_, M>, undelivered: &mut VecDeque<(usize, GpuDone)>) -> bool {
     let mut any = false;
     let mut kept = VecDeque::new();
+    let mut full = vec![false; lanes.done.len()];
     while let Some((shard, done)) = undelivered.pop_front() {
+        if full[shard] {
+            kept.push_back((shard, done));
+            continue;
+        }
         match lanes.done[shard].push(done) {
             Ok(()) => {
                 any = true;
                 lanes.doorbells.ring(shard);
             }
-            Err(done) => kept.push_back((shard, done)),
+            Err(done) => {
+                full[shard] = true;
+                kept.push_back((shard, done));
+            }
         }
     }
     *undelivered = kept;

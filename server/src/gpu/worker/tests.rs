@@ -194,10 +194,15 @@ fn with_thread(
     std::thread::scope(|s| {
         let lanes = shards.lanes(direction);
         let t = s.spawn(move || run(&lanes, device));
-        test();
+        // Stopped also when the test fails: the scope waits for the thread before it passes
+        // the failure on, and a thread never stopped would hang the test instead.
+        let tested = std::panic::catch_unwind(std::panic::AssertUnwindSafe(test));
         shards.stop.store(true, Ordering::SeqCst);
         t.thread().unpark();
         t.join().expect("the DMA thread ends without a panic escaping");
+        if let Err(failure) = tested {
+            std::panic::resume_unwind(failure);
+        }
     });
 }
 
