@@ -179,6 +179,9 @@ fn admin_request() {
         r#"{"cmd":"evict","all":true}"#,
         r#"{"cmd":"evict","all":true,"namespace":1}"#,
         r#"{"cmd":"audit","extra":[1,2,{"x":null}]}"#,
+        // Found by `cargo fuzz run admin_request` (2026-12-03): a float member that serde_json
+        // does not parse back bit for bit failed the harness's whole-object comparison.
+        r#"{"cmd":"", "?d":9888877777777777777888}"#,
     ]
     .iter()
     .map(|s| s.as_bytes().to_vec())

@@ -2,15 +2,17 @@
 //! that live in the server: each takes arbitrary bytes and must never panic.
 
 /// A line on the admin socket: parsed as the server parses it, an `evict`'s target read, and
-/// a request that parses is parsed the same again from its own serialization.
+/// a request that parses says the same (its command, and an evict's target) once serialized
+/// and parsed again. Only what the server acts on is compared: other members may be floats,
+/// which serde_json does not parse back bit for bit.
 pub fn admin_request(data: &[u8]) {
     let Ok(line) = std::str::from_utf8(data) else { return };
     let Ok((cmd, v)) = crate::admin::parse_request(line) else { return };
-    if cmd == "evict" {
-        let _ = crate::admin::evict_target(&v);
-    }
-    let again = crate::admin::parse_request(&v.to_string()).expect("a parsed request re-parses");
-    assert_eq!(again, (cmd, v));
+    let target = crate::admin::evict_target(&v);
+    let (again, w) =
+        crate::admin::parse_request(&v.to_string()).expect("a parsed request re-parses");
+    assert_eq!(again, cmd);
+    assert_eq!(crate::admin::evict_target(&w), target);
 }
 
 /// A config file's text, as `--config` reads it: TOML into the options, then validated (a
