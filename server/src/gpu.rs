@@ -131,6 +131,7 @@ pub enum JobError {
     #[error("the GPU DMA thread failed (see the server log)")]
     ThreadFailed,
     /// A fault injected by a failpoint (builds with the `failpoints` feature only).
+    #[cfg(feature = "failpoints")]
     #[error("injected fault: failpoint {0}")]
     Injected(&'static str),
 }
