@@ -606,17 +606,17 @@ impl Client {
     pub fn put(&mut self, items: &[(ChunkKey, &[u8])]) -> Result<Vec<PutOutcome>, Error> {
         let keys: Vec<ChunkKey> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
-        self.put_with(&keys, &lens, |i| vec![items[i].1])
+        self.put_with(&keys, &lens, |i| std::iter::once(items[i].1))
     }
 
     /// Stores chunks whose bytes are `pieces(i)`, in order, for chunk `i` (`lens[i]` bytes in
     /// all): reserve, copy each into its slot (on up to `copy_threads` threads, two chunks side
     /// by side, hashing as they go when `client_checksums` is on), commit.
-    pub(crate) fn put_with<'s>(
+    pub(crate) fn put_with<'s, P: Iterator<Item = &'s [u8]> + Clone>(
         &mut self,
         keys: &[ChunkKey],
         lens: &[u64],
-        pieces: impl Fn(usize) -> Vec<&'s [u8]> + Sync,
+        pieces: impl Fn(usize) -> P + Sync,
     ) -> Result<Vec<PutOutcome>, Error> {
         let reserved = self.reserve(keys, lens)?;
         let mut out = Vec::with_capacity(keys.len());
@@ -658,15 +658,10 @@ impl Client {
                     match b {
                         Some((ib, slot_b, sum_b)) => {
                             let mut wb = SlotWriter::new(slot_b, summed, stores);
-                            SlotWriter::write_pieces_pair(
-                                &mut wa,
-                                &pieces(ia),
-                                &mut wb,
-                                &pieces(ib),
-                            );
+                            SlotWriter::write_pieces_pair(&mut wa, pieces(ia), &mut wb, pieces(ib));
                             *sum_b = wb.finish();
                         }
-                        None => pieces(ia).into_iter().for_each(|p| wa.write(p)),
+                        None => pieces(ia).for_each(|p| wa.write(p)),
                     }
                     *sum_a = wa.finish();
                 });

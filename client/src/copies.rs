@@ -69,14 +69,19 @@ impl<'a> SlotWriter<'a> {
 
     /// Writes two chunks whose sources are `a` and `b` (pieces in order), piece by piece side
     /// by side where they have as many pieces.
-    pub(crate) fn write_pieces_pair(a: &mut Self, pa: &[&[u8]], b: &mut Self, pb: &[&[u8]]) {
-        if pa.len() == pb.len() {
-            for (x, y) in pa.iter().zip(pb) {
+    pub(crate) fn write_pieces_pair<'s>(
+        a: &mut Self,
+        pa: impl Iterator<Item = &'s [u8]> + Clone,
+        b: &mut Self,
+        pb: impl Iterator<Item = &'s [u8]> + Clone,
+    ) {
+        if pa.clone().count() == pb.clone().count() {
+            for (x, y) in pa.zip(pb) {
                 Self::write_pair(a, x, b, y);
             }
         } else {
-            pa.iter().for_each(|x| a.write(x));
-            pb.iter().for_each(|y| b.write(y));
+            pa.for_each(|x| a.write(x));
+            pb.for_each(|y| b.write(y));
         }
     }
 
@@ -151,7 +156,12 @@ mod tests {
             let (mut slot_a, mut slot_b) = (vec![0u8; a.len()], vec![0u8; b.len()]);
             let mut wa = super::SlotWriter::new(&mut slot_a, hashed, super::Stores::Streamed);
             let mut wb = super::SlotWriter::new(&mut slot_b, hashed, super::Stores::Streamed);
-            super::SlotWriter::write_pieces_pair(&mut wa, pa, &mut wb, pb);
+            super::SlotWriter::write_pieces_pair(
+                &mut wa,
+                pa.iter().copied(),
+                &mut wb,
+                pb.iter().copied(),
+            );
             let (sa, sb) = (wa.finish(), wb.finish());
             assert!(
                 slot_a == a && slot_b == b,

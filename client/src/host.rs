@@ -83,14 +83,11 @@ impl Client {
         let (per_chunk, len) = check(&shape, keys, blocks)?;
         self.put_with(keys, &vec![len; keys.len()], |i| {
             let chunk = &blocks[i * per_chunk..(i + 1) * per_chunk];
-            regions
-                .iter()
-                .flat_map(|(region, layout)| {
-                    chunk
-                        .iter()
-                        .map(|&b| &region[layout.range(b).expect("checked against every region")])
-                })
-                .collect()
+            regions.iter().flat_map(move |(region, layout)| {
+                chunk
+                    .iter()
+                    .map(|&b| &region[layout.range(b).expect("checked against every region")])
+            })
         })
     }
 
