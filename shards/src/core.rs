@@ -207,7 +207,9 @@ impl ShardCore {
         let mut a = Audit::default();
         let mut extents: Vec<Extent> = self.alloc.free_extents().collect();
         let mut session_reserved = 0u64;
-        for (_, e) in self.entries.all() {
+        let mut by_ns: HashMap<u64, u64> = HashMap::new();
+        for e in self.entries.all() {
+            *by_ns.entry(e.key.namespace).or_default() += e.extent.pages;
             a.entries += 1;
             a.entry_pages += e.extent.pages;
             a.leases += u64::from(e.leases);
@@ -238,10 +240,6 @@ impl ShardCore {
                 a.entry_pages,
                 self.alloc.used_pages()
             ));
-        }
-        let mut by_ns: HashMap<u64, u64> = HashMap::new();
-        for (_, e) in self.entries.all() {
-            *by_ns.entry(e.key.namespace).or_default() += e.extent.pages;
         }
         if &by_ns != self.entries.pages_by_namespace() {
             a.problems.push("the pages counted per namespace differ from the entries'".into());

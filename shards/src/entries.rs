@@ -90,9 +90,9 @@ impl Entries {
         self.ready
     }
 
-    /// Every entry, with its slot index (an audit's full scan).
-    pub fn all(&self) -> impl Iterator<Item = (EntryIdx, &Entry)> {
-        self.slab.iter().enumerate().filter_map(|(i, e)| Some((i as EntryIdx, e.as_ref()?)))
+    /// Every entry (an audit's full scan).
+    pub fn all(&self) -> impl Iterator<Item = &Entry> {
+        self.slab.iter().flatten()
     }
 
     /// Keys indexed (an audit compares them with the entries).
