@@ -345,6 +345,8 @@ fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> V
         "ssd_in_flight": st.ssd.map_or(0, |x| x.in_flight),
         "ssd_reclaimed": st.ssd.map_or(0, |x| x.reclaimed),
         "ssd_tombstones": st.ssd.map_or(0, |x| x.tombstones),
+        "ssd_relocated": st.ssd.map_or(0, |x| x.relocated),
+        "ssd_relocations_abandoned": st.ssd.map_or(0, |x| x.relocations_abandoned),
         "demotions": st.demotions,
         "promotions": st.promotions,
         "checksum_failures": st.ssd.map_or(0, |x| x.checksum_failures),

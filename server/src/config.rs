@@ -12,9 +12,10 @@ use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches, Parser};
 use orbitkv_gpu::dma::Strategy;
 use orbitkv_gpu::GpuMode;
 use orbitkv_proto::default_socket_path;
+use orbitkv_shards::NamespaceQuota;
 use serde::{Deserialize, Serialize};
 
-pub use values::{ByteSize, Span};
+pub use values::{ByteSize, ModelQuota, Span};
 
 use crate::gpu::ChecksumPlace;
 
@@ -166,6 +167,16 @@ pub struct ServerConfig {
     /// namespace at it has its DRAM victims dropped instead of written to SSD. Default: 0.
     #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
     pub namespace_ssd_limit: ByteSize,
+    /// SSD of each namespace that region reclaim keeps (its share on each shard; 0: none;
+    /// at most half of --ssd): records of a namespace below it are rewritten at the log's
+    /// head instead of dropped with their region. Default: 0.
+    #[arg(long, value_name = "SIZE", default_value = "0", hide_default_value = true)]
+    pub namespace_ssd_guarantee: ByteSize,
+    /// Quota of one model's namespaces, replacing the --namespace-* values it names:
+    /// MODEL:KEY=SIZE[,KEY=SIZE...], keys dram-limit, dram-guarantee, ssd-limit,
+    /// ssd-guarantee (the flag repeats; flags add to the file's list). Default: none.
+    #[arg(long, value_name = "MODEL:KEY=SIZE,...")]
+    pub model_quota: Vec<ModelQuota>,
     /// Most namespaces registered at once. Default: 1024.
     #[arg(long, value_name = "N", default_value_t = 1024, hide_default_value = true)]
     pub max_namespaces: usize,
@@ -370,12 +381,10 @@ pub struct Settings {
     pub idle_poll_max: Duration,
     /// SIGTERM drain timeout.
     pub drain_timeout: Duration,
-    /// Each shard's share of `--namespace-dram-limit`, in pages (0: none).
-    pub namespace_limit_pages: u64,
-    /// Each shard's share of `--namespace-dram-guarantee`, in pages (0: none).
-    pub namespace_guarantee_pages: u64,
-    /// Each shard's share of `--namespace-ssd-limit`, in bytes (0: none).
-    pub namespace_ssd_limit_bytes: u64,
+    /// Each shard's share of the `--namespace-*` quota of every namespace.
+    pub quota: NamespaceQuota,
+    /// Each shard's share of the quotas of `--model-quota`'s models.
+    pub model_quotas: Vec<(String, NamespaceQuota)>,
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
     /// Cluster mode, when configured.
@@ -498,7 +507,6 @@ impl ServerConfig {
             ));
         }
         let (shards, dram_bytes) = self.validate_shards()?;
-        let (namespace_limit_pages, namespace_guarantee_pages) = self.validate_quotas(shards)?;
         let max_chunk = self.max_chunk_size.bytes();
         if max_chunk == 0 {
             return Err(invalid("--max-chunk-size", "must be positive"));
@@ -513,13 +521,13 @@ impl ServerConfig {
             return Err(invalid("--spin-window", "must be at most 100ms"));
         }
         let ssd = self.validate_ssd(shards)?;
+        let (quota, model_quotas) = self.validate_quotas(shards)?;
         let (gpu_staging_bytes, gpu_job_bytes, gpu_staging_depth) = self.validate_gpu()?;
         let cluster = self.validate_cluster(shards)?;
         let socket_gid = self.socket_group.as_deref().map(resolve_group).transpose()?;
         Ok(Settings {
-            namespace_ssd_limit_bytes: self.namespace_ssd_share(shards),
-            namespace_limit_pages,
-            namespace_guarantee_pages,
+            quota,
+            model_quotas,
             ssd,
             cluster,
             socket_gid,
@@ -537,30 +545,86 @@ impl ServerConfig {
         })
     }
 
-    /// Each shard's share of `--namespace-dram-limit` and `--namespace-dram-guarantee`, in
-    /// arena pages (rounded up; 0: none).
-    fn validate_quotas(&self, shards: usize) -> Result<(u64, u64), ConfigError> {
-        let per_shard = |b: u64| b.div_ceil(shards as u64).div_ceil(orbitkv_shards::PAGE_SIZE);
-        let (limit, guarantee) =
-            (self.namespace_dram_limit.bytes(), self.namespace_dram_guarantee.bytes());
+    /// Each shard's share of the `--namespace-*` quota, and of each `--model-quota`'s.
+    fn validate_quotas(
+        &self,
+        shards: usize,
+    ) -> Result<(NamespaceQuota, Vec<(String, NamespaceQuota)>), ConfigError> {
+        let default = [
+            self.namespace_dram_limit,
+            self.namespace_dram_guarantee,
+            self.namespace_ssd_limit,
+            self.namespace_ssd_guarantee,
+        ];
+        let quota = self.quota_share(default, shards).map_err(|(flag, why)| invalid(flag, why))?;
+        let mut models: Vec<(String, NamespaceQuota)> = Vec::new();
+        for m in &self.model_quota {
+            if models.iter().any(|(seen, _)| *seen == m.model) {
+                return Err(invalid("--model-quota", format!("model {:?} given twice", m.model)));
+            }
+            let own = [m.dram_limit, m.dram_guarantee, m.ssd_limit, m.ssd_guarantee];
+            let merged: Vec<ByteSize> =
+                own.iter().zip(default).map(|(o, d)| o.unwrap_or(d)).collect();
+            let q =
+                self.quota_share([merged[0], merged[1], merged[2], merged[3]], shards).map_err(
+                    |(flag, why)| invalid("--model-quota", format!("{m}: {} ({flag})", why)),
+                )?;
+            models.push((m.model.clone(), q));
+        }
+        Ok((quota, models))
+    }
+
+    /// Each shard's share of one quota (DRAM limit and guarantee, SSD limit and guarantee:
+    /// DRAM in arena pages rounded up, SSD in bytes), or the flag at fault and why.
+    fn quota_share(
+        &self,
+        [dram_limit, dram_guarantee, ssd_limit, ssd_guarantee]: [ByteSize; 4],
+        shards: usize,
+    ) -> Result<NamespaceQuota, (&'static str, String)> {
+        let share = |b: ByteSize| b.bytes().div_ceil(shards as u64);
+        let pages = |b: ByteSize| share(b).div_ceil(orbitkv_shards::PAGE_SIZE);
+        let (limit, guarantee) = (dram_limit.bytes(), dram_guarantee.bytes());
         if limit > 0 && guarantee > limit {
-            return Err(invalid(
+            return Err((
                 "--namespace-dram-guarantee",
-                format!("{guarantee} bytes is more than --namespace-dram-limit ({limit} bytes)"),
+                format!("{guarantee} bytes is more than the DRAM limit ({limit} bytes)"),
             ));
         }
         if guarantee >= self.dram.bytes() && guarantee > 0 {
-            return Err(invalid(
+            return Err((
                 "--namespace-dram-guarantee",
-                "must be less than --dram (a namespace at its guarantee would leave no room)",
+                "must be less than --dram (a namespace at its guarantee would leave no room)"
+                    .into(),
             ));
         }
-        Ok((per_shard(limit), per_shard(guarantee)))
-    }
-
-    /// Each shard's share of `--namespace-ssd-limit`, in bytes (0: none).
-    fn namespace_ssd_share(&self, shards: usize) -> u64 {
-        self.namespace_ssd_limit.bytes().div_ceil(shards as u64)
+        let (limit, guarantee) = (ssd_limit.bytes(), ssd_guarantee.bytes());
+        if limit > 0 && guarantee > limit {
+            return Err((
+                "--namespace-ssd-guarantee",
+                format!("{guarantee} bytes is more than the SSD limit ({limit} bytes)"),
+            ));
+        }
+        if guarantee > 0 && self.ssd_dir.is_none() {
+            return Err((
+                "--namespace-ssd-guarantee",
+                "needs an SSD tier (--ssd-dir, --ssd)".into(),
+            ));
+        }
+        if guarantee > self.ssd.bytes() / 2 {
+            return Err((
+                "--namespace-ssd-guarantee",
+                format!(
+                    "{guarantee} bytes is more than half of --ssd (reclaim needs room to rewrite \
+                     what it keeps)"
+                ),
+            ));
+        }
+        Ok(NamespaceQuota {
+            dram_limit_pages: pages(dram_limit),
+            dram_guarantee_pages: pages(dram_guarantee),
+            ssd_limit_bytes: share(ssd_limit),
+            ssd_guarantee_bytes: share(ssd_guarantee),
+        })
     }
 
     /// Cluster mode's settings, with `--etcd`; the cluster flags without it are an error.

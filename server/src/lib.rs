@@ -420,9 +420,8 @@ fn start_shards(
                 id,
                 max_chunk_bytes: settings.max_chunk_bytes,
                 max_namespaces: settings.config.max_namespaces,
-                namespace_limit_pages: settings.namespace_limit_pages,
-                namespace_guarantee_pages: settings.namespace_guarantee_pages,
-                namespace_ssd_limit_bytes: settings.namespace_ssd_limit_bytes,
+                quota: settings.quota,
+                model_quotas: settings.model_quotas.clone(),
             },
             slice,
         );

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{chain, namespace, value_for, TestServer};
+use common::{chain, namespace, put_values, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions, ErrorCode, PutOutcome};
 
 #[test]
@@ -110,6 +110,9 @@ fn bad_flags_are_refused_naming_the_flag() {
             "--namespace-dram-guarantee",
         ),
         (&["--namespace-dram-limit", "x"][..], "--namespace-dram-limit"),
+        (&["--model-quota", "noisy"][..], "--model-quota"),
+        (&["--model-quota", "noisy:dram-limit=1MiB,ssd-guarantee=1MiB"][..], "needs an SSD tier"),
+        (&["--namespace-ssd-guarantee", "1MiB"][..], "--namespace-ssd-guarantee"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv-server"))
             .args(["--socket", "/tmp/orbitkv-bad-flags-test.sock"])
@@ -248,4 +251,43 @@ fn a_namespace_over_its_dram_limit_gets_quota_exceeded() {
     );
     let k = chain(q, 4, 1)[0];
     assert_eq!(quiet.put(&[(k, &value_for(&k, 64 << 10))]).unwrap(), vec![PutOutcome::Stored]);
+}
+
+/// `--model-quota` gives one model's namespaces their own limit: the other model, under the
+/// default (none), fills the arena; the limited one is held to its share and refused with
+/// `QuotaExceeded` when none of its own chunks can go.
+#[test]
+fn a_model_quota_limits_that_models_namespaces_only() {
+    let server = TestServer::start(&[
+        "--shards",
+        "1",
+        "--dram",
+        "4MiB",
+        "--model-quota",
+        "noisy:dram-limit=1MiB",
+    ]);
+    let mut c = server.client("two-models");
+    let free = c.register_namespace(&namespace(16)).unwrap().id;
+    let other = orbitkv_client::NamespaceDescriptor { model: "noisy".into(), ..namespace(16) };
+    let noisy = c.register_namespace(&other).unwrap().id;
+    let free_keys = chain(free, 1, 40); // 2.5 MiB: past the other model's limit, no refusal
+    put_values(&mut c, &free_keys, 64 << 10);
+    assert_eq!(c.lookup(&free_keys).unwrap().len(), 40);
+    let noisy_keys = chain(noisy, 2, 32); // 2 MiB through its 1 MiB
+    for k in &noisy_keys {
+        assert_eq!(c.put(&[(*k, &value_for(k, 64 << 10))]).unwrap(), vec![PutOutcome::Stored]);
+    }
+    let present: Vec<_> = noisy_keys
+        .iter()
+        .filter(|k| c.lookup(std::slice::from_ref(*k)).unwrap().len() == 1)
+        .copied()
+        .collect();
+    assert_eq!(present.len(), 16, "1 MiB of 64 KiB chunks");
+    assert_eq!(c.lookup(&free_keys).unwrap().len(), 40, "the limit took only its own");
+    let held = c.lookup_leased(&present).unwrap();
+    let more = chain(noisy, 3, 1)[0];
+    let out = c.put(&[(more, &value_for(&more, 64 << 10))]).unwrap();
+    assert_eq!(out, vec![PutOutcome::Failed(ErrorCode::QuotaExceeded)]);
+    c.release(&held).unwrap();
+    assert_eq!(server.shard_sum("quota_refusals"), 1);
 }

@@ -460,3 +460,40 @@ fn a_request_outliving_its_client_ends_before_the_reclaim() {
     c.release(&leases).unwrap();
     assert_eq!(server.shard_sum("orphaned_requests"), 1);
 }
+
+/// `--model-quota quiet:ssd-guarantee=2MiB`: a noisy model cycling the SSD log twice leaves
+/// the quiet model 2 MiB of its records (rewritten at the head before their regions' reclaim,
+/// counted), byte-exact, and they are what a restart finds.
+#[test]
+fn an_ssd_guarantee_keeps_a_quiet_models_chunks_through_reclaim() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let mut args = ssd_args_with(dir.path(), 1);
+    args.extend(["--model-quota".to_string(), "quiet:ssd-guarantee=2MiB".to_string()]);
+    let mut server = TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut c = server.client("two-models");
+    let quiet_ns = orbitkv_client::NamespaceDescriptor { model: "quiet".into(), ..namespace(16) };
+    let quiet = chain(c.register_namespace(&quiet_ns).unwrap().id, 1, 120); // 120 x 20 KiB
+    let noisy = chain(c.register_namespace(&namespace(16)).unwrap().id, 2, 2400); // 48 MiB
+                                                                                  // Each read once at once (reuse evidence for SSD admission). While reclaim waits for the
+                                                                                  // quiet model's records to be rewritten, demotions wait too and DRAM evicts instead: a
+                                                                                  // chunk just put may be gone already.
+    for k in quiet.iter().chain(&noisy) {
+        let out = c.put(&[(*k, &value_for(k, LEN))]).unwrap();
+        assert_eq!(out, vec![orbitkv_client::PutOutcome::Stored]);
+        c.lookup(std::slice::from_ref(k)).unwrap();
+    }
+    // 2 MiB of 20 KiB records (header and payload): at least 103 of them.
+    let (found, _) = read_all(&mut c, &quiet);
+    assert!((103..=120).contains(&found), "{found} quiet chunks left: {}", server.admin("stats"));
+    assert!(server.shard_sum("ssd_relocated") >= 103, "{}", server.admin("stats"));
+    assert!(server.shard_sum("ssd_reclaimed") > 1000, "the noisy model's records went");
+    let audit = server.try_admin_request(&serde_json::json!({"cmd": "audit"})).unwrap();
+    assert_eq!(audit["ok"], true, "{audit}");
+    drop(c);
+    assert!(server.stop().success());
+    server.spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut c = server.client("after");
+    c.register_namespace(&quiet_ns).unwrap();
+    let (found, from_ssd) = read_all(&mut c, &quiet);
+    assert!(found >= 103 && from_ssd == found, "{found} found, {from_ssd} from SSD");
+}

@@ -22,19 +22,74 @@ pub struct ShardConfig {
     pub max_chunk_bytes: u64,
     /// Most namespaces held at once (`--max-namespaces`).
     pub max_namespaces: usize,
-    /// Most arena pages one namespace may hold on this shard; 0: no limit
-    /// (`--namespace-dram-limit`, this shard's share). A reservation past it evicts the
-    /// namespace's own chunks first, and is refused with `QuotaExceeded` when they do not make
-    /// room.
-    pub namespace_limit_pages: u64,
-    /// Arena pages of each namespace that eviction for room leaves alone; 0: none
-    /// (`--namespace-dram-guarantee`, this shard's share): another namespace's writes cannot
-    /// push one below it.
-    pub namespace_guarantee_pages: u64,
-    /// Most bytes one namespace's records may take in this shard's SSD file; 0: no limit
-    /// (`--namespace-ssd-limit`, this shard's share). A victim of a namespace at it is dropped
-    /// from DRAM instead of written to SSD (counted as `ssd_quota_drops`).
-    pub namespace_ssd_limit_bytes: u64,
+    /// The quota of every namespace whose model has none of its own
+    /// (`--namespace-dram-limit` and the like, this shard's share).
+    pub quota: NamespaceQuota,
+    /// Quotas of the namespaces of these models (`--model-quota`, this shard's share); each
+    /// replaces `quota` whole.
+    pub model_quotas: Vec<(String, NamespaceQuota)>,
+}
+
+/// What one namespace may hold on one shard (each value this shard's share; 0: no bound).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceQuota {
+    /// Most arena pages it may hold. A reservation past it evicts the namespace's own chunks
+    /// first, and is refused with `QuotaExceeded` when they do not make room.
+    pub dram_limit_pages: u64,
+    /// Arena pages of it that eviction for room and demotion leave alone: another
+    /// namespace's writes cannot push it below them.
+    pub dram_guarantee_pages: u64,
+    /// Most bytes its records may take in the shard's SSD file. A victim of a namespace at
+    /// it is dropped from DRAM instead of written to SSD (counted as `ssd_quota_drops`).
+    pub ssd_limit_bytes: u64,
+    /// Bytes of its SSD records that region reclaim keeps: records of a namespace below it
+    /// are rewritten at the log's head before their region is reclaimed.
+    pub ssd_guarantee_bytes: u64,
+}
+
+/// The quota of each namespace: its model's own (`ShardConfig::model_quotas`), fixed when it
+/// registers, else the default.
+#[derive(Debug, Default)]
+pub(crate) struct Quotas {
+    default: NamespaceQuota,
+    by_model: Vec<(String, NamespaceQuota)>,
+    by_namespace: HashMap<u64, NamespaceQuota>,
+}
+
+impl Quotas {
+    fn new(cfg: &ShardConfig) -> Self {
+        Self {
+            default: cfg.quota,
+            by_model: cfg.model_quotas.clone(),
+            by_namespace: HashMap::new(),
+        }
+    }
+
+    /// Fixes the quota of namespace `id` of `model`.
+    fn register(&mut self, id: u64, model: &str) {
+        let quota = self.by_model.iter().find(|(m, _)| m == model).map_or(self.default, |q| q.1);
+        if quota != self.default {
+            self.by_namespace.insert(id, quota);
+        }
+    }
+
+    /// The SSD guarantee of every namespace, for the SSD log.
+    pub(crate) fn ssd_guarantees(&self) -> crate::ssd::log::SsdGuarantees {
+        crate::ssd::log::SsdGuarantees {
+            default: self.default.ssd_guarantee_bytes,
+            by_namespace: self
+                .by_namespace
+                .iter()
+                .map(|(&ns, q)| (ns, q.ssd_guarantee_bytes))
+                .collect(),
+        }
+    }
+
+    /// The quota of namespace `ns` (the default for one not registered in this run, such as
+    /// the owner of SSD records recovered at start).
+    pub(crate) fn of(&self, ns: u64) -> NamespaceQuota {
+        self.by_namespace.get(&ns).copied().unwrap_or(self.default)
+    }
 }
 
 /// A chunk a commit hashes ([`ShardCore::hash_ranges`]): its key and its bytes' place in the
@@ -152,6 +207,8 @@ pub struct ShardCore {
     pub(crate) alloc: ExtentAllocator,
     pub(crate) entries: Entries,
     namespaces: HashMap<u64, Namespace>,
+    /// The quota of each namespace.
+    pub(crate) quotas: Quotas,
     sessions: HashMap<SessionId, Holdings>,
     next_generation: u64,
     leases: u64,
@@ -178,12 +235,14 @@ impl ShardCore {
     /// A shard over `slice` with nothing in it.
     pub fn new(cfg: ShardConfig, slice: ArenaSlice) -> Self {
         let pages = slice.len() / crate::PAGE_SIZE;
+        let quotas = Quotas::new(&cfg);
         Self {
             cfg,
             slice,
             alloc: ExtentAllocator::new(pages),
             entries: Entries::default(),
             namespaces: HashMap::new(),
+            quotas,
             sessions: HashMap::new(),
             next_generation: 1,
             leases: 0,
@@ -452,6 +511,10 @@ impl ShardCore {
                 format!("namespace table is full (--max-namespaces {})", self.cfg.max_namespaces),
             ));
         }
+        self.quotas.register(id, &descriptor.model);
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.set_guarantees(self.quotas.ssd_guarantees());
+        }
         self.namespaces.insert(id, Namespace { descriptor, max_chunk_bytes: max });
         Ok(max)
     }
@@ -651,12 +714,12 @@ impl ShardCore {
     /// Makes `namespace` fit `pages` more under its limit by evicting its own victims;
     /// `QuotaExceeded` (counted) when they do not make room.
     fn quota_room(&mut self, namespace: u64, pages: u64) -> Result<(), ErrorCode> {
-        let limit = self.cfg.namespace_limit_pages;
+        let limit = self.quotas.of(namespace).dram_limit_pages;
         if limit == 0 {
             return Ok(());
         }
         while self.entries.namespace_pages(namespace) + pages > limit {
-            let Some(victim) = self.entries.pick_victim_sparing(0, Some(namespace)) else {
+            let Some(victim) = self.entries.pick_victim_sparing(|_| 0, Some(namespace)) else {
                 self.metrics.quota_refusals += 1;
                 return Err(ErrorCode::QuotaExceeded);
             };
@@ -670,7 +733,9 @@ impl ShardCore {
     /// Evicts the next victim and frees its extent (None when nothing can be evicted), sparing
     /// namespaces at their guarantee.
     fn evict_one(&mut self) -> Option<()> {
-        let victim = self.entries.pick_victim_sparing(self.cfg.namespace_guarantee_pages, None)?;
+        let quotas = &self.quotas;
+        let victim =
+            self.entries.pick_victim_sparing(|ns| quotas.of(ns).dram_guarantee_pages, None)?;
         let evicted = self.entries.remove(victim);
         self.alloc.free(evicted.extent);
         self.metrics.evictions += 1;

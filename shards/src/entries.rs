@@ -265,12 +265,16 @@ impl Entries {
     /// is leased (or there is none).
     #[cfg(test)]
     pub fn pick_victim(&mut self) -> Option<EntryIdx> {
-        self.pick_victim_sparing(0, None)
+        self.pick_victim_sparing(|_| 0, None)
     }
 
     /// [`Entries::pick_victim`] among the entries of namespace `only` (all with None), sparing
-    /// an entry whose namespace would fall below `guarantee` pages without it.
-    pub fn pick_victim_sparing(&mut self, guarantee: u64, only: Option<u64>) -> Option<EntryIdx> {
+    /// an entry whose namespace `ns` would fall below `guarantee(ns)` pages without it.
+    pub fn pick_victim_sparing(
+        &mut self,
+        guarantee: impl Fn(u64) -> u64,
+        only: Option<u64>,
+    ) -> Option<EntryIdx> {
         // Two full passes suffice: the first clears every visited bit it passes.
         let budget = self.ready.saturating_mul(2).saturating_add(1);
         let mut cur = self.hand.or(self.tail)?;
@@ -279,8 +283,10 @@ impl Entries {
                 let e = self.get(cur);
                 (e.leases, e.visited, e.prev, e.key.namespace, e.extent.pages)
             };
-            let spared = only.is_some_and(|n| n != ns)
-                || (guarantee > 0 && self.namespace_pages(ns) - pages < guarantee);
+            let spared = only.is_some_and(|n| n != ns) || {
+                let g = guarantee(ns);
+                g > 0 && self.namespace_pages(ns) - pages < g
+            };
             if leases == 0 && !visited && !spared {
                 self.hand = (prev != NIL).then_some(prev);
                 return Some(cur);

@@ -21,7 +21,9 @@ mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
 pub use arena::{Arena, ArenaSlice, SliceReader, DOORBELL_STRIDE, HEADER_BYTES};
-pub use core::{Audit, EvictSummary, HashRange, ShardConfig, ShardCore, StartedTombstone};
+pub use core::{
+    Audit, EvictSummary, HashRange, NamespaceQuota, ShardConfig, ShardCore, StartedTombstone,
+};
 pub use error::Error;
 pub use metrics::{LatencyHistogram, LatencySummary, OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};

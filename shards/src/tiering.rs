@@ -39,7 +39,8 @@ pub struct TieredLookup {
 
 impl ShardCore {
     /// Gives the shard its SSD store.
-    pub fn attach_ssd(&mut self, store: SsdStore) {
+    pub fn attach_ssd(&mut self, mut store: SsdStore) {
+        store.set_guarantees(self.quotas.ssd_guarantees());
         self.ssd = Some(store);
     }
 
@@ -218,7 +219,8 @@ impl ShardCore {
             if !self.ssd.as_ref().is_some_and(SsdStore::has_room) {
                 break;
             }
-            let guarantee = self.cfg.namespace_guarantee_pages;
+            let quotas = &self.quotas;
+            let guarantee = |ns| quotas.of(ns).dram_guarantee_pages;
             let Some(victim) = self.entries.pick_victim_sparing(guarantee, None) else { break };
             let (key, len, checksum, extent, reads) = {
                 let e = self.entries.get(victim);
@@ -229,7 +231,7 @@ impl ShardCore {
                 .as_ref()
                 .is_some_and(|s| s.get(&key).is_some_and(|r| r.checksum == checksum));
             // A namespace at its SSD share: its victims are dropped, not written.
-            let limit = self.cfg.namespace_ssd_limit_bytes;
+            let limit = self.quotas.of(key.namespace).ssd_limit_bytes;
             let page = crate::PAGE_SIZE;
             let record = crate::ssd::format::RECORD_HEADER_BYTES + len.div_ceil(page) * page;
             let over = !on_ssd
@@ -277,6 +279,9 @@ impl ShardCore {
             }
             self.demoting += 1;
             self.demoting_pages += extent.pages;
+            started += 1;
+        }
+        while self.ssd.as_mut().is_some_and(SsdStore::relocate) {
             started += 1;
         }
         started

@@ -409,3 +409,79 @@ fn print_config_output_round_trips_through_a_file() {
     assert!(print);
     assert_eq!(c.metrics_addr, Some("0.0.0.0:9100".parse().unwrap()));
 }
+
+/// `--model-quota` replaces the values it names for that model's namespaces, keeps the
+/// `--namespace-*` values for the rest, and is checked as they are, naming the model.
+#[test]
+fn model_quotas_take_the_flags_values_they_do_not_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let c = flags(&[
+        "--shards",
+        "2",
+        "--dram",
+        "64MiB",
+        "--ssd-dir",
+        d,
+        "--ssd",
+        "1GiB",
+        "--ssd-region-size",
+        "1MiB",
+        "--namespace-dram-limit",
+        "8MiB",
+        "--namespace-ssd-guarantee",
+        "64MiB",
+        "--model-quota",
+        "org/big:v2:dram-limit=32MiB,dram-guarantee=16MiB",
+        "--model-quota",
+        "small:ssd-guarantee=0",
+    ])
+    .unwrap();
+    assert_eq!(c.model_quota.len(), 2);
+    let s = c.validate().unwrap();
+    let share = |limit_mib: u64, guarantee_mib: u64, ssd_guarantee_mib: u64| NamespaceQuota {
+        dram_limit_pages: (limit_mib << 20) / 2 / 4096,
+        dram_guarantee_pages: (guarantee_mib << 20) / 2 / 4096,
+        ssd_limit_bytes: 0,
+        ssd_guarantee_bytes: (ssd_guarantee_mib << 20) / 2,
+    };
+    assert_eq!(s.quota, share(8, 0, 64));
+    assert_eq!(
+        s.model_quotas,
+        vec![("org/big:v2".to_string(), share(32, 16, 64)), ("small".to_string(), share(8, 0, 0))]
+    );
+    // Printed and read back, the list is the same.
+    let printed = toml::to_string(&c).unwrap();
+    assert!(printed.contains("\"org/big:v2:dram-limit=32MiB,dram-guarantee=16MiB\""), "{printed}");
+    assert_eq!(toml::from_str::<ServerConfig>(&printed).unwrap(), c);
+
+    let e = flags(&["--model-quota", "m:dram-limit=much"]).unwrap_err();
+    assert!(e.contains("--model-quota") && e.contains("dram-limit"), "{e}");
+    for (edit, flag, why) in [
+        (vec!["--model-quota", "m:dram-guarantee=2GiB"], "--model-quota", "m:dram-guarantee=2GiB"),
+        (
+            vec!["--model-quota", "m:dram-limit=1MiB", "--model-quota", "m:ssd-limit=1MiB"],
+            "--model-quota",
+            "given twice",
+        ),
+        (vec!["--namespace-ssd-guarantee", "1MiB"], "--namespace-ssd-guarantee", "SSD tier"),
+        (
+            vec!["--namespace-ssd-limit", "1MiB", "--namespace-ssd-guarantee", "2MiB"],
+            "--namespace-ssd-guarantee",
+            "SSD limit",
+        ),
+        (
+            vec!["--ssd-dir", d, "--ssd", "1GiB", "--namespace-ssd-guarantee", "600MiB"],
+            "--namespace-ssd-guarantee",
+            "half of --ssd",
+        ),
+        (
+            vec!["--ssd-dir", d, "--ssd", "1GiB", "--model-quota", "m:ssd-guarantee=600MiB"],
+            "--model-quota",
+            "half of --ssd",
+        ),
+    ] {
+        let e = bad(flags(&edit).unwrap());
+        assert!(e.contains(flag) && e.contains(why), "{edit:?}: {e}");
+    }
+}

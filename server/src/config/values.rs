@@ -75,6 +75,96 @@ impl fmt::Display for Span {
     }
 }
 
+/// The quota of one model's namespaces (`--model-quota`):
+/// `MODEL:KEY=SIZE[,KEY=SIZE...]`, keys `dram-limit`, `dram-guarantee`, `ssd-limit` and
+/// `ssd-guarantee`. A key not given takes the `--namespace-*` flag's value. The model is
+/// everything before the last `:` ahead of the first `=` (so a model name may hold `:` but no
+/// `=` or `,`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelQuota {
+    /// The model, as its namespaces' descriptors name it.
+    pub model: String,
+    /// `dram-limit`.
+    pub dram_limit: Option<ByteSize>,
+    /// `dram-guarantee`.
+    pub dram_guarantee: Option<ByteSize>,
+    /// `ssd-limit`.
+    pub ssd_limit: Option<ByteSize>,
+    /// `ssd-guarantee`.
+    pub ssd_guarantee: Option<ByteSize>,
+}
+
+/// Why a `--model-quota` value does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0} (expected MODEL:KEY=SIZE[,KEY=SIZE...], keys dram-limit, dram-guarantee, ssd-limit, ssd-guarantee)")]
+pub struct ModelQuotaError(String);
+
+impl ModelQuota {
+    const KEYS: [&'static str; 4] = ["dram-limit", "dram-guarantee", "ssd-limit", "ssd-guarantee"];
+
+    fn field(&mut self, key: &str) -> Option<&mut Option<ByteSize>> {
+        Some(match key {
+            "dram-limit" => &mut self.dram_limit,
+            "dram-guarantee" => &mut self.dram_guarantee,
+            "ssd-limit" => &mut self.ssd_limit,
+            "ssd-guarantee" => &mut self.ssd_guarantee,
+            _ => return None,
+        })
+    }
+
+    fn fields(&self) -> [(&'static str, Option<ByteSize>); 4] {
+        let v = [self.dram_limit, self.dram_guarantee, self.ssd_limit, self.ssd_guarantee];
+        [(Self::KEYS[0], v[0]), (Self::KEYS[1], v[1]), (Self::KEYS[2], v[2]), (Self::KEYS[3], v[3])]
+    }
+}
+
+impl FromStr for ModelQuota {
+    type Err = ModelQuotaError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |why: String| ModelQuotaError(format!("{s:?}: {why}"));
+        let first_eq = s.find('=').ok_or_else(|| err("no KEY=SIZE".into()))?;
+        let (model, _) = s[..first_eq]
+            .rsplit_once(':')
+            .ok_or_else(|| err("no ':' between the model and its first key".into()))?;
+        if model.is_empty() || model.len() > 256 {
+            return Err(err("the model must be 1 to 256 bytes".into()));
+        }
+        let mut q = ModelQuota {
+            model: model.to_owned(),
+            dram_limit: None,
+            dram_guarantee: None,
+            ssd_limit: None,
+            ssd_guarantee: None,
+        };
+        for pair in s[model.len() + 1..].split(',') {
+            let (key, value) =
+                pair.split_once('=').ok_or_else(|| err(format!("{pair:?} is not KEY=SIZE")))?;
+            let size: ByteSize =
+                value.parse().map_err(|e| err(format!("{key}: {value:?}: {e}")))?;
+            let slot = q.field(key).ok_or_else(|| err(format!("unknown key {key:?}")))?;
+            if slot.replace(size).is_some() {
+                return Err(err(format!("{key} given twice")));
+            }
+        }
+        Ok(q)
+    }
+}
+
+impl fmt::Display for ModelQuota {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:", self.model)?;
+        let mut sep = "";
+        for (key, value) in self.fields() {
+            if let Some(v) = value {
+                write!(f, "{sep}{key}={v}")?;
+                sep = ",";
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Serializes as the string `Display` writes.
 macro_rules! as_string {
     ($t:ty, $what:literal) => {
@@ -107,6 +197,7 @@ macro_rules! as_string {
 
 as_string!(ByteSize, "a size such as \"512MiB\"");
 as_string!(Span, "a duration such as \"250ms\"");
+as_string!(ModelQuota, "a model quota such as \"my-model:dram-limit=8GiB\"");
 
 #[cfg(test)]
 mod tests {
@@ -140,5 +231,30 @@ mod tests {
             assert_eq!(s.to_string().parse::<Span>().unwrap(), s);
         }
         assert!("soon".parse::<Span>().is_err());
+    }
+
+    #[test]
+    fn model_quotas_parse_print_back_and_name_what_is_wrong() {
+        let q: ModelQuota = "org/m:rev1:dram-limit=8GiB,ssd-guarantee=1GiB".parse().unwrap();
+        assert_eq!(q.model, "org/m:rev1", "the model keeps its own ':'");
+        assert_eq!(
+            (q.dram_limit, q.ssd_guarantee),
+            (Some(ByteSize(8 << 30)), Some(ByteSize(1 << 30)))
+        );
+        assert_eq!((q.dram_guarantee, q.ssd_limit), (None, None));
+        assert_eq!(q.to_string(), "org/m:rev1:dram-limit=8GiB,ssd-guarantee=1GiB");
+        assert_eq!(q.to_string().parse::<ModelQuota>().unwrap(), q);
+        for (text, why) in [
+            ("m", "no KEY=SIZE"),
+            ("dram-limit=1GiB", "no ':'"),
+            (":dram-limit=1GiB", "1 to 256 bytes"),
+            ("m:dram-limit=lots", "dram-limit"),
+            ("m:dram-limt=1GiB", "unknown key \"dram-limt\""),
+            ("m:dram-limit=1GiB,dram-limit=2GiB", "given twice"),
+            ("m:dram-limit=1GiB,", "is not KEY=SIZE"),
+        ] {
+            let e = text.parse::<ModelQuota>().unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("MODEL:KEY=SIZE"), "{text}: {e}");
+        }
     }
 }

@@ -629,8 +629,11 @@ fn two_tenants(pages: u64, limit: u64, guarantee: u64) -> (ShardCore, u64, u64) 
     let cfg = ShardConfig {
         max_chunk_bytes: 1 << 30,
         max_namespaces: 4,
-        namespace_limit_pages: limit,
-        namespace_guarantee_pages: guarantee,
+        quota: NamespaceQuota {
+            dram_limit_pages: limit,
+            dram_guarantee_pages: guarantee,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let mut core = ShardCore::new(cfg, slice);
@@ -688,5 +691,49 @@ fn a_namespace_at_its_limit_evicts_its_own_then_is_refused() {
     assert_eq!(core.stats().quota_refusals, 1);
     // The quiet namespace still writes.
     put(&mut core, 1, key(quiet, 50), 50, 4096).unwrap();
+    assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
+}
+
+/// Quotas differ per model: the quiet model's own guarantee protects it where the default
+/// (none) does not, and the noisy model's own limit bounds it where the default does not.
+#[test]
+fn each_model_has_its_own_quota() {
+    let arena = Arc::new(Arena::create(14 * crate::PAGE_SIZE, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    let quota = |limit, guarantee| NamespaceQuota {
+        dram_limit_pages: limit,
+        dram_guarantee_pages: guarantee,
+        ..Default::default()
+    };
+    let cfg = ShardConfig {
+        max_chunk_bytes: 1 << 30,
+        max_namespaces: 4,
+        quota: quota(0, 0),
+        model_quotas: vec![("quiet-model".into(), quota(0, 6)), ("test-model".into(), quota(5, 0))],
+        ..Default::default()
+    };
+    let mut core = ShardCore::new(cfg, slice);
+    let noisy = descriptor(4);
+    let quiet = NamespaceDescriptor { model: "quiet-model".into(), ..descriptor(4) };
+    let other = NamespaceDescriptor { model: "other-model".into(), ..descriptor(4) };
+    let (n, q, o) = (noisy.id(), quiet.id(), other.id());
+    for d in [noisy, quiet, other] {
+        core.register(d).unwrap();
+    }
+    assert_eq!(core.quotas.of(q), quota(0, 6));
+    assert_eq!(core.quotas.of(n), quota(5, 0));
+    assert_eq!(core.quotas.of(o), quota(0, 0), "a model without its own: the default");
+    for i in 0..8 {
+        put(&mut core, 1, key(q, i), i, 4096).unwrap();
+    }
+    for i in 0..8 {
+        put(&mut core, 1, key(o, i), i, 4096).unwrap();
+    }
+    for i in 0..100 {
+        put(&mut core, 2, key(n, i), i, 4096).unwrap();
+    }
+    assert_eq!(core.entries.namespace_pages(n), 5, "the noisy model's own limit");
+    assert_eq!(core.entries.namespace_pages(q), 6, "the quiet model's own guarantee");
+    assert_eq!(core.entries.namespace_pages(o), 3, "no guarantee: the rest of the shard");
     assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
 }

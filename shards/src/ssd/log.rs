@@ -14,6 +14,32 @@ use orbitkv_proto::ChunkKey;
 use super::format::{FormatError, RecordHeader, RecordKind, Superblock, RECORD_HEADER_BYTES};
 use crate::alloc::PAGE_SIZE;
 
+/// Free regions at or below which the records a namespace's SSD guarantee keeps are moved
+/// out of the oldest region ([`RegionLog::relocation_candidate`]): its reclaim is near.
+pub const RELOCATE_AT_FREE_REGIONS: usize = 2;
+
+/// Bytes of SSD records each namespace keeps through region reclaim
+/// (`--namespace-ssd-guarantee`, a shard's share).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SsdGuarantees {
+    /// Of a namespace not in `by_namespace`.
+    pub default: u64,
+    /// Of these namespaces.
+    pub by_namespace: HashMap<u64, u64>,
+}
+
+impl SsdGuarantees {
+    /// Namespace `ns`'s.
+    pub fn of(&self, ns: u64) -> u64 {
+        self.by_namespace.get(&ns).copied().unwrap_or(self.default)
+    }
+
+    /// Whether any namespace has one.
+    pub fn any(&self) -> bool {
+        self.default > 0 || self.by_namespace.values().any(|&g| g > 0)
+    }
+}
+
 /// Where a live record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SsdEntry {
@@ -108,6 +134,13 @@ pub struct RegionLog {
     used_bytes: u64,
     /// Bytes on disk of the live records of each namespace (headers included).
     ns_bytes: HashMap<u64, u64>,
+    /// Bytes of records each namespace keeps through reclaim.
+    guarantees: SsdGuarantees,
+    /// A region (and its generation) whose hold was given up ([`RegionLog::abandon_hold`]):
+    /// its reclaim goes ahead.
+    abandoned: Option<(u32, u64)>,
+    /// Bumped by every change of the index or the regions (a cache key for callers).
+    changes: u64,
 }
 
 impl RegionLog {
@@ -124,7 +157,51 @@ impl RegionLog {
             next_generation: 1,
             used_bytes: 0,
             ns_bytes: HashMap::new(),
+            guarantees: SsdGuarantees::default(),
+            abandoned: None,
+            changes: 0,
         }
+    }
+
+    /// A count that changes whenever records or regions do.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// Sets the bytes of records each namespace keeps through reclaim. With any, one free
+    /// region is kept for the rewrites that keep them (and for tombstones): ordinary records
+    /// reclaim the oldest region rather than take it.
+    pub fn set_guarantees(&mut self, guarantees: SsdGuarantees) {
+        self.guarantees = guarantees;
+        self.changes += 1;
+    }
+
+    /// Whether the oldest sealed region `r` is held from reclaim: it has records that an SSD
+    /// guarantee keeps and that are not rewritten elsewhere yet.
+    fn held(&self, r: u32) -> bool {
+        self.sealed.front() == Some(&r) && self.relocation_candidate(&HashMap::new()).is_some()
+    }
+
+    /// Gives up the hold of the oldest region: a rewrite found no room without reclaiming it
+    /// (the records it still had to move go with it).
+    pub fn abandon_hold(&mut self) {
+        if let Some(&r) = self.sealed.front() {
+            self.abandoned = Some((r, self.regions[r as usize].generation));
+            self.changes += 1;
+        }
+    }
+
+    /// Whether a rewrite of `len` payload bytes can only be placed by reclaiming the held
+    /// oldest region: the active region lacks room (one still opening will have it once its
+    /// first record lands) and no region is free.
+    pub fn rewrite_needs_held(&self, len: u64) -> bool {
+        let bytes = RECORD_HEADER_BYTES + len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let active_fits = self.active.is_some_and(|r| {
+            let r = &self.regions[r as usize];
+            r.opening || r.used + bytes <= self.sb.region_bytes
+        });
+        let oldest_held = self.sealed.front().is_some_and(|&r| self.held(r));
+        oldest_held && !active_fits && self.free.is_empty()
     }
 
     /// The file's superblock.
@@ -219,6 +296,7 @@ impl RegionLog {
     /// Forgets a record (its payload failed its checksum, or it was promoted and removed).
     pub fn remove(&mut self, key: &ChunkKey) -> Option<SsdEntry> {
         let e = self.index.remove(key)?;
+        self.changes += 1;
         self.regions[e.region as usize].keys.retain(|k| k != key);
         self.uncount(key.namespace, &e);
         Some(e)
@@ -247,7 +325,18 @@ impl RegionLog {
         len: u64,
         checksum: u64,
     ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
-        self.place_record(RecordKind::Chunk, key, len, checksum)
+        self.place_record(RecordKind::Chunk, key, len, checksum, false)
+    }
+
+    /// [`RegionLog::place`] for a record rewritten to keep an SSD guarantee: it may take the
+    /// last free region while the oldest is held.
+    pub fn place_rewrite(
+        &mut self,
+        key: ChunkKey,
+        len: u64,
+        checksum: u64,
+    ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
+        self.place_record(RecordKind::Chunk, key, len, checksum, true)
     }
 
     /// Finds room for a tombstone (a header block alone) as [`RegionLog::place`] does. A
@@ -261,7 +350,7 @@ impl RegionLog {
         key: ChunkKey,
     ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
         debug_assert_ne!(kind, RecordKind::Chunk, "a tombstone");
-        self.place_record(kind, key, 0, 0)
+        self.place_record(kind, key, 0, 0, true)
     }
 
     fn place_record(
@@ -270,6 +359,7 @@ impl RegionLog {
         key: ChunkKey,
         len: u64,
         checksum: u64,
+        reserved: bool,
     ) -> Result<(Placement, Vec<ChunkKey>), PlaceError> {
         let mut header = RecordHeader {
             kind,
@@ -290,17 +380,21 @@ impl RegionLog {
             Some(r) if self.regions[r as usize].opening => return Err(PlaceError::Busy),
             Some(r) if fits(self, r) => r,
             _ => {
-                let next = match self.free.pop_front() {
-                    Some(r) => r,
-                    None => {
-                        let oldest = *self.sealed.front().ok_or(PlaceError::Busy)?;
-                        if self.regions[oldest as usize].pins > 0 {
-                            return Err(PlaceError::Busy);
-                        }
-                        self.sealed.pop_front();
-                        dropped = self.reclaim(oldest);
-                        oldest
-                    }
+                // With SSD guarantees one free region is kept for rewrites and tombstones:
+                // an ordinary record refills it first, and reclaims the oldest region rather
+                // than take it (unless no region is sealed: a log too small to keep one).
+                let spare = usize::from(self.guarantees.any() && !reserved);
+                if self.free.len() < spare {
+                    let oldest = self.reclaimable_oldest()?;
+                    dropped = self.reclaim(oldest);
+                    self.free.push_back(oldest);
+                }
+                let next = if self.free.len() > spare || self.sealed.is_empty() {
+                    self.free.pop_front().ok_or(PlaceError::Busy)?
+                } else {
+                    let oldest = self.reclaimable_oldest()?;
+                    dropped.extend(self.reclaim(oldest));
+                    oldest
                 };
                 if let Some(old) = self.active.replace(next) {
                     self.sealed.push_back(old);
@@ -323,6 +417,7 @@ impl RegionLog {
         r.used += bytes;
         r.pins += 1;
         self.used_bytes += bytes;
+        self.changes += 1;
         Ok((Placement { header, region, offset }, dropped))
     }
 
@@ -335,7 +430,19 @@ impl RegionLog {
         sealed.into_iter().chain(active).min().unwrap_or(0)
     }
 
+    /// Takes the oldest sealed region out of the sealed list for reclaim; `Busy` when there is
+    /// none, or a read or write is using it, or an SSD guarantee still holds it.
+    fn reclaimable_oldest(&mut self) -> Result<u32, PlaceError> {
+        let oldest = *self.sealed.front().ok_or(PlaceError::Busy)?;
+        if self.regions[oldest as usize].pins > 0 || self.held(oldest) {
+            return Err(PlaceError::Busy);
+        }
+        self.sealed.pop_front();
+        Ok(oldest)
+    }
+
     fn reclaim(&mut self, region: u32) -> Vec<ChunkKey> {
+        self.changes += 1;
         let r = &mut self.regions[region as usize];
         let keys = std::mem::take(&mut r.keys);
         self.used_bytes -= r.used;
@@ -348,9 +455,60 @@ impl RegionLog {
         keys
     }
 
+    /// A record of the oldest sealed region to rewrite at the head before that region is
+    /// reclaimed, once at most `RELOCATE_AT_FREE_REGIONS` regions are free: one of a
+    /// namespace whose records elsewhere (counting `moving`, records being rewritten) hold
+    /// less than its guarantee. None when no record needs it, when that region's hold was
+    /// given up, or when the guarantees of the namespaces present would take more than the
+    /// log less two regions (they cannot all be kept: reclaim goes on as without them).
+    pub fn relocation_candidate(
+        &self,
+        moving: &HashMap<ChunkKey, SsdEntry>,
+    ) -> Option<(ChunkKey, SsdEntry)> {
+        if !self.guarantees.any() {
+            return None;
+        }
+        let guarantee = |ns| self.guarantees.of(ns);
+        if self.free.len() > RELOCATE_AT_FREE_REGIONS {
+            return None;
+        }
+        let oldest = *self.sealed.front()?;
+        if self.abandoned == Some((oldest, self.regions[oldest as usize].generation)) {
+            return None;
+        }
+        let keys = &self.regions[oldest as usize].keys;
+        // Bytes of each namespace in the oldest region, less those already being moved.
+        let mut here: HashMap<u64, u64> = HashMap::new();
+        for k in keys {
+            if let (Some(e), false) = (self.index.get(k), moving.contains_key(k)) {
+                *here.entry(k.namespace).or_default() += e.disk_bytes();
+            }
+        }
+        let needy = |k: &ChunkKey| {
+            let g = guarantee(k.namespace);
+            g > 0 && self.namespace_bytes(k.namespace) - here[&k.namespace] < g
+        };
+        let pick = keys.iter().find(|k| !moving.contains_key(k) && needy(k))?;
+        let kept: u64 = self.ns_bytes.iter().map(|(&ns, &b)| b.min(guarantee(ns))).sum();
+        let room = (self.sb.region_count.saturating_sub(2)) * self.sb.region_bytes;
+        if kept > room {
+            return None;
+        }
+        Some((*pick, self.index[pick]))
+    }
+
     /// The record at `p` is on disk: make it the key's live record.
     pub fn complete_write(&mut self, p: &Placement) {
+        self.complete_write_over(p, None);
+    }
+
+    /// The record at `p` is on disk: make it the key's live record, if `over` is None or
+    /// still the key's live record (a rewrite of a record deleted, failed or promoted
+    /// meanwhile is not brought back; recovery sees it older than the tombstone of a
+    /// deletion, and the bytes of any other record of the key are the same).
+    pub fn complete_write_over(&mut self, p: &Placement, over: Option<SsdEntry>) {
         self.unpin(p.region);
+        self.changes += 1;
         if p.offset == self.sb.region_offset(p.region as u64) {
             self.regions[p.region as usize].opening = false;
         }
@@ -360,6 +518,9 @@ impl RegionLog {
         if p.header.kind != RecordKind::Chunk {
             // A tombstone on disk: what it deletes left the index when it was placed (and a
             // record of its key written since is newer than it).
+            return;
+        }
+        if over.is_some_and(|o| self.index.get(&p.header.key) != Some(&o)) {
             return;
         }
         let entry = SsdEntry {
@@ -380,6 +541,7 @@ impl RegionLog {
     /// The write at `p` failed: its space stays used until the region is reclaimed.
     pub fn abort_write(&mut self, p: &Placement) {
         self.unpin(p.region);
+        self.changes += 1;
         if p.offset == self.sb.region_offset(p.region as u64) {
             // The region's first block may still hold an earlier generation: write nothing
             // more into it; the next record opens another region.

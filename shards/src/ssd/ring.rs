@@ -20,40 +20,45 @@ use io_uring::{opcode, types, IoUring};
 use crate::alloc::PAGE_SIZE;
 use crate::arena::{Arena, ArenaSlice};
 
-/// A 4 KiB-aligned, 4 KiB block owned by an operation (O_DIRECT needs aligned memory).
+/// A 4 KiB-aligned block of whole 4 KiB pages owned by an operation (O_DIRECT needs aligned
+/// memory): a record header, or a whole record being rewritten elsewhere.
 #[derive(Debug)]
 pub struct AlignedBlock {
     ptr: std::ptr::NonNull<u8>,
+    layout: Layout,
 }
 
 // SAFETY: an exclusively owned heap block; no aliasing exists to share across threads.
 unsafe impl Send for AlignedBlock {}
 
 impl AlignedBlock {
-    const LAYOUT: Layout = match Layout::from_size_align(PAGE_SIZE as usize, PAGE_SIZE as usize) {
-        Ok(l) => l,
-        Err(_) => panic!("4 KiB is a valid size and alignment"),
-    };
-
-    /// A zeroed block.
+    /// A zeroed 4 KiB block.
     pub fn new() -> Self {
+        Self::with_pages(1)
+    }
+
+    /// A zeroed block of `pages` 4 KiB pages (at least one).
+    pub fn with_pages(pages: u64) -> Self {
+        let bytes = (pages.max(1) * PAGE_SIZE) as usize;
+        let layout = Layout::from_size_align(bytes, PAGE_SIZE as usize)
+            .expect("whole pages at page alignment form a valid layout");
         // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc_zeroed(Self::LAYOUT) };
-        let ptr = std::ptr::NonNull::new(raw)
-            .unwrap_or_else(|| std::alloc::handle_alloc_error(Self::LAYOUT));
-        Self { ptr }
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, layout }
     }
 
     /// The block's bytes.
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is PAGE_SIZE bytes, initialised (zeroed), owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), PAGE_SIZE as usize) }
+        // SAFETY: the allocation is `layout.size()` bytes, initialised (zeroed), owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
     }
 
     /// The block's bytes, writable.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`, and `&mut self` makes the view exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), PAGE_SIZE as usize) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
 
@@ -65,8 +70,8 @@ impl Default for AlignedBlock {
 
 impl Drop for AlignedBlock {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with the same layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), Self::LAYOUT) }
+        // SAFETY: allocated in `with_pages` with this layout, freed once.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
 
@@ -309,10 +314,10 @@ impl SsdRing {
         self.block_op(file, at, block, true)
     }
 
-    /// Writes a record that is one 4 KiB header block alone (a tombstone) at file offset
-    /// `at`: as [`SsdRing::write_block`], but, as every record write, through the injected
-    /// faults.
-    pub fn write_header(
+    /// Writes a record held whole in `block` (a tombstone: its 4 KiB header alone; a record
+    /// being rewritten: header and payload) at file offset `at`: as [`SsdRing::write_block`],
+    /// but, as every record write, through the injected faults.
+    pub fn write_whole_record(
         &mut self,
         file: &File,
         at: u64,
@@ -325,6 +330,13 @@ impl SsdRing {
     /// Reads one 4 KiB block at file offset `at`; the completion carries it.
     pub fn read_block(&mut self, file: &File, at: u64) -> std::io::Result<u64> {
         self.block_op(file, at, AlignedBlock::new(), false)
+    }
+
+    /// Reads `block`'s length at file offset `at` into it (a record to rewrite elsewhere);
+    /// the completion carries it. Through the injected faults.
+    pub fn read_into(&mut self, file: &File, at: u64, block: AlignedBlock) -> std::io::Result<u64> {
+        let fd = self.target(file);
+        self.block_op_on(fd, at, block, false)
     }
 
     fn block_op(
@@ -345,7 +357,7 @@ impl SsdRing {
         write: bool,
     ) -> std::io::Result<u64> {
         let iov = Box::new([
-            libc::iovec { iov_base: block.ptr.as_ptr().cast(), iov_len: PAGE_SIZE as usize },
+            libc::iovec { iov_base: block.ptr.as_ptr().cast(), iov_len: block.layout.size() },
             libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
         ]);
         let entry = if write {

@@ -14,7 +14,7 @@ use orbitkv_proto::ChunkKey;
 use super::format::{
     RecordKind, Superblock, FORMAT_VERSION, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
 };
-use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry};
+use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry, SsdGuarantees};
 use super::ring::{AlignedBlock, SsdRing};
 use crate::alloc::PAGE_SIZE;
 use crate::arena::ArenaSlice;
@@ -93,6 +93,12 @@ pub struct SsdStats {
     pub tombstones: u64,
     /// Reads and writes submitted and not yet completed.
     pub in_flight: u64,
+    /// Records rewritten at the log's head before their region's reclaim, to keep their
+    /// namespace's SSD guarantee.
+    pub relocated: u64,
+    /// Times a region had to be reclaimed with records an SSD guarantee kept (no room to
+    /// rewrite them).
+    pub relocations_abandoned: u64,
 }
 
 /// A finished SSD operation, for the shard to act on.
@@ -127,8 +133,25 @@ pub enum SsdEvent {
 enum Pending {
     Demote(Placement),
     Tombstone(Placement),
-    Promote { key: ChunkKey, entry: SsdEntry, slot_offset: u64 },
+    Promote {
+        key: ChunkKey,
+        entry: SsdEntry,
+        slot_offset: u64,
+    },
+    /// A record being read whole, to be rewritten at the head ([`SsdStore::relocate`]).
+    RelocateRead {
+        key: ChunkKey,
+        from: SsdEntry,
+    },
+    /// Its rewrite.
+    RelocateWrite {
+        placement: Placement,
+        from: SsdEntry,
+    },
 }
+
+/// Most records one shard rewrites at once for the SSD guarantees.
+const MAX_RELOCATIONS: usize = 2;
 
 /// One shard's SSD store.
 pub struct SsdStore {
@@ -138,6 +161,11 @@ pub struct SsdStore {
     ring: SsdRing,
     /// Operations submitted and not yet completed, with when they were submitted.
     pending: HashMap<u64, (Instant, Pending)>,
+    /// Records being rewritten at the head, with their place before (their region pinned).
+    moving: HashMap<ChunkKey, SsdEntry>,
+    /// The log's change count when no record needed a rewrite (nothing to look for until
+    /// it changes).
+    settled_at: Option<u64>,
     stats: SsdStats,
     /// Latencies of reads (promotions) and writes (demotions), submission to completion.
     read_latency: LatencyHistogram,
@@ -287,6 +315,8 @@ impl SsdStore {
             log,
             ring,
             pending: HashMap::new(),
+            moving: HashMap::new(),
+            settled_at: None,
             stats,
             read_latency: LatencyHistogram::default(),
             write_latency: LatencyHistogram::default(),
@@ -390,7 +420,7 @@ impl SsdStore {
         self.stats.reclaimed += dropped.len() as u64;
         let mut header = AlignedBlock::new();
         placement.header.encode_into(header.bytes_mut());
-        match self.ring.write_header(&self.file, placement.offset, header) {
+        match self.ring.write_whole_record(&self.file, placement.offset, header) {
             Ok(id) => {
                 self.pending.insert(id, (Instant::now(), Pending::Tombstone(placement)));
                 let gone: Vec<ChunkKey> = match kind {
@@ -445,6 +475,100 @@ impl SsdStore {
         }
     }
 
+    /// Sets the bytes of SSD records each namespace keeps through reclaim
+    /// ([`RegionLog::set_guarantees`]).
+    pub fn set_guarantees(&mut self, guarantees: SsdGuarantees) {
+        self.log.set_guarantees(guarantees);
+    }
+
+    /// Starts rewriting at the log's head one record that region reclaim would drop below its
+    /// namespace's SSD guarantee, once reclaim is near ([`RegionLog::relocation_candidate`]). The record is read whole,
+    /// checked against its checksum and written again; its region stays pinned (not
+    /// reclaimed) until then. True when one started.
+    pub fn relocate(&mut self) -> bool {
+        if self.settled_at == Some(self.log.changes()) {
+            return false;
+        }
+        let Some((key, from)) = self.log.relocation_candidate(&self.moving) else {
+            self.settled_at = Some(self.log.changes());
+            return false;
+        };
+        if self.moving.len() >= MAX_RELOCATIONS || !self.ring.has_room() {
+            return false;
+        }
+        let block = AlignedBlock::with_pages(from.disk_bytes() / PAGE_SIZE);
+        match self.ring.read_into(&self.file, from.offset, block) {
+            Ok(id) => {
+                self.log.pin(from.region);
+                self.moving.insert(key, from);
+                self.pending.insert(id, (Instant::now(), Pending::RelocateRead { key, from }));
+                true
+            }
+            Err(e) => {
+                self.stats.io_errors += 1;
+                tracing::warn!(path = %self.path.display(), error = %e, "SSD read not submitted");
+                false
+            }
+        }
+    }
+
+    /// A record read whole for its rewrite (`block`, when the read returned every byte):
+    /// written at the head when its bytes are right and it is still live.
+    fn relocation_read(&mut self, key: ChunkKey, from: SsdEntry, block: Option<AlignedBlock>) {
+        let Some(mut block) = block else {
+            self.stats.io_errors += 1;
+            return self.relocation_done(&key, &from);
+        };
+        let header = RECORD_HEADER_BYTES as usize;
+        if chunk_checksum(&block.bytes()[header..header + from.len as usize]) != from.checksum {
+            self.stats.checksum_failures += 1;
+            tracing::warn!(path = %self.path.display(), offset = from.offset, "SSD record failed its checksum; dropped");
+            if self.log.get(&key) == Some(from) {
+                self.log.remove(&key);
+            }
+            return self.relocation_done(&key, &from);
+        }
+        if self.log.get(&key) != Some(from) {
+            return self.relocation_done(&key, &from); // deleted or promoted meanwhile
+        }
+        let placement = match self.log.place_rewrite(key, from.len, from.checksum) {
+            Ok((p, dropped)) => {
+                self.stats.reclaimed += dropped.len() as u64;
+                p
+            }
+            Err(_) => {
+                if self.log.rewrite_needs_held(from.len) {
+                    // No room but the held region's own: its hold is given up, and what it
+                    // still had to keep goes with it.
+                    self.log.abandon_hold();
+                    self.stats.relocations_abandoned += 1;
+                    tracing::warn!(path = %self.path.display(), "no SSD room to rewrite what a namespace's --namespace-ssd-guarantee keeps; its oldest region is reclaimed anyway");
+                }
+                return self.relocation_done(&key, &from); // else tried again later
+            }
+        };
+        placement.header.encode_into(&mut block.bytes_mut()[..header]);
+        match self.ring.write_whole_record(&self.file, placement.offset, block) {
+            Ok(id) => {
+                let op = Pending::RelocateWrite { placement, from };
+                self.pending.insert(id, (Instant::now(), op));
+            }
+            Err(e) => {
+                self.log.abort_write(&placement);
+                self.stats.io_errors += 1;
+                tracing::warn!(path = %self.path.display(), error = %e, "SSD write not submitted");
+                self.relocation_done(&key, &from);
+            }
+        }
+    }
+
+    /// A rewrite is over (done or given up): its old region may be reclaimed.
+    fn relocation_done(&mut self, key: &ChunkKey, from: &SsdEntry) {
+        self.log.unpin(from.region);
+        self.moving.remove(key);
+        self.settled_at = None;
+    }
+
     /// Collects finished operations (never blocks). Promoted bytes are checksum-verified here;
     /// a bad record is dropped and reported unverified.
     pub fn poll(&mut self, slice: &ArenaSlice) -> Vec<SsdEvent> {
@@ -477,6 +601,28 @@ impl SsdStore {
                         tracing::error!(path = %self.path.display(), result = ?c.result, "SSD tombstone write failed: what it deleted may come back after a restart");
                     }
                     events.push(SsdEvent::Tombstoned { ticket: c.id, stored: ok });
+                }
+                Pending::RelocateRead { key, from } => {
+                    self.read_latency.record(took);
+                    let whole = matches!(c.result, Ok(n) if n == from.disk_bytes());
+                    if whole {
+                        self.stats.reads += 1;
+                    }
+                    self.relocation_read(key, from, c.header.filter(|_| whole));
+                }
+                Pending::RelocateWrite { placement, from } => {
+                    self.write_latency.record(took);
+                    let key = placement.header.key;
+                    if matches!(c.result, Ok(n) if n == from.disk_bytes()) {
+                        self.log.complete_write_over(&placement, Some(from));
+                        self.stats.writes += 1;
+                        self.stats.relocated += 1;
+                    } else {
+                        self.log.abort_write(&placement);
+                        self.stats.io_errors += 1;
+                        tracing::warn!(path = %self.path.display(), result = ?c.result, "SSD write failed");
+                    }
+                    self.relocation_done(&key, &from);
                 }
                 Pending::Promote { key, entry, slot_offset } => {
                     self.read_latency.record(took);

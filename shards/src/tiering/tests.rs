@@ -3,7 +3,7 @@ use std::sync::Arc;
 use orbitkv_proto::{ChunkOutcome, Dtype, ErrorCode, NamespaceDescriptor, Reservation, SlotRef};
 
 use super::*;
-use crate::core::ShardConfig;
+use crate::core::{NamespaceQuota, ShardConfig};
 use crate::ops::{ShardOp, ShardReply};
 use crate::ssd::store::SsdConfig;
 use crate::Arena;
@@ -19,14 +19,37 @@ fn core_with_chunks(
     dir: &std::path::Path,
     tokens_per_chunk: u32,
 ) -> (ShardCore, u64) {
+    core_with_quota(dram_pages, dir, tokens_per_chunk, NamespaceQuota::default(), vec![])
+}
+
+/// [`core_with_chunks`] whose namespaces have `quota`, or their model's in `models`.
+fn core_with_quota(
+    dram_pages: u64,
+    dir: &std::path::Path,
+    tokens_per_chunk: u32,
+    quota: NamespaceQuota,
+    model_quotas: Vec<(String, NamespaceQuota)>,
+) -> (ShardCore, u64) {
     let arena = Arc::new(Arena::create(dram_pages * 4096, false).unwrap());
     let slice = arena.split(1).pop().unwrap();
-    let mut core = ShardCore::new(
-        ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4, ..Default::default() },
-        slice,
-    );
-    let ns = NamespaceDescriptor {
-        model: "t".into(),
+    let cfg =
+        ShardConfig { id: 0, max_chunk_bytes: 1 << 30, max_namespaces: 4, quota, model_quotas };
+    let mut core = ShardCore::new(cfg, slice);
+    let ns = descriptor("t", tokens_per_chunk);
+    let id = ns.id();
+    assert!(matches!(
+        core.apply(ShardOp::Register { descriptor: ns }),
+        ShardReply::Registered(Ok(_))
+    ));
+    let (store, _) = SsdStore::open(&ssd_config(dir)).unwrap();
+    core.attach_ssd(store);
+    (core, id)
+}
+
+/// A namespace of `model` with chunks of `tokens_per_chunk` x 4 KiB.
+fn descriptor(model: &str, tokens_per_chunk: u32) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model: model.into(),
         dtype: Dtype::Fp32,
         num_layers: 1,
         num_kv_heads: 1,
@@ -36,13 +59,12 @@ fn core_with_chunks(
         layout_version: 1,
         tp_rank: 0,
         tp_world_size: 1,
-    };
-    let id = ns.id();
-    assert!(matches!(
-        core.apply(ShardOp::Register { descriptor: ns }),
-        ShardReply::Registered(Ok(_))
-    ));
-    let (store, _) = SsdStore::open(&SsdConfig {
+    }
+}
+
+/// The SSD store of the test shards: 8 MiB in 256 KiB regions.
+fn ssd_config(dir: &std::path::Path) -> SsdConfig {
+    SsdConfig {
         dir: dir.to_owned(),
         shard_id: 0,
         shard_count: 1,
@@ -51,10 +73,7 @@ fn core_with_chunks(
         ring_depth: 8,
         inject_delay: std::time::Duration::ZERO,
         inject_errors_every: 0,
-    })
-    .unwrap();
-    core.attach_ssd(store);
-    (core, id)
+    }
 }
 
 fn key(ns: u64, i: u32) -> ChunkKey {
@@ -273,8 +292,9 @@ fn a_failed_promotion_is_a_miss() {
 #[test]
 fn a_namespace_at_its_ssd_limit_is_not_demoted_past_it() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let (mut core, ns) = core_with_ssd(64, dir.path());
-    core.cfg.namespace_ssd_limit_bytes = 40 * 8192; // forty records of 4000 bytes
+    // Forty records of 4000 bytes.
+    let quota = NamespaceQuota { ssd_limit_bytes: 40 * 8192, ..Default::default() };
+    let (mut core, ns) = core_with_quota(64, dir.path(), 4, quota, vec![]);
     for i in 0..200 {
         put(&mut core, key(ns, i), i, 4000).unwrap();
         assert!(get(&mut core, key(ns, i), false).is_some());
@@ -286,4 +306,75 @@ fn a_namespace_at_its_ssd_limit_is_not_demoted_past_it() {
     assert_eq!(stats.ssd.unwrap().records, 40, "{stats:?}");
     assert!(stats.ssd_quota_drops > 100, "{stats:?}");
     assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
+}
+
+/// Registers a namespace of model `model` with chunks of 4 x 4 KiB.
+fn register_model(core: &mut ShardCore, model: &str) -> u64 {
+    let d = descriptor(model, 4);
+    let id = d.id();
+    assert!(matches!(
+        core.apply(ShardOp::Register { descriptor: d }),
+        ShardReply::Registered(Ok(_))
+    ));
+    id
+}
+
+/// A quiet namespace with an SSD guarantee keeps that much of its records through a noisy
+/// one cycling the log: reclaim rewrites them at the head first (each byte-exact, also after
+/// a restart). Without the guarantee, reclaim takes them all.
+#[test]
+fn a_quiet_namespace_keeps_its_ssd_guarantee_through_reclaim() {
+    const KEPT: u64 = 24;
+    for guarantee in [0, KEPT * 8192] {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let quiet_quota = NamespaceQuota { ssd_guarantee_bytes: guarantee, ..Default::default() };
+        let models = vec![("quiet".to_string(), quiet_quota)];
+        let (mut core, noisy) =
+            core_with_quota(64, dir.path(), 4, NamespaceQuota::default(), models);
+        let quiet = register_model(&mut core, "quiet");
+        for i in 0..30 {
+            put(&mut core, key(quiet, i), i, 4000).unwrap();
+            assert!(get(&mut core, key(quiet, i), false).is_some());
+            settle(&mut core);
+        }
+        // 1,500 records of 8 KiB through an 8 MiB log: it wraps about one and a half times.
+        for i in 0..1500 {
+            put(&mut core, key(noisy, i), i, 4000).unwrap();
+            assert!(get(&mut core, key(noisy, i), false).is_some());
+            settle(&mut core);
+        }
+        let ssd = core.ssd.as_ref().unwrap();
+        let kept = ssd.namespace_bytes(quiet);
+        let relocated = ssd.stats().relocated;
+        assert!(core.audit().problems.is_empty(), "{:?}", core.audit().problems);
+        if guarantee == 0 {
+            assert_eq!((kept, relocated), (0, 0), "no guarantee: reclaim takes them");
+            continue;
+        }
+        assert!((KEPT * 8192..=30 * 8192).contains(&kept), "{kept} bytes kept");
+        assert!(relocated >= KEPT, "{relocated} records rewritten");
+        let on_ssd: Vec<u32> =
+            (0..30).filter(|&i| core.ssd.as_ref().unwrap().get(&key(quiet, i)).is_some()).collect();
+        // Byte-exact from SSD (released at once: the lookup leased nothing).
+        for &i in &on_ssd {
+            let hit = get(&mut core, key(quiet, i), false).unwrap();
+            assert_eq!(hit.tier, Tier::Ssd, "{i}");
+            let bytes = core.slice.bytes(hit.offset - core.slice.offset(), hit.len);
+            assert_eq!(bytes, &fill(i, 4000)[..], "chunk {i}");
+        }
+        assert_eq!(core.stats().ssd.unwrap().checksum_failures, 0);
+        // The rewritten records are what a restart finds.
+        settle(&mut core);
+        let before: Vec<ChunkKey> =
+            core.ssd.as_ref().unwrap().keys().filter(|k| k.namespace == quiet).copied().collect();
+        drop(core);
+        let (store, _) = SsdStore::open(&ssd_config(dir.path())).unwrap();
+        let mut after: Vec<ChunkKey> =
+            store.keys().filter(|k| k.namespace == quiet).copied().collect();
+        let mut before = before;
+        before.sort_by_key(|k| k.digest);
+        after.sort_by_key(|k| k.digest);
+        assert_eq!(after, before);
+        assert!(store.audit().is_empty(), "{:?}", store.audit());
+    }
 }
