@@ -491,6 +491,30 @@ fn flow_families(out: &mut Families<'_, '_>, sh: &Shards<'_>) -> std::fmt::Resul
         ),
         sh.per(&|x| x.stats.admission_rejections),
     )?;
+    out.counter(
+        (
+            "orbitkv_ssd_quota_drops",
+            "DRAM victims dropped instead of demoted: their namespace at its SSD limit.",
+            None,
+        ),
+        sh.per(&|x| x.stats.ssd_quota_drops),
+    )?;
+    out.counter(
+        (
+            "orbitkv_ssd_relocations",
+            "SSD records rewritten before their region's reclaim to keep an SSD guarantee.",
+            None,
+        ),
+        sh.per(&|x| x.stats.ssd.map_or(0, |d| d.relocated)),
+    )?;
+    out.counter(
+        (
+            "orbitkv_ssd_relocations_abandoned",
+            "SSD regions reclaimed with records a guarantee kept (no room to rewrite them).",
+            None,
+        ),
+        sh.per(&|x| x.stats.ssd.map_or(0, |d| d.relocations_abandoned)),
+    )?;
     Ok(())
 }
 
