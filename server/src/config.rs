@@ -399,6 +399,17 @@ pub struct Settings {
     pub gpu_staging_depth: usize,
 }
 
+/// SSD faults injected by failpoints (none in builds without the `failpoints` feature).
+#[derive(Clone, Copy, Debug, Default)]
+struct SsdFaults {
+    /// Latency before every SSD I/O.
+    latency: Duration,
+    /// Every n-th SSD I/O fails (`EBADF`; 0: none).
+    errors_every: u64,
+    /// Every n-th SSD write fails with `ENOSPC` (0: none).
+    no_space_every: u64,
+}
+
 /// Validated SSD tier settings.
 #[derive(Clone, Debug)]
 pub struct SsdSettings {
@@ -414,33 +425,37 @@ pub struct SsdSettings {
     pub inject_latency: Duration,
     /// Every n-th I/O fails (0: none; only with `failpoints`).
     pub inject_errors_every: u64,
+    /// Every n-th write fails with `ENOSPC` (0: none; only with `failpoints`).
+    pub inject_no_space_every: u64,
 }
 
 impl ServerConfig {
-    /// The SSD fault injection the failpoints ask for: (latency per SSD I/O, every n-th
-    /// fails). `FAILPOINTS="ssd-io-delay=return(50ms);ssd-io-errors-every=return(3)"`
+    /// The SSD fault injection the failpoints ask for, e.g.
+    /// `FAILPOINTS="ssd-io-delay=return(50ms);ssd-io-errors-every=return(3)"`
     /// (docs/hardening.md).
     #[cfg(feature = "failpoints")]
-    fn ssd_faults(&self) -> Result<(Duration, u64), ConfigError> {
+    fn ssd_faults(&self) -> Result<SsdFaults, ConfigError> {
         let arg = |name: &str| fail::eval(name, |arg| arg).flatten();
-        let delay = match arg("ssd-io-delay") {
+        let latency = match arg("ssd-io-delay") {
             Some(d) => orbitkv_proto::parse_duration(&d)
                 .map_err(|e| invalid("FAILPOINTS ssd-io-delay", e.to_string()))?,
             None => Duration::ZERO,
         };
-        let every = match arg("ssd-io-errors-every") {
-            Some(n) => n.parse().map_err(|_| {
-                invalid("FAILPOINTS ssd-io-errors-every", format!("{n:?} is not a count"))
-            })?,
-            None => 0,
+        let count = |name: &str, flag: &'static str| match arg(name) {
+            Some(n) => n.parse().map_err(|_| invalid(flag, format!("{n:?} is not a count"))),
+            None => Ok(0),
         };
-        Ok((delay, every))
+        Ok(SsdFaults {
+            latency,
+            errors_every: count("ssd-io-errors-every", "FAILPOINTS ssd-io-errors-every")?,
+            no_space_every: count("ssd-write-no-space", "FAILPOINTS ssd-write-no-space")?,
+        })
     }
 
     /// No fault injection in builds without `failpoints`.
     #[cfg(not(feature = "failpoints"))]
-    fn ssd_faults(&self) -> Result<(Duration, u64), ConfigError> {
-        Ok((Duration::ZERO, 0))
+    fn ssd_faults(&self) -> Result<SsdFaults, ConfigError> {
+        Ok(SsdFaults::default())
     }
 
     fn validate_ssd(&self, shards: usize) -> Result<Option<SsdSettings>, ConfigError> {
@@ -480,7 +495,11 @@ impl ServerConfig {
         if self.ssd_queue_depth == 0 || self.ssd_queue_depth > 4096 {
             return Err(invalid("--ssd-queue-depth", "must be between 1 and 4096"));
         }
-        let (inject_latency, inject_errors_every) = self.ssd_faults()?;
+        let SsdFaults {
+            latency: inject_latency,
+            errors_every: inject_errors_every,
+            no_space_every,
+        } = self.ssd_faults()?;
         Ok(Some(SsdSettings {
             dir: dir.clone(),
             per_shard_bytes,
@@ -488,6 +507,7 @@ impl ServerConfig {
             queue_depth: self.ssd_queue_depth,
             inject_latency,
             inject_errors_every,
+            inject_no_space_every: no_space_every,
         }))
     }
 

@@ -450,6 +450,7 @@ fn start_shards(
                 ring_depth: s.queue_depth,
                 inject_delay: s.inject_latency,
                 inject_errors_every: s.inject_errors_every,
+                inject_no_space_every: s.inject_no_space_every,
             }),
         };
         handles.push(executor::spawn(ctx)?);

@@ -189,3 +189,40 @@ fn a_server_killed_while_its_tombstone_is_written_serves_right_bytes_after() {
     let (hits, _) = found(&mut c, &on_ssd); // every byte served is right
     assert!(hits.len() + 8 >= on_ssd.len(), "only the evicted ones may be gone");
 }
+
+/// A full disk: every SSD write fails with `ENOSPC` (failpoint `ssd-write-no-space`; the
+/// files are preallocated, so a real one comes from a thin-provisioned or copy-on-write file
+/// system). Reads go on: every chunk on SSD is served byte-exact; an evict whose tombstone
+/// cannot be written is answered `Internal`, the log naming the full disk; new puts are
+/// stored and served from DRAM; health is degraded, the server serving.
+#[test]
+fn a_full_disk_fails_writes_only_and_the_server_serves_on() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let env = [("FAILPOINTS", "ssd-write-no-space=return(1)")];
+    let (server, mut c, on_ssd) = restarted_with_records(dir.path(), &env);
+    let (hits, from_ssd) = found(&mut c, &on_ssd);
+    assert_eq!(hits.len(), on_ssd.len(), "reads are not affected");
+    assert!(from_ssd.len() > 40, "{} read back from SSD", from_ssd.len());
+    let out = c.evict(&on_ssd[..3]).unwrap();
+    assert!(
+        out.iter().all(|o| *o == ChunkOutcome::Failed(orbitkv_client::ErrorCode::Internal)),
+        "{out:?}"
+    );
+    let log = server.log();
+    assert!(log.contains("SSD tombstone write failed") && log.contains("No space left"), "{log}");
+    // New chunks: stored, and their demotions fail as the disk is full.
+    let ns = on_ssd[0].namespace;
+    let more = chain(ns, 77, 200);
+    for k in &more {
+        let out = c.put(&[(*k, &value_for(k, LEN))]).unwrap();
+        assert_eq!(out, vec![orbitkv_client::PutOutcome::Stored]);
+        c.lookup(std::slice::from_ref(k)).unwrap();
+    }
+    server.wait_for("failed demotions", |s| s.shard_sum("ssd_io_errors") > 3);
+    // What DRAM holds (2 MiB: at most 128 of them) is served, byte-exact.
+    let (hits, _) = found(&mut c, &more);
+    assert!(hits.len() >= 64, "{} of the new chunks served: {}", hits.len(), server.admin("stats"));
+    let health = server.admin("health");
+    assert_eq!(health["ready"], true, "{health}");
+    assert!(health["degraded"][0].as_str().unwrap().contains("SSD I/O errors"), "{health}");
+}

@@ -113,6 +113,13 @@ pub struct SsdRing {
     /// Fault injection: every n-th operation fails (submitted against an invalid descriptor).
     fail_every: Option<u64>,
     submitted: u64,
+    /// Fault injection: every n-th write fails with `ENOSPC`.
+    no_space_every: Option<u64>,
+    writes: u64,
+    /// The operation being submitted was made to fail with `ENOSPC`.
+    no_space_due: bool,
+    /// Operations in flight that report `ENOSPC` when they fail.
+    no_space: std::collections::HashSet<u64>,
 }
 
 impl std::fmt::Debug for SsdRing {
@@ -138,6 +145,10 @@ impl SsdRing {
             delay: None,
             fail_every: None,
             submitted: 0,
+            no_space_every: None,
+            writes: 0,
+            no_space_due: false,
+            no_space: Default::default(),
         })
     }
 
@@ -153,8 +164,29 @@ impl SsdRing {
         self.fail_every = (n > 0).then_some(n);
     }
 
+    /// Fault injection for tests and drills: every `n`-th later write fails as on a full
+    /// disk (`ENOSPC`; it never reaches the file).
+    pub fn inject_no_space_every(&mut self, n: u64) {
+        self.no_space_every = (n > 0).then_some(n);
+    }
+
+    /// The descriptor the next write uses: [`SsdRing::target`]'s, or an invalid one that
+    /// fails as `ENOSPC` when that fault is due.
+    fn write_target(&mut self, file: &File) -> types::Fd {
+        let fd = self.target(file);
+        self.writes += 1;
+        match self.no_space_every {
+            Some(n) if self.writes.is_multiple_of(n) => {
+                self.no_space_due = true;
+                types::Fd(-1)
+            }
+            _ => fd,
+        }
+    }
+
     /// The descriptor the next operation uses (an invalid one when a fault is due).
     fn target(&mut self, file: &File) -> types::Fd {
+        self.no_space_due = false;
         self.submitted += 1;
         match self.fail_every {
             Some(n) if self.submitted.is_multiple_of(n) => types::Fd(-1),
@@ -205,6 +237,9 @@ impl SsdRing {
             None => vec![entry],
         };
         self.inflight.insert(id, op);
+        if std::mem::take(&mut self.no_space_due) {
+            self.no_space.insert(id);
+        }
         // SAFETY: every buffer the entries point at (iovecs, blocks, the timespec) is owned by
         // the operation now in `self.inflight`, where it stays until its completion is reaped
         // (or the ring is dropped, which waits).
@@ -242,8 +277,8 @@ impl SsdRing {
                 iov_len: slot_len as usize,
             },
         ]);
-        // Through `target`, as every other operation: an injected failure reaches demotions.
-        let fd = self.target(file);
+        // Through the injected faults, as every other operation.
+        let fd = self.write_target(file);
         let entry = opcode::Writev::new(fd, iov.as_ptr(), 2).offset(at).build();
         let id =
             self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })?;
@@ -295,7 +330,7 @@ impl SsdRing {
             },
             libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
         ]);
-        let fd = self.target(file);
+        let fd = if write { self.write_target(file) } else { self.target(file) };
         let entry = if write {
             opcode::Writev::new(fd, iov.as_ptr(), 1).offset(at).build()
         } else {
@@ -323,7 +358,7 @@ impl SsdRing {
         at: u64,
         block: AlignedBlock,
     ) -> std::io::Result<u64> {
-        let fd = self.target(file);
+        let fd = self.write_target(file);
         self.block_op_on(fd, at, block, true)
     }
 
@@ -407,8 +442,10 @@ impl SsdRing {
                 continue;
             }
             self.inflight.remove(&id);
+            let no_space = self.no_space.remove(&id);
             let result = if cqe.result() < 0 {
-                Err(std::io::Error::from_raw_os_error(-cqe.result()))
+                let errno = if no_space { libc::ENOSPC } else { -cqe.result() };
+                Err(std::io::Error::from_raw_os_error(errno))
             } else {
                 Ok(cqe.result() as u64)
             };

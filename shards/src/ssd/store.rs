@@ -39,6 +39,8 @@ pub struct SsdConfig {
     pub inject_delay: Duration,
     /// Fault injection: every n-th I/O after recovery fails (zero: none).
     pub inject_errors_every: u64,
+    /// Fault injection: every n-th write after recovery fails with `ENOSPC` (zero: none).
+    pub inject_no_space_every: u64,
 }
 
 /// Errors opening the store.
@@ -303,6 +305,7 @@ impl SsdStore {
         };
         ring.inject_delay(cfg.inject_delay);
         ring.inject_errors_every(cfg.inject_errors_every);
+        ring.inject_no_space_every(cfg.inject_no_space_every);
         let stats = SsdStats {
             capacity_bytes: sb.region_count * sb.region_bytes,
             used_bytes: log.used_bytes(),

@@ -73,6 +73,7 @@ fn ssd_config(dir: &std::path::Path) -> SsdConfig {
         ring_depth: 8,
         inject_delay: std::time::Duration::ZERO,
         inject_errors_every: 0,
+        inject_no_space_every: 0,
     }
 }
 

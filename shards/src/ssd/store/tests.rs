@@ -13,6 +13,7 @@ fn cfg(dir: &Path, shard_count: u32) -> SsdConfig {
         ring_depth: 8,
         inject_delay: std::time::Duration::ZERO,
         inject_errors_every: 0,
+        inject_no_space_every: 0,
     }
 }
 
