@@ -110,16 +110,17 @@ pub struct SsdRing {
     depth: u32,
     /// Fault injection: every operation starts this long after its submission.
     delay: Option<std::time::Duration>,
-    /// Fault injection: every n-th operation fails (submitted against an invalid descriptor).
+    /// Fault injection: every n-th operation fails with `EIO` (submitted against an invalid
+    /// descriptor, its error reported as `EIO`).
     fail_every: Option<u64>,
     submitted: u64,
-    /// Fault injection: every n-th write fails with `ENOSPC`.
+    /// Fault injection: every n-th write fails with `ENOSPC` (the same way).
     no_space_every: Option<u64>,
     writes: u64,
-    /// The operation being submitted was made to fail with `ENOSPC`.
-    no_space_due: bool,
-    /// Operations in flight that report `ENOSPC` when they fail.
-    no_space: std::collections::HashSet<u64>,
+    /// The error the operation being submitted was made to fail with.
+    fault_due: Option<i32>,
+    /// Operations in flight made to fail, with the error they report.
+    faulted: HashMap<u64, i32>,
 }
 
 impl std::fmt::Debug for SsdRing {
@@ -147,8 +148,8 @@ impl SsdRing {
             submitted: 0,
             no_space_every: None,
             writes: 0,
-            no_space_due: false,
-            no_space: Default::default(),
+            fault_due: None,
+            faulted: HashMap::new(),
         })
     }
 
@@ -158,8 +159,8 @@ impl SsdRing {
         self.delay = (!delay.is_zero()).then_some(delay);
     }
 
-    /// Fault injection for tests and drills: every `n`-th later operation fails with an
-    /// I/O error from the kernel (`EBADF`), exercising every error path for real.
+    /// Fault injection for tests and drills: every `n`-th later operation fails in the
+    /// kernel, reported as `EIO` (a disk error), exercising every error path for real.
     pub fn inject_errors_every(&mut self, n: u64) {
         self.fail_every = (n > 0).then_some(n);
     }
@@ -177,20 +178,26 @@ impl SsdRing {
         self.writes += 1;
         match self.no_space_every {
             Some(n) if self.writes.is_multiple_of(n) => {
-                self.no_space_due = true;
+                self.fault_due = Some(libc::ENOSPC);
                 types::Fd(-1)
             }
             _ => fd,
         }
     }
 
-    /// The descriptor the next operation uses (an invalid one when a fault is due).
+    /// The descriptor the next operation uses: an invalid one (the operation fails in the
+    /// kernel without touching the file) when a fault is due.
     fn target(&mut self, file: &File) -> types::Fd {
-        self.no_space_due = false;
         self.submitted += 1;
         match self.fail_every {
-            Some(n) if self.submitted.is_multiple_of(n) => types::Fd(-1),
-            _ => types::Fd(file.as_raw_fd()),
+            Some(n) if self.submitted.is_multiple_of(n) => {
+                self.fault_due = Some(libc::EIO);
+                types::Fd(-1)
+            }
+            _ => {
+                self.fault_due = None;
+                types::Fd(file.as_raw_fd())
+            }
         }
     }
 
@@ -237,8 +244,8 @@ impl SsdRing {
             None => vec![entry],
         };
         self.inflight.insert(id, op);
-        if std::mem::take(&mut self.no_space_due) {
-            self.no_space.insert(id);
+        if let Some(errno) = self.fault_due.take() {
+            self.faulted.insert(id, errno);
         }
         // SAFETY: every buffer the entries point at (iovecs, blocks, the timespec) is owned by
         // the operation now in `self.inflight`, where it stays until its completion is reaped
@@ -381,6 +388,7 @@ impl SsdRing {
         block: AlignedBlock,
         write: bool,
     ) -> std::io::Result<u64> {
+        self.fault_due = None;
         self.block_op_on(types::Fd(file.as_raw_fd()), at, block, write)
     }
 
@@ -442,9 +450,9 @@ impl SsdRing {
                 continue;
             }
             self.inflight.remove(&id);
-            let no_space = self.no_space.remove(&id);
+            let fault = self.faulted.remove(&id);
             let result = if cqe.result() < 0 {
-                let errno = if no_space { libc::ENOSPC } else { -cqe.result() };
+                let errno = fault.unwrap_or(-cqe.result());
                 Err(std::io::Error::from_raw_os_error(errno))
             } else {
                 Ok(cqe.result() as u64)

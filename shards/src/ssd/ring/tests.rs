@@ -141,3 +141,36 @@ fn injected_delay_postpones_without_blocking() {
     assert_eq!(complete(&mut ring, id).result.unwrap(), 64 << 10);
     assert_eq!(ring.inflight(), 0);
 }
+
+/// Injected faults fail in the kernel without touching the file and report the error asked
+/// for: `EIO` for every n-th operation, `ENOSPC` for every n-th write (reads unaffected);
+/// the bytes of the file stay as they were.
+#[test]
+fn injected_faults_report_eio_and_enospc_and_leave_the_file_alone() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let file = open_direct(&dir.path().join("f"), 1 << 20);
+    let arena = Arc::new(Arena::create(1 << 20, false).unwrap());
+    let slice = arena.split(1).pop().unwrap();
+    slice.write(0, &value(1, 64 << 10));
+    let mut ring = SsdRing::new(4).unwrap();
+    let id = ring.write_from_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
+    assert_eq!(complete(&mut ring, id).result.unwrap(), 64 << 10);
+    let errno = |c: Completion| c.result.unwrap_err().raw_os_error();
+
+    ring.inject_no_space_every(1);
+    slice.write(0, &value(2, 64 << 10));
+    let id = ring.write_from_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
+    assert_eq!(errno(complete(&mut ring, id)), Some(libc::ENOSPC));
+    let id = ring.write_whole_record(&file, 64 << 10, AlignedBlock::new()).unwrap();
+    assert_eq!(errno(complete(&mut ring, id)), Some(libc::ENOSPC));
+    let id = ring.read_into_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
+    assert_eq!(complete(&mut ring, id).result.unwrap(), 64 << 10, "reads go on");
+    assert_eq!(slice.bytes(0, 64 << 10), &value(1, 64 << 10)[..], "the failed write left it");
+
+    ring.inject_no_space_every(0);
+    ring.inject_errors_every(2);
+    let first = ring.read_into_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
+    assert_eq!(complete(&mut ring, first).result.unwrap(), 64 << 10);
+    let second = ring.read_into_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
+    assert_eq!(errno(complete(&mut ring, second)), Some(libc::EIO));
+}
