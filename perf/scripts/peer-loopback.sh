@@ -14,7 +14,8 @@ TE_VENV=${TE_VENV:-target/venvs/te-0.3.13.post1}
 BIN=${BIN:-target/release}
 SHARDS=${SHARDS:-1}
 DRAM=${DRAM:-2GiB}
-PYTHONPATH=$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# TE_SITE: a directory the wheel was installed into (`pip install --target`) instead of a venv.
+PYTHONPATH=${TE_SITE:-$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')}
 export PYTHONPATH
 DIR=$(mktemp -d /tmp/okv-peer-XXXXXX)
 pids=()

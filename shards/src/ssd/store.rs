@@ -485,9 +485,9 @@ impl SsdStore {
     }
 
     /// Starts rewriting at the log's head one record that region reclaim would drop below its
-    /// namespace's SSD guarantee, once reclaim is near ([`RegionLog::relocation_candidate`]). The record is read whole,
-    /// checked against its checksum and written again; its region stays pinned (not
-    /// reclaimed) until then. True when one started.
+    /// namespace's SSD guarantee, once reclaim is near ([`RegionLog::relocation_candidate`]).
+    /// The record is read whole, checked against its checksum and written again; its region
+    /// stays pinned (not reclaimed) until then. True when one started.
     pub fn relocate(&mut self) -> bool {
         if self.settled_at == Some(self.log.changes()) {
             return false;
@@ -519,7 +519,10 @@ impl SsdStore {
     /// written at the head when its bytes are right and it is still live.
     fn relocation_read(&mut self, key: ChunkKey, from: SsdEntry, block: Option<AlignedBlock>) {
         let Some(mut block) = block else {
+            // The disk failed the read: its region is not held any longer (trying again and
+            // again would keep every demotion waiting on a failing disk).
             self.stats.io_errors += 1;
+            self.abandon(&from);
             return self.relocation_done(&key, &from);
         };
         let header = RECORD_HEADER_BYTES as usize;
@@ -541,11 +544,9 @@ impl SsdStore {
             }
             Err(_) => {
                 if self.log.rewrite_needs_held(from.len) {
-                    // No room but the held region's own: its hold is given up, and what it
-                    // still had to keep goes with it.
-                    self.log.abandon_hold();
-                    self.stats.relocations_abandoned += 1;
-                    tracing::warn!(path = %self.path.display(), "no SSD room to rewrite what a namespace's --namespace-ssd-guarantee keeps; its oldest region is reclaimed anyway");
+                    // No room but the held region's own: what it still had to keep goes
+                    // with it.
+                    self.abandon(&from);
                 }
                 return self.relocation_done(&key, &from); // else tried again later
             }
@@ -563,6 +564,19 @@ impl SsdStore {
                 self.relocation_done(&key, &from);
             }
         }
+    }
+
+    /// Gives up keeping the records of `from`'s region (the oldest) that are not rewritten
+    /// yet: it is reclaimed as without a guarantee. Counted and logged.
+    fn abandon(&mut self, from: &SsdEntry) {
+        self.log.abandon_hold();
+        self.stats.relocations_abandoned += 1;
+        tracing::warn!(
+            path = %self.path.display(),
+            region = from.region,
+            "SSD records a --namespace-ssd-guarantee keeps could not be rewritten (no room, or \
+             a failed read); their region is reclaimed anyway"
+        );
     }
 
     /// A rewrite is over (done or given up): its old region may be reclaimed.
@@ -624,6 +638,7 @@ impl SsdStore {
                         self.log.abort_write(&placement);
                         self.stats.io_errors += 1;
                         tracing::warn!(path = %self.path.display(), result = ?c.result, "SSD write failed");
+                        self.abandon(&from);
                     }
                     self.relocation_done(&key, &from);
                 }
