@@ -8,6 +8,9 @@
 #   PYO3_PYTHON=$TE_VENV/bin/python cargo build --release -p orbitkv-server -p orbitkv-perf \
 #     --features orbitkv-server/te-python,orbitkv-perf/te-python
 # SHARDS (default 1) and DRAM (default 2GiB) size each Manager; SERVER_ARGS adds flags to both.
+# CPUS_A / CPUS_B / CPUS_BENCH (taskset lists, e.g. 0-3) keep the two Managers and the
+# benchmark (with etcd) on cores of their own: each Manager pins its shards to the first cores
+# it may use, so two on one host without them share those cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TE_VENV=${TE_VENV:-target/venvs/te-0.3.13.post1}
@@ -25,14 +28,16 @@ cleanup() {
   rm -rf "$DIR"
 }
 trap cleanup EXIT
-etcd --name p --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
+on() { if [ -n "$1" ]; then echo "taskset -c $1"; fi; }
+$(on "${CPUS_BENCH:-}") etcd --name p --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
   --advertise-client-urls http://127.0.0.1:23791 --listen-peer-urls http://127.0.0.1:23801 \
   --initial-advertise-peer-urls http://127.0.0.1:23801 --initial-cluster p=http://127.0.0.1:23801 \
   >"$DIR/etcd.log" 2>&1 &
 pids+=($!)
 for node in a b; do
   port=$([ "$node" = a ] && echo 7601 || echo 7602)
-  "$BIN/orbitkv-server" --socket "$DIR/$node.sock" --no-lock-arena --shards "$SHARDS" --dram "$DRAM" \
+  cpus=$([ "$node" = a ] && echo "${CPUS_A:-}" || echo "${CPUS_B:-}")
+  $(on "$cpus") "$BIN/orbitkv-server" --socket "$DIR/$node.sock" --no-lock-arena --shards "$SHARDS" --dram "$DRAM" \
     ${SERVER_ARGS:-} --etcd http://127.0.0.1:23791 --cluster perf --node-id "$node" --peer-addr "127.0.0.1:$port" \
     >"$DIR/$node.log" 2>&1 &
   pids+=($!)
@@ -44,4 +49,4 @@ for node in a b; do
   done
 done
 sleep 1 # the inventory streams start on the members' next read of etcd
-"$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
+$(on "${CPUS_BENCH:-}") "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
