@@ -545,8 +545,8 @@ impl Exec {
                             .lock()
                             .expect("session table lock is never poisoned")
                             .remove(&session);
-                        let cleanup = e.node.try_cleanup_dead_nodes();
-                        tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
+                        // Never here: iceoryx2's cleanup can block (ipc::Janitor).
+                        e.shared.ipc_janitor.request();
                         tracing::info!(
                             session,
                             leases,

@@ -118,6 +118,96 @@ pub fn receive_within(
     server.receive()
 }
 
+/// How often the janitor looks at `/dev/shm` with no session closing meanwhile.
+const JANITOR_TICK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Age past which an empty shared memory object of this server's prefix is a leftover of a
+/// client that died while creating it (creating one takes microseconds).
+const EMPTY_IS_STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Cleans up after clients that died (their iceoryx2 ports and shared memory) on a thread of
+/// its own. iceoryx2's dead-node cleanup can block: it waits, without a bound, for a shared
+/// memory object that is still empty, which is what a client killed while creating one leaves
+/// behind. No shard may wait on that, so shards only ask for a cleanup ([`Janitor::request`]);
+/// the janitor removes such empty objects once they are stale and runs iceoryx2's cleanup only
+/// while none is left.
+#[derive(Debug)]
+pub struct Janitor {
+    tx: crossbeam_channel::Sender<()>,
+}
+
+impl Janitor {
+    /// Starts the janitor thread of the server whose iceoryx2 names are `names`.
+    pub fn spawn(names: IpcNames) -> std::io::Result<Self> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        std::thread::Builder::new().name("orbitkv-ipc-janitor".into()).spawn(move || {
+            let node = match config(&names).and_then(|cfg| {
+                NodeBuilder::new()
+                    .config(&cfg)
+                    .create::<IpcService>()
+                    .map_err(|e| IpcError::new("node", "janitor", e))
+            }) {
+                Ok(node) => node,
+                Err(e) => {
+                    tracing::error!(error = %e, "iceoryx2 janitor not started: dead clients' ports stay until restart");
+                    return;
+                }
+            };
+            let mut pending = false;
+            loop {
+                match rx.recv_timeout(JANITOR_TICK) {
+                    Ok(()) => pending = true,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+                }
+                let young = remove_stale_empty_objects(
+                    Path::new("/dev/shm"),
+                    &names.prefix,
+                    EMPTY_IS_STALE_AFTER,
+                );
+                if pending && young == 0 {
+                    let cleanup = node.try_cleanup_dead_nodes();
+                    tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
+                    pending = false;
+                }
+            }
+        })?;
+        Ok(Self { tx })
+    }
+
+    /// Asks for a cleanup of dead clients' resources (a session closed); never blocks.
+    pub fn request(&self) {
+        let _ = self.tx.try_send(());
+    }
+}
+
+/// Removes the empty objects of `prefix` in `dir` older than `stale` (each logged); returns how
+/// many empty ones are younger (perhaps being created now).
+pub fn remove_stale_empty_objects(dir: &Path, prefix: &str, stale: std::time::Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut young = 0;
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(prefix) {
+            continue;
+        }
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.len() != 0 {
+            continue;
+        }
+        let age = meta.modified().ok().and_then(|m| m.elapsed().ok()).unwrap_or_default();
+        if age < stale {
+            young += 1;
+        } else if std::fs::remove_file(entry.path()).is_ok() {
+            tracing::warn!(
+                object = %entry.file_name().to_string_lossy(),
+                age_s = age.as_secs(),
+                "removed an empty iceoryx2 shared memory object: a client died while creating it"
+            );
+        }
+    }
+    young
+}
+
 /// Removes this server's leftover iceoryx2 files (after every node is dropped).
 pub fn remove_leftovers(names: &IpcNames) {
     let _ = std::fs::remove_dir_all(&names.root);
@@ -134,6 +224,35 @@ pub fn remove_leftovers(names: &IpcNames) {
 mod tests {
     use super::*;
     use iceoryx2::port::ReceiveError;
+
+    /// Empty objects of the server's prefix are removed once stale, young ones are counted and
+    /// left, and nothing else is touched.
+    #[test]
+    fn stale_empty_objects_of_the_prefix_go_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        let make = |name: &str, bytes: &[u8], stale: bool| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            if stale {
+                std::fs::File::options()
+                    .write(true)
+                    .open(&path)
+                    .unwrap()
+                    .set_modified(old)
+                    .unwrap();
+            }
+            path
+        };
+        let stale_empty = make("okvab_1.connection", b"", true);
+        let young_empty = make("okvab_2.connection", b"", false);
+        let stale_full = make("okvab_3.connection", b"data", true);
+        let other_server = make("okvcd_4.connection", b"", true);
+        let young = remove_stale_empty_objects(dir.path(), "okvab_", EMPTY_IS_STALE_AFTER);
+        assert_eq!(young, 1);
+        assert!(!stale_empty.exists());
+        assert!(young_empty.exists() && stale_full.exists() && other_server.exists());
+    }
 
     #[test]
     fn a_session_whose_held_requests_fill_it_waits_instead_of_failing_the_receive() {

@@ -209,7 +209,8 @@ fn run(settings: Settings) -> Result<(), StartError> {
         arena.locked(),
         ipc.clone(),
         service_prefix,
-    );
+    )
+    .map_err(StartError::thread("orbitkv-ipc-janitor"))?;
     if let Some(c) = cluster {
         let _ = shared.cluster.set(c);
     }

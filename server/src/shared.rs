@@ -146,10 +146,12 @@ pub struct Shared {
     pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
     pub service_prefix: String,
+    /// Cleans up after dead clients off the shards' threads.
+    pub ipc_janitor: crate::ipc::Janitor,
 }
 
 impl Shared {
-    /// Builds the shared state.
+    /// Builds the shared state; starts the iceoryx2 janitor thread (the error is its start's).
     pub fn new(
         settings: Settings,
         shard_tx: Vec<Sender<ControlMsg>>,
@@ -158,8 +160,9 @@ impl Shared {
         arena_locked: bool,
         ipc: IpcNames,
         service_prefix: String,
-    ) -> Arc<Self> {
-        Arc::new(Self {
+    ) -> std::io::Result<Arc<Self>> {
+        let ipc_janitor = crate::ipc::Janitor::spawn(ipc.clone())?;
+        Ok(Arc::new(Self {
             access: crate::access::Access::new(&settings.config, nix::unistd::getuid().as_raw()),
             namespace_owners: crate::access::NamespaceOwners::new(
                 settings.config.shared_model.clone(),
@@ -180,7 +183,8 @@ impl Shared {
             arena_locked,
             ipc,
             service_prefix,
-        })
+            ipc_janitor,
+        }))
     }
 
     /// Current state.
@@ -320,7 +324,8 @@ mod tests {
         let arena = Arc::new(orbitkv_shards::Arena::create(1 << 20, false).expect("arena"));
         let doorbells = Arc::new(Doorbells::new(arena, 0).expect("doorbells"));
         let ipc = IpcNames { root: "/tmp/orbitkv-test-root".into(), prefix: "t".into() };
-        let shared = Shared::new(settings, Vec::new(), doorbells, None, false, ipc, "t".into());
+        let shared = Shared::new(settings, Vec::new(), doorbells, None, false, ipc, "t".into())
+            .expect("janitor thread");
         let write = shared.admit_write();
         shared.set_state(ServeState::Draining);
         assert_eq!(shared.writes_admitted(), 1);

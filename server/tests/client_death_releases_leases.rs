@@ -61,3 +61,40 @@ fn sigkill_reclaims_everything() {
     drop(other);
     server.wait_for("all sessions closed", |s| s.admin("stats")["sessions"] == 0);
 }
+
+/// The iceoryx2 prefix of the server on `socket` (as the server derives it).
+fn ipc_prefix(socket: &std::path::Path) -> String {
+    let hash = blake3::hash(socket.as_os_str().as_encoded_bytes());
+    let tag: String = hash.as_bytes()[..6].iter().map(|b| format!("{b:02x}")).collect();
+    format!("okv{tag}_")
+}
+
+/// An empty shared memory object is what a client killed while creating one leaves, and
+/// iceoryx2's dead-node cleanup waits on such an object without a bound: the server's janitor
+/// (a thread of its own, never a shard) removes the server's stale empty objects, leaves a
+/// young one alone, and sessions keep opening, serving and closing meanwhile.
+#[test]
+fn stale_empty_ipc_objects_are_removed_off_the_shards() {
+    let server = TestServer::start(&["--shards", "2", "--dram", "16MiB"]);
+    let prefix = ipc_prefix(&server.socket);
+    let stale = std::path::Path::new("/dev/shm").join(format!("{prefix}test-stale.connection"));
+    let young = std::path::Path::new("/dev/shm").join(format!("{prefix}test-young.connection"));
+    std::fs::write(&stale, b"").unwrap();
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+    std::fs::File::options().write(true).open(&stale).unwrap().set_modified(old).unwrap();
+    std::fs::write(&young, b"").unwrap();
+    for i in 0..3 {
+        let mut c = server.client("passer-by");
+        let ns = c.register_namespace(&namespace(16)).unwrap().id;
+        let keys = chain(ns, 10 + i, 2);
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 4096)).collect();
+        let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+        c.put(&items).unwrap();
+        assert_eq!(c.lookup(&keys).unwrap().len(), 2);
+    }
+    server.wait_for("the stale empty object removed", |_| !stale.exists());
+    assert!(young.exists(), "a young empty object may be one being created");
+    assert!(server.log().contains("removed an empty iceoryx2 shared memory object"));
+    server.wait_for("every session closed", |s| s.admin("stats")["sessions"] == 0);
+    std::fs::remove_file(&young).unwrap();
+}
