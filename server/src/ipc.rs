@@ -125,20 +125,32 @@ const JANITOR_TICK: std::time::Duration = std::time::Duration::from_secs(2);
 /// client that died while creating it (creating one takes microseconds).
 const EMPTY_IS_STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Cleans up after clients that died (their iceoryx2 ports and shared memory) on a thread of
+/// Cleans up after clients that died (their iceoryx2 ports and shared memory) on threads of
 /// its own. iceoryx2's dead-node cleanup can block: it waits, without a bound, for a shared
 /// memory object that is still empty, which is what a client killed while creating one leaves
-/// behind. No shard may wait on that, so shards only ask for a cleanup ([`Janitor::request`]);
-/// the janitor removes such empty objects once they are stale and runs iceoryx2's cleanup only
-/// while none is left.
+/// behind. No shard may wait on that, so shards only ask for a cleanup ([`Janitor::request`]).
+/// A sweeper thread removes such empty objects once they are stale (which also ends such a
+/// wait), and the cleaner thread runs iceoryx2's cleanup only while no empty one is left.
 #[derive(Debug)]
 pub struct Janitor {
     tx: crossbeam_channel::Sender<()>,
+    /// Dropped with the janitor: the sweeper stops.
+    _stop: crossbeam_channel::Sender<()>,
 }
 
 impl Janitor {
-    /// Starts the janitor thread of the server whose iceoryx2 names are `names`.
+    /// Starts the janitor's threads for the server whose iceoryx2 names are `names`.
     pub fn spawn(names: IpcNames) -> std::io::Result<Self> {
+        let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+        let prefix = names.prefix.clone();
+        std::thread::Builder::new().name("orbitkv-ipc-sweeper".into()).spawn(move || {
+            let shm = Path::new("/dev/shm");
+            while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(JANITOR_TICK)
+            {
+                remove_stale_empty_objects(shm, &prefix, EMPTY_IS_STALE_AFTER);
+            }
+        })?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         std::thread::Builder::new().name("orbitkv-ipc-janitor".into()).spawn(move || {
             let node = match config(&names).and_then(|cfg| {
@@ -160,11 +172,8 @@ impl Janitor {
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
                 }
-                let young = remove_stale_empty_objects(
-                    Path::new("/dev/shm"),
-                    &names.prefix,
-                    EMPTY_IS_STALE_AFTER,
-                );
+                let shm = Path::new("/dev/shm");
+                let young = remove_stale_empty_objects(shm, &names.prefix, EMPTY_IS_STALE_AFTER);
                 if pending && young == 0 {
                     let cleanup = node.try_cleanup_dead_nodes();
                     tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
@@ -172,7 +181,7 @@ impl Janitor {
                 }
             }
         })?;
-        Ok(Self { tx })
+        Ok(Self { tx, _stop: stop })
     }
 
     /// Asks for a cleanup of dead clients' resources (a session closed); never blocks.
