@@ -129,6 +129,14 @@ pub struct PeerView {
     pub chunks_read: u64,
     /// Reads from the peer that failed.
     pub read_failures: u64,
+    /// Groups of fetches read from the peer (one grant, one Transfer Engine batch each).
+    pub groups: u64,
+    /// Time those groups spent in their grant round trip, in nanoseconds.
+    pub grant_ns: u64,
+    /// Time they spent in Transfer Engine reads, in nanoseconds.
+    pub te_read_ns: u64,
+    /// Time handing their results to the shards took, in nanoseconds.
+    pub handoff_ns: u64,
 }
 
 /// Fetches queued from the shards to the peer thread at most.

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use orbitkv_proto::ChunkKey;
 use tokio::sync::mpsc;
@@ -29,6 +29,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const RELEASE_TRIES: u32 = 4;
 /// Pause before a release is sent again (times the attempt).
 const RELEASE_RETRY_AFTER: Duration = Duration::from_millis(250);
+
+/// Where one group read's time went (`ctl peers`).
+#[derive(Default)]
+struct GroupTimes {
+    grant: Duration,
+    te_read: Duration,
+}
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
 const FETCH_BATCH: usize = 1024;
 
@@ -226,7 +233,8 @@ impl Requester {
         channel: Channel,
         fetches: Vec<Fetch>,
     ) {
-        let read = match self.read_group(&node, epoch, channel, &fetches).await {
+        let mut took = GroupTimes::default();
+        let read = match self.read_group(&node, epoch, channel, &fetches, &mut took).await {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(peer = %node, chunks = fetches.len(), error = %e, "peer read failed: answered as misses");
@@ -239,13 +247,19 @@ impl Requester {
             .filter(|(_, r)| **r)
             .fold((0u64, 0u64), |(n, b), (f, _)| (n + 1, b + f.len));
         let failed = fetches.len() as u64 - ok;
+        let n = Arc::clone(&self.cfg.node);
+        let handing = Instant::now();
+        blocking(move || fetches.into_iter().zip(read).for_each(|(f, r)| n.fetched(f, r))).await;
+        let handoff = handing.elapsed();
         self.cluster.update_peer(&node, |v| {
             v.chunks_read += ok;
             v.bytes_read += bytes;
             v.read_failures += failed;
+            v.groups += 1;
+            v.grant_ns += took.grant.as_nanos() as u64;
+            v.te_read_ns += took.te_read.as_nanos() as u64;
+            v.handoff_ns += handoff.as_nanos() as u64;
         });
-        let n = Arc::clone(&self.cfg.node);
-        blocking(move || fetches.into_iter().zip(read).for_each(|(f, r)| n.fetched(f, r))).await;
     }
 
     /// What a grant answer lets this node read: per fetch whether it is read, the TE ranges
@@ -284,6 +298,7 @@ impl Requester {
         epoch: u64,
         channel: Channel,
         fetches: &[Fetch],
+        took: &mut GroupTimes,
     ) -> Result<Vec<bool>, String> {
         let me = (self.cluster.cfg.node_id.clone(), self.cluster.epoch().unwrap_or(0));
         let mut client = PeerClient::new(channel);
@@ -306,6 +321,7 @@ impl Requester {
             keys: fetches.iter().map(|f| (&f.key).into()).collect(),
             request_id,
         };
+        let granting = Instant::now();
         let reply = match tokio::time::timeout(CALL_TIMEOUT, client.grant(request)).await {
             Ok(Ok(r)) => r.into_inner(),
             Ok(Err(s)) => return Err(format!("grant: {}", s.message())),
@@ -315,6 +331,7 @@ impl Requester {
                 return Err("grant timed out (cancelled)".to_owned());
             }
         };
+        took.grant = granting.elapsed();
         let (read, ranges, ids) = match self.plan_reads(fetches, &reply) {
             Ok(plan) => plan,
             Err(e) => {
@@ -326,6 +343,7 @@ impl Requester {
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
         let te = self.te.clone();
         let segment = reply.segment.clone();
+        let reading = Instant::now();
         let moved = if ranges.is_empty() {
             Ok(())
         } else {
@@ -336,6 +354,7 @@ impl Requester {
             })
             .await
         };
+        took.te_read = reading.elapsed();
         // The reads are over (done or failed): the grants go back, while the shards already
         // take the chunks.
         let held = ids.len() as u64;

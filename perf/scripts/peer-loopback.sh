@@ -50,3 +50,7 @@ for node in a b; do
 done
 sleep 1 # the inventory streams start on the members' next read of etcd
 $(on "${CPUS_BENCH:-}") "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
+# PEERS_OUT: where to write the requester's `orbitkv-ctl peers --json` after the run.
+if [ -n "${PEERS_OUT:-}" ]; then
+  "$BIN/orbitkv-ctl" --socket "$DIR/b.sock" peers --json >"$PEERS_OUT" || true
+fi

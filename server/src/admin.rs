@@ -141,6 +141,10 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
                             "chunks_read": p.chunks_read,
                             "bytes_read": p.bytes_read,
                             "read_failures": p.read_failures,
+                            "group_reads": p.groups,
+                            "grant_us_mean": mean_us(p.grant_ns, p.groups),
+                            "te_read_us_mean": mean_us(p.te_read_ns, p.groups),
+                            "handoff_us_mean": mean_us(p.handoff_ns, p.groups),
                         });
                         (node, view)
                     })
@@ -446,4 +450,13 @@ fn gpu_transfers(g: &std::sync::Arc<crate::gpu::GpuService>) -> serde_json::Valu
         m[name] = json!(n(ns) as f64 / 1e9);
     }
     m
+}
+
+/// `total_ns` over `n`, in microseconds (0 when `n` is 0).
+fn mean_us(total_ns: u64, n: u64) -> f64 {
+    if n == 0 {
+        0.0
+    } else {
+        total_ns as f64 / n as f64 / 1e3
+    }
 }
