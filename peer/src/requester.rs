@@ -35,7 +35,12 @@ const RELEASE_RETRY_AFTER: Duration = Duration::from_millis(250);
 struct GroupTimes {
     grant: Duration,
     te_read: Duration,
+    handoff: Duration,
 }
+
+/// Bytes of a group read fetched from the Transfer Engine at once: each piece goes to the
+/// shards (which check its checksums) as soon as it lands, while the next is read.
+const PIECE_BYTES: u64 = 4 << 20;
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
 const FETCH_BATCH: usize = 1024;
 
@@ -235,10 +240,13 @@ impl Requester {
     ) {
         let mut took = GroupTimes::default();
         let read = match self.read_group(&node, epoch, channel, &fetches, &mut took).await {
-            Ok(read) => read,
+            Ok(read) => read, // every fetch handed to its shard
             Err(e) => {
                 tracing::warn!(peer = %node, chunks = fetches.len(), error = %e, "peer read failed: answered as misses");
-                vec![false; fetches.len()]
+                let read = vec![false; fetches.len()];
+                let all: Vec<usize> = (0..fetches.len()).collect();
+                self.hand(&fetches, &all, &read, &mut took).await;
+                read
             }
         };
         let (ok, bytes) = fetches
@@ -247,10 +255,7 @@ impl Requester {
             .filter(|(_, r)| **r)
             .fold((0u64, 0u64), |(n, b), (f, _)| (n + 1, b + f.len));
         let failed = fetches.len() as u64 - ok;
-        let n = Arc::clone(&self.cfg.node);
-        let handing = Instant::now();
-        blocking(move || fetches.into_iter().zip(read).for_each(|(f, r)| n.fetched(f, r))).await;
-        let handoff = handing.elapsed();
+        let handoff = took.handoff;
         self.cluster.update_peer(&node, |v| {
             v.chunks_read += ok;
             v.bytes_read += bytes;
@@ -341,23 +346,46 @@ impl Requester {
             }
         };
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
-        let te = self.te.clone();
-        let segment = reply.segment.clone();
-        let reading = Instant::now();
-        let moved = if ranges.is_empty() {
-            Ok(())
-        } else {
-            blocking(move || {
-                // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
-                fail::fail_point!("peer-te-read", |_| Err("failpoint peer-te-read".to_owned()));
-                te.read_many(&segment, &ranges).map_err(|e| e.to_string())
-            })
-            .await
-        };
-        took.te_read = reading.elapsed();
+        // The bytes come in pieces of about PIECE_BYTES, each handed to the shards as it
+        // lands: a shard checks one piece's checksums while the next is on the wire.
+        let with_range: Vec<usize> = (0..fetches.len()).filter(|&i| read[i]).collect();
+        let mut landed = vec![false; fetches.len()];
+        let mut failure: Option<String> = None;
+        let mut at = 0;
+        while at < ranges.len() {
+            let mut end = at;
+            let mut bytes = 0;
+            while end < ranges.len() && (end == at || bytes < PIECE_BYTES) {
+                bytes += ranges[end].2;
+                end += 1;
+            }
+            if failure.is_none() {
+                let (te, segment) = (self.te.clone(), reply.segment.clone());
+                let piece = ranges[at..end].to_vec();
+                let reading = Instant::now();
+                let moved = blocking(move || {
+                    // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
+                    fail::fail_point!("peer-te-read", |_| Err("failpoint peer-te-read".to_owned()));
+                    te.read_many(&segment, &piece).map_err(|e| e.to_string())
+                })
+                .await;
+                took.te_read += reading.elapsed();
+                match moved {
+                    Ok(()) => with_range[at..end].iter().for_each(|&i| landed[i] = true),
+                    Err(e) => failure = Some(e), // the rest is not read: misses
+                }
+            }
+            let piece: Vec<usize> = with_range[at..end].to_vec();
+            self.hand(fetches, &piece, &landed, took).await;
+            at = end;
+        }
+        // Fetches the owner did not grant (gone, or another length): misses.
+        let refused: Vec<usize> = (0..fetches.len()).filter(|&i| !read[i]).collect();
+        self.hand(fetches, &refused, &landed, took).await;
         // The reads are over (done or failed): the grants go back, while the shards already
         // take the chunks.
         let held = ids.len() as u64;
+        let node_name = node;
         let (cluster, node) = (Arc::clone(&self.cluster), node.to_owned());
         tokio::spawn(async move {
             // A release refused or lost is sent again: until the owner has it, it keeps the
@@ -376,6 +404,27 @@ impl Requester {
             }
             cluster.update_peer(&node, |v| v.grants_held = v.grants_held.saturating_sub(held));
         });
-        moved.map(|()| read)
+        if let Some(e) = failure {
+            tracing::warn!(peer = %node_name, chunks = fetches.len(), error = %e, "peer read failed: what was not read is answered as misses");
+        }
+        Ok(landed)
+    }
+
+    /// Hands fetches `which` of `fetches` to their shards, read or not as `landed` says.
+    async fn hand(
+        &self,
+        fetches: &[Fetch],
+        which: &[usize],
+        landed: &[bool],
+        took: &mut GroupTimes,
+    ) {
+        if which.is_empty() {
+            return;
+        }
+        let items: Vec<(Fetch, bool)> = which.iter().map(|&i| (fetches[i], landed[i])).collect();
+        let n = Arc::clone(&self.cfg.node);
+        let handing = Instant::now();
+        blocking(move || items.into_iter().for_each(|(f, r)| n.fetched(f, r))).await;
+        took.handoff += handing.elapsed();
     }
 }

@@ -127,6 +127,11 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     let v = b.admin("peers");
     assert_eq!(v["peers"]["a"]["chunks_read"], 8, "{v}");
     assert_eq!(v["peers"]["a"]["bytes_read"], 8 * LEN as u64, "{v}");
+    // One lookup: one group read (a grant, the Transfer Engine read, the handoff), timed.
+    assert_eq!(v["peers"]["a"]["group_reads"], 1, "{v}");
+    for part in ["grant_us_mean", "te_read_us_mean", "handoff_us_mean"] {
+        assert!(v["peers"]["a"][part].as_f64().unwrap() > 0.0, "{part}: {v}");
+    }
     until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
     assert_eq!(b.shard_sum("peer_reads"), 8);
     assert_eq!(b.shard_sum("peer_hits"), 8);
