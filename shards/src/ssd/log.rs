@@ -141,6 +141,8 @@ pub struct RegionLog {
     abandoned: Option<(u32, u64)>,
     /// Bumped by every change of the index or the regions (a cache key for callers).
     changes: u64,
+    /// Live records dropped by region reclaim.
+    reclaimed: u64,
 }
 
 impl RegionLog {
@@ -160,6 +162,7 @@ impl RegionLog {
             guarantees: SsdGuarantees::default(),
             abandoned: None,
             changes: 0,
+            reclaimed: 0,
         }
     }
 
@@ -450,9 +453,15 @@ impl RegionLog {
         for k in &keys {
             if let Some(e) = self.index.remove(k) {
                 self.uncount(k.namespace, &e);
+                self.reclaimed += 1;
             }
         }
         keys
+    }
+
+    /// Live records dropped by region reclaim so far.
+    pub fn reclaimed(&self) -> u64 {
+        self.reclaimed
     }
 
     /// A record of the oldest sealed region to rewrite at the head before that region is

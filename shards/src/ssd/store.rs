@@ -338,6 +338,7 @@ impl SsdStore {
             used_bytes: self.log.used_bytes(),
             records: self.log.len() as u64,
             in_flight: self.pending.len() as u64,
+            reclaimed: self.log.reclaimed(),
             ..self.stats
         }
     }
@@ -384,8 +385,7 @@ impl SsdStore {
         if !self.ring.has_room() {
             return Err(PlaceError::Busy);
         }
-        let (placement, dropped) = self.log.place(key, len, checksum)?;
-        self.stats.reclaimed += dropped.len() as u64;
+        let (placement, _) = self.log.place(key, len, checksum)?;
         let mut header = AlignedBlock::new();
         placement.header.encode_into(header.bytes_mut());
         let rounded = len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
@@ -419,8 +419,7 @@ impl SsdStore {
         if !self.ring.has_room() {
             return Err(PlaceError::Busy);
         }
-        let (placement, dropped) = self.log.place_tombstone(kind, key)?;
-        self.stats.reclaimed += dropped.len() as u64;
+        let (placement, _) = self.log.place_tombstone(kind, key)?;
         let mut header = AlignedBlock::new();
         placement.header.encode_into(header.bytes_mut());
         match self.ring.write_whole_record(&self.file, placement.offset, header) {
@@ -538,10 +537,7 @@ impl SsdStore {
             return self.relocation_done(&key, &from); // deleted or promoted meanwhile
         }
         let placement = match self.log.place_rewrite(key, from.len, from.checksum) {
-            Ok((p, dropped)) => {
-                self.stats.reclaimed += dropped.len() as u64;
-                p
-            }
+            Ok((p, _)) => p,
             Err(_) => {
                 if self.log.rewrite_needs_held(from.len) {
                     // No room but the held region's own: what it still had to keep goes
