@@ -375,8 +375,7 @@ impl Requester {
                     Err(e) => failure = Some(e), // the rest is not read: misses
                 }
             }
-            let piece: Vec<usize> = with_range[at..end].to_vec();
-            self.hand(fetches, &piece, &landed, took).await;
+            self.hand(fetches, &with_range[at..end], &landed, took).await;
             at = end;
         }
         // Fetches the owner did not grant (gone, or another length): misses.
@@ -385,8 +384,7 @@ impl Requester {
         // The reads are over (done or failed): the grants go back, while the shards already
         // take the chunks.
         let held = ids.len() as u64;
-        let node_name = node;
-        let (cluster, node) = (Arc::clone(&self.cluster), node.to_owned());
+        let (cluster, owner) = (Arc::clone(&self.cluster), node.to_owned());
         tokio::spawn(async move {
             // A release refused or lost is sent again: until the owner has it, it keeps the
             // leases (it would return them only once this node is gone).
@@ -397,15 +395,15 @@ impl Requester {
                     Err(_) => "timed out".to_owned(),
                 };
                 if attempt == RELEASE_TRIES {
-                    tracing::warn!(peer = %node, grants = held, error = %why, "releasing grants failed; the owner returns them once this node is gone");
+                    tracing::warn!(peer = %owner, grants = held, error = %why, "releasing grants failed; the owner returns them once this node is gone");
                 } else {
                     tokio::time::sleep(RELEASE_RETRY_AFTER * attempt).await;
                 }
             }
-            cluster.update_peer(&node, |v| v.grants_held = v.grants_held.saturating_sub(held));
+            cluster.update_peer(&owner, |v| v.grants_held = v.grants_held.saturating_sub(held));
         });
         if let Some(e) = failure {
-            tracing::warn!(peer = %node_name, chunks = fetches.len(), error = %e, "peer read failed: what was not read is answered as misses");
+            tracing::warn!(peer = %node, chunks = fetches.len(), error = %e, "peer read failed: what was not read is answered as misses");
         }
         Ok(landed)
     }

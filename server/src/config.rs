@@ -583,12 +583,10 @@ impl ServerConfig {
                 return Err(invalid("--model-quota", format!("model {:?} given twice", m.model)));
             }
             let own = [m.dram_limit, m.dram_guarantee, m.ssd_limit, m.ssd_guarantee];
-            let merged: Vec<ByteSize> =
-                own.iter().zip(default).map(|(o, d)| o.unwrap_or(d)).collect();
-            let q =
-                self.quota_share([merged[0], merged[1], merged[2], merged[3]], shards).map_err(
-                    |(flag, why)| invalid("--model-quota", format!("{m}: {} ({flag})", why)),
-                )?;
+            let merged = std::array::from_fn(|i| own[i].unwrap_or(default[i]));
+            let q = self
+                .quota_share(merged, shards)
+                .map_err(|(flag, why)| invalid("--model-quota", format!("{m}: {why} ({flag})")))?;
             models.push((m.model.clone(), q));
         }
         Ok((quota, models))

@@ -172,9 +172,11 @@ impl Janitor {
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
                 }
+                if !pending {
+                    continue;
+                }
                 let shm = Path::new("/dev/shm");
-                let young = remove_stale_empty_objects(shm, &names.prefix, EMPTY_IS_STALE_AFTER);
-                if pending && young == 0 {
+                if remove_stale_empty_objects(shm, &names.prefix, EMPTY_IS_STALE_AFTER) == 0 {
                     let cleanup = node.try_cleanup_dead_nodes();
                     tracing::debug!(?cleanup, "iceoryx2 dead-node cleanup");
                     pending = false;

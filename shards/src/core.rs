@@ -88,6 +88,9 @@ impl Quotas {
     /// The quota of namespace `ns` (the default for one not registered in this run, such as
     /// the owner of SSD records recovered at start).
     pub(crate) fn of(&self, ns: u64) -> NamespaceQuota {
+        if self.by_namespace.is_empty() {
+            return self.default; // no model quota: no lookup per eviction candidate
+        }
         self.by_namespace.get(&ns).copied().unwrap_or(self.default)
     }
 }

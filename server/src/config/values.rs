@@ -100,8 +100,6 @@ pub struct ModelQuota {
 pub struct ModelQuotaError(String);
 
 impl ModelQuota {
-    const KEYS: [&'static str; 4] = ["dram-limit", "dram-guarantee", "ssd-limit", "ssd-guarantee"];
-
     fn field(&mut self, key: &str) -> Option<&mut Option<ByteSize>> {
         Some(match key {
             "dram-limit" => &mut self.dram_limit,
@@ -113,8 +111,12 @@ impl ModelQuota {
     }
 
     fn fields(&self) -> [(&'static str, Option<ByteSize>); 4] {
-        let v = [self.dram_limit, self.dram_guarantee, self.ssd_limit, self.ssd_guarantee];
-        [(Self::KEYS[0], v[0]), (Self::KEYS[1], v[1]), (Self::KEYS[2], v[2]), (Self::KEYS[3], v[3])]
+        [
+            ("dram-limit", self.dram_limit),
+            ("dram-guarantee", self.dram_guarantee),
+            ("ssd-limit", self.ssd_limit),
+            ("ssd-guarantee", self.ssd_guarantee),
+        ]
     }
 }
 

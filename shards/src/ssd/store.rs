@@ -488,16 +488,18 @@ impl SsdStore {
     /// The record is read whole, checked against its checksum and written again; its region
     /// stays pinned (not reclaimed) until then. True when one started.
     pub fn relocate(&mut self) -> bool {
-        if self.settled_at == Some(self.log.changes()) {
+        // No room to start one: nothing to look for (the hold on the oldest region is the
+        // log's own, whether or not this looks).
+        if self.moving.len() >= MAX_RELOCATIONS
+            || !self.ring.has_room()
+            || self.settled_at == Some(self.log.changes())
+        {
             return false;
         }
         let Some((key, from)) = self.log.relocation_candidate(&self.moving) else {
             self.settled_at = Some(self.log.changes());
             return false;
         };
-        if self.moving.len() >= MAX_RELOCATIONS || !self.ring.has_room() {
-            return false;
-        }
         let block = AlignedBlock::with_pages(from.disk_bytes() / PAGE_SIZE);
         match self.ring.read_into(&self.file, from.offset, block) {
             Ok(id) => {
