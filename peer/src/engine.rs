@@ -1,72 +1,64 @@
-//! The Transfer Engine as peering uses it: one per process, or none in builds without a TE
-//! route (then the type has no values and peering does not start).
+//! The Transfer Engine as peering uses it: one per process, through the C API of a TE build
+//! the operator names (`--te-library`), else through the wheel's Python API in builds with
+//! `te-python`, else none (then peering does not start).
 
-#[cfg(feature = "te-python")]
-mod imp {
-    use std::sync::Arc;
+use std::path::Path;
+use std::sync::Arc;
 
-    use crate::te::{TeError, TransferEngine};
+use crate::te_c;
 
-    /// This process's Transfer Engine.
-    #[derive(Clone, Debug)]
-    pub(crate) struct Engine(Arc<TransferEngine>);
+/// This process's Transfer Engine.
+#[derive(Clone, Debug)]
+pub(crate) enum Engine {
+    /// Through the C API of a TE build's library.
+    C(Arc<te_c::TransferEngine>),
+    /// Through the wheel's Python API.
+    #[cfg(feature = "te-python")]
+    Python(Arc<crate::te::TransferEngine>),
+}
 
-    impl Engine {
-        /// Starts the engine on `host` (TCP; RDMA is chosen by TE where devices exist).
-        pub(crate) fn start(host: &str) -> Result<Option<Engine>, TeError> {
-            TransferEngine::new(host, "tcp").map(|e| Some(Engine(Arc::new(e))))
+impl Engine {
+    /// Starts the engine on `host` over TCP: from `library` when given, else the wheel's in
+    /// builds with `te-python`, else none.
+    pub(crate) fn start(host: &str, library: Option<&Path>) -> Result<Option<Engine>, String> {
+        if let Some(library) = library {
+            let named = |e: te_c::TeCError| format!("--te-library: {e}");
+            let api = te_c::load(library).map_err(named)?;
+            let engine = te_c::TransferEngine::new(api, host, "tcp").map_err(named)?;
+            return Ok(Some(Engine::C(Arc::new(engine))));
         }
-
-        pub(crate) fn segment(&self) -> &str {
-            self.0.segment()
+        #[cfg(feature = "te-python")]
+        {
+            crate::te::TransferEngine::new(host, "tcp")
+                .map(|e| Some(Engine::Python(Arc::new(e))))
+                .map_err(|e| e.to_string())
         }
+        #[cfg(not(feature = "te-python"))]
+        Ok(None)
+    }
 
-        pub(crate) fn register(&self, addr: u64, len: u64) -> Result<(), TeError> {
-            self.0.register(addr, len)
+    pub(crate) fn segment(&self) -> &str {
+        match self {
+            Engine::C(e) => e.segment(),
+            #[cfg(feature = "te-python")]
+            Engine::Python(e) => e.segment(),
         }
+    }
 
-        /// Reads `(local, remote, len)` ranges of `peer`'s memory, waiting for all.
-        pub(crate) fn read_many(
-            &self,
-            peer: &str,
-            ranges: &[(u64, u64, u64)],
-        ) -> Result<(), TeError> {
-            self.0.read_many(peer, ranges)
+    pub(crate) fn register(&self, addr: u64, len: u64) -> Result<(), String> {
+        match self {
+            Engine::C(e) => e.register(addr, len).map_err(|e| e.to_string()),
+            #[cfg(feature = "te-python")]
+            Engine::Python(e) => e.register(addr, len).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Reads `(local, remote, len)` ranges of `peer`, waiting for all.
+    pub(crate) fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), String> {
+        match self {
+            Engine::C(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
+            #[cfg(feature = "te-python")]
+            Engine::Python(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
         }
     }
 }
-
-#[cfg(not(feature = "te-python"))]
-mod imp {
-    /// No Transfer Engine in this build: [`Engine::start`] gives none, so peering does not
-    /// start; the type exists so that peering compiles (and is checked) in every build.
-    #[derive(Clone, Debug)]
-    #[allow(dead_code)] // never constructed without a TE route
-    pub(crate) struct Engine(());
-
-    const NO_ROUTE: &str = "no Transfer Engine in this build";
-
-    impl Engine {
-        pub(crate) fn start(_host: &str) -> Result<Option<Engine>, std::convert::Infallible> {
-            Ok(None)
-        }
-
-        pub(crate) fn segment(&self) -> &str {
-            ""
-        }
-
-        pub(crate) fn register(&self, _addr: u64, _len: u64) -> Result<(), &'static str> {
-            Err(NO_ROUTE)
-        }
-
-        pub(crate) fn read_many(
-            &self,
-            _peer: &str,
-            _ranges: &[(u64, u64, u64)],
-        ) -> Result<(), &'static str> {
-            Err(NO_ROUTE)
-        }
-    }
-}
-
-pub(crate) use imp::Engine;

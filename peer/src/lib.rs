@@ -9,9 +9,13 @@
 //!   others hold, split over its shards; a lookup that finds a key only there has it read with
 //!   Mooncake Transfer Engine into a local slot (see `owner` and `requester`).
 //!
-//! Peering needs a Transfer Engine: builds with the feature `te-python` drive the
+//! Peering needs a Transfer Engine: the C API of a TE build's library named by the operator
+//! ([`te_c`], through `mooncake-sys`), or in builds with the feature `te-python` the
 //! `mooncake-transfer-engine-non-cuda` wheel through an embedded interpreter ([`te`]).
-//! Without it a node joins the cluster (membership only) and neither serves nor reads peers.
+//! Without either a node joins the cluster (membership only) and neither serves nor reads
+//! peers.
+
+#![deny(unsafe_code)]
 
 mod engine;
 mod membership;
@@ -21,6 +25,7 @@ mod requester;
 pub mod rpc;
 #[cfg(feature = "te-python")]
 pub mod te;
+pub mod te_c;
 
 pub(crate) use engine::Engine;
 pub use membership::{Cluster, ClusterConfig, JoinError, Member, State, Status};

@@ -34,6 +34,9 @@ pub struct ClusterConfig {
     pub shards: usize,
     /// The member key's lease TTL.
     pub lease_ttl: Duration,
+    /// A Transfer Engine build's shared library to use through its C API; none: the wheel's
+    /// engine in builds with `te-python`, else no peering.
+    pub te_library: Option<std::path::PathBuf>,
 }
 
 impl ClusterConfig {
@@ -137,8 +140,8 @@ impl Cluster {
         let listener = std::net::TcpListener::bind(cfg.peer_addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| JoinError::Bind { addr: cfg.peer_addr, source })?;
-        let te = crate::Engine::start(&cfg.peer_addr.ip().to_string())
-            .map_err(|e| JoinError::TransferEngine(e.to_string()))?;
+        let te = crate::Engine::start(&cfg.peer_addr.ip().to_string(), cfg.te_library.as_deref())
+            .map_err(JoinError::TransferEngine)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

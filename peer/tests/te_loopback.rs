@@ -4,64 +4,10 @@
 //! peer's registered memory and a peer that is gone are errors, not hangs.
 #![cfg(feature = "te-python")]
 
-use std::num::NonZeroUsize;
-use std::ptr::NonNull;
+mod common;
 
-use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
+use common::{pattern, Mapping, MIB};
 use orbitkv_peer::te::{TeError, TransferEngine};
-
-/// Shared anonymous memory (as the arena's memfd mapping), unmapped on drop.
-struct Mapping {
-    ptr: NonNull<std::ffi::c_void>,
-    len: usize,
-}
-
-impl Mapping {
-    fn new(len: usize) -> Self {
-        // SAFETY: a new anonymous mapping; nothing else refers to it.
-        let ptr = unsafe {
-            mmap_anonymous(
-                None,
-                NonZeroUsize::new(len).unwrap(),
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-            )
-        }
-        .unwrap();
-        Mapping { ptr, len }
-    }
-
-    fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: the mapping is `len` bytes, readable and writable, alive while self is; TE
-        // writes into it only during a call that has returned before this borrow.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len) }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `new`, unmapped once.
-        unsafe { munmap(self.ptr, self.len) }.unwrap();
-    }
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-const MIB: usize = 1 << 20;
 
 #[test]
 fn two_engines_read_and_write_each_others_memory_exactly() {

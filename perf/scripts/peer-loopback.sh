@@ -4,7 +4,9 @@
 #
 #   TE_VENV=target/venvs/te-0.3.13.post1 perf/scripts/peer-loopback.sh --chunks 512
 #
-# Needs etcd on PATH and release builds with the Transfer Engine:
+# Needs etcd on PATH and a Transfer Engine: TE_LIBRARY naming a TE build's C API library
+# (given to both Managers and to the baseline as --te-library; any release build), or release
+# builds with the wheel's engine:
 #   PYO3_PYTHON=$TE_VENV/bin/python cargo build --release -p orbitkv-server -p orbitkv-perf \
 #     --features orbitkv-server/te-python,orbitkv-perf/te-python
 # SHARDS (default 1) and DRAM (default 2GiB) size each Manager; SERVER_ARGS adds flags to both.
@@ -17,9 +19,14 @@ TE_VENV=${TE_VENV:-target/venvs/te-0.3.13.post1}
 BIN=${BIN:-target/release}
 SHARDS=${SHARDS:-1}
 DRAM=${DRAM:-2GiB}
-# TE_SITE: a directory the wheel was installed into (`pip install --target`) instead of a venv.
-PYTHONPATH=${TE_SITE:-$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')}
-export PYTHONPATH
+TE_ARGS=()
+if [ -n "${TE_LIBRARY:-}" ]; then
+  TE_ARGS=(--te-library "$TE_LIBRARY")
+else
+  # TE_SITE: a directory the wheel was installed into (`pip install --target`), not a venv.
+  PYTHONPATH=${TE_SITE:-$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')}
+  export PYTHONPATH
+fi
 DIR=$(mktemp -d /tmp/okv-peer-XXXXXX)
 pids=()
 cleanup() {
@@ -39,7 +46,7 @@ for node in a b; do
   cpus=$([ "$node" = a ] && echo "${CPUS_A:-}" || echo "${CPUS_B:-}")
   $(on "$cpus") "$BIN/orbitkv-server" --socket "$DIR/$node.sock" --no-lock-arena --shards "$SHARDS" --dram "$DRAM" \
     ${SERVER_ARGS:-} --etcd http://127.0.0.1:23791 --cluster perf --node-id "$node" --peer-addr "127.0.0.1:$port" \
-    >"$DIR/$node.log" 2>&1 &
+    "${TE_ARGS[@]}" >"$DIR/$node.log" 2>&1 &
   pids+=($!)
 done
 for node in a b; do
@@ -49,7 +56,7 @@ for node in a b; do
   done
 done
 sleep 1 # the inventory streams start on the members' next read of etcd
-$(on "${CPUS_BENCH:-}") "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "$@"
+$(on "${CPUS_BENCH:-}") "$BIN/orbitkv-perf" peer --owner "$DIR/a.sock" --requester "$DIR/b.sock" "${TE_ARGS[@]}" "$@"
 # PEERS_OUT: where to write the requester's `orbitkv-ctl peers --json` after the run.
 if [ -n "${PEERS_OUT:-}" ]; then
   "$BIN/orbitkv-ctl" --socket "$DIR/b.sock" peers --json >"$PEERS_OUT" || true

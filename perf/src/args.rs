@@ -43,8 +43,8 @@ pub(crate) enum Command {
     /// Cluster peer reads: chunks put on one Manager (the owner) and looked up on another of
     /// the same cluster (the requester), which reads them with Mooncake Transfer Engine;
     /// compared with raw Transfer Engine reads of the same bytes, in the same batches, over
-    /// loopback TCP in the same run. Both Managers on this host; needs a build with the
-    /// `te-python` feature (exits 2 without).
+    /// loopback TCP in the same run. Both Managers on this host; needs `--te-library` or a
+    /// build with the `te-python` feature (exits 2 without).
     Peer(PeerArgs),
     /// Many client processes against one server for a set time: random client SIGKILLs,
     /// mixed value sizes, a working set beyond DRAM and SSD, evictions, drains and audits from
@@ -507,6 +507,10 @@ pub(crate) struct PeerArgs {
     /// Single-chunk lookups timed for the lookup-to-first-byte latency (0 to 10000).
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub latency_samples: u32,
+    /// The raw Transfer Engine baseline through the C API of this TE build's library (give
+    /// the Managers' `--te-library`); default: the wheel's engine (builds with `te-python`).
+    #[arg(long, value_name = "PATH")]
+    pub te_library: Option<PathBuf>,
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

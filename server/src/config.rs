@@ -99,6 +99,13 @@ pub struct ServerConfig {
     /// more are refused until it releases some. Default: 4096.
     #[arg(long, value_name = "N", default_value_t = 4096, hide_default_value = true)]
     pub peer_max_grants: usize,
+    /// Cluster mode: the shared library of a Mooncake Transfer Engine build that exports TE's
+    /// C API (`libtransfer_engine.so`; a path, or a name the loader searches for), used to
+    /// move peer bytes. Default: none (builds with `te-python` use the wheel's engine; others
+    /// join the cluster without peer reads).
+    #[arg(long, value_name = "PATH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub te_library: Option<PathBuf>,
     /// Shard executors, one pinned core each; 0 = one per CPU minus one (left for the
     /// engines, control and DMA threads), at least 1. Default: 0.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
@@ -672,9 +679,11 @@ impl ServerConfig {
             return Err(invalid("--peer-max-grants", "must be 1 to 1048576"));
         }
         if self.etcd.is_empty() {
-            for (flag, set) in
-                [("--node-id", self.node_id.is_some()), ("--peer-addr", self.peer_addr.is_some())]
-            {
+            for (flag, set) in [
+                ("--node-id", self.node_id.is_some()),
+                ("--peer-addr", self.peer_addr.is_some()),
+                ("--te-library", self.te_library.is_some()),
+            ] {
                 if set {
                     return Err(invalid(flag, "is for cluster mode: give --etcd too"));
                 }
@@ -711,6 +720,7 @@ impl ServerConfig {
             peer_addr,
             shards,
             lease_ttl: ttl,
+            te_library: self.te_library.clone(),
         }))
     }
 

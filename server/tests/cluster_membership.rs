@@ -122,6 +122,7 @@ fn cluster_flags_are_checked() {
         (vec!["--cluster-lease-ttl", "0s"], "--cluster-lease-ttl"),
         (vec!["--peer-catalog-entries", "0"], "--peer-catalog-entries"),
         (vec!["--peer-max-grants", "0"], "--peer-max-grants"),
+        (vec!["--te-library", "libtransfer_engine.so"], "--te-library"),
     ] {
         let out = Command::new(server_bin())
             .args(["--socket", "/tmp/okv-cluster-flags.sock", "--dram", "16MiB"])
@@ -131,6 +132,22 @@ fn cluster_flags_are_checked() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(flag), "{args:?}: {stderr}");
+    }
+    // A Transfer Engine library that is not there, or is not TE, stops the start, named (the
+    // engine is made before etcd is asked: no etcd needed).
+    for (lib, says) in [
+        ("/nonexistent/libtransfer_engine.so", "/nonexistent/libtransfer_engine.so"),
+        ("libc.so.6", "createTransferEngine"),
+    ] {
+        let out = Command::new(server_bin())
+            .args(["--socket", "/tmp/okv-cluster-flags.sock", "--dram", "16MiB"])
+            .args(["--etcd", "http://127.0.0.1:1", "--peer-addr", "127.0.0.1:7499"])
+            .args(["--te-library", lib])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{lib}: {stderr}");
+        assert!(stderr.contains("--te-library") && stderr.contains(says), "{lib}: {stderr}");
     }
     // A standalone server has no peers.
     let server = TestServer::start(&["--dram", "16MiB"]);

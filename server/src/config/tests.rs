@@ -277,6 +277,8 @@ fn every_key_set() -> ServerConfig {
         "n1",
         "--peer-addr",
         "127.0.0.1:7000",
+        "--te-library",
+        "/opt/mooncake/lib/libtransfer_engine.so",
     ])
     .unwrap()
 }

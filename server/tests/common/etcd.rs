@@ -58,6 +58,12 @@ impl Etcd {
             .map(String::from)
             .chain(["--peer-addr".into(), format!("127.0.0.1:{port}")])
             .chain(["--cluster-lease-ttl".into(), "2s".into()])
+            // A Transfer Engine build's C API library, where the tester has one.
+            .chain(
+                std::env::var("ORBITKV_TE_LIBRARY")
+                    .into_iter()
+                    .flat_map(|lib| ["--te-library".to_owned(), lib]),
+            )
             .collect()
     }
 

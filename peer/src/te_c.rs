@@ -1,0 +1,373 @@
+//! Mooncake Transfer Engine (TE) through its C API (`mooncake-sys`), from the shared library of
+//! a TE build that the operator names (`--te-library`): the route for hosts with TE built from
+//! source (RDMA builds included). Needs nothing of TE at build time, and no interpreter.
+//!
+//! Same shape as the wheel's route ([`crate::te`] with feature `te-python`): one engine per
+//! process, `P2PHANDSHAKE` (peers name each other `host:rpc_port`, no metadata server), memory
+//! registered by address and length, batches of at most 1024 transfers (the TCP transport's
+//! queue per peer), each waited for. Local ranges of a transfer must lie in memory registered
+//! here: that is checked before TE is asked, so a wrong address is an error, never a write
+//! into memory TE was not given.
+
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mooncake_sys as sys;
+
+/// Transfers per batch: TE's TCP transport queues at most 1024 per peer.
+const MAX_BATCH: usize = 1024;
+
+/// How long a batch may take before it is given up: this plus a second per GiB (TE's own
+/// synchronous calls allow the same).
+const BATCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a TE call through the C API failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TeCError {
+    /// The library could not be loaded, or is not a TE build with the C API.
+    #[error("Mooncake Transfer Engine library {}", load_message(library, source))]
+    Load {
+        /// The path given.
+        library: PathBuf,
+        /// What the loader said.
+        source: sys::LoadError,
+    },
+    /// A call returned an error code (or, for `createTransferEngine`, no engine: TE logs why).
+    #[error("Mooncake Transfer Engine: {what} returned {code}")]
+    Failed {
+        /// The call.
+        what: &'static str,
+        /// Its return code.
+        code: i64,
+    },
+    /// A transfer of the batch ended other than completed.
+    #[error("Mooncake Transfer Engine: transfer {index} of a batch to {peer} ended with status {status}")]
+    Transfer {
+        /// The peer segment.
+        peer: String,
+        /// The transfer's index in the batch.
+        index: usize,
+        /// TE's status code (`STATUS_*`).
+        status: i32,
+    },
+    /// A batch did not finish in time; its transfers may still touch the local ranges.
+    #[error(
+        "Mooncake Transfer Engine: a batch of {bytes} bytes to {peer} did not finish in {waited:?}"
+    )]
+    TimedOut {
+        /// The peer segment.
+        peer: String,
+        /// Bytes of the batch.
+        bytes: u64,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// A local range lies outside the memory registered with this engine.
+    #[error("Mooncake Transfer Engine: local range {addr:#x}+{len} is not in registered memory")]
+    NotRegistered {
+        /// Its address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// A name passed to TE had a NUL byte.
+    #[error("Mooncake Transfer Engine: {0:?} has a NUL byte")]
+    Nul(String),
+}
+
+/// The loader's message names the path already; the lookup's does not.
+fn load_message(library: &Path, e: &sys::LoadError) -> String {
+    match e {
+        sys::LoadError::Open(_) => e.to_string(),
+        sys::LoadError::Symbol(..) => format!("{}: {e}", library.display()),
+    }
+}
+
+/// Loads TE's C API from `library` (a path, or a file name the loader searches for).
+pub fn load(library: &Path) -> Result<Arc<sys::Api>, TeCError> {
+    // SAFETY: the operator names this library as a Mooncake Transfer Engine build
+    // (`--te-library`); a library that lacks any of the functions is refused before use.
+    unsafe { sys::Api::load(library) }
+        .map(Arc::new)
+        .map_err(|source| TeCError::Load { library: library.to_owned(), source })
+}
+
+fn cstring(s: &str) -> Result<CString, TeCError> {
+    CString::new(s).map_err(|_| TeCError::Nul(s.to_owned()))
+}
+
+/// One Transfer Engine, driven through the C API.
+pub struct TransferEngine {
+    api: Arc<sys::Api>,
+    engine: NonNull<c_void>,
+    segment: String,
+    /// `(addr, len)` of what is registered here.
+    registered: Mutex<Vec<(u64, u64)>>,
+    /// Peer segments opened, by name.
+    segments: Mutex<HashMap<String, sys::segment_id_t>>,
+}
+
+// SAFETY: TE's engine is made for use from many threads at once (its transports run their own
+// threads, and submitting, polling and registering lock inside); the handle is a pointer only
+// to it, and the bookkeeping here is behind mutexes.
+unsafe impl Send for TransferEngine {}
+// SAFETY: as for Send: every method takes `&self` and TE locks internally.
+unsafe impl Sync for TransferEngine {}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine").field("segment", &self.segment).finish_non_exhaustive()
+    }
+}
+
+impl TransferEngine {
+    /// Starts an engine reachable at `host` (its RPC port chosen by TE) with `protocol` (`tcp`;
+    /// `rdma` on hosts with RDMA devices and a TE build with RDMA).
+    pub fn new(api: Arc<sys::Api>, host: &str, protocol: &str) -> Result<Self, TeCError> {
+        let (metadata, host_c, proto) =
+            (cstring("P2PHANDSHAKE")?, cstring(host)?, cstring(protocol)?);
+        // SAFETY: the strings are NUL-terminated and outlive the call (TE copies them); port 0
+        // lets TE pick its RPC port; no topology discovery (the transport is installed below).
+        let raw = unsafe {
+            (api.createTransferEngine)(metadata.as_ptr(), host_c.as_ptr(), host_c.as_ptr(), 0, 0)
+        };
+        let engine =
+            NonNull::new(raw).ok_or(TeCError::Failed { what: "createTransferEngine", code: 0 })?;
+        let mut this = TransferEngine {
+            api,
+            engine,
+            segment: String::new(),
+            registered: Mutex::new(Vec::new()),
+            segments: Mutex::new(HashMap::new()),
+        };
+        // SAFETY: a live engine; `proto` is NUL-terminated; a null argument list is what TE's
+        // TCP and RDMA transports take when no device list is given.
+        let transport = unsafe {
+            (this.api.installTransport)(this.raw(), proto.as_ptr(), std::ptr::null_mut())
+        };
+        if transport.is_null() {
+            return Err(TeCError::Failed { what: "installTransport", code: 0 });
+        }
+        let mut buf = [0u8; 256];
+        // SAFETY: a live engine; TE writes at most `buf.len()` bytes, NUL-terminated.
+        let code =
+            unsafe { (this.api.getLocalIpAndPort)(this.raw(), buf.as_mut_ptr().cast(), buf.len()) };
+        if code != 0 {
+            return Err(TeCError::Failed { what: "getLocalIpAndPort", code: code.into() });
+        }
+        this.segment = CStr::from_bytes_until_nul(&buf)
+            .map_err(|_| TeCError::Failed { what: "getLocalIpAndPort", code: -1 })?
+            .to_string_lossy()
+            .into_owned();
+        Ok(this)
+    }
+
+    fn raw(&self) -> sys::transfer_engine_t {
+        self.engine.as_ptr()
+    }
+
+    /// The name peers use for this engine's memory (`host:rpc_port`).
+    pub fn segment(&self) -> &str {
+        &self.segment
+    }
+
+    /// Registers `len` bytes at `addr` (the arena) for peers to read and write, and as the
+    /// local side of this engine's transfers. The memory must stay mapped while the engine
+    /// lives (the arena is mapped for the server's whole life).
+    pub fn register(&self, addr: u64, len: u64) -> Result<(), TeCError> {
+        let location = cstring("cpu:0")?;
+        // SAFETY: a live engine; TE records the range and touches it only in transfers (peers'
+        // and ours, whose local ranges are checked against it); the caller keeps it mapped.
+        let code = unsafe {
+            (self.api.registerLocalMemory)(
+                self.raw(),
+                addr as *mut c_void,
+                len as usize,
+                location.as_ptr(),
+                1,
+            )
+        };
+        if code != 0 {
+            return Err(TeCError::Failed { what: "registerLocalMemory", code: code.into() });
+        }
+        self.registered.lock().unwrap_or_else(|e| e.into_inner()).push((addr, len));
+        Ok(())
+    }
+
+    /// Unregisters what [`TransferEngine::register`] registered at `addr`.
+    pub fn unregister(&self, addr: u64) -> Result<(), TeCError> {
+        // SAFETY: a live engine; unregistering an address TE does not know is an error code.
+        let code = unsafe { (self.api.unregisterLocalMemory)(self.raw(), addr as *mut c_void) };
+        if code != 0 {
+            return Err(TeCError::Failed { what: "unregisterLocalMemory", code: code.into() });
+        }
+        self.registered.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.0 != addr);
+        Ok(())
+    }
+
+    /// Reads many ranges of `peer`'s memory, `(local, remote, len)` each, waiting for all.
+    pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
+        self.transfer(sys::OPCODE_READ, peer, ranges)
+    }
+
+    /// Writes many local ranges into `peer`'s memory, `(local, remote, len)` each, waiting for
+    /// all.
+    pub fn write_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
+        self.transfer(sys::OPCODE_WRITE, peer, ranges)
+    }
+
+    fn transfer(
+        &self,
+        opcode: i32,
+        peer: &str,
+        ranges: &[(u64, u64, u64)],
+    ) -> Result<(), TeCError> {
+        {
+            let registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+            let inside = |&(addr, len): &(u64, u64)| {
+                registered.iter().any(|&(base, n)| {
+                    addr >= base && addr.checked_add(len).is_some_and(|end| end <= base + n)
+                })
+            };
+            if let Some(&(addr, _, len)) = ranges.iter().find(|r| !inside(&(r.0, r.2))) {
+                return Err(TeCError::NotRegistered { addr, len });
+            }
+        }
+        let target = self.open(peer)?;
+        for batch in ranges.chunks(MAX_BATCH) {
+            if let Err(e) = self.batch(opcode, peer, target, batch) {
+                // The peer may be gone or restarted: look it up afresh next time.
+                self.forget(peer, target);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The id of `peer`'s segment, opened once.
+    fn open(&self, peer: &str) -> Result<sys::segment_id_t, TeCError> {
+        let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&id) = segments.get(peer) {
+            return Ok(id);
+        }
+        let name = cstring(peer)?;
+        // SAFETY: a live engine; `name` is NUL-terminated and TE copies it.
+        let id = unsafe { (self.api.openSegment)(self.raw(), name.as_ptr()) };
+        if id < 0 {
+            return Err(TeCError::Failed { what: "openSegment", code: id.into() });
+        }
+        segments.insert(peer.to_owned(), id);
+        Ok(id)
+    }
+
+    fn forget(&self, peer: &str, id: sys::segment_id_t) {
+        let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
+        if segments.get(peer) == Some(&id) {
+            segments.remove(peer);
+            // SAFETY: a live engine and a segment id it gave; closing only drops its cache.
+            unsafe { (self.api.closeSegment)(self.raw(), id) };
+        }
+    }
+
+    /// Submits one batch and waits until every transfer in it has ended.
+    fn batch(
+        &self,
+        opcode: i32,
+        peer: &str,
+        target: sys::segment_id_t,
+        ranges: &[(u64, u64, u64)],
+    ) -> Result<(), TeCError> {
+        let mut requests: Vec<sys::transfer_request> = ranges
+            .iter()
+            .map(|&(local, remote, len)| sys::transfer_request {
+                opcode,
+                source: local as *mut c_void,
+                target_id: target,
+                target_offset: remote,
+                length: len,
+            })
+            .collect();
+        // SAFETY: a live engine.
+        let batch = unsafe { (self.api.allocateBatchID)(self.raw(), requests.len()) };
+        if batch == sys::INVALID_BATCH {
+            return Err(TeCError::Failed { what: "allocateBatchID", code: -1 });
+        }
+        // SAFETY: a live engine and batch of this size; `requests` is valid for the call (TE
+        // copies it); every local range lies in registered memory (checked by `transfer`).
+        let code = unsafe {
+            (self.api.submitTransfer)(self.raw(), batch, requests.as_mut_ptr(), requests.len())
+        };
+        if code != 0 {
+            self.free(batch);
+            return Err(TeCError::Failed { what: "submitTransfer", code: code.into() });
+        }
+        let bytes: u64 = ranges.iter().map(|r| r.2).sum();
+        let deadline = BATCH_TIMEOUT + Duration::from_nanos(bytes);
+        let started = Instant::now();
+        let mut first_failure = None;
+        for index in 0..requests.len() {
+            let mut spins = 0u32;
+            loop {
+                let mut status = sys::transfer_status::default();
+                // SAFETY: a live engine, a batch it gave and an index inside it; `status` is
+                // written by TE before it returns.
+                let code =
+                    unsafe { (self.api.getTransferStatus)(self.raw(), batch, index, &mut status) };
+                if code != 0 {
+                    // The batch is unknown to TE now: nothing of it can still run.
+                    return Err(TeCError::Failed { what: "getTransferStatus", code: code.into() });
+                }
+                match status.status {
+                    sys::STATUS_COMPLETED => break,
+                    sys::STATUS_WAITING | sys::STATUS_PENDING => {}
+                    status => {
+                        first_failure.get_or_insert(TeCError::Transfer {
+                            peer: peer.to_owned(),
+                            index,
+                            status,
+                        });
+                        break;
+                    }
+                }
+                if started.elapsed() > deadline {
+                    // Not freed: a transfer of it may still land (TE would reuse the id).
+                    return Err(TeCError::TimedOut {
+                        peer: peer.to_owned(),
+                        bytes,
+                        waited: started.elapsed(),
+                    });
+                }
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else if spins < 1024 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+        self.free(batch);
+        first_failure.map_or(Ok(()), Err)
+    }
+
+    fn free(&self, batch: sys::batch_id_t) {
+        // SAFETY: a live engine and a batch it gave whose transfers have all ended (or never
+        // started).
+        unsafe { (self.api.freeBatchID)(self.raw(), batch) };
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        // SAFETY: the engine is live and dropped once; `self.api` (a field, dropped after this)
+        // keeps the library loaded for the call.
+        unsafe { (self.api.destroyTransferEngine)(self.raw()) };
+    }
+}
