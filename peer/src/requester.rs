@@ -38,9 +38,6 @@ struct GroupTimes {
     handoff: Duration,
 }
 
-/// Bytes of a group read fetched from the Transfer Engine at once: each piece goes to the
-/// shards (which check its checksums) as soon as it lands, while the next is read.
-const PIECE_BYTES: u64 = 4 << 20;
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
 const FETCH_BATCH: usize = 1024;
 
@@ -346,38 +343,37 @@ impl Requester {
             }
         };
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
-        // The bytes come in pieces of about PIECE_BYTES, each handed to the shards as it
-        // lands: a shard checks one piece's checksums while the next is on the wire.
+        // The chunks go to the shards as they land (TE says which have), so a shard checks
+        // the checksums of those while the rest are on the wire.
         let with_range: Vec<usize> = (0..fetches.len()).filter(|&i| read[i]).collect();
         let mut landed = vec![false; fetches.len()];
-        let mut failure: Option<String> = None;
-        let mut at = 0;
-        while at < ranges.len() {
-            let mut end = at;
-            let mut bytes = 0;
-            while end < ranges.len() && (end == at || bytes < PIECE_BYTES) {
-                bytes += ranges[end].2;
-                end += 1;
+        let (tx, mut progress) = mpsc::unbounded_channel::<usize>();
+        let (te, segment) = (self.te.clone(), reply.segment.clone());
+        let job = tokio::task::spawn_blocking(move || {
+            let reading = Instant::now();
+            // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
+            fail::fail_point!("peer-te-read", |_| {
+                (Err("failpoint peer-te-read".to_owned()), reading.elapsed())
+            });
+            let moved = te.read_streaming(&segment, &ranges, &mut |n| {
+                let _ = tx.send(n);
+            });
+            (moved, reading.elapsed())
+        });
+        let mut handed = 0;
+        while let Some(mut n) = progress.recv().await {
+            while let Ok(more) = progress.try_recv() {
+                n = more;
             }
-            if failure.is_none() {
-                let (te, segment) = (self.te.clone(), reply.segment.clone());
-                let piece = ranges[at..end].to_vec();
-                let reading = Instant::now();
-                let moved = blocking(move || {
-                    // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
-                    fail::fail_point!("peer-te-read", |_| Err("failpoint peer-te-read".to_owned()));
-                    te.read_many(&segment, &piece).map_err(|e| e.to_string())
-                })
-                .await;
-                took.te_read += reading.elapsed();
-                match moved {
-                    Ok(()) => with_range[at..end].iter().for_each(|&i| landed[i] = true),
-                    Err(e) => failure = Some(e), // the rest is not read: misses
-                }
-            }
-            self.hand(fetches, &with_range[at..end], &landed, took).await;
-            at = end;
+            with_range[handed..n].iter().for_each(|&i| landed[i] = true);
+            self.hand(fetches, &with_range[handed..n], &landed, took).await;
+            handed = n;
         }
+        let (moved, reading) = job.await.expect("Transfer Engine reads do not panic");
+        took.te_read += reading;
+        let failure = moved.err();
+        // What did not land (the read failed): misses.
+        self.hand(fetches, &with_range[handed..], &landed, took).await;
         // Fetches the owner did not grant (gone, or another length): misses.
         let refused: Vec<usize> = (0..fetches.len()).filter(|&i| !read[i]).collect();
         self.hand(fetches, &refused, &landed, took).await;

@@ -213,13 +213,24 @@ impl TransferEngine {
 
     /// Reads many ranges of `peer`'s memory, `(local, remote, len)` each, waiting for all.
     pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
-        self.transfer(sys::OPCODE_READ, peer, ranges)
+        self.transfer(sys::OPCODE_READ, peer, ranges, &mut |_| {})
+    }
+
+    /// As [`TransferEngine::read_many`], calling `landed(n)` whenever the first `n` ranges
+    /// have all landed (`n` grows; `ranges.len()` last on success), while the rest move.
+    pub fn read_streaming(
+        &self,
+        peer: &str,
+        ranges: &[(u64, u64, u64)],
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<(), TeCError> {
+        self.transfer(sys::OPCODE_READ, peer, ranges, landed)
     }
 
     /// Writes many local ranges into `peer`'s memory, `(local, remote, len)` each, waiting for
     /// all.
     pub fn write_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
-        self.transfer(sys::OPCODE_WRITE, peer, ranges)
+        self.transfer(sys::OPCODE_WRITE, peer, ranges, &mut |_| {})
     }
 
     fn transfer(
@@ -227,6 +238,7 @@ impl TransferEngine {
         opcode: i32,
         peer: &str,
         ranges: &[(u64, u64, u64)],
+        done: &mut dyn FnMut(usize),
     ) -> Result<(), TeCError> {
         {
             let registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
@@ -240,8 +252,9 @@ impl TransferEngine {
             }
         }
         let target = self.open(peer)?;
-        for batch in ranges.chunks(MAX_BATCH) {
-            if let Err(e) = self.batch(opcode, peer, target, batch) {
+        for (b, batch) in ranges.chunks(MAX_BATCH).enumerate() {
+            let before = b * MAX_BATCH;
+            if let Err(e) = self.batch(opcode, peer, target, batch, &mut |n| done(before + n)) {
                 // The peer may be gone or restarted: look it up afresh next time.
                 self.forget(peer, target);
                 return Err(e);
@@ -275,13 +288,15 @@ impl TransferEngine {
         }
     }
 
-    /// Submits one batch and waits until every transfer in it has ended.
+    /// Submits one batch and waits until every transfer in it has ended, calling `done(n)`
+    /// each time the first `n` have completed (while none has failed).
     fn batch(
         &self,
         opcode: i32,
         peer: &str,
         target: sys::segment_id_t,
         ranges: &[(u64, u64, u64)],
+        done: &mut dyn FnMut(usize),
     ) -> Result<(), TeCError> {
         let mut requests: Vec<sys::transfer_request> = ranges
             .iter()
@@ -324,7 +339,12 @@ impl TransferEngine {
                     return Err(TeCError::Failed { what: "getTransferStatus", code: code.into() });
                 }
                 match status.status {
-                    sys::STATUS_COMPLETED => break,
+                    sys::STATUS_COMPLETED => {
+                        if first_failure.is_none() {
+                            done(index + 1);
+                        }
+                        break;
+                    }
                     sys::STATUS_WAITING | sys::STATUS_PENDING => {}
                     status => {
                         first_failure.get_or_insert(TeCError::Transfer {

@@ -72,6 +72,23 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
         );
     }
 
+    // Read as they land: the counts grow to all of them; a range that fails stops them.
+    b_mem.bytes()[..ranges.len() * piece].fill(0);
+    let mut counts = Vec::new();
+    b.read_streaming(a.segment(), &ranges, &mut |n| counts.push(n)).unwrap();
+    assert!(counts.windows(2).all(|w| w[0] < w[1]), "counts go back: {counts:?}");
+    assert_eq!(counts.last(), Some(&ranges.len()));
+    assert!(counts.len() > 1, "{counts:?}");
+    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
+        let from = (remote - a_mem.addr()) as usize;
+        assert!(b_mem.bytes()[i * piece..(i + 1) * piece] == want[from..from + piece]);
+    }
+    let mut bad = ranges[..8].to_vec();
+    bad[5].1 = a_mem.addr() + 64 * MIB as u64; // outside the peer's memory
+    let mut counts = Vec::new();
+    b.read_streaming(a.segment(), &bad, &mut |n| counts.push(n)).unwrap_err();
+    assert!(counts.iter().all(|&n| n <= 5), "counted past the failed range: {counts:?}");
+
     // A write the other way.
     let back = pattern(8 * MIB, 9);
     b_mem.bytes()[..8 * MIB].copy_from_slice(&back);
