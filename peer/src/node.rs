@@ -42,6 +42,8 @@ pub struct Fetch {
     pub len: u64,
     /// The slot's generation.
     pub generation: u64,
+    /// When the shard queued it.
+    pub queued: std::time::Instant,
 }
 
 /// The local server, as peering uses it. Calls block (they go through the shards' control
@@ -131,6 +133,9 @@ pub struct PeerView {
     pub read_failures: u64,
     /// Groups of fetches read from the peer (one grant, one Transfer Engine batch each).
     pub groups: u64,
+    /// Time those groups' first fetch waited in the queue before the group started, in
+    /// nanoseconds.
+    pub queue_ns: u64,
     /// Time those groups spent in their grant round trip, in nanoseconds.
     pub grant_ns: u64,
     /// Time they spent in Transfer Engine reads, in nanoseconds.

@@ -409,6 +409,7 @@ impl Peer for Service {
 impl Owner {
     async fn grant(self: &Arc<Self>, r: GrantRequest) -> Result<Response<GrantReply>, Status> {
         let owner = self;
+        let started = std::time::Instant::now();
         let owner_epoch = owner.check_owner_epoch(r.owner_epoch)?;
         owner.check_member(&r.requester, r.requester_epoch)?;
         let keys: Vec<ChunkKey> = r
@@ -434,13 +435,22 @@ impl Owner {
         };
         let node = Arc::clone(&owner.cfg.node);
         let asked = keys.clone();
+        let asking = std::time::Instant::now();
         let hits = blocking(move || node.grant(holder, &asked)).await;
+        let shards_took = asking.elapsed();
         let (chunks, undo) = owner.record_grants(&r, &keys, hits);
         if !undo.is_empty() {
             let node = Arc::clone(&owner.cfg.node);
             blocking(move || node.release(holder, &undo)).await;
             return Err(Status::cancelled("the requester cancelled this grant"));
         }
+        tracing::debug!(
+            requester = %r.requester,
+            keys = keys.len(),
+            shards_us = shards_took.as_micros() as u64,
+            total_us = started.elapsed().as_micros() as u64,
+            "grant served"
+        );
         Ok(Response::new(GrantReply {
             owner_epoch,
             segment: owner.te.segment().to_owned(),

@@ -33,6 +33,7 @@ const RELEASE_RETRY_AFTER: Duration = Duration::from_millis(250);
 /// Where one group read's time went (`ctl peers`).
 #[derive(Default)]
 struct GroupTimes {
+    queue: Duration,
     grant: Duration,
     te_read: Duration,
     handoff: Duration,
@@ -235,7 +236,11 @@ impl Requester {
         channel: Channel,
         fetches: Vec<Fetch>,
     ) {
-        let mut took = GroupTimes::default();
+        let first = fetches.iter().map(|f| f.queued).min();
+        let mut took = GroupTimes {
+            queue: first.map_or(Duration::ZERO, |t| t.elapsed()),
+            ..GroupTimes::default()
+        };
         let read = match self.read_group(&node, epoch, channel, &fetches, &mut took).await {
             Ok(read) => read, // every fetch handed to its shard
             Err(e) => {
@@ -253,11 +258,22 @@ impl Requester {
             .fold((0u64, 0u64), |(n, b), (f, _)| (n + 1, b + f.len));
         let failed = fetches.len() as u64 - ok;
         let handoff = took.handoff;
+        tracing::debug!(
+            peer = %node,
+            chunks = ok,
+            bytes,
+            queue_us = took.queue.as_micros() as u64,
+            grant_us = took.grant.as_micros() as u64,
+            te_read_us = took.te_read.as_micros() as u64,
+            handoff_us = handoff.as_micros() as u64,
+            "group read"
+        );
         self.cluster.update_peer(&node, |v| {
             v.chunks_read += ok;
             v.bytes_read += bytes;
             v.read_failures += failed;
             v.groups += 1;
+            v.queue_ns += took.queue.as_nanos() as u64;
             v.grant_ns += took.grant.as_nanos() as u64;
             v.te_read_ns += took.te_read.as_nanos() as u64;
             v.handoff_ns += handoff.as_nanos() as u64;

@@ -32,6 +32,8 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  # LOGS_OUT: a directory to keep the Managers' and etcd's logs in.
+  if [ -n "${LOGS_OUT:-}" ]; then mkdir -p "$LOGS_OUT" && cp "$DIR"/*.log "$LOGS_OUT"/; fi
   rm -rf "$DIR"
 }
 trap cleanup EXIT

@@ -142,6 +142,7 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
                             "bytes_read": p.bytes_read,
                             "read_failures": p.read_failures,
                             "group_reads": p.groups,
+                            "queue_us_mean": mean_us(p.queue_ns, p.groups),
                             "grant_us_mean": mean_us(p.grant_ns, p.groups),
                             "te_read_us_mean": mean_us(p.te_read_ns, p.groups),
                             "handoff_us_mean": mean_us(p.handoff_ns, p.groups),

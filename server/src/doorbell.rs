@@ -6,10 +6,13 @@
 //! word and, if set, writes the eventfd. Both sides put a SeqCst fence between their write
 //! and their read, so either the sleeper sees the work or the producer sees the sleeper.
 
+use std::future::Future;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::Waker;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -32,6 +35,10 @@ pub struct Doorbells {
     nudge_wakers: Vec<Mutex<Option<Waker>>>,
     /// Nudges sent to each shard.
     nudges: Vec<AtomicU64>,
+    /// Per shard: its loop naps on a timer (tasks in flight), and [`Doorbells::ring`] cuts the
+    /// nap short by waking the waker in `nap_wakers` (see [`Nap`]).
+    napping: Vec<AtomicBool>,
+    nap_wakers: Vec<Mutex<Option<Waker>>>,
 }
 
 /// Where a shard's loop was last (see [`Doorbells::beat`]).
@@ -90,6 +97,8 @@ impl Doorbells {
             beats: (0..shards).map(|_| AtomicU64::new(0)).collect(),
             nudge_wakers: (0..shards).map(|_| Mutex::new(None)).collect(),
             nudges: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            napping: (0..shards).map(|_| AtomicBool::new(false)).collect(),
+            nap_wakers: (0..shards).map(|_| Mutex::new(None)).collect(),
         })
     }
 
@@ -98,12 +107,24 @@ impl Doorbells {
         self.fds[shard].as_fd()
     }
 
-    /// Call after queueing work for `shard`: wakes it if it sleeps.
+    /// Call after queueing work for `shard`: wakes it if it sleeps, or ends its nap.
     pub fn ring(&self, shard: usize) {
         fence(Ordering::SeqCst);
         if self.arena.doorbell(shard).load(Ordering::SeqCst) != 0 {
             let _ = self.fds[shard].write(1);
         }
+        if self.napping[shard].swap(false, Ordering::SeqCst) {
+            // Woken by reference: the waker is dropped on the shard's thread (by its `Nap`).
+            if let Some(w) = &*self.nap_wakers[shard].lock().expect("nap lock is never poisoned") {
+                w.wake_by_ref();
+            }
+        }
+    }
+
+    /// A nap of `shard`'s loop that [`Doorbells::ring`] ends early; `pending` says whether
+    /// work came before the nap could be armed.
+    pub fn nap<'a, F: Fn() -> bool>(&'a self, shard: usize, pending: F) -> Nap<'a, F> {
+        Nap { bells: self, shard, pending, armed: false }
     }
 
     /// Call before sending a mesh message to `shard`.
@@ -210,6 +231,45 @@ impl Doorbells {
     }
 }
 
+/// Ends when the shard's doorbell is rung after it was first polled (race it against the
+/// nap's timer): a control message (a peer read that landed, a grant to take) is then taken
+/// at once rather than when the timer fires. Work queued before the nap was armed ends it at
+/// once too (`pending`).
+pub struct Nap<'a, F: Fn() -> bool> {
+    bells: &'a Doorbells,
+    shard: usize,
+    pending: F,
+    armed: bool,
+}
+
+impl<F: Fn() -> bool + Unpin> Future for Nap<'_, F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let flag = &this.bells.napping[this.shard];
+        if this.armed {
+            return if flag.load(Ordering::SeqCst) { Poll::Pending } else { Poll::Ready(()) };
+        }
+        *this.bells.nap_wakers[this.shard].lock().expect("nap lock is never poisoned") =
+            Some(cx.waker().clone());
+        flag.store(true, Ordering::SeqCst);
+        this.armed = true;
+        if (this.pending)() {
+            flag.store(false, Ordering::SeqCst);
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+}
+
+impl<F: Fn() -> bool> Drop for Nap<'_, F> {
+    fn drop(&mut self) {
+        self.bells.napping[self.shard].store(false, Ordering::SeqCst);
+        self.bells.nap_wakers[self.shard].lock().expect("nap lock is never poisoned").take();
+    }
+}
+
 /// What one watchdog look found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Look {
@@ -270,6 +330,36 @@ mod tests {
     fn doorbells(shards: usize) -> Doorbells {
         let arena = Arc::new(Arena::create(1 << 20, false).expect("arena"));
         Doorbells::new(arena, shards).expect("doorbells")
+    }
+
+    #[test]
+    fn a_ring_ends_a_nap_of_that_shard_only() {
+        let d = doorbells(2);
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&count));
+        let mut cx = Context::from_waker(&waker);
+        let mut nap = std::pin::pin!(d.nap(0, || false));
+        assert!(nap.as_mut().poll(&mut cx).is_pending());
+        d.ring(1);
+        assert_eq!(count.0.load(Ordering::SeqCst), 0, "another shard's ring woke the nap");
+        assert!(nap.as_mut().poll(&mut cx).is_pending());
+        d.ring(0);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert!(nap.as_mut().poll(&mut cx).is_ready());
+        // Once over, a ring wakes nothing.
+        d.ring(0);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+
+        // Work queued before the nap was armed ends it at once.
+        let mut early = std::pin::pin!(d.nap(1, || true));
+        assert!(early.as_mut().poll(&mut cx).is_ready());
+        // A nap dropped before it ended leaves nothing armed.
+        {
+            let mut dropped = std::pin::pin!(d.nap(1, || false));
+            assert!(dropped.as_mut().poll(&mut cx).is_pending());
+        }
+        d.ring(1);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -460,7 +460,10 @@ async fn serve(exec: &Rc<Exec>, control: &Receiver<ControlMsg>, spin_window: Dur
             let nap = (idle / 4).clamp(Duration::from_micros(20), idle_poll_max);
             beat(iteration, LoopStage::Napping);
             exec.naps.set(exec.naps.get() + 1);
-            glommio::timer::sleep(nap).await;
+            // A control message ends the nap (its sender rings the doorbell): a lookup waiting
+            // for a peer read takes the chunks as they land, a grant is answered at once.
+            let woken = doorbells.nap(id, || !control.is_empty());
+            futures_lite::future::or(glommio::timer::sleep(nap), woken).await;
         }
     }
     beat(iteration, LoopStage::Stopped);

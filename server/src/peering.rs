@@ -214,5 +214,6 @@ pub fn to_fetch(f: PeerFetch) -> Fetch {
         offset: f.offset,
         len: f.len,
         generation: f.generation,
+        queued: std::time::Instant::now(),
     }
 }
