@@ -37,6 +37,10 @@ pub struct ClusterConfig {
     /// A Transfer Engine build's shared library to use through its C API; none: the wheel's
     /// engine in builds with `te-python`, else no peering.
     pub te_library: Option<std::path::PathBuf>,
+    /// Cores for the peer thread, its blocking pool and the Transfer Engine's threads (the
+    /// server gives the allowed cores after its pinned shards'); empty: wherever the process
+    /// may run.
+    pub cpus: Vec<usize>,
 }
 
 impl ClusterConfig {
@@ -132,6 +136,39 @@ pub struct Cluster {
     pub(crate) peers: Mutex<std::collections::BTreeMap<String, crate::PeerView>>,
 }
 
+/// Restricts the calling thread to `cpus` (none: left as it is); a refusal is a warning.
+fn pin_to(cpus: &[usize]) {
+    if cpus.is_empty() {
+        return;
+    }
+    let mut set = nix::sched::CpuSet::new();
+    for &c in cpus {
+        if set.set(c).is_err() {
+            tracing::warn!(cpu = c, "peer threads: core out of range; left unpinned");
+            return;
+        }
+    }
+    if let Err(e) = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set) {
+        tracing::warn!(error = %e, ?cpus, "peer threads: could not be pinned; they run anywhere");
+    }
+}
+
+/// Runs `f` on a new thread restricted to `cpus`, and waits for it.
+fn on_cores<T: Send + 'static>(
+    cpus: &[usize],
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<T> {
+    let cpus = cpus.to_vec();
+    std::thread::Builder::new()
+        .name("orbitkv-peer-start".into())
+        .spawn(move || {
+            pin_to(&cpus);
+            f()
+        })?
+        .join()
+        .map_err(|_| std::io::Error::other("starting the Transfer Engine panicked"))
+}
+
 impl Cluster {
     /// Starts the `orbitkv-peer` thread and waits up to `first` for its first attempt: an
     /// error if the node id is held by another live member (or the endpoints are invalid);
@@ -140,7 +177,10 @@ impl Cluster {
         let listener = std::net::TcpListener::bind(cfg.peer_addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| JoinError::Bind { addr: cfg.peer_addr, source })?;
-        let te = crate::Engine::start(&cfg.peer_addr.ip().to_string(), cfg.te_library.as_deref())
+        // Made on a thread on the peer cores: the engine's own threads inherit them.
+        let (host, library) = (cfg.peer_addr.ip().to_string(), cfg.te_library.clone());
+        let te = on_cores(&cfg.cpus, move || crate::Engine::start(&host, library.as_deref()))
+            .map_err(JoinError::Thread)?
             .map_err(JoinError::TransferEngine)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -164,9 +204,14 @@ impl Cluster {
         });
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(), JoinError>>(1);
         let c = Arc::clone(&cluster);
+        let cpus = cfg.cpus.clone();
         std::thread::Builder::new()
             .name("orbitkv-peer".into())
-            .spawn(move || runtime.block_on(run(&c, tx)))
+            .spawn(move || {
+                // Its blocking pool's threads are started from here and inherit the cores.
+                pin_to(&cpus);
+                runtime.block_on(run(&c, tx))
+            })
             .map_err(JoinError::Thread)?;
         match rx.recv_timeout(first) {
             Ok(Err(e)) => Err(e),

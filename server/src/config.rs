@@ -721,6 +721,8 @@ impl ServerConfig {
             shards,
             lease_ttl: ttl,
             te_library: self.te_library.clone(),
+            // Given at start, once the shards' cores are known.
+            cpus: Vec::new(),
         }))
     }
 

@@ -149,6 +149,20 @@ fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<us
     cores
 }
 
+/// Cores for the peer thread and the Transfer Engine's threads: the allowed cores `cpus`
+/// after the pinned shards' own (shared with GPU DMA threads pinned there), so that they never
+/// take a spinning shard's core; none (they run anywhere) when pinning is off or no core is
+/// left (said in the log).
+fn peer_cores(pin: bool, cpus: &[usize], shards: usize) -> Vec<usize> {
+    if !pin || shards >= cpus.len() {
+        tracing::info!(shards, cpus = cpus.len(), "peer threads run unpinned beside the shards");
+        return Vec::new();
+    }
+    let cores = cpus[shards..].to_vec();
+    tracing::info!(?cores, "peer threads on the cores after the shards");
+    cores
+}
+
 /// CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
@@ -482,7 +496,11 @@ fn outside_links(
         })
         .transpose()?;
     let cluster = match &settings.cluster {
-        Some(cfg) => Some(orbitkv_peer::Cluster::start(cfg.clone(), CLUSTER_JOIN_WAIT)?),
+        Some(cfg) => {
+            let cpus = peer_cores(settings.config.pin, &allowed_cpus(), settings.shards);
+            let cfg = orbitkv_peer::ClusterConfig { cpus, ..cfg.clone() };
+            Some(orbitkv_peer::Cluster::start(cfg, CLUSTER_JOIN_WAIT)?)
+        }
         None => None,
     };
     Ok((metrics_listener, cluster))
@@ -541,7 +559,17 @@ fn drain(settings: &Settings, shared: &Shared) {
 
 #[cfg(test)]
 mod tests {
-    use super::dma_cores;
+    use super::{dma_cores, peer_cores};
+
+    #[test]
+    fn peer_threads_take_the_cores_after_the_shards() {
+        let cpus: Vec<usize> = (0..16).collect();
+        assert_eq!(peer_cores(true, &cpus, 14), vec![14, 15]);
+        assert_eq!(peer_cores(true, &[4, 5, 6, 7], 1), vec![5, 6, 7]);
+        // No core left, or pinning off: anywhere.
+        assert!(peer_cores(true, &[0, 1], 2).is_empty());
+        assert!(peer_cores(false, &cpus, 4).is_empty());
+    }
 
     #[test]
     fn dma_threads_take_the_cores_after_the_shards() {
