@@ -68,6 +68,9 @@ pub trait LocalNode: Send + Sync + 'static {
     fn catalog_drop(&self, peer: u32);
     /// A peer read is over: `read` when its bytes landed (the shard checks their checksum).
     fn fetched(&self, fetch: Fetch, read: bool);
+    /// As [`LocalNode::fetched`] when the shard's queue has room now, without blocking (the
+    /// peer thread's runtime calls it); false when it has not (then call `fetched`).
+    fn fetched_now(&self, fetch: Fetch, read: bool) -> bool;
 }
 
 /// What peering needs besides the cluster.

@@ -431,10 +431,19 @@ impl Requester {
         if which.is_empty() {
             return;
         }
-        let items: Vec<(Fetch, bool)> = which.iter().map(|&i| (fetches[i], landed[i])).collect();
-        let n = Arc::clone(&self.cfg.node);
         let handing = Instant::now();
-        blocking(move || items.into_iter().for_each(|(f, r)| n.fetched(f, r))).await;
+        // Straight into the shards' queues where they have room; the rest waits for room on
+        // the blocking pool.
+        let n = &self.cfg.node;
+        let items: Vec<(Fetch, bool)> = which
+            .iter()
+            .map(|&i| (fetches[i], landed[i]))
+            .filter(|&(f, r)| !n.fetched_now(f, r))
+            .collect();
+        if !items.is_empty() {
+            let n = Arc::clone(n);
+            blocking(move || items.into_iter().for_each(|(f, r)| n.fetched(f, r))).await;
+        }
         took.handoff += handing.elapsed();
     }
 }

@@ -193,15 +193,25 @@ impl LocalNode for Node {
     }
 
     fn fetched(&self, fetch: Fetch, read: bool) {
-        let fetch = PeerFetch {
-            shard: fetch.shard,
-            key: fetch.key,
-            peer: fetch.peer,
-            offset: fetch.offset,
-            len: fetch.len,
-            generation: fetch.generation,
-        };
+        let fetch = from_fetch(fetch);
         self.send(fetch.shard, PeerMsg::Fetched { fetch, read });
+    }
+
+    fn fetched_now(&self, fetch: Fetch, read: bool) -> bool {
+        let fetch = from_fetch(fetch);
+        self.0.try_send_control(fetch.shard, ControlMsg::Peer(PeerMsg::Fetched { fetch, read }))
+    }
+}
+
+/// A peer read as its shard knows it.
+fn from_fetch(f: Fetch) -> PeerFetch {
+    PeerFetch {
+        shard: f.shard,
+        key: f.key,
+        peer: f.peer,
+        offset: f.offset,
+        len: f.len,
+        generation: f.generation,
     }
 }
 

@@ -208,6 +208,16 @@ impl Shared {
         self.shard_tx.len()
     }
 
+    /// As [`Shared::send_control`] without waiting: false (and the message dropped) when the
+    /// queue is full.
+    pub fn try_send_control(&self, shard: usize, msg: ControlMsg) -> bool {
+        let sent = self.shard_tx[shard].try_send(msg).is_ok();
+        if sent {
+            self.doorbells.ring(shard);
+        }
+        sent
+    }
+
     /// Queues a control message for `shard` and wakes it; false if the queue stayed full for
     /// `timeout` or the shard is gone.
     pub fn send_control(&self, shard: usize, msg: ControlMsg, timeout: Duration) -> bool {
