@@ -14,7 +14,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{pattern, Mapping, MIB};
+use common::{assert_scattered, pattern, scattered, Mapping, MIB, PIECE};
 use orbitkv_peer::te_c::{self, TeCError, TransferEngine};
 
 fn library() -> Option<PathBuf> {
@@ -56,33 +56,18 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     assert!(b_mem.bytes()[..48 * MIB] == want[MIB..49 * MIB], "the read's bytes differ");
 
     // Many 32 KiB pieces, more than one batch's worth (1024), scattered.
-    let piece = 32 * 1024;
-    let ranges: Vec<(u64, u64, u64)> = (0..1100)
-        .map(|i| {
-            let from = (i * 7919 % 2048) * piece;
-            (b_mem.addr() + (i * piece) as u64, a_mem.addr() + from as u64, piece as u64)
-        })
-        .collect();
+    let ranges = scattered(&b_mem, &a_mem);
     b.read_many(a.segment(), &ranges).unwrap();
-    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
-        let from = (remote - a_mem.addr()) as usize;
-        assert!(
-            b_mem.bytes()[i * piece..(i + 1) * piece] == want[from..from + piece],
-            "piece {i} differs"
-        );
-    }
+    assert_scattered(&mut b_mem, &a_mem, &want, &ranges);
 
     // Read as they land: the counts grow to all of them; a range that fails stops them.
-    b_mem.bytes()[..ranges.len() * piece].fill(0);
+    b_mem.bytes()[..ranges.len() * PIECE].fill(0);
     let mut counts = Vec::new();
     b.read_streaming(a.segment(), &ranges, &mut |n| counts.push(n)).unwrap();
     assert!(counts.windows(2).all(|w| w[0] < w[1]), "counts go back: {counts:?}");
     assert_eq!(counts.last(), Some(&ranges.len()));
     assert!(counts.len() > 1, "{counts:?}");
-    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
-        let from = (remote - a_mem.addr()) as usize;
-        assert!(b_mem.bytes()[i * piece..(i + 1) * piece] == want[from..from + piece]);
-    }
+    assert_scattered(&mut b_mem, &a_mem, &want, &ranges);
     let mut bad = ranges[..8].to_vec();
     bad[5].1 = a_mem.addr() + 64 * MIB as u64; // outside the peer's memory
     let mut counts = Vec::new();

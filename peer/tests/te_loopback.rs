@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{pattern, Mapping, MIB};
+use common::{assert_scattered, pattern, scattered, Mapping, MIB};
 use orbitkv_peer::te::{TeError, TransferEngine};
 
 #[test]
@@ -25,22 +25,9 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     assert!(b_mem.bytes()[..48 * MIB] == want[MIB..49 * MIB], "the read's bytes differ");
 
     // Many 32 KiB pieces, more than one batch's worth (1024), scattered.
-    let piece = 32 * 1024;
-    let n = 1100;
-    let ranges: Vec<(u64, u64, u64)> = (0..n)
-        .map(|i| {
-            let from = (i * 7919 % 2048) * piece;
-            (b_mem.addr() + (i * piece) as u64, a_mem.addr() + from as u64, piece as u64)
-        })
-        .collect();
+    let ranges = scattered(&b_mem, &a_mem);
     b.read_many(a.segment(), &ranges).unwrap();
-    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
-        let from = (remote - a_mem.addr()) as usize;
-        assert!(
-            b_mem.bytes()[i * piece..(i + 1) * piece] == want[from..from + piece],
-            "piece {i} differs"
-        );
-    }
+    assert_scattered(&mut b_mem, &a_mem, &want, &ranges);
 
     // A write the other way.
     let back = pattern(8 * MIB, 9);

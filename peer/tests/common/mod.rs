@@ -58,3 +58,34 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 pub const MIB: usize = 1 << 20;
+
+/// Bytes of each piece [`scattered`] gives.
+pub const PIECE: usize = 32 * 1024;
+
+/// 1,100 pieces of [`PIECE`] bytes (more than one TE batch of 1024) of `from`'s first 64 MiB,
+/// scattered, to read in order into `into`: `(local, remote, len)` each.
+pub fn scattered(into: &Mapping, from: &Mapping) -> Vec<(u64, u64, u64)> {
+    (0..1100)
+        .map(|i| {
+            let at = (i * 7919 % 2048) * PIECE;
+            (into.addr() + (i * PIECE) as u64, from.addr() + at as u64, PIECE as u64)
+        })
+        .collect()
+}
+
+/// Asserts that `into` holds, piece by piece, the bytes `ranges` read of `from` (whose memory
+/// held `want`).
+pub fn assert_scattered(
+    into: &mut Mapping,
+    from: &Mapping,
+    want: &[u8],
+    ranges: &[(u64, u64, u64)],
+) {
+    for (i, &(_, remote, _)) in ranges.iter().enumerate() {
+        let at = (remote - from.addr()) as usize;
+        assert!(
+            into.bytes()[i * PIECE..(i + 1) * PIECE] == want[at..at + PIECE],
+            "piece {i} differs"
+        );
+    }
+}
