@@ -141,11 +141,12 @@ fn a_chunk_put_on_one_node_is_read_on_another() {
     let v = b.admin("peers");
     assert_eq!(v["peers"]["a"]["chunks_read"], 8, "{v}");
     assert_eq!(v["peers"]["a"]["bytes_read"], 8 * LEN as u64, "{v}");
-    // Group reads (a grant, the Transfer Engine read, the handoff each), timed: the peer
-    // thread takes the lookup's reads in one group or, when it wakes between them, more.
+    // Group reads (a wait in the queue, a grant, the Transfer Engine read, the handoff each),
+    // timed: the peer thread takes the lookup's reads in one group or, when it wakes between
+    // them, more.
     let groups = v["peers"]["a"]["group_reads"].as_u64().unwrap();
     assert!((1..=8).contains(&groups), "{v}");
-    for part in ["grant_us_mean", "te_read_us_mean", "handoff_us_mean"] {
+    for part in ["queue_us_mean", "grant_us_mean", "te_read_us_mean", "handoff_us_mean"] {
         assert!(v["peers"]["a"][part].as_f64().unwrap() > 0.0, "{part}: {v}");
     }
     until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
