@@ -43,9 +43,10 @@ struct GroupTimes {
 const FETCH_BATCH: usize = 1024;
 
 /// Bytes from which one peer's group is read as two halves at once: the grant of one half
-/// then overlaps the other's Transfer Engine read. On the H200 host (docs/performance.md) it
-/// took 32 MiB lookups on one shard from 0.84-0.94 of a raw read to 0.91-1.07; 8 MiB ones
-/// (whose TE read is not much longer than a grant) gained nothing, so they stay whole.
+/// then overlaps the other's Transfer Engine read. Measured on the H200 host within the hour:
+/// 32 MiB lookups on one shard went from 0.84-0.94 of a raw read to 0.91-1.07; 8 MiB ones
+/// (whose TE read is not much longer than a grant) read as halves came to 0.73-0.80 against
+/// 0.78-0.83 whole, so they stay whole.
 const SPLIT_BYTES: u64 = 16 << 20;
 
 /// `fetches` as one group, or as two halves of about equal bytes when they reach

@@ -109,8 +109,9 @@ pub struct TransferEngine {
     segment: String,
     /// `(addr, len)` of what is registered here.
     registered: Mutex<Vec<(u64, u64)>>,
-    /// Peer segments opened, by name.
-    segments: Mutex<HashMap<String, sys::segment_id_t>>,
+    /// Peer segments opened, by name (`None`: a transfer to it failed; its description is
+    /// fetched afresh when it is opened again).
+    segments: Mutex<HashMap<String, Option<sys::segment_id_t>>>,
 }
 
 // SAFETY: TE's engine is made for use from many threads at once (its transports run their own
@@ -263,27 +264,37 @@ impl TransferEngine {
         Ok(())
     }
 
-    /// The id of `peer`'s segment, opened once.
+    /// The id of `peer`'s segment, opened once (and again, its description fetched afresh,
+    /// after a transfer to it failed: the peer may have restarted at the same address).
     fn open(&self, peer: &str) -> Result<sys::segment_id_t, TeCError> {
         let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&id) = segments.get(peer) {
-            return Ok(id);
-        }
+        let fresh = match segments.get(peer) {
+            Some(&Some(id)) => return Ok(id),
+            Some(None) => true,
+            None => false,
+        };
         let name = cstring(peer)?;
-        // SAFETY: a live engine; `name` is NUL-terminated and TE copies it.
-        let id = unsafe { (self.api.openSegment)(self.raw(), name.as_ptr()) };
+        let (what, id) = if fresh {
+            // SAFETY: a live engine; `name` is NUL-terminated and TE copies it.
+            ("openSegmentNoCache", unsafe {
+                (self.api.openSegmentNoCache)(self.raw(), name.as_ptr())
+            })
+        } else {
+            // SAFETY: as above.
+            ("openSegment", unsafe { (self.api.openSegment)(self.raw(), name.as_ptr()) })
+        };
         if id < 0 {
-            return Err(TeCError::Failed { what: "openSegment", code: id.into() });
+            return Err(TeCError::Failed { what, code: id.into() });
         }
-        segments.insert(peer.to_owned(), id);
+        segments.insert(peer.to_owned(), Some(id));
         Ok(id)
     }
 
     fn forget(&self, peer: &str, id: sys::segment_id_t) {
         let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
-        if segments.get(peer) == Some(&id) {
-            segments.remove(peer);
-            // SAFETY: a live engine and a segment id it gave; closing only drops its cache.
+        if segments.get(peer) == Some(&Some(id)) {
+            segments.insert(peer.to_owned(), None);
+            // SAFETY: a live engine and a segment id it gave.
             unsafe { (self.api.closeSegment)(self.raw(), id) };
         }
     }

@@ -92,7 +92,8 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     let err = b.read_many(a.segment(), &outside).unwrap_err();
     assert!(matches!(err, TeCError::Transfer { .. } | TeCError::Failed { .. }), "{err}");
     assert!(b_mem.bytes()[..4096].iter().all(|&x| x == 0xAB), "a refused read wrote");
-    // The engine still reads after that (what A holds now: the write above included).
+    // The engine still reads after that, the peer's description fetched afresh (what A holds
+    // now: the write above included).
     b.read_many(a.segment(), &one).unwrap();
     assert!(b_mem.bytes()[..48 * MIB] == a_mem.bytes()[MIB..49 * MIB], "the re-read differs");
 

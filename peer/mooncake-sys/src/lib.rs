@@ -135,6 +135,7 @@ api! {
     installTransport: fn(transfer_engine_t, *const c_char, *mut *mut c_void) -> transport_t;
     destroyTransferEngine: fn(transfer_engine_t);
     openSegment: fn(transfer_engine_t, *const c_char) -> segment_id_t;
+    openSegmentNoCache: fn(transfer_engine_t, *const c_char) -> segment_id_t;
     closeSegment: fn(transfer_engine_t, segment_id_t) -> c_int;
     registerLocalMemory: fn(transfer_engine_t, *mut c_void, usize, *const c_char, c_int) -> c_int;
     unregisterLocalMemory: fn(transfer_engine_t, *mut c_void) -> c_int;
