@@ -1,6 +1,6 @@
 //! Mooncake Transfer Engine (TE) through its C API (`mooncake-sys`), from the shared library of
 //! a TE build that the operator names (`--te-library`): the route for hosts with TE built from
-//! source (RDMA builds included). Needs nothing of TE at build time, and no interpreter.
+//! source. Needs nothing of TE at build time, and no interpreter.
 //!
 //! Same shape as the wheel's route ([`crate::te`] with feature `te-python`): one engine per
 //! process, `P2PHANDSHAKE` (peers name each other `host:rpc_port`, no metadata server), memory
@@ -128,8 +128,9 @@ impl std::fmt::Debug for TransferEngine {
 }
 
 impl TransferEngine {
-    /// Starts an engine reachable at `host` (its RPC port chosen by TE) with `protocol` (`tcp`;
-    /// `rdma` on hosts with RDMA devices and a TE build with RDMA).
+    /// Starts an engine reachable at `host` (its RPC port chosen by TE) with the transport
+    /// `protocol` installed without arguments (`tcp`, what peering uses; others TE knows are
+    /// passed through, untested here).
     pub fn new(api: Arc<sys::Api>, host: &str, protocol: &str) -> Result<Self, TeCError> {
         let (metadata, host_c, proto) =
             (cstring("P2PHANDSHAKE")?, cstring(host)?, cstring(protocol)?);
@@ -148,7 +149,7 @@ impl TransferEngine {
             segments: Mutex::new(HashMap::new()),
         };
         // SAFETY: a live engine; `proto` is NUL-terminated; a null argument list is what TE's
-        // TCP and RDMA transports take when no device list is given.
+        // TCP transport takes (it has no arguments).
         let transport = unsafe {
             (this.api.installTransport)(this.raw(), proto.as_ptr(), std::ptr::null_mut())
         };
