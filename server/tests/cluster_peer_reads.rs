@@ -312,6 +312,71 @@ fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
     assert_eq!(b.admin("health")["ready"], true);
 }
 
+/// An owner stopped (SIGSTOP, shorter than its lease) while its chunks are read, then let go
+/// on: the reads wait for it rather than give up under a transfer, every chunk read is right,
+/// and nothing stays held on either side.
+#[test]
+fn an_owner_paused_while_read_gives_right_bytes_and_holds_nothing() {
+    if !have_te() {
+        return;
+    }
+    let etcd = Etcd::start();
+    let a = member(&etcd, "a", 7441, &["--shards", "1", "--dram", "512MiB"]);
+    let b = member(&etcd, "b", 7442, &["--shards", "2", "--dram", "512MiB"]);
+    let (_ca, prefixes) = big_prefixes(&a, &b, 3000);
+
+    let socket = b.socket().to_owned();
+    let read = prefixes.clone();
+    let reader = std::thread::spawn(move || {
+        let mut cb =
+            orbitkv_client::Client::connect(orbitkv_client::ClientOptions::with_socket(socket))
+                .unwrap();
+        cb.register_namespace(&namespace(256)).unwrap();
+        let mut found = 0;
+        for keys in &read {
+            let leases = cb.lookup_leased(keys).unwrap();
+            for (l, k) in leases.iter().zip(keys) {
+                assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
+            }
+            found += leases.len();
+            cb.release(&leases).unwrap();
+        }
+        found
+    });
+    // Stop `a` once b has grants there (a read under way), for a second.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mid_read = loop {
+        let p = &b.admin("peers")["peers"]["a"];
+        if p["grants_held"].as_u64().unwrap_or(0) > 0 {
+            break true;
+        }
+        if p["chunks_read"].as_u64().unwrap_or(0) >= 384 || Instant::now() > deadline {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(1));
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let found = reader.join().unwrap();
+    eprintln!("paused mid-read: {mid_read}; chunks found: {found} of 384");
+    b.wait_for("nothing held on b", |b| {
+        b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0
+    });
+    until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
+    until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
+    // What b holds now is a's bytes, read again from its DRAM.
+    let mut cb = b.client("check");
+    cb.register_namespace(&namespace(256)).unwrap();
+    for keys in &prefixes {
+        let leases = cb.lookup_leased(keys).unwrap();
+        for (l, k) in leases.iter().zip(keys) {
+            assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
+        }
+        cb.release(&leases).unwrap();
+    }
+}
+
 #[test]
 fn a_requester_killed_while_reading_has_its_grants_returned() {
     if !have_te() {
