@@ -13,7 +13,7 @@ const PIECE_BYTES: u64 = 4 << 20;
 
 /// This process's Transfer Engine.
 #[derive(Clone, Debug)]
-pub(crate) enum Engine {
+pub enum Engine {
     /// Through the C API of a TE build's library.
     C(Arc<te_c::TransferEngine>),
     /// Through the wheel's Python API.
@@ -24,7 +24,7 @@ pub(crate) enum Engine {
 impl Engine {
     /// Starts the engine on `host` over TCP: from `library` when given, else the wheel's in
     /// builds with `te-python`, else none.
-    pub(crate) fn start(host: &str, library: Option<&Path>) -> Result<Option<Engine>, String> {
+    pub fn start(host: &str, library: Option<&Path>) -> Result<Option<Engine>, String> {
         if let Some(library) = library {
             let named = |e: te_c::TeCError| format!("--te-library: {e}");
             let api = te_c::load(library).map_err(named)?;
@@ -41,7 +41,8 @@ impl Engine {
         Ok(None)
     }
 
-    pub(crate) fn segment(&self) -> &str {
+    /// The name peers use for this engine's memory (`host:rpc_port`).
+    pub fn segment(&self) -> &str {
         match self {
             Engine::C(e) => e.segment(),
             #[cfg(feature = "te-python")]
@@ -49,7 +50,9 @@ impl Engine {
         }
     }
 
-    pub(crate) fn register(&self, addr: u64, len: u64) -> Result<(), String> {
+    /// Registers `len` bytes at `addr` for peers to read and as the local side of reads; the
+    /// memory must stay mapped while the engine lives.
+    pub fn register(&self, addr: u64, len: u64) -> Result<(), String> {
         match self {
             Engine::C(e) => e.register(addr, len).map_err(|e| e.to_string()),
             #[cfg(feature = "te-python")]
@@ -57,10 +60,20 @@ impl Engine {
         }
     }
 
+    /// Reads `(local, remote, len)` ranges of `peer` in as few calls as the engine takes,
+    /// waiting for all.
+    pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), String> {
+        match self {
+            Engine::C(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
+            #[cfg(feature = "te-python")]
+            Engine::Python(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
+        }
+    }
+
     /// Reads `(local, remote, len)` ranges of `peer`, waiting for all; `landed(n)` is called
     /// whenever the first `n` ranges have all landed (`n` grows; `ranges.len()` last when the
     /// read succeeds). On an error the ranges from the last `n` on may hold anything.
-    pub(crate) fn read_streaming(
+    pub fn read_streaming(
         &self,
         peer: &str,
         ranges: &[(u64, u64, u64)],

@@ -27,6 +27,6 @@ pub mod rpc;
 pub mod te;
 pub mod te_c;
 
-pub(crate) use engine::Engine;
+pub use engine::Engine;
 pub use membership::{Cluster, ClusterConfig, JoinError, Member, State, Status};
 pub use node::{Chunk, Delta, Fetch, LocalNode, PeerView, PeeringConfig, PeeringError};

@@ -338,77 +338,29 @@ impl Verify {
 }
 
 mod te {
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use orbitkv_peer::te_c;
+    use orbitkv_peer::Engine;
 
     use super::fill;
     use crate::args::PeerArgs;
     use crate::error::Error;
 
-    /// One engine of the baseline, on the route the Managers use: the C API of the TE build
-    /// named by `--te-library`, else the wheel's (builds with `te-python`).
-    enum Engine {
-        C(te_c::TransferEngine),
-        #[cfg(feature = "te-python")]
-        Python(orbitkv_peer::te::TransferEngine),
-    }
-
     fn te_err(e: impl std::fmt::Display) -> Error {
         Error::Setup(format!("raw Transfer Engine baseline: {e}"))
     }
 
-    impl Engine {
-        fn pair(a: &PeerArgs) -> Result<(Engine, Engine), Error> {
-            if let Some(lib) = &a.te_library {
-                let api = te_c::load(lib).map_err(te_err)?;
-                let one = || {
-                    te_c::TransferEngine::new(Arc::clone(&api), "127.0.0.1", "tcp")
-                        .map(Engine::C)
-                        .map_err(te_err)
-                };
-                return Ok((one()?, one()?));
-            }
-            #[cfg(feature = "te-python")]
-            {
-                use orbitkv_peer::te::TransferEngine;
-                let one =
-                    || TransferEngine::new("127.0.0.1", "tcp").map(Engine::Python).map_err(te_err);
-                Ok((one()?, one()?))
-            }
-            #[cfg(not(feature = "te-python"))]
-            Err(Error::Setup(
+    /// An engine on the route the Managers use: the C API of the TE build named by
+    /// `--te-library`, else the wheel's (builds with `te-python`).
+    fn engine(a: &PeerArgs) -> Result<Engine, Error> {
+        Engine::start("127.0.0.1", a.te_library.as_deref()).map_err(te_err)?.ok_or_else(|| {
+            Error::Setup(
                 "no Transfer Engine: give --te-library (a TE build's C API library), or build \
                  orbitkv-perf with `--features te-python` (and PYO3_PYTHON naming a Python with \
                  the pinned Mooncake wheel)"
                     .into(),
-            ))
-        }
-
-        fn segment(&self) -> &str {
-            match self {
-                Engine::C(e) => e.segment(),
-                #[cfg(feature = "te-python")]
-                Engine::Python(e) => e.segment(),
-            }
-        }
-
-        fn register(&self, addr: u64, len: u64) -> Result<(), Error> {
-            match self {
-                Engine::C(e) => e.register(addr, len).map_err(te_err),
-                #[cfg(feature = "te-python")]
-                Engine::Python(e) => e.register(addr, len).map_err(te_err),
-            }
-        }
-
-        fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), Error> {
-            match self {
-                Engine::C(e) => e.read_many(peer, ranges).map_err(te_err),
-                #[cfg(feature = "te-python")]
-                Engine::Python(e) => e.read_many(peer, ranges).map_err(te_err),
-            }
-        }
+            )
+        })
     }
 
     /// Two engines of this process on loopback TCP, one batch of buffer each side.
@@ -430,7 +382,7 @@ mod te {
         /// The engines (started first: a missing engine fails before anything is put).
         pub(super) fn new(a: &PeerArgs) -> Result<Self, Error> {
             let bytes = (a.batch as u64 * a.chunk_size) as usize;
-            let (owner, reader) = Engine::pair(a)?;
+            let (owner, reader) = (engine(a)?, engine(a)?);
             let mut src = vec![0u8; bytes];
             for (i, c) in src.chunks_mut(a.chunk_size as usize).enumerate() {
                 fill(7, i as u64, c);
@@ -442,8 +394,8 @@ mod te {
         pub(super) fn start(self, a: &PeerArgs) -> Result<Running, Error> {
             // The buffers live, unmoved, as long as the engines (both in `Running`).
             let len = self.src.len() as u64;
-            self.owner.register(self.src.as_ptr() as u64, len)?;
-            self.reader.register(self.dst.as_ptr() as u64, len)?;
+            self.owner.register(self.src.as_ptr() as u64, len).map_err(te_err)?;
+            self.reader.register(self.dst.as_ptr() as u64, len).map_err(te_err)?;
             let peer = self.owner.segment().to_owned();
             let mut r = Running { b: self, peer, chunk: a.chunk_size };
             r.read(1)?;
@@ -459,7 +411,7 @@ mod te {
             let ranges: Vec<(u64, u64, u64)> =
                 (0..n).map(|j| (dst + j * c, src + j * c, c)).collect();
             let t = Instant::now();
-            self.b.reader.read_many(&self.peer, &ranges)?;
+            self.b.reader.read_many(&self.peer, &ranges).map_err(te_err)?;
             Ok(t.elapsed())
         }
 
