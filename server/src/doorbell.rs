@@ -113,7 +113,9 @@ impl Doorbells {
         if self.arena.doorbell(shard).load(Ordering::SeqCst) != 0 {
             let _ = self.fds[shard].write(1);
         }
-        if self.napping[shard].swap(false, Ordering::SeqCst) {
+        // A plain load first: most rings find no nap, and need not write the shared flag.
+        let napping = &self.napping[shard];
+        if napping.load(Ordering::SeqCst) && napping.swap(false, Ordering::SeqCst) {
             // Woken by reference: the waker is dropped on the shard's thread (by its `Nap`).
             if let Some(w) = &*self.nap_wakers[shard].lock().expect("nap lock is never poisoned") {
                 w.wake_by_ref();
