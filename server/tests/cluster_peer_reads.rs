@@ -243,25 +243,20 @@ fn big_prefixes(
     (ca, prefixes)
 }
 
-#[test]
-fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
-    if !have_te() {
-        return;
-    }
-    let etcd = Etcd::start();
-    let mut a = member(&etcd, "a", 7411, &["--shards", "1", "--dram", "512MiB"]);
-    let b = member(&etcd, "b", 7412, &["--shards", "2", "--dram", "512MiB"]);
-    let (_ca, prefixes) = big_prefixes(&a, &b, 1000);
-
+/// Looks up every prefix on `b` from a client thread, back to back (the bytes are checked
+/// after, so that what happens to the owner meanwhile lands during a read): each chunk found
+/// is a peer hit with the owner's bytes. How many chunks each prefix found.
+fn read_in_background(
+    b: &TestServer,
+    prefixes: &[Vec<orbitkv_proto::ChunkKey>],
+) -> std::thread::JoinHandle<Vec<usize>> {
     let socket = b.socket().to_owned();
-    let read = prefixes.clone();
-    let reader = std::thread::spawn(move || {
-        let prefixes = read;
+    let prefixes = prefixes.to_vec();
+    std::thread::spawn(move || {
         let mut cb =
             orbitkv_client::Client::connect(orbitkv_client::ClientOptions::with_socket(socket))
                 .unwrap();
         cb.register_namespace(&namespace(256)).unwrap();
-        // Back to back (the bytes are checked after): the kill should land during a read.
         let leased: Vec<_> = prefixes.iter().map(|keys| cb.lookup_leased(keys).unwrap()).collect();
         let mut found = Vec::new();
         for (leases, keys) in leased.iter().zip(&prefixes) {
@@ -273,22 +268,55 @@ fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
             cb.release(leases).unwrap();
         }
         found
-    });
-    // Kill a while b reads its second prefix: grants taken, the Transfer Engine moving bytes
-    // (or, if the reads outran this poll, after them: the checks below hold either way).
+    })
+}
+
+/// Waits (up to 30 s) until `b` holds grants at `a` and has read some chunks (a read under
+/// way); false when the reads were over first.
+fn until_reading(b: &TestServer) -> bool {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mid_read = loop {
+    loop {
         let v = b.admin("peers");
         let p = &v["peers"]["a"];
         if p["grants_held"].as_u64().unwrap_or(0) > 0 && p["chunks_read"].as_u64().unwrap_or(0) > 0
         {
-            break true;
+            return true;
         }
         if p["chunks_read"].as_u64().unwrap_or(0) >= 384 || Instant::now() > deadline {
-            break false;
+            return false;
         }
         std::thread::sleep(Duration::from_millis(1));
-    };
+    }
+}
+
+/// Every chunk of `prefixes` that `b` holds is a local DRAM chunk with the owner's bytes.
+fn assert_held_locally_right(b: &TestServer, prefixes: &[Vec<orbitkv_proto::ChunkKey>]) {
+    let mut cb = b.client("check");
+    cb.register_namespace(&namespace(256)).unwrap();
+    for keys in prefixes {
+        let leases = cb.lookup_leased(keys).unwrap();
+        for (l, k) in leases.iter().zip(keys) {
+            assert_eq!(l.hit.tier, Tier::Dram);
+            assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
+        }
+        cb.release(&leases).unwrap();
+    }
+}
+
+#[test]
+fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
+    if !have_te() {
+        return;
+    }
+    let etcd = Etcd::start();
+    let mut a = member(&etcd, "a", 7411, &["--shards", "1", "--dram", "512MiB"]);
+    let b = member(&etcd, "b", 7412, &["--shards", "2", "--dram", "512MiB"]);
+    let (_ca, prefixes) = big_prefixes(&a, &b, 1000);
+
+    let reader = read_in_background(&b, &prefixes);
+    // Kill a while b reads its second prefix: grants taken, the Transfer Engine moving bytes
+    // (or, if the reads outran this poll, after them: the checks below hold either way).
+    let mid_read = until_reading(&b);
     a.signal(nix::sys::signal::Signal::SIGKILL);
     let _ = a.wait_exit(Duration::from_secs(5));
     let found = reader.join().unwrap();
@@ -298,16 +326,7 @@ fn an_owner_killed_while_read_gives_misses_never_wrong_bytes() {
     until(&b, "a dropped", |v| v["peers"].get("a").is_none());
     b.wait_for("nothing held", |b| b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0);
     assert!(b.shard_sum("peer_reads") as usize >= found.iter().sum::<usize>());
-    let mut cb = b.client("check");
-    cb.register_namespace(&namespace(256)).unwrap();
-    for keys in &prefixes {
-        let leases = cb.lookup_leased(keys).unwrap();
-        for (l, k) in leases.iter().zip(keys) {
-            assert_eq!(l.hit.tier, Tier::Dram);
-            assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
-        }
-        cb.release(&leases).unwrap();
-    }
+    assert_held_locally_right(&b, &prefixes);
     assert_eq!(b.shard_sum("peer_checksum_failures"), 0);
     assert_eq!(b.admin("health")["ready"], true);
 }
@@ -325,40 +344,13 @@ fn an_owner_paused_while_read_gives_right_bytes_and_holds_nothing() {
     let b = member(&etcd, "b", 7442, &["--shards", "2", "--dram", "512MiB"]);
     let (_ca, prefixes) = big_prefixes(&a, &b, 3000);
 
-    let socket = b.socket().to_owned();
-    let read = prefixes.clone();
-    let reader = std::thread::spawn(move || {
-        let mut cb =
-            orbitkv_client::Client::connect(orbitkv_client::ClientOptions::with_socket(socket))
-                .unwrap();
-        cb.register_namespace(&namespace(256)).unwrap();
-        let mut found = 0;
-        for keys in &read {
-            let leases = cb.lookup_leased(keys).unwrap();
-            for (l, k) in leases.iter().zip(keys) {
-                assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
-            }
-            found += leases.len();
-            cb.release(&leases).unwrap();
-        }
-        found
-    });
-    // Stop `a` once b has grants there (a read under way), for a second.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mid_read = loop {
-        let p = &b.admin("peers")["peers"]["a"];
-        if p["grants_held"].as_u64().unwrap_or(0) > 0 {
-            break true;
-        }
-        if p["chunks_read"].as_u64().unwrap_or(0) >= 384 || Instant::now() > deadline {
-            break false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    };
+    let reader = read_in_background(&b, &prefixes);
+    // Stop `a` once b reads from it, for a second.
+    let mid_read = until_reading(&b);
     a.signal(nix::sys::signal::Signal::SIGSTOP);
     std::thread::sleep(Duration::from_secs(1));
     a.signal(nix::sys::signal::Signal::SIGCONT);
-    let found = reader.join().unwrap();
+    let found: usize = reader.join().unwrap().iter().sum();
     eprintln!("paused mid-read: {mid_read}; chunks found: {found} of 384");
     b.wait_for("nothing held on b", |b| {
         b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0
@@ -366,15 +358,7 @@ fn an_owner_paused_while_read_gives_right_bytes_and_holds_nothing() {
     until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
     until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
     // What b holds now is a's bytes, read again from its DRAM.
-    let mut cb = b.client("check");
-    cb.register_namespace(&namespace(256)).unwrap();
-    for keys in &prefixes {
-        let leases = cb.lookup_leased(keys).unwrap();
-        for (l, k) in leases.iter().zip(keys) {
-            assert!(cb.chunk(l).unwrap() == value_for(k, BIG).as_slice(), "never wrong bytes");
-        }
-        cb.release(&leases).unwrap();
-    }
+    assert_held_locally_right(&b, &prefixes);
 }
 
 #[test]
