@@ -46,8 +46,12 @@ pub struct Fetch {
     pub queued: std::time::Instant,
 }
 
+/// An answer of the shards that comes later (awaited on the peer thread's runtime).
+pub type Later<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
 /// The local server, as peering uses it. Calls block (they go through the shards' control
-/// queues) and are made from the runtime's blocking pool; `None` means a shard did not answer.
+/// queues) and are made from the runtime's blocking pool, except [`LocalNode::grant`] and
+/// [`LocalNode::fetched_now`]; `None` means a shard did not answer.
 pub trait LocalNode: Send + Sync + 'static {
     /// Shard count (keys are placed by [`ChunkKey::shard`]).
     fn shards(&self) -> usize;
@@ -56,8 +60,11 @@ pub trait LocalNode: Send + Sync + 'static {
     /// The changes on shard `shard` since the last drain or snapshot, and whether some were
     /// lost (the log filled): then a snapshot is due.
     fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)>;
-    /// Leases `keys` for grant holder `holder` (DRAM only): a hit or None per key.
-    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Vec<Option<Hit>>;
+    /// Leases `keys` for grant holder `holder` (DRAM only): a hit or None per key. Asks every
+    /// shard concerned at once without blocking the caller; the answer is awaited (a shard
+    /// that does not answer within its wait gives None for its keys). Its leases are taken
+    /// even if the answer is not awaited.
+    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Later<Vec<Option<Hit>>>;
     /// Returns leases of `holder`.
     fn release(&self, holder: u64, slots: &[SlotRef]);
     /// Returns every lease of `holder`.

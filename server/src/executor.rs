@@ -672,10 +672,24 @@ impl Exec {
             ShardOp::Lookup { session, keys, lease } if self.core.borrow().tiered() => {
                 let first = self.core.borrow_mut().lookup_start(session, &keys, lease);
                 self.hand_peer_fetches();
-                if !first.pending.is_empty() {
-                    self.wait_moving_in(first.pending.iter().map(|&i| keys[i])).await;
+                if first.pending.is_empty() {
+                    return ShardReply::Hits(
+                        self.core.borrow_mut().finish_lookup(session, &keys, lease, first),
+                    );
                 }
-                ShardReply::Hits(self.core.borrow_mut().finish_lookup(session, &keys, lease, first))
+                let (started, pending) = (Instant::now(), first.pending.len());
+                self.wait_moving_in(first.pending.iter().map(|&i| keys[i])).await;
+                let waited = started.elapsed();
+                let hits = self.core.borrow_mut().finish_lookup(session, &keys, lease, first);
+                tracing::debug!(
+                    shard = self.id,
+                    keys = keys.len(),
+                    pending,
+                    wait_us = waited.as_micros() as u64,
+                    finish_us = (started.elapsed() - waited).as_micros() as u64,
+                    "lookup waited for chunks moving in (SSD or peer)"
+                );
+                ShardReply::Hits(hits)
             }
             op @ (ShardOp::Commit { .. } | ShardOp::CommitSummed { .. }) => {
                 let ranges = self.core.borrow().hash_ranges(&op);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
-use orbitkv_peer::{Chunk, Delta, Fetch, LocalNode};
+use orbitkv_peer::{Chunk, Delta, Fetch, Later, LocalNode};
 use orbitkv_proto::{ChunkKey, Hit, SlotRef};
 use orbitkv_shards::{InventoryChunk, InventoryDelta, PeerFetch, SessionId, ShardCore};
 
@@ -25,8 +25,12 @@ pub enum PeerMsg {
     Snapshot(Sender<Vec<InventoryChunk>>),
     /// The changes since the last drain, and whether some were lost.
     Drain(Sender<(Vec<InventoryDelta>, bool)>),
-    /// Lease keys for a grant holder.
-    Grant { session: SessionId, keys: Vec<ChunkKey>, reply: Sender<Vec<Option<Hit>>> },
+    /// Lease keys for a grant holder (answered to the peer thread's runtime).
+    Grant {
+        session: SessionId,
+        keys: Vec<ChunkKey>,
+        reply: tokio::sync::oneshot::Sender<Vec<Option<Hit>>>,
+    },
     /// Return leases of a grant holder.
     Release { session: SessionId, slots: Vec<SlotRef> },
     /// Return every lease of a grant holder.
@@ -135,21 +139,42 @@ impl LocalNode for Node {
         Some((deltas, overflowed))
     }
 
-    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Vec<Option<Hit>> {
+    fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Later<Vec<Option<Hit>>> {
         let session = GRANT_SESSIONS + holder;
-        let mut out = vec![None; keys.len()];
+        let count = keys.len();
+        // Every shard concerned is asked before any answer is awaited: they lease in parallel.
+        let mut asked = Vec::new();
         for (shard, part) in self.by_shard(keys.to_vec(), |k| *k).into_iter().enumerate() {
             if part.is_empty() {
                 continue;
             }
-            let keys: Vec<ChunkKey> = part.iter().map(|(_, k)| *k).collect();
-            if let Some(hits) = self.ask(shard, |reply| PeerMsg::Grant { session, keys, reply }) {
-                for ((i, _), hit) in part.into_iter().zip(hits) {
-                    out[i] = hit;
+            let (at, keys): (Vec<usize>, Vec<ChunkKey>) = part.into_iter().unzip();
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let msg = ControlMsg::Peer(PeerMsg::Grant { session, keys, reply });
+            if let Err(msg) = self.0.try_send_control_back(shard, msg) {
+                // The queue is full: wait for room off the runtime.
+                let shared = Arc::clone(&self.0);
+                tokio::task::spawn_blocking(move || {
+                    if !shared.send_control(shard, msg, SHARD_WAIT) {
+                        tracing::warn!(shard, "peering: a grant could not be queued for a shard (its control queue stayed full, or it stopped)");
+                    }
+                });
+            }
+            asked.push((at, answer));
+        }
+        Box::pin(async move {
+            let mut out = vec![None; count];
+            let until = tokio::time::Instant::now() + SHARD_WAIT;
+            for (at, answer) in asked {
+                // A shard that does not answer in time (or dropped the message) grants nothing.
+                if let Ok(Ok(hits)) = tokio::time::timeout_at(until, answer).await {
+                    for (i, hit) in at.into_iter().zip(hits) {
+                        out[i] = hit;
+                    }
                 }
             }
-        }
-        out
+            out
+        })
     }
 
     fn release(&self, holder: u64, slots: &[SlotRef]) {

@@ -211,11 +211,19 @@ impl Shared {
     /// As [`Shared::send_control`] without waiting: false (and the message dropped) when the
     /// queue is full.
     pub fn try_send_control(&self, shard: usize, msg: ControlMsg) -> bool {
-        let sent = self.shard_tx[shard].try_send(msg).is_ok();
-        if sent {
-            self.doorbells.ring(shard);
+        self.try_send_control_back(shard, msg).is_ok()
+    }
+
+    /// As [`Shared::try_send_control`], giving the message back when the queue is full or the
+    /// shard is gone.
+    pub fn try_send_control_back(&self, shard: usize, msg: ControlMsg) -> Result<(), ControlMsg> {
+        match self.shard_tx[shard].try_send(msg) {
+            Ok(()) => {
+                self.doorbells.ring(shard);
+                Ok(())
+            }
+            Err(e) => Err(e.into_inner()),
         }
-        sent
     }
 
     /// Queues a control message for `shard` and wakes it; false if the queue stayed full for
