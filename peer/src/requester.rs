@@ -387,34 +387,38 @@ impl Requester {
             }
         };
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
-        // The chunks go to the shards as they land (TE says which have), so a shard checks
-        // the checksums of those while the rest are on the wire.
+        // The chunks go to the shards as they land (TE says which have), handed by the thread
+        // that sees them land, so a shard checks the checksums of those while the rest are on
+        // the wire and takes the last one without waiting for this runtime.
         let with_range: Vec<usize> = (0..fetches.len()).filter(|&i| read[i]).collect();
-        let mut landed = vec![false; fetches.len()];
-        let (tx, mut progress) = mpsc::unbounded_channel::<usize>();
+        let in_order: Vec<Fetch> = with_range.iter().map(|&i| fetches[i]).collect();
         let (te, segment) = (self.te.clone(), reply.segment.clone());
+        let local = Arc::clone(&self.cfg.node);
         let job = tokio::task::spawn_blocking(move || {
             let reading = Instant::now();
+            let (mut handed, mut handoff) = (0, Duration::ZERO);
             // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
             fail::fail_point!("peer-te-read", |_| {
-                (Err("failpoint peer-te-read".to_owned()), reading.elapsed())
+                (Err("failpoint peer-te-read".to_owned()), reading.elapsed(), handed, handoff)
             });
             let moved = te.read_streaming(&segment, &ranges, &mut |n| {
-                let _ = tx.send(n);
+                let handing = Instant::now();
+                for &f in &in_order[handed..n] {
+                    if !local.fetched_now(f, true) {
+                        local.fetched(f, true);
+                    }
+                }
+                handed = n;
+                handoff += handing.elapsed();
             });
-            (moved, reading.elapsed())
+            (moved, reading.elapsed(), handed, handoff)
         });
-        let mut handed = 0;
-        while let Some(mut n) = progress.recv().await {
-            while let Ok(more) = progress.try_recv() {
-                n = more;
-            }
-            with_range[handed..n].iter().for_each(|&i| landed[i] = true);
-            self.hand(fetches, &with_range[handed..n], &landed, took).await;
-            handed = n;
-        }
-        let (moved, reading) = job.await.expect("Transfer Engine reads do not panic");
+        let (moved, reading, handed, handoff) =
+            job.await.expect("Transfer Engine reads do not panic");
         took.te_read += reading;
+        took.handoff += handoff;
+        let mut landed = vec![false; fetches.len()];
+        with_range[..handed].iter().for_each(|&i| landed[i] = true);
         let failure = moved.err();
         // What did not land (the read failed): misses.
         self.hand(fetches, &with_range[handed..], &landed, took).await;

@@ -27,6 +27,10 @@ const MAX_BATCH: usize = 1024;
 /// transfer of it: given up earlier, its slots could be reused while a late transfer still
 /// writes into them).
 const SLOW_BATCH_WARNING: Duration = Duration::from_secs(30);
+/// How long after a batch's start or its last transfer's end its status is polled without
+/// sleeping (the thread yields between polls): a transfer that lands is seen at once, not a
+/// sleep later. Past it, polls are 50 us apart.
+const POLL_HOT: Duration = Duration::from_millis(1);
 
 /// Why a TE call through the C API failed.
 #[derive(Debug, thiserror::Error)]
@@ -327,6 +331,7 @@ impl TransferEngine {
         let started = Instant::now();
         let mut warn_at = SLOW_BATCH_WARNING;
         let mut first_failure = None;
+        let mut progress = started;
         for index in 0..requests.len() {
             let mut spins = 0u32;
             loop {
@@ -369,12 +374,13 @@ impl TransferEngine {
                 spins += 1;
                 if spins < 256 {
                     std::hint::spin_loop();
-                } else if spins < 1024 {
+                } else if progress.elapsed() < POLL_HOT {
                     std::thread::yield_now();
                 } else {
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
+            progress = Instant::now();
         }
         self.free(batch);
         first_failure.map_or(Ok(()), Err)
