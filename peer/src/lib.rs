@@ -18,6 +18,7 @@
 #![deny(unsafe_code)]
 
 mod engine;
+mod hot;
 mod membership;
 mod node;
 mod owner;

@@ -15,6 +15,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::hot::{hot, HOT_FOR};
 use crate::rpc::peer_server::{Peer, PeerServer};
 use crate::rpc::{
     GrantReply, GrantRequest, Granted, InventoryRequest, InventoryUpdate, ReleaseReply,
@@ -434,7 +435,7 @@ impl Owner {
             h.id
         };
         let asking = std::time::Instant::now();
-        let hits = owner.cfg.node.grant(holder, &keys).await;
+        let hits = hot(owner.cfg.node.grant(holder, &keys), HOT_FOR).await;
         let shards_took = asking.elapsed();
         let (chunks, undo) = owner.record_grants(&r, &keys, hits);
         if !undo.is_empty() {

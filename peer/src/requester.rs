@@ -15,6 +15,7 @@ use orbitkv_proto::ChunkKey;
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::hot::{hot, HOT_FOR};
 use crate::rpc::peer_client::PeerClient;
 use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
 use crate::{Chunk, Cluster, Engine, Fetch, Member, PeeringConfig, State};
@@ -368,7 +369,8 @@ impl Requester {
             request_id,
         };
         let granting = Instant::now();
-        let reply = match tokio::time::timeout(CALL_TIMEOUT, client.grant(request)).await {
+        let answer = tokio::time::timeout(CALL_TIMEOUT, client.grant(request));
+        let reply = match hot(answer, HOT_FOR).await {
             Ok(Ok(r)) => r.into_inner(),
             Ok(Err(s)) => return Err(format!("grant: {}", s.message())),
             Err(_) => {
