@@ -18,6 +18,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::hot::{hot, HOT_FOR};
 use crate::rpc::peer_client::PeerClient;
 use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
+use crate::te_c::POLL_HOT;
 use crate::{Chunk, Cluster, Engine, Fetch, Member, PeeringConfig, State};
 
 /// How often the members are compared with the subscriptions.
@@ -389,36 +390,13 @@ impl Requester {
             }
         };
         self.cluster.update_peer(node, |v| v.grants_held += ids.len() as u64);
-        // The chunks go to the shards as they land (TE says which have), handed by the thread
-        // that sees them land, so a shard checks the checksums of those while the rest are on
-        // the wire and takes the last one without waiting for this runtime.
+        // The chunks go to the shards as they land (TE says which have), so a shard checks the
+        // checksums of those while the rest are on the wire.
         let with_range: Vec<usize> = (0..fetches.len()).filter(|&i| read[i]).collect();
         let in_order: Vec<Fetch> = with_range.iter().map(|&i| fetches[i]).collect();
-        let (te, segment) = (self.te.clone(), reply.segment.clone());
-        let local = Arc::clone(&self.cfg.node);
-        let job = tokio::task::spawn_blocking(move || {
-            let reading = Instant::now();
-            let (mut handed, mut handoff) = (0, Duration::ZERO);
-            // Tests: a read that fails (`return`) or crawls (`sleep(ms)`).
-            fail::fail_point!("peer-te-read", |_| {
-                (Err("failpoint peer-te-read".to_owned()), reading.elapsed(), handed, handoff)
-            });
-            let moved = te.read_streaming(&segment, &ranges, &mut |n| {
-                let handing = Instant::now();
-                for &f in &in_order[handed..n] {
-                    if !local.fetched_now(f, true) {
-                        local.fetched(f, true);
-                    }
-                }
-                handed = n;
-                handoff += handing.elapsed();
-            });
-            (moved, reading.elapsed(), handed, handoff)
-        });
-        let (moved, reading, handed, handoff) =
-            job.await.expect("Transfer Engine reads do not panic");
-        took.te_read += reading;
-        took.handoff += handoff;
+        let reading = Instant::now();
+        let (moved, handed) = self.te_read(&reply.segment, ranges, in_order, took).await;
+        took.te_read += reading.elapsed();
         let mut landed = vec![false; fetches.len()];
         with_range[..handed].iter().for_each(|&i| landed[i] = true);
         let failure = moved.err();
@@ -452,6 +430,90 @@ impl Requester {
             tracing::warn!(peer = %node, chunks = fetches.len(), error = %e, "peer read failed: what was not read is answered as misses");
         }
         Ok(landed)
+    }
+
+    /// Reads `ranges` of `segment` (the ranges of `in_order`'s fetches, in order), handing
+    /// each fetch to its shard as its chunk lands: the outcome, and how many (from the first)
+    /// were handed as read.
+    async fn te_read(
+        &self,
+        segment: &str,
+        ranges: Vec<(u64, u64, u64)>,
+        in_order: Vec<Fetch>,
+        took: &mut GroupTimes,
+    ) -> (Result<(), String>, usize) {
+        // Tests: a read that fails (`return`) or crawls first (`sleep(ms)`).
+        #[cfg(feature = "failpoints")]
+        {
+            let fail = tokio::task::spawn_blocking(|| {
+                fail::fail_point!("peer-te-read", |_| true);
+                false
+            });
+            if fail.await.unwrap_or(false) {
+                return (Err("failpoint peer-te-read".to_owned()), 0);
+            }
+        }
+        match &self.te {
+            Engine::C(te) => {
+                // On this runtime: TE moves the bytes on its own threads, and polling them
+                // here hands each landed chunk on at once, with no thread to wake.
+                if !te.is_open(segment) {
+                    let (te, peer) = (Arc::clone(te), segment.to_owned());
+                    let opened = tokio::task::spawn_blocking(move || te.open_segment(&peer));
+                    if let Err(e) = opened.await.expect("opening a segment does not panic") {
+                        return (Err(e.to_string()), 0);
+                    }
+                }
+                let mut t = match te.start_read(segment, &ranges) {
+                    Ok(t) => t,
+                    Err(e) => return (Err(e.to_string()), 0),
+                };
+                let (mut handed, mut ended, mut progress) = (0, 0, Instant::now());
+                let all = vec![true; in_order.len()];
+                loop {
+                    let over = t.poll();
+                    if t.landed() > handed {
+                        let landed: Vec<usize> = (handed..t.landed()).collect();
+                        self.hand(&in_order, &landed, &all, took).await;
+                        handed = t.landed();
+                    }
+                    if let Some(result) = over {
+                        return (result.map_err(|e| e.to_string()), handed);
+                    }
+                    if t.ended() > ended {
+                        (ended, progress) = (t.ended(), Instant::now());
+                    }
+                    if progress.elapsed() < POLL_HOT {
+                        tokio::task::yield_now().await;
+                    } else {
+                        tokio::time::sleep(Duration::from_micros(100)).await;
+                    }
+                }
+            }
+            #[cfg(feature = "te-python")]
+            Engine::Python(_) => {
+                let (te, segment) = (self.te.clone(), segment.to_owned());
+                let local = Arc::clone(&self.cfg.node);
+                let job = tokio::task::spawn_blocking(move || {
+                    let (mut handed, mut handoff) = (0, Duration::ZERO);
+                    let moved = te.read_streaming(&segment, &ranges, &mut |n| {
+                        let handing = Instant::now();
+                        for &f in &in_order[handed..n] {
+                            if !local.fetched_now(f, true) {
+                                local.fetched(f, true);
+                            }
+                        }
+                        handed = n;
+                        handoff += handing.elapsed();
+                    });
+                    (moved, handed, handoff)
+                });
+                let (moved, handed, handoff) =
+                    job.await.expect("Transfer Engine reads do not panic");
+                took.handoff += handoff;
+                (moved, handed)
+            }
+        }
     }
 
     /// Hands fetches `which` of `fetches` to their shards, read or not as `landed` says.

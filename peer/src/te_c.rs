@@ -30,7 +30,7 @@ const SLOW_BATCH_WARNING: Duration = Duration::from_secs(30);
 /// How long after a batch's start or its last transfer's end its status is polled without
 /// sleeping (the thread yields between polls): a transfer that lands is seen at once, not a
 /// sleep later. Past it, polls are 50 us apart.
-const POLL_HOT: Duration = Duration::from_millis(1);
+pub const POLL_HOT: Duration = Duration::from_millis(1);
 
 /// Why a TE call through the C API failed.
 #[derive(Debug, thiserror::Error)]
@@ -228,6 +228,8 @@ impl TransferEngine {
         self.transfer(sys::OPCODE_WRITE, peer, ranges, &mut |_| {})
     }
 
+    /// Waits for [`TransferEngine::start`]'s transfer (polling on this thread), calling
+    /// `done(n)` whenever the first `n` ranges have completed.
     fn transfer(
         &self,
         opcode: i32,
@@ -235,6 +237,41 @@ impl TransferEngine {
         ranges: &[(u64, u64, u64)],
         done: &mut dyn FnMut(usize),
     ) -> Result<(), TeCError> {
+        let mut t = self.start(opcode, peer, ranges)?;
+        let (mut landed, mut ended, mut spins, mut progress) = (0, 0, 0u32, Instant::now());
+        loop {
+            let over = t.poll();
+            if t.landed() > landed {
+                landed = t.landed();
+                done(landed);
+            }
+            if let Some(result) = over {
+                return result;
+            }
+            if t.ended() > ended {
+                (ended, spins, progress) = (t.ended(), 0, Instant::now());
+            }
+            spins += 1;
+            if spins < 256 {
+                std::hint::spin_loop();
+            } else if progress.elapsed() < POLL_HOT {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Starts moving `ranges` (`(local, remote, len)` each) from (`OPCODE_READ`) or to
+    /// (`OPCODE_WRITE`) `peer`'s memory; [`Transfer::poll`] follows it. Every local range must
+    /// lie in memory registered here (checked first). Opens the peer's segment if it is not
+    /// open (a handshake with the peer, which blocks: see [`TransferEngine::is_open`]).
+    fn start(
+        &self,
+        opcode: i32,
+        peer: &str,
+        ranges: &[(u64, u64, u64)],
+    ) -> Result<Transfer<'_>, TeCError> {
         {
             let registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
             let inside = |&(addr, len): &(u64, u64)| {
@@ -247,15 +284,45 @@ impl TransferEngine {
             }
         }
         let target = self.open(peer)?;
-        for (b, batch) in ranges.chunks(MAX_BATCH).enumerate() {
-            let before = b * MAX_BATCH;
-            if let Err(e) = self.batch(opcode, peer, target, batch, &mut |n| done(before + n)) {
-                // The peer may be gone or restarted: look it up afresh next time.
-                self.forget(peer, target);
-                return Err(e);
-            }
+        let mut t = Transfer {
+            engine: self,
+            opcode,
+            peer: peer.to_owned(),
+            target,
+            ranges: ranges.to_vec(),
+            batch: None,
+            ended: 0,
+            landed: 0,
+            failure: None,
+            started: Instant::now(),
+            warn_at: SLOW_BATCH_WARNING,
+        };
+        if let Err(e) = t.submit_next() {
+            self.forget(peer, target);
+            return Err(e);
         }
-        Ok(())
+        Ok(t)
+    }
+
+    /// Starts reading `ranges` of `peer`'s memory, `(local, remote, len)` each, as
+    /// [`TransferEngine::read_many`] does, without waiting: [`Transfer::poll`] follows it.
+    pub fn start_read(
+        &self,
+        peer: &str,
+        ranges: &[(u64, u64, u64)],
+    ) -> Result<Transfer<'_>, TeCError> {
+        self.start(sys::OPCODE_READ, peer, ranges)
+    }
+
+    /// Whether `peer`'s segment is open, so that [`TransferEngine::start_read`] does not
+    /// block.
+    pub fn is_open(&self, peer: &str) -> bool {
+        matches!(self.segments.lock().unwrap_or_else(|e| e.into_inner()).get(peer), Some(Some(_)))
+    }
+
+    /// Opens `peer`'s segment unless it is open (a handshake with the peer: blocks).
+    pub fn open_segment(&self, peer: &str) -> Result<(), TeCError> {
+        self.open(peer).map(|_| ())
     }
 
     /// The id of `peer`'s segment, opened once (and again, its description fetched afresh,
@@ -293,103 +360,173 @@ impl TransferEngine {
         }
     }
 
-    /// Submits one batch and waits until every transfer in it has ended, calling `done(n)`
-    /// each time the first `n` have completed (while none has failed).
-    fn batch(
-        &self,
-        opcode: i32,
-        peer: &str,
-        target: sys::segment_id_t,
-        ranges: &[(u64, u64, u64)],
-        done: &mut dyn FnMut(usize),
-    ) -> Result<(), TeCError> {
-        let mut requests: Vec<sys::transfer_request> = ranges
-            .iter()
-            .map(|&(local, remote, len)| sys::transfer_request {
-                opcode,
-                source: local as *mut c_void,
-                target_id: target,
-                target_offset: remote,
-                length: len,
-            })
-            .collect();
-        // SAFETY: a live engine.
-        let batch = unsafe { (self.api.allocateBatchID)(self.raw(), requests.len()) };
-        if batch == sys::INVALID_BATCH {
-            return Err(TeCError::Failed { what: "allocateBatchID", code: -1 });
-        }
-        // SAFETY: a live engine and batch of this size; `requests` is valid for the call (TE
-        // copies it); every local range lies in registered memory (checked by `transfer`).
-        let code = unsafe {
-            (self.api.submitTransfer)(self.raw(), batch, requests.as_mut_ptr(), requests.len())
-        };
-        if code != 0 {
-            self.free(batch);
-            return Err(TeCError::Failed { what: "submitTransfer", code: code.into() });
-        }
-        let bytes: u64 = ranges.iter().map(|r| r.2).sum();
-        let started = Instant::now();
-        let mut warn_at = SLOW_BATCH_WARNING;
-        let mut first_failure = None;
-        let mut progress = started;
-        for index in 0..requests.len() {
-            let mut spins = 0u32;
-            loop {
-                let mut status = sys::transfer_status::default();
-                // SAFETY: a live engine, a batch it gave and an index inside it; `status` is
-                // written by TE before it returns.
-                let code =
-                    unsafe { (self.api.getTransferStatus)(self.raw(), batch, index, &mut status) };
-                if code != 0 {
-                    // The batch is unknown to TE now: nothing of it can still run.
-                    return Err(TeCError::Failed { what: "getTransferStatus", code: code.into() });
-                }
-                match status.status {
-                    sys::STATUS_COMPLETED => {
-                        if first_failure.is_none() {
-                            done(index + 1);
-                        }
-                        break;
-                    }
-                    sys::STATUS_WAITING | sys::STATUS_PENDING => {}
-                    status => {
-                        first_failure.get_or_insert(TeCError::Transfer {
-                            peer: peer.to_owned(),
-                            index,
-                            status,
-                        });
-                        break;
-                    }
-                }
-                if started.elapsed() > warn_at {
-                    warn_at += SLOW_BATCH_WARNING;
-                    tracing::warn!(
-                        peer,
-                        bytes,
-                        waited_s = started.elapsed().as_secs(),
-                        "a Transfer Engine batch has not ended (its peer paused?); its local \
-                         slots stay reserved until it does"
-                    );
-                }
-                spins += 1;
-                if spins < 256 {
-                    std::hint::spin_loop();
-                } else if progress.elapsed() < POLL_HOT {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-            }
-            progress = Instant::now();
-        }
-        self.free(batch);
-        first_failure.map_or(Ok(()), Err)
-    }
-
     fn free(&self, batch: sys::batch_id_t) {
         // SAFETY: a live engine and a batch it gave whose transfers have all ended (or never
         // started).
         unsafe { (self.api.freeBatchID)(self.raw(), batch) };
+    }
+}
+
+/// A transfer under way ([`TransferEngine::start`]): its ranges go in batches of at most
+/// [`MAX_BATCH`], one after another; [`Transfer::poll`] checks them without blocking, and the
+/// transfer is over when it returns `Some`. Each batch is waited for until TE has ended every
+/// transfer of it (completed or failed), never given up (its memory could be written later).
+pub struct Transfer<'e> {
+    engine: &'e TransferEngine,
+    opcode: i32,
+    peer: String,
+    target: sys::segment_id_t,
+    ranges: Vec<(u64, u64, u64)>,
+    /// The batch under way: its id and first range.
+    batch: Option<(sys::batch_id_t, usize)>,
+    /// Ranges known to have ended (completed or failed), from the first.
+    ended: usize,
+    /// Ranges known to have completed, from the first, before any failure.
+    landed: usize,
+    failure: Option<TeCError>,
+    started: Instant,
+    warn_at: Duration,
+}
+
+impl std::fmt::Debug for Transfer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("peer", &self.peer)
+            .field("ranges", &self.ranges.len())
+            .field("ended", &self.ended)
+            .field("landed", &self.landed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Transfer<'_> {
+    /// The first this many ranges have landed (it only grows; after a failure it stops).
+    pub fn landed(&self) -> usize {
+        self.landed
+    }
+
+    /// The first this many ranges have ended, completed or failed.
+    pub fn ended(&self) -> usize {
+        self.ended
+    }
+
+    /// Checks the transfers without blocking (submitting the next batch when one is over):
+    /// `None` while some still move, else the outcome (an error names the first failure).
+    pub fn poll(&mut self) -> Option<Result<(), TeCError>> {
+        loop {
+            let (batch, first) = self.batch?;
+            let len = self.ranges.len().min(first + MAX_BATCH) - first;
+            while self.ended < first + len {
+                let mut status = sys::transfer_status::default();
+                // SAFETY: a live engine, a batch it gave and an index inside it; `status` is
+                // written by TE before it returns.
+                let code = unsafe {
+                    (self.engine.api.getTransferStatus)(
+                        self.engine.raw(),
+                        batch,
+                        self.ended - first,
+                        &mut status,
+                    )
+                };
+                if code != 0 {
+                    // The batch is unknown to TE now: nothing of it can still run.
+                    self.batch = None;
+                    return Some(self.over(Err(TeCError::Failed {
+                        what: "getTransferStatus",
+                        code: code.into(),
+                    })));
+                }
+                match status.status {
+                    sys::STATUS_COMPLETED => {
+                        if self.failure.is_none() {
+                            self.landed = self.ended + 1;
+                        }
+                    }
+                    sys::STATUS_WAITING | sys::STATUS_PENDING => {
+                        if self.started.elapsed() > self.warn_at {
+                            self.warn_at += SLOW_BATCH_WARNING;
+                            tracing::warn!(
+                                peer = %self.peer,
+                                bytes = self.ranges[first..first + len].iter().map(|r| r.2).sum::<u64>(),
+                                waited_s = self.started.elapsed().as_secs(),
+                                "a Transfer Engine batch has not ended (its peer paused?); its \
+                                 local slots stay reserved until it does"
+                            );
+                        }
+                        return None;
+                    }
+                    status => {
+                        self.failure.get_or_insert(TeCError::Transfer {
+                            peer: self.peer.clone(),
+                            index: self.ended,
+                            status,
+                        });
+                    }
+                }
+                self.ended += 1;
+            }
+            // Every transfer of the batch has ended.
+            self.engine.free(batch);
+            self.batch = None;
+            if self.failure.is_some() || self.ended == self.ranges.len() {
+                let result = self.failure.take().map_or(Ok(()), Err);
+                return Some(self.over(result));
+            }
+            if let Err(e) = self.submit_next() {
+                return Some(self.over(Err(e)));
+            }
+        }
+    }
+
+    /// The transfer is over with `result`: after a failure the peer's segment is looked up
+    /// afresh next time (the peer may be gone or restarted).
+    fn over(&self, result: Result<(), TeCError>) -> Result<(), TeCError> {
+        if result.is_err() {
+            self.engine.forget(&self.peer, self.target);
+        }
+        result
+    }
+
+    /// Submits the batch of ranges from `self.ended` on.
+    fn submit_next(&mut self) -> Result<(), TeCError> {
+        let first = self.ended;
+        let ranges = &self.ranges[first..self.ranges.len().min(first + MAX_BATCH)];
+        let mut requests: Vec<sys::transfer_request> = ranges
+            .iter()
+            .map(|&(local, remote, len)| sys::transfer_request {
+                opcode: self.opcode,
+                source: local as *mut c_void,
+                target_id: self.target,
+                target_offset: remote,
+                length: len,
+            })
+            .collect();
+        let (api, raw) = (&self.engine.api, self.engine.raw());
+        // SAFETY: a live engine.
+        let batch = unsafe { (api.allocateBatchID)(raw, requests.len()) };
+        if batch == sys::INVALID_BATCH {
+            return Err(TeCError::Failed { what: "allocateBatchID", code: -1 });
+        }
+        // SAFETY: a live engine and batch of this size; `requests` is valid for the call (TE
+        // copies it); every local range lies in registered memory (checked by `start`).
+        let code =
+            unsafe { (api.submitTransfer)(raw, batch, requests.as_mut_ptr(), requests.len()) };
+        if code != 0 {
+            self.engine.free(batch);
+            return Err(TeCError::Failed { what: "submitTransfer", code: code.into() });
+        }
+        self.batch = Some((batch, first));
+        Ok(())
+    }
+}
+
+impl Drop for Transfer<'_> {
+    fn drop(&mut self) {
+        if let Some((batch, _)) = self.batch {
+            // Dropped while transfers may still move (its task ended with the process): the
+            // batch is left to TE rather than freed under them.
+            tracing::warn!(peer = %self.peer, batch, "a Transfer Engine transfer dropped before it ended; its batch is not freed");
+        }
     }
 }
 
