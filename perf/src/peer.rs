@@ -65,6 +65,13 @@ pub(crate) struct PeerReport {
     pub te_gbps: f64,
     /// `remote_gbps / te_gbps`.
     pub ratio: f64,
+    /// Per lookup, the raw read's time of the same bytes (the batch after it) over the
+    /// lookup's: its quantiles (10th, 50th, 90th percentile), less moved by a stall of the
+    /// host in one batch than `ratio` is.
+    pub paired_ratio: [f64; 3],
+    /// Median time of one lookup, and of one raw read of the same bytes, in microseconds.
+    pub lookup_us_p50: f64,
+    pub te_batch_us_p50: f64,
     /// Single-chunk lookups on the requester, request to answer (bytes local).
     pub first_byte: Quantiles,
     /// Single-chunk raw Transfer Engine reads.
@@ -91,6 +98,12 @@ impl crate::report::Report for PeerReport {
         writeln!(out, "{:<26} {:>8.2}", "remote get (requester)", self.remote_gbps)?;
         writeln!(out, "{:<26} {:>8.2}", "raw Transfer Engine read", self.te_gbps)?;
         writeln!(out, "{:<26} {:>8.2}", "ratio", self.ratio)?;
+        let [p10, p50, p90] = self.paired_ratio;
+        writeln!(
+            out,
+            "per lookup: ratio p10 {p10:.2}  p50 {p50:.2}  p90 {p90:.2}; lookup p50 {:.0}us, raw read p50 {:.0}us",
+            self.lookup_us_p50, self.te_batch_us_p50
+        )?;
         let q = |q: &Quantiles| {
             format!("p50 {:.0}us  p99 {:.0}us  max {:.0}us", q.p50_us, q.p99_us, q.max_us)
         };
@@ -274,15 +287,19 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
         te_first_byte.record(raw.read(1)?);
     }
     let (mut spent, mut te_spent) = (Duration::ZERO, Duration::ZERO);
+    let mut pairs = Vec::new();
     for (b, part) in rest.chunks(a.batch as usize).enumerate() {
         let t = Instant::now();
         let leases =
             get.lookup_leased(part).map_err(|source| Error::Client { client: 1, source })?;
-        spent += t.elapsed();
+        let remote = t.elapsed();
+        spent += remote;
         let first = samples.len() as u64 + (b * a.batch as usize) as u64;
         check.leases(&mut get, &leases, first)?;
         check.missed += (part.len() - leases.len()) as u64;
-        te_spent += raw.read(part.len() as u64)?;
+        let te = raw.read(part.len() as u64)?;
+        te_spent += te;
+        pairs.push((remote, te));
     }
     raw.verify()?;
     let bytes = a.chunks as u64 * a.chunk_size;
@@ -297,12 +314,35 @@ pub(crate) fn run(a: &PeerArgs) -> Result<PeerReport, Error> {
         remote_gbps,
         te_gbps,
         ratio: if te_gbps > 0.0 { remote_gbps / te_gbps } else { 0.0 },
+        paired_ratio: paired(&pairs),
+        lookup_us_p50: median_us(pairs.iter().map(|p| p.0)),
+        te_batch_us_p50: median_us(pairs.iter().map(|p| p.1)),
         first_byte: (&first_byte).into(),
         te_first_byte: (&te_first_byte).into(),
         verified_chunks: check.verified,
         wrong_chunks: check.wrong,
         missed_chunks: check.missed,
     })
+}
+
+/// The 10th, 50th and 90th percentile of `te / remote` over `(remote, te)` pairs (0 without
+/// pairs).
+fn paired(pairs: &[(Duration, Duration)]) -> [f64; 3] {
+    let mut r: Vec<f64> = pairs
+        .iter()
+        .map(|(remote, te)| te.as_secs_f64() / remote.as_secs_f64().max(1e-9))
+        .collect();
+    r.sort_by(f64::total_cmp);
+    let at =
+        |q: f64| r.get(((r.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or(0.0);
+    [at(0.1), at(0.5), at(0.9)]
+}
+
+/// The median of `d` in microseconds (0 when empty).
+fn median_us(d: impl Iterator<Item = Duration>) -> f64 {
+    let mut v: Vec<f64> = d.map(|d| d.as_secs_f64() * 1e6).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Checks what the requester answered against the bytes put.
@@ -461,6 +501,20 @@ mod tests {
         .contains("1 GiB"));
         assert!(why(|a| a.latency_samples = 20_000).contains("--latency-samples"));
         assert!(check(&args()).is_ok());
+    }
+
+    #[test]
+    fn paired_ratios_are_quantiles_of_raw_over_remote_time() {
+        let ms = Duration::from_millis;
+        assert_eq!(paired(&[]), [0.0; 3]);
+        assert_eq!(paired(&[(ms(4), ms(2))]), [0.5; 3]);
+        // Ten lookups: nine at 0.8 of the raw read's pace, one stalled.
+        let mut pairs = vec![(ms(5), ms(4)); 9];
+        pairs.push((ms(400), ms(4)));
+        let [p10, p50, p90] = paired(&pairs);
+        assert!((p50 - 0.8).abs() < 1e-9 && (p90 - 0.8).abs() < 1e-9, "{p50} {p90}");
+        assert!((p10 - 0.8).abs() < 1e-9, "the stall is below the 10th percentile: {p10}");
+        assert_eq!(median_us([ms(1), ms(3), ms(2)].into_iter()), 2000.0);
     }
 
     #[test]

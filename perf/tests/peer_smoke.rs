@@ -53,9 +53,13 @@ fn peer_reads_are_verified_peer_hits_with_a_raw_baseline() {
     assert_eq!(num(&v, &["wrong_chunks"]), 0.0, "{v}");
     assert_eq!(num(&v, &["missed_chunks"]), 0.0, "{v}");
     assert_eq!(num(&v, &["first_byte", "samples"]), 4.0, "{v}");
-    for key in ["remote_gbps", "te_gbps", "ratio"] {
+    for key in ["remote_gbps", "te_gbps", "ratio", "lookup_us_p50", "te_batch_us_p50"] {
         assert!(num(&v, &[key]) > 0.0, "{key}: {v}");
     }
+    let paired: Vec<f64> =
+        v["paired_ratio"].as_array().unwrap().iter().map(|r| r.as_f64().unwrap()).collect();
+    assert!(paired.len() == 3 && paired[0] > 0.0, "{v}");
+    assert!(paired[0] <= paired[1] && paired[1] <= paired[2], "p10 <= p50 <= p90: {v}");
     assert_eq!(b.shard_sum("peer_reads"), 28);
 
     // A socket that is no peering member is named.
