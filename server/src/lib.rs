@@ -75,9 +75,36 @@ pub fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(&e.to_string()),
     };
+    #[cfg(feature = "te-python")]
+    if !settings.config.etcd.is_empty() && settings.config.te_library.is_none() {
+        wheel_waits_for_every_transfer();
+    }
     match run(settings) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e.to_string()),
+    }
+}
+
+/// The wheel's engine (the `te-python` route) gives up on a batch after `MC_TRANSFER_TIMEOUT`
+/// seconds (30 unless set) while its transfers may still run: under an owner that is paused,
+/// not dead, a read given up so could land after its slots were freed. As on the C route, a
+/// batch is waited for until TE has ended every transfer of it (completed or failed): the
+/// wheel reads the variable when its engine is made, so it is set here to the largest value
+/// it takes (about 68 years), replacing any other.
+#[cfg(feature = "te-python")]
+fn wheel_waits_for_every_transfer() {
+    const FOREVER: &str = "2147483647";
+    let was = std::env::var("MC_TRANSFER_TIMEOUT").ok();
+    if was.as_deref() != Some(FOREVER) {
+        if let Some(was) = was {
+            tracing::info!(
+                was = %was,
+                "MC_TRANSFER_TIMEOUT replaced: peer reads wait until the Transfer Engine ends them"
+            );
+        }
+        // Called from `main` before the server starts any thread: nothing reads the
+        // environment meanwhile.
+        std::env::set_var("MC_TRANSFER_TIMEOUT", FOREVER);
     }
 }
 

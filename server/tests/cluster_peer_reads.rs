@@ -26,12 +26,27 @@ const LEN: usize = 64 << 10;
 const BIG: usize = 1 << 20;
 
 fn member(etcd: &Etcd, node: &str, port: u16, extra: &[&str]) -> TestServer {
+    member_env(etcd, node, port, extra, &[])
+}
+
+/// As [`member`], with environment variables `env`; `extra` may replace the lease TTL.
+fn member_env(
+    etcd: &Etcd,
+    node: &str,
+    port: u16,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> TestServer {
     let mut args = etcd.member_args("reads", node, port);
+    if extra.contains(&"--cluster-lease-ttl") {
+        let at = args.iter().position(|a| a == "--cluster-lease-ttl").unwrap();
+        args.drain(at..at + 2);
+    }
     if !extra.contains(&"--dram") {
         args.extend(["--dram".into(), "64MiB".into()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    TestServer::start_env(env, &args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 /// Whether the servers have a Transfer Engine; if not, says the test is skipped.
@@ -358,6 +373,48 @@ fn an_owner_paused_while_read_gives_right_bytes_and_holds_nothing() {
     until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
     until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
     // What b holds now is a's bytes, read again from its DRAM.
+    assert_held_locally_right(&b, &prefixes);
+}
+
+/// The wheel's engine gives up on a read after `MC_TRANSFER_TIMEOUT` seconds (5 at least)
+/// unless the server sets it: `b` is started with 5 and `a` stopped for longer while `b`
+/// reads from it. No Transfer Engine read is given up (they wait for `a`; only grants asked
+/// during the pause time out, as misses), and nothing stays held or wrong. Through the C API
+/// reads wait regardless.
+#[test]
+fn reads_wait_for_a_paused_owner_past_the_wheels_own_timeout() {
+    if !have_te() {
+        return;
+    }
+    let etcd = Etcd::start();
+    let ttl = ["--cluster-lease-ttl", "30s"];
+    let a = member(&etcd, "a", 7451, &[&ttl[..], &["--shards", "1", "--dram", "512MiB"]].concat());
+    let b = member_env(
+        &etcd,
+        "b",
+        7452,
+        &[&ttl[..], &["--shards", "1", "--dram", "512MiB"]].concat(),
+        &[("MC_TRANSFER_TIMEOUT", "5")],
+    );
+    let (_ca, prefixes) = big_prefixes(&a, &b, 4000);
+
+    let reader = read_in_background(&b, &prefixes);
+    let mid_read = until_reading(&b);
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(6500));
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let found: usize = reader.join().unwrap().iter().sum();
+    eprintln!("paused mid-read: {mid_read}; chunks found: {found} of 384");
+    let log = b.log();
+    assert!(
+        !log.contains("what was not read is answered as misses"),
+        "a Transfer Engine read was given up under the paused owner:\n{log}"
+    );
+    b.wait_for("nothing held on b", |b| {
+        b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0
+    });
+    until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
+    until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
     assert_held_locally_right(&b, &prefixes);
 }
 
