@@ -11,6 +11,16 @@ use crate::te_c;
 #[cfg(feature = "te-python")]
 const PIECE_BYTES: u64 = 4 << 20;
 
+/// The host's RDMA devices as the kernel lists them (`/sys/class/infiniband`), which TE's
+/// topology discovery looks among.
+fn rdma_devices() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 /// This process's Transfer Engine.
 #[derive(Clone, Debug)]
 pub enum Engine {
@@ -22,13 +32,28 @@ pub enum Engine {
 }
 
 impl Engine {
-    /// Starts the engine on `host` over TCP: from `library` when given, else the wheel's in
-    /// builds with `te-python`, else none.
-    pub fn start(host: &str, library: Option<&Path>) -> Result<Option<Engine>, String> {
+    /// Starts the engine on `host`: from `library` when given, moving bytes with `transport`,
+    /// else the wheel's in builds with `te-python` (TCP), else none.
+    pub fn start(
+        host: &str,
+        library: Option<&Path>,
+        transport: te_c::TeTransport,
+    ) -> Result<Option<Engine>, String> {
         if let Some(library) = library {
             let named = |e: te_c::TeCError| format!("--te-library: {e}");
             let api = te_c::load(library).map_err(named)?;
-            let engine = te_c::TransferEngine::new(api, host, "tcp").map_err(named)?;
+            let engine = te_c::TransferEngine::new(api, host, transport).map_err(named)?;
+            let devices = rdma_devices();
+            tracing::info!(
+                library = %library.display(),
+                transport = transport.as_str(),
+                rdma_devices = ?devices,
+                "Transfer Engine started through its C API ({})",
+                match (transport, devices.is_empty(), std::env::var_os("MC_FORCE_TCP")) {
+                    (te_c::TeTransport::Auto, false, None) => "RDMA over the devices TE discovers",
+                    _ => "TCP",
+                }
+            );
             return Ok(Some(Engine::C(Arc::new(engine))));
         }
         #[cfg(feature = "te-python")]

@@ -37,6 +37,8 @@ pub struct ClusterConfig {
     /// A Transfer Engine build's shared library to use through its C API; none: the wheel's
     /// engine in builds with `te-python`, else no peering.
     pub te_library: Option<std::path::PathBuf>,
+    /// The transports of the engine of `te_library`.
+    pub te_transport: crate::TeTransport,
     /// Cores for the peer thread, its blocking pool and the Transfer Engine's threads (the
     /// server gives the allowed cores after its pinned shards'); empty: wherever the process
     /// may run.
@@ -178,10 +180,12 @@ impl Cluster {
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| JoinError::Bind { addr: cfg.peer_addr, source })?;
         // Made on a thread on the peer cores: the engine's own threads inherit them.
-        let (host, library) = (cfg.peer_addr.ip().to_string(), cfg.te_library.clone());
-        let te = on_cores(&cfg.cpus, move || crate::Engine::start(&host, library.as_deref()))
-            .map_err(JoinError::Thread)?
-            .map_err(JoinError::TransferEngine)?;
+        let (host, library, transport) =
+            (cfg.peer_addr.ip().to_string(), cfg.te_library.clone(), cfg.te_transport);
+        let te =
+            on_cores(&cfg.cpus, move || crate::Engine::start(&host, library.as_deref(), transport))
+                .map_err(JoinError::Thread)?
+                .map_err(JoinError::TransferEngine)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

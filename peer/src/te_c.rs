@@ -120,17 +120,55 @@ impl std::fmt::Debug for TransferEngine {
     }
 }
 
+/// The transports an engine moves bytes with (`--te-transport`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum TeTransport {
+    /// TE's own choice from the host's devices (its topology discovery): its RDMA transport
+    /// over the RDMA devices it finds, TCP on a host without any.
+    #[default]
+    Auto,
+    /// TCP only, whatever devices the host has.
+    Tcp,
+}
+
+impl TeTransport {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TeTransport::Auto => "auto",
+            TeTransport::Tcp => "tcp",
+        }
+    }
+}
+
 impl TransferEngine {
-    /// Starts an engine reachable at `host` (its RPC port chosen by TE) with the transport
-    /// `protocol` installed without arguments (`tcp`, what peering uses; others TE knows are
-    /// passed through, untested here).
-    pub fn new(api: Arc<sys::Api>, host: &str, protocol: &str) -> Result<Self, TeCError> {
-        let (metadata, host_c, proto) =
-            (cstring("P2PHANDSHAKE")?, cstring(host)?, cstring(protocol)?);
+    /// Starts an engine reachable at `host` (its RPC port chosen by TE) moving bytes with
+    /// `transport`.
+    pub fn new(api: Arc<sys::Api>, host: &str, transport: TeTransport) -> Result<Self, TeCError> {
+        let (metadata, host_c) = (cstring("P2PHANDSHAKE")?, cstring(host)?);
+        let discover = i32::from(transport == TeTransport::Auto);
         // SAFETY: the strings are NUL-terminated and outlive the call (TE copies them); port 0
-        // lets TE pick its RPC port; no topology discovery (the transport is installed below).
+        // lets TE pick its RPC port; with discovery TE installs its transports itself, without
+        // it none (TCP is installed below).
         let raw = unsafe {
-            (api.createTransferEngine)(metadata.as_ptr(), host_c.as_ptr(), host_c.as_ptr(), 0, 0)
+            (api.createTransferEngine)(
+                metadata.as_ptr(),
+                host_c.as_ptr(),
+                host_c.as_ptr(),
+                0,
+                discover,
+            )
         };
         let engine =
             NonNull::new(raw).ok_or(TeCError::Failed { what: "createTransferEngine", code: 0 })?;
@@ -141,13 +179,16 @@ impl TransferEngine {
             registered: Mutex::new(Vec::new()),
             segments: Mutex::new(HashMap::new()),
         };
-        // SAFETY: a live engine; `proto` is NUL-terminated; a null argument list is what TE's
-        // TCP transport takes (it has no arguments).
-        let transport = unsafe {
-            (this.api.installTransport)(this.raw(), proto.as_ptr(), std::ptr::null_mut())
-        };
-        if transport.is_null() {
-            return Err(TeCError::Failed { what: "installTransport", code: 0 });
+        if transport == TeTransport::Tcp {
+            let tcp = cstring("tcp")?;
+            // SAFETY: a live engine; `tcp` is NUL-terminated; a null argument list is what
+            // TE's TCP transport takes (it has no arguments).
+            let installed = unsafe {
+                (this.api.installTransport)(this.raw(), tcp.as_ptr(), std::ptr::null_mut())
+            };
+            if installed.is_null() {
+                return Err(TeCError::Failed { what: "installTransport", code: 0 });
+            }
         }
         let mut buf = [0u8; 256];
         // SAFETY: a live engine; TE writes at most `buf.len()` bytes, NUL-terminated.

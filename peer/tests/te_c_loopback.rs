@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{assert_scattered, pattern, scattered, Mapping, MIB, PIECE};
-use orbitkv_peer::te_c::{self, TeCError, TransferEngine};
+use orbitkv_peer::te_c::{self, TeCError, TeTransport, TransferEngine};
 
 fn library() -> Option<PathBuf> {
     match std::env::var_os("ORBITKV_TE_LIBRARY") {
@@ -44,8 +44,10 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     let (mut a_mem, mut b_mem) = (Mapping::new(64 * MIB), Mapping::new(64 * MIB));
     let want = pattern(64 * MIB, 7);
     a_mem.bytes().copy_from_slice(&want);
-    let a = TransferEngine::new(Arc::clone(&api), "127.0.0.1", "tcp").unwrap();
-    let b = TransferEngine::new(Arc::clone(&api), "127.0.0.1", "tcp").unwrap();
+    // One engine with TE's own choice of transport (TCP on a host without RDMA devices), one
+    // with TCP asked for.
+    let a = TransferEngine::new(Arc::clone(&api), "127.0.0.1", TeTransport::Auto).unwrap();
+    let b = TransferEngine::new(Arc::clone(&api), "127.0.0.1", TeTransport::Tcp).unwrap();
     assert_ne!(a.segment(), b.segment());
     a.register(a_mem.addr(), 64 * MIB as u64).unwrap();
     b.register(b_mem.addr(), 64 * MIB as u64).unwrap();
@@ -98,7 +100,7 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     assert!(b_mem.bytes()[..48 * MIB] == a_mem.bytes()[MIB..49 * MIB], "the re-read differs");
 
     // A peer that is gone: an error at once.
-    let c = TransferEngine::new(Arc::clone(&api), "127.0.0.1", "tcp").unwrap();
+    let c = TransferEngine::new(Arc::clone(&api), "127.0.0.1", TeTransport::Auto).unwrap();
     let gone = c.segment().to_string();
     drop(c);
     let err = b.read_many(&gone, &[(b_mem.addr(), 0, 4096)]).unwrap_err();
@@ -115,7 +117,7 @@ fn the_c_and_the_python_routes_read_each_other() {
     let (c_data, py_data) = (pattern(16 * MIB, 3), pattern(16 * MIB, 5));
     c_mem.bytes().copy_from_slice(&c_data);
     py_mem.bytes().copy_from_slice(&py_data);
-    let c = TransferEngine::new(api, "127.0.0.1", "tcp").unwrap();
+    let c = TransferEngine::new(api, "127.0.0.1", TeTransport::Auto).unwrap();
     let py = orbitkv_peer::te::TransferEngine::new("127.0.0.1", "tcp").unwrap();
     c.register(c_mem.addr(), 16 * MIB as u64).unwrap();
     py.register(py_mem.addr(), 16 * MIB as u64).unwrap();

@@ -21,7 +21,8 @@ SHARDS=${SHARDS:-1}
 DRAM=${DRAM:-2GiB}
 TE_ARGS=()
 if [ -n "${TE_LIBRARY:-}" ]; then
-  TE_ARGS=(--te-library "$TE_LIBRARY")
+  # TE_TRANSPORT (auto or tcp, default auto): the engines' --te-transport.
+  TE_ARGS=(--te-library "$TE_LIBRARY" --te-transport "${TE_TRANSPORT:-auto}")
 else
   # TE_SITE: a directory the wheel was installed into (`pip install --target`), not a venv.
   PYTHONPATH=${TE_SITE:-$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')}

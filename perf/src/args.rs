@@ -511,6 +511,11 @@ pub(crate) struct PeerArgs {
     /// the Managers' `--te-library`); default: the wheel's engine (builds with `te-python`).
     #[arg(long, value_name = "PATH")]
     pub te_library: Option<PathBuf>,
+    /// The transports of the baseline's `--te-library` engines, as the Managers'
+    /// `--te-transport`: auto (TE's choice: RDMA over the RDMA devices it finds, else TCP) or
+    /// tcp.
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = orbitkv_peer::TeTransport::Auto)]
+    pub te_transport: orbitkv_peer::TeTransport,
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -137,6 +137,12 @@ fn check(a: &PeerArgs) -> Result<(), Error> {
     if a.chunks == 0 || a.chunks > 65_536 {
         return Err(invalid("--chunks", format!("must be 1 to 65536, not {}", a.chunks)));
     }
+    if a.te_library.is_none() && a.te_transport != orbitkv_peer::TeTransport::Auto {
+        return Err(invalid(
+            "--te-transport",
+            "chooses the transports of --te-library engines: give --te-library too",
+        ));
+    }
     if a.batch == 0 || a.batch > 1024 {
         return Err(invalid("--batch", format!("must be 1 to 1024, not {}", a.batch)));
     }
@@ -393,14 +399,16 @@ mod te {
     /// An engine on the route the Managers use: the C API of the TE build named by
     /// `--te-library`, else the wheel's (builds with `te-python`).
     fn engine(a: &PeerArgs) -> Result<Engine, Error> {
-        Engine::start("127.0.0.1", a.te_library.as_deref()).map_err(te_err)?.ok_or_else(|| {
-            Error::Setup(
-                "no Transfer Engine: give --te-library (a TE build's C API library), or build \
+        Engine::start("127.0.0.1", a.te_library.as_deref(), a.te_transport)
+            .map_err(te_err)?
+            .ok_or_else(|| {
+                Error::Setup(
+                    "no Transfer Engine: give --te-library (a TE build's C API library), or build \
                  orbitkv-perf with `--features te-python` (and PYO3_PYTHON naming a Python with \
                  the pinned Mooncake wheel)"
-                    .into(),
-            )
-        })
+                        .into(),
+                )
+            })
     }
 
     /// Two engines of this process on loopback TCP, one batch of buffer each side.
@@ -478,6 +486,7 @@ mod tests {
             batch: 32,
             latency_samples: 100,
             te_library: None,
+            te_transport: orbitkv_peer::TeTransport::Auto,
             json: false,
         }
     }
@@ -500,6 +509,7 @@ mod tests {
         })
         .contains("1 GiB"));
         assert!(why(|a| a.latency_samples = 20_000).contains("--latency-samples"));
+        assert!(why(|a| a.te_transport = orbitkv_peer::TeTransport::Tcp).contains("--te-transport"));
         assert!(check(&args()).is_ok());
     }
 

@@ -11,6 +11,7 @@ use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches, Parser};
 use orbitkv_gpu::dma::Strategy;
 use orbitkv_gpu::GpuMode;
+use orbitkv_peer::TeTransport;
 use orbitkv_proto::default_socket_path;
 use orbitkv_shards::NamespaceQuota;
 use serde::{Deserialize, Serialize};
@@ -106,6 +107,12 @@ pub struct ServerConfig {
     #[arg(long, value_name = "PATH")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub te_library: Option<PathBuf>,
+    /// Cluster mode with `--te-library`: the engine's transports: auto (TE's choice from the
+    /// host's devices: RDMA over the RDMA devices it finds, TCP on a host without any) or tcp.
+    /// Default: auto.
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = TeTransport::Auto,
+          hide_default_value = true, hide_possible_values = true)]
+    pub te_transport: TeTransport,
     /// Shard executors, one pinned core each; 0 = one per CPU minus one (left for the
     /// engines, control and DMA threads), at least 1. Default: 0.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
@@ -683,12 +690,20 @@ impl ServerConfig {
                 ("--node-id", self.node_id.is_some()),
                 ("--peer-addr", self.peer_addr.is_some()),
                 ("--te-library", self.te_library.is_some()),
+                ("--te-transport", self.te_transport != TeTransport::default()),
             ] {
                 if set {
                     return Err(invalid(flag, "is for cluster mode: give --etcd too"));
                 }
             }
             return Ok(None);
+        }
+        if self.te_library.is_none() && self.te_transport != TeTransport::default() {
+            return Err(invalid(
+                "--te-transport",
+                "chooses the transports of a --te-library engine: give --te-library too (the \
+                 wheel's engine moves bytes over TCP)",
+            ));
         }
         if let Some(bad) =
             self.etcd.iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
@@ -721,6 +736,7 @@ impl ServerConfig {
             shards,
             lease_ttl: ttl,
             te_library: self.te_library.clone(),
+            te_transport: self.te_transport,
             // Given at start, once the shards' cores are known.
             cpus: Vec::new(),
         }))

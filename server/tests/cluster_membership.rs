@@ -123,6 +123,19 @@ fn cluster_flags_are_checked() {
         (vec!["--peer-catalog-entries", "0"], "--peer-catalog-entries"),
         (vec!["--peer-max-grants", "0"], "--peer-max-grants"),
         (vec!["--te-library", "libtransfer_engine.so"], "--te-library"),
+        (vec!["--te-transport", "tcp"], "--te-transport"),
+        (
+            vec![
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--peer-addr",
+                "127.0.0.1:1",
+                "--te-transport",
+                "tcp",
+            ],
+            "--te-transport",
+        ),
+        (vec!["--te-transport", "rdma"], "--te-transport"),
     ] {
         let out = Command::new(server_bin())
             .args(["--socket", "/tmp/okv-cluster-flags.sock", "--dram", "16MiB"])
