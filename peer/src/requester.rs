@@ -483,10 +483,12 @@ impl Requester {
                     if t.ended() > ended {
                         (ended, progress) = (t.ended(), Instant::now());
                     }
+                    // Polled without sleeping for a while after each transfer ends, then on
+                    // the runtime's timer (1 ms apart: a slow read).
                     if progress.elapsed() < POLL_HOT {
                         tokio::task::yield_now().await;
                     } else {
-                        tokio::time::sleep(Duration::from_micros(100)).await;
+                        tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                 }
             }

@@ -2,7 +2,7 @@
 //! wheel's Python API by an embedded interpreter (feature `te-python`): the route a machine
 //! without a TE build of its own (CI) can run. One engine per process serves its registered
 //! memory to peers and reads or writes theirs; over TCP here (`P2PHANDSHAKE`: peers find each
-//! other by `host:rpc_port`, no metadata server); TE's RDMA transport is not used yet.
+//! other by `host:rpc_port`, no metadata server); this route uses TCP only.
 //!
 //! Limits of the wheel, measured: TCP queues at most 1024 transfers per peer (batches are cut
 //! to that), its listening ports bind every interface with no authentication (firewall them on

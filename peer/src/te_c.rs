@@ -29,7 +29,8 @@ const MAX_BATCH: usize = 1024;
 const SLOW_BATCH_WARNING: Duration = Duration::from_secs(30);
 /// How long after a batch's start or its last transfer's end its status is polled without
 /// sleeping (the thread yields between polls): a transfer that lands is seen at once, not a
-/// sleep later. Past it, polls are 50 us apart.
+/// sleep later. Past it, a thread waiting for a transfer polls every 50 us (the peer
+/// thread's runtime, on its timer, every 1 ms).
 pub const POLL_HOT: Duration = Duration::from_millis(1);
 
 /// Why a TE call through the C API failed.

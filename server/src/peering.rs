@@ -56,7 +56,11 @@ impl PeerMsg {
                 let _ = reply.send((d.deltas, d.overflowed));
             }
             PeerMsg::Grant { session, keys, reply } => {
-                let _ = reply.send(core.lease_for_peer(session, &keys));
+                if let Err(hits) = reply.send(core.lease_for_peer(session, &keys)) {
+                    // Nobody waits for the answer any more (the peer thread gave up on this
+                    // shard): what it leased goes back at once.
+                    core.return_peer_leases(session, &keys, &hits);
+                }
             }
             PeerMsg::Release { session, slots } => {
                 core.apply(orbitkv_shards::ShardOp::Release { session, slots });

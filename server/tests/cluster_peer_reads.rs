@@ -359,21 +359,41 @@ fn an_owner_paused_while_read_gives_right_bytes_and_holds_nothing() {
     let b = member(&etcd, "b", 7442, &["--shards", "2", "--dram", "512MiB"]);
     let (_ca, prefixes) = big_prefixes(&a, &b, 3000);
 
-    let reader = read_in_background(&b, &prefixes);
     // Stop `a` once b reads from it, for a second.
-    let mid_read = until_reading(&b);
+    pause_owner_while_read(&a, &b, &prefixes, Duration::from_secs(1));
+    assert_nothing_held_and_right(&a, &b, &prefixes);
+}
+
+/// Reads `prefixes` on `b` in the background and stops `a` for `pause` once `b` reads from
+/// it (if the reads are not over first), then waits for the reads.
+fn pause_owner_while_read(
+    a: &TestServer,
+    b: &TestServer,
+    prefixes: &[Vec<orbitkv_proto::ChunkKey>],
+    pause: Duration,
+) {
+    let reader = read_in_background(b, prefixes);
+    let mid_read = until_reading(b);
     a.signal(nix::sys::signal::Signal::SIGSTOP);
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(pause);
     a.signal(nix::sys::signal::Signal::SIGCONT);
     let found: usize = reader.join().unwrap().iter().sum();
     eprintln!("paused mid-read: {mid_read}; chunks found: {found} of 384");
+}
+
+/// After reads of `prefixes` from `a`: nothing stays reserved or leased on `b`, grants are
+/// returned on both sides, and what `b` holds is `a`'s bytes, read again from its DRAM.
+fn assert_nothing_held_and_right(
+    a: &TestServer,
+    b: &TestServer,
+    prefixes: &[Vec<orbitkv_proto::ChunkKey>],
+) {
     b.wait_for("nothing held on b", |b| {
         b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0
     });
-    until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
-    until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
-    // What b holds now is a's bytes, read again from its DRAM.
-    assert_held_locally_right(&b, &prefixes);
+    until(b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
+    until(a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
+    assert_held_locally_right(b, prefixes);
 }
 
 /// The wheel's engine gives up on a read after `MC_TRANSFER_TIMEOUT` seconds (5 at least)
@@ -398,24 +418,13 @@ fn reads_wait_for_a_paused_owner_past_the_wheels_own_timeout() {
     );
     let (_ca, prefixes) = big_prefixes(&a, &b, 4000);
 
-    let reader = read_in_background(&b, &prefixes);
-    let mid_read = until_reading(&b);
-    a.signal(nix::sys::signal::Signal::SIGSTOP);
-    std::thread::sleep(Duration::from_millis(6500));
-    a.signal(nix::sys::signal::Signal::SIGCONT);
-    let found: usize = reader.join().unwrap().iter().sum();
-    eprintln!("paused mid-read: {mid_read}; chunks found: {found} of 384");
+    pause_owner_while_read(&a, &b, &prefixes, Duration::from_millis(6500));
     let log = b.log();
     assert!(
         !log.contains("what was not read is answered as misses"),
         "a Transfer Engine read was given up under the paused owner:\n{log}"
     );
-    b.wait_for("nothing held on b", |b| {
-        b.shard_sum("reservations") == 0 && b.shard_sum("leases") == 0
-    });
-    until(&b, "b's grants at a returned", |v| v["peers"]["a"]["grants_held"] == 0);
-    until(&a, "a's grants to b returned", |v| v["peers"]["b"]["grants_given"] == 0);
-    assert_held_locally_right(&b, &prefixes);
+    assert_nothing_held_and_right(&a, &b, &prefixes);
 }
 
 #[test]

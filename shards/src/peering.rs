@@ -267,6 +267,26 @@ impl ShardCore {
         found
     }
 
+    /// Gives back what [`ShardCore::lease_for_peer`] leased for `session` (its answer `hits`
+    /// for `keys`): for a grant whose answer nobody waits for any more.
+    pub fn return_peer_leases(
+        &mut self,
+        session: SessionId,
+        keys: &[ChunkKey],
+        hits: &[Option<orbitkv_proto::Hit>],
+    ) {
+        let slots: Vec<orbitkv_proto::SlotRef> = keys
+            .iter()
+            .zip(hits)
+            .filter_map(|(k, h)| {
+                h.map(|h| orbitkv_proto::SlotRef { key: *k, generation: h.generation })
+            })
+            .collect();
+        if !slots.is_empty() {
+            self.apply(crate::ShardOp::Release { session, slots });
+        }
+    }
+
     /// True while `key` is being read from a peer into DRAM.
     pub fn peer_promotion_pending(&self, key: &ChunkKey) -> bool {
         self.entries.find(key).is_some_and(|idx| {
@@ -399,6 +419,19 @@ mod tests {
             core.slice.write(f.offset - core.slice.offset(), b);
         }
         core.finish_peer_fetch(&f, with.is_some())
+    }
+
+    #[test]
+    fn peer_leases_nobody_waits_for_go_back() {
+        let (mut core, ns) = shard();
+        let (k, absent) = (key(ns, 3), key(ns, 4));
+        put(&mut core, k, 3);
+        let hits = core.lease_for_peer(77, &[k, absent, k]);
+        assert!(hits[0].is_some() && hits[1].is_none() && hits[2].is_some(), "{hits:?}");
+        assert_eq!(core.leases(), 2);
+        core.return_peer_leases(77, &[k, absent, k], &hits);
+        assert_eq!(core.leases(), 0);
+        assert_eq!(core.stats().peer_grants, 2);
     }
 
     #[test]
