@@ -453,6 +453,10 @@ impl Requester {
                 return (Err("failpoint peer-te-read".to_owned()), 0);
             }
         }
+        if ranges.is_empty() {
+            // Nothing was granted: nothing to read.
+            return (Ok(()), 0);
+        }
         match &self.te {
             Engine::C(te) => {
                 // On this runtime: TE moves the bytes on its own threads, and polling them

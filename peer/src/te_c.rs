@@ -339,9 +339,11 @@ impl TransferEngine {
             started: Instant::now(),
             warn_at: SLOW_BATCH_WARNING,
         };
-        if let Err(e) = t.submit_next() {
-            self.forget(peer, target);
-            return Err(e);
+        if !t.ranges.is_empty() {
+            if let Err(e) = t.submit_next() {
+                self.forget(peer, target);
+                return Err(e);
+            }
         }
         Ok(t)
     }
@@ -453,10 +455,12 @@ impl Transfer<'_> {
     }
 
     /// Checks the transfers without blocking (submitting the next batch when one is over):
-    /// `None` while some still move, else the outcome (an error names the first failure).
+    /// `None` while some still move, else the outcome (an error names the first failure),
+    /// answered once: poll no more after it.
     pub fn poll(&mut self) -> Option<Result<(), TeCError>> {
         loop {
-            let (batch, first) = self.batch?;
+            // No batch under way: no ranges to move (or the outcome was answered already).
+            let Some((batch, first)) = self.batch else { return Some(Ok(())) };
             let len = self.ranges.len().min(first + MAX_BATCH) - first;
             while self.ended < first + len {
                 let mut status = sys::transfer_status::default();

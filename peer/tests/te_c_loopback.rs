@@ -56,6 +56,9 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     let one = [(b_mem.addr(), a_mem.addr() + MIB as u64, 48 * MIB as u64)];
     b.read_many(a.segment(), &one).unwrap();
     assert!(b_mem.bytes()[..48 * MIB] == want[MIB..49 * MIB], "the read's bytes differ");
+    // Nothing to read: over at once.
+    b.read_many(a.segment(), &[]).unwrap();
+    assert!(matches!(b.start_read(a.segment(), &[]).unwrap().poll(), Some(Ok(()))));
 
     // Many 32 KiB pieces, more than one batch's worth (1024), scattered.
     let ranges = scattered(&b_mem, &a_mem);
