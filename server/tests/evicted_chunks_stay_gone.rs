@@ -28,11 +28,14 @@ fn strs(a: &[String]) -> Vec<&str> {
 }
 
 /// Puts every key (read once right away: reuse evidence for SSD admission), then waits until
-/// the shards have written victims out.
+/// the shards have written victims out. After each put the demotions it started land before
+/// the next: a put that finds DRAM full while writes lag evicts its victim outright (a cache
+/// may), and every key put must still be there for the counts these tests check.
 fn fill(server: &TestServer, c: &mut Client, keys: &[ChunkKey]) {
     for k in keys {
         c.put(&[(*k, &value_for(k, LEN))]).unwrap();
         assert_eq!(c.lookup(std::slice::from_ref(k)).unwrap().len(), 1);
+        server.wait_for("demotions landed", |s| s.shard_sum("ssd_in_flight") == 0);
     }
     server.wait_for("demotions", |s| s.shard_sum("demotions") > 0);
 }
