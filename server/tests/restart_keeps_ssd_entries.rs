@@ -429,14 +429,30 @@ fn a_request_outliving_its_client_ends_before_the_reclaim() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let (server, ns, cold) = on_a_slow_disk(dir.path());
     assert_eq!(server.shard_sum("orphaned_requests"), 0);
+    let stderr_path = dir.path().join("child.stderr");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "slow_lookup_process", "--nocapture", "--test-threads", "1"])
         .env(SLOW_LOOKUP_ENV, format!("{} {ns}", server.socket.display()))
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
         .spawn()
         .unwrap();
-    server.wait_for("the child's lookup to reach the disk", |s| s.shard_sum("ssd_hits") >= 1);
+    // The child starts (a test binary, slow on a loaded machine), connects and looks up; if it
+    // ends first, what it said is the failure.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while server.shard_sum("ssd_hits") < 1 {
+        let said = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the child ended ({status}) before its lookup reached the disk:\n{}", said());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child's lookup did not reach the disk in 60 s: {}\nchild:\n{}",
+            server.admin("stats"),
+            said()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
     child.wait().unwrap();
     // The session closes at once (its bootstrap socket ends) with the lookup still waiting.
