@@ -1,4 +1,5 @@
-//! Awaiting an answer that comes within a millisecond without parking the runtime's thread.
+//! Awaiting an answer that comes within a few milliseconds without parking the runtime's
+//! thread.
 //!
 //! The peer thread's runtime parks in the kernel when it has nothing to run; under a
 //! hypervisor the wake-up that follows an answer costs 50-200 us, a good part of a grant round

@@ -62,8 +62,8 @@ pub trait LocalNode: Send + Sync + 'static {
     fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)>;
     /// Leases `keys` for grant holder `holder` (DRAM only): a hit or None per key. Asks every
     /// shard concerned at once without blocking the caller; the answer is awaited (a shard
-    /// that does not answer within its wait gives None for its keys). Its leases are taken
-    /// even if the answer is not awaited.
+    /// that does not answer within its wait gives None for its keys). What a shard leases
+    /// after its answer is no longer awaited (dropped, or past the wait) goes back at once.
     fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Later<Vec<Option<Hit>>>;
     /// Returns leases of `holder`.
     fn release(&self, holder: u64, slots: &[SlotRef]);

@@ -473,12 +473,13 @@ impl Requester {
                     Err(e) => return (Err(e.to_string()), 0),
                 };
                 let (mut handed, mut ended, mut progress) = (0, 0, Instant::now());
-                let all = vec![true; in_order.len()];
+                // `hand` takes indices: these, in order, all read.
+                let (order, all): (Vec<usize>, Vec<bool>) =
+                    (0..in_order.len()).map(|i| (i, true)).unzip();
                 loop {
                     let over = t.poll();
                     if t.landed() > handed {
-                        let landed: Vec<usize> = (handed..t.landed()).collect();
-                        self.hand(&in_order, &landed, &all, took).await;
+                        self.hand(&in_order, &order[handed..t.landed()], &all, took).await;
                         handed = t.landed();
                     }
                     if let Some(result) = over {

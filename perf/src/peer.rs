@@ -346,9 +346,8 @@ fn paired(pairs: &[(Duration, Duration)]) -> [f64; 3] {
 
 /// The median of `d` in microseconds (0 when empty).
 fn median_us(d: impl Iterator<Item = Duration>) -> f64 {
-    let mut v: Vec<f64> = d.map(|d| d.as_secs_f64() * 1e6).collect();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+    let us: Vec<f64> = d.map(|d| d.as_secs_f64() * 1e6).collect();
+    crate::stats::median(&us).unwrap_or(0.0)
 }
 
 /// Checks what the requester answered against the bytes put.
@@ -525,6 +524,7 @@ mod tests {
         assert!((p50 - 0.8).abs() < 1e-9 && (p90 - 0.8).abs() < 1e-9, "{p50} {p90}");
         assert!((p10 - 0.8).abs() < 1e-9, "the stall is below the 10th percentile: {p10}");
         assert_eq!(median_us([ms(1), ms(3), ms(2)].into_iter()), 2000.0);
+        assert_eq!(median_us([ms(1), ms(2)].into_iter()), 1500.0);
     }
 
     #[test]
