@@ -21,6 +21,11 @@ fn rdma_devices() -> Vec<String> {
     names
 }
 
+/// Said with a failure to make the engine: its usual cause that TE's own log does not name.
+const START_HINT: &str = "TE's log above says why; if it found no free port: TE binds two \
+    ports from MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (15000-17000 unless set), and those of an \
+    engine killed in the last minute or so stay unusable (TCP TIME_WAIT)";
+
 /// This process's Transfer Engine.
 #[derive(Clone, Debug)]
 pub enum Engine {
@@ -42,7 +47,12 @@ impl Engine {
         if let Some(library) = library {
             let named = |e: te_c::TeCError| format!("--te-library: {e}");
             let api = te_c::load(library).map_err(named)?;
-            let engine = te_c::TransferEngine::new(api, host, transport).map_err(named)?;
+            let engine = te_c::TransferEngine::new(api, host, transport).map_err(|e| match e {
+                te_c::TeCError::Failed { what: "createTransferEngine", .. } => {
+                    format!("{}; {START_HINT}", named(e))
+                }
+                e => named(e),
+            })?;
             let devices = rdma_devices();
             tracing::info!(
                 library = %library.display(),
@@ -60,7 +70,12 @@ impl Engine {
         {
             crate::te::TransferEngine::new(host, "tcp")
                 .map(|e| Some(Engine::Python(Arc::new(e))))
-                .map_err(|e| e.to_string())
+                .map_err(|e| match e {
+                    crate::te::TeError::Failed { what: "initialize", .. } => {
+                        format!("{e}; {START_HINT}")
+                    }
+                    e => e.to_string(),
+                })
         }
         #[cfg(not(feature = "te-python"))]
         Ok(None)
@@ -82,6 +97,17 @@ impl Engine {
             Engine::C(e) => e.register(addr, len).map_err(|e| e.to_string()),
             #[cfg(feature = "te-python")]
             Engine::Python(e) => e.register(addr, len).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// `peer` left the cluster: the C route looks its segment up afresh next time (an engine
+    /// back at the same address is another one). The wheel keeps what it knew (its Python API
+    /// has no call to drop it); a transfer that fails on that is a miss.
+    pub fn forget_segment(&self, peer: &str) {
+        match self {
+            Engine::C(e) => e.forget_segment(peer),
+            #[cfg(feature = "te-python")]
+            Engine::Python(_) => {}
         }
     }
 

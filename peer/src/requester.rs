@@ -74,6 +74,8 @@ fn halves(mut fetches: Vec<Fetch>) -> Vec<Vec<Fetch>> {
 struct Link {
     index: u32,
     epoch: u64,
+    /// The member's Transfer Engine segment.
+    segment: String,
     channel: Channel,
     follower: tokio::task::JoinHandle<()>,
 }
@@ -139,6 +141,7 @@ impl Requester {
         for node in gone {
             let link = links.remove(&node).expect("listed above");
             link.follower.abort();
+            self.te.forget_segment(&link.segment);
             let n = Arc::clone(&self.cfg.node);
             blocking(move || n.catalog_drop(link.index)).await;
             tracing::info!(peer = %node, epoch = link.epoch, "peer left (or etcd is away): its catalog dropped");
@@ -157,7 +160,11 @@ impl Requester {
             *next += 1;
             let index = *next;
             let follower = tokio::spawn(Arc::clone(self).follow(m.clone(), index, channel.clone()));
-            links.insert(m.node_id.clone(), Link { index, epoch: m.epoch, channel, follower });
+            let segment = m.te_segment.clone();
+            links.insert(
+                m.node_id.clone(),
+                Link { index, epoch: m.epoch, segment, channel, follower },
+            );
         }
     }
 

@@ -395,6 +395,16 @@ impl TransferEngine {
         Ok(id)
     }
 
+    /// Makes the next transfer to `peer` fetch its segment's description afresh, as after a
+    /// failed transfer: the peer left, and an engine that comes back at its address is
+    /// another one (new ports and memory). Transfers under way keep what they have.
+    pub fn forget_segment(&self, peer: &str) {
+        let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry @ Some(_)) = segments.get_mut(peer) {
+            *entry = None;
+        }
+    }
+
     fn forget(&self, peer: &str, id: sys::segment_id_t) {
         let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
         if segments.get(peer) == Some(&Some(id)) {

@@ -86,6 +86,15 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     b.write_many(a.segment(), &write).unwrap();
     assert!(a_mem.bytes()[32 * MIB..40 * MIB] == back[..], "the write's bytes differ");
 
+    // A peer that left the cluster is looked up afresh at the next transfer (an engine back at
+    // its address is another one): the read still lands right.
+    assert!(b.is_open(a.segment()));
+    b.forget_segment(a.segment());
+    assert!(!b.is_open(a.segment()));
+    b.read_many(a.segment(), &one).unwrap();
+    assert!(b.is_open(a.segment()));
+    assert!(b_mem.bytes()[..48 * MIB] == a_mem.bytes()[MIB..49 * MIB], "the read after differs");
+
     // A local range outside what is registered here: refused before TE is asked.
     let stray = [(b_mem.addr() + 64 * MIB as u64 - 4096, a_mem.addr(), 8192)];
     let err = b.read_many(a.segment(), &stray).unwrap_err();

@@ -513,3 +513,27 @@ fn failing_transfer_engine_reads_are_misses_and_hold_nothing() {
     put_values(&mut cb, &mine, LEN);
     assert_eq!(cb.lookup(&mine).unwrap().len(), 2);
 }
+
+/// An engine that finds no free port (here TE's port range is one port, and it needs two)
+/// stops the start, exit 2, with TE's log and a hint naming the port range.
+#[test]
+fn no_free_transfer_engine_port_stops_the_start_saying_so() {
+    if !have_te() {
+        return;
+    }
+    let mut args = vec!["--socket", "/tmp/okv-te-ports.sock", "--dram", "16MiB"];
+    args.extend(["--etcd", "http://127.0.0.1:1", "--peer-addr", "127.0.0.1:7498"]);
+    let lib = std::env::var("ORBITKV_TE_LIBRARY").ok();
+    if let Some(lib) = &lib {
+        args.extend(["--te-library", lib]);
+    }
+    let out = std::process::Command::new(common::server_bin())
+        .args(&args)
+        .envs([("MC_MIN_RPC_PORT", "7481"), ("MC_MAX_RPC_PORT", "7481")])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("Transfer Engine") || stderr.contains("--te-library"), "{stderr}");
+    assert!(stderr.contains("MC_MIN_RPC_PORT..MC_MAX_RPC_PORT"), "{stderr}");
+}
