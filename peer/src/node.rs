@@ -91,6 +91,10 @@ pub struct PeeringConfig {
     pub catalog_max_per_peer: usize,
     /// Grants a requester may hold here at once.
     pub max_grants_per_peer: usize,
+    /// How long the peer thread keeps polling after a grant it served or a read it did, like a
+    /// shard after work (`--spin-window`), when it has two cores or more (one for itself, the
+    /// others for TE's threads); otherwise it parks at once.
+    pub spin_window: std::time::Duration,
 }
 
 impl std::fmt::Debug for PeeringConfig {
@@ -99,6 +103,7 @@ impl std::fmt::Debug for PeeringConfig {
             .field("arena", &self.arena)
             .field("catalog_max_per_peer", &self.catalog_max_per_peer)
             .field("max_grants_per_peer", &self.max_grants_per_peer)
+            .field("spin_window", &self.spin_window)
             .finish_non_exhaustive()
     }
 }
@@ -175,12 +180,21 @@ impl Cluster {
         te.register(cfg.arena.0, cfg.arena.1).map_err(|e| PeeringError::Register(e.to_string()))?;
         let (tx, rx) = tokio::sync::mpsc::channel(FETCH_QUEUE);
         let cfg = Arc::new(cfg);
-        let owner = crate::owner::Owner::new(Arc::clone(self), Arc::clone(&cfg), te.clone());
+        let window =
+            if self.cfg.cpus.len() >= 2 { cfg.spin_window } else { std::time::Duration::ZERO };
+        tracing::info!(
+            spin_window_us = window.as_micros() as u64,
+            cores = self.cfg.cpus.len(),
+            "peer thread polls after activity for this long (two cores or more needed)"
+        );
+        let warm = crate::hot::Warm::new(window);
+        let owner =
+            crate::owner::Owner::new(Arc::clone(self), Arc::clone(&cfg), te.clone(), warm.clone());
         let this = Arc::clone(self);
         self.runtime.spawn(async move {
             owner.serve(listener).await;
         });
-        let requester = crate::requester::Requester::new(this, cfg, te);
+        let requester = crate::requester::Requester::new(this, cfg, te, warm);
         self.runtime.spawn(requester.run(rx));
         Ok(tx)
     }

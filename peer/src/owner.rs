@@ -15,7 +15,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::hot::{hot, HOT_FOR};
+use crate::hot::{hot, Warm, HOT_FOR};
 use crate::rpc::peer_server::{Peer, PeerServer};
 use crate::rpc::{
     GrantReply, GrantRequest, Granted, InventoryRequest, InventoryUpdate, ReleaseReply,
@@ -76,6 +76,8 @@ pub(crate) struct Owner {
     te: Engine,
     view: Mutex<View>,
     grants: Mutex<Grants>,
+    /// Polls after each grant or release served (the next is likely near).
+    warm: Warm,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -88,7 +90,12 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl Owner {
-    pub(crate) fn new(cluster: Arc<Cluster>, cfg: Arc<PeeringConfig>, te: Engine) -> Arc<Self> {
+    pub(crate) fn new(
+        cluster: Arc<Cluster>,
+        cfg: Arc<PeeringConfig>,
+        te: Engine,
+        warm: Warm,
+    ) -> Arc<Self> {
         let (updates, _) = broadcast::channel(UPDATES_BEHIND);
         Arc::new(Self {
             cluster,
@@ -96,6 +103,7 @@ impl Owner {
             te,
             view: Mutex::new(View { chunks: HashMap::new(), updates }),
             grants: Mutex::new(Grants::default()),
+            warm,
         })
     }
 
@@ -391,9 +399,11 @@ impl Peer for Service {
         // In a task of its own: a requester that gives up (timeout, disconnect) drops this
         // future, and the leases taken must still be recorded for their release.
         let owner = Arc::clone(&self.0);
-        tokio::spawn(async move { owner.grant(request.into_inner()).await })
+        let answer = tokio::spawn(async move { owner.grant(request.into_inner()).await })
             .await
-            .map_err(|e| Status::internal(format!("grant: {e}")))?
+            .map_err(|e| Status::internal(format!("grant: {e}")))?;
+        self.0.warm.touch();
+        answer
     }
 
     async fn release(
@@ -401,9 +411,11 @@ impl Peer for Service {
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseReply>, Status> {
         let owner = Arc::clone(&self.0);
-        tokio::spawn(async move { owner.release(request.into_inner()).await })
+        let answer = tokio::spawn(async move { owner.release(request.into_inner()).await })
             .await
-            .map_err(|e| Status::internal(format!("release: {e}")))?
+            .map_err(|e| Status::internal(format!("release: {e}")))?;
+        self.0.warm.touch();
+        answer
     }
 }
 

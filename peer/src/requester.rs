@@ -15,7 +15,7 @@ use orbitkv_proto::ChunkKey;
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::hot::{hot, HOT_FOR};
+use crate::hot::{hot, Warm, HOT_FOR};
 use crate::rpc::peer_client::PeerClient;
 use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
 use crate::te_c::POLL_HOT;
@@ -86,6 +86,8 @@ pub(crate) struct Requester {
     te: Engine,
     /// Grant request ids (from 1; 0 means none).
     next_request: std::sync::atomic::AtomicU64,
+    /// Polls after each batch of fetches and each group read (the next lookup is likely near).
+    warm: Warm,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -93,8 +95,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl Requester {
-    pub(crate) fn new(cluster: Arc<Cluster>, cfg: Arc<PeeringConfig>, te: Engine) -> Arc<Self> {
-        Arc::new(Self { cluster, cfg, te, next_request: 1.into() })
+    pub(crate) fn new(
+        cluster: Arc<Cluster>,
+        cfg: Arc<PeeringConfig>,
+        te: Engine,
+        warm: Warm,
+    ) -> Arc<Self> {
+        Arc::new(Self { cluster, cfg, te, next_request: 1.into(), warm })
     }
 
     /// Follows the members and serves the shards' fetches until the runtime stops.
@@ -107,6 +114,7 @@ impl Requester {
                 _ = tick.tick() => self.reconcile(&mut links, &mut next_index).await,
                 first = fetches.recv() => {
                     let Some(first) = first else { return };
+                    self.warm.touch();
                     let mut batch = vec![first];
                     while batch.len() < FETCH_BATCH {
                         match fetches.try_recv() {
@@ -294,6 +302,7 @@ impl Requester {
             .filter(|(_, r)| **r)
             .fold((0u64, 0u64), |(n, b), (f, _)| (n + 1, b + f.len));
         let failed = fetches.len() as u64 - ok;
+        self.warm.touch();
         let handoff = took.handoff;
         tracing::debug!(
             peer = %node,

@@ -329,6 +329,7 @@ fn start_peering(
         arena: (arena.base_ptr() as u64, arena.len()),
         catalog_max_per_peer: settings.config.peer_catalog_entries,
         max_grants_per_peer: settings.config.peer_max_grants,
+        spin_window: settings.spin_window,
     };
     match cluster.start_peering(cfg) {
         Ok(queue) => {
