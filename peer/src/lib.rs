@@ -30,5 +30,7 @@ pub mod te_c;
 
 pub use engine::Engine;
 pub use membership::{Cluster, ClusterConfig, JoinError, Member, State, Status};
-pub use node::{Chunk, Delta, Fetch, Later, LocalNode, PeerView, PeeringConfig, PeeringError};
+pub use node::{
+    Chunk, Delta, Fetch, FetchQueue, Later, LocalNode, PeerView, PeeringConfig, PeeringError,
+};
 pub use te_c::TeTransport;

@@ -1,5 +1,6 @@
 //! What peering asks of the local server ([`LocalNode`]), and how it is started.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use orbitkv_proto::{ChunkKey, Hit, SlotRef};
@@ -162,14 +163,69 @@ pub struct PeerView {
 /// Fetches queued from the shards to the peer thread at most.
 pub const FETCH_QUEUE: usize = 4096;
 
+/// Where shards queue their peer reads for the peer thread, a lookup's reads in one message
+/// (so that the peer thread, awake, does not start a lookup's group with its first read alone),
+/// holding at most [`FETCH_QUEUE`] reads.
+#[derive(Clone, Debug)]
+pub struct FetchQueue {
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<Fetch>>,
+    queued: Arc<AtomicUsize>,
+}
+
+/// The peer thread's end of a [`FetchQueue`].
+#[derive(Debug)]
+pub(crate) struct FetchReceiver {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Vec<Fetch>>,
+    queued: Arc<AtomicUsize>,
+}
+
+/// A queue of at most [`FETCH_QUEUE`] reads.
+pub(crate) fn fetch_queue() -> (FetchQueue, FetchReceiver) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let queued = Arc::new(AtomicUsize::new(0));
+    (FetchQueue { tx, queued: Arc::clone(&queued) }, FetchReceiver { rx, queued })
+}
+
+impl FetchQueue {
+    /// Queues one lookup's reads; given back when they would pass the bound or the peer
+    /// thread is gone.
+    pub fn try_send(&self, fetches: Vec<Fetch>) -> Result<(), Vec<Fetch>> {
+        let n = fetches.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if self.queued.fetch_add(n, Ordering::AcqRel) + n > FETCH_QUEUE {
+            self.queued.fetch_sub(n, Ordering::AcqRel);
+            return Err(fetches);
+        }
+        self.tx.send(fetches).map_err(|e| {
+            self.queued.fetch_sub(n, Ordering::AcqRel);
+            e.0
+        })
+    }
+}
+
+impl FetchReceiver {
+    /// The next lookup's reads; None when every sender is gone.
+    pub(crate) async fn recv(&mut self) -> Option<Vec<Fetch>> {
+        let got = self.rx.recv().await?;
+        self.queued.fetch_sub(got.len(), Ordering::AcqRel);
+        Some(got)
+    }
+
+    /// The next lookup's reads if some are queued.
+    pub(crate) fn try_recv(&mut self) -> Option<Vec<Fetch>> {
+        let got = self.rx.try_recv().ok()?;
+        self.queued.fetch_sub(got.len(), Ordering::AcqRel);
+        Some(got)
+    }
+}
+
 impl Cluster {
     /// Starts peering on the peer thread: registers the arena with TE, serves the peer RPC on
     /// `--peer-addr`, follows the members' inventories and performs the shards' peer reads.
-    /// The sender is where shards queue their [`Fetch`]es (bounded: a full queue is a miss).
-    pub fn start_peering(
-        self: &Arc<Self>,
-        cfg: PeeringConfig,
-    ) -> Result<tokio::sync::mpsc::Sender<Fetch>, PeeringError> {
+    /// The queue is where shards queue their [`Fetch`]es (bounded: a full queue is a miss).
+    pub fn start_peering(self: &Arc<Self>, cfg: PeeringConfig) -> Result<FetchQueue, PeeringError> {
         let te = self.te.clone().ok_or(PeeringError::NoTransferEngine)?;
         let listener = self
             .listener
@@ -178,7 +234,7 @@ impl Cluster {
             .take()
             .ok_or(PeeringError::AlreadyStarted)?;
         te.register(cfg.arena.0, cfg.arena.1).map_err(|e| PeeringError::Register(e.to_string()))?;
-        let (tx, rx) = tokio::sync::mpsc::channel(FETCH_QUEUE);
+        let (tx, rx) = fetch_queue();
         let cfg = Arc::new(cfg);
         let window =
             if self.cfg.cpus.len() >= 2 { cfg.spin_window } else { std::time::Duration::ZERO };
@@ -207,5 +263,46 @@ impl Cluster {
     pub(crate) fn update_peer(&self, node: &str, f: impl FnOnce(&mut PeerView)) {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         f(peers.entry(node.to_owned()).or_default());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reads(n: usize) -> Vec<Fetch> {
+        let f = Fetch {
+            shard: 0,
+            key: ChunkKey::new(1, [7; 32]),
+            peer: 1,
+            offset: 0,
+            len: 4096,
+            generation: 1,
+            queued: std::time::Instant::now(),
+        };
+        vec![f; n]
+    }
+
+    #[test]
+    fn the_fetch_queue_holds_lookups_whole_up_to_its_bound_in_reads() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let (tx, mut rx) = fetch_queue();
+        assert!(tx.try_send(Vec::new()).is_ok(), "nothing to queue");
+        tx.try_send(reads(32)).unwrap();
+        tx.try_send(reads(FETCH_QUEUE - 33)).unwrap();
+        assert_eq!(tx.try_send(reads(2)).unwrap_err().len(), 2, "past the bound: given back");
+        tx.try_send(reads(1)).unwrap();
+        assert!(tx.try_send(reads(1)).is_err(), "full");
+        // A lookup's reads come out as they went in, and make room.
+        assert_eq!(rt.block_on(rx.recv()).unwrap().len(), 32);
+        tx.try_send(reads(32)).unwrap();
+        assert_eq!(rx.try_recv().unwrap().len(), FETCH_QUEUE - 33);
+        assert_eq!(rx.try_recv().unwrap().len(), 1);
+        assert_eq!(rx.try_recv().unwrap().len(), 32);
+        assert!(rx.try_recv().is_none());
+        // The peer thread gone: the reads are given back, nothing counted.
+        drop(rx);
+        assert_eq!(tx.try_send(reads(3)).unwrap_err().len(), 3);
+        assert_eq!(tx.queued.load(Ordering::Acquire), 0);
     }
 }

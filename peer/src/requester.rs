@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv_proto::ChunkKey;
-use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::hot::{hot, Warm, HOT_FOR};
@@ -105,7 +104,7 @@ impl Requester {
     }
 
     /// Follows the members and serves the shards' fetches until the runtime stops.
-    pub(crate) async fn run(self: Arc<Self>, mut fetches: mpsc::Receiver<Fetch>) {
+    pub(crate) async fn run(self: Arc<Self>, mut fetches: crate::node::FetchReceiver) {
         let mut links: HashMap<String, Link> = HashMap::new();
         let mut next_index = 0u32;
         let mut tick = tokio::time::interval(MEMBERS_TICK);
@@ -115,11 +114,11 @@ impl Requester {
                 first = fetches.recv() => {
                     let Some(first) = first else { return };
                     self.warm.touch();
-                    let mut batch = vec![first];
+                    let mut batch = first;
                     while batch.len() < FETCH_BATCH {
                         match fetches.try_recv() {
-                            Ok(f) => batch.push(f),
-                            Err(_) => break,
+                            Some(more) => batch.extend(more),
+                            None => break,
                         }
                     }
                     self.dispatch(&links, batch).await;

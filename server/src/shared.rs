@@ -130,7 +130,7 @@ pub struct Shared {
     /// Cluster membership, in cluster mode (`--etcd`).
     pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
     /// Where shards queue their peer reads, once peering runs.
-    pub peer_fetches: OnceLock<tokio::sync::mpsc::Sender<orbitkv_peer::Fetch>>,
+    pub peer_fetches: OnceLock<orbitkv_peer::FetchQueue>,
     /// What `--gpu` found (None with `--gpu off`).
     pub gpu: Option<orbitkv_gpu::Probe>,
     /// Open sessions.
