@@ -163,6 +163,10 @@ pub struct PeerView {
 /// Fetches queued from the shards to the peer thread at most.
 pub const FETCH_QUEUE: usize = 4096;
 
+/// Reads a shard puts in one message of a [`FetchQueue`] at most (a lookup of more goes in
+/// several).
+pub const FETCHES_PER_MESSAGE: usize = 1024;
+
 /// Where shards queue their peer reads for the peer thread, a lookup's reads in one message
 /// (so that the peer thread, awake, does not start a lookup's group with its first read alone),
 /// holding at most [`FETCH_QUEUE`] reads.

@@ -41,7 +41,7 @@ struct GroupTimes {
 }
 
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
-const FETCH_BATCH: usize = 1024;
+const FETCH_BATCH: usize = crate::FETCHES_PER_MESSAGE;
 
 /// Bytes from which one peer's group is read as two halves at once: the grant of one half
 /// then overlaps the other's Transfer Engine read. Measured on the H200 host within the hour:

@@ -830,17 +830,16 @@ impl Exec {
     /// (no peering, or its queue full) ends at once as a miss.
     fn hand_peer_fetches(&self) {
         let fetches = self.core.borrow_mut().take_peer_fetches();
-        if fetches.is_empty() {
-            return;
-        }
-        // In one message: the peer thread takes them as one group.
-        let queued = self.shared.peer_fetches.get().is_some_and(|q| {
-            q.try_send(fetches.iter().map(|&f| crate::peering::to_fetch(f)).collect()).is_ok()
-        });
-        if !queued {
-            for f in fetches {
-                let _ = self.core.borrow_mut().finish_peer_fetch(&f, false);
-                self.peer_fetched(&f.key);
+        // In one message (up to its bound): the peer thread takes them as one group.
+        for piece in fetches.chunks(orbitkv_peer::FETCHES_PER_MESSAGE) {
+            let queued = self.shared.peer_fetches.get().is_some_and(|q| {
+                q.try_send(piece.iter().map(|&f| crate::peering::to_fetch(f)).collect()).is_ok()
+            });
+            if !queued {
+                for f in piece {
+                    let _ = self.core.borrow_mut().finish_peer_fetch(f, false);
+                    self.peer_fetched(&f.key);
+                }
             }
         }
     }
