@@ -7,10 +7,6 @@ use std::sync::Arc;
 
 use crate::te_c;
 
-/// Bytes the wheel's engine reads per call when reading piece by piece.
-#[cfg(feature = "te-python")]
-const PIECE_BYTES: u64 = 4 << 20;
-
 /// The host's RDMA devices as the kernel lists them (`/sys/class/infiniband`), which TE's
 /// topology discovery looks among.
 fn rdma_devices() -> Vec<String> {
@@ -118,37 +114,6 @@ impl Engine {
             Engine::C(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
             #[cfg(feature = "te-python")]
             Engine::Python(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
-        }
-    }
-
-    /// Reads `(local, remote, len)` ranges of `peer`, waiting for all; `landed(n)` is called
-    /// whenever the first `n` ranges have all landed (`n` grows; `ranges.len()` last when the
-    /// read succeeds). On an error the ranges from the last `n` on may hold anything.
-    pub fn read_streaming(
-        &self,
-        peer: &str,
-        ranges: &[(u64, u64, u64)],
-        landed: &mut dyn FnMut(usize),
-    ) -> Result<(), String> {
-        match self {
-            Engine::C(e) => e.read_streaming(peer, ranges, landed).map_err(|e| e.to_string()),
-            #[cfg(feature = "te-python")]
-            Engine::Python(e) => {
-                // One batch call per piece of about PIECE_BYTES: what the wheel's synchronous
-                // calls allow.
-                let mut at = 0;
-                while at < ranges.len() {
-                    let (mut end, mut bytes) = (at, 0);
-                    while end < ranges.len() && (end == at || bytes < PIECE_BYTES) {
-                        bytes += ranges[end].2;
-                        end += 1;
-                    }
-                    e.read_many(peer, &ranges[at..end]).map_err(|e| e.to_string())?;
-                    landed(end);
-                    at = end;
-                }
-                Ok(())
-            }
         }
     }
 }

@@ -513,8 +513,8 @@ impl Requester {
                 }
             }
             #[cfg(feature = "te-python")]
-            Engine::Python(_) => {
-                let (te, segment) = (self.te.clone(), segment.to_owned());
+            Engine::Python(te) => {
+                let (te, segment) = (Arc::clone(te), segment.to_owned());
                 let local = Arc::clone(&self.cfg.node);
                 let job = tokio::task::spawn_blocking(move || {
                     let (mut handed, mut handoff) = (0, Duration::ZERO);
@@ -528,7 +528,7 @@ impl Requester {
                         handed = n;
                         handoff += handing.elapsed();
                     });
-                    (moved, handed, handoff)
+                    (moved.map_err(|e| e.to_string()), handed, handoff)
                 });
                 let (moved, handed, handoff) =
                     job.await.expect("Transfer Engine reads do not panic");

@@ -14,6 +14,9 @@ use pyo3::types::PyList;
 /// Transfers per batch call: TE's TCP transport queues at most 1024 per peer.
 const MAX_BATCH: usize = 1024;
 
+/// Bytes [`TransferEngine::read_streaming`] reads per call.
+const PIECE_BYTES: u64 = 4 << 20;
+
 /// Why a TE call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TeError {
@@ -104,6 +107,30 @@ impl TransferEngine {
                 let lens = PyList::new(py, batch.iter().map(|r| r.2))?;
                 e.call_method1("batch_transfer_sync_read", (peer, local, remote, lens))
             })?;
+        }
+        Ok(())
+    }
+
+    /// Reads `(local, remote, len)` ranges of `peer` one call per piece of about
+    /// [`PIECE_BYTES`] (what the wheel's synchronous calls allow), calling `landed(n)` after
+    /// each piece: the first `n` ranges have landed (`ranges.len()` last on success). On an
+    /// error the ranges from the last `n` on may hold anything.
+    pub fn read_streaming(
+        &self,
+        peer: &str,
+        ranges: &[(u64, u64, u64)],
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<(), TeError> {
+        let mut at = 0;
+        while at < ranges.len() {
+            let (mut end, mut bytes) = (at, 0);
+            while end < ranges.len() && (end == at || bytes < PIECE_BYTES) {
+                bytes += ranges[end].2;
+                end += 1;
+            }
+            self.read_many(peer, &ranges[at..end])?;
+            landed(end);
+            at = end;
         }
         Ok(())
     }

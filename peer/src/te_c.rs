@@ -250,44 +250,26 @@ impl TransferEngine {
 
     /// Reads many ranges of `peer`'s memory, `(local, remote, len)` each, waiting for all.
     pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
-        self.transfer(sys::OPCODE_READ, peer, ranges, &mut |_| {})
-    }
-
-    /// As [`TransferEngine::read_many`], calling `landed(n)` whenever the first `n` ranges
-    /// have all landed (`n` grows; `ranges.len()` last on success), while the rest move.
-    pub fn read_streaming(
-        &self,
-        peer: &str,
-        ranges: &[(u64, u64, u64)],
-        landed: &mut dyn FnMut(usize),
-    ) -> Result<(), TeCError> {
-        self.transfer(sys::OPCODE_READ, peer, ranges, landed)
+        self.transfer(sys::OPCODE_READ, peer, ranges)
     }
 
     /// Writes many local ranges into `peer`'s memory, `(local, remote, len)` each, waiting for
     /// all.
     pub fn write_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), TeCError> {
-        self.transfer(sys::OPCODE_WRITE, peer, ranges, &mut |_| {})
+        self.transfer(sys::OPCODE_WRITE, peer, ranges)
     }
 
-    /// Waits for [`TransferEngine::start`]'s transfer (polling on this thread), calling
-    /// `done(n)` whenever the first `n` ranges have completed.
+    /// Waits for [`TransferEngine::start`]'s transfer, polling on this thread.
     fn transfer(
         &self,
         opcode: i32,
         peer: &str,
         ranges: &[(u64, u64, u64)],
-        done: &mut dyn FnMut(usize),
     ) -> Result<(), TeCError> {
         let mut t = self.start(opcode, peer, ranges)?;
-        let (mut landed, mut ended, mut spins, mut progress) = (0, 0, 0u32, Instant::now());
+        let (mut ended, mut spins, mut progress) = (0, 0u32, Instant::now());
         loop {
-            let over = t.poll();
-            if t.landed() > landed {
-                landed = t.landed();
-                done(landed);
-            }
-            if let Some(result) = over {
+            if let Some(result) = t.poll() {
                 return result;
             }
             if t.ended() > ended {

@@ -65,18 +65,33 @@ fn two_engines_read_and_write_each_others_memory_exactly() {
     b.read_many(a.segment(), &ranges).unwrap();
     assert_scattered(&mut b_mem, &a_mem, &want, &ranges);
 
-    // Read as they land: the counts grow to all of them; a range that fails stops them.
+    // Followed without blocking, as the peer thread does: the ranges landed grow to all of
+    // them; a range that fails stops them.
+    let landed = |ranges: &[(u64, u64, u64)]| {
+        let mut t = b.start_read(a.segment(), ranges).unwrap();
+        let mut counts = vec![t.landed()];
+        loop {
+            let over = t.poll();
+            if t.landed() != *counts.last().unwrap() {
+                counts.push(t.landed());
+            }
+            if let Some(result) = over {
+                return (result, counts);
+            }
+            std::thread::yield_now();
+        }
+    };
     b_mem.bytes()[..ranges.len() * PIECE].fill(0);
-    let mut counts = Vec::new();
-    b.read_streaming(a.segment(), &ranges, &mut |n| counts.push(n)).unwrap();
+    let (result, counts) = landed(&ranges);
+    result.unwrap();
     assert!(counts.windows(2).all(|w| w[0] < w[1]), "counts go back: {counts:?}");
     assert_eq!(counts.last(), Some(&ranges.len()));
-    assert!(counts.len() > 1, "{counts:?}");
+    assert!(counts.len() > 2, "{counts:?}");
     assert_scattered(&mut b_mem, &a_mem, &want, &ranges);
     let mut bad = ranges[..8].to_vec();
     bad[5].1 = a_mem.addr() + 64 * MIB as u64; // outside the peer's memory
-    let mut counts = Vec::new();
-    b.read_streaming(a.segment(), &bad, &mut |n| counts.push(n)).unwrap_err();
+    let (result, counts) = landed(&bad);
+    result.unwrap_err();
     assert!(counts.iter().all(|&n| n <= 5), "counted past the failed range: {counts:?}");
 
     // A write the other way.
