@@ -38,6 +38,8 @@ struct GroupTimes {
     grant: Duration,
     te_read: Duration,
     handoff: Duration,
+    /// Times the TE read's poll slept on the timer (no transfer had ended for a while).
+    te_naps: u32,
 }
 
 /// Fetches taken from the queue at once (grouped per peer into one grant, one TE batch).
@@ -311,6 +313,7 @@ impl Requester {
             grant_us = took.grant.as_micros() as u64,
             te_read_us = took.te_read.as_micros() as u64,
             handoff_us = handoff.as_micros() as u64,
+            te_naps = took.te_naps,
             "group read"
         );
         self.cluster.update_peer(&node, |v| {
@@ -508,6 +511,7 @@ impl Requester {
                     if progress.elapsed() < POLL_HOT {
                         tokio::task::yield_now().await;
                     } else {
+                        took.te_naps += 1;
                         tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                 }
