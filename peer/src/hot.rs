@@ -69,6 +69,11 @@ impl Warm {
         }
     }
 
+    /// Whether this runtime polls after activity (its window is not zero).
+    pub(crate) fn polls(&self) -> bool {
+        !self.0.window.is_zero()
+    }
+
     /// Whether the polling task runs (for tests).
     #[cfg(test)]
     fn polling(&self) -> bool {
@@ -131,8 +136,9 @@ mod tests {
         rt.block_on(async {
             let never = Warm::new(Duration::ZERO);
             never.touch();
-            assert!(!never.polling());
+            assert!(!never.polls() && !never.polling());
             let warm = Warm::new(Duration::from_millis(30));
+            assert!(warm.polls());
             warm.touch();
             assert!(warm.polling());
             // Other tasks run while it polls; a touch moves the window's end.

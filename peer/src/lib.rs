@@ -17,6 +17,7 @@
 
 #![deny(unsafe_code)]
 
+mod eager;
 mod engine;
 mod hot;
 mod membership;

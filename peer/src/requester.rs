@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv_proto::ChunkKey;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
+use crate::eager::EagerEndChannel as Channel;
 use crate::hot::{hot, Warm, HOT_FOR};
 use crate::rpc::peer_client::PeerClient;
 use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
-use crate::te_c::POLL_HOT;
+use crate::te_c::{POLL_HOT, READ_POLL_HOT};
 use crate::{Chunk, Cluster, Engine, Fetch, Member, PeeringConfig, State};
 
 /// How often the members are compared with the subscriptions.
@@ -165,7 +166,7 @@ impl Requester {
                 tracing::warn!(peer = %m.node_id, addr = %m.peer_addr, "a member's peer address is not usable; skipped");
                 continue;
             };
-            let channel = endpoint.connect_timeout(CALL_TIMEOUT).connect_lazy();
+            let channel = Channel(endpoint.connect_timeout(CALL_TIMEOUT).connect_lazy());
             *next += 1;
             let index = *next;
             let follower = tokio::spawn(Arc::clone(self).follow(m.clone(), index, channel.clone()));
@@ -494,6 +495,7 @@ impl Requester {
                 // `hand` takes indices: these, in order, all read.
                 let (order, all): (Vec<usize>, Vec<bool>) =
                     (0..in_order.len()).map(|i| (i, true)).unzip();
+                let hot_for = if self.warm.polls() { READ_POLL_HOT } else { POLL_HOT };
                 loop {
                     let over = t.poll();
                     if t.landed() > handed {
@@ -506,9 +508,10 @@ impl Requester {
                     if t.ended() > ended {
                         (ended, progress) = (t.ended(), Instant::now());
                     }
-                    // Polled without sleeping for a while after each transfer ends, then on
-                    // the runtime's timer (1 ms apart: a slow read).
-                    if progress.elapsed() < POLL_HOT {
+                    // Polled without sleeping for a while after each transfer ends (the whole
+                    // read, when this thread has a core of its own), then on the runtime's
+                    // timer (1 ms apart: a slow read).
+                    if progress.elapsed() < hot_for {
                         tokio::task::yield_now().await;
                     } else {
                         took.te_naps += 1;

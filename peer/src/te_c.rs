@@ -28,10 +28,16 @@ const MAX_BATCH: usize = 1024;
 /// writes into them).
 const SLOW_BATCH_WARNING: Duration = Duration::from_secs(30);
 /// How long after a batch's start or its last transfer's end its status is polled without
-/// sleeping (the thread yields between polls): a transfer that lands is seen at once, not a
-/// sleep later. Past it, a thread waiting for a transfer polls every 50 us (the peer
-/// thread's runtime, on its timer, every 1 ms).
+/// sleeping (the thread yields between polls) by a thread that shares its core with TE's: a
+/// transfer that lands is seen at once, not a sleep later. Past it, a thread waiting for a
+/// transfer polls every 50 us (the peer thread's runtime, on its timer, every 1 ms).
 pub const POLL_HOT: Duration = Duration::from_millis(1);
+/// [`POLL_HOT`] for a thread that may keep its core: a blocking [`TransferEngine::read_many`],
+/// the peer thread when it polls after activity. The transfers of a batch move at once and
+/// what is watched is the first not ended, which may end among the last: a read of a few
+/// milliseconds can show no progress for most of its time, and a sleep then delays seeing
+/// its end by up to a tick.
+pub const READ_POLL_HOT: Duration = Duration::from_millis(20);
 
 /// Why a TE call through the C API failed.
 #[derive(Debug, thiserror::Error)]
@@ -278,7 +284,7 @@ impl TransferEngine {
             spins += 1;
             if spins < 256 {
                 std::hint::spin_loop();
-            } else if progress.elapsed() < POLL_HOT {
+            } else if progress.elapsed() < READ_POLL_HOT {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
