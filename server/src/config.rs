@@ -100,6 +100,11 @@ pub struct ServerConfig {
     /// more are refused until it releases some. Default: 4096.
     #[arg(long, value_name = "N", default_value_t = 4096, hide_default_value = true)]
     pub peer_max_grants: usize,
+    /// Cluster mode: how long the peer thread keeps polling after a grant it served or a read
+    /// it did, when it has two cores or more (its own and TE's); 0 parks at once; at most
+    /// 100ms. Default: 20ms.
+    #[arg(long, value_name = "DUR", default_value = "20ms", hide_default_value = true)]
+    pub peer_spin_window: Span,
     /// Cluster mode: the shared library of a Mooncake Transfer Engine build that exports TE's
     /// C API (`libtransfer_engine.so`; a path, or a name the loader searches for), used to
     /// move peer bytes. Default: none (builds with `te-python` use the wheel's engine; others
@@ -684,6 +689,9 @@ impl ServerConfig {
         }
         if !(1..=1 << 20).contains(&self.peer_max_grants) {
             return Err(invalid("--peer-max-grants", "must be 1 to 1048576"));
+        }
+        if self.peer_spin_window.duration() > Duration::from_millis(100) {
+            return Err(invalid("--peer-spin-window", "must be at most 100ms"));
         }
         if self.etcd.is_empty() {
             for (flag, set) in [

@@ -329,7 +329,7 @@ fn start_peering(
         arena: (arena.base_ptr() as u64, arena.len()),
         catalog_max_per_peer: settings.config.peer_catalog_entries,
         max_grants_per_peer: settings.config.peer_max_grants,
-        spin_window: settings.spin_window,
+        spin_window: settings.config.peer_spin_window.duration(),
     };
     match cluster.start_peering(cfg) {
         Ok(queue) => {

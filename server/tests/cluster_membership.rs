@@ -122,6 +122,7 @@ fn cluster_flags_are_checked() {
         (vec!["--cluster-lease-ttl", "0s"], "--cluster-lease-ttl"),
         (vec!["--peer-catalog-entries", "0"], "--peer-catalog-entries"),
         (vec!["--peer-max-grants", "0"], "--peer-max-grants"),
+        (vec!["--peer-spin-window", "101ms"], "--peer-spin-window"),
         (vec!["--te-library", "libtransfer_engine.so"], "--te-library"),
         (vec!["--te-transport", "tcp"], "--te-transport"),
         (
