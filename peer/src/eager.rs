@@ -4,8 +4,8 @@
 //! after its one message, so hyper sends that message in a DATA frame and then an empty DATA
 //! frame with END_STREAM; the owner's unary handler waits for the second. [`EagerEnd`] looks
 //! one frame ahead, so a body whose next poll already says "ended" reports it with the
-//! message and hyper sets END_STREAM on the message's own frame: one frame, and on loopback
-//! one wake-up of the owner, fewer per grant.
+//! message and hyper sets END_STREAM on the message's own frame: one frame fewer per request,
+//! and the owner's handler starts when the message arrives.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
