@@ -4,9 +4,13 @@
 # tensors shared by CUDA IPC, every byte checked both ways, the ranks meeting at a barrier so
 # their ceilings, saves and loads run at the same time, the group prefix checked after both
 # saved. Then one rank is SIGKILLed during a save while the other runs on, and a clean group
-# run follows. SHARDS sets the shard count (15). Run from the repository root with the
-# stripped release binaries in .device-bin/; results go to $OUT (an existing directory).
+# run follows. SHARDS sets the shard count (15). DEVICES gives rank 0's and rank 1's GPU
+# ("0 1"; "0 0" runs both ranks on one GPU: the correctness checks without the two-GPU rates).
+# Run from the repository root with the stripped release binaries in .device-bin/; results go
+# to $OUT (an existing directory).
 B=.device-bin
+read -r -a DEV <<< "${DEVICES:-0 1}"
+[ ${#DEV[@]} -eq 2 ] || { echo "DEVICES: two GPU indices, rank 0's then rank 1's" >&2; exit 2; }
 S=/tmp/okvtp/s.sock
 rm -rf /tmp/okvtp; mkdir -p /tmp/okvtp
 nvidia-smi topo -m > $OUT/topo.txt 2>&1
@@ -21,7 +25,7 @@ NHD="--layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 12
 SGL="--layout sglang --layers 32 --block-tokens 1 --kv-heads 8 --head-dim 128 --blocks 16384 --blocks-per-chunk 16"
 log() { echo "$*" >> $OUT/tp.log; }
 # One rank alone on each GPU: each GPU's own ceiling and rate.
-for dev in 0 1; do
+for dev in $(printf '%s\n' "${DEV[@]}" | sort -u); do
   log "== solo-nhd-$dev: --device $dev $NHD"
   $D --iterations 3 --device $dev $NHD > $OUT/tp-solo-nhd-$dev.json 2>> $OUT/tp.log; log "rc=$?"
 done
@@ -31,7 +35,7 @@ group() {
   rm -rf /tmp/okvtp/b-$name
   log "== group-$name: $*"
   for r in 0 1; do
-    $D --iterations 3 --device $r --tp-rank $r --tp-world-size 2 --barrier /tmp/okvtp/b-$name "$@" \
+    $D --iterations 3 --device ${DEV[$r]} --tp-rank $r --tp-world-size 2 --barrier /tmp/okvtp/b-$name "$@" \
       > $OUT/tp-$name-$r.json 2>> $OUT/tp.log &
     pids[$r]=$!
   done
@@ -44,11 +48,11 @@ stats > $OUT/tp-stats-before-kill.json
 # half a minute, so it is still saving when killed) starts first; rank 0 starts once rank 1 is
 # registered, and rank 1 is killed 0.2 s after rank 0 registered too (rank 0 is then saving).
 regs() { stats | field 'd["gpu_transfers"]["registrations"]' 2>/dev/null; }
-log "== survivor: rank 0 on GPU 0 while rank 1 on GPU 1 is killed"
-$D --iterations 200 --device 1 --tp-rank 1 --tp-world-size 2 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 6 > $OUT/tp-killed-1.json 2>&1 &
+log "== survivor: rank 0 on GPU ${DEV[0]} while rank 1 on GPU ${DEV[1]} is killed"
+$D --iterations 200 --device ${DEV[1]} --tp-rank 1 --tp-world-size 2 --layout flash-nhd --layers 32 --block-tokens 16 --kv-heads 8 --head-dim 128 --blocks 4096 --seed 6 > $OUT/tp-killed-1.json 2>&1 &
 K=$!
 for i in $(seq 600); do [ "$(regs)" -ge 1 ] 2>/dev/null && break; sleep 0.05; done
-$D --iterations 8 --device 0 --tp-rank 0 --tp-world-size 2 $NHD --seed 5 > $OUT/tp-survivor-0.json 2>> $OUT/tp.log &
+$D --iterations 8 --device ${DEV[0]} --tp-rank 0 --tp-world-size 2 $NHD --seed 5 > $OUT/tp-survivor-0.json 2>> $OUT/tp.log &
 A=$!
 for i in $(seq 600); do n=$(regs); [ "${n:-0}" -ge 2 ] 2>/dev/null && break; sleep 0.05; done
 sleep 0.2
