@@ -93,7 +93,7 @@ pub struct PeeringConfig {
     /// Grants a requester may hold here at once.
     pub max_grants_per_peer: usize,
     /// How long the peer thread keeps polling after a grant it served or a read it did, like a
-    /// shard after work (`--spin-window`), when it has two cores or more (one for itself, the
+    /// shard after work (`--peer-spin-window`), when it has two cores or more (one for itself, the
     /// others for TE's threads); otherwise it parks at once.
     pub spin_window: std::time::Duration,
 }
