@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use orbitkv_proto::{ChunkKey, Hit, SlotRef};
 
-use crate::Cluster;
+use crate::{Cluster, Engine};
 
 /// A chunk as inventories describe it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +93,8 @@ pub struct PeeringConfig {
     /// Grants a requester may hold here at once.
     pub max_grants_per_peer: usize,
     /// How long the peer thread keeps polling after a grant it served or a read it did, like a
-    /// shard after work (`--peer-spin-window`), when it has two cores or more (one for itself, the
-    /// others for TE's threads); otherwise it parks at once.
+    /// shard after work (`--peer-spin-window`), when it has two cores or more (one for itself,
+    /// the others for TE's threads); otherwise it parks at once.
     pub spin_window: std::time::Duration,
 }
 
@@ -225,6 +225,16 @@ impl FetchReceiver {
     }
 }
 
+/// What the owner and requester sides of the peer thread both hold.
+#[derive(Clone)]
+pub(crate) struct Sides {
+    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) cfg: Arc<PeeringConfig>,
+    pub(crate) te: Engine,
+    /// The peer thread's polling after activity (shared: either side's activity keeps it up).
+    pub(crate) warm: crate::hot::Warm,
+}
+
 impl Cluster {
     /// Starts peering on the peer thread: registers the arena with TE, serves the peer RPC on
     /// `--peer-addr`, follows the members' inventories and performs the shards' peer reads.
@@ -247,14 +257,13 @@ impl Cluster {
             cores = self.cfg.cpus.len(),
             "peer thread polls after activity for this long (two cores or more needed)"
         );
-        let warm = crate::hot::Warm::new(window);
-        let owner =
-            crate::owner::Owner::new(Arc::clone(self), Arc::clone(&cfg), te.clone(), warm.clone());
-        let this = Arc::clone(self);
+        let sides =
+            Sides { cluster: Arc::clone(self), cfg, te, warm: crate::hot::Warm::new(window) };
+        let owner = crate::owner::Owner::new(sides.clone());
         self.runtime.spawn(async move {
             owner.serve(listener).await;
         });
-        let requester = crate::requester::Requester::new(this, cfg, te, warm);
+        let requester = crate::requester::Requester::new(sides);
         self.runtime.spawn(requester.run(rx));
         Ok(tx)
     }

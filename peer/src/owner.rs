@@ -90,12 +90,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl Owner {
-    pub(crate) fn new(
-        cluster: Arc<Cluster>,
-        cfg: Arc<PeeringConfig>,
-        te: Engine,
-        warm: Warm,
-    ) -> Arc<Self> {
+    pub(crate) fn new(sides: crate::node::Sides) -> Arc<Self> {
+        let crate::node::Sides { cluster, cfg, te, warm } = sides;
         let (updates, _) = broadcast::channel(UPDATES_BEHIND);
         Arc::new(Self {
             cluster,

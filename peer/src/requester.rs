@@ -97,12 +97,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 impl Requester {
-    pub(crate) fn new(
-        cluster: Arc<Cluster>,
-        cfg: Arc<PeeringConfig>,
-        te: Engine,
-        warm: Warm,
-    ) -> Arc<Self> {
+    pub(crate) fn new(sides: crate::node::Sides) -> Arc<Self> {
+        let crate::node::Sides { cluster, cfg, te, warm } = sides;
         Arc::new(Self { cluster, cfg, te, next_request: 1.into(), warm })
     }
 
