@@ -129,8 +129,9 @@ pub struct ServerConfig {
     /// `--no-lock-arena` turns it off. Default: true.
     #[arg(long = "no-lock-arena", action = ArgAction::SetFalse)]
     pub lock_arena: bool,
-    /// Pin each shard to its own core (best effort: a refusal is a warning); the flag
-    /// `--no-pin` turns it off. Default: true.
+    /// Pin each shard to its own core, the last of the allowed CPUs (engines pin from the
+    /// first; best effort: a refusal is a warning); the flag `--no-pin` turns it off.
+    /// Default: true.
     #[arg(long = "no-pin", action = ArgAction::SetFalse)]
     pub pin: bool,
     /// Uids allowed to open sessions besides the server's own and root (the flag repeats;

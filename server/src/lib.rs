@@ -18,6 +18,7 @@ mod gpu;
 mod ipc;
 mod metrics;
 mod peering;
+mod placement;
 mod router;
 mod shared;
 mod transfer;
@@ -152,52 +153,6 @@ fn remove_orphan_shard_files(dir: &Path, shards: usize) -> Result<(), StartError
         }
     }
     Ok(())
-}
-
-/// Cores for the GPU DMA threads (a save and a load thread per device, in that order): the
-/// allowed cores `cpus` after the shards' own, when pinning is on and there are enough of
-/// them; otherwise none, and the threads run unpinned beside the shards (said in the log).
-fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<usize> {
-    if !pin {
-        return Vec::new();
-    }
-    let wanted = shards + 2 * devices;
-    if wanted > cpus.len() {
-        tracing::info!(
-            shards,
-            dma_threads = 2 * devices,
-            cpus = cpus.len(),
-            "GPU DMA threads run unpinned: fewer cores than shards and DMA threads"
-        );
-        return Vec::new();
-    }
-    let cores = cpus[shards..wanted].to_vec();
-    tracing::info!(?cores, "GPU DMA threads pinned, one core each");
-    cores
-}
-
-/// Cores for the peer thread and the Transfer Engine's threads: the allowed cores `cpus`
-/// after the pinned shards' own (shared with GPU DMA threads pinned there), so that they never
-/// take a spinning shard's core; none (they run anywhere) when pinning is off or no core is
-/// left (said in the log).
-fn peer_cores(pin: bool, cpus: &[usize], shards: usize) -> Vec<usize> {
-    if !pin || shards >= cpus.len() {
-        tracing::info!(shards, cpus = cpus.len(), "peer threads run unpinned beside the shards");
-        return Vec::new();
-    }
-    let cores = cpus[shards..].to_vec();
-    tracing::info!(?cores, "peer threads on the cores after the shards");
-    cores
-}
-
-/// CPUs this process may run on, in order.
-fn allowed_cpus() -> Vec<usize> {
-    match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
-        Ok(set) => {
-            (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
-        }
-        Err(_) => (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect(),
-    }
 }
 
 /// io_uring memory per ring so that every executor's three rings fit RLIMIT_MEMLOCK.
@@ -419,7 +374,12 @@ fn start_gpu_service(
     };
     let shards = settings.shards;
     let service = gpu::GpuService::new(devices.to_vec(), Arc::clone(host), shards, limits)?;
-    let cores = dma_cores(settings.config.pin, &allowed_cpus(), shards, devices.len());
+    let cores = placement::dma_cores(
+        settings.config.pin,
+        &placement::allowed_cpus(),
+        shards,
+        devices.len(),
+    );
     service.start(Arc::clone(&shared.doorbells), &cores)?;
     tracing::info!(
         devices = devices.len(),
@@ -442,11 +402,8 @@ fn start_shards(
     ipc: &IpcNames,
 ) -> Result<(Vec<glommio::ExecutorJoinHandle<()>>, bool), StartError> {
     let shards = settings.shards;
-    let cpus = allowed_cpus();
-    let pin = settings.config.pin && shards <= cpus.len();
-    if settings.config.pin && !pin {
-        tracing::warn!(shards, cpus = cpus.len(), "more shards than CPUs: shards run unpinned");
-    }
+    let cpus = placement::allowed_cpus();
+    let cores = placement::shard_cores(settings.config.pin, &cpus, shards);
     // With a core to spare for clients, shards poll briefly after work; when every core runs a
     // shard, polling would starve the clients, so shards sleep on their doorbells at once.
     let idle = if shards < cpus.len() { IdlePolicy::Poll } else { IdlePolicy::Sleep };
@@ -474,7 +431,7 @@ fn start_shards(
         let ctx = ShardContext {
             id,
             shards,
-            cpu: pin.then(|| cpus[id]),
+            cpu: cores.as_ref().map(|c| c[id]),
             io_memory,
             core,
             control,
@@ -505,7 +462,7 @@ fn start_shards(
             Err(_) => return Err(StartError::ShardTimeout),
         }
     }
-    Ok((handles, pin))
+    Ok((handles, cores.is_some()))
 }
 
 /// What starts before the server: the metrics listener, bound (an address in use stops the
@@ -525,7 +482,11 @@ fn outside_links(
         .transpose()?;
     let cluster = match &settings.cluster {
         Some(cfg) => {
-            let cpus = peer_cores(settings.config.pin, &allowed_cpus(), settings.shards);
+            let cpus = placement::peer_cores(
+                settings.config.pin,
+                &placement::allowed_cpus(),
+                settings.shards,
+            );
             let cfg = orbitkv_peer::ClusterConfig { cpus, ..cfg.clone() };
             Some(orbitkv_peer::Cluster::start(cfg, CLUSTER_JOIN_WAIT)?)
         }
@@ -582,33 +543,5 @@ fn drain(settings: &Settings, shared: &Shared) {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{dma_cores, peer_cores};
-
-    #[test]
-    fn peer_threads_take_the_cores_after_the_shards() {
-        let cpus: Vec<usize> = (0..16).collect();
-        assert_eq!(peer_cores(true, &cpus, 14), vec![14, 15]);
-        assert_eq!(peer_cores(true, &[4, 5, 6, 7], 1), vec![5, 6, 7]);
-        // No core left, or pinning off: anywhere.
-        assert!(peer_cores(true, &[0, 1], 2).is_empty());
-        assert!(peer_cores(false, &cpus, 4).is_empty());
-    }
-
-    #[test]
-    fn dma_threads_take_the_cores_after_the_shards() {
-        let cpus: Vec<usize> = (0..16).collect();
-        assert_eq!(dma_cores(true, &cpus, 4, 1), vec![4, 5]);
-        assert_eq!(dma_cores(true, &cpus, 4, 2), vec![4, 5, 6, 7]);
-        // The allowed cores need not start at 0 nor be adjacent.
-        assert_eq!(dma_cores(true, &[2, 3, 8, 9, 12], 2, 1), vec![8, 9]);
-        assert_eq!(dma_cores(true, &[0, 1, 2], 1, 1), vec![1, 2]);
-        // Too few cores (CI's two), or pinning off: the threads run unpinned.
-        assert!(dma_cores(true, &[0, 1], 1, 1).is_empty());
-        assert!(dma_cores(false, &cpus, 4, 1).is_empty());
     }
 }
