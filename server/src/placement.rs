@@ -1,13 +1,14 @@
 //! Which cores the Manager's threads take.
 //!
 //! The Manager shares its host with the engines it serves, and engines that pin their threads
-//! start at the first core: vLLM's CPU worker binds its OpenMP threads from CPU 0 up, and
-//! `taskset`/cgroup layouts give a host's first cores to the workload. A shard that polls on
-//! a core an engine also pins is starved by it (its requests wait for the engine's time
-//! slices, saves time out, loads fail), so the Manager places from the other end: the shards
-//! take the last of the CPUs it may run on, the GPU DMA threads the ones below them, and the
-//! peer threads every core that is not a shard's. The start log says which cores each took and
-//! why; `ctl stats` gives each shard's core.
+//! start at the first core: vLLM's CPU worker binds its OpenMP threads from CPU 0 up and leaves
+//! the last cores of its NUMA node to other processes (`VLLM_CPU_NUM_OF_RESERVED_CPU`, one more
+//! with a KV connector), and `taskset`/cgroup layouts give a host's first cores to the workload.
+//! A shard that polls on a core an engine also pins is starved by it (its requests wait for the
+//! engine's time slices, saves time out, loads fail), so the Manager places from the other end:
+//! the shards take the last of the CPUs it may run on, the GPU DMA threads the ones below them,
+//! and the peer threads every core that is not a shard's. The start log says which cores each
+//! took and why; `ctl stats` gives each shard's core.
 
 /// CPUs this process may run on (its affinity mask, which `taskset` and cgroups narrow), in
 /// ascending order.
