@@ -6,6 +6,7 @@ error per block, and a Manager that is down."""
 from __future__ import annotations
 
 import os
+import signal
 import types
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("vllm") if not os.environ.get("ORBITKV_REQUIRE_VLLM") else _
 torch = pytest.importorskip("torch")
 
 import orbitkv  # noqa: E402
+from conftest import wait_until  # noqa: E402
 from orbitkv.vllm.config import ConfigError, check_hashing, namespace  # noqa: E402
 from orbitkv.vllm.scheduler import SchedulerSide  # noqa: E402
 from orbitkv.vllm.worker import WorkerSide  # noqa: E402
@@ -60,7 +62,8 @@ def store(server, cfg, req, n, rank=0):
 
 def side(server, tp=1, socket=None):
     cfg = vllm_config(tp)
-    s = SchedulerSide(cfg, {"socket": socket or server.socket})
+    # A generous wait: these tests check what a lookup answers, not when.
+    s = SchedulerSide(cfg, {"socket": socket or server.socket, "lookup_wait": 10.0})
     return cfg, s
 
 
@@ -78,17 +81,17 @@ def test_new_request_partial_and_full_hits(server):
     assert list(loads) == ["b"] and loads["b"][1] == [10, 11]
     assert loads["b"][0] == [orbitkv.chunk_digest(h) for h in r.block_hashes[:2]]
     s.update_connector_output(types.SimpleNamespace(finished_recving={"b"}, finished_sending=None))
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 0, "released once the load ended"
     # Full hit: all blocks; a local prefix hit of 1 block is not loaded again.
     store(server, cfg, r, 4)
     r2 = request("c", 4, seed=1)
     assert s.get_num_new_matched_tokens(r2, BS) == (3 * BS, True)
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 3
     # The scheduler took none of it (a local tail won): the leases go at once.
     s.update_state_after_alloc(r2, Blocks([1, 2, 3, 4]), 0)
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 0
     st = s.stats.totals()
     assert (st["lookups"], st["hit_blocks"]) == (3, 5)
@@ -100,13 +103,13 @@ def test_a_tp_group_reports_the_prefix_every_rank_has(server):
     store(server, cfg, r, 3, rank=0)
     store(server, cfg, r, 2, rank=1)
     assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, True)
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 4, "two blocks leased for each rank, no more"
     # The engine's own prefix cache already has 3 blocks, past what the group has: nothing to
     # load, and every lease (rank 0 held 3) goes back exactly once.
     r2 = request("t2", 4, seed=2)
     assert s.get_num_new_matched_tokens(r2, 3 * BS) == (0, False)
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 4 and s.manager.client.deferred_failures == 0
 
 
@@ -117,7 +120,7 @@ def test_preemption_abort_during_load_and_finish_during_save(server):
     assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
     # Preempted before its load was scheduled and asked again: the old leases go first.
     assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 3
     s.update_state_after_alloc(r, Blocks([5, 6, 7]), 3 * BS)
     s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
@@ -125,7 +128,7 @@ def test_preemption_abort_during_load_and_finish_during_save(server):
     assert s.request_finished(r, [5, 6, 7]) is False
     assert server.shard_sum("leases") == 3
     s.update_connector_output(types.SimpleNamespace(finished_recving={"p"}, finished_sending=None))
-    s.manager.client.flush()
+    s.flush()
     assert server.shard_sum("leases") == 0 and "p" not in s.reqs
 
     # A request that computes its blocks: saves planned as blocks fill, then it finishes
@@ -152,6 +155,45 @@ def test_a_manager_that_is_down_makes_misses_and_is_counted(server, tmp_path):
     # 50 lookups and the namespaces' registration, each failing fast as unavailable.
     assert st["unavailable"] == 51 and st["miss_blocks"] == 200
     assert s.manager.client.connect_attempts < 10, "reconnects back off"
+
+
+def test_a_stopped_manager_never_stalls_the_scheduler(server):
+    """A Manager that does not answer (stopped: SIGSTOP) costs the scheduler a step's wait, not
+    its request timeout: the lookup is asked again next step (None), then given up as a miss;
+    its leases go back once the Manager answers again, and lookups hit again."""
+    cfg = vllm_config()
+    s = SchedulerSide(cfg, {"socket": server.socket, "lookup_wait": 0.01, "lookup_timeout": 0.3})
+    r = request("s", 4, seed=5)
+    store(server, cfg, r, 4)
+    answers = []
+    wait_until("an answer", lambda: answers.append(s.get_num_new_matched_tokens(r, 0)) or answers[-1][0] is not None)
+    assert answers[-1] == (4 * BS, True), "answered while the Manager runs"
+    s.request_finished(r, [])
+    s.flush()
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        late = request("t", 4, seed=5)
+        assert s.get_num_new_matched_tokens(late, 0) == (None, False), "asked again next step"
+        wait_until("the lookup's deadline", lambda: s.get_num_new_matched_tokens(late, 0) != (None, False), 5)
+        assert s.get_num_new_matched_tokens(late, 0) == (None, False), "a new lookup, asked again"
+        assert s.stats.totals()["unavailable"] >= 1
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    # Given up: a miss; the Manager back, its lookup's leases are returned and lookups hit.
+    s.request_finished(late, [])
+    s.flush(timeout=30)
+    wait_until("the abandoned lookups' leases returned", lambda: server.shard_sum("leases") == 0, 30)
+    again = request("u", 4, seed=5)
+    wait_until("a hit again", lambda: s.get_num_new_matched_tokens(again, 0) == (4 * BS, True), 30)
+
+
+def test_bad_durations_are_refused_naming_the_key(server):
+    cfg = vllm_config()
+    for key, value in (("lookup_timeout", "soon"), ("lookup_timeout", 0), ("lookup_wait", -1),
+                       ("request_timeout", float("nan"))):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config {key}="):
+            SchedulerSide(cfg, {"socket": server.socket, key: value})
+    assert SchedulerSide(cfg, {"socket": server.socket, "lookup_wait": 0}).lookup_wait == 0
 
 
 def test_an_unstable_hash_setting_is_refused_naming_it(monkeypatch):

@@ -9,6 +9,7 @@ from vllm.logger import init_logger
 
 from .. import Client, NamespaceDescriptor, OrbitKVError
 from .._outage import Outage
+from .config import seconds
 from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
@@ -19,7 +20,7 @@ class Manager:
         self.client = Client(
             ex.get("socket"),
             name=name,
-            request_timeout=float(ex.get("request_timeout", 10.0)),
+            request_timeout=seconds(ex, "request_timeout", 10.0),
             connect=False,
         )
         self.stats = stats

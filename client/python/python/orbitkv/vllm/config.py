@@ -54,6 +54,20 @@ def extra(vllm_config: Any) -> Dict[str, Any]:
     return dict(getattr(kv, "kv_connector_extra_config", None) or {})
 
 
+def seconds(ex: Dict[str, Any], key: str, default: float, *, zero_ok: bool = False) -> float:
+    """A duration option of `kv_connector_extra_config`, in seconds; refused, naming the key,
+    when it is not a number, negative, or zero where zero makes no sense."""
+    value = ex.get(key, default)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config {key}={value!r}: seconds, a number") from None
+    if not out >= 0 or (out == 0 and not zero_ok) or out == float("inf"):
+        least = "0 or more" if zero_ok else "more than 0"
+        raise ConfigError(f"kv_connector_extra_config {key}={value!r}: seconds, {least}")
+    return out
+
+
 def check_hashing(vllm_config: Any) -> str:
     """The block-hash algorithm, refused when it is not stable across processes."""
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))

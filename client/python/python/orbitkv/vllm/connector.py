@@ -59,7 +59,9 @@ class OrbitKVConnectorMetadata(KVConnectorMetadata):
 class OrbitKVConnector(KVConnectorBase_V1):
     """See the module docs. Extra config (`kv_connector_extra_config`): `socket` (default: the
     Manager's default socket), `namespace_model` (the model name in the namespace; default the
-    served model name), `request_timeout` (seconds, default 10), `gpu_path` (`auto`, `server`
+    served model name), `request_timeout` (seconds, default 10), `lookup_wait` (seconds the
+    scheduler waits for a lookup in its step, default 0.02), `lookup_timeout` (seconds after
+    which an unanswered lookup is a miss, default 1), `gpu_path` (`auto`, `server`
     or `engine`: who copies a GPU KV cache; default `auto`), `gpu_save_path` (who copies its
     saves; default `engine` when `gpu_path` is `auto`, else `gpu_path`)."""
 

@@ -1,14 +1,20 @@
 """The scheduler side of the connector: lookups, leases, and which blocks each step loads and
-saves. Runs in vLLM's engine-core process."""
+saves. Runs in vLLM's engine-core process; its calls to the Manager run on a thread of their
+own (`_calls.Calls`), so that a slow or stopped Manager never stalls vLLM's scheduler: a lookup
+not answered within `lookup_wait` is asked again next step (vLLM's `None`), and one not answered
+within `lookup_timeout` is a miss, logged once per outage and counted as `unavailable`."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import ChunkKey, Lease, OrbitKVError, chunk_digest
+from .. import ChunkKey, Lease, OrbitKVError, Timeout, chunk_digest
+from ._calls import Calls
 from ._manager import Manager
-from .config import layout_name, namespace
+from .config import layout_name, namespace, seconds
 from .stats import Counters
 
 Work = Dict[str, Tuple[List[bytes], List[int]]]
@@ -22,6 +28,9 @@ class _Request:
     leases: List[List[Lease]] = dataclasses.field(default_factory=list)
     #: Block range [start, end) the last lookup found, to load if the scheduler takes it.
     found: Optional[Tuple[int, int]] = None
+    #: The lookup handed to the calls thread and not taken yet, and when it was asked.
+    lookup: Optional["concurrent.futures.Future[List[List[Lease]]]"] = None
+    lookup_since: float = 0.0
     loading: bool = False
     #: Blocks [0, saved) are in OrbitKV or sent to the workers for saving.
     saved: int = 0
@@ -39,8 +48,15 @@ class SchedulerSide:
         self.vllm_config = vllm_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.world = int(vllm_config.parallel_config.tensor_parallel_size)
+        #: How long a lookup is waited for in the step that asks it (seconds), and after how
+        #: long an unanswered one is given up as a miss.
+        self.lookup_wait = seconds(ex, "lookup_wait", 0.02, zero_ok=True)
+        self.lookup_timeout = seconds(ex, "lookup_timeout", 1.0)
         self.stats = Counters()
         self.manager = Manager(ex, "vllm-scheduler", self.stats)
+        self.calls = Calls()
+        # The session opens now, off the scheduler's loop, so that the first lookups find it.
+        self.calls.submit(self.ns_ids)
         self._ns_ids: Optional[List[int]] = None
         self.reqs: Dict[str, _Request] = {}
         self.pending_loads: Work = {}
@@ -56,44 +72,95 @@ class SchedulerSide:
         return self._ns_ids
 
     def _release(self, leases: List[List[Lease]]) -> None:
+        """Gives leases back, on the calls thread (never waits)."""
         held = [lease for rank in leases for lease in rank]
         if not held:
             return
-        try:
-            self.manager.client.release_deferred(held)
-        except OrbitKVError as e:
-            # Stale (the session they were taken in ended): the Manager already dropped them.
-            if getattr(e, "kind", "") != "stale":
-                self.manager.failed(e, "release")
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        def release() -> None:
+            try:
+                self.manager.client.release_deferred(held)
+            except OrbitKVError as e:
+                # Stale (the session they were taken in ended): the Manager already dropped them.
+                if getattr(e, "kind", "") != "stale":
+                    self.manager.failed(e, "release")
+
+        self.calls.submit(release, bounded=False)
+
+    def _lookup(self, digests: List[bytes]) -> List[List[Lease]]:
+        """On the calls thread: leases on the longest prefix of `digests` each TP rank has."""
+        ns_ids = self.ns_ids()
+        leases: List[List[Lease]] = []
+        limit = len(digests)
+        for ns in ns_ids:
+            got = self.manager.client.lookup_leased([ChunkKey(ns, d) for d in digests[:limit]])
+            leases.append(got)
+            limit = min(limit, len(got))
+        self.manager.ok()
+        return leases
+
+    def _abandon(self, lookup: "concurrent.futures.Future[List[List[Lease]]]") -> None:
+        """A lookup no request will use: not asked if it has not started, else its leases go
+        back when it ends."""
+        if lookup.cancel():
+            return
+
+        def give_back(f: "concurrent.futures.Future[List[List[Lease]]]") -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._release(f.result())
+
+        lookup.add_done_callback(give_back)
+
+    def _ask(self, st: _Request, n: int) -> Optional[List[List[Lease]]]:
+        """The leases of the request's lookup of its first `n` blocks: asked now if it has none
+        under way; None while its answer is late (vLLM asks again next step). Raises
+        `OrbitKVError` for a failed or given-up lookup."""
+        if st.lookup is None:
+            lookup = self.calls.submit(self._lookup, list(st.digests[:n]))
+            if lookup is None:
+                raise Timeout(f"{self.calls.queued} calls to the Manager are waiting")
+            st.lookup, st.lookup_since, wait = lookup, time.monotonic(), self.lookup_wait
+        else:
+            wait = 0.0
+        lookup = st.lookup
+        try:
+            leases = lookup.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() - st.lookup_since < self.lookup_timeout:
+                return None
+            st.lookup = None
+            self._abandon(lookup)
+            raise Timeout(f"lookup not answered in {self.lookup_timeout:g} s") from None
+        finally:
+            if st.lookup is not None and st.lookup.done():
+                st.lookup = None
+        return leases
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         rid = request.request_id
         st = self.reqs.get(rid)
         if st is None:
             st = self.reqs[rid] = _Request(request)
-        else:
+        elif st.lookup is None:
             # Asked again (a preempted request coming back): its earlier leases go.
             st.request = request
             self._release(st.leases)
             st.leases, st.found = [], None
         hashes = list(request.block_hashes)
         local = num_computed_tokens // self.block_size
-        if len(hashes) <= local:
+        if len(hashes) <= local and st.lookup is None:
             return 0, False
         st.extend_digests(len(hashes))
         try:
-            ns_ids = self.ns_ids()
-            leases: List[List[Lease]] = []
-            limit = len(hashes)
-            for ns in ns_ids:
-                got = self.manager.client.lookup_leased([ChunkKey(ns, d) for d in st.digests[:limit]])
-                leases.append(got)
-                limit = min(limit, len(got))
-            self.manager.ok()
+            got = self._ask(st, len(hashes))
         except OrbitKVError as e:
             self.manager.failed(e, "lookup")
-            self.stats.add(lookups=1, miss_blocks=len(hashes) - local)
+            self.stats.add(lookups=1, miss_blocks=max(0, len(hashes) - local))
             return 0, False
+        if got is None:
+            return None, False
+        leases = got
+        limit = min([len(hashes)] + [len(rank) for rank in leases])
         # Keep the leases of the blocks to load, [local, limit); the others go back now (a
         # rank may hold more than `limit`, and the engine's own hit may reach past it).
         end = max(local, limit)
@@ -164,6 +231,9 @@ class SchedulerSide:
         if st is None:
             return False
         st.finished = True
+        if st.lookup is not None:
+            self._abandon(st.lookup)
+            st.lookup = None
         if not st.loading:
             self._release(st.leases)
             st.leases, st.found = [], None
@@ -171,10 +241,18 @@ class SchedulerSide:
                 del self.reqs[request.request_id]
         return st.had_saves
 
+    def flush(self, timeout: float = 10.0) -> None:
+        """Waits until every call handed to the Manager so far is done, deferred releases
+        answered too."""
+        self.calls.submit(self.manager.client.flush, bounded=False).result(timeout)
+
     def shutdown(self) -> None:
         for st in self.reqs.values():
+            if st.lookup is not None:
+                self._abandon(st.lookup)
             self._release(st.leases)
         try:
-            self.manager.client.flush()
-        except OrbitKVError:
+            self.flush(timeout=5.0)
+        except (OrbitKVError, concurrent.futures.TimeoutError):
             pass
+        self.calls.close()
