@@ -99,6 +99,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     g.add_argument("--engine-timeout", type=float, default=600, help="seconds for vllm serve to get healthy")
     g.add_argument("--manager-args", default="", help="more orbitkv-server flags, space-separated")
     g.add_argument("--engine-args", default="", help="more vllm serve flags, space-separated")
+    g.add_argument("--connector-extra", default="{}",
+                   help="JSON merged into the OrbitKV connector's kv_connector_extra_config, e.g. "
+                        "'{\"load_mode\": \"async\"}'")
     g = ap.add_argument_group("budgets")
     g.add_argument("--block-size", type=int, default=None,
                    help="engine KV block size in tokens (default: vLLM's, 128 on the CPU, 16 on CUDA)")
@@ -246,6 +249,11 @@ class Runner:
         self.a = a
         os.makedirs(a.out, exist_ok=True)
         self.binary = server_binary(a)
+        try:
+            self.connector_extra = json.loads(a.connector_extra)
+            assert isinstance(self.connector_extra, dict)
+        except (ValueError, AssertionError):
+            raise SystemExit(f"invalid --connector-extra {a.connector_extra!r}: a JSON object") from None
         shape = dict(model_files.DEFAULT_SHAPE)
         if a.dtype:
             shape["torch_dtype"] = a.dtype
@@ -276,6 +284,7 @@ class Runner:
             "rounds": a.rounds,
             "order": "cases in the given order in rounds 1 and 3, reversed in round 2 (and so on)",
             "cases": a.cases,
+            "connector_extra": self.connector_extra,
             "workloads": a.workloads,
             "model": {**self.shape, "dir": self.model_dir, "weights": "dummy"},
             "budget": self.budget.as_dict(),
@@ -305,7 +314,7 @@ class Runner:
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "OrbitKVConnector", "kv_connector_module_path": "orbitkv.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"socket": manager.socket}})]
+                "kv_connector_extra_config": {"socket": manager.socket, **self.connector_extra}})]
         if case.offload:
             args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{b.dram / GIB:.3f}"]
         return args + a.engine_args.split()

@@ -62,8 +62,9 @@ def store(server, cfg, req, n, rank=0):
 
 def side(server, tp=1, socket=None):
     cfg = vllm_config(tp)
-    # A generous wait: these tests check what a lookup answers, not when.
-    s = SchedulerSide(cfg, {"socket": socket or server.socket, "lookup_wait": 10.0})
+    # A generous wait: these tests check what a lookup answers, not when. Async loads, as GPU
+    # caches have them (the sync ones, a CPU cache's default, have their own test).
+    s = SchedulerSide(cfg, {"socket": socket or server.socket, "lookup_wait": 10.0, "load_mode": "async"})
     return cfg, s
 
 
@@ -167,7 +168,7 @@ def test_a_stopped_manager_never_stalls_the_scheduler(server):
     store(server, cfg, r, 4)
     answers = []
     wait_until("an answer", lambda: answers.append(s.get_num_new_matched_tokens(r, 0)) or answers[-1][0] is not None)
-    assert answers[-1] == (4 * BS, True), "answered while the Manager runs"
+    assert answers[-1] == (4 * BS, False), "answered while the Manager runs"
     s.request_finished(r, [])
     s.flush()
     server.proc.send_signal(signal.SIGSTOP)
@@ -184,7 +185,7 @@ def test_a_stopped_manager_never_stalls_the_scheduler(server):
     s.flush(timeout=30)
     wait_until("the abandoned lookups' leases returned", lambda: server.shard_sum("leases") == 0, 30)
     again = request("u", 4, seed=5)
-    wait_until("a hit again", lambda: s.get_num_new_matched_tokens(again, 0) == (4 * BS, True), 30)
+    wait_until("a hit again", lambda: s.get_num_new_matched_tokens(again, 0) == (4 * BS, False), 30)
 
 
 def test_bad_durations_are_refused_naming_the_key(server):
@@ -205,10 +206,61 @@ def test_an_unstable_hash_setting_is_refused_naming_it(monkeypatch):
     check_hashing(vllm_config(algo="sha256_cbor"))
 
 
-def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatch):
+def test_sync_loads_are_reported_in_their_step_and_their_leases_held_past_it(server):
+    """A CPU KV cache's default: the hit is a load done in the step that schedules the request
+    (not async); its leases are kept until every step that may run it has ended."""
+    cfg = vllm_config()
+    s = SchedulerSide(cfg, {"socket": server.socket, "lookup_wait": 10.0})
+    assert s.sync_loads
+    r = request("y", 4, seed=9)
+    store(server, cfg, r, 3)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, False)
+    s.update_state_after_alloc(r, Blocks([40, 41, 42, 43]), 3 * BS)
+    no_work = types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set())
+    loads, _, _ = s.build_step(no_work)
+    assert loads["y"][1] == [40, 41, 42]
+    s.flush()
+    assert server.shard_sum("leases") == 3, "held while the step that loads may run"
+    s.build_step(no_work)
+    s.flush()
+    assert server.shard_sum("leases") == 3, "and the one after it (one batch in flight)"
+    s.build_step(no_work)
+    s.flush()
+    assert server.shard_sum("leases") == 0, "then given back"
+    # No finished_recving follows a sync load: the request finishes as any other.
+    assert s.request_finished(r, [40, 41, 42, 43]) is False and "y" not in s.reqs
+    with pytest.raises(ConfigError, match="load_mode='later'"):
+        SchedulerSide(cfg, {"socket": server.socket, "load_mode": "later"})
+
+
+def test_worker_sync_loads_land_before_the_step_and_report_errors_in_it(server, monkeypatch):
     monkeypatch.setattr("orbitkv.vllm.worker._tp_rank", lambda: 0)
     cfg = vllm_config()
     w = WorkerSide(cfg, {"socket": server.socket})
+    assert w.sync_loads
+    g = torch.Generator().manual_seed(1)
+    kv = {f"layer.{i}": torch.randn(8, 1, BS, 32, generator=g) for i in range(2)}
+    w.register_kv_caches(kv)
+    r = request("z", 3, seed=6)
+    digests = [orbitkv.chunk_digest(h) for h in r.block_hashes]
+    w.start_saves({"z": (digests[:2], [1, 2])})
+    w.wait_for(["z"])
+    before = {k: v.clone() for k, v in kv.items()}
+    # Blocks 1-2 saved, block 3 never was: it fails, in this step's errors.
+    w.start_loads({"l": (digests, [5, 6, 7])})
+    for k in kv:
+        assert torch.equal(kv[k][5], before[k][1]) and torch.equal(kv[k][6], before[k][2])
+    # The load is no transfer to report; the save's request has not finished.
+    assert w.get_finished(set()) == (None, None)
+    assert w.take_load_errors() == {7}
+    assert w.take_load_errors() == set()
+    w.shutdown()
+
+
+def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatch):
+    monkeypatch.setattr("orbitkv.vllm.worker._tp_rank", lambda: 0)
+    cfg = vllm_config()
+    w = WorkerSide(cfg, {"socket": server.socket, "load_mode": "async"})
     g = torch.Generator().manual_seed(0)
     kv = {f"layer.{i}": torch.randn(8, 1, BS, 32, generator=g) for i in range(2)}
     w.register_kv_caches(kv)

@@ -68,6 +68,21 @@ def seconds(ex: Dict[str, Any], key: str, default: float, *, zero_ok: bool = Fal
     return out
 
 
+def sync_loads(vllm_config: Any, ex: Dict[str, Any]) -> bool:
+    """Whether loads finish inside the step that schedules them (`load_mode`): `sync` (the
+    worker copies before the forward pass; no step is spent waiting for the load), `async` (the
+    request waits in `WAITING_FOR_REMOTE_KVS` while other requests' steps run; a GPU cache's
+    DMA overlaps them), or `auto` (the default: sync for a CPU KV cache, whose copies are
+    memory copies of this process, async otherwise)."""
+    mode = str(ex.get("load_mode", "auto"))
+    if mode not in ("auto", "sync", "async"):
+        raise ConfigError(f"kv_connector_extra_config load_mode={mode!r}: auto, sync or async")
+    if mode != "auto":
+        return mode == "sync"
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    return str(device) == "cpu"
+
+
 def check_hashing(vllm_config: Any) -> str:
     """The block-hash algorithm, refused when it is not stable across processes."""
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))

@@ -61,7 +61,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
     Manager's default socket), `namespace_model` (the model name in the namespace; default the
     served model name), `request_timeout` (seconds, default 10), `lookup_wait` (seconds the
     scheduler waits for a lookup in its step, default 0.02), `lookup_timeout` (seconds after
-    which an unanswered lookup is a miss, default 1), `gpu_path` (`auto`, `server`
+    which an unanswered lookup is a miss, default 1), `load_mode` (`auto`, `sync` or `async`:
+    loads done before the forward pass of the step that schedules them, or while the request
+    waits; default `auto`: sync for CPU KV caches), `gpu_path` (`auto`, `server`
     or `engine`: who copies a GPU KV cache; default `auto`), `gpu_save_path` (who copies its
     saves; default `engine` when `gpu_path` is `auto`, else `gpu_path`)."""
 
@@ -123,8 +125,8 @@ class OrbitKVConnector(KVConnectorBase_V1):
         self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: a request whose blocks load is not in the batch until they
-        # are in place, so no layer waits here.
+        # Sync loads are done in start_load_kv, before the forward pass; an async load's
+        # request is not in the batch until its blocks are in place: no layer waits here.
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:

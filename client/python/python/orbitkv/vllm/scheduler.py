@@ -6,15 +6,16 @@ within `lookup_timeout` is a miss, logged once per outage and counted as `unavai
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import ChunkKey, Lease, OrbitKVError, Timeout, chunk_digest
 from ._calls import Calls
 from ._manager import Manager
-from .config import layout_name, namespace, seconds
+from .config import layout_name, namespace, seconds, sync_loads
 from .stats import Counters
 
 Work = Dict[str, Tuple[List[bytes], List[int]]]
@@ -52,6 +53,11 @@ class SchedulerSide:
         #: long an unanswered one is given up as a miss.
         self.lookup_wait = seconds(ex, "lookup_wait", 0.02, zero_ok=True)
         self.lookup_timeout = seconds(ex, "lookup_timeout", 1.0)
+        self.sync_loads = sync_loads(vllm_config, ex)
+        #: Sync loads: the leases of each step's loads, given back once every step that may
+        #: still be running them has ended (vLLM runs up to `max_concurrent_batches` at once).
+        self._step_leases: Deque[List[List[Lease]]] = collections.deque()
+        self._steps_in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1) + 1
         self.stats = Counters()
         self.manager = Manager(ex, "vllm-scheduler", self.stats)
         self.calls = Calls()
@@ -170,7 +176,7 @@ class SchedulerSide:
             return 0, False
         st.leases = [rank[local:limit] for rank in leases]
         st.found = (local, limit)
-        return (limit - local) * self.block_size, True
+        return (limit - local) * self.block_size, not self.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -194,6 +200,8 @@ class SchedulerSide:
 
     def build_step(self, out: Any) -> Tuple[Work, Work, List[str]]:
         loads, self.pending_loads = self.pending_loads, {}
+        if self.sync_loads:
+            self._hand_over_sync_loads(loads)
         saves: Work = {}
         for rid, n_sched in (out.num_scheduled_tokens or {}).items():
             st = self.reqs.get(rid)
@@ -210,6 +218,23 @@ class SchedulerSide:
             st.saved = full
             st.had_saves = True
         return loads, saves, list(getattr(out, "preempted_req_ids", None) or ())
+
+    def _hand_over_sync_loads(self, loads: Work) -> None:
+        """Sync loads run in this step's forward pass: no `finished_recving` follows them. Their
+        leases go back once the steps that may still run them have ended (the worker's copy
+        takes leases of its own; these keep the chunks until it has)."""
+        held: List[List[Lease]] = []
+        for rid in loads:
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            held.extend(st.leases)
+            st.leases, st.found, st.loading = [], None, False
+            if st.finished and not st.had_saves:
+                del self.reqs[rid]
+        self._step_leases.append(held)
+        while len(self._step_leases) > self._steps_in_flight:
+            self._release(self._step_leases.popleft())
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
@@ -247,6 +272,8 @@ class SchedulerSide:
         self.calls.submit(self.manager.client.flush, bounded=False).result(timeout)
 
     def shutdown(self) -> None:
+        while self._step_leases:
+            self._release(self._step_leases.popleft())
         for st in self.reqs.values():
             if st.lookup is not None:
                 self._abandon(st.lookup)

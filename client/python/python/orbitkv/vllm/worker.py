@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 
 from .. import ChunkKey, OrbitKVError, Region
 from ._manager import Manager
-from .config import ConfigError, layout_name, namespace, page_order
+from .config import ConfigError, layout_name, namespace, page_order, sync_loads
 from .stats import Counters
 
 log = init_logger("vllm.orbitkv")
@@ -58,6 +58,7 @@ class WorkerSide:
         self.rank = _tp_rank()
         self.manager = Manager(ex, f"vllm-worker-{self.rank}", self.stats)
         self.manager_extra = ex
+        self.sync_loads = sync_loads(vllm_config, ex)
         #: Who copies: `_HostCopies` for a CPU KV cache, `orbitkv.gpu.GpuBlockCopies` for a GPU one.
         self.copies: Any = None
         self.gpu: Any = None  # the GpuBlockCopies, for a GPU KV cache
@@ -138,6 +139,20 @@ class WorkerSide:
     # ---- the step's calls (forward thread)
 
     def start_loads(self, loads: Dict[str, Tuple[List[bytes], List[int]]]) -> None:
+        if self.sync_loads:
+            # Before the forward pass that reads them; failures go to this step's
+            # get_block_ids_with_load_errors (vLLM then recomputes from the first of them).
+            for digests, blocks in loads.values():
+                failed = set(blocks)
+                try:
+                    if self.gpu is not None:
+                        self._event().synchronize()
+                    failed = self._load(digests, blocks)
+                except Exception:
+                    log.exception("OrbitKV load of %d blocks failed", len(blocks))
+                with self._lock:
+                    self._load_errors |= failed
+            return
         ev = self._event() if loads else None
         with self._lock:
             for rid, (digests, blocks) in loads.items():
