@@ -348,7 +348,10 @@ class Runner:
             if w == "prefix":
                 res = self.prefix(engine, rundir, tag)
             else:
-                res = multiturn.run(engine.url, SERVED_NAME, self.plan, self.a.mt_concurrency)["summary"]
+                run = multiturn.run(engine.url, SERVED_NAME, self.plan, self.a.mt_concurrency)
+                res = run["summary"]
+                res["requests"] = [{k: q[k] for k in ("user", "round", "prompt_tokens", "ttft_s", "e2e_s", "error")}
+                                   for q in run["requests"]]
             res["wall_s"] = time.monotonic() - t0
             res.update(self.delta(before, self.counters(engine, manager)))
             out[w] = res
@@ -432,6 +435,12 @@ class Runner:
                 result["probes_before"] = send_probes(engine, self.probes, self.a.output_len)
                 result["workloads"] = self.run_workloads(engine, manager, rundir, tag)
                 result["probes_after"] = send_probes(engine, self.probes, self.a.output_len)
+            except (OSError, RuntimeError) as e:
+                # The engine died under the workload (its log says why): the run is reported
+                # as such, and the benchmark goes on with the next one.
+                result["ran"] = False
+                result["why_not"] = f"failed mid-run ({e}): {EngineFailed(engine.name, -1, engine.log_text()).reason()}"
+                return result
             finally:
                 engine.stop()
             result["ran"] = True

@@ -167,6 +167,8 @@ def summarize(outcomes: List[Outcome], wall: float) -> Dict[str, Any]:
     ttft = [o.ttft_s * 1e3 for o in ok]
     e2e = [o.e2e_s * 1e3 for o in ok]
     out_tokens = sum(len(o.output_ids) for o in ok)
+    rounds = sorted({o.round for o in ok})
+    by_round = {str(r): statistics.fmean(o.ttft_s * 1e3 for o in ok if o.round == r) for r in rounds}
     return {
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
@@ -179,6 +181,8 @@ def summarize(outcomes: List[Outcome], wall: float) -> Dict[str, Any]:
         "output_throughput": out_tokens / wall if wall > 0 else 0.0,
         "total_input_tokens": sum(o.prompt_tokens for o in ok),
         "total_output_tokens": out_tokens,
+        # Round 0 asks each user's first context (nothing to reuse); later rounds reuse it.
+        "mean_ttft_ms_by_round": by_round,
     }
 
 

@@ -82,11 +82,66 @@ def fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def medians(runs: List[Dict[str, Any]], workload: str) -> List[str]:
+    """One row per case: the median over its runs of each figure, and the range of mean TTFT."""
+    rows = ["| case | mean TTFT ms (median [range]) | p50 | p99 | output tok/s | duration s | external hits | "
+            "loaded MiB | saved MiB | failed requests | failed block loads | runs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    seen: List[str] = []
+    for r in runs:
+        if r["case"] not in seen:
+            seen.append(r["case"])
+    for case in seen:
+        ran = [r["workloads"][workload] for r in runs if r["case"] == case and r.get("ran")]
+        if not ran:
+            why = next((r.get("why_not") for r in runs if r["case"] == case), "")
+            rows.append(f"| {case} | did not run: {why} |" + " |" * 10)
+            continue
+
+        def med(k: str) -> float:
+            return statistics.median(float(x.get(k) or 0.0) for x in ran)
+
+        ttft = [x["mean_ttft_ms"] for x in ran]
+        load_errors = sum(int(((r.get("connector") or {}).get("worker") or {}).get("load_error_blocks") or 0)
+                          for r in runs if r["case"] == case and r.get("ran"))
+        rows.append(
+            f"| {case} | {med('mean_ttft_ms'):.1f} [{min(ttft):.1f}, {max(ttft):.1f}] | {med('median_ttft_ms'):.1f} | "
+            f"{med('p99_ttft_ms'):.1f} | {med('output_throughput'):.1f} | {med('duration_s'):.1f} | "
+            f"{med('external_hit_rate'):.2f} | {med('loaded_bytes') / (1 << 20):.0f} | "
+            f"{med('saved_bytes') / (1 << 20):.0f} | {sum(int(x.get('failed') or 0) for x in ran)} | {load_errors} | "
+            f"{len(ran)} |")
+    return rows
+
+
+def by_round(runs: List[Dict[str, Any]]) -> List[str]:
+    """Multiturn: mean TTFT of each conversation round (round 0: first contexts, nothing to
+    reuse), the median over the runs of a case."""
+    per_case: Dict[str, List[Dict[str, float]]] = {}
+    for r in runs:
+        x = (r.get("workloads") or {}).get("multiturn") or {}
+        if r.get("ran") and x.get("mean_ttft_ms_by_round"):
+            per_case.setdefault(r["case"], []).append(x["mean_ttft_ms_by_round"])
+    if not per_case:
+        return []
+    rounds = sorted({k for v in per_case.values() for d in v for k in d}, key=int)
+    rows = ["| case | " + " | ".join(f"round {k} TTFT ms" for k in rounds) + " |",
+            "| --- |" + " --- |" * len(rounds)]
+    for case, ds in per_case.items():
+        cells = [f"{statistics.median(d[k] for d in ds if k in d):.1f}" for k in rounds]
+        rows.append(f"| {case} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def markdown(result: Dict[str, Any]) -> str:
     runs = result["runs"]
     lines = []
     for w in result["protocol"]["workloads"]:
-        lines += [f"### {w}", "",
+        lines += [f"### {w}: medians over the rounds", ""] + medians(runs, w) + [""]
+        if w == "multiturn" and by_round(runs):
+            lines += ["### multiturn: mean TTFT by conversation round (median over the runs)", ""]
+            lines += by_round(runs) + [""]
+    for w in result["protocol"]["workloads"]:
+        lines += [f"### {w}: every run", "",
                   "| case | round | mean TTFT ms | p50 | p99 | output tok/s | duration s | failed | engine hits | "
                   "external hits | loaded MiB | saved MiB |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -15,7 +15,7 @@ pytest.importorskip("vllm") if not os.environ.get("ORBITKV_REQUIRE_VLLM") else _
 torch = pytest.importorskip("torch")
 
 import orbitkv  # noqa: E402
-from conftest import wait_until  # noqa: E402
+from conftest import Server, wait_until  # noqa: E402
 from orbitkv.vllm.config import ConfigError, check_hashing, namespace  # noqa: E402
 from orbitkv.vllm.scheduler import SchedulerSide  # noqa: E402
 from orbitkv.vllm.worker import WorkerSide  # noqa: E402
@@ -229,6 +229,12 @@ def test_sync_loads_are_reported_in_their_step_and_their_leases_held_past_it(ser
     assert server.shard_sum("leases") == 0, "then given back"
     # No finished_recving follows a sync load: the request finishes as any other.
     assert s.request_finished(r, [40, 41, 42, 43]) is False and "y" not in s.reqs
+    # A prompt of exactly 3 blocks, all of them stored: the step must still compute its last
+    # token, so the hit stops a block short.
+    whole = request("x", 3, seed=9)
+    whole.num_tokens = 3 * BS
+    assert s.get_num_new_matched_tokens(whole, 0) == (2 * BS, False)
+    s.request_finished(whole, [])
     with pytest.raises(ConfigError, match="load_mode='later'"):
         SchedulerSide(cfg, {"socket": server.socket, "load_mode": "later"})
 
@@ -255,6 +261,38 @@ def test_worker_sync_loads_land_before_the_step_and_report_errors_in_it(server, 
     assert w.take_load_errors() == {7}
     assert w.take_load_errors() == set()
     w.shutdown()
+
+
+def test_a_full_manager_refuses_saves_counted_and_logged_once(monkeypatch, caplog):
+    """Every chunk of the Manager's DRAM leased (nothing can be evicted): saves are refused,
+    the request goes on, the blocks are counted and the reason logged once."""
+    monkeypatch.setattr("orbitkv.vllm.worker._tp_rank", lambda: 0)
+    full = Server(["--shards", "1", "--dram", "64KiB"])
+    try:
+        cfg = vllm_config()
+        c = orbitkv.Client(full.socket)
+        d = namespace(cfg, 0, "LBHNC")
+        c.register_namespace(d)
+        # Eight 8 KiB chunks fill the 64 KiB arena; leased, none can be evicted.
+        keys = [orbitkv.ChunkKey(d.id, bytes([7, i]) * 16) for i in range(8)]
+        assert c.put([(k, bytes([i]) * 8192) for i, k in enumerate(keys)]) == ["stored"] * 8
+        held = c.lookup_leased(keys)
+        assert len(held) == 8
+        w = WorkerSide(cfg, {"socket": full.socket})
+        kv = {f"layer.{i}": torch.zeros(8, 1, BS, 32) for i in range(2)}
+        w.register_kv_caches(kv)
+        for n, rid in enumerate(("f", "g")):
+            digests = [orbitkv.chunk_digest(bytes([9, n, i]) * 8) for i in range(2)]
+            w.start_saves({rid: (digests, [1, 2])})
+            w.wait_for([rid])
+        t = w.stats.totals()
+        assert (t["save_refused_blocks"], t["saved_blocks"]) == (4, 0), t
+        refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1, [r.getMessage() for r in refusals]
+        w.shutdown()
+        c.release(held)
+    finally:
+        full.stop()
 
 
 def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatch):

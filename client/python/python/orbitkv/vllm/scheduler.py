@@ -167,6 +167,12 @@ class SchedulerSide:
             return None, False
         leases = got
         limit = min([len(hashes)] + [len(rank) for rank in leases])
+        if self.sync_loads:
+            # The step must compute at least the prompt's last token (its logits give the next
+            # one): a hit reaching the end of the prompt stops a block short. (vLLM does this
+            # itself for async loads, recomputing the last token after the load.)
+            num_tokens = int(getattr(request, "num_tokens", len(hashes) * self.block_size + 1))
+            limit = min(limit, (num_tokens - 1) // self.block_size)
         # Keep the leases of the blocks to load, [local, limit); the others go back now (a
         # rank may hold more than `limit`, and the engine's own hit may reach past it).
         end = max(local, limit)
@@ -225,26 +231,26 @@ class SchedulerSide:
         takes leases of its own; these keep the chunks until it has)."""
         held: List[List[Lease]] = []
         for rid in loads:
-            st = self.reqs.get(rid)
-            if st is None:
-                continue
-            held.extend(st.leases)
-            st.leases, st.found, st.loading = [], None, False
-            if st.finished and not st.had_saves:
-                del self.reqs[rid]
+            held.extend(self._load_ended(rid))
         self._step_leases.append(held)
         while len(self._step_leases) > self._steps_in_flight:
             self._release(self._step_leases.popleft())
 
+    def _load_ended(self, rid: str) -> List[List[Lease]]:
+        """The request's load has ended (or, sync, is handed to the step): its leases, for
+        the caller to give back; a finished request with no saves is forgotten."""
+        st = self.reqs.get(rid)
+        if st is None:
+            return []
+        leases = st.leases
+        st.leases, st.found, st.loading = [], None, False
+        if st.finished and not st.had_saves:
+            del self.reqs[rid]
+        return leases
+
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
-            st = self.reqs.get(rid)
-            if st is None:
-                continue
-            self._release(st.leases)
-            st.leases, st.found, st.loading = [], None, False
-            if st.finished and not st.had_saves:
-                del self.reqs[rid]
+            self._release(self._load_ended(rid))
         for rid in output.finished_sending or ():
             st = self.reqs.get(rid)
             if st is not None and st.finished and not st.loading:

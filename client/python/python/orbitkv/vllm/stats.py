@@ -9,8 +9,9 @@ from typing import Any, Dict, Union
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: Counter names: lookups (scheduler), blocks hit and missed by them, blocks loaded and saved
-#: (worker), their bytes and seconds, blocks that failed to load, and calls that found the
-#: Manager unavailable (each made a miss).
+#: (worker), their bytes and seconds, blocks that failed to load, blocks the Manager refused to
+#: save (full, or over a limit), and calls that found the Manager unavailable (each made a
+#: miss).
 FIELDS = (
     "lookups",
     "hit_blocks",
@@ -22,6 +23,7 @@ FIELDS = (
     "saved_blocks",
     "save_bytes",
     "save_seconds",
+    "save_refused_blocks",
     "unavailable",
 )
 

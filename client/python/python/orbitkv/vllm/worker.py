@@ -76,6 +76,7 @@ class WorkerSide:
         self._reported_errors: Set[int] = set()
         self._busy = False
         self._stop = False
+        self._refusals_logged: Set[str] = set()
         self._thread: Optional[threading.Thread] = None
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
@@ -288,5 +289,14 @@ class WorkerSide:
             self.manager.failed(e, "save")
             return
         stored = sum(1 for o in out if o == "stored")
+        refused = collections.Counter(o for o in out if o not in ("stored", "already_present"))
         self.stats.add(saved_blocks=stored, save_bytes=stored * self.chunk_bytes,
-                       save_seconds=time.perf_counter() - t0)
+                       save_seconds=time.perf_counter() - t0, save_refused_blocks=sum(refused.values()))
+        for why in refused:
+            # A full Manager (no_space: its DRAM is leased out) or one whose limits refuse the
+            # chunk: the blocks are not cached, the request goes on. Logged once per reason.
+            if why not in self._refusals_logged:
+                self._refusals_logged.add(why)
+                log.warning("OrbitKV: the Manager refused %d of %d blocks to save (%s); they are not cached "
+                            "(counted as save_refused_blocks; logged once per reason)",
+                            refused[why], len(blocks), why)
