@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 
 import model as model_files  # noqa: E402
 import multiturn  # noqa: E402
+import spy  # noqa: E402
 from processes import Engine, EngineFailed, Manager  # noqa: E402
 from report import comparisons, markdown  # noqa: E402
 
@@ -97,6 +98,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "(default: a 512-hidden 8-layer bf16 Llama written into OUT/model)")
     g.add_argument("--dtype", default=None, help="the model's dtype, when the benchmark writes it (default bfloat16)")
     g.add_argument("--engine-timeout", type=float, default=600, help="seconds for vllm serve to get healthy")
+    g.add_argument("--profile", metavar="PY_SPY", default=None,
+                   help="record the engine's processes with this py-spy during the workloads; the run's "
+                        "JSON gets each process's CPU shares (model forward, OrbitKV connector, ...)")
     g.add_argument("--manager-args", default="", help="more orbitkv-server flags, space-separated")
     g.add_argument("--engine-args", default="", help="more vllm serve flags, space-separated")
     g.add_argument("--connector-extra", default="{}",
@@ -433,7 +437,12 @@ class Runner:
                 return result
             try:
                 result["probes_before"] = send_probes(engine, self.probes, self.a.output_len)
+                recorder = None
+                if self.a.profile and engine.proc is not None:
+                    recorder = spy.Recorder(self.a.profile, engine.proc.pid, rundir, tag)
                 result["workloads"] = self.run_workloads(engine, manager, rundir, tag)
+                if recorder is not None:
+                    result["profile"] = recorder.stop()
                 result["probes_after"] = send_probes(engine, self.probes, self.a.output_len)
             except (OSError, RuntimeError) as e:
                 # The engine died under the workload (its log says why): the run is reported

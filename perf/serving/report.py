@@ -84,9 +84,9 @@ def fmt(v: Any, digits: int = 1) -> str:
 
 def medians(runs: List[Dict[str, Any]], workload: str) -> List[str]:
     """One row per case: the median over its runs of each figure, and the range of mean TTFT."""
-    rows = ["| case | mean TTFT ms (median [range]) | p50 | p99 | output tok/s | duration s | external hits | "
-            "loaded MiB | saved MiB | failed requests | failed block loads | runs |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| case | mean TTFT ms (median [range]) | p50 | p99 | mean request ms | output tok/s | run s | "
+            "external hits | loaded MiB | saved MiB | failed requests | failed block loads | runs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     seen: List[str] = []
     for r in runs:
         if r["case"] not in seen:
@@ -95,7 +95,7 @@ def medians(runs: List[Dict[str, Any]], workload: str) -> List[str]:
         ran = [r["workloads"][workload] for r in runs if r["case"] == case and r.get("ran")]
         if not ran:
             why = next((r.get("why_not") for r in runs if r["case"] == case), "")
-            rows.append(f"| {case} | did not run: {why} |" + " |" * 10)
+            rows.append(f"| {case} | did not run: {why} |" + " |" * 11)
             continue
 
         def med(k: str) -> float:
@@ -106,14 +106,14 @@ def medians(runs: List[Dict[str, Any]], workload: str) -> List[str]:
                           for r in runs if r["case"] == case and r.get("ran"))
         rows.append(
             f"| {case} | {med('mean_ttft_ms'):.1f} [{min(ttft):.1f}, {max(ttft):.1f}] | {med('median_ttft_ms'):.1f} | "
-            f"{med('p99_ttft_ms'):.1f} | {med('output_throughput'):.1f} | {med('duration_s'):.1f} | "
+            f"{med('p99_ttft_ms'):.1f} | {med('mean_e2el_ms'):.1f} | {med('output_throughput'):.1f} | {med('duration_s'):.1f} | "
             f"{med('external_hit_rate'):.2f} | {med('loaded_bytes') / (1 << 20):.0f} | "
             f"{med('saved_bytes') / (1 << 20):.0f} | {sum(int(x.get('failed') or 0) for x in ran)} | {load_errors} | "
             f"{len(ran)} |")
     return rows
 
 
-def by_round(runs: List[Dict[str, Any]]) -> List[str]:
+def ttft_by_round(runs: List[Dict[str, Any]]) -> List[str]:
     """Multiturn: mean TTFT of each conversation round (round 0: first contexts, nothing to
     reuse), the median over the runs of a case."""
     per_case: Dict[str, List[Dict[str, float]]] = {}
@@ -137,9 +137,9 @@ def markdown(result: Dict[str, Any]) -> str:
     lines = []
     for w in result["protocol"]["workloads"]:
         lines += [f"### {w}: medians over the rounds", ""] + medians(runs, w) + [""]
-        if w == "multiturn" and by_round(runs):
+        if w == "multiturn" and ttft_by_round(runs):
             lines += ["### multiturn: mean TTFT by conversation round (median over the runs)", ""]
-            lines += by_round(runs) + [""]
+            lines += ttft_by_round(runs) + [""]
     for w in result["protocol"]["workloads"]:
         lines += [f"### {w}: every run", "",
                   "| case | round | mean TTFT ms | p50 | p99 | output tok/s | duration s | failed | engine hits | "
@@ -172,6 +172,15 @@ def markdown(result: Dict[str, Any]) -> str:
         lines.append(f"| {e['workload']} | {e['b']} / {e['a']} | {cell(e, 'mean_ttft_ms')} | "
                      f"{cell(e, 'median_ttft_ms')} | {cell(e, 'p99_ttft_ms')} | {cell(e, 'output_throughput')} | "
                      f"{e['mean_ttft_ms']['pairs']} | {goal} |")
+    profiled = [r for r in runs if r.get("profile")]
+    if profiled:
+        cats = ["model forward", "orbitkv connector", "orbitkv client", "scheduler", "other"]
+        lines += ["", "### CPU profile of the engine's processes during the workloads (py-spy, share of samples)", "",
+                  "| run | process | " + " | ".join(cats) + " | samples |", "| --- | --- |" + " --- |" * (len(cats) + 1)]
+        for r in profiled:
+            for proc, sh in r["profile"].items():
+                cells = " | ".join(f"{100 * sh.get(c, 0.0):.1f}%" for c in cats)
+                lines.append(f"| {r['case']}-r{r['round']} | {proc} | {cells} | {int(sh.get('samples', 0))} |")
     checks = probes_check(runs)
     lines += ["", "### greedy probes", "",
               "| run | second pass = first | = engine alone |", "| --- | --- | --- |"]
