@@ -61,13 +61,14 @@ class SchedulerSide:
         self.stats = Counters()
         self.manager = Manager(ex, "vllm-scheduler", self.stats)
         self.calls = Calls()
-        # The session opens now, off the scheduler's loop, so that the first lookups find it.
-        self.calls.submit(self.ns_ids)
+        #: Namespace ids, registered by the calls thread (the only one that reads them).
         self._ns_ids: Optional[List[int]] = None
         self.reqs: Dict[str, _Request] = {}
         self.pending_loads: Work = {}
         #: Block ids of a request (bound by the connector to vLLM's KV cache manager).
         self.block_ids_of: Optional[Callable[[str], List[int]]] = None
+        # The session opens now, off the scheduler's loop, so that the first lookups find it.
+        self.calls.submit(self.ns_ids)
 
     def ns_ids(self) -> List[int]:
         """Every TP rank's namespace id (a prefix counts only where every rank has it)."""
