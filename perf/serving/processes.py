@@ -19,10 +19,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Manager:
     """One `orbitkv-server` on a socket of its own under `directory`."""
 
-    def __init__(self, binary: str, directory: str, args: List[str], name: str = "manager") -> None:
+    def __init__(self, binary: str, directory: str, args: List[str], name: str = "manager",
+                 socket_name: str = "orbitkv.sock") -> None:
         self.binary, self.dir, self.args, self.name = binary, directory, args, name
         os.makedirs(directory, exist_ok=True)
-        self.socket = os.path.join(directory, "orbitkv.sock")
+        self.socket = os.path.join(directory, socket_name)
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
 

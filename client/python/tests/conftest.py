@@ -29,12 +29,13 @@ def server_bin() -> str:
 
 
 class Server(Manager):
-    """One orbitkv-server process (perf/serving's `Manager`), started at once on a socket in
-    a temporary directory; `restart`, `kill` and `admin` as the tests need."""
+    """One orbitkv-server process (perf/serving's `Manager`), started at once on `s.sock` in
+    a temporary directory (or `directory`, where a client may already wait for that socket);
+    `restart`, `kill` and `admin` as the tests need."""
 
     def __init__(self, args: List[str], directory: Optional[str] = None) -> None:
         d = directory or tempfile.mkdtemp(prefix="okvpy", dir="/tmp")
-        super().__init__(server_bin(), d, ["--no-lock-arena", *args], name="server")
+        super().__init__(server_bin(), d, ["--no-lock-arena", *args], name="server", socket_name="s.sock")
         self.start()
 
     def start(self, timeout: float = 30.0) -> None:
