@@ -10,7 +10,7 @@ Requests go to `/v1/completions` as token ids (greedy, `ignore_eos`, streamed wi
 `return_token_ids`), so a user's history is exactly the token ids the engine saw and answered;
 TTFT is the time to the first streamed token.
 
-    python perf/serving/multiturn.py --url http://127.0.0.1:8000 --model bench --users 8 --rounds 4
+    python perf/serving/multiturn.py --url http://127.0.0.1:8000 --model bench --users 12 --rounds 4
 """
 
 from __future__ import annotations
@@ -186,16 +186,21 @@ def summarize(outcomes: List[Outcome], wall: float) -> Dict[str, Any]:
     }
 
 
+def add_arguments(g: Any, prefix: str = "") -> None:
+    """The load's options (`--{prefix}users`, ...), for this command and bench.py's."""
+    for name, default, what in (("users", 12, "conversations"), ("rounds", 4, "rounds per conversation"),
+                                ("context-len", 1024, "tokens of each user's first context"),
+                                ("question-len", 64, "tokens of each question"),
+                                ("answer-len", 16, "tokens of each answer"),
+                                ("concurrency", 4, "requests in flight at most")):
+        g.add_argument(f"--{prefix}{name}", type=int, default=default, help=f"{what} (default {default})")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", required=True, help="the served model name")
-    ap.add_argument("--users", type=int, default=8, help="conversations (default 8)")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
-    ap.add_argument("--context-len", type=int, default=1024, help="tokens of each user's first context (default 1024)")
-    ap.add_argument("--question-len", type=int, default=64, help="tokens of each question (default 64)")
-    ap.add_argument("--answer-len", type=int, default=16, help="tokens of each answer (default 16)")
-    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
+    add_arguments(ap)
     ap.add_argument("--vocab", type=int, default=8192, help="token ids are drawn below this (default 8192)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the contexts and questions (default 0)")
     ap.add_argument("--out", help="write every request's outcome and the summary here (JSON)")
