@@ -37,7 +37,6 @@ import math
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import time
