@@ -83,7 +83,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("the run")
     g.add_argument("--out", default=os.path.join(REPO, "target", "serving", time.strftime("%Y%m%d-%H%M%S")),
-                   help="results, logs, the model and SSD files go here (default target/serving/<time>)")
+                   help="results, logs and the model go here (default target/serving/<time>); a run's SSD "
+                        "files too, removed when the run ends unless --keep-ssd")
+    g.add_argument("--keep-ssd", action="store_true",
+                   help="keep each SSD case's store files (several times the working set) after its run")
     g.add_argument("--cases", default=",".join(c.name for c in CASES),
                    help="comma-separated cases, in round order (default: all six)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix, multiturn or both (default both)")
@@ -453,6 +456,10 @@ class Runner:
         finally:
             if manager is not None:
                 manager.stop()
+            if not self.a.keep_ssd:
+                # The SSD cases' files are several times the working set: a run's logs and
+                # results stay, its store goes.
+                shutil.rmtree(os.path.join(rundir, "ssd"), ignore_errors=True)
         return result
 
     def warm_up(self, case: Case, manager: Manager, rundir: str, tag: str) -> Dict[str, Any]:
