@@ -1,13 +1,11 @@
-//! Compiles the peer control RPC's protobufs. With `te-python`, this crate embeds an interpreter and so links libpython. The workspace
+//! With `te-python`, this crate embeds an interpreter and so links libpython. The workspace
 //! sets `PYO3_BUILD_EXTENSION_MODULE` for `orbitkv-py` (an extension module, which must not link
 //! it), which also stops pyo3 from linking it here: name the library ourselves.
+//!
+//! The protobufs are not compiled here: their generated code is checked in (`src/generated/`,
+//! kept in step by `tests/generated_protos.rs`), so building needs no `protoc`.
 
 fn main() {
-    // The peer control RPC (tonic; needs protoc, as etcd-client does).
-    println!("cargo:rerun-if-changed=proto");
-    tonic_prost_build::configure()
-        .compile_protos(&["proto/orbitkv/peer/v1/peer.proto"], &["proto"])
-        .expect("compiling proto/orbitkv/peer/v1/peer.proto (is protoc installed?)");
     #[cfg(feature = "te-python")]
     {
         let cfg = pyo3_build_config::get();

@@ -1,5 +1,5 @@
 //! OrbitKV cluster mode. The `orbitkv-peer` thread runs a tokio current-thread runtime for
-//! etcd-client and the peer control RPC (tonic); the server reads what it knows through a
+//! etcd (its v3 gRPC API, see `etcd`) and the peer control RPC (tonic); the server reads what it knows through a
 //! [`Cluster`] handle and hands it its shards through a [`LocalNode`].
 //!
 //! - Membership ([`Cluster::start`]): a leased member key and a persistent epoch per node in
@@ -19,6 +19,7 @@
 
 mod eager;
 mod engine;
+mod etcd;
 mod hot;
 mod membership;
 mod node;

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use crate::etcd::{self, Etcd, EtcdError};
 use serde::{Deserialize, Serialize};
 
 /// What a Manager needs to join a cluster.
@@ -323,7 +323,7 @@ async fn run(cluster: &Cluster, first: std::sync::mpsc::SyncSender<Result<(), Jo
     // Leaving: the member key goes with the lease at once (best effort).
     if let Ok(mut client) = connect(&cfg).await {
         let key = member_key(&cfg);
-        let _ = tokio::time::timeout(CALL_TIMEOUT, client.delete(key, None)).await;
+        let _ = tokio::time::timeout(CALL_TIMEOUT, client.delete(&key)).await;
     }
     cluster.set(|s| s.state = State::Unavailable("left".into()));
 }
@@ -334,9 +334,8 @@ enum Outcome {
     Fatal(JoinError),
 }
 
-async fn connect(cfg: &ClusterConfig) -> Result<Client, etcd_client::Error> {
-    let opts = ConnectOptions::new().with_connect_timeout(CALL_TIMEOUT).with_timeout(CALL_TIMEOUT);
-    Client::connect(&cfg.etcd, Some(opts)).await
+async fn connect(cfg: &ClusterConfig) -> Result<Etcd, EtcdError> {
+    Etcd::connect(&cfg.etcd, CALL_TIMEOUT).await
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> Outcome {
@@ -355,12 +354,12 @@ async fn session(
 ) -> Outcome {
     let mut client = match connect(cfg).await {
         Ok(c) => c,
-        Err(etcd_client::Error::InvalidArgs(e)) => return Outcome::Fatal(JoinError::Invalid(e)),
+        Err(EtcdError::InvalidEndpoint(e)) => return Outcome::Fatal(JoinError::Invalid(e)),
         Err(e) => return unavailable("connect", e),
     };
     let ttl = cfg.lease_ttl.as_secs().max(1) as i64;
-    let lease = match tokio::time::timeout(CALL_TIMEOUT, client.lease_grant(ttl, None)).await {
-        Ok(Ok(l)) => l.id(),
+    let lease = match tokio::time::timeout(CALL_TIMEOUT, client.lease_grant(ttl)).await {
+        Ok(Ok(l)) => l,
         Ok(Err(e)) => return unavailable("lease grant", e),
         Err(_) => return unavailable("lease grant", "timed out"),
     };
@@ -393,19 +392,17 @@ async fn session(
     if let Some(tx) = first.take() {
         let _ = tx.send(Ok(()));
     }
-    let (mut keeper, mut replies) = match client.lease_keep_alive(lease).await {
-        Ok(k) => k,
-        Err(e) => return unavailable("lease keep-alive", e),
+    let keep_alive = tokio::time::timeout(CALL_TIMEOUT, client.lease_keep_alive(lease)).await;
+    let (keeper, mut replies) = match keep_alive {
+        Ok(Ok(k)) => k,
+        Ok(Err(e)) => return unavailable("lease keep-alive", e),
+        Err(_) => return unavailable("lease keep-alive", "timed out"),
     };
     loop {
-        // Keep the lease alive; a TTL of 0 in the answer means etcd let it expire.
-        let kept = tokio::time::timeout(CALL_TIMEOUT, async {
-            keeper.keep_alive().await?;
-            replies.message().await
-        })
-        .await;
+        // The answer to the last keep-alive; a TTL of 0 means etcd let the lease expire.
+        let kept = tokio::time::timeout(CALL_TIMEOUT, replies.message()).await;
         match kept {
-            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+            Ok(Ok(Some(r))) if r.ttl > 0 => {}
             Ok(Ok(_)) => return unavailable("lease", "expired (this member was away too long)"),
             Ok(Err(e)) => return unavailable("lease keep-alive", e),
             Err(_) => return unavailable("lease keep-alive", "timed out"),
@@ -418,6 +415,9 @@ async fn session(
             Err(o) => return o,
         }
         tokio::time::sleep(tick).await;
+        if let Err(e) = keeper.keep_alive().await {
+            return unavailable("lease keep-alive", e);
+        }
     }
 }
 
@@ -425,40 +425,40 @@ async fn session(
 /// (only where none exists) and increments the node's epoch by compare-and-swap. Two
 /// processes with one node id cannot both win, and the loser moves no epoch. The new epoch.
 async fn first_claim(
-    client: &mut Client,
+    client: &mut Etcd,
     cfg: &ClusterConfig,
     mut me: Member,
     lease: i64,
 ) -> Result<u64, Outcome> {
     let (member, epoch_key) = (member_key(cfg), epoch_key(cfg));
     loop {
-        let got = tokio::time::timeout(CALL_TIMEOUT, client.get(epoch_key.as_str(), None))
+        let got = tokio::time::timeout(CALL_TIMEOUT, client.get(&epoch_key))
             .await
             .map_err(|_| unavailable("epoch read", "timed out"))?
             .map_err(|e| unavailable("epoch read", e))?;
-        let (epoch_unchanged, next) = match got.kvs().first() {
-            None => (Compare::create_revision(epoch_key.as_str(), CompareOp::Equal, 0), 1),
+        let (epoch_unchanged, next) = match got {
+            None => (etcd::absent(&epoch_key), 1),
             Some(kv) => {
-                let current: u64 = kv.value_str().ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                let same =
-                    Compare::mod_revision(epoch_key.as_str(), CompareOp::Equal, kv.mod_revision());
-                (same, current + 1)
+                let current: u64 =
+                    std::str::from_utf8(&kv.value).ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+                (etcd::mod_revision_is(&epoch_key, kv.mod_revision), current + 1)
             }
         };
         me.epoch = next;
         let value = serde_json::to_string(&me).expect("a member serializes");
-        let txn = Txn::new()
-            .when([Compare::create_revision(member.as_str(), CompareOp::Equal, 0), epoch_unchanged])
-            .and_then([
-                TxnOp::put(member.as_str(), value, Some(PutOptions::new().with_lease(lease))),
-                TxnOp::put(epoch_key.as_str(), next.to_string(), None),
-            ])
-            .or_else([TxnOp::get(member.as_str(), None)]);
+        let txn = etcd::pb::TxnRequest {
+            compare: vec![etcd::absent(&member), epoch_unchanged],
+            success: vec![
+                etcd::put(&member, &value, lease),
+                etcd::put(&epoch_key, &next.to_string(), 0),
+            ],
+            failure: vec![etcd::read(&member)],
+        };
         let done = tokio::time::timeout(CALL_TIMEOUT, client.txn(txn))
             .await
             .map_err(|_| unavailable("join", "timed out"))?
             .map_err(|e| unavailable("join", e))?;
-        if done.succeeded() {
+        if done.succeeded {
             return Ok(next);
         }
         if let Some((holder, _)) = holder_of(&done) {
@@ -470,49 +470,49 @@ async fn first_claim(
 
 /// Who holds the member key, from a transaction's `else` read: (a description, its mod
 /// revision and member), or None when the key is absent.
-fn holder_of(done: &etcd_client::TxnResponse) -> Option<(String, (i64, Option<Member>))> {
-    let etcd_client::TxnOpResponse::Get(g) = done.op_responses().into_iter().next()? else {
-        return None;
-    };
-    let kv = g.kvs().first()?;
-    let m: Option<Member> = serde_json::from_slice(kv.value()).ok();
+fn holder_of(done: &etcd::pb::TxnResponse) -> Option<(String, (i64, Option<Member>))> {
+    let kv = etcd::first_read(done)?.first()?;
+    let m: Option<Member> = serde_json::from_slice(&kv.value).ok();
     let who = match &m {
         Some(m) => format!("pid {} at {}, epoch {}", m.pid, m.peer_addr, m.epoch),
         None => "a member key that is not OrbitKV's".into(),
     };
-    Some((who, (kv.mod_revision(), m)))
+    Some((who, (kv.mod_revision, m)))
 }
 
 /// Rejoins: creates this member's key under `lease`, only where no key exists; its own key
 /// from before the reconnect (same pid and epoch) is taken over.
 async fn claim(
-    client: &mut Client,
+    client: &mut Etcd,
     cfg: &ClusterConfig,
     me: &Member,
     lease: i64,
 ) -> Result<(), Outcome> {
     let key = member_key(cfg);
     let value = serde_json::to_string(me).expect("a member serializes");
-    let put = TxnOp::put(key.as_str(), value.as_str(), Some(PutOptions::new().with_lease(lease)));
-    let txn = Txn::new()
-        .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-        .and_then([put.clone()])
-        .or_else([TxnOp::get(key.as_str(), None)]);
+    let put = etcd::put(&key, &value, lease);
+    let txn = etcd::pb::TxnRequest {
+        compare: vec![etcd::absent(&key)],
+        success: vec![put.clone()],
+        failure: vec![etcd::read(&key)],
+    };
     let done = tokio::time::timeout(CALL_TIMEOUT, client.txn(txn))
         .await
         .map_err(|_| unavailable("member claim", "timed out"))?
         .map_err(|e| unavailable("member claim", e))?;
-    if done.succeeded() {
+    if done.succeeded {
         return Ok(());
     }
     match holder_of(&done) {
         // Our own key from before a reconnect: move it onto the new lease.
         Some((_, (rev, Some(m)))) if m.pid == me.pid && m.epoch == me.epoch => {
-            let txn = Txn::new()
-                .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, rev)])
-                .and_then([put]);
+            let txn = etcd::pb::TxnRequest {
+                compare: vec![etcd::mod_revision_is(&key, rev)],
+                success: vec![put],
+                failure: Vec::new(),
+            };
             match tokio::time::timeout(CALL_TIMEOUT, client.txn(txn)).await {
-                Ok(Ok(r)) if r.succeeded() => Ok(()),
+                Ok(Ok(r)) if r.succeeded => Ok(()),
                 Ok(Ok(_)) => Err(unavailable("member claim", "the key changed meanwhile")),
                 Ok(Err(e)) => Err(unavailable("member claim", e)),
                 Err(_) => Err(unavailable("member claim", "timed out")),
@@ -525,22 +525,19 @@ async fn claim(
 }
 
 /// The cluster's members, by node id.
-async fn read_members(client: &mut Client, cfg: &ClusterConfig) -> Result<Vec<Member>, Outcome> {
+async fn read_members(client: &mut Etcd, cfg: &ClusterConfig) -> Result<Vec<Member>, Outcome> {
     let members_prefix = format!("{}members/", cfg.prefix());
-    let got = tokio::time::timeout(
-        CALL_TIMEOUT,
-        client.get(members_prefix.as_str(), Some(GetOptions::new().with_prefix())),
-    )
-    .await
-    .map_err(|_| unavailable("member read", "timed out"))?
-    .map_err(|e| unavailable("member read", e))?;
+    let got = tokio::time::timeout(CALL_TIMEOUT, client.get_prefix(&members_prefix))
+        .await
+        .map_err(|_| unavailable("member read", "timed out"))?
+        .map_err(|e| unavailable("member read", e))?;
     let mut members: Vec<Member> = got
-        .kvs()
         .iter()
-        .filter_map(|kv| match serde_json::from_slice(kv.value()) {
+        .filter_map(|kv| match serde_json::from_slice(&kv.value) {
             Ok(m) => Some(m),
             Err(e) => {
-                tracing::warn!(key = kv.key_str().unwrap_or("?"), error = %e, "cluster: a member key that does not parse; skipped");
+                let key = String::from_utf8_lossy(&kv.key);
+                tracing::warn!(key = %key, error = %e, "cluster: a member key that does not parse; skipped");
                 None
             }
         })

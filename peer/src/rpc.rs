@@ -1,8 +1,9 @@
-//! The generated peer control RPC (`proto/orbitkv/peer/v1/peer.proto`) and its conversions.
+//! The peer control RPC (`proto/orbitkv/peer/v1/peer.proto`, generated into
+//! `src/generated/`) and its conversions.
 
 #![allow(missing_docs, clippy::all)]
 
-tonic::include_proto!("orbitkv.peer.v1");
+include!("generated/orbitkv.peer.v1.rs");
 
 use orbitkv_proto::ChunkKey;
 

@@ -714,9 +714,13 @@ impl ServerConfig {
                  wheel's engine moves bytes over TCP)",
             ));
         }
-        if let Some(bad) =
-            self.etcd.iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
-        {
+        if let Some(bad) = self.etcd.iter().find(|u| u.starts_with("https://")) {
+            return Err(invalid(
+                "--etcd",
+                format!("{bad:?}: TLS to etcd is not supported; give http://HOST:PORT"),
+            ));
+        }
+        if let Some(bad) = self.etcd.iter().find(|u| !u.starts_with("http://")) {
             return Err(invalid("--etcd", format!("{bad:?}: give endpoints as http://HOST:PORT")));
         }
         let node_id = match &self.node_id {

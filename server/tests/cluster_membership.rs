@@ -118,6 +118,7 @@ fn cluster_flags_are_checked() {
         (vec!["--peer-addr", "127.0.0.1:1"], "--peer-addr"),
         (vec!["--etcd", "http://127.0.0.1:1"], "--peer-addr"),
         (vec!["--etcd", "127.0.0.1:2379", "--peer-addr", "127.0.0.1:1"], "--etcd"),
+        (vec!["--etcd", "https://127.0.0.1:2379", "--peer-addr", "127.0.0.1:1"], "TLS"),
         (vec!["--cluster", "no spaces"], "--cluster"),
         (vec!["--cluster-lease-ttl", "0s"], "--cluster-lease-ttl"),
         (vec!["--peer-catalog-entries", "0"], "--peer-catalog-entries"),
