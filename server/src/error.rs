@@ -31,6 +31,13 @@ pub enum StartError {
     /// Cluster peering could not start.
     #[error("cluster: {0}")]
     Peering(orbitkv_peer::PeeringError),
+    /// io_uring is missing, or refused by the kernel's settings or a seccomp profile.
+    #[error(
+        "io_uring is not available ({0}): the shards run on io_uring, which needs Linux 5.8 or \
+         newer with io_uring allowed (sysctl kernel.io_uring_disabled = 0; in a container, a \
+         seccomp profile that allows io_uring_setup); the server does not start without it"
+    )]
+    NoIoUring(std::io::Error),
     /// A live server answers on the socket.
     #[error("another server is already serving on {}", .0.display())]
     AlreadyServing(PathBuf),

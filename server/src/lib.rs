@@ -174,8 +174,18 @@ const CLUSTER_JOIN_WAIT: Duration = Duration::from_secs(5);
 /// How long the shutdown waits for the member key's removal.
 const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
 
+/// The shards run on io_uring (glommio: a ring per executor and the probe of its operations,
+/// Linux 5.8 or newer). Checked before anything starts, so that a kernel without it, or a
+/// sysctl or seccomp profile refusing it, stops the start with one error naming it.
+fn check_io_uring() -> Result<(), StartError> {
+    let ring = io_uring::IoUring::new(2).map_err(StartError::NoIoUring)?;
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe).map_err(StartError::NoIoUring)
+}
+
 fn run(settings: Settings) -> Result<(), StartError> {
     let started = Instant::now();
+    check_io_uring()?;
     let socket = settings.socket.clone();
     let admin = admin_socket_path(&socket);
     claim_socket(&socket)?;
