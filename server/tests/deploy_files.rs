@@ -191,6 +191,28 @@ fn print_config(file: &Path) -> String {
     stdout
 }
 
+/// The image ships the release build the wheel ships: its build stage runs
+/// `scripts/release-binaries` and nothing else builds the commands.
+#[test]
+fn the_image_ships_the_wheels_release_build() {
+    let dockerfile = read(&deploy_dir().join("Dockerfile"));
+    let runs: Vec<&str> = dockerfile.lines().filter(|l| !l.trim_start().starts_with('#')).collect();
+    let text = runs.join("\n");
+    assert!(text.contains("scripts/release-binaries /out"), "{dockerfile}");
+    assert!(
+        !text.contains("cargo build"),
+        "a second build recipe in the Dockerfile:\n{dockerfile}"
+    );
+    assert!(text.contains("COPY --from=build /out/ /usr/local/bin/"), "{dockerfile}");
+    let script = read(&deploy_dir().join("../scripts/release-binaries"));
+    for bin in ["orbitkv-server", "orbitkv-ctl", "orbitkv-perf"] {
+        assert!(
+            script.contains(&format!("-p {bin}")),
+            "scripts/release-binaries does not build {bin}"
+        );
+    }
+}
+
 #[test]
 fn example_config_loads() {
     let printed = print_config(&deploy_dir().join("orbitkv.toml"));

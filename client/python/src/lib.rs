@@ -31,6 +31,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::chunk_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
     m.add("PREFIX_SEED", pyo3::types::PyBytes::new(m.py(), &orbitkv_client::PREFIX_SEED))?;
+    // The workspace's version: the same as `orbitkv-server --version` of this release.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
 

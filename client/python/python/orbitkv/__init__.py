@@ -12,6 +12,7 @@ and, for the server's refusals, `code`.
 
 from __future__ import annotations
 
+from . import _native
 from ._native import (
     PREFIX_SEED,
     ChunkKey,
@@ -63,4 +64,6 @@ __all__ = [
     "prefix_digests",
 ]
 
-__version__ = "0.1.0"
+# The workspace's version (Cargo.toml), which `orbitkv-server --version` and `orbitkv-ctl
+# --version` of the same release print.
+__version__: str = _native.__version__

@@ -4,6 +4,7 @@ from os import PathLike
 from typing import List, Optional, Sequence, Tuple, Union
 
 PREFIX_SEED: bytes
+__version__: str
 
 class OrbitKVError(Exception):
     kind: str
