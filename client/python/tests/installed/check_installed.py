@@ -107,6 +107,10 @@ def no_traceback(text: str) -> None:
     assert "Traceback" not in text and "panicked" not in text, text
 
 
+#: Every server started, so that a failed check leaves none running.
+STARTED = []
+
+
 class Server:
     """`orbitkv-server` from PATH with `args`, its stderr in a file."""
 
@@ -116,6 +120,7 @@ class Server:
         self.log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(["orbitkv-server", *args], stdout=self.log_file, stderr=subprocess.STDOUT,
                                      preexec_fn=preexec)
+        STARTED.append(self.proc)
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -242,16 +247,19 @@ def main() -> None:
     check_isolated(a.checkout)
     check_versions()
     tmp = tempfile.mkdtemp(prefix="okv-installed-")
-    check_bad_input(tmp)
-    server = check_defaults_round_trip()
     try:
+        check_bad_input(tmp)
+        server = check_defaults_round_trip()
         if a.vllm_engine:
             check_vllm(a.vllm_engine, tmp, server.socket)
         else:
             say("vLLM: not run (no --vllm-engine)")
+        server.stop()
     finally:
-        if server.proc.poll() is None:
-            server.stop()
+        for proc in STARTED:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     say("ok")
 
 
