@@ -55,7 +55,6 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// A connection to an etcd cluster.
-#[derive(Clone)]
 pub(crate) struct Etcd {
     kv: KvClient<Channel>,
     lease: LeaseClient<Channel>,
