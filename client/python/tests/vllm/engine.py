@@ -3,7 +3,11 @@ the steps given as JSON, and writes what each generation returned. Used by test_
 
 usage: engine.py SPEC.json OUT.json
 SPEC: {"model_dir", "socket" (null: no connector), "policy", "prompts": {name: [[tokens]]},
-       "steps": ["gen:NAME", "reset", "kill:PID", "corrupt:NAME:PROMPT:BLOCK", ...]}
+       "steps": ["gen:NAME", "reset", "kill:PID", "corrupt:NAME:PROMPT:BLOCK[:GROUP]", ...],
+       optional: "engine_args" (more vllm.LLM arguments), "extra" (more of OrbitKV's
+       kv_connector_extra_config), "kv_transfer" (the whole KVTransferConfig, for MultiConnector),
+       "groups" (`orbitkv.vllm.config.Group` arguments of each KV cache group, for corrupt),
+       "max_tokens" (of each generation; default 12)}
 """
 
 import json
@@ -12,11 +16,12 @@ import signal
 import sys
 
 
-def corrupt(llm, spec, socket, name, prompt, block):
-    """Replaces the chunk of one block of a prompt by one of another length (as another layout
-    would have written), so that the worker's load of it fails."""
+def corrupt(llm, spec, socket, name, prompt, block, group=None):
+    """Replaces the chunk of one block of a prompt (of one KV cache group: `group`) by one of
+    another length (as another layout would have written), so that the worker's load of it
+    fails."""
     import orbitkv
-    from orbitkv.vllm.config import layout_name, namespace
+    from orbitkv.vllm.config import Group, layout_name, namespace
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
@@ -28,7 +33,10 @@ def corrupt(llm, spec, socket, name, prompt, block):
     parent = None
     for b in range(block + 1):
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[b * bs:(b + 1) * bs], None)
-    d = namespace(cfg, 0, layout_name(cfg))
+    if group is None:
+        d = namespace(cfg, 0, layout_name(cfg))
+    else:  # the group as the test describes it (vLLM's KV cache config lives in the engine core)
+        d = namespace(cfg, 0, layout_name(cfg), Group(**spec["groups"][group]), hybrid=True)
     key = orbitkv.ChunkKey(d.id, orbitkv.chunk_digest(bytes(parent)))
     c = orbitkv.Client(socket)
     c.register_namespace(d)  # a session names only namespaces it registered
@@ -44,16 +52,20 @@ def main():
 
     kw = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               dtype="float32", max_model_len=2048, seed=0)
-    if spec.get("socket"):
+    kw.update(spec.get("engine_args") or {})
+    if spec.get("kv_transfer"):
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
+    elif spec.get("socket"):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OrbitKVConnector",
             kv_connector_module_path="orbitkv.vllm",
             kv_role="kv_both",
             kv_load_failure_policy=spec.get("policy", "recompute"),
-            kv_connector_extra_config={"socket": spec["socket"], "namespace_model": "tiny-llama-test"},
+            kv_connector_extra_config={"socket": spec["socket"], "namespace_model": "tiny-llama-test",
+                                       **(spec.get("extra") or {})},
         )
     llm = LLM(**kw)
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0.0, ignore_eos=True, detokenize=False)
     results = []
     for step in spec["steps"]:
         op, _, arg = step.partition(":")
@@ -76,8 +88,8 @@ def main():
         elif op == "kill":
             os.kill(int(arg), signal.SIGKILL)
         elif op == "corrupt":
-            name, prompt, block = arg.split(":")
-            corrupt(llm, spec, spec["socket"], name, int(prompt), int(block))
+            name, prompt, block, *group = arg.split(":")
+            corrupt(llm, spec, spec["socket"], name, int(prompt), int(block), int(group[0]) if group else None)
         else:
             raise SystemExit(f"unknown step {step}")
         print("STEP done", step, flush=True)

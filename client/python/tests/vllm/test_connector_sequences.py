@@ -78,9 +78,9 @@ def test_new_request_partial_and_full_hits(server):
     assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, True)
     assert server.shard_sum("leases") == 2
     s.update_state_after_alloc(r, Blocks([10, 11, 12, 13]), 2 * BS)
-    loads, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
-    assert list(loads) == ["b"] and loads["b"][1] == [10, 11]
-    assert loads["b"][0] == [orbitkv.chunk_digest(h) for h in r.block_hashes[:2]]
+    loads, saves, _, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
+    assert list(loads) == ["b"] and loads["b"][0][2] == [10, 11]
+    assert loads["b"] == [(0, [orbitkv.chunk_digest(h) for h in r.block_hashes[:2]], [10, 11])]
     s.update_connector_output(types.SimpleNamespace(finished_recving={"b"}, finished_sending=None))
     s.flush()
     assert server.shard_sum("leases") == 0, "released once the load ended"
@@ -126,7 +126,7 @@ def test_preemption_abort_during_load_and_finish_during_save(server):
     s.update_state_after_alloc(r, Blocks([5, 6, 7]), 3 * BS)
     s.build_step(types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
     # Aborted while loading: blocks are vLLM's to hold until the load reports; leases stay.
-    assert s.request_finished(r, [5, 6, 7]) is False
+    assert s.request_finished(r) is False
     assert server.shard_sum("leases") == 3
     s.update_connector_output(types.SimpleNamespace(finished_recving={"p"}, finished_sending=None))
     s.flush()
@@ -137,13 +137,13 @@ def test_preemption_abort_during_load_and_finish_during_save(server):
     w = request("w", 3, seed=4)
     assert s.get_num_new_matched_tokens(w, 0) == (0, False)
     s.update_state_after_alloc(w, Blocks([20, 21, 22]), 0)
-    s.block_ids_of = lambda rid: [20, 21, 22]
-    _, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": 2 * BS + 5}, preempted_req_ids=set()))
-    assert saves["w"][1] == [20, 21]
+    s.block_ids_of = lambda rid: ([20, 21, 22],)
+    _, saves, _, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": 2 * BS + 5}, preempted_req_ids=set()))
+    assert saves["w"] == [(0, [orbitkv.chunk_digest(h) for h in w.block_hashes[:2]], [20, 21])]
     w.num_computed_tokens = 2 * BS + 5
-    _, saves, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": BS}, preempted_req_ids={"x"}))
-    assert saves["w"][1] == [22]
-    assert s.request_finished(w, [20, 21, 22]) is True
+    _, saves, _, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": BS}, preempted_req_ids={"x"}))
+    assert saves["w"][0][2] == [22]
+    assert s.request_finished(w) is True
     s.update_connector_output(types.SimpleNamespace(finished_recving=None, finished_sending={"w"}))
     assert "w" not in s.reqs
 
@@ -169,7 +169,7 @@ def test_a_stopped_manager_never_stalls_the_scheduler(server):
     answers = []
     wait_until("an answer", lambda: answers.append(s.get_num_new_matched_tokens(r, 0)) or answers[-1][0] is not None)
     assert answers[-1] == (4 * BS, False), "answered while the Manager runs"
-    s.request_finished(r, [])
+    s.request_finished(r)
     s.flush()
     server.proc.send_signal(signal.SIGSTOP)
     try:
@@ -181,7 +181,7 @@ def test_a_stopped_manager_never_stalls_the_scheduler(server):
     finally:
         server.proc.send_signal(signal.SIGCONT)
     # Given up: a miss; the Manager back, its lookup's leases are returned and lookups hit.
-    s.request_finished(late, [])
+    s.request_finished(late)
     s.flush(timeout=30)
     wait_until("the abandoned lookups' leases returned", lambda: server.shard_sum("leases") == 0, 30)
     again = request("u", 4, seed=5)
@@ -217,8 +217,8 @@ def test_sync_loads_are_reported_in_their_step_and_their_leases_held_past_it(ser
     assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, False)
     s.update_state_after_alloc(r, Blocks([40, 41, 42, 43]), 3 * BS)
     no_work = types.SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set())
-    loads, _, _ = s.build_step(no_work)
-    assert loads["y"][1] == [40, 41, 42]
+    loads, _, _, _ = s.build_step(no_work)
+    assert loads["y"][0][2] == [40, 41, 42]
     s.flush()
     assert server.shard_sum("leases") == 3, "held while the step that loads may run"
     s.build_step(no_work)
@@ -228,13 +228,13 @@ def test_sync_loads_are_reported_in_their_step_and_their_leases_held_past_it(ser
     s.flush()
     assert server.shard_sum("leases") == 0, "then given back"
     # No finished_recving follows a sync load: the request finishes as any other.
-    assert s.request_finished(r, [40, 41, 42, 43]) is False and "y" not in s.reqs
+    assert s.request_finished(r) is False and "y" not in s.reqs
     # A prompt of exactly 3 blocks, all of them stored: the step must still compute its last
     # token, so the hit stops a block short.
     whole = request("x", 3, seed=9)
     whole.num_tokens = 3 * BS
     assert s.get_num_new_matched_tokens(whole, 0) == (2 * BS, False)
-    s.request_finished(whole, [])
+    s.request_finished(whole)
     with pytest.raises(ConfigError, match="load_mode='later'"):
         SchedulerSide(cfg, {"socket": server.socket, "load_mode": "later"})
 
@@ -249,11 +249,11 @@ def test_worker_sync_loads_land_before_the_step_and_report_errors_in_it(server, 
     w.register_kv_caches(kv)
     r = request("z", 3, seed=6)
     digests = [orbitkv.chunk_digest(h) for h in r.block_hashes]
-    w.start_saves({"z": (digests[:2], [1, 2])})
+    w.start_saves({"z": [(0, digests[:2], [1, 2])]})
     w.wait_for(["z"])
     before = {k: v.clone() for k, v in kv.items()}
     # Blocks 1-2 saved, block 3 never was: it fails, in this step's errors.
-    w.start_loads({"l": (digests, [5, 6, 7])})
+    w.start_loads({"l": [(0, digests, [5, 6, 7])]})
     for k in kv:
         assert torch.equal(kv[k][5], before[k][1]) and torch.equal(kv[k][6], before[k][2])
     # The load is no transfer to report; the save's request has not finished.
@@ -283,7 +283,7 @@ def test_a_full_manager_refuses_saves_counted_and_logged_once(monkeypatch, caplo
         w.register_kv_caches(kv)
         for n, rid in enumerate(("f", "g")):
             digests = [orbitkv.chunk_digest(bytes([9, n, i]) * 8) for i in range(2)]
-            w.start_saves({rid: (digests, [1, 2])})
+            w.start_saves({rid: [(0, digests, [1, 2])]})
             w.wait_for([rid])
         t = w.stats.totals()
         assert (t["save_refused_blocks"], t["saved_blocks"]) == (4, 0), t
@@ -304,16 +304,16 @@ def test_worker_loads_saves_and_reports_load_errors_per_block(server, monkeypatc
     w.register_kv_caches(kv)
     r = request("s", 3, seed=5)
     digests = [orbitkv.chunk_digest(h) for h in r.block_hashes]
-    w.start_saves({"s": (digests, [1, 2, 3])})
+    w.start_saves({"s": [(0, digests, [1, 2, 3])]})
     w.wait_for(["s"])
     assert w.get_finished({"s"}) == ({"s"}, None)
     # Corrupt the second chunk: another length under its key.
     c = orbitkv.Client(server.socket)
     c.register_namespace(namespace(cfg, 0, "LBHNC"))  # a session names only namespaces it registered
-    key = orbitkv.ChunkKey(w.ns_id, digests[1])
+    key = orbitkv.ChunkKey(w.ns_ids[0], digests[1])
     assert c.evict([key]) == ["done"] and c.put([(key, b"x" * 10)]) == ["stored"]
     before = {k: v.clone() for k, v in kv.items()}
-    w.start_loads({"l": (digests, [5, 6, 7])})
+    w.start_loads({"l": [(0, digests, [5, 6, 7])]})
     for _ in range(1000):
         sending, recving = w.get_finished(set())
         if recving:

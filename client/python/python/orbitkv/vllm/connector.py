@@ -1,7 +1,17 @@
 """`OrbitKVConnector`: vLLM's `KVConnectorBase_V1` backed by the host's OrbitKV Manager.
 
 One chunk is one vLLM block of every layer of one TP rank, keyed by vLLM's own chained block
-hash (`request.block_hashes`, mapped by `orbitkv.chunk_digest`) in the rank's namespace.
+hash (`request.block_hashes`, mapped by `orbitkv.chunk_digest`) in the rank's namespace. With
+vLLM's hybrid KV cache manager (`SupportsHMA`: sliding-window or chunked local attention beside
+full attention) a chunk is one block of one KV cache group's layers, in a namespace of that
+group; a sliding window's blocks are saved while the request attends to them and only those a
+request still attends to are loaded. A hit is reported only for a prefix every group can
+restore. KV cache groups that are not paged attention KV (Mamba / linear-attention state) are
+refused at start (`config.groups`).
+
+P/D (`role` in the extra config): `prefill` (or `both`, the default) looks up, loads and saves;
+`decode` only saves (its KV comes from the prefill instance through the P/D connector beside
+OrbitKV in vLLM's `MultiConnector`).
 
 Scheduler side: a lookup leases the longest prefix every TP rank has; the hit is reported as
 an async load and the lease holds the chunks until the worker has loaded them (or the request
@@ -28,12 +38,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
 from . import stats as _stats
-from .config import check_hashing, extra
-from .scheduler import SchedulerSide
+from .config import check_hashing, extra, groups
+from .config import role as role_of
+from .scheduler import SchedulerSide, Work
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -46,17 +59,20 @@ log = init_logger("vllm.orbitkv")
 class OrbitKVConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers (plain values: it crosses processes).
 
-    loads: request id -> (chunk digests, block ids) to load.
-    saves: request id -> (chunk digests, block ids) to save.
+    loads: request id -> [(KV cache group, chunk digests, block ids)] to load.
+    saves: request id -> [(KV cache group, chunk digests, block ids)] to save.
     preempted: requests whose blocks are being taken back (their saves must end first).
+    fence: blocks vLLM gave out this step (with a sliding-window group: a save still reading
+        one of them ends before the forward pass writes it).
     """
 
-    loads: Dict[str, Tuple[List[bytes], List[int]]] = dataclasses.field(default_factory=dict)
-    saves: Dict[str, Tuple[List[bytes], List[int]]] = dataclasses.field(default_factory=dict)
+    loads: Work = dataclasses.field(default_factory=dict)
+    saves: Work = dataclasses.field(default_factory=dict)
     preempted: List[str] = dataclasses.field(default_factory=list)
+    fence: List[int] = dataclasses.field(default_factory=list)
 
 
-class OrbitKVConnector(KVConnectorBase_V1):
+class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docs. Extra config (`kv_connector_extra_config`): `socket` (default: the
     Manager's default socket), `namespace_model` (the model name in the namespace; default the
     served model name), `request_timeout` (seconds, default 10), `lookup_wait` (seconds the
@@ -65,17 +81,20 @@ class OrbitKVConnector(KVConnectorBase_V1):
     loads done before the forward pass of the step that schedules them, or while the request
     waits; default `auto`: sync for CPU KV caches), `gpu_path` (`auto`, `server`
     or `engine`: who copies a GPU KV cache; default `auto`), `gpu_save_path` (who copies its
-    saves; default `engine` when `gpu_path` is `auto`, else `gpu_path`)."""
+    saves; default `engine` when `gpu_path` is `auto`, else `gpu_path`), `role` (`both`,
+    `prefill` or `decode`: see the module docs; default `both`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_hashing(vllm_config)
+        ex = extra(vllm_config)
+        gs = groups(vllm_config, kv_cache_config)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, extra(vllm_config))
+            self._scheduler = SchedulerSide(vllm_config, ex, gs, lookups=role_of(ex) != "decode")
         else:
-            self._worker = WorkerSide(vllm_config, extra(vllm_config))
+            self._worker = WorkerSide(vllm_config, ex, gs)
 
     # OrbitKV is a cache: a request never waits for its KV to be delivered anywhere.
     @property
@@ -96,9 +115,9 @@ class OrbitKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if self._scheduler.block_ids_of is None and self._kv_cache_manager is not None:
             manager = self._kv_cache_manager
-            self._scheduler.block_ids_of = lambda rid: manager.get_block_ids(rid)[0]
-        loads, saves, preempted = self._scheduler.build_step(scheduler_output)
-        return OrbitKVConnectorMetadata(loads=loads, saves=saves, preempted=preempted)
+            self._scheduler.block_ids_of = manager.get_block_ids
+        loads, saves, preempted, fence = self._scheduler.build_step(scheduler_output)
+        return OrbitKVConnectorMetadata(loads=loads, saves=saves, preempted=preempted, fence=fence)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
@@ -106,7 +125,13 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids), None
+        return self._scheduler.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: Tuple[List[int], ...]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        # Every group's blocks stay until the request's saves are done (get_finished).
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
 
     # ----------------------------------------------------------------- worker side
 
@@ -122,7 +147,7 @@ class OrbitKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, OrbitKVConnectorMetadata)
-        self._worker.start_loads(meta.loads)
+        self._worker.start_loads(meta.loads, meta.fence)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Sync loads are done in start_load_kv, before the forward pass; an async load's
@@ -144,6 +169,13 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        # A failed load of a model with several KV cache groups is reported per request.
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self._worker.take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         assert self._worker is not None
