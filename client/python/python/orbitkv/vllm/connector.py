@@ -96,6 +96,19 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide(vllm_config, ex, gs)
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM >= 0.34: how the workers reach a GPU KV cache. `gpu_path` or `gpu_save_path`
+        `server`: the Manager imports the engine's allocation by legacy CUDA IPC, which vLLM's
+        extensible KV cache cannot give; otherwise in-process copies (`auto` copies by the engine
+        when the Manager cannot import the allocation)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        ex = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
+        if "server" in (ex.get("gpu_path"), ex.get("gpu_save_path")):
+            return KVCacheAccess.LEGACY_IPC
+        return KVCacheAccess.IN_PROCESS
+
     # OrbitKV is a cache: a request never waits for its KV to be delivered anywhere.
     @property
     def requires_kv_delivery(self) -> bool:
