@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from orbitkv.vllm.config import ConfigError, groups, namespace, namespaces, sync_loads  # noqa: E402
+from orbitkv.vllm.config import ConfigError, groups, namespace, namespaces, role, sync_loads  # noqa: E402
 from test_connector_sequences import vllm_config  # noqa: E402
 
 BS = 32  # test_connector_sequences' block size
@@ -92,3 +92,9 @@ def test_what_cannot_be_restored_is_refused_naming_it():
     with pytest.raises(ConfigError, match="load_mode='sync' with 2 KV cache groups"):
         sync_loads(cfg, {"load_mode": "sync"}, gs)
     assert sync_loads(cfg, {}, gs) is False and sync_loads(cfg, {}, gs[:1]) is True
+
+
+def test_pd_roles():
+    assert [role({}), role({"role": "prefill"}), role({"role": "decode"})] == ["both", "prefill", "decode"]
+    with pytest.raises(ConfigError, match="kv_connector_extra_config role='decoder': one of both, prefill, decode"):
+        role({"role": "decoder"})

@@ -88,11 +88,12 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         check_hashing(vllm_config)
         ex = extra(vllm_config)
+        pd_role = role_of(ex)
         gs = groups(vllm_config, kv_cache_config)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, ex, gs, lookups=role_of(ex) != "decode")
+            self._scheduler = SchedulerSide(vllm_config, ex, gs, lookups=pd_role != "decode")
         else:
             self._worker = WorkerSide(vllm_config, ex, gs)
 
