@@ -20,6 +20,9 @@ pub enum Dtype {
     Fp8E4m3 = 4,
     /// 8-bit float, e5m2.
     Fp8E5m2 = 5,
+    /// Bytes: state that is no KV tensor of one element type (an engine's recurrent state
+    /// page, stored as the engine hands it over).
+    U8 = 6,
 }
 
 impl Dtype {
@@ -28,11 +31,11 @@ impl Dtype {
         match self {
             Dtype::Bf16 | Dtype::Fp16 => 2,
             Dtype::Fp32 => 4,
-            Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
+            Dtype::Fp8E4m3 | Dtype::Fp8E5m2 | Dtype::U8 => 1,
         }
     }
 
-    /// Stable name (`bf16`, `fp16`, `fp32`, `fp8_e4m3`, `fp8_e5m2`).
+    /// Stable name (`bf16`, `fp16`, `fp32`, `fp8_e4m3`, `fp8_e5m2`, `u8`).
     pub fn as_str(self) -> &'static str {
         match self {
             Dtype::Bf16 => "bf16",
@@ -40,6 +43,7 @@ impl Dtype {
             Dtype::Fp32 => "fp32",
             Dtype::Fp8E4m3 => "fp8_e4m3",
             Dtype::Fp8E5m2 => "fp8_e5m2",
+            Dtype::U8 => "u8",
         }
     }
 
@@ -51,6 +55,7 @@ impl Dtype {
             "fp32" | "f32" => Dtype::Fp32,
             "fp8" | "fp8_e4m3" => Dtype::Fp8E4m3,
             "fp8_e5m2" => Dtype::Fp8E5m2,
+            "u8" => Dtype::U8,
             _ => return None,
         })
     }
@@ -198,6 +203,28 @@ mod tests {
         // 32 layers * 2 * 8 heads * 128 * 2 bytes = 128 KiB per token, 32 MiB per 256 tokens.
         assert_eq!(llama_8b().bytes_per_token(), Some(128 << 10));
         assert_eq!(llama_8b().max_chunk_bytes(), Some(32 << 20));
+    }
+
+    #[test]
+    fn dtype_names_round_trip_and_sizes() {
+        for d in [Dtype::Bf16, Dtype::Fp16, Dtype::Fp32, Dtype::Fp8E4m3, Dtype::Fp8E5m2, Dtype::U8]
+        {
+            assert_eq!(Dtype::parse(d.as_str()), Some(d));
+        }
+        assert_eq!(Dtype::U8.size(), 1);
+        assert_eq!(Dtype::parse("int8"), None);
+        // A page of bytes (an engine's state page): its length is the chunk size.
+        let state = NamespaceDescriptor {
+            dtype: Dtype::U8,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 4000,
+            kv_tensors: 1,
+            tokens_per_chunk: 1,
+            ..llama_8b()
+        };
+        assert_eq!(state.max_chunk_bytes(), Some(4000));
+        assert_ne!(state.id(), NamespaceDescriptor { dtype: Dtype::Fp8E4m3, ..state.clone() }.id());
     }
 
     #[test]

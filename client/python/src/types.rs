@@ -70,7 +70,9 @@ impl NamespaceDescriptor {
         tp_world_size: u32,
     ) -> PyResult<Self> {
         let dtype = okv::Dtype::parse(dtype).ok_or_else(|| {
-            invalid(format!("dtype {dtype:?}: one of bf16, fp16, fp32, fp8_e4m3 (fp8), fp8_e5m2"))
+            invalid(format!(
+                "dtype {dtype:?}: one of bf16, fp16, fp32, fp8_e4m3 (fp8), fp8_e5m2, u8"
+            ))
         })?;
         let d = okv::NamespaceDescriptor {
             model,

@@ -12,6 +12,16 @@ the prefix it reports, so that a page reported present can still be read when SG
 it; the lease ends when the page is read, or after `lease_seconds` if it never is (SGLang
 reads fewer pages than reported when another rank has fewer).
 
+Hybrid models (SGLang's hybrid cache controller: sliding-window and Mamba / linear-attention
+models) hand their other host pools to the backend (`register_mem_host_pool_v2`) and move
+their pages with `batch_exists_v2` / `batch_get_v2` / `batch_set_v2`. Each pool has a namespace
+of its own (the pool's name in the model name): token KV pools (`MHATokenToKVPoolHost`,
+`MLATokenToKVPoolHost`, e.g. the SWA pool) are copied page by page as the main pool is; any
+other host pool (a Mamba state pool's checkpoint slots) as SGLang's flat data pages, bytes as
+the pool gives them. `batch_exists_v2` reports a prefix only where every pool holds what its
+hit policy asks (every page, or the trailing pages of the prefix); the pages it reports stay
+leased until read.
+
 A Manager that is down or restarting makes misses (logged once per outage); the client
 reconnects with backoff. SGLang never fails because of the cache.
 """
@@ -27,6 +37,11 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+try:  # SGLang's hybrid pool API (0.5.23): its pool transfers and their hit policies
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransferResult
+except ImportError:  # an SGLang without it never calls the *_v2 methods
+    PoolHitPolicy = PoolTransferResult = None  # type: ignore[assignment,misc]
 
 from .. import ChunkKey, Client, NamespaceDescriptor, OrbitKVError, Region, ServerError, chunk_digest
 from .._dtypes import okv_dtype
@@ -44,6 +59,25 @@ LAYOUT_VERSIONS = {
     ("mla", "page_first"): 212,
     ("mla", "page_first_direct"): 213,
 }
+#: The layout version of another host pool's pages: SGLang's flat data page, as bytes.
+FLAT_PAGE_LAYOUT = 230
+#: SGLang's host pool classes whose pages are token KV (copied as the main pool's).
+TOKEN_KV_POOLS = {"MHATokenToKVPoolHost": "mha", "MLATokenToKVPoolHost": "mla"}
+#: How many prefix ends a trailing-pages pool is looked up at before it is a miss.
+TRAILING_TRIES = 4
+
+
+@dataclasses.dataclass
+class _Pool:
+    """A host pool the backend moves pages of: its namespace, page size and bytes per page;
+    `regions` for a token KV pool (copied straight), None for flat data pages."""
+
+    name: str
+    pool: Any
+    ns_id: int
+    page_size: int
+    chunk_bytes: int
+    regions: Optional[List[Region]]
 
 
 @dataclasses.dataclass
@@ -96,9 +130,13 @@ class OrbitKVStorage(HiCacheStorage):
         self.page_size = 0
         self.chunk_bytes = 0
         self.ns_id: Optional[int] = None
+        #: Every host pool by SGLang's pool name: the main one (`kv`) and a hybrid model's others.
+        self.pools: Dict[str, _Pool] = {}
+        self._policies_logged: set = set()
         self._lock = threading.Lock()
-        #: key -> (lease, when taken, connection): leases batch_exists took, until read.
-        self._held: "collections.OrderedDict[str, Tuple[Any, float, Any]]" = collections.OrderedDict()
+        #: key (a KV page's, or (pool name, key) of another pool's) -> (lease, when taken,
+        #: connection): leases batch_exists took, until read.
+        self._held: "collections.OrderedDict[Any, Tuple[Any, float, Any]]" = collections.OrderedDict()
         self._stats = StorageStats()
         self._outage = Outage(log)
 
@@ -106,36 +144,79 @@ class OrbitKVStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        layout = str(mem_pool_host.layout)
         kind = "mla" if self.is_mla else "mha"
-        if (kind, layout) not in LAYOUT_VERSIONS:
-            raise ValueError(
-                f"OrbitKVStorage copies the host pool layouts layer_first, page_first, page_first_direct"
-                f"{', page_head' if kind == 'mha' else ''} ({kind.upper()}); this pool is {layout!r}"
-            )
-        buf = mem_pool_host.kv_buffer
-        if buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError(f"the host pool's kv_buffer must be one contiguous CPU tensor ({buf.device})")
-        page = int(mem_pool_host.page_size)
-        pages = int(mem_pool_host.size) // page
-        parts = self._parts(buf, kind, layout)
-        self.regions = []
-        for part in parts:
-            if part.nbytes % pages:
-                raise ValueError(f"a host pool part of {part.nbytes} bytes is not {pages} equal pages")
-            self.regions.append(Region(part, block_bytes=part.nbytes // pages))
-        self.page_size = page
-        self.num_pages = pages
+        self.regions, self.page_size, self.num_pages, desc = self._token_pool(mem_pool_host, kind, "")
         self.chunk_bytes = sum(r.block_bytes for r in self.regions)
-        desc = self._namespace(mem_pool_host, kind, layout)
         self.ns_id = desc.id
+        self.pools["kv"] = _Pool("kv", mem_pool_host, desc.id, self.page_size, self.chunk_bytes, self.regions)
+        self._register(desc)
+        log.info("OrbitKV storage: %s pool %s, %d pages of %d tokens, %d bytes per chunk, namespace %#x",
+                 kind.upper(), mem_pool_host.layout, self.num_pages, self.page_size, self.chunk_bytes, self.ns_id)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Another host pool of a hybrid model (SWA, Mamba, ...); `ValueError` naming the pool
+        class for one OrbitKV cannot move (SGLang then fails the attach, at start)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == "kv" or host_pool is self.mem_pool_host:
+            return
+        cls = type(host_pool).__name__
+        if cls in TOKEN_KV_POOLS:
+            regions, page, pages, desc = self._token_pool(host_pool, TOKEN_KV_POOLS[cls], f"#pool.{name}")
+            pool = _Pool(name, host_pool, desc.id, page, sum(r.block_bytes for r in regions), regions)
+            how = f"{TOKEN_KV_POOLS[cls].upper()} pages, layout {host_pool.layout}"
+        else:
+            flat = getattr(host_pool, "get_dummy_flat_data_page", None)
+            if not callable(flat) or not callable(getattr(host_pool, "set_from_flat_data_page", None)):
+                raise ValueError(
+                    f"OrbitKVStorage cannot store SGLang's {cls} ({name} pool): it has no flat data pages "
+                    "(get_data_page / set_from_flat_data_page); serve this model without "
+                    "--hicache-storage-backend, or with another backend"
+                )
+            page_bytes = flat()
+            if getattr(page_bytes, "device", None) is None or page_bytes.device.type != "cpu":
+                raise ValueError(f"OrbitKVStorage: SGLang's {cls} ({name} pool) gives no CPU flat data page")
+            nbytes = page_bytes.numel() * page_bytes.element_size()
+            c = self.config
+            desc = NamespaceDescriptor(
+                model=f"{self._model()}#pool.{name}.{cls}"[:256], dtype="u8", num_layers=1, num_kv_heads=1,
+                head_dim=nbytes, tokens_per_chunk=1, kv_tensors=1, layout_version=FLAT_PAGE_LAYOUT,
+                tp_rank=int(c.tp_rank), tp_world_size=int(c.tp_size),
+            )
+            pool = _Pool(name, host_pool, desc.id, int(getattr(host_pool, "page_size", 1) or 1), nbytes, None)
+            how = f"{cls} flat data pages"
+        self.pools[name] = pool
+        self._register(desc)
+        log.info("OrbitKV storage: %s pool (%s), %d bytes per page, namespace %#x", name, how, pool.chunk_bytes,
+                 pool.ns_id)
+
+    def _register(self, desc: NamespaceDescriptor) -> None:
         try:
             self.client.register_namespace(desc)  # remembered while the Manager is away
             self._outage.ok(self.client.session_id)
         except OrbitKVError as e:
             self._outage.failed(e, "register namespace")
-        log.info("OrbitKV storage: %s pool %s, %d pages of %d tokens, %d bytes per chunk, namespace %#x",
-                 kind.upper(), layout, pages, page, self.chunk_bytes, self.ns_id)
+
+    def _token_pool(self, pool: Any, kind: str, suffix: str) -> Tuple[List[Region], int, int, NamespaceDescriptor]:
+        """A token KV host pool's regions (one per part of a page), page size, pages and
+        namespace (`suffix` added to the model name)."""
+        layout = str(pool.layout)
+        if (kind, layout) not in LAYOUT_VERSIONS:
+            raise ValueError(
+                f"OrbitKVStorage copies the host pool layouts layer_first, page_first, page_first_direct"
+                f"{', page_head' if kind == 'mha' else ''} ({kind.upper()}); this pool is {layout!r}"
+            )
+        buf = pool.kv_buffer
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError(f"the host pool's kv_buffer must be one contiguous CPU tensor ({buf.device})")
+        page = int(pool.page_size)
+        pages = int(pool.size) // page
+        regions = []
+        for part in self._parts(buf, kind, layout):
+            if part.nbytes % pages:
+                raise ValueError(f"a host pool part of {part.nbytes} bytes is not {pages} equal pages")
+            regions.append(Region(part, block_bytes=part.nbytes // pages))
+        return regions, page, pages, self._namespace(pool, kind, layout, suffix)
 
     @staticmethod
     def _parts(buf: Any, kind: str, layout: str) -> List[Any]:
@@ -149,13 +230,18 @@ class OrbitKVStorage(HiCacheStorage):
             return [buf[layer] for layer in range(int(buf.shape[0]))]
         return [buf]  # [size | page_num, ...]
 
-    def _namespace(self, pool: Any, kind: str, layout: str) -> NamespaceDescriptor:
+    def _model(self) -> str:
         c = self.config
         model = str(self.extra.get("namespace_model") or c.model_name or "sglang")
         if c.pp_size > 1:
             model += f"#pp{c.pp_rank}/{c.pp_size}"
         if c.attn_cp_size > 1:
             model += f"#cp{c.attn_cp_rank}/{c.attn_cp_size}"
+        return model
+
+    def _namespace(self, pool: Any, kind: str, layout: str, suffix: str = "") -> NamespaceDescriptor:
+        c = self.config
+        model = self._model() + suffix
         mla = kind == "mla"
         head_dim = int(pool.kv_cache_dim) if mla else int(pool.head_dim)
         return NamespaceDescriptor(
@@ -178,18 +264,24 @@ class OrbitKVStorage(HiCacheStorage):
             raise RuntimeError("register_mem_pool_host first")
         return [ChunkKey(self.ns_id, _digest(k)) for k in keys]
 
-    def _pages(self, host_indices: Any, n: int) -> List[int]:
-        """The host pool page of each of `n` keys: host_indices holds n pages of tokens."""
+    def _starts(self, host_indices: Any, n: int, page_size: Optional[int] = None) -> List[int]:
+        """The host index of the first token of each of `n` pages: host_indices holds n pages."""
+        size = page_size or self.page_size
         idx = host_indices.tolist() if hasattr(host_indices, "tolist") else list(host_indices)
-        if len(idx) != n * self.page_size:
-            raise ValueError(f"{len(idx)} host indices for {n} pages of {self.page_size} tokens")
-        starts = idx[:: self.page_size]
-        bad = [s for s in starts if s % self.page_size]
+        if len(idx) != n * size:
+            raise ValueError(f"{len(idx)} host indices for {n} pages of {size} tokens")
+        starts = idx[::size]
+        bad = [s for s in starts if s % size]
         if bad:
-            raise ValueError(f"host index {bad[0]} does not start a page of {self.page_size} tokens")
-        return [s // self.page_size for s in starts]
+            raise ValueError(f"host index {bad[0]} does not start a page of {size} tokens")
+        return starts
 
-    def _release(self, keys: Optional[List[str]] = None, now: Optional[float] = None) -> None:
+    def _pages(self, host_indices: Any, n: int, page_size: Optional[int] = None) -> List[int]:
+        """The host pool page of each of `n` keys: host_indices holds n pages of tokens."""
+        size = page_size or self.page_size
+        return [s // size for s in self._starts(host_indices, n, size)]
+
+    def _release(self, keys: Optional[List[Any]] = None, now: Optional[float] = None) -> None:
         """Ends the leases batch_exists took: of `keys`, or those held past `lease_seconds`
         or beyond `max_held_leases` (oldest first), or all."""
         with self._lock:
@@ -277,13 +369,142 @@ class OrbitKVStorage(HiCacheStorage):
         self._count(what, sum(ok), time.perf_counter() - t0)
         return ok
 
-    def _count(self, what: str, pages: int, seconds: float) -> None:
+    def _count(self, what: str, pages: int, seconds: float, chunk_bytes: int = 0) -> None:
         if not pages:
             return
-        gbps = pages * self.chunk_bytes / max(seconds, 1e-9) / 1e9
+        gbps = pages * (chunk_bytes or self.chunk_bytes) / max(seconds, 1e-9) / 1e9
         with self._lock:
             getattr(self._stats, f"{what}_pgs").append(pages)
             getattr(self._stats, f"{what}_bandwidth").append(gbps)
+
+    # ------------------------------------------------------------------ hybrid pools (v2)
+
+    def _pool(self, name: Any) -> _Pool:
+        key = str(getattr(name, "value", name))
+        pool = self.pools.get(key)
+        if pool is None:
+            raise ValueError(f"OrbitKVStorage: no host pool {key!r} was registered")
+        return pool
+
+    def _lease(self, pool: _Pool, keys: List[str]) -> List[Any]:
+        """Leases the longest present prefix of a pool's `keys`, held as batch_exists' are."""
+        if not keys:
+            return []
+        leases = self.client.lookup_leased([ChunkKey(pool.ns_id, _digest(k)) for k in keys])
+        now, session, stale = time.monotonic(), self.client.connection, []
+        with self._lock:
+            for k, lease in zip(keys, leases):
+                old = self._held.pop((pool.name, k), None)
+                if old is not None:
+                    stale.append(old)
+                self._held[(pool.name, k)] = (lease, now, session)
+        self._give_back(stale)
+        return leases
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+        """The longest prefix of `keys` every pool can restore: the KV pages, and of each
+        transfer's pool every page (`all_pages`) or the pages its transfer's keys number at
+        the prefix's end (`trailing_pages`). The pages reported stay leased until read."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: Dict[str, int] = {"kv": kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        try:
+            for t in pool_transfers or ():
+                if not restorable:
+                    break
+                pool = self._pool(t.name)
+                policy = str(getattr(t.hit_policy, "value", t.hit_policy))
+                if policy == "all_pages":
+                    have = len(self._lease(pool, keys[:kv]))
+                    ok = set(range(1, have + 1))
+                elif policy == "trailing_pages":
+                    trailing = max(1, len(t.keys or ()))
+                    ok = set()
+                    for end in sorted(restorable, reverse=True)[:TRAILING_TRIES]:
+                        start = max(0, end - trailing)
+                        if len(self._lease(pool, keys[start:end])) == end - start:
+                            ok.add(end)
+                            break
+                        self._release([(pool.name, k) for k in keys[start:end]])
+                else:
+                    if policy not in self._policies_logged:
+                        self._policies_logged.add(policy)
+                        log.warning("OrbitKV storage: pool %s asks for hit policy %s, which OrbitKV does not "
+                                    "serve: such prefixes are misses", pool.name, policy)
+                    ok = set()
+                if ok:
+                    hits[pool.name] = max(ok)
+                restorable &= ok
+            self._outage.ok(self.client.session_id)
+        except OrbitKVError as e:
+            self._outage.failed(e, "lookup")
+            restorable = set()
+        final = max(restorable, default=0)
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    def batch_get_v2(self, transfers: List[Any],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        """Reads each transfer's pages into its pool: per pool, True for each page read."""
+        out: Dict[str, List[bool]] = {}
+        for t in transfers:
+            pool, keys = self._pool(t.name), list(t.keys or ())
+            try:
+                out[pool.name] = self._move_v2("prefetch", pool, keys, t.host_indices)
+            finally:
+                self._release([(pool.name, k) for k in keys] if pool.name != "kv" else keys)
+        return out
+
+    def batch_set_v2(self, transfers: List[Any],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        """Writes each transfer's pages from its pool: per pool, True for each page stored or
+        already there."""
+        return {str(self._pool(t.name).name): self._move_v2("backup", self._pool(t.name), list(t.keys or ()),
+                                                             t.host_indices) for t in transfers}
+
+    def _move_v2(self, what: str, pool: _Pool, keys: List[str], host_indices: Any) -> List[bool]:
+        if not keys:
+            return []
+        if pool.regions is not None:
+            call = self.client.load_blocks if what == "prefetch" else self.client.save_blocks
+            good = ("done",) if what == "prefetch" else ("stored", "already_present")
+            pages = self._pages(host_indices, len(keys), pool.page_size)
+            t0 = time.perf_counter()
+            try:
+                res = call(pool.regions, [ChunkKey(pool.ns_id, _digest(k)) for k in keys], pages)
+                self._outage.ok(self.client.session_id)
+            except OrbitKVError as e:
+                self._outage.failed(e, "read" if what == "prefetch" else "write")
+                res = []
+            ok = [o in good for o in res] + [False] * (len(keys) - len(res))
+            self._count(what, sum(ok), time.perf_counter() - t0, pool.chunk_bytes)
+            return ok
+        import torch
+
+        starts = self._starts(host_indices, len(keys), pool.page_size)
+        ckeys = [ChunkKey(pool.ns_id, _digest(k)) for k in keys]
+        t0 = time.perf_counter()
+        try:
+            if what == "prefetch":
+                bufs = [pool.pool.get_dummy_flat_data_page() for _ in keys]
+                lens = self.client.get_into(ckeys, [b.view(torch.uint8) for b in bufs])
+                ok = [False] * len(keys)
+                for i, n in enumerate(lens):
+                    if n == pool.chunk_bytes:
+                        pool.pool.set_from_flat_data_page(starts[i], bufs[i])
+                        ok[i] = True
+                    else:
+                        break  # another length under the key: not this pool's page
+            else:
+                pages = [pool.pool.get_data_page(s, flat=True).contiguous().view(torch.uint8) for s in starts]
+                res = self.client.put(list(zip(ckeys, pages)))
+                ok = [o in ("stored", "already_present") for o in res] + [False] * (len(keys) - len(res))
+            self._outage.ok(self.client.session_id)
+        except OrbitKVError as e:
+            self._outage.failed(e, "read" if what == "prefetch" else "write")
+            ok = [False] * len(keys)
+        self._count(what, sum(ok), time.perf_counter() - t0, pool.chunk_bytes)
+        return ok
 
     # ------------------------------------------------------------------ the older interface
 
