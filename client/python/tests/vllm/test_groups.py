@@ -15,10 +15,13 @@ torch = pytest.importorskip("torch")
 
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -98,3 +101,20 @@ def test_pd_roles():
     assert [role({}), role({"role": "prefill"}), role({"role": "decode"})] == ["both", "prefill", "decode"]
     with pytest.raises(ConfigError, match="kv_connector_extra_config role='decoder': one of both, prefill, decode"):
         role({"role": "decoder"})
+
+
+@pytest.mark.parametrize("spec,what", [
+    (lambda: RSWASpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32, rswa_window=64),
+     "reference sliding-window attention"),
+    (lambda: CrossAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32),
+     "cross-attention"),
+    (lambda: SinkFullAttentionSpec(block_size=BS, sink_len=4, num_kv_heads=1, head_size=16, dtype=torch.float32),
+     "attention-sink KV"),
+])
+def test_every_kind_orbitkv_cannot_restore_is_refused_by_name(spec, what):
+    s = spec()
+    with pytest.raises(ConfigError) as e:
+        groups(cfg_with_model_type("some_model"), kv_config(full(), s))
+    msg = str(e.value)
+    assert f"holds {type(s).__name__} ({what}" in msg and "model type 'some_model'" in msg, msg
+    assert "leave out --kv-transfer-config" in msg
