@@ -56,7 +56,13 @@ def _stand_in_for_vllm() -> None:
 
     module("vllm.distributed.kv_transfer.kv_connector.v1.base", KVConnectorBase_V1=Base, KVConnectorMetadata=Base,
            KVConnectorRole=Role, SupportsHMA=type("SupportsHMA", (), {}), KVConnectorTransferResults=TransferResults)
-    module("vllm.distributed.kv_transfer.kv_connector.v1.metrics", KVConnectorStats=Stats)
+    class Factory:
+        @classmethod
+        def register_connector(cls, *a) -> None:
+            pass
+
+    module("vllm.distributed.kv_transfer.kv_connector.v1.metrics", KVConnectorStats=Stats, KVConnectorPromMetrics=Base)
+    module("vllm.distributed.kv_transfer.kv_connector.factory", KVConnectorFactory=Factory)
 
 
 try:

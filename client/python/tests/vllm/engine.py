@@ -7,13 +7,26 @@ SPEC: {"model_dir", "socket" (null: no connector), "policy", "prompts": {name: [
        optional: "engine_args" (more vllm.LLM arguments), "extra" (more of OrbitKV's
        kv_connector_extra_config), "kv_transfer" (the whole KVTransferConfig, for MultiConnector),
        "groups" (`orbitkv.vllm.config.Group` arguments of each KV cache group, for corrupt),
-       "max_tokens" (of each generation; default 12)}
-"""
+       "max_tokens" (of each generation; default 12),
+       "kv_params": {"out": PATH} (generations ask for a remote decode, P/D's prefill side, and
+       write each output's kv_transfer_params to PATH) or {"in": PATH} (wait for PATH, and
+       generate with its kv_transfer_params, P/D's decode side)}
+       Steps "touch:PATH" and "wait:PATH" make and wait for a file (two engines in step);
+       "metrics" records vLLM's counters."""
 
 import json
 import os
 import signal
 import sys
+import time
+
+
+def wait_for(path, timeout=600.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear in {timeout:g} s")
+        time.sleep(0.1)
 
 
 def corrupt(llm, spec, socket, name, prompt, block, group=None):
@@ -70,9 +83,38 @@ def main():
     for step in spec["steps"]:
         op, _, arg = step.partition(":")
         if op == "gen":
-            outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"][arg]], sp, use_tqdm=False)
+            prompts = spec["prompts"][arg]
+            params = [sp] * len(prompts)
+            kvp = spec.get("kv_params") or {}
+            if "out" in kvp:
+                params = [sp.clone() for _ in prompts]
+                for p in params:
+                    p.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
+            elif "in" in kvp:
+                wait_for(kvp["in"])  # written whole: the writer renames it into place
+                remote = json.load(open(kvp["in"]))
+                params = [sp.clone() for _ in prompts]
+                for p, r in zip(params, remote):
+                    p.extra_args = {"kv_transfer_params": r}
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             results.append({"step": step, "tokens": [list(o.outputs[0].token_ids) for o in outs],
                             "cached": [o.num_cached_tokens for o in outs]})
+            if "out" in kvp:
+                with open(kvp["out"] + ".tmp", "w") as f:
+                    json.dump([o.kv_transfer_params for o in outs], f)
+                os.rename(kvp["out"] + ".tmp", kvp["out"])
+        elif op == "metrics":
+            # vLLM's own counters (with stats on: engine_args disable_log_stats false).
+            values = {}
+            for m in llm.get_metrics():
+                v = getattr(m, "value", None)
+                if isinstance(v, (int, float)):
+                    values[m.name] = values.get(m.name, 0) + v
+            results.append({"step": step, "metrics": values})
+        elif op == "touch":
+            open(arg, "w").close()
+        elif op == "wait":
+            wait_for(arg)
         elif op == "reset":
             assert llm.reset_prefix_cache(), "the engine's prefix cache was reset"
         elif op == "stats":

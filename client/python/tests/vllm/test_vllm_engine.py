@@ -44,10 +44,10 @@ def prompts():
     return {"full": full, "partial": partial, "one": [full[1]]}
 
 
-def run_engine(tmp: str, name: str, socket, steps, policy: str = "recompute", model_dir=None, check=True,
-               **more):
-    """Runs engine.py; `more` goes into its spec (engine_args, extra, kv_transfer, groups).
-    `check`: the engine must exit 0 (else its log is returned whatever it did)."""
+def start_engine(tmp: str, name: str, socket, steps, policy: str = "recompute", model_dir=None, env=None,
+                 **more):
+    """Starts engine.py in the background; `more` goes into its spec (engine_args, extra,
+    kv_transfer, groups, prompts, max_tokens, kv_params); `env` adds to its environment."""
     spec = {"model_dir": model_dir or tiny_model(tmp), "socket": socket, "policy": policy, "prompts": prompts(),
             "steps": steps, **more}
     spec_path, out_path = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.out.json")
@@ -56,18 +56,39 @@ def run_engine(tmp: str, name: str, socket, steps, policy: str = "recompute", mo
     # The connector logs its totals when vLLM shuts the engine down gracefully; vLLM kills the
     # engine process after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s by default), and the CPU
     # worker's own teardown takes about 4 s on a 2-core VM: give it room on a loaded machine.
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", ORBITKV_LOG="info",
-               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine.py"), spec_path, out_path],
-                          env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    with open(os.path.join(tmp, f"{name}.log"), "w") as f:
-        f.write(log)
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", ORBITKV_LOG="info",
+                    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60", **(env or {}))
+    log = open(os.path.join(tmp, f"{name}.log"), "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine.py"), spec_path, out_path],
+                            env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.okv = (name, out_path, log)
+    return proc
+
+
+def finish_engine(proc, check=True, timeout=600):
+    """Waits for an engine of start_engine: (its results by step, log), or with `check` off
+    (exit status, log)."""
+    name, out_path, log_file = proc.okv
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log_file.close()
+    log = open(log_file.name).read()
     if not check:
         return proc.returncode, log
     assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
     with open(out_path) as f:
         return {r["step"]: r for r in json.load(f)} | {"_all": json.load(open(out_path))}, log
+
+
+def run_engine(tmp: str, name: str, socket, steps, policy: str = "recompute", model_dir=None, check=True,
+               **more):
+    """Runs engine.py to its end; `more` goes into its spec (engine_args, extra, kv_transfer,
+    groups, prompts, max_tokens). `check`: the engine must exit 0 (else its exit status and log
+    are returned, whatever it did)."""
+    return finish_engine(start_engine(tmp, name, socket, steps, policy, model_dir, **more), check)
 
 
 def totals(log: str, side: str):

@@ -215,3 +215,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> _stats.OrbitKVConnectorStats:
         return _stats.build(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> _stats.OrbitKVPromMetrics:
+        return _stats.OrbitKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

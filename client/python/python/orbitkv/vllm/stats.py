@@ -6,7 +6,7 @@ import dataclasses
 import threading
 from typing import Any, Dict, Union
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 #: Counter names: lookups (scheduler), blocks hit and missed by them, blocks loaded and saved
 #: (worker), their bytes and seconds, blocks that failed to load, blocks the Manager refused to
@@ -83,3 +83,41 @@ class Counters:
 
 def build(data: Any) -> OrbitKVConnectorStats:
     return OrbitKVConnectorStats(data=dict(data or {}))
+
+
+#: What each counter counts, for its Prometheus help text.
+HELP = {
+    "lookups": "Lookups the OrbitKV connector's scheduler made.",
+    "hit_blocks": "Blocks OrbitKV lookups found (reported to vLLM as hits).",
+    "miss_blocks": "Blocks OrbitKV lookups did not find.",
+    "loaded_blocks": "Blocks loaded from OrbitKV into the engine's KV cache.",
+    "load_bytes": "Bytes loaded from OrbitKV into the engine's KV cache.",
+    "load_seconds": "Seconds spent loading blocks from OrbitKV.",
+    "load_error_blocks": "Blocks whose load from OrbitKV failed (vLLM's kv_load_failure_policy applied).",
+    "saved_blocks": "Blocks saved to OrbitKV.",
+    "save_bytes": "Bytes saved to OrbitKV.",
+    "save_seconds": "Seconds spent saving blocks to OrbitKV.",
+    "save_refused_blocks": "Blocks the OrbitKV Manager refused to save (full, or over a limit).",
+    "unavailable": "Calls that found the OrbitKV Manager unavailable (each a miss).",
+}
+
+
+class OrbitKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's Prometheus metrics, per engine:
+    `vllm:orbitkv_<counter>_total` (vLLM also needs them to log stats of the connector inside
+    its MultiConnector)."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: Dict[str, Any] = {}
+        for f in FIELDS:
+            counter = self._counter_cls(name=f"vllm:orbitkv_{f}", documentation=HELP[f], labelnames=labelnames)
+            self.counters[f] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
+        data = getattr(transfer_stats_data, "data", transfer_stats_data) or {}
+        per_engine = {f: c.get(engine_idx) for f, c in self.counters.items()}
+        for f, child in per_engine.items():
+            value = data.get(f, 0)
+            if child is not None and value:
+                child.inc(value)
