@@ -7,6 +7,10 @@
 set -u
 python3 -m venv --system-site-packages /tmp/okv-venv
 /tmp/okv-venv/bin/pip install -q --no-index --no-deps .device-bin/*.whl
+# The package's Python as the working tree has it (the wheel brings the native module and the
+# binaries; its Python may be a few commits older).
+site=$(/tmp/okv-venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cp -r client/python/python/orbitkv/. "$site/orbitkv/"
 export ORBITKV_SERVER_BIN=/tmp/okv-venv/bin/orbitkv-server
 { nvidia-smi -L; nproc; python3 -V; /tmp/okv-venv/bin/python -c 'import torch; print("torch", torch.__version__)'; } > "$OUT/env.txt" 2>&1
 cd client/python/tests

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 from vllm.logger import init_logger
 
@@ -327,19 +327,26 @@ class WorkerSide:
     def _copies(self, group: int) -> Any:
         return self.copies[group]
 
+    def _each_group(self, op: str, parts: List[Part]) -> Iterator[Tuple[int, List[int], Optional[List[str]]]]:
+        """Runs `op` (load or save) of each group's part: (group, block ids, outcomes, None
+        when the Manager could not be asked)."""
+        for group, digests, blocks in parts:
+            try:
+                out = getattr(self._copies(group), op)(self._keys(group, digests), blocks)
+                self.manager.ok()
+            except OrbitKVError as e:
+                self.manager.failed(e, op)
+                out = None
+            yield group, blocks, out
+
     def _load(self, parts: List[Part]) -> Set[int]:
         """Loads each group's chunks; the block ids that did not load."""
         t0 = time.perf_counter()
         failed: Set[int] = set()
         done = blocks_n = nbytes = 0
         outcomes: Set[str] = set()
-        for group, digests, blocks in parts:
-            try:
-                out = self._copies(group).load(self._keys(group, digests), blocks)
-                self.manager.ok()
-            except OrbitKVError as e:
-                self.manager.failed(e, "load")
-                out = ["failed"] * len(blocks)
+        for group, blocks, out in self._each_group("load", parts):
+            out = out if out is not None else ["failed"] * len(blocks)
             ok = sum(1 for o in out if o == "done")
             done += ok
             blocks_n += len(blocks)
@@ -361,13 +368,9 @@ class WorkerSide:
         t0 = time.perf_counter()
         stored = nbytes = blocks_n = 0
         refused: collections.Counter = collections.Counter()
-        for group, digests, blocks in parts:
-            try:
-                out = self._copies(group).save(self._keys(group, digests), blocks)
-                self.manager.ok()
-            except OrbitKVError as e:
-                self.manager.failed(e, "save")
-                return
+        for group, blocks, out in self._each_group("save", parts):
+            if out is None:
+                return  # the Manager is away: the other groups' saves would fail alike
             ok = sum(1 for o in out if o == "stored")
             stored += ok
             blocks_n += len(blocks)
