@@ -52,14 +52,37 @@ fn duration(ns: u64) -> String {
 fn header(out: &mut String, v: &Value) {
     let _ = writeln!(
         out,
-        "state {}  sessions {}  arena {}{}  uptime {:.0}s  pid {}",
+        "state {}  sessions {}  arena {}{}{}  uptime {:.0}s  pid {}",
         v["state"].as_str().unwrap_or("?"),
         u64_of(v, "sessions"),
         format_bytes(u64_of(v, "arena_bytes")),
         if v["arena_locked"] == true { " (locked)" } else { "" },
+        populated(&v["arena_populate"]),
         v["uptime_s"].as_f64().unwrap_or(0.0),
         u64_of(v, "pid"),
     );
+}
+
+/// How the arena was populated: seconds, and the NUMA nodes its slices landed on.
+fn populated(p: &Value) -> String {
+    let Some(seconds) = p["seconds"].as_f64() else { return String::new() };
+    let mut nodes: Vec<u64> = p["slices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["numa_node"].as_u64())
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    let nodes = match nodes.len() {
+        0 => String::new(),
+        1 => format!(", NUMA node {}", nodes[0]),
+        _ => format!(
+            ", NUMA nodes {}",
+            nodes.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        ),
+    };
+    format!(" populated in {seconds:.2}s{nodes}")
 }
 
 /// The GPU line, and the `--gpu-timeline` lines when the server keeps a timeline.
@@ -284,6 +307,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_header_says_how_the_arena_was_populated() {
+        let p = serde_json::json!({"seconds": 1.234, "slices": [
+            {"shard": 0, "numa_node": 1}, {"shard": 1, "numa_node": 0}, {"shard": 2, "numa_node": 1}]});
+        assert_eq!(populated(&p), " populated in 1.23s, NUMA nodes 0,1");
+        let one = serde_json::json!({"seconds": 0.5, "slices": [{"shard": 0, "numa_node": 0}]});
+        assert_eq!(populated(&one), " populated in 0.50s, NUMA node 0");
+        let unknown =
+            serde_json::json!({"seconds": 0.5, "slices": [{"shard": 0, "numa_node": null}]});
+        assert_eq!(populated(&unknown), " populated in 0.50s");
+    }
+
+    #[test]
     fn stats_table_has_a_row_per_shard_and_a_total() {
         let v = serde_json::json!({
             "state": "serving", "sessions": 1, "arena_bytes": 1u64 << 30, "arena_locked": true,
@@ -298,6 +333,7 @@ mod tests {
         let t = stats(&v);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("state serving"), "{t}");
+        assert!(!lines[0].contains("populated"), "a server that says nothing of it: {t}");
         assert_eq!(lines.len(), 5, "{t}");
         assert!(
             lines[3]

@@ -300,6 +300,13 @@ fn stats(shared: &Shared) -> Value {
         "refused_sessions": sample.refused_sessions,
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
+        "arena_populate": {
+            "seconds": shared.arena_populate_seconds,
+            "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({
+                "shard": shard, "bytes": p.bytes, "core": p.core, "numa_node": p.node,
+                "seconds": p.seconds, "locked": p.locked,
+            })).collect::<Vec<_>>(),
+        },
         "gpu_mode": shared.settings.config.gpu.as_str(),
         "gpu": shared.gpu,
         "gpu_transfers": sample.gpu.as_ref().map(gpu_transfers),

@@ -177,6 +177,31 @@ const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
 /// The shards run on io_uring (glommio: a ring per executor and the probe of its operations,
 /// Linux 5.8 or newer). Checked before anything starts, so that a kernel without it, or a
 /// sysctl or seccomp profile refusing it, stops the start with one error naming it.
+/// Logs how the arena was populated: each shard's slice (its core, NUMA node, seconds, rate)
+/// and the whole, wall clock.
+fn log_population(parts: &[orbitkv_shards::Populated], seconds: f64) {
+    for (shard, p) in parts.iter().enumerate() {
+        tracing::info!(
+            shard,
+            bytes = %format_bytes(p.bytes),
+            core = ?p.core,
+            numa_node = ?p.node,
+            seconds = format!("{:.3}", p.seconds),
+            gib_per_s = format!("{:.2}", p.bytes as f64 / (1u64 << 30) as f64 / p.seconds.max(1e-9)),
+            locked = p.locked,
+            "arena slice populated"
+        );
+    }
+    let bytes: u64 = parts.iter().map(|p| p.bytes).sum();
+    tracing::info!(
+        bytes = %format_bytes(bytes),
+        threads = parts.len(),
+        seconds = format!("{:.3}", seconds),
+        gib_per_s = format!("{:.2}", bytes as f64 / (1u64 << 30) as f64 / seconds.max(1e-9)),
+        "arena populated"
+    );
+}
+
 fn check_io_uring() -> Result<(), StartError> {
     let ring = io_uring::IoUring::new(2).map_err(StartError::NoIoUring)?;
     let mut probe = io_uring::Probe::new();
@@ -192,10 +217,16 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let (metrics_listener, cluster) = outside_links(&settings)?;
     let shards = settings.shards;
     let gpu = resolve_gpu(&settings)?;
-    let arena = Arc::new(
-        Arena::create(settings.dram_bytes, settings.config.lock_arena)
-            .map_err(StartError::Arena)?,
-    );
+    let cpus = placement::allowed_cpus();
+    let cores = placement::shard_cores(settings.config.pin, &cpus, shards);
+    // Each shard's slice is populated (and locked) by a thread on the shard's own core, all at
+    // once: its pages land on that core's NUMA node, and the time divides by the shards.
+    let mut arena = Arena::create_unpopulated(settings.dram_bytes).map_err(StartError::Arena)?;
+    let populating = Instant::now();
+    let population = arena.populate(shards, cores.as_deref(), settings.config.lock_arena);
+    let populate_seconds = populating.elapsed().as_secs_f64();
+    log_population(&population, populate_seconds);
+    let arena = Arc::new(arena);
     // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) after
     // the GPU service has stopped, before the arena.
     let registration = register_arena(&settings, gpu.as_ref(), &arena)?;
@@ -212,7 +243,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
         txs,
         doorbells,
         gpu,
-        arena.locked(),
+        shared::ArenaState { locked: arena.locked(), populate_seconds, parts: population },
         ipc.clone(),
         service_prefix,
     )
@@ -229,7 +260,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
     if let Some(ssd) = &settings.ssd {
         remove_orphan_shard_files(&ssd.dir, shards)?;
     }
-    let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc)?;
+    let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc, (&cpus, cores))?;
     start_peering(&settings, &shared, &arena)?;
     start_listeners((&socket, &admin), metrics_listener, &shared, &arena)?;
     tracing::info!(
@@ -410,10 +441,9 @@ fn start_shards(
     arena: &Arc<Arena>,
     controls: Vec<crossbeam_channel::Receiver<ControlMsg>>,
     ipc: &IpcNames,
+    (cpus, cores): (&[usize], Option<Vec<usize>>),
 ) -> Result<(Vec<glommio::ExecutorJoinHandle<()>>, bool), StartError> {
     let shards = settings.shards;
-    let cpus = placement::allowed_cpus();
-    let cores = placement::shard_cores(settings.config.pin, &cpus, shards);
     // With a core to spare for clients, shards poll briefly after work; when every core runs a
     // shard, polling would starve the clients, so shards sleep on their doorbells at once.
     let idle = if shards < cpus.len() { IdlePolicy::Poll } else { IdlePolicy::Sleep };

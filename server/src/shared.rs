@@ -142,12 +142,26 @@ pub struct Shared {
     pub started: Instant,
     /// Whether the arena is locked in memory.
     pub arena_locked: bool,
+    /// How the arena was populated: seconds (wall clock) and each shard's slice.
+    pub arena_populate_seconds: f64,
+    /// Each shard's slice as it was populated (core, NUMA node, seconds).
+    pub arena_parts: Vec<orbitkv_shards::Populated>,
     /// iceoryx2 root path and shm prefix given to clients.
     pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
     pub service_prefix: String,
     /// Cleans up after dead clients off the shards' threads.
     pub ipc_janitor: crate::ipc::Janitor,
+}
+
+/// The arena as the start made it, for `Shared::new`.
+pub struct ArenaState {
+    /// Locked in memory.
+    pub locked: bool,
+    /// Seconds populating took (wall clock, every slice at once).
+    pub populate_seconds: f64,
+    /// Each shard's slice as it was populated.
+    pub parts: Vec<orbitkv_shards::Populated>,
 }
 
 impl Shared {
@@ -157,7 +171,7 @@ impl Shared {
         shard_tx: Vec<Sender<ControlMsg>>,
         doorbells: Arc<Doorbells>,
         gpu: Option<orbitkv_gpu::Probe>,
-        arena_locked: bool,
+        arena: ArenaState,
         ipc: IpcNames,
         service_prefix: String,
     ) -> std::io::Result<Arc<Self>> {
@@ -180,7 +194,9 @@ impl Shared {
             next_session: AtomicU64::new(1),
             refused_sessions: AtomicU64::new(0),
             started: Instant::now(),
-            arena_locked,
+            arena_locked: arena.locked,
+            arena_populate_seconds: arena.populate_seconds,
+            arena_parts: arena.parts,
             ipc,
             service_prefix,
             ipc_janitor,
@@ -342,8 +358,16 @@ mod tests {
         let arena = Arc::new(orbitkv_shards::Arena::create(1 << 20, false).expect("arena"));
         let doorbells = Arc::new(Doorbells::new(arena, 0).expect("doorbells"));
         let ipc = IpcNames { root: "/tmp/orbitkv-test-root".into(), prefix: "t".into() };
-        let shared = Shared::new(settings, Vec::new(), doorbells, None, false, ipc, "t".into())
-            .expect("janitor thread");
+        let shared = Shared::new(
+            settings,
+            Vec::new(),
+            doorbells,
+            None,
+            ArenaState { locked: false, populate_seconds: 0.0, parts: Vec::new() },
+            ipc,
+            "t".into(),
+        )
+        .expect("janitor thread");
         let write = shared.admit_write();
         shared.set_state(ServeState::Draining);
         assert_eq!(shared.writes_admitted(), 1);

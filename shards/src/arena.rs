@@ -46,9 +46,19 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     /// Creates a memfd of [`HEADER_BYTES`] plus `bytes` of chunk data (a multiple of 4 KiB),
-    /// maps it shared and read-write, and tries to lock it in memory when `lock` is set.
-    /// Locking is best effort: on failure it logs a warning and the arena stays pageable.
+    /// maps it shared and read-write, populates it on this thread and tries to lock it in
+    /// memory when `lock` is set. Locking is best effort: on failure it logs a warning and the
+    /// arena stays pageable. (The server populates in parallel: [`Arena::create_unpopulated`]
+    /// and [`Arena::populate`].)
     pub fn create(data_bytes: u64, lock: bool) -> Result<Arena, Error> {
+        let mut arena = Arena::create_unpopulated(data_bytes)?;
+        arena.populate(1, None, lock);
+        Ok(arena)
+    }
+
+    /// Creates and maps the arena memfd as [`Arena::create`] does, without populating or
+    /// locking it: no page exists yet.
+    pub fn create_unpopulated(data_bytes: u64) -> Result<Arena, Error> {
         if data_bytes == 0 || !data_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(Error::ArenaSize {
                 bytes: data_bytes,
@@ -92,32 +102,83 @@ impl Arena {
         if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_HUGEPAGE) } {
             tracing::debug!(error = %e, "MADV_HUGEPAGE not applied to the arena");
         }
-        // Populate now: a cache arena is allocated up front, and first-touch faults would
-        // otherwise land on the data path.
-        // SAFETY: as above; populating writes nothing visible (the memfd reads as zeros).
-        if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_POPULATE_WRITE) } {
-            // Kernels before 5.14 lack it: touch every page instead (writing the zero it holds;
-            // nobody else has the memfd yet).
-            tracing::warn!(error = %e, "MADV_POPULATE_WRITE failed; populating the arena page by page");
-            let p = base.as_ptr().cast::<u8>();
-            for off in (0..len.get()).step_by(PAGE_SIZE as usize) {
-                // SAFETY: inside our live mapping, which no other process has yet.
-                unsafe { p.add(off).write_volatile(0) };
-            }
-        }
-        let mut arena = Arena { fd, base, len: len.get(), locked: false };
+        Ok(Arena { fd, base, len: len.get(), locked: false })
+    }
+
+    /// Populates the arena (a cache arena is allocated up front: first-touch faults would
+    /// otherwise land on the data path) and, with `lock`, locks it in memory: in `parts` parts,
+    /// those of [`Arena::split`] with `parts` slices (the first with the header, the last with
+    /// the remainder), each by a thread of its own at once, pinned to `cores[i]` where given
+    /// so that its pages land on that core's NUMA node (the kernel places a page where it is
+    /// first touched). Locking is all or nothing: if a part cannot be locked (RLIMIT_MEMLOCK),
+    /// the parts that were are unlocked again, a warning says so, and the arena stays pageable.
+    /// Call before the arena is shared (no slice exists yet).
+    pub fn populate(
+        &mut self,
+        parts: usize,
+        cores: Option<&[usize]>,
+        lock: bool,
+    ) -> Vec<Populated> {
+        assert!(parts > 0, "shard count is validated to be non-zero");
+        let per = (self.data_len() / parts as u64) / PAGE_SIZE * PAGE_SIZE;
+        let ranges: Vec<(u64, u64)> = (0..parts as u64)
+            .map(|i| {
+                let start = if i == 0 { 0 } else { HEADER_BYTES + i * per };
+                let end = if i + 1 == parts as u64 {
+                    self.len as u64
+                } else {
+                    HEADER_BYTES + (i + 1) * per
+                };
+                (start, end - start)
+            })
+            .collect();
+        let base = self.base.as_ptr() as usize;
+        let mut done: Vec<Populated> = std::thread::scope(|scope| {
+            let threads: Vec<_> = ranges
+                .iter()
+                .enumerate()
+                .map(|(i, &(offset, bytes))| {
+                    let core = cores.and_then(|c| c.get(i).copied());
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("orbitkv-populate-{i}"))
+                        .spawn_scoped(scope, move || {
+                            populate_part(base, offset, bytes, core, lock)
+                        });
+                    (offset, bytes, core, spawned)
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|(offset, bytes, core, spawned)| match spawned {
+                    Ok(t) => t.join().unwrap_or_else(|_| failed_part(offset, bytes, core)),
+                    // No thread: this one does it (the part is still populated).
+                    Err(_) => populate_part(base, offset, bytes, None, lock),
+                })
+                .collect()
+        });
         if lock {
-            // SAFETY: the range is exactly our live mapping.
-            match unsafe { nix::sys::mman::mlock(arena.base, arena.len) } {
-                Ok(()) => arena.locked = true,
-                Err(e) => tracing::warn!(
-                    bytes,
-                    error = %e,
+            if let Some(refused) = done.iter().find_map(|p| p.lock_error) {
+                tracing::warn!(
+                    bytes = self.len as u64,
+                    error = %refused,
                     "could not lock the arena in memory (RLIMIT_MEMLOCK?); it stays pageable"
-                ),
+                );
+                for p in done.iter_mut().filter(|p| p.locked) {
+                    // SAFETY: a range of our live mapping that this call locked; unlocking
+                    // changes no contents.
+                    let _ = unsafe {
+                        nix::sys::mman::munlock(
+                            self.base.byte_add(p.offset as usize),
+                            p.bytes as usize,
+                        )
+                    };
+                    p.locked = false;
+                }
+            } else {
+                self.locked = true;
             }
         }
-        Ok(arena)
+        done
     }
 
     /// Maps an arena memfd received from a server (a process of its own mapping the same
@@ -322,6 +383,148 @@ impl ArenaSlice {
                 data.as_ptr(),
                 (self.arena.base.as_ptr() as *mut u8).add((self.offset + offset) as usize),
                 data.len(),
+            );
+        }
+    }
+}
+
+/// How one part of the arena was populated (see [`Arena::populate`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Populated {
+    /// Byte offset of the part in the memfd.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// The core its thread was pinned to (None: unpinned, or pinning refused).
+    pub core: Option<usize>,
+    /// Seconds its thread took to populate (and lock) it.
+    pub seconds: f64,
+    /// The NUMA node holding its first page (None where the kernel does not say).
+    pub node: Option<u32>,
+    /// Whether it is locked in memory.
+    pub locked: bool,
+    /// Why it could not be locked, if locking was asked for and refused.
+    pub lock_error: Option<nix::errno::Errno>,
+}
+
+/// A part whose thread died (it panicked): nothing known of it.
+fn failed_part(offset: u64, bytes: u64, core: Option<usize>) -> Populated {
+    Populated { offset, bytes, core, seconds: 0.0, node: None, locked: false, lock_error: None }
+}
+
+/// Populates (and locks) `bytes` at `offset` of the mapping at `base`, on `core` when given.
+fn populate_part(
+    base: usize,
+    offset: u64,
+    bytes: u64,
+    core: Option<usize>,
+    lock: bool,
+) -> Populated {
+    let started = std::time::Instant::now();
+    let core = core.filter(|&c| {
+        let mut set = nix::sched::CpuSet::new();
+        let pinned = set
+            .set(c)
+            .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+        if let Err(e) = &pinned {
+            tracing::warn!(core = c, error = %e, "could not pin the arena's populating thread; its part may land on another NUMA node");
+        }
+        pinned.is_ok()
+    });
+    let at = NonNull::new((base + offset as usize) as *mut c_void).expect("inside the mapping");
+    let len = bytes as usize;
+    // SAFETY: `at..at+len` lies inside the live mapping (a part of it, page-aligned), which no
+    // other process has yet; populating writes nothing visible (the memfd reads as zeros).
+    if let Err(e) = unsafe { madvise(at, len, MmapAdvise::MADV_POPULATE_WRITE) } {
+        // Kernels before 5.14 lack it: touch every page instead (writing the zero it holds).
+        tracing::debug!(error = %e, "MADV_POPULATE_WRITE failed; populating the arena page by page");
+        let p = at.as_ptr().cast::<u8>();
+        for off in (0..len).step_by(PAGE_SIZE as usize) {
+            // SAFETY: inside this part of our live mapping.
+            unsafe { p.add(off).write_volatile(0) };
+        }
+    }
+    let (locked, lock_error) = if lock {
+        // SAFETY: the range is a part of our live mapping.
+        match unsafe { nix::sys::mman::mlock(at, len) } {
+            Ok(()) => (true, None),
+            Err(e) => (false, Some(e)),
+        }
+    } else {
+        (false, None)
+    };
+    Populated {
+        offset,
+        bytes,
+        core,
+        seconds: started.elapsed().as_secs_f64(),
+        node: numa_node(at.as_ptr()),
+        locked,
+        lock_error,
+    }
+}
+
+/// The NUMA node of the (populated) page at `addr`; None where the kernel does not say
+/// (no NUMA support, or a seccomp policy refusing `get_mempolicy`).
+fn numa_node(addr: *mut c_void) -> Option<u32> {
+    const MPOL_F_NODE: libc::c_ulong = 1;
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut node: libc::c_int = -1;
+    // SAFETY: get_mempolicy writes one int to `node`; no node mask is asked for (null, 0).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut node as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            addr,
+            MPOL_F_NODE | MPOL_F_ADDR,
+        )
+    };
+    (rc == 0 && node >= 0).then_some(node as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_mapping_as_the_slices_split_it() {
+        let mut arena = Arena::create_unpopulated(10 * PAGE_SIZE + 3 * PAGE_SIZE).unwrap();
+        let parts = arena.populate(3, Some(&[0, 0, 0]), false);
+        assert_eq!(parts.len(), 3);
+        // Contiguous from the header to the end of the mapping.
+        assert_eq!(parts[0].offset, 0);
+        for w in parts.windows(2) {
+            assert_eq!(w[0].offset + w[0].bytes, w[1].offset);
+        }
+        let last = parts.last().unwrap();
+        assert_eq!(last.offset + last.bytes, arena.len());
+        assert!(parts.iter().all(|p| !p.locked && p.lock_error.is_none()));
+        assert!(!arena.locked());
+        // Part i (i > 0) starts where slice i does.
+        let arena = Arc::new(arena);
+        let slices = arena.split(3);
+        for (p, s) in parts.iter().zip(&slices).skip(1) {
+            assert_eq!(p.offset, s.offset());
+        }
+        // Pinned where asked (core 0 is always allowed here), and every page is there: the
+        // memfd reads as zeros and can be written through the mapping.
+        assert!(parts.iter().all(|p| p.core == Some(0)));
+        assert!(parts.iter().all(|p| p.node.is_none_or(|n| n < 1024)));
+    }
+
+    #[test]
+    fn a_lock_is_all_or_nothing() {
+        // Locking as this process may (root: no memlock limit binds; otherwise the limit may
+        // refuse it): either every part is locked and so is the arena, or none is.
+        let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE).unwrap();
+        let parts = arena.populate(4, None, true);
+        if arena.locked() {
+            assert!(parts.iter().all(|p| p.locked));
+        } else {
+            assert!(
+                parts.iter().all(|p| !p.locked) && parts.iter().any(|p| p.lock_error.is_some())
             );
         }
     }
