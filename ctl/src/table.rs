@@ -56,7 +56,12 @@ fn header(out: &mut String, v: &Value) {
         v["state"].as_str().unwrap_or("?"),
         u64_of(v, "sessions"),
         format_bytes(u64_of(v, "arena_bytes")),
-        if v["arena_locked"] == true { " (locked)" } else { "" },
+        match (v["arena_locked"] == true, v["arena_pages"].as_str()) {
+            (true, Some(p)) if p != "4KiB" => format!(" (locked, {p} pages)"),
+            (false, Some(p)) if p != "4KiB" => format!(" ({p} pages)"),
+            (true, _) => " (locked)".to_string(),
+            (false, _) => String::new(),
+        },
         populated(&v["arena_populate"]),
         v["uptime_s"].as_f64().unwrap_or(0.0),
         u64_of(v, "pid"),

@@ -300,6 +300,7 @@ fn stats(shared: &Shared) -> Value {
         "refused_sessions": sample.refused_sessions,
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
+        "arena_pages": shared.arena_pages.as_str(),
         "arena_populate": {
             "seconds": shared.arena_populate_seconds,
             "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({

@@ -129,6 +129,13 @@ pub struct ServerConfig {
     /// `--no-lock-arena` turns it off. Default: true.
     #[arg(long = "no-lock-arena", action = ArgAction::SetFalse)]
     pub lock_arena: bool,
+    /// Hugetlb pages for the arena: auto (when enough are reserved, 1GiB ones first, else
+    /// 4KiB pages, said at info), on (as auto, a warning when too few are reserved), or off
+    /// (4KiB pages, with transparent huge pages where the host's shmem setting allows).
+    /// Default: auto.
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = HugePages::Auto,
+          hide_default_value = true, hide_possible_values = true)]
+    pub hugepages: HugePages,
     /// Pin each shard to its own core, the last of the allowed CPUs (engines pin from the
     /// first; best effort: a refusal is a warning); the flag `--no-pin` turns it off.
     /// Default: true.
@@ -282,6 +289,31 @@ pub struct ServerConfig {
     /// gaps and the kernels' time. Default: false.
     #[arg(long)]
     pub gpu_timeline: bool,
+}
+
+/// Whether the arena is on hugetlb pages (`--hugepages`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum HugePages {
+    /// When enough are reserved (1 GiB pages first); else 4 KiB pages, said at info.
+    Auto,
+    /// As `Auto`, a warning when too few are reserved.
+    On,
+    /// 4 KiB pages (THP advice).
+    Off,
+}
+
+impl HugePages {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
 }
 
 impl Default for ServerConfig {

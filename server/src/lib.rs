@@ -177,6 +177,59 @@ const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
 /// The shards run on io_uring (glommio: a ring per executor and the probe of its operations,
 /// Linux 5.8 or newer). Checked before anything starts, so that a kernel without it, or a
 /// sysctl or seccomp profile refusing it, stops the start with one error naming it.
+/// The arena's memfd on the pages `--hugepages` and the host's reservation give: hugetlb pages
+/// (1 GiB first, then 2 MiB) where enough are free, else 4 KiB pages, saying why. A hugetlb
+/// arena that cannot be made (another process took the pages meanwhile) falls back too.
+fn create_arena(mode: config::HugePages, data_bytes: u64) -> Result<Arena, StartError> {
+    use orbitkv_shards::PageSize;
+    let small =
+        || Arena::create_unpopulated(data_bytes, PageSize::Small).map_err(StartError::Arena);
+    if mode == config::HugePages::Off {
+        return small();
+    }
+    let need = |p: PageSize| p.arena_bytes(data_bytes) / p.bytes();
+    let fits =
+        [PageSize::Huge1G, PageSize::Huge2M].into_iter().find(|&p| p.free_huge_pages() >= need(p));
+    let fallback = |why: String| {
+        let flag = mode.as_str();
+        if mode == config::HugePages::On {
+            tracing::warn!("--hugepages {flag}: {why}; the arena is on 4KiB pages instead");
+        } else {
+            tracing::info!("--hugepages {flag}: {why}; the arena is on 4KiB pages");
+        }
+    };
+    let Some(pages) = fits else {
+        fallback(format!(
+            "too few hugetlb pages are free for a {} arena ({} of 2MiB free, {} needed; {} of \
+             1GiB free, {} needed): reserve them with the vm.nr_hugepages sysctl or the kernel's \
+             hugepages= parameter (docs/operations.md)",
+            format_bytes(data_bytes),
+            PageSize::Huge2M.free_huge_pages(),
+            need(PageSize::Huge2M),
+            PageSize::Huge1G.free_huge_pages(),
+            need(PageSize::Huge1G),
+        ));
+        return small();
+    };
+    match Arena::create_unpopulated(data_bytes, pages) {
+        Ok(arena) => {
+            tracing::info!(
+                pages = pages.as_str(),
+                count = need(pages),
+                "the arena is on hugetlb pages"
+            );
+            Ok(arena)
+        }
+        Err(e) => {
+            fallback(format!(
+                "a hugetlb arena of {} pages could not be made ({e})",
+                pages.as_str()
+            ));
+            small()
+        }
+    }
+}
+
 /// Logs how the arena was populated: each shard's slice (its core, NUMA node, seconds, rate)
 /// and the whole, wall clock.
 fn log_population(parts: &[orbitkv_shards::Populated], seconds: f64) {
@@ -221,7 +274,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let cores = placement::shard_cores(settings.config.pin, &cpus, shards);
     // Each shard's slice is populated (and locked) by a thread on the shard's own core, all at
     // once: its pages land on that core's NUMA node, and the time divides by the shards.
-    let mut arena = Arena::create_unpopulated(settings.dram_bytes).map_err(StartError::Arena)?;
+    let mut arena = create_arena(settings.config.hugepages, settings.dram_bytes)?;
     let populating = Instant::now();
     let population = arena.populate(shards, cores.as_deref(), settings.config.lock_arena);
     let populate_seconds = populating.elapsed().as_secs_f64();
@@ -243,7 +296,12 @@ fn run(settings: Settings) -> Result<(), StartError> {
         txs,
         doorbells,
         gpu,
-        shared::ArenaState { locked: arena.locked(), populate_seconds, parts: population },
+        shared::ArenaState {
+            locked: arena.locked(),
+            populate_seconds,
+            parts: population,
+            pages: arena.pages(),
+        },
         ipc.clone(),
         service_prefix,
     )

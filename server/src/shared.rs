@@ -146,6 +146,8 @@ pub struct Shared {
     pub arena_populate_seconds: f64,
     /// Each shard's slice as it was populated (core, NUMA node, seconds).
     pub arena_parts: Vec<orbitkv_shards::Populated>,
+    /// The pages backing the arena.
+    pub arena_pages: orbitkv_shards::PageSize,
     /// iceoryx2 root path and shm prefix given to clients.
     pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
@@ -162,6 +164,8 @@ pub struct ArenaState {
     pub populate_seconds: f64,
     /// Each shard's slice as it was populated.
     pub parts: Vec<orbitkv_shards::Populated>,
+    /// The pages backing it.
+    pub pages: orbitkv_shards::PageSize,
 }
 
 impl Shared {
@@ -197,6 +201,7 @@ impl Shared {
             arena_locked: arena.locked,
             arena_populate_seconds: arena.populate_seconds,
             arena_parts: arena.parts,
+            arena_pages: arena.pages,
             ipc,
             service_prefix,
             ipc_janitor,
@@ -363,7 +368,12 @@ mod tests {
             Vec::new(),
             doorbells,
             None,
-            ArenaState { locked: false, populate_seconds: 0.0, parts: Vec::new() },
+            ArenaState {
+                locked: false,
+                populate_seconds: 0.0,
+                parts: Vec::new(),
+                pages: orbitkv_shards::PageSize::Small,
+            },
             ipc,
             "t".into(),
         )

@@ -35,6 +35,59 @@ pub struct Arena {
     base: NonNull<c_void>,
     len: usize,
     locked: bool,
+    pages: PageSize,
+}
+
+/// The pages backing the arena: the kernel's 4 KiB pages (with transparent huge pages where
+/// the host's shmem setting allows them), or hugetlb pages reserved by the operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageSize {
+    /// 4 KiB pages (THP advice given).
+    Small,
+    /// 2 MiB hugetlb pages.
+    Huge2M,
+    /// 1 GiB hugetlb pages.
+    Huge1G,
+}
+
+impl PageSize {
+    /// Bytes per page.
+    pub fn bytes(self) -> u64 {
+        match self {
+            PageSize::Small => PAGE_SIZE,
+            PageSize::Huge2M => 2 << 20,
+            PageSize::Huge1G => 1 << 30,
+        }
+    }
+
+    /// The name (`4KiB`, `2MiB`, `1GiB`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PageSize::Small => "4KiB",
+            PageSize::Huge2M => "2MiB",
+            PageSize::Huge1G => "1GiB",
+        }
+    }
+
+    /// Hugetlb pages of this size free on the host (`/sys/kernel/mm/hugepages`); 0 for
+    /// small pages or where the host does not say.
+    pub fn free_huge_pages(self) -> u64 {
+        let dir = match self {
+            PageSize::Small => return 0,
+            PageSize::Huge2M => "hugepages-2048kB",
+            PageSize::Huge1G => "hugepages-1048576kB",
+        };
+        std::fs::read_to_string(format!("/sys/kernel/mm/hugepages/{dir}/free_hugepages"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Bytes of an arena of `data_bytes` of chunk data on these pages (header included,
+    /// rounded up to whole pages).
+    pub fn arena_bytes(self, data_bytes: u64) -> u64 {
+        (data_bytes + HEADER_BYTES).div_ceil(self.bytes()) * self.bytes()
+    }
 }
 
 // SAFETY: the mapping is plain shared memory; the raw pointer is only dereferenced through
@@ -51,14 +104,16 @@ impl Arena {
     /// arena stays pageable. (The server populates in parallel: [`Arena::create_unpopulated`]
     /// and [`Arena::populate`].)
     pub fn create(data_bytes: u64, lock: bool) -> Result<Arena, Error> {
-        let mut arena = Arena::create_unpopulated(data_bytes)?;
+        let mut arena = Arena::create_unpopulated(data_bytes, PageSize::Small)?;
         arena.populate(1, None, lock);
         Ok(arena)
     }
 
     /// Creates and maps the arena memfd as [`Arena::create`] does, without populating or
-    /// locking it: no page exists yet.
-    pub fn create_unpopulated(data_bytes: u64) -> Result<Arena, Error> {
+    /// locking it: no page exists yet. With hugetlb `pages` the memfd is a hugetlb one (its
+    /// size rounded up to whole pages, the rest chunk data); the pages are reserved when it is
+    /// mapped, so too few free ones fail here (`mmap`), never at a first write.
+    pub fn create_unpopulated(data_bytes: u64, pages: PageSize) -> Result<Arena, Error> {
         if data_bytes == 0 || !data_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(Error::ArenaSize {
                 bytes: data_bytes,
@@ -66,15 +121,22 @@ impl Arena {
             });
         }
         let bytes = data_bytes
-            .checked_add(HEADER_BYTES)
+            .checked_add(HEADER_BYTES + pages.bytes())
+            .map(|_| pages.arena_bytes(data_bytes))
             .ok_or(Error::ArenaSize { bytes: data_bytes, reason: "too large" })?;
         let len = usize::try_from(bytes)
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or(Error::ArenaSize { bytes, reason: "does not fit the address space" })?;
-        let fd =
-            memfd_create(c"orbitkv-arena", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
-                .map_err(|source| Error::Arena { op: "memfd_create", source })?;
+        let flags = MFdFlags::MFD_CLOEXEC
+            | MFdFlags::MFD_ALLOW_SEALING
+            | match pages {
+                PageSize::Small => MFdFlags::empty(),
+                PageSize::Huge2M => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB,
+                PageSize::Huge1G => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_1GB,
+            };
+        let fd = memfd_create(c"orbitkv-arena", flags)
+            .map_err(|source| Error::Arena { op: "memfd_create", source })?;
         nix::unistd::ftruncate(&fd, bytes as i64)
             .map_err(|source| Error::Arena { op: "ftruncate", source })?;
         // Clients get this fd: seal its size so that none can shrink it under the server
@@ -98,11 +160,13 @@ impl Arena {
         // Huge pages when the host allows them for shared memory
         // (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise or always): a 1 MiB chunk
         // then costs no TLB misses to copy. The advice must come before the pages exist.
-        // SAFETY: advice on exactly our live mapping; it changes no contents.
-        if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_HUGEPAGE) } {
-            tracing::debug!(error = %e, "MADV_HUGEPAGE not applied to the arena");
+        if pages == PageSize::Small {
+            // SAFETY: advice on exactly our live mapping; it changes no contents.
+            if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_HUGEPAGE) } {
+                tracing::debug!(error = %e, "MADV_HUGEPAGE not applied to the arena");
+            }
         }
-        Ok(Arena { fd, base, len: len.get(), locked: false })
+        Ok(Arena { fd, base, len: len.get(), locked: false, pages })
     }
 
     /// Populates the arena (a cache arena is allocated up front: first-touch faults would
@@ -121,13 +185,17 @@ impl Arena {
     ) -> Vec<Populated> {
         assert!(parts > 0, "shard count is validated to be non-zero");
         let per = (self.data_len() / parts as u64) / PAGE_SIZE * PAGE_SIZE;
+        // A hugetlb page is faulted in whole: parts are split at whole pages (a slice may then
+        // share its first page with the previous part's thread; its node is that page's).
+        let huge = self.pages.bytes();
+        let at_page = |x: u64| if huge > PAGE_SIZE { x / huge * huge } else { x };
         let ranges: Vec<(u64, u64)> = (0..parts as u64)
             .map(|i| {
-                let start = if i == 0 { 0 } else { HEADER_BYTES + i * per };
+                let start = if i == 0 { 0 } else { at_page(HEADER_BYTES + i * per) };
                 let end = if i + 1 == parts as u64 {
                     self.len as u64
                 } else {
-                    HEADER_BYTES + (i + 1) * per
+                    at_page(HEADER_BYTES + (i + 1) * per)
                 };
                 (start, end - start)
             })
@@ -206,7 +274,13 @@ impl Arena {
             )
         }
         .map_err(|source| Error::Arena { op: "mmap", source })?;
-        Ok(Arena { fd, base, len: len.get(), locked: false })
+        Ok(Arena { fd, base, len: len.get(), locked: false, pages: PageSize::Small })
+    }
+
+    /// The pages backing the arena (an arena opened from a server's fd says `Small`: its
+    /// mapping is the same memory, whatever backs it).
+    pub fn pages(&self) -> PageSize {
+        self.pages
     }
 
     /// The memfd, to pass to clients.
@@ -433,6 +507,18 @@ fn populate_part(
     });
     let at = NonNull::new((base + offset as usize) as *mut c_void).expect("inside the mapping");
     let len = bytes as usize;
+    if len == 0 {
+        // A part smaller than a huge page: its pages are the previous part's.
+        return Populated {
+            offset,
+            bytes,
+            core,
+            seconds: 0.0,
+            node: None,
+            locked: lock,
+            lock_error: None,
+        };
+    }
     // SAFETY: `at..at+len` lies inside the live mapping (a part of it, page-aligned), which no
     // other process has yet; populating writes nothing visible (the memfd reads as zeros).
     if let Err(e) = unsafe { madvise(at, len, MmapAdvise::MADV_POPULATE_WRITE) } {
@@ -490,7 +576,8 @@ mod tests {
 
     #[test]
     fn parts_cover_the_mapping_as_the_slices_split_it() {
-        let mut arena = Arena::create_unpopulated(10 * PAGE_SIZE + 3 * PAGE_SIZE).unwrap();
+        let mut arena =
+            Arena::create_unpopulated(10 * PAGE_SIZE + 3 * PAGE_SIZE, PageSize::Small).unwrap();
         let parts = arena.populate(3, Some(&[0, 0, 0]), false);
         assert_eq!(parts.len(), 3);
         // Contiguous from the header to the end of the mapping.
@@ -518,7 +605,7 @@ mod tests {
     fn a_lock_is_all_or_nothing() {
         // Locking as this process may (root: no memlock limit binds; otherwise the limit may
         // refuse it): either every part is locked and so is the arena, or none is.
-        let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE).unwrap();
+        let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE, PageSize::Small).unwrap();
         let parts = arena.populate(4, None, true);
         if arena.locked() {
             assert!(parts.iter().all(|p| p.locked));
@@ -526,6 +613,23 @@ mod tests {
             assert!(
                 parts.iter().all(|p| !p.locked) && parts.iter().any(|p| p.lock_error.is_some())
             );
+        }
+    }
+
+    #[test]
+    fn hugetlb_pages_are_whole_and_too_few_fail_at_creation() {
+        assert_eq!(PageSize::Huge2M.arena_bytes(1), 2 << 20);
+        assert_eq!(PageSize::Huge2M.arena_bytes((2 << 20) - HEADER_BYTES), 2 << 20);
+        assert_eq!(PageSize::Huge1G.arena_bytes(1 << 30), 2 << 30);
+        assert_eq!(PageSize::Small.arena_bytes(PAGE_SIZE), PAGE_SIZE + HEADER_BYTES);
+        // More 2 MiB pages than the host has free: refused when the memfd is made or mapped
+        // (the pages are reserved then), never at a first write.
+        let free = PageSize::Huge2M.free_huge_pages();
+        match Arena::create_unpopulated((free + 1) * (2 << 20), PageSize::Huge2M) {
+            Err(Error::Arena { op, .. }) => {
+                assert!(["memfd_create", "ftruncate", "mmap"].contains(&op))
+            }
+            other => panic!("{} free 2MiB pages: {other:?}", free),
         }
     }
 }

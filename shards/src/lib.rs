@@ -20,7 +20,9 @@ pub mod ssd;
 mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
-pub use arena::{Arena, ArenaSlice, Populated, SliceReader, DOORBELL_STRIDE, HEADER_BYTES};
+pub use arena::{
+    Arena, ArenaSlice, PageSize, Populated, SliceReader, DOORBELL_STRIDE, HEADER_BYTES,
+};
 pub use core::{
     Audit, EvictSummary, HashRange, NamespaceQuota, ShardConfig, ShardCore, StartedTombstone,
 };
