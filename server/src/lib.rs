@@ -245,6 +245,13 @@ fn log_population(parts: &[orbitkv_shards::Populated], seconds: f64) {
             "arena slice populated"
         );
     }
+    if parts.iter().all(|p| p.node.is_none()) {
+        tracing::info!(
+            "the kernel does not say which NUMA node holds the arena (no NUMA support, or \
+             get_mempolicy refused): each shard's slice is still placed by first touch from its \
+             own core; stats show numa_node null"
+        );
+    }
     let bytes: u64 = parts.iter().map(|p| p.bytes).sum();
     tracing::info!(
         bytes = %format_bytes(bytes),

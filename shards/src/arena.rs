@@ -229,7 +229,8 @@ impl Arena {
                 tracing::warn!(
                     bytes = self.len as u64,
                     error = %refused,
-                    "could not lock the arena in memory (RLIMIT_MEMLOCK?); it stays pageable"
+                    "could not lock the arena in memory ({}); it stays pageable",
+                    memlock_hint(self.len as u64)
                 );
                 for p in done.iter_mut().filter(|p| p.locked) {
                     // SAFETY: a range of our live mapping that this call locked; unlocking
@@ -479,6 +480,21 @@ pub struct Populated {
     pub locked: bool,
     /// Why it could not be locked, if locking was asked for and refused.
     pub lock_error: Option<nix::errno::Errno>,
+}
+
+/// What limits locking `bytes`: the memlock limit when it is below them (and how to raise
+/// it), else the limit's name.
+fn memlock_hint(bytes: u64) -> String {
+    use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
+    match getrlimit(Resource::RLIMIT_MEMLOCK) {
+        Ok((soft, _)) if soft != RLIM_INFINITY && soft < bytes => format!(
+            "RLIMIT_MEMLOCK is {} bytes, the arena {bytes}: raise it to the arena's size or \
+             unlimited (ulimit -l, systemd's LimitMEMLOCK=, docker --ulimit memlock=-1), give \
+             the server CAP_IPC_LOCK, or start it with --no-lock-arena",
+            soft
+        ),
+        _ => "RLIMIT_MEMLOCK?".to_string(),
+    }
 }
 
 /// A part whose thread died (it panicked): nothing known of it.

@@ -165,6 +165,8 @@ def check_bad_input(tmp: str) -> None:
     s.wait_ready()
     log = s.log()
     assert "could not lock the arena in memory" in log and "it stays pageable" in log, log
+    # The message names the limit, the arena's size and the ways out.
+    assert "RLIMIT_MEMLOCK is 1048576 bytes" in log and "--no-lock-arena" in log, log
     s.stop()
     say("memlock below the arena: served, pageable arena, said so")
 
