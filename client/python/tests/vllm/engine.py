@@ -49,7 +49,7 @@ def corrupt(llm, spec, socket, name, prompt, block, group=None):
     if group is None:
         d = namespace(cfg, 0, layout_name(cfg))
     else:  # the group as the test describes it (vLLM's KV cache config lives in the engine core)
-        d = namespace(cfg, 0, layout_name(cfg), Group(**spec["groups"][group]), hybrid=True)
+        d = namespace(cfg, 0, layout_name(cfg), Group(**spec["groups"][group]))
     key = orbitkv.ChunkKey(d.id, orbitkv.chunk_digest(bytes(parent)))
     c = orbitkv.Client(socket)
     c.register_namespace(d)  # a session names only namespaces it registered

@@ -328,8 +328,13 @@ class OrbitKVStorage(HiCacheStorage):
         except OrbitKVError as e:
             self._outage.failed(e, "lookup")
             return 0
-        session = self.client.connection
-        stale = []
+        self._hold(keys, leases, now)
+        return len(leases)
+
+    def _hold(self, keys: List[Any], leases: List[Any], now: float) -> None:
+        """Keeps `leases` (of `keys`: a KV page's key, or (pool name, key)) until their pages are
+        read; a lease held before under the same key is given back."""
+        session, stale = self.client.connection, []
         with self._lock:
             for k, lease in zip(keys, leases):
                 old = self._held.pop(k, None)
@@ -337,7 +342,6 @@ class OrbitKVStorage(HiCacheStorage):
                     stale.append(old)
                 self._held[k] = (lease, now, session)
         self._give_back(stale)
-        return len(leases)
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -391,14 +395,7 @@ class OrbitKVStorage(HiCacheStorage):
         if not keys:
             return []
         leases = self.client.lookup_leased([ChunkKey(pool.ns_id, _digest(k)) for k in keys])
-        now, session, stale = time.monotonic(), self.client.connection, []
-        with self._lock:
-            for k, lease in zip(keys, leases):
-                old = self._held.pop((pool.name, k), None)
-                if old is not None:
-                    stale.append(old)
-                self._held[(pool.name, k)] = (lease, now, session)
-        self._give_back(stale)
+        self._hold([(pool.name, k) for k in keys], leases, time.monotonic())
         return leases
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
@@ -459,8 +456,11 @@ class OrbitKVStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
         """Writes each transfer's pages from its pool: per pool, True for each page stored or
         already there."""
-        return {str(self._pool(t.name).name): self._move_v2("backup", self._pool(t.name), list(t.keys or ()),
-                                                             t.host_indices) for t in transfers}
+        out: Dict[str, List[bool]] = {}
+        for t in transfers:
+            pool = self._pool(t.name)
+            out[pool.name] = self._move_v2("backup", pool, list(t.keys or ()), t.host_indices)
+        return out
 
     def _move_v2(self, what: str, pool: _Pool, keys: List[str], host_indices: Any) -> List[bool]:
         if not keys:

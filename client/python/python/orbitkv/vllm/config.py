@@ -236,13 +236,12 @@ def plain(gs: Sequence[Group]) -> bool:
     return len(gs) == 1 and gs[0].kind == "full"
 
 
-def namespace(vllm_config: Any, tp_rank: int, layout: str, group: Optional[Group] = None,
-              hybrid: bool = False) -> NamespaceDescriptor:
+def namespace(vllm_config: Any, tp_rank: int, layout: str, group: Optional[Group] = None) -> NamespaceDescriptor:
     """The namespace of one TP rank's chunks: one vLLM block of every layer per chunk.
 
     `layout` is vLLM's KV cache layout name; the order of its pages is hashed into the layout
-    version, so chunks of different byte orders never mix. `hybrid`: one namespace per KV cache
-    group (`group`), its layers only, the group's tag in the model name (groups never collide).
+    version, so chunks of different byte orders never mix. With a KV cache `group` (a model of
+    several groups): that group's layers only, its tag in the model name (groups never collide).
     """
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     ex = extra(vllm_config)
@@ -253,8 +252,7 @@ def namespace(vllm_config: Any, tp_rank: int, layout: str, group: Optional[Group
     use_mla = bool(getattr(mc, "use_mla", False))
     layout_version = LAYOUT_VERSIONS["mla" if use_mla else page_order(layout)]
     num_layers, heads, head_dim = int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size())
-    if hybrid:
-        assert group is not None
+    if group is not None:
         model = f"{model[:240]}#{group.tag}"
         num_layers, heads, head_dim = len(group.layer_names), group.num_kv_heads, group.head_dim
     return NamespaceDescriptor(
@@ -275,7 +273,7 @@ def namespaces(vllm_config: Any, tp_rank: int, layout: str, gs: Sequence[Group])
     """One TP rank's namespace of each group (the single plain one for a one-group model)."""
     if plain(gs):
         return [namespace(vllm_config, tp_rank, layout)]
-    return [namespace(vllm_config, tp_rank, layout, g, hybrid=True) for g in gs]
+    return [namespace(vllm_config, tp_rank, layout, g) for g in gs]
 
 
 #: `kv_connector_extra_config` `role`: `both` looks up, loads and saves; `prefill` the same (the
