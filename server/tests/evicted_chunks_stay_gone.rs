@@ -86,10 +86,14 @@ fn acknowledged_evictions_never_come_back_after_sigkill() {
     assert!(out.iter().all(|o| *o == ChunkOutcome::Done), "{out:?}");
     let tombstones = server.shard_sum("ssd_tombstones");
     assert_eq!(tombstones, evicted.len() as u64);
+    // What the namespace holds now: on a loaded machine a put may still evict a victim outright
+    // while SSD writes lag (a cache may), so the evict is checked against what is there.
+    let (present_b, _) = found(&mut d, &keys_b);
+    assert!(present_b.len() > keys_b.len() / 2, "{} of tenant b's keys", present_b.len());
     let reply =
         server.try_admin_request(&serde_json::json!({"cmd": "evict", "namespace": ns_b})).unwrap();
     assert_eq!((reply["ok"].as_bool(), reply["busy"].as_u64()), (Some(true), Some(0)), "{reply}");
-    assert_eq!(reply["removed"].as_u64(), Some(keys_b.len() as u64), "{reply}");
+    assert_eq!(reply["removed"].as_u64(), Some(present_b.len() as u64), "{reply}");
     assert_eq!(reply["not_durable"].as_u64(), Some(0), "{reply}");
     assert!(server.shard_sum("ssd_tombstones") > tombstones, "a namespace tombstone per shard");
     drop((c, d));
