@@ -18,6 +18,8 @@ pub(crate) struct Reconnect {
     last_error: String,
     /// Connect attempts made, successful or not (for tests and counters).
     pub(crate) attempts: u64,
+    /// The server said it is starting at the last attempt (said once in the log).
+    waiting: bool,
 }
 
 impl Reconnect {
@@ -35,6 +37,7 @@ impl Reconnect {
 
     /// Records the outcome of an attempt: success resets the pacing, a failure pushes the
     /// next attempt out by `min(initial * 2^(failures-1), max)`, less up to a fifth (jitter).
+    /// A server that says it is starting is no failure: the next attempt is when it said.
     pub(crate) fn record(&mut self, outcome: Result<(), &Error>, initial: Duration, max: Duration) {
         self.attempts += 1;
         match outcome {
@@ -42,8 +45,19 @@ impl Reconnect {
                 self.failures = 0;
                 self.next_attempt = None;
                 self.last_error.clear();
+                self.waiting = false;
+            }
+            Err(e @ Error::Starting { retry_in, message }) => {
+                self.failures = 0;
+                self.next_attempt = Some(Instant::now() + *retry_in);
+                self.last_error = e.to_string();
+                if !self.waiting {
+                    tracing::info!(%message, "orbitkv-server is starting; connecting once it serves");
+                }
+                self.waiting = true;
             }
             Err(e) => {
+                self.waiting = false;
                 self.failures = self.failures.saturating_add(1);
                 let delay = delay(self.failures, initial, max);
                 self.next_attempt = Some(Instant::now() + delay);
@@ -111,5 +125,27 @@ mod tests {
         r.record(Ok(()), Duration::from_secs(60), Duration::from_secs(60));
         assert!(r.check(socket).is_ok());
         assert_eq!((r.failures(), r.attempts), (0, 2));
+    }
+
+    #[test]
+    fn a_starting_server_is_tried_again_when_it_said_and_counts_no_failure() {
+        let mut r = Reconnect::default();
+        let socket = std::path::Path::new("/nonexistent/orbitkv.sock");
+        let (initial, max) = (Duration::from_millis(1), Duration::from_millis(1));
+        r.record(Err(&Error::Disconnected("gone".into())), initial, max);
+        let starting = Error::Starting {
+            message: "populating the arena: 42%".into(),
+            retry_in: Duration::from_secs(60),
+        };
+        r.record(Err(&starting), initial, max);
+        assert_eq!(r.failures(), 0, "a starting server resets the backoff");
+        let refused = r.check(socket).unwrap_err();
+        assert!(
+            matches!(&refused, Error::Unavailable { cause, retry_in, .. }
+                if cause.contains("42%") && *retry_in > Duration::from_secs(59)),
+            "{refused}"
+        );
+        assert!(refused.is_unavailable() && starting.is_unavailable());
+        assert_eq!(starting.kind(), "starting");
     }
 }

@@ -37,6 +37,11 @@ pub struct ClientOptions {
     /// after writing it, and commit with them (`commit_checked`): the shards then hash one
     /// chunk per request instead of every one. Default: true.
     pub client_checksums: bool,
+    /// Longest [`Client::connect`] waits for a server that says it is starting (populating
+    /// its arena, ...), connecting again when it says; past it, [`Error::Starting`]. A lazy
+    /// client ([`Client::new`]) never waits: its calls fail fast until the server serves.
+    /// Default: 10 minutes.
+    pub start_wait: Duration,
 }
 
 impl Default for ClientOptions {
@@ -50,6 +55,7 @@ impl Default for ClientOptions {
             reconnect_backoff_max: Duration::from_secs(2),
             copy_threads: 1,
             client_checksums: true,
+            start_wait: Duration::from_secs(600),
         }
     }
 }
@@ -126,11 +132,22 @@ pub(crate) fn unexpected(op: &str, r: Response) -> Error {
 }
 
 impl Client {
-    /// Connects now; fails if the server is not reachable or refuses.
+    /// Connects now; fails if the server is not reachable or refuses. A server that is
+    /// starting is waited for, up to [`ClientOptions::start_wait`].
     pub fn connect(opts: ClientOptions) -> Result<Self, Error> {
+        let deadline = std::time::Instant::now() + opts.start_wait;
         let mut c = Self::new(opts);
-        c.ensure_connected()?;
-        Ok(c)
+        loop {
+            match c.ensure_connected() {
+                Ok(_) => return Ok(c),
+                Err(Error::Starting { retry_in, .. })
+                    if std::time::Instant::now() + retry_in < deadline =>
+                {
+                    std::thread::sleep(retry_in)
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// A client that connects on its first call (and reconnects after, with backoff): for an

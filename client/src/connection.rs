@@ -225,6 +225,10 @@ impl Admitted {
     fn from_welcome(welcome: Welcome) -> Result<Self, Error> {
         match welcome {
             Welcome::Refused { code, message } => Err(Error::Refused { code, message }),
+            Welcome::Starting { message, retry_after_ms, .. } => Err(Error::Starting {
+                message,
+                retry_in: Duration::from_millis(u64::from(retry_after_ms)),
+            }),
             Welcome::Accepted { protocol_version, .. } if protocol_version != PROTOCOL_VERSION => {
                 Err(Error::Protocol(format!(
                     "server speaks protocol {protocol_version}, client {PROTOCOL_VERSION}"

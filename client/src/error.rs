@@ -27,6 +27,16 @@ pub enum Error {
         /// Why the last attempt failed.
         cause: String,
     },
+    /// The server is starting (populating its arena, ...): no session yet, none refused;
+    /// connect again after `retry_in`. [`crate::Client::connect`] waits for it (up to
+    /// [`crate::ClientOptions::start_wait`]); a lazy client's calls fail fast until then.
+    #[error("orbitkv-server is starting ({message}); connect again in {retry_in:?}")]
+    Starting {
+        /// What the server is doing, e.g. "populating the arena: 42% (...)".
+        message: String,
+        /// When to connect again, as the server said.
+        retry_in: Duration,
+    },
     /// The server refused to open a session.
     #[error("orbitkv-server refused the session ({code}): {message}")]
     Refused {
@@ -96,6 +106,7 @@ impl Error {
         match self {
             Error::Connect { .. } => "connect",
             Error::Unavailable { .. } => "unavailable",
+            Error::Starting { .. } => "starting",
             Error::Refused { code, .. } | Error::Server { code, .. } => code.as_str(),
             Error::Disconnected(_) => "disconnected",
             Error::Timeout { .. } => "timeout",
@@ -107,10 +118,11 @@ impl Error {
         }
     }
 
-    /// Whether the server could not be reached (no session): a connect that failed, or a call
-    /// refused at once while reconnects back off. Engines take it as "no cache right now".
+    /// Whether the server could not be reached (no session): a connect that failed, a server
+    /// still starting, or a call refused at once while reconnects back off. Engines take it
+    /// as "no cache right now".
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, Error::Connect { .. } | Error::Unavailable { .. })
+        matches!(self, Error::Connect { .. } | Error::Unavailable { .. } | Error::Starting { .. })
     }
 
     /// The wire code, when the server produced this error.

@@ -239,6 +239,9 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
                 c["reason"].as_str().unwrap_or("")
             );
         }
+    } else if v["state"] == "starting" {
+        // e.g. "starting: populating the arena: 42% (3.4GiB of 8GiB in 2.1 s)"
+        println!("starting: {}", v["reason"].as_str().unwrap_or("unknown"));
     } else {
         println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
     }

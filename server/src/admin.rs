@@ -15,9 +15,11 @@ use serde_json::{json, Map, Value};
 
 use orbitkv_shards::{LatencyHistogram, OpKind};
 
+use crate::access::Access;
 use crate::deadline::DeadlineReader;
 use crate::metrics::Sample;
 use crate::shared::{ServeState, Shared};
+use crate::startup::Startup;
 
 const MAX_LINE: u64 = 4096;
 
@@ -29,7 +31,7 @@ const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// Serves admin connections, each on its own thread (at most [`MAX_ADMIN_CONNECTIONS`]),
 /// until the listener fails. A slow client only holds its own thread, for at most
 /// [`REQUEST_DEADLINE`].
-pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
+pub fn serve(listener: UnixListener, startup: Arc<Startup>) {
     let live = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         match conn {
@@ -38,11 +40,11 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 live.fetch_add(1, Ordering::AcqRel);
-                let shared = Arc::clone(&shared);
+                let startup = Arc::clone(&startup);
                 let done = Arc::clone(&live);
                 let spawned = std::thread::Builder::new().name("orbitkv-admin-conn".into()).spawn(
                     move || {
-                        if let Err(e) = handle(stream, &shared) {
+                        if let Err(e) = handle(stream, &startup) {
                             tracing::debug!(error = %e, "admin connection failed");
                         }
                         done.fetch_sub(1, Ordering::AcqRel);
@@ -61,15 +63,18 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>) {
     }
 }
 
-fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
+fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
     let creds = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(std::io::Error::from)?;
     let mut line = String::new();
     BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
         .read_line(&mut line)?;
     let reply = match parse_request(&line) {
-        Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), shared) {
-            Ok(()) => command(&cmd, &v, shared),
+        Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), &startup.access) {
+            Ok(()) => match startup.server() {
+                Some((shared, _)) => command(&cmd, &v, shared),
+                None => while_starting(&cmd, startup),
+            },
             Err(why) => {
                 tracing::warn!(uid = creds.uid(), pid = creds.pid(), cmd, "admin command refused");
                 json!({"ok": false, "error": why, "code": "permission_denied"})
@@ -80,6 +85,22 @@ fn handle(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
     out.push(b'\n');
     (&stream).write_all(&out)
+}
+
+/// A command while the server starts: `health` says how far it got; the others wait for it.
+fn while_starting(cmd: &str, startup: &Startup) -> Value {
+    match cmd {
+        "health" => startup.health_json(),
+        _ => json!({
+            "ok": false,
+            "code": "starting",
+            "error": format!(
+                "the server is starting ({}): try again once `orbitkv-ctl health` says ready",
+                startup.message()
+            ),
+            "starting": startup.progress_json(),
+        }),
+    }
 }
 
 /// One request line: a JSON object with a `"cmd"` string; the command and the whole object,
@@ -109,10 +130,10 @@ pub(crate) fn evict_target(request: &Value) -> Result<Option<u64>, &'static str>
 
 /// Whether the connection's `(uid, gid)` may run `cmd`: commands that change state need an
 /// admin uid, the others a uid or group allowed sessions.
-fn allowed(cmd: &str, (uid, gid): (u32, u32), shared: &Shared) -> Result<(), String> {
+fn allowed(cmd: &str, (uid, gid): (u32, u32), access: &Access) -> Result<(), String> {
     match cmd {
-        "drain" | "resume" | "evict" => shared.access.may_change(uid, cmd),
-        _ => shared.access.may_connect(uid, gid),
+        "drain" | "resume" | "evict" => access.may_change(uid, cmd),
+        _ => access.may_connect(uid, gid),
     }
 }
 
@@ -301,6 +322,7 @@ fn stats(shared: &Shared) -> Value {
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
         "arena_pages": shared.arena_pages.as_str(),
+        "startup": shared.startup.stats_json(),
         "arena_populate": {
             "seconds": shared.arena_populate_seconds,
             "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({

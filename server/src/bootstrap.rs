@@ -4,7 +4,7 @@
 use std::io::{IoSlice, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -18,6 +18,7 @@ use orbitkv_shards::Arena;
 use crate::deadline::DeadlineReader;
 use crate::router::{max_request_bytes, max_response_bytes};
 use crate::shared::{ControlMsg, ServeState, SessionInfo, Shared};
+use crate::startup::Startup;
 
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -27,11 +28,12 @@ pub const HANDSHAKE_HEADROOM: usize = 64;
 const CONNECTION_STACK: usize = 256 << 10;
 
 /// Accepts connections until the listener fails (it is shut down by process exit). At most
-/// `--max-sessions` + [`HANDSHAKE_HEADROOM`] connections are served at once; beyond that a
-/// connection is refused with `TooManySessions` before any thread is started for it.
-pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
+/// `limit` (`--max-sessions` + [`HANDSHAKE_HEADROOM`]) connections are served at once; beyond
+/// that a connection is refused with `TooManySessions` before any thread is started for it.
+/// While the server starts, a hello is answered `Welcome::Starting` (after the version and uid
+/// checks): connect again later.
+pub fn serve(listener: UnixListener, startup: Arc<Startup>, limit: usize) {
     let live = Arc::new(AtomicUsize::new(0));
-    let limit = shared.settings.config.max_sessions + HANDSHAKE_HEADROOM;
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
@@ -39,21 +41,23 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
                     let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
                     refuse(
                         &stream,
-                        &shared,
+                        refusals(&startup),
                         ErrorCode::TooManySessions,
                         format!("{limit} connections open (--max-sessions + {HANDSHAKE_HEADROOM} handshakes)"),
                     );
                     continue;
                 }
                 live.fetch_add(1, Ordering::AcqRel);
-                let shared = Arc::clone(&shared);
-                let arena = Arc::clone(&arena);
+                let startup = Arc::clone(&startup);
                 let done = Arc::clone(&live);
                 let spawned = std::thread::Builder::new()
                     .name("orbitkv-session".into())
                     .stack_size(CONNECTION_STACK)
                     .spawn(move || {
-                        handle(stream, &shared, &arena);
+                        match startup.server() {
+                            Some((shared, arena)) => handle(stream, shared, arena),
+                            None => tell_to_wait(stream, &startup),
+                        }
                         done.fetch_sub(1, Ordering::AcqRel);
                     });
                 if let Err(e) = spawned {
@@ -69,8 +73,49 @@ pub fn serve(listener: UnixListener, shared: Arc<Shared>, arena: Arc<Arena>) {
     }
 }
 
-fn refuse(stream: &UnixStream, shared: &Shared, code: ErrorCode, message: String) {
-    shared.refused_sessions.fetch_add(1, Ordering::Relaxed);
+/// The count of refused sessions: the server's, or the start's until it serves.
+fn refusals(startup: &Startup) -> &AtomicU64 {
+    match startup.server() {
+        Some((shared, _)) => &shared.refused_sessions,
+        None => &startup.refused,
+    }
+}
+
+/// A hello while the server starts: checked as at any time (version, uid), then answered
+/// `Starting` with the progress and when to come back; no session is opened.
+fn tell_to_wait(stream: UnixStream, startup: &Startup) {
+    let creds = match getsockopt(&stream, sockopt::PeerCredentials) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "SO_PEERCRED failed; dropping connection");
+            return;
+        }
+    };
+    let checked = read_hello(&stream, creds.pid()).and_then(|_| {
+        startup
+            .access
+            .may_connect(creds.uid(), creds.gid())
+            .map_err(|why| (ErrorCode::PermissionDenied, why))
+    });
+    if let Err((code, message)) = checked {
+        return refuse(&stream, refusals(startup), code, message);
+    }
+    startup.told_to_wait.fetch_add(1, Ordering::Relaxed);
+    let message = startup.message();
+    tracing::debug!(pid = creds.pid(), %message, "hello while starting: told to wait");
+    let starting = Welcome::Starting {
+        populated_bytes: startup.populated.load(Ordering::Relaxed),
+        arena_bytes: startup.arena_bytes(),
+        retry_after_ms: startup.retry_after().as_millis() as u32,
+        message,
+    };
+    if let Err(e) = send_welcome(&stream, &starting, &[]) {
+        tracing::debug!(error = %e, "telling a client to wait failed");
+    }
+}
+
+fn refuse(stream: &UnixStream, refused: &AtomicU64, code: ErrorCode, message: String) {
+    refused.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(code = %code, %message, "session refused");
     let _ = send_welcome(stream, &Welcome::Refused { code, message }, &[]);
 }
@@ -111,7 +156,7 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         .and_then(|name| open_session(shared, (uid, pid), &name).map(|o| (name, o)));
     let (name, (session, home, service)) = match opened {
         Ok(o) => o,
-        Err((code, message)) => return refuse(&stream, shared, code, message),
+        Err((code, message)) => return refuse(&stream, &shared.refused_sessions, code, message),
     };
     tracing::info!(session, pid, uid, home, name = %name, "session opened");
     let fds = [arena.fd().as_raw_fd(), shared.doorbells.fd(home).as_raw_fd()];

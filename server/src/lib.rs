@@ -21,6 +21,7 @@ mod peering;
 mod placement;
 mod router;
 mod shared;
+mod startup;
 mod transfer;
 
 pub mod fuzzing;
@@ -42,6 +43,7 @@ use crate::error::StartError;
 use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
 use crate::shared::{ControlMsg, ServeState, Shared};
+use crate::startup::{Phase, Startup};
 
 /// How often the watchdog looks for a shard executor that parked with work queued.
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);
@@ -275,21 +277,76 @@ fn run(settings: Settings) -> Result<(), StartError> {
     let admin = admin_socket_path(&socket);
     claim_socket(&socket)?;
     let (metrics_listener, cluster) = outside_links(&settings)?;
-    let shards = settings.shards;
     let gpu = resolve_gpu(&settings)?;
+    let arena = create_arena(settings.config.hugepages, settings.dram_bytes)?;
+    // The sockets answer from here on: not ready, and how far the start got, until it serves.
+    let startup = Arc::new(Startup::new(&settings, arena.len(), started));
+    let running = start_listeners((&socket, &admin), metrics_listener, &settings, &startup)
+        .and_then(|()| start(settings, arena, gpu, cluster, &startup));
+    let (shared, handles, ipc) = match running {
+        Ok(r) => r,
+        Err(e) => {
+            // Nothing serves behind the sockets: remove them before saying why.
+            let _ = std::fs::remove_file(&socket);
+            let _ = std::fs::remove_file(&admin);
+            return Err(e);
+        }
+    };
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
+    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
+    tracing::info!(signal, "shutting down: draining");
+    drain(&shared.settings, &shared);
+    shut_down(&shared, (&socket, &admin), handles, &ipc);
+    Ok(())
+}
+
+/// A started server: its shared state, the shard executors' handles, its iceoryx2 names.
+type Running = (Arc<Shared>, Vec<glommio::ExecutorJoinHandle<()>>, IpcNames);
+
+/// The start behind the bound sockets: populates the arena (each shard's slice on its core),
+/// registers it with CUDA, starts the shards, the GPU service and peering, then hands the
+/// listeners the server (`startup`'s phases say which step runs).
+fn start(
+    settings: Settings,
+    mut arena: Arena,
+    gpu: Option<orbitkv_gpu::Probe>,
+    cluster: Option<Arc<orbitkv_peer::Cluster>>,
+    startup: &Arc<Startup>,
+) -> Result<Running, StartError> {
+    let socket = settings.socket.clone();
+    let shards = settings.shards;
     let cpus = placement::allowed_cpus();
     let cores = placement::shard_cores(settings.config.pin, &cpus, shards);
+    tracing::info!(
+        socket = %socket.display(),
+        arena = %format_bytes(arena.len()),
+        "listening (not ready: populating the arena)"
+    );
     // Each shard's slice is populated (and locked) by a thread on the shard's own core, all at
     // once: its pages land on that core's NUMA node, and the time divides by the shards.
-    let mut arena = create_arena(settings.config.hugepages, settings.dram_bytes)?;
     let populating = Instant::now();
-    let population = arena.populate(shards, cores.as_deref(), settings.config.lock_arena);
+    let progress = |bytes: u64| {
+        startup.populated.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        // Drills and tests hold the start here (e.g. `arena-populate-step=sleep(500)`).
+        fail::fail_point!("arena-populate-step");
+    };
+    let population =
+        arena.populate(shards, cores.as_deref(), settings.config.lock_arena, &progress);
     let populate_seconds = populating.elapsed().as_secs_f64();
     log_population(&population, populate_seconds);
     let arena = Arc::new(arena);
     // With a GPU in use the arena is registered with CUDA now; dropped (unregistered) after
     // the GPU service has stopped, before the arena.
+    let with_gpu = matches!(gpu, Some(orbitkv_gpu::Probe::Present { .. }));
+    startup.advance(if with_gpu { Phase::RegisteringCuda } else { Phase::StartingShards });
     let registration = register_arena(&settings, gpu.as_ref(), &arena)?;
+    if with_gpu {
+        startup.advance(Phase::StartingShards);
+    }
     let ipc = IpcNames::for_socket(&socket);
     ipc::remove_leftovers(&ipc);
     let (txs, rxs): (Vec<_>, Vec<_>) =
@@ -303,11 +360,12 @@ fn run(settings: Settings) -> Result<(), StartError> {
         txs,
         doorbells,
         gpu,
-        shared::ArenaState {
+        shared::StartState {
             locked: arena.locked(),
             populate_seconds,
             parts: population,
             pages: arena.pages(),
+            startup: Arc::clone(startup),
         },
         ipc.clone(),
         service_prefix,
@@ -327,26 +385,18 @@ fn run(settings: Settings) -> Result<(), StartError> {
     }
     let (handles, pinned) = start_shards(&settings, &shared, &arena, rxs, &ipc, (&cpus, cores))?;
     start_peering(&settings, &shared, &arena)?;
-    start_listeners((&socket, &admin), metrics_listener, &shared, &arena)?;
+    let locked = arena.locked();
+    startup.serve(Arc::clone(&shared), arena);
     tracing::info!(
         socket = %socket.display(),
         shards,
         arena = %format_bytes(settings.dram_bytes),
-        arena_locked = arena.locked(),
+        arena_locked = locked,
         pinned,
-        startup_ms = started.elapsed().as_millis() as u64,
+        startup_ms = (startup.seconds_to_serve().unwrap_or(0.0) * 1e3) as u64,
         "orbitkv-server serving"
     );
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])
-    .map_err(|source| StartError::Os { what: "installing signal handlers", source })?;
-    let signal = signals.forever().next().unwrap_or(signal_hook::consts::SIGTERM);
-    tracing::info!(signal, "shutting down: draining");
-    drain(&settings, &shared);
-    shut_down(&shared, (&socket, &admin), handles, &ipc);
-    Ok(())
+    Ok((shared, handles, ipc))
 }
 
 /// After the drain: leaves the cluster, removes the sockets, stops the shards and the GPU
@@ -605,19 +655,20 @@ fn outside_links(
 fn start_listeners(
     (socket, admin): (&Path, &Path),
     metrics_listener: Option<std::net::TcpListener>,
-    shared: &Arc<Shared>,
-    arena: &Arc<Arena>,
+    settings: &Settings,
+    startup: &Arc<Startup>,
 ) -> Result<(), StartError> {
     // Only the server's uid, root and the socket group reach the allow lists at all.
-    let gid = shared.settings.socket_gid;
+    let gid = settings.socket_gid;
     let listener = bind(socket, 0o660, gid)?;
     let admin_listener = bind(admin, 0o660, gid)?;
-    let (s, a) = (Arc::clone(shared), Arc::clone(arena));
+    let s = Arc::clone(startup);
+    let limit = settings.config.max_sessions + bootstrap::HANDSHAKE_HEADROOM;
     std::thread::Builder::new()
         .name("orbitkv-accept".into())
-        .spawn(move || bootstrap::serve(listener, s, a))
+        .spawn(move || bootstrap::serve(listener, s, limit))
         .map_err(StartError::thread("orbitkv-accept"))?;
-    let s = Arc::clone(shared);
+    let s = Arc::clone(startup);
     std::thread::Builder::new()
         .name("orbitkv-admin".into())
         .spawn(move || admin::serve(admin_listener, s))
@@ -627,7 +678,7 @@ fn start_listeners(
             what: "reading the metrics listener's address",
             source,
         })?;
-        let s = Arc::clone(shared);
+        let s = Arc::clone(startup);
         std::thread::Builder::new()
             .name("orbitkv-metrics".into())
             .spawn(move || metrics::http::serve(listener, s))

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::gpu::GpuService;
 use crate::shared::{ServeState, ShardSnapshot, Shared};
+use crate::startup::Startup;
 
 /// How long a sample waits for a shard's answer before reporting it as not answering.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -72,6 +73,32 @@ pub(crate) struct Sample {
     pub gpu: Option<Arc<GpuService>>,
     /// Cluster membership, in cluster mode.
     pub cluster: Option<orbitkv_peer::Status>,
+    /// The start: its steps' seconds and how each shard's arena slice was populated.
+    pub start: StartRecord,
+}
+
+/// The start as the metrics show it.
+#[derive(Debug, Clone)]
+pub(crate) struct StartRecord {
+    /// 1 while starting.
+    pub starting: bool,
+    /// Arena bytes populated, of the arena's.
+    pub populated: (u64, u64),
+    /// Each finished step and its seconds.
+    pub steps: Vec<(&'static str, f64)>,
+    /// Each shard's slice as it was populated (none while starting).
+    pub slices: Vec<orbitkv_shards::Populated>,
+}
+
+impl StartRecord {
+    fn of(startup: &Startup, slices: Vec<orbitkv_shards::Populated>) -> Self {
+        Self {
+            starting: startup.server().is_none(),
+            populated: (startup.populated.load(Ordering::Relaxed), startup.arena_bytes()),
+            steps: startup.steps(),
+            slices,
+        }
+    }
 }
 
 impl Sample {
@@ -96,6 +123,7 @@ impl Sample {
             uptime_s: shared.started.elapsed().as_secs_f64(),
             gpu: shared.gpu_service.get().cloned(),
             cluster: shared.cluster.get().map(|c| c.status()),
+            start: StartRecord::of(&shared.startup, shared.arena_parts.clone()),
         }
     }
 
@@ -216,6 +244,75 @@ pub(crate) fn exposition(sample: Sample) -> String {
     out
 }
 
+/// The exposition while the server starts (no shards to sample yet): not ready, starting, the
+/// arena's bytes populated and the steps done.
+pub(crate) fn starting_exposition(startup: &Startup) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Starting(StartRecord::of(startup, Vec::new()))));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// The start's families alone, as a collector.
+#[derive(Debug)]
+struct Starting(StartRecord);
+
+impl prometheus_client::collector::Collector for Starting {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let mut out = Families(&mut encoder);
+        out.gauge(READY, vec![(Labels::new(), 0.0)])?;
+        start_families(&mut out, &self.0)
+    }
+}
+
+/// `orbitkv_ready`'s name and help.
+const READY: (&str, &str, Option<Unit>) =
+    ("orbitkv_ready", "1 when accepting engine work (serving, every shard answering).", None);
+
+/// The start's families: starting, arena bytes populated, each step's seconds and each
+/// shard's slice (its core and NUMA node as labels, "none" where unknown).
+fn start_families(out: &mut Families<'_, '_>, r: &StartRecord) -> std::fmt::Result {
+    let one = |v: f64| vec![(Labels::new(), v)];
+    out.gauge(
+        ("orbitkv_starting", "1 while the server starts (populating its arena, ...).", None),
+        one(flag(r.starting)),
+    )?;
+    out.gauge(
+        ("orbitkv_arena_populated", "Arena bytes populated (faulted in).", Some(Unit::Bytes)),
+        one(r.populated.0.min(r.populated.1) as f64),
+    )?;
+    out.gauge(
+        ("orbitkv_arena", "The arena's size (its memfd, header included).", Some(Unit::Bytes)),
+        one(r.populated.1 as f64),
+    )?;
+    out.gauge(
+        (
+            "orbitkv_start_step",
+            "Time each start step took (populate_arena, register_cuda, start_shards).",
+            Some(Unit::Seconds),
+        ),
+        r.steps.iter().map(|(step, secs)| (vec![("step", step.to_string())], *secs)),
+    )?;
+    let label = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+    out.gauge(
+        (
+            "orbitkv_arena_slice_populate",
+            "Time each shard's arena slice took to populate, on its core and NUMA node.",
+            Some(Unit::Seconds),
+        ),
+        r.slices.iter().enumerate().map(|(shard, p)| {
+            let labels = with(
+                with(shard_label(shard), "core", &label(p.core.map(|c| c.to_string()))),
+                "numa_node",
+                &label(p.node.map(|n| n.to_string())),
+            );
+            (labels, p.seconds)
+        }),
+    )
+}
+
 /// A sample as a collector: its metric families, encoded on each scrape (a registry and a
 /// sample are made per scrape).
 #[derive(Debug)]
@@ -311,10 +408,8 @@ fn flag(b: bool) -> f64 {
 fn server_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
     let health = s.health();
     let one = |v: f64| vec![(Labels::new(), v)];
-    out.gauge(
-        ("orbitkv_ready", "1 when accepting engine work (serving, every shard answering).", None),
-        one(flag(health.ready)),
-    )?;
+    out.gauge(READY, one(flag(health.ready)))?;
+    start_families(out, &s.start)?;
     out.gauge(
         (
             "orbitkv_draining",

@@ -148,6 +148,8 @@ pub struct Shared {
     pub arena_parts: Vec<orbitkv_shards::Populated>,
     /// The pages backing the arena.
     pub arena_pages: orbitkv_shards::PageSize,
+    /// The start's steps and their durations.
+    pub startup: Arc<crate::startup::Startup>,
     /// iceoryx2 root path and shm prefix given to clients.
     pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
@@ -156,8 +158,8 @@ pub struct Shared {
     pub ipc_janitor: crate::ipc::Janitor,
 }
 
-/// The arena as the start made it, for `Shared::new`.
-pub struct ArenaState {
+/// What the start made, for `Shared::new`: the arena and the record of the steps.
+pub struct StartState {
     /// Locked in memory.
     pub locked: bool,
     /// Seconds populating took (wall clock, every slice at once).
@@ -166,6 +168,8 @@ pub struct ArenaState {
     pub parts: Vec<orbitkv_shards::Populated>,
     /// The pages backing it.
     pub pages: orbitkv_shards::PageSize,
+    /// The start's progress and steps.
+    pub startup: Arc<crate::startup::Startup>,
 }
 
 impl Shared {
@@ -175,7 +179,7 @@ impl Shared {
         shard_tx: Vec<Sender<ControlMsg>>,
         doorbells: Arc<Doorbells>,
         gpu: Option<orbitkv_gpu::Probe>,
-        arena: ArenaState,
+        arena: StartState,
         ipc: IpcNames,
         service_prefix: String,
     ) -> std::io::Result<Arc<Self>> {
@@ -202,6 +206,7 @@ impl Shared {
             arena_populate_seconds: arena.populate_seconds,
             arena_parts: arena.parts,
             arena_pages: arena.pages,
+            startup: arena.startup,
             ipc,
             service_prefix,
             ipc_janitor,
@@ -363,16 +368,18 @@ mod tests {
         let arena = Arc::new(orbitkv_shards::Arena::create(1 << 20, false).expect("arena"));
         let doorbells = Arc::new(Doorbells::new(arena, 0).expect("doorbells"));
         let ipc = IpcNames { root: "/tmp/orbitkv-test-root".into(), prefix: "t".into() };
+        let startup = Arc::new(crate::startup::Startup::new(&settings, 1 << 20, Instant::now()));
         let shared = Shared::new(
             settings,
             Vec::new(),
             doorbells,
             None,
-            ArenaState {
+            StartState {
                 locked: false,
                 populate_seconds: 0.0,
                 parts: Vec::new(),
                 pages: orbitkv_shards::PageSize::Small,
+                startup,
             },
             ipc,
             "t".into(),

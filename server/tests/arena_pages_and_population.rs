@@ -55,3 +55,116 @@ fn too_few_huge_pages_are_said_and_the_arena_falls_back() {
         "{log}"
     );
 }
+
+/// `GET path` on the metrics listener at `port`: the status and the whole answer.
+fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, answer)
+}
+
+#[test]
+fn a_starting_server_says_how_far_it_got_and_tells_engines_to_wait() {
+    use orbitkv_client::{Client, ClientOptions, Error};
+    use std::time::{Duration, Instant};
+    if !cfg!(feature = "failpoints") {
+        println!("skipped: build with --features failpoints (it holds the start)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    // 2 parts of 512 MiB, 2 steps each, every step held 700 ms: the start takes over a second.
+    let mut server = TestServer::launch_env(
+        &[("FAILPOINTS", "arena-populate-step=sleep(700)")],
+        &["--shards", "2", "--dram", "1GiB", "--hugepages", "off", "--metrics-addr", &addr],
+    );
+    // The admin socket answers while the arena is populated: not ready, how far along.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let health = loop {
+        if let Ok(v) = server.try_admin("health") {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "no admin socket: {}", server.log());
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        (&health["ready"], &health["state"]),
+        (&false.into(), &"starting".into()),
+        "{health}"
+    );
+    assert!(health["reason"].as_str().unwrap().starts_with("populating the arena: "), "{health}");
+    let starting = &health["starting"];
+    assert_eq!(starting["phase"], "populate_arena", "{health}");
+    assert!(starting["percent"].as_u64().unwrap() < 100, "{health}");
+    assert!(starting["arena_bytes"].as_u64().unwrap() >= 1 << 30, "{health}");
+    // Commands that need the shards say the server is starting.
+    let stats = server.admin("stats");
+    assert_eq!((&stats["ok"], &stats["code"]), (&false.into(), &"starting".into()), "{stats}");
+    assert!(stats["error"].as_str().unwrap().contains("orbitkv-ctl health"), "{stats}");
+    // `ctl health` (built beside the server) says "starting: populating the arena: N%".
+    let ctl = common::server_bin().with_file_name("orbitkv-ctl");
+    if ctl.exists() {
+        let out = std::process::Command::new(&ctl)
+            .arg("--socket")
+            .arg(&server.socket)
+            .arg("health")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{text}");
+        assert!(text.starts_with("starting: populating the arena: "), "{text}");
+    }
+    // Metrics: /healthz alive, /readyz 503 with the same object, the exposition says starting.
+    assert_eq!(http_get(port, "/healthz").0, 200);
+    let (status, body) = http_get(port, "/readyz");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"state\":\"starting\""), "{body}");
+    let (status, body) = http_get(port, "/metrics");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("orbitkv_ready 0") && body.contains("orbitkv_starting 1"), "{body}");
+    assert!(body.contains("orbitkv_arena_bytes "), "{body}");
+    // An engine's lazy client is told to wait: no session, no refusal counted.
+    let mut lazy = Client::new(ClientOptions::with_socket(&server.socket));
+    match lazy.ping() {
+        Err(e @ Error::Starting { .. }) => {
+            assert!(e.is_unavailable(), "{e}");
+            assert!(e.to_string().contains("populating the arena"), "{e}");
+        }
+        other => panic!("a hello while starting: {other:?} ({})", server.log()),
+    }
+    // A connecting client waits, and has its session once the server serves.
+    let socket = server.socket.clone();
+    let waiter = std::thread::spawn(move || Client::connect(ClientOptions::with_socket(&socket)));
+    let mut waited = waiter.join().unwrap().unwrap_or_else(|e| panic!("{e}: {}", server.log()));
+    waited.ping().unwrap();
+    server.wait_ready();
+    // The lazy client connects at its next call once its wait is over.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lazy.ping().is_err() {
+        assert!(Instant::now() < deadline, "the lazy client never connected");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The steps' durations are kept: stats, the exposition, the log.
+    let stats = server.admin("stats");
+    let start = &stats["startup"];
+    for step in ["populate_arena", "start_shards"] {
+        assert!(start["steps_s"][step].as_f64().unwrap() >= 0.0, "{stats}");
+    }
+    assert!(
+        start["steps_s"]["populate_arena"].as_f64().unwrap() >= 1.4,
+        "held 2 x 700 ms: {stats}"
+    );
+    assert!(start["total_s"].as_f64().unwrap() > 0.0, "{stats}");
+    assert!(start["told_to_wait"].as_u64().unwrap() >= 2, "{stats}");
+    let refused = stats["refused_sessions"].as_u64();
+    assert!(refused.is_none_or(|n| n == 0), "a wait is no refusal: {stats}");
+    let (_, body) = http_get(port, "/metrics");
+    assert!(body.contains("orbitkv_ready 1") && body.contains("orbitkv_starting 0"), "{body}");
+    assert!(body.contains("orbitkv_start_step_seconds{step=\"populate_arena\"}"), "{body}");
+    assert!(body.contains("orbitkv_arena_slice_populate_seconds{shard=\"1\""), "{body}");
+    assert!(server.log().contains("start step done"), "{}", server.log());
+}

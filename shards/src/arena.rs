@@ -105,7 +105,7 @@ impl Arena {
     /// and [`Arena::populate`].)
     pub fn create(data_bytes: u64, lock: bool) -> Result<Arena, Error> {
         let mut arena = Arena::create_unpopulated(data_bytes, PageSize::Small)?;
-        arena.populate(1, None, lock);
+        arena.populate(1, None, lock, &|_| ());
         Ok(arena)
     }
 
@@ -177,11 +177,14 @@ impl Arena {
     /// first touched). Locking is all or nothing: if a part cannot be locked (RLIMIT_MEMLOCK),
     /// the parts that were are unlocked again, a warning says so, and the arena stays pageable.
     /// Call before the arena is shared (no slice exists yet).
+    /// `progress` is called with the bytes of each step populated (256 MiB, or a 1 GiB page),
+    /// on the part's thread, as it is done (for readiness reports).
     pub fn populate(
         &mut self,
         parts: usize,
         cores: Option<&[usize]>,
         lock: bool,
+        progress: &(dyn Fn(u64) + Sync),
     ) -> Vec<Populated> {
         assert!(parts > 0, "shard count is validated to be non-zero");
         let per = (self.data_len() / parts as u64) / PAGE_SIZE * PAGE_SIZE;
@@ -210,7 +213,7 @@ impl Arena {
                     let spawned = std::thread::Builder::new()
                         .name(format!("orbitkv-populate-{i}"))
                         .spawn_scoped(scope, move || {
-                            populate_part(base, offset, bytes, core, lock)
+                            populate_part(base, (offset, bytes, huge), core, lock, progress)
                         });
                     (offset, bytes, core, spawned)
                 })
@@ -220,7 +223,7 @@ impl Arena {
                 .map(|(offset, bytes, core, spawned)| match spawned {
                     Ok(t) => t.join().unwrap_or_else(|_| failed_part(offset, bytes, core)),
                     // No thread: this one does it (the part is still populated).
-                    Err(_) => populate_part(base, offset, bytes, None, lock),
+                    Err(_) => populate_part(base, (offset, bytes, huge), None, lock, progress),
                 })
                 .collect()
         });
@@ -502,13 +505,18 @@ fn failed_part(offset: u64, bytes: u64, core: Option<usize>) -> Populated {
     Populated { offset, bytes, core, seconds: 0.0, node: None, locked: false, lock_error: None }
 }
 
-/// Populates (and locks) `bytes` at `offset` of the mapping at `base`, on `core` when given.
+/// Bytes populated per step between two progress reports (a multiple of any page size but
+/// 1 GiB pages, whose step is one page).
+const POPULATE_STEP: u64 = 256 << 20;
+
+/// Populates (and locks) `bytes` at `offset` of the mapping at `base` (in pages of `page`
+/// bytes), on `core` when given, telling `progress` each step's bytes as it is done.
 fn populate_part(
     base: usize,
-    offset: u64,
-    bytes: u64,
+    (offset, bytes, page): (u64, u64, u64),
     core: Option<usize>,
     lock: bool,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Populated {
     let started = std::time::Instant::now();
     let core = core.filter(|&c| {
@@ -535,16 +543,31 @@ fn populate_part(
             lock_error: None,
         };
     }
-    // SAFETY: `at..at+len` lies inside the live mapping (a part of it, page-aligned), which no
-    // other process has yet; populating writes nothing visible (the memfd reads as zeros).
-    if let Err(e) = unsafe { madvise(at, len, MmapAdvise::MADV_POPULATE_WRITE) } {
-        // Kernels before 5.14 lack it: touch every page instead (writing the zero it holds).
-        tracing::debug!(error = %e, "MADV_POPULATE_WRITE failed; populating the arena page by page");
-        let p = at.as_ptr().cast::<u8>();
-        for off in (0..len).step_by(PAGE_SIZE as usize) {
-            // SAFETY: inside this part of our live mapping.
-            unsafe { p.add(off).write_volatile(0) };
+    let step = POPULATE_STEP.max(page) as usize;
+    let mut touch_pages = false;
+    for from in (0..len).step_by(step) {
+        let n = step.min(len - from);
+        // SAFETY: `at + from .. + n` lies inside the live mapping (a part of it, at whole
+        // pages), which no other process has yet; populating writes nothing visible (the memfd
+        // reads as zeros).
+        let step_at = unsafe { at.byte_add(from) };
+        if !touch_pages {
+            // SAFETY: as above.
+            if let Err(e) = unsafe { madvise(step_at, n, MmapAdvise::MADV_POPULATE_WRITE) } {
+                // Kernels before 5.14 lack it: touch every page instead (writing the zero it
+                // holds).
+                tracing::debug!(error = %e, "MADV_POPULATE_WRITE failed; populating the arena page by page");
+                touch_pages = true;
+            }
         }
+        if touch_pages {
+            let p = step_at.as_ptr().cast::<u8>();
+            for off in (0..n).step_by(PAGE_SIZE as usize) {
+                // SAFETY: inside this step of our live mapping.
+                unsafe { p.add(off).write_volatile(0) };
+            }
+        }
+        progress(n as u64);
     }
     let (locked, lock_error) = if lock {
         // SAFETY: the range is a part of our live mapping.
@@ -589,6 +612,7 @@ fn numa_node(addr: *mut c_void) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     #[test]
     fn parts_cover_the_mapping_as_the_slices_split_it() {
@@ -597,8 +621,13 @@ mod tests {
         // A core this process may run on (its affinity may leave core 0 out).
         let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
         let core = (0..nix::sched::CpuSet::count()).find(|&c| set.is_set(c).unwrap()).unwrap();
-        let parts = arena.populate(3, Some(&[core, core, core]), false);
+        let progress = AtomicU64::new(0);
+        let parts = arena.populate(3, Some(&[core, core, core]), false, &|n| {
+            progress.fetch_add(n, Ordering::Relaxed);
+        });
         assert_eq!(parts.len(), 3);
+        // Every byte counted once.
+        assert_eq!(progress.load(Ordering::Relaxed), arena.len());
         // Contiguous from the header to the end of the mapping.
         assert_eq!(parts[0].offset, 0);
         for w in parts.windows(2) {
@@ -624,7 +653,7 @@ mod tests {
         // Locking as this process may (root: no memlock limit binds; otherwise the limit may
         // refuse it): either every part is locked and so is the arena, or none is.
         let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE, PageSize::Small).unwrap();
-        let parts = arena.populate(4, None, true);
+        let parts = arena.populate(4, None, true, &|_| ());
         if arena.locked() {
             assert!(parts.iter().all(|p| p.locked));
         } else {

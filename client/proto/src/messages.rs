@@ -7,7 +7,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
 
 /// Version of this protocol; a client and server must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Bytes at the start of the arena memfd before chunk data: one doorbell word per shard.
 pub const ARENA_HEADER_BYTES: u64 = 256 * DOORBELL_STRIDE;
@@ -67,6 +67,18 @@ pub enum Welcome {
         /// Why, as a code.
         code: ErrorCode,
         /// Why, for humans.
+        message: String,
+    },
+    /// The server is starting (populating its arena, registering it with CUDA, opening its
+    /// shards): no session yet; connect again after `retry_after_ms`. Version 4.
+    Starting {
+        /// Arena bytes populated so far.
+        populated_bytes: u64,
+        /// The arena's size.
+        arena_bytes: u64,
+        /// When to try again, in milliseconds.
+        retry_after_ms: u32,
+        /// What the server is doing, for humans (e.g. "populating the arena: 42% ...").
         message: String,
     },
 }

@@ -84,7 +84,8 @@ impl NativeClient {
     #[new]
     #[pyo3(signature = (socket = None, name = "orbitkv-py".to_owned(), request_timeout = 10.0,
         connect = true, prefault_arena = true, reconnect_backoff = 0.05,
-        reconnect_backoff_max = 2.0, copy_threads = 1, client_checksums = true))]
+        reconnect_backoff_max = 2.0, copy_threads = 1, client_checksums = true,
+        start_wait = 600.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -97,6 +98,7 @@ impl NativeClient {
         reconnect_backoff_max: f64,
         copy_threads: usize,
         client_checksums: bool,
+        start_wait: f64,
     ) -> PyResult<Self> {
         let mut opts = okv::ClientOptions::default();
         if let Some(s) = socket {
@@ -109,6 +111,9 @@ impl NativeClient {
         opts.reconnect_backoff_max = seconds("reconnect_backoff_max", reconnect_backoff_max)?;
         opts.copy_threads = copy_threads;
         opts.client_checksums = client_checksums;
+        // 0 is allowed here: no wait for a starting server.
+        opts.start_wait =
+            if start_wait == 0.0 { Duration::ZERO } else { seconds("start_wait", start_wait)? };
         let client = if connect {
             py.detach(|| okv::Client::connect(opts)).map_err(to_py)?
         } else {

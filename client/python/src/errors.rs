@@ -11,7 +11,7 @@ create_exception!(
     _native,
     Unavailable,
     OrbitKVError,
-    "The server cannot be reached now (not running, restarting, or reconnects backing off)."
+    "The server cannot be reached now (not running, starting, or reconnects backing off)."
 );
 create_exception!(
     _native,
@@ -51,7 +51,9 @@ pub(crate) fn to_py(e: Error) -> PyErr {
     let kind = e.kind();
     let code = e.code().map(|c| c.as_str());
     let err = match &e {
-        Error::Connect { .. } | Error::Unavailable { .. } => Unavailable::new_err(message),
+        Error::Connect { .. } | Error::Unavailable { .. } | Error::Starting { .. } => {
+            Unavailable::new_err(message)
+        }
         Error::Timeout { .. } => Timeout::new_err(message),
         Error::Disconnected(_) => Disconnected::new_err(message),
         Error::Stale => Stale::new_err(message),

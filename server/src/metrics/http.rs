@@ -20,8 +20,9 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::Semaphore;
 
-use super::{exposition, Sample};
+use super::{exposition, starting_exposition, Sample};
 use crate::shared::Shared;
+use crate::startup::Startup;
 
 /// Connections served at once.
 const MAX_CONNECTIONS: usize = 32;
@@ -43,7 +44,7 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 /// The `orbitkv-metrics` thread: serves `listener` until the process ends.
-pub(crate) fn serve(listener: TcpListener, shared: Arc<Shared>) {
+pub(crate) fn serve(listener: TcpListener, startup: Arc<Startup>) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(SAMPLERS)
@@ -56,10 +57,10 @@ pub(crate) fn serve(listener: TcpListener, shared: Arc<Shared>) {
             return;
         }
     };
-    runtime.block_on(accept(listener, shared));
+    runtime.block_on(accept(listener, startup));
 }
 
-async fn accept(listener: TcpListener, shared: Arc<Shared>) {
+async fn accept(listener: TcpListener, startup: Arc<Startup>) {
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(l) => l,
         Err(e) => {
@@ -81,10 +82,10 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
             tracing::debug!("metrics connection closed unanswered: too many at once");
             continue;
         };
-        let shared = Arc::clone(&shared);
+        let startup = Arc::clone(&startup);
         tokio::spawn(async move {
             let service =
-                hyper::service::service_fn(move |request| answer(request, Arc::clone(&shared)));
+                hyper::service::service_fn(move |request| answer(request, Arc::clone(&startup)));
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_DEADLINE)
@@ -102,31 +103,37 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
 
 async fn answer(
     request: Request<Incoming>,
-    shared: Arc<Shared>,
+    startup: Arc<Startup>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n".into());
         r.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
         return Ok(r);
     }
-    Ok(match request.uri().path() {
-        "/healthz" => text(StatusCode::OK, "ok\n".into()),
-        "/readyz" => match sampled(shared, |s| s.health().json()).await {
+    let server = startup.server().map(|(shared, _)| Arc::clone(shared));
+    Ok(match (request.uri().path(), server) {
+        ("/healthz", _) => text(StatusCode::OK, "ok\n".into()),
+        // Starting: not ready, and how far along; the exposition says the same in numbers.
+        ("/readyz", None) => json(StatusCode::SERVICE_UNAVAILABLE, startup.health_json()),
+        ("/metrics", None) => {
+            let mut r = text(StatusCode::OK, starting_exposition(&startup));
+            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
+            r
+        }
+        ("/readyz", Some(shared)) => match sampled(shared, |s| s.health().json()).await {
             Some(health) => {
                 let status = if health["ready"] == true {
                     StatusCode::OK
                 } else {
                     StatusCode::SERVICE_UNAVAILABLE
                 };
-                let mut r = text(status, format!("{health}\n"));
-                r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                r
+                json(status, health)
             }
             None => {
                 text(StatusCode::INTERNAL_SERVER_ERROR, "no sample (see the server log)\n".into())
             }
         },
-        "/metrics" => match sampled(shared, exposition).await {
+        ("/metrics", Some(shared)) => match sampled(shared, exposition).await {
             Some(body) => {
                 let mut r = text(StatusCode::OK, body);
                 r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
@@ -136,7 +143,7 @@ async fn answer(
                 text(StatusCode::INTERNAL_SERVER_ERROR, "no sample (see the server log)\n".into())
             }
         },
-        other => text(
+        (other, _) => text(
             StatusCode::NOT_FOUND,
             format!("no {other:?} here: /metrics, /healthz and /readyz are\n"),
         ),
@@ -155,6 +162,12 @@ async fn sampled<T: Send + 'static>(
             None
         }
     }
+}
+
+fn json(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+    let mut r = text(status, format!("{body}\n"));
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
 }
 
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {

@@ -49,8 +49,23 @@ impl TestServer {
         self.spawn_env(&[], args)
     }
 
+    /// Starts the server with `env` and `args` (plus `--socket`) and returns at once, before
+    /// it serves ([`TestServer::wait_ready`] waits).
+    pub fn launch_env(env: &[(&str, &str)], args: &[&str]) -> TestServer {
+        let dir = tempfile::Builder::new().prefix("okv").tempdir_in("/tmp").unwrap();
+        let socket = dir.path().join("s.sock");
+        let mut s = TestServer { child: None, dir, socket };
+        s.launch(env, args);
+        s
+    }
+
     /// As [`TestServer::spawn`], with environment variables `env`.
     pub fn spawn_env(&mut self, env: &[(&str, &str)], args: &[&str]) {
+        self.launch(env, args);
+        self.wait_ready();
+    }
+
+    fn launch(&mut self, env: &[(&str, &str)], args: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
         let child = Command::new(server_bin())
             .envs(env.iter().copied())
@@ -65,6 +80,10 @@ impl TestServer {
             .spawn()
             .unwrap();
         self.child = Some(child);
+    }
+
+    /// Waits (up to 20 s) until the server says it is ready.
+    pub fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(v) = self.try_admin("health") {

@@ -119,6 +119,7 @@ class NativeClient:
         reconnect_backoff_max: float = 2.0,
         copy_threads: int = 1,
         client_checksums: bool = True,
+        start_wait: float = 600.0,
     ) -> None: ...
     socket: str
     session_id: Optional[int]

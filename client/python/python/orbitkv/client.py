@@ -97,6 +97,11 @@ class Client:
     calls hash each chunk on the copying thread and commit with the checksums, so that the
     Manager's shards need not (default True).
 
+    A Manager that is still starting (populating its arena) tells clients to wait: a
+    connecting client waits for it, up to `start_wait` seconds (default 600), then raises
+    `Unavailable` (kind `starting`); a `connect=False` client's calls raise `Unavailable`
+    until it serves.
+
     Safe to share between threads (calls are serialized); each call releases the GIL.
     """
 
@@ -112,6 +117,7 @@ class Client:
         reconnect_backoff_max: float = 2.0,
         copy_threads: int = 1,
         client_checksums: bool = True,
+        start_wait: float = 600.0,
     ) -> None:
         self._c = _native.NativeClient(
             os.fspath(socket) if socket is not None else None,
@@ -123,6 +129,7 @@ class Client:
             reconnect_backoff_max,
             copy_threads,
             client_checksums,
+            start_wait,
         )
 
     # --- session -------------------------------------------------------------------------
