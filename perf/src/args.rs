@@ -1,4 +1,5 @@
-//! The command line: `serve`, `idle`, `wake`, `ssd`, `dma`, `checksum` and `peer`.
+//! The command line: `serve`, `idle`, `wake`, `ssd`, `dma`, `checksum`, `peer`, `soak` and
+//! `arena`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -52,9 +53,42 @@ pub(crate) enum Command {
     /// rest (no session, lease or reservation left, every shard's full scan consistent, RSS
     /// growth bounded). Every byte read is verified. Exit 1 when any of that fails.
     Soak(SoakArgs),
+    /// How fast a server starts with a large arena: for each size and shard count, a private
+    /// orbitkv-server (the binary next to this one) is started and its start steps read back
+    /// (populating the arena, each shard's slice on its core at once; registering it with
+    /// CUDA where a GPU is used), compared with one thread `memset`ting the same bytes of
+    /// fresh memory in the same run: the limit is bytes / (shards x that rate).
+    Arena(ArenaArgs),
     /// One client process of `soak` (started by it).
     #[command(hide = true)]
     SoakClient(SoakClientArgs),
+}
+
+/// Flags of `orbitkv-perf arena`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ArenaArgs {
+    /// Arena sizes to start with (default: 1GiB,2GiB).
+    #[arg(long, value_name = "SIZES", value_parser = size, value_delimiter = ',',
+          default_value = "1GiB,2GiB")]
+    pub sizes: Vec<u64>,
+    /// Shard counts to start with (default: 1,2).
+    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "1,2")]
+    pub shards: Vec<usize>,
+    /// The server's `--hugepages` (default: off: 4 KiB pages).
+    #[arg(long, value_name = "auto|on|off", default_value = "off")]
+    pub hugepages: String,
+    /// The server's `--gpu` (default: off; `auto` to time the arena's CUDA registration too).
+    #[arg(long, value_name = "auto|required|off", default_value = "off")]
+    pub gpu: String,
+    /// Do not lock the arena in memory (the server's `--no-lock-arena`).
+    #[arg(long)]
+    pub no_lock_arena: bool,
+    /// Starts of each size and shard count (default: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub repeat: usize,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of `orbitkv-perf soak`.
@@ -399,6 +433,10 @@ pub(crate) struct ServeArgs {
     /// Do not lock the embedded server's arena in memory.
     #[arg(long, requires = "embedded")]
     pub no_lock_arena: bool,
+    /// A further flag for the embedded server, passed as given; repeat for several (e.g.
+    /// `--embedded-server-arg=--hugepages --embedded-server-arg=on`).
+    #[arg(long, value_name = "ARG", requires = "embedded", allow_hyphen_values = true)]
+    pub embedded_server_arg: Vec<String>,
     /// Benchmark clients: one thread and one session each (default: 1).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub clients: usize,

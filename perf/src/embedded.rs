@@ -19,7 +19,7 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const LOG_TAIL: usize = 2000;
 
 /// How to start the embedded server.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Options {
     /// `--dram`, in bytes.
     pub dram: u64,
@@ -29,6 +29,10 @@ pub(crate) struct Options {
     pub no_lock_arena: bool,
     /// An SSD tier of (bytes, region bytes) in the server's temporary directory.
     pub ssd: Option<(u64, u64)>,
+    /// More flags, as given (e.g. `--hugepages on`).
+    pub extra: Vec<String>,
+    /// Longest wait for it to be ready (default: 30 s).
+    pub ready_timeout: Option<Duration>,
 }
 
 /// A running private server; dropping it stops the server and removes its directory.
@@ -94,6 +98,7 @@ impl EmbeddedServer {
                 .arg(region.to_string());
             cmd.arg("--ssd-dir").arg(dir.path());
         }
+        cmd.args(&opts.extra);
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -101,7 +106,7 @@ impl EmbeddedServer {
             .spawn()
             .map_err(|source| Error::Io { op: "starting", path: bin.clone(), source })?;
         let mut server = Self { child: Some(child), socket, log, _dir: dir };
-        server.wait_ready()?;
+        server.wait_ready(opts.ready_timeout.unwrap_or(READY_TIMEOUT))?;
         Ok(server)
     }
 
@@ -117,8 +122,8 @@ impl EmbeddedServer {
         text[start..].trim().to_string()
     }
 
-    fn wait_ready(&mut self) -> Result<(), Error> {
-        let deadline = Instant::now() + READY_TIMEOUT;
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + timeout;
         loop {
             let last = match admin::request(&self.socket, "health") {
                 Ok(v) if v.get("ready") == Some(&serde_json::Value::Bool(true)) => return Ok(()),
@@ -136,7 +141,7 @@ impl EmbeddedServer {
             }
             if Instant::now() >= deadline {
                 return Err(Error::Embedded(format!(
-                    "not ready after {READY_TIMEOUT:?} (last health: {last}); its log:\n{}",
+                    "not ready after {timeout:?} (last health: {last}); its log:\n{}",
                     self.log_tail()
                 )));
             }

@@ -7,6 +7,7 @@
 #![deny(unsafe_code)]
 
 mod admin;
+mod arena;
 mod args;
 mod barrier;
 mod baseline;
@@ -51,6 +52,7 @@ fn main() -> ExitCode {
         Command::Checksum(a) => ("checksum", checksum::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Peer(a) => ("peer", peer::run(&a).and_then(|r| emit(&r, a.json))),
         Command::Soak(a) => ("soak", soak::run(&a).and_then(|r| emit(&r, a.json))),
+        Command::Arena(a) => ("arena", arena::run(&a).and_then(|r| emit(&r, a.json))),
         Command::SoakClient(a) => ("soak-client", soak::client(&a)),
     };
     match outcome {

@@ -47,6 +47,8 @@ pub(crate) fn run(a: &ServeArgs) -> Result<ServeReport, Error> {
             shards: a.embedded_shards.unwrap_or(0),
             no_lock_arena: a.no_lock_arena,
             ssd: None,
+            extra: a.embedded_server_arg.clone(),
+            ready_timeout: None,
         })?)
     } else {
         None

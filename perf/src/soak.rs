@@ -280,6 +280,8 @@ pub(crate) fn run(a: &SoakArgs) -> Result<SoakReport, Error> {
             shards: a.shards,
             no_lock_arena: true,
             ssd: Some((a.ssd, a.ssd_region_size)),
+            extra: Vec::new(),
+            ready_timeout: None,
         })?),
     };
     let socket: PathBuf = match (&a.socket, &embedded) {

@@ -1,0 +1,234 @@
+//! `orbitkv-perf arena`: how fast a server starts with a large arena. For each size, one
+//! thread `memset`s that many bytes of fresh memory (page faults and zeroing: the work of
+//! populating, on one core), then for each shard count a private server is started with that
+//! arena and its start steps read back from `stats` (`startup`, `arena_populate`). The limit of
+//! a start that populates each shard's slice on its own core at once is bytes / (shards x the
+//! memset rate); `vs_limit` is the populate step's seconds over it.
+
+use std::hint::black_box;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use orbitkv_proto::format_bytes;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::admin;
+use crate::args::ArenaArgs;
+use crate::embedded::{self, EmbeddedServer};
+use crate::error::{invalid, Error};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The result of `arena`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ArenaReport {
+    /// CPUs this process may run on.
+    pub cpus: usize,
+    /// The host's transparent huge page setting for anonymous memory (what the memset's
+    /// fresh memory gets), as `/sys/kernel/mm/transparent_hugepage/enabled` says.
+    pub thp_anon: String,
+    /// The servers' `--hugepages` and `--gpu`.
+    pub hugepages: String,
+    pub gpu: String,
+    /// One per size, in the order asked.
+    pub sizes: Vec<SizeRows>,
+}
+
+/// One arena size: the memset baseline and a row per start.
+#[derive(Debug, Serialize)]
+pub(crate) struct SizeRows {
+    /// Arena bytes (`--dram`).
+    pub bytes: u64,
+    /// One thread writing `bytes` of fresh memory, GB/s (10^9 bytes/s).
+    pub memset_fresh_gbps: f64,
+    /// The same thread writing them again (the pages present), GB/s.
+    pub memset_warm_gbps: f64,
+    /// One row per start.
+    pub rows: Vec<StartRow>,
+}
+
+/// One server start.
+#[derive(Debug, Serialize)]
+pub(crate) struct StartRow {
+    pub shards: usize,
+    /// The pages the arena got (`arena_pages`).
+    pub pages: String,
+    /// Locked in memory.
+    pub locked: bool,
+    /// The populate step, seconds.
+    pub populate_s: f64,
+    /// `populate_s` per GiB of arena.
+    pub s_per_gib: f64,
+    /// bytes / (shards x memset_fresh rate), seconds.
+    pub limit_s: f64,
+    /// `populate_s` / `limit_s` (goal: <= 1.5).
+    pub vs_limit: f64,
+    /// The slowest slice's seconds, and the fastest's.
+    pub slice_s: (f64, f64),
+    /// The NUMA nodes the slices landed on (empty where the kernel does not say).
+    pub numa_nodes: Vec<u64>,
+    /// The CUDA registration step, seconds (with a GPU in use).
+    pub register_cuda_s: Option<f64>,
+    /// Process start to serving, seconds.
+    pub total_s: f64,
+}
+
+impl crate::report::Report for ArenaReport {
+    fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            out,
+            "arena start: --hugepages {} --gpu {}; {} CPUs; anonymous THP {}",
+            self.hugepages, self.gpu, self.cpus, self.thp_anon
+        )?;
+        for s in &self.sizes {
+            writeln!(
+                out,
+                "{}: one-thread memset {:.2} GB/s fresh, {:.2} GB/s warm",
+                format_bytes(s.bytes),
+                s.memset_fresh_gbps,
+                s.memset_warm_gbps
+            )?;
+            writeln!(
+                out,
+                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  slices s      cuda s  total s  nodes"
+            )?;
+            for r in &s.rows {
+                writeln!(
+                    out,
+                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>5.2}-{:<5.2}  {:>6}  {:>7.2}  {:?}",
+                    r.shards,
+                    r.pages,
+                    r.locked,
+                    r.populate_s,
+                    r.s_per_gib,
+                    r.limit_s,
+                    r.vs_limit,
+                    r.slice_s.1,
+                    r.slice_s.0,
+                    r.register_cuda_s.map_or("-".into(), |s| format!("{s:.2}")),
+                    r.total_s,
+                    r.numa_nodes
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn passed(&self) -> bool {
+        true
+    }
+}
+
+/// Runs the starts; a server that does not start is an error.
+pub(crate) fn run(a: &ArenaArgs) -> Result<ArenaReport, Error> {
+    check(a)?;
+    let thp_anon = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let mut sizes = Vec::new();
+    for &bytes in &a.sizes {
+        let (memset_fresh_gbps, memset_warm_gbps) = memset(bytes);
+        let mut rows = Vec::new();
+        for &shards in &a.shards {
+            for _ in 0..a.repeat {
+                rows.push(start(a, bytes, shards, memset_fresh_gbps)?);
+            }
+        }
+        sizes.push(SizeRows { bytes, memset_fresh_gbps, memset_warm_gbps, rows });
+    }
+    Ok(ArenaReport {
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        thp_anon,
+        hugepages: a.hugepages.clone(),
+        gpu: a.gpu.clone(),
+        sizes,
+    })
+}
+
+fn check(a: &ArenaArgs) -> Result<(), Error> {
+    if a.sizes.is_empty() || a.sizes.contains(&0) {
+        return Err(invalid("--sizes", "give one or more sizes above 0"));
+    }
+    if a.shards.is_empty() || a.shards.contains(&0) {
+        return Err(invalid("--shards", "give one or more shard counts above 0"));
+    }
+    if a.repeat == 0 {
+        return Err(invalid("--repeat", "at least 1"));
+    }
+    for (flag, v, allowed) in [
+        ("--hugepages", &a.hugepages, &["auto", "on", "off"][..]),
+        ("--gpu", &a.gpu, &["auto", "required", "off"][..]),
+    ] {
+        if !allowed.contains(&v.as_str()) {
+            return Err(invalid(flag, format!("{v:?}: one of {}", allowed.join(", "))));
+        }
+    }
+    Ok(())
+}
+
+/// One thread writing `bytes` of fresh memory, then again: GB/s of each pass.
+fn memset(bytes: u64) -> (f64, f64) {
+    let n = bytes as usize;
+    let mut v: Vec<u8> = Vec::with_capacity(n);
+    let started = Instant::now();
+    v.resize(n, 0x5a);
+    let fresh = gbps(bytes, started.elapsed());
+    black_box(&v);
+    let started = Instant::now();
+    v.fill(0xa5);
+    let warm = gbps(bytes, started.elapsed());
+    black_box(&v);
+    (fresh, warm)
+}
+
+fn gbps(bytes: u64, took: Duration) -> f64 {
+    bytes as f64 / took.as_secs_f64().max(1e-9) / 1e9
+}
+
+/// Starts a server with a `bytes` arena on `shards` shards and reads its start back.
+fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<StartRow, Error> {
+    let extra = ["--hugepages", &a.hugepages, "--gpu", &a.gpu].map(String::from).to_vec();
+    // A generous bound: 60 s plus 5 s per GiB.
+    let ready_timeout = Duration::from_secs(60 + 5 * (bytes >> 30));
+    let server = EmbeddedServer::start(embedded::Options {
+        dram: bytes,
+        shards,
+        no_lock_arena: a.no_lock_arena,
+        ssd: None,
+        extra,
+        ready_timeout: Some(ready_timeout),
+    })?;
+    let stats = admin::request(server.socket(), "stats")?;
+    let missing = |what: &str| Error::Admin {
+        path: admin::path(server.socket()),
+        reason: format!("stats has no {what}: {stats}"),
+    };
+    let steps = &stats["startup"]["steps_s"];
+    let populate_s = steps["populate_arena"].as_f64().ok_or_else(|| missing("populate step"))?;
+    let total_s = stats["startup"]["total_s"].as_f64().ok_or_else(|| missing("startup total"))?;
+    let slices = stats["arena_populate"]["slices"]
+        .as_array()
+        .ok_or_else(|| missing("arena_populate.slices"))?;
+    let secs: Vec<f64> = slices.iter().filter_map(|s| s["seconds"].as_f64()).collect();
+    let mut numa_nodes: Vec<u64> = slices.iter().filter_map(|s| s["numa_node"].as_u64()).collect();
+    numa_nodes.sort_unstable();
+    numa_nodes.dedup();
+    let limit_s = bytes as f64 / (shards as f64 * memset_gbps * 1e9);
+    Ok(StartRow {
+        shards,
+        pages: stats["arena_pages"].as_str().unwrap_or("?").to_string(),
+        locked: stats["arena_locked"] == Value::Bool(true),
+        populate_s,
+        s_per_gib: populate_s / (bytes as f64 / GIB),
+        limit_s,
+        vs_limit: populate_s / limit_s,
+        slice_s: (
+            secs.iter().copied().fold(0.0, f64::max),
+            secs.iter().copied().fold(f64::INFINITY, f64::min),
+        ),
+        numa_nodes,
+        register_cuda_s: steps["register_cuda"].as_f64(),
+        total_s,
+    })
+}
