@@ -12,6 +12,11 @@ pub struct DeviceInfo {
     pub name: String,
     /// Stable identity: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
     pub uuid: String,
+    /// Its PCI address (`0000:3b:00.0`), where the driver says.
+    pub pci_address: Option<String>,
+    /// The host NUMA node its PCI link hangs off (sysfs `numa_node`), where the kernel says:
+    /// the DMA threads of the device are placed on its cores.
+    pub numa_node: Option<u32>,
 }
 
 /// What the machine offers.
@@ -65,7 +70,9 @@ pub fn probe() -> Probe {
             let name = result::device::get_name(dev)?;
             let uuid = result::device::get_uuid(dev)?;
             let bytes: [u8; 16] = uuid.bytes.map(|b| b as u8);
-            Ok(DeviceInfo { ordinal, name, uuid: format_uuid(&bytes) })
+            let pci_address = crate::dma::pci_address(dev).ok();
+            let numa_node = pci_address.as_deref().and_then(pci_numa_node);
+            Ok(DeviceInfo { ordinal, name, uuid: format_uuid(&bytes), pci_address, numa_node })
         });
         match info {
             Ok(d) => devices.push(d),
@@ -76,6 +83,17 @@ pub fn probe() -> Probe {
         return Probe::Absent { reason: "no CUDA device could be queried".into() };
     }
     Probe::Present { devices }
+}
+
+/// The NUMA node of the PCI device at `address`, as sysfs says (`-1`: none, e.g. one node).
+fn pci_numa_node(address: &str) -> Option<u32> {
+    let path = format!("/sys/bus/pci/devices/{address}/numa_node");
+    std::fs::read_to_string(path)
+        .ok()?
+        .trim()
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 #[cfg(test)]

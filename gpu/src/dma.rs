@@ -12,7 +12,7 @@ mod transfer;
 
 pub use engine::{BatchSpan, CopyEngine, Direction, JobShape};
 pub use ffi::DeviceBuffer;
-pub(crate) use ffi::{driver_library_present, host_register, host_unregister};
+pub(crate) use ffi::{driver_library_present, host_register, host_unregister, pci_address};
 pub use hasher::{ChecksumTicket, ChunkHasher, SummedSave, SUMMED_UNFINISHED};
 pub use memory::{EngineMemory, TensorExport};
 pub use timeline::SpanTotals;

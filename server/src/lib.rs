@@ -530,11 +530,13 @@ fn start_gpu_service(
     };
     let shards = settings.shards;
     let service = gpu::GpuService::new(devices.to_vec(), Arc::clone(host), shards, limits)?;
+    let nodes: Vec<Option<u32>> = devices.iter().map(|d| d.numa_node).collect();
     let cores = placement::dma_cores(
         settings.config.pin,
         &placement::allowed_cpus(),
         shards,
-        devices.len(),
+        &nodes,
+        &placement::cpu_node,
     );
     service.start(Arc::clone(&shared.doorbells), &cores)?;
     tracing::info!(

@@ -50,26 +50,69 @@ fn below_shards(cpus: &[usize], shards: usize) -> impl Iterator<Item = usize> + 
 }
 
 /// Cores for the GPU DMA threads (a save and a load thread per device, in that order): the
-/// allowed cores just below the shards' own, when pinning is on and there are enough of them;
-/// otherwise none, and the threads run unpinned beside the shards (said in the log).
-pub(crate) fn dma_cores(pin: bool, cpus: &[usize], shards: usize, devices: usize) -> Vec<usize> {
+/// allowed cores below the shards' own, when pinning is on and there are enough of them;
+/// otherwise none, and the threads run unpinned beside the shards (said in the log). A device
+/// whose NUMA node is known (`nodes[i]`) takes the highest two such cores on that node, so that
+/// its threads and the pinned host memory they allocate (descriptor tables) sit beside its PCIe
+/// link; the others take the highest cores left, ascending. `node_of` gives a core's node.
+pub(crate) fn dma_cores(
+    pin: bool,
+    cpus: &[usize],
+    shards: usize,
+    nodes: &[Option<u32>],
+    node_of: &dyn Fn(usize) -> Option<u32>,
+) -> Vec<usize> {
     if !pin {
         return Vec::new();
     }
-    let wanted = shards + 2 * devices;
-    if wanted > cpus.len() {
+    let threads = 2 * nodes.len();
+    if shards + threads > cpus.len() {
         tracing::info!(
             shards,
-            dma_threads = 2 * devices,
+            dma_threads = threads,
             cpus = cpus.len(),
             "GPU DMA threads run unpinned: fewer cores than shards and DMA threads"
         );
         return Vec::new();
     }
-    let mut cores: Vec<usize> = below_shards(cpus, shards).take(2 * devices).collect();
-    cores.reverse();
-    tracing::info!(?cores, "GPU DMA threads pinned, one core each, below the shards' cores");
+    // Highest first.
+    let mut free: Vec<usize> = below_shards(cpus, shards).collect();
+    let mut cores: Vec<Option<usize>> = vec![None; threads];
+    for (device, node) in nodes.iter().enumerate() {
+        let Some(node) = *node else { continue };
+        let local: Vec<usize> =
+            free.iter().copied().filter(|&c| node_of(c) == Some(node)).take(2).collect();
+        if let [high, low] = local[..] {
+            (cores[2 * device], cores[2 * device + 1]) = (Some(low), Some(high));
+            free.retain(|c| !local.contains(c));
+        }
+    }
+    let left = cores.iter().filter(|c| c.is_none()).count();
+    let mut rest: Vec<usize> = free.into_iter().take(left).collect();
+    rest.reverse();
+    let mut rest = rest.into_iter();
+    let cores: Vec<usize> = cores
+        .into_iter()
+        .map(|c| c.or_else(|| rest.next()).expect("enough cores, checked above"))
+        .collect();
+    let on: Vec<Option<u32>> = cores.iter().map(|&c| node_of(c)).collect();
+    tracing::info!(
+        ?cores,
+        numa_nodes = ?on,
+        devices_numa_nodes = ?nodes,
+        "GPU DMA threads pinned, one core each, below the shards' cores (on the device's NUMA \
+         node where it is known)"
+    );
     cores
+}
+
+/// The NUMA node of `cpu`, as sysfs says (`/sys/devices/system/cpu/cpuN/nodeK`); None where
+/// it does not (no NUMA support in the kernel).
+pub(crate) fn cpu_node(cpu: usize) -> Option<u32> {
+    std::fs::read_dir(format!("/sys/devices/system/cpu/cpu{cpu}"))
+        .ok()?
+        .flatten()
+        .find_map(|e| e.file_name().to_str()?.strip_prefix("node")?.parse().ok())
 }
 
 /// Cores for the peer thread and the Transfer Engine's threads: every allowed core that is not
@@ -107,6 +150,13 @@ mod tests {
     use super::{cpu_list, dma_cores, peer_cores, shard_cores};
 
     #[test]
+    fn a_cpus_node_is_read_from_sysfs_or_unknown() {
+        // Every Linux host has cpu0; its node is known where the kernel has NUMA support.
+        assert!(super::cpu_node(0).is_none_or(|n| n < 1024));
+        assert_eq!(super::cpu_node(1 << 20), None);
+    }
+
+    #[test]
     fn shards_take_the_last_allowed_cores() {
         // CI's two cores: the one shard keeps off core 0, where engines pin.
         assert_eq!(shard_cores(true, &[0, 1], 1), Some(vec![1]));
@@ -134,14 +184,35 @@ mod tests {
     #[test]
     fn dma_threads_take_the_cores_just_below_the_shards() {
         let cpus: Vec<usize> = (0..16).collect();
-        assert_eq!(dma_cores(true, &cpus, 4, 1), vec![10, 11]);
-        assert_eq!(dma_cores(true, &cpus, 4, 2), vec![8, 9, 10, 11]);
+        let unknown = |_: usize| None;
+        let dma = |cpus: &[usize], shards, devices: usize| {
+            dma_cores(true, cpus, shards, &vec![None; devices], &unknown)
+        };
+        assert_eq!(dma(&cpus, 4, 1), vec![10, 11]);
+        assert_eq!(dma(&cpus, 4, 2), vec![8, 9, 10, 11]);
         // The allowed cores need not start at 0 nor be adjacent.
-        assert_eq!(dma_cores(true, &[2, 3, 8, 9, 12], 2, 1), vec![3, 8]);
-        assert_eq!(dma_cores(true, &[0, 1, 2], 1, 1), vec![0, 1]);
+        assert_eq!(dma(&[2, 3, 8, 9, 12], 2, 1), vec![3, 8]);
+        assert_eq!(dma(&[0, 1, 2], 1, 1), vec![0, 1]);
         // Too few cores (CI's two), or pinning off: the threads run unpinned.
-        assert!(dma_cores(true, &[0, 1], 1, 1).is_empty());
-        assert!(dma_cores(false, &cpus, 4, 1).is_empty());
+        assert!(dma(&[0, 1], 1, 1).is_empty());
+        assert!(dma_cores(false, &cpus, 4, &[None], &unknown).is_empty());
+    }
+
+    #[test]
+    fn dma_threads_sit_on_their_devices_numa_node() {
+        // Two nodes of 8 cores; the shards on the last 4 (node 1).
+        let cpus: Vec<usize> = (0..16).collect();
+        let node_of = |c: usize| Some((c / 8) as u32);
+        assert_eq!(dma_cores(true, &cpus, 4, &[Some(0)], &node_of), vec![6, 7]);
+        assert_eq!(dma_cores(true, &cpus, 4, &[Some(1)], &node_of), vec![10, 11]);
+        assert_eq!(dma_cores(true, &cpus, 4, &[Some(0), Some(1)], &node_of), vec![6, 7, 10, 11]);
+        // A device of unknown node takes the highest cores the others left.
+        assert_eq!(dma_cores(true, &cpus, 4, &[None, Some(1)], &node_of), vec![8, 9, 10, 11]);
+        assert_eq!(dma_cores(true, &cpus, 4, &[Some(0), None], &node_of), vec![6, 7, 10, 11]);
+        // A node with too few free cores: the highest cores below the shards instead.
+        assert_eq!(dma_cores(true, &cpus, 4, &[Some(5)], &node_of), vec![10, 11]);
+        let one_free_on_node_1 = [0, 1, 2, 3, 11, 12, 13, 14, 15];
+        assert_eq!(dma_cores(true, &one_free_on_node_1, 5, &[Some(1)], &node_of), vec![2, 3]);
     }
 
     #[test]

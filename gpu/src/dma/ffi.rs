@@ -20,6 +20,21 @@ pub(crate) fn driver_library_present() -> bool {
 
 /// Milliseconds between two events of one context, both completed (an error otherwise, as
 /// the driver reports it).
+/// The PCI address of device `dev` as sysfs names it (`0000:3b:00.0`), from its PCI domain,
+/// bus and device attributes.
+pub(crate) fn pci_address(dev: sys::CUdevice) -> Result<String, cudarc::driver::DriverError> {
+    use sys::CUdevice_attribute as A;
+    let attribute = |a: A| {
+        // SAFETY: `dev` is a device handle the driver gave (`cuDeviceGet`); the attribute is
+        // an integer the call writes.
+        unsafe { result::device::get_attribute(dev, a) }
+    };
+    let domain = attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+    let bus = attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+    let device = attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+    Ok(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
+}
+
 pub(crate) fn elapsed_ms(
     start: &cudarc::driver::CudaEvent,
     end: &cudarc::driver::CudaEvent,
