@@ -3,7 +3,9 @@
 //! populating, on one core), then for each shard count a private server is started with that
 //! arena and its start steps read back from `stats` (`startup`, `arena_populate`). The limit of
 //! a start that populates each shard's slice on its own core at once is bytes / (shards x the
-//! memset rate); `vs_limit` is the populate step's seconds over it.
+//! memset rate); `vs_limit` is the populate step's seconds over it. Whether the host scales
+//! that far is measured too: as many threads as shards, on the shards' cores, each memsetting
+//! its share of the bytes of fresh memory at once (`memset_parallel_gbps`; `vs_parallel`).
 
 use std::hint::black_box;
 use std::io::Write;
@@ -64,6 +66,11 @@ pub(crate) struct StartRow {
     pub limit_s: f64,
     /// `populate_s` / `limit_s` (goal: <= 1.5).
     pub vs_limit: f64,
+    /// As many threads as shards, pinned to the shards' cores, each memsetting its share of
+    /// the bytes of fresh memory at once: GB/s of all together.
+    pub memset_parallel_gbps: f64,
+    /// `populate_s` / (bytes / `memset_parallel_gbps`).
+    pub vs_parallel: f64,
     /// The slowest slice's seconds, and the fastest's.
     pub slice_s: (f64, f64),
     /// The NUMA nodes the slices landed on (empty where the kernel does not say).
@@ -91,12 +98,12 @@ impl crate::report::Report for ArenaReport {
             )?;
             writeln!(
                 out,
-                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  slices s      cuda s  total s  nodes"
+                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  par GB/s  vs par  slices s      cuda s  total s  nodes"
             )?;
             for r in &s.rows {
                 writeln!(
                     out,
-                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>5.2}-{:<5.2}  {:>6}  {:>7.2}  {:?}",
+                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>8.2}  {:>6.2}  {:>5.2}-{:<5.2}  {:>6}  {:>7.2}  {:?}",
                     r.shards,
                     r.pages,
                     r.locked,
@@ -104,6 +111,8 @@ impl crate::report::Report for ArenaReport {
                     r.s_per_gib,
                     r.limit_s,
                     r.vs_limit,
+                    r.memset_parallel_gbps,
+                    r.vs_parallel,
                     r.slice_s.1,
                     r.slice_s.0,
                     r.register_cuda_s.map_or("-".into(), |s| format!("{s:.2}")),
@@ -182,6 +191,36 @@ fn memset(bytes: u64) -> (f64, f64) {
     (fresh, warm)
 }
 
+/// `threads` threads, the i-th pinned to `cores[i]` where given, each writing its share of
+/// `bytes` of fresh memory, started together: GB/s of all, first start to last finish.
+fn memset_parallel(bytes: u64, threads: usize, cores: &[usize]) -> f64 {
+    let share = (bytes / threads as u64) as usize;
+    let ready = std::sync::Barrier::new(threads + 1);
+    let (start, done) = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..threads)
+            .map(|i| {
+                let (ready, core) = (&ready, cores.get(i).copied());
+                scope.spawn(move || {
+                    if let Some(c) = core {
+                        crate::placement::pin_current_thread(&[c]);
+                    }
+                    let mut v: Vec<u8> = Vec::with_capacity(share);
+                    ready.wait();
+                    v.resize(share, 0x5a);
+                    let done = Instant::now();
+                    black_box(&v);
+                    done
+                })
+            })
+            .collect();
+        ready.wait();
+        let start = Instant::now();
+        let done = threads.into_iter().filter_map(|t| t.join().ok()).max();
+        (start, done.unwrap_or_else(Instant::now))
+    });
+    gbps(share as u64 * threads as u64, done.saturating_duration_since(start))
+}
+
 fn gbps(bytes: u64, took: Duration) -> f64 {
     bytes as f64 / took.as_secs_f64().max(1e-9) / 1e9
 }
@@ -215,6 +254,10 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
     numa_nodes.sort_unstable();
     numa_nodes.dedup();
     let limit_s = bytes as f64 / (shards as f64 * memset_gbps * 1e9);
+    let cores: Vec<usize> =
+        slices.iter().filter_map(|s| s["core"].as_u64()).map(|c| c as usize).collect();
+    drop(server);
+    let memset_parallel_gbps = memset_parallel(bytes, shards, &cores);
     Ok(StartRow {
         shards,
         pages: stats["arena_pages"].as_str().unwrap_or("?").to_string(),
@@ -223,6 +266,8 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
         s_per_gib: populate_s / (bytes as f64 / GIB),
         limit_s,
         vs_limit: populate_s / limit_s,
+        memset_parallel_gbps,
+        vs_parallel: populate_s / (bytes as f64 / (memset_parallel_gbps * 1e9)),
         slice_s: (
             secs.iter().copied().fold(0.0, f64::max),
             secs.iter().copied().fold(f64::INFINITY, f64::min),
