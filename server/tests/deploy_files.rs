@@ -146,7 +146,7 @@ fn dashboard_names_only_exported_metrics() {
         "--ssd-dir",
         ssd.path().to_str().unwrap(),
         "--ssd",
-        "512MiB",
+        "64MiB",
         "--ssd-region-size",
         "16MiB",
         "--metrics-addr",

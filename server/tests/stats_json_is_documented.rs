@@ -47,7 +47,7 @@ fn every_stats_key_is_documented_and_every_documented_key_answered() {
         "--ssd-dir",
         ssd.path().to_str().unwrap(),
         "--ssd",
-        "512MiB",
+        "64MiB",
         "--ssd-region-size",
         "16MiB",
     ]);
