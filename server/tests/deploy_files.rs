@@ -148,7 +148,7 @@ fn dashboard_names_only_exported_metrics() {
         "--ssd",
         "64MiB",
         "--ssd-region-size",
-        "16MiB",
+        "8MiB",
         "--metrics-addr",
         &addr,
     ]);

@@ -49,7 +49,7 @@ fn every_stats_key_is_documented_and_every_documented_key_answered() {
         "--ssd",
         "64MiB",
         "--ssd-region-size",
-        "16MiB",
+        "8MiB",
     ]);
     let mut c = server.client("engine");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
