@@ -3,13 +3,15 @@
 # 10-minute device call):
 #   start: server starts by arena size (SIZES, "8GiB 16GiB 32GiB 64GiB") and shard count
 #          (SHARDS, "1,2,4,8"), 4 KiB pages, --gpu off (the populate step alone), against one
-#          thread memsetting the same bytes (orbitkv-perf arena); then one size with --gpu auto
-#          (the CUDA registration step too).
+#          thread memsetting the same bytes (orbitkv-perf arena); then one size
+#          (CUDA_SIZE, 16GiB; CUDA_SHARDS, "1,8"), --gpu auto (the CUDA registration too,
+#          each shard's slice registered by its own thread).
 #   pages: starts on hugetlb pages (2 MiB reserved here: the host is root), and 1 MiB gets
 #          against memcpy (orbitkv-perf serve --embedded) on 4 KiB, shared-memory THP and hugetlb
 #          arenas; the reservation and THP setting are put back after.
 # Run from the repository root with the stripped release binaries in .device-bin/
-# (git-ignored); results go to $OUT (an existing directory).
+# (git-ignored); results go to $OUT (an existing directory; the device tool returns at most 8
+# files, so point OUT at a scratch folder and tar it).
 B=.device-bin
 PART=${PART:-start}
 {
@@ -26,7 +28,7 @@ if [ "$PART" = start ]; then
       > "$OUT/arena-$size.json" 2>> "$OUT/err.txt"
     echo "arena $size exit $?" >> "$OUT/err.txt"
   done
-  timeout 200 $B/orbitkv-perf arena --sizes "${CUDA_SIZE:-16GiB}" --shards 1,8 --gpu auto --json \
+  timeout 200 $B/orbitkv-perf arena --sizes "${CUDA_SIZE:-16GiB}" --shards "${CUDA_SHARDS:-1,8}" --gpu auto --json \
     > "$OUT/arena-cuda.json" 2>> "$OUT/err.txt"
   echo "arena cuda exit $?" >> "$OUT/err.txt"
 fi
@@ -47,8 +49,14 @@ if [ "$PART" = pages ]; then
   serve 4k --hugepages off
   old_shmem=$(sed -E 's/.*\[(.*)\].*/\1/' /sys/kernel/mm/transparent_hugepage/shmem_enabled)
   echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled
+  # Newer kernels also have a shmem setting per THP size; "inherit" follows the one above.
+  cat /sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled >> "$OUT/host-pages.txt" 2>&1
+  # The shared memory on huge pages while the gets run (the arena is unmapped after).
+  ( while sleep 2; do grep -E 'ShmemHugePages|ShmemPmdMapped' /proc/meminfo | tr '\n' ' '; echo; done ) \
+    > "$OUT/thp-meminfo.txt" &
+  sampler=$!
   serve thp --hugepages off
-  grep ShmemPmdMapped /proc/meminfo >> "$OUT/host-pages.txt"
+  kill $sampler
   echo "$old_shmem" > /sys/kernel/mm/transparent_hugepage/shmem_enabled
   old_pages=$(cat /proc/sys/vm/nr_hugepages)
   # One more page than the arena needs for its header; the gets' server takes 8 GiB.

@@ -328,6 +328,7 @@ fn stats(shared: &Shared) -> Value {
             "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({
                 "shard": shard, "bytes": p.bytes, "core": p.core, "numa_node": p.node,
                 "seconds": p.seconds, "locked": p.locked,
+                "register_cuda_seconds": shared.arena_register_seconds.get(shard),
             })).collect::<Vec<_>>(),
         },
         "gpu_mode": shared.settings.config.gpu.as_str(),

@@ -343,7 +343,7 @@ fn start(
     // the GPU service has stopped, before the arena.
     let with_gpu = matches!(gpu, Some(orbitkv_gpu::Probe::Present { .. }));
     startup.advance(if with_gpu { Phase::RegisteringCuda } else { Phase::StartingShards });
-    let registration = register_arena(&settings, gpu.as_ref(), &arena)?;
+    let registration = register_arena(&settings, gpu.as_ref(), &arena, &population)?;
     if with_gpu {
         startup.advance(Phase::StartingShards);
     }
@@ -364,6 +364,10 @@ fn start(
             locked: arena.locked(),
             populate_seconds,
             parts: population,
+            register_seconds: registration
+                .as_ref()
+                .map(|r| r.part_seconds.clone())
+                .unwrap_or_default(),
             pages: arena.pages(),
             startup: Arc::clone(startup),
         },
@@ -485,20 +489,36 @@ fn resolve_gpu(settings: &Settings) -> Result<Option<orbitkv_gpu::Probe>, StartE
     Ok(gpu)
 }
 
-/// The arena registered with CUDA when a device is in use; a failure ends the start with
-/// `--gpu required`, and otherwise leaves the server serving without GPU (logged).
+/// The arena registered with CUDA when a device is in use, each shard's slice by a thread on
+/// the core that populated it, all at once; a failure ends the start with `--gpu required`,
+/// and otherwise leaves the server serving without GPU (logged).
 fn register_arena(
     settings: &Settings,
     gpu: Option<&orbitkv_gpu::Probe>,
     arena: &Arc<Arena>,
+    population: &[orbitkv_shards::Populated],
 ) -> Result<Option<Arc<orbitkv_gpu::HostRegistration>>, StartError> {
     let Some(orbitkv_gpu::Probe::Present { devices }) = gpu else { return Ok(None) };
     let first = &devices[0];
-    match orbitkv_gpu::register_arena(first.ordinal as usize, arena) {
+    let parts: Vec<orbitkv_gpu::RegisterPart> = population
+        .iter()
+        .map(|p| orbitkv_gpu::RegisterPart { offset: p.offset, bytes: p.bytes, core: p.core })
+        .collect();
+    match orbitkv_gpu::register_arena_parts(first.ordinal as usize, arena, &parts) {
         Ok(r) => {
+            for (shard, (p, seconds)) in population.iter().zip(&r.part_seconds).enumerate() {
+                tracing::info!(
+                    shard,
+                    bytes = %format_bytes(p.bytes),
+                    core = ?p.core,
+                    seconds = format!("{seconds:.3}"),
+                    "arena slice registered with CUDA"
+                );
+            }
             tracing::info!(
                 uuid = %first.uuid,
                 bytes = arena.len(),
+                threads = parts.len(),
                 ms = r.elapsed.as_millis() as u64,
                 "arena registered with CUDA"
             );

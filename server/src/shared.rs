@@ -146,6 +146,9 @@ pub struct Shared {
     pub arena_populate_seconds: f64,
     /// Each shard's slice as it was populated (core, NUMA node, seconds).
     pub arena_parts: Vec<orbitkv_shards::Populated>,
+    /// Seconds each shard's slice took to register with CUDA (its own thread, on its core);
+    /// empty without a GPU in use.
+    pub arena_register_seconds: Vec<f64>,
     /// The pages backing the arena.
     pub arena_pages: orbitkv_shards::PageSize,
     /// The start's steps and their durations.
@@ -166,6 +169,8 @@ pub struct StartState {
     pub populate_seconds: f64,
     /// Each shard's slice as it was populated.
     pub parts: Vec<orbitkv_shards::Populated>,
+    /// Seconds each slice took to register with CUDA (empty without a GPU).
+    pub register_seconds: Vec<f64>,
     /// The pages backing it.
     pub pages: orbitkv_shards::PageSize,
     /// The start's progress and steps.
@@ -205,6 +210,7 @@ impl Shared {
             arena_locked: arena.locked,
             arena_populate_seconds: arena.populate_seconds,
             arena_parts: arena.parts,
+            arena_register_seconds: arena.register_seconds,
             arena_pages: arena.pages,
             startup: arena.startup,
             ipc,
@@ -378,6 +384,7 @@ mod tests {
                 locked: false,
                 populate_seconds: 0.0,
                 parts: Vec::new(),
+                register_seconds: Vec::new(),
                 pages: orbitkv_shards::PageSize::Small,
                 startup,
             },
