@@ -5,7 +5,8 @@
 #          (SHARDS, "1,2,4,8"), 4 KiB pages, --gpu off (the populate step alone), against one
 #          thread memsetting the same bytes (orbitkv-perf arena); then one size
 #          (CUDA_SIZE, 16GiB; CUDA_SHARDS, "1,8"), --gpu auto (the CUDA registration too,
-#          each shard's slice registered by its own thread).
+#          each shard's slice registered by its own thread). MEMFD_EACH=1 adds the baseline of
+#          a memfd per shard populated at once (orbitkv-perf arena --memfd-each).
 #   pages: starts on hugetlb pages (2 MiB reserved here: the host is root), and 1 MiB gets
 #          against memcpy (orbitkv-perf serve --embedded) on 4 KiB, shared-memory THP and hugetlb
 #          arenas; the reservation and THP setting are put back after.
@@ -24,7 +25,7 @@ PART=${PART:-start}
 
 if [ "$PART" = start ]; then
   for size in ${SIZES:-8GiB 16GiB 32GiB 64GiB}; do
-    timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json \
+    timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json ${MEMFD_EACH:+--memfd-each} \
       > "$OUT/arena-$size.json" 2>> "$OUT/err.txt"
     echo "arena $size exit $?" >> "$OUT/err.txt"
   done
