@@ -82,6 +82,8 @@ pub(crate) struct StartRow {
     pub vs_memfd_each: Option<f64>,
     /// The slowest slice's seconds, and the fastest's.
     pub slice_s: (f64, f64),
+    /// The longest `mlock` of a slice, seconds (part of its seconds; 0 when not locking).
+    pub lock_s: f64,
     /// The NUMA nodes the slices landed on (empty where the kernel does not say).
     pub numa_nodes: Vec<u64>,
     /// The CUDA registration step, seconds (with a GPU in use).
@@ -107,12 +109,12 @@ impl crate::report::Report for ArenaReport {
             )?;
             writeln!(
                 out,
-                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  par GB/s  vs par  memfds GB/s  slices s      cuda s  total s  nodes"
+                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  par GB/s  vs par  memfds GB/s  slices s      lock s  cuda s  total s  nodes"
             )?;
             for r in &s.rows {
                 writeln!(
                     out,
-                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>8.2}  {:>6.2}  {:>11}  {:>5.2}-{:<5.2}  {:>6}  {:>7.2}  {:?}",
+                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>8.2}  {:>6.2}  {:>11}  {:>5.2}-{:<5.2}  {:>6.2}  {:>6}  {:>7.2}  {:?}",
                     r.shards,
                     r.pages,
                     r.locked,
@@ -125,6 +127,7 @@ impl crate::report::Report for ArenaReport {
                     r.memfd_each_gbps.map_or("-".into(), |g| format!("{g:.2}")),
                     r.slice_s.1,
                     r.slice_s.0,
+                    r.lock_s,
                     r.register_cuda_s.map_or("-".into(), |s| format!("{s:.2}")),
                     r.total_s,
                     r.numa_nodes
@@ -293,6 +296,7 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
         .as_array()
         .ok_or_else(|| missing("arena_populate.slices"))?;
     let secs: Vec<f64> = slices.iter().filter_map(|s| s["seconds"].as_f64()).collect();
+    let lock_s = slices.iter().filter_map(|s| s["lock_seconds"].as_f64()).fold(0.0, f64::max);
     let mut numa_nodes: Vec<u64> = slices.iter().filter_map(|s| s["numa_node"].as_u64()).collect();
     numa_nodes.sort_unstable();
     numa_nodes.dedup();
@@ -322,6 +326,7 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
             secs.iter().copied().fold(0.0, f64::max),
             secs.iter().copied().fold(f64::INFINITY, f64::min),
         ),
+        lock_s,
         numa_nodes,
         register_cuda_s: steps["register_cuda"].as_f64(),
         total_s,

@@ -34,6 +34,7 @@ fn arena_reports_each_start_and_its_baselines() {
             assert!(num(row, &[field]) > 0.0, "{field}: {v}");
         }
         assert!(row["register_cuda_s"].is_null(), "--gpu off registers nothing: {v}");
+        assert_eq!(num(row, &["lock_s"]), 0.0, "--no-lock-arena locks nothing: {v}");
     }
 }
 

@@ -327,7 +327,7 @@ fn stats(shared: &Shared) -> Value {
             "seconds": shared.arena_populate_seconds,
             "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({
                 "shard": shard, "bytes": p.bytes, "core": p.core, "numa_node": p.node,
-                "seconds": p.seconds, "locked": p.locked,
+                "seconds": p.seconds, "lock_seconds": p.lock_seconds, "locked": p.locked,
                 "register_cuda_seconds": shared.arena_register_seconds.get(shard),
             })).collect::<Vec<_>>(),
         },

@@ -242,6 +242,7 @@ fn log_population(parts: &[orbitkv_shards::Populated], seconds: f64) {
             core = ?p.core,
             numa_node = ?p.node,
             seconds = format!("{:.3}", p.seconds),
+            lock_seconds = format!("{:.3}", p.lock_seconds),
             gib_per_s = format!("{:.2}", p.bytes as f64 / (1u64 << 30) as f64 / p.seconds.max(1e-9)),
             locked = p.locked,
             "arena slice populated"

@@ -23,6 +23,9 @@ fn every_shards_slice_is_populated_and_reported() {
         // Pinned like the shard it serves (when the shards are pinned).
         assert_eq!(s["core"], stats["shards"][i]["core"], "{stats}");
         assert!(s["numa_node"].is_null() || s["numa_node"].as_u64().is_some(), "{stats}");
+        // The mlock's seconds are part of the slice's.
+        let (secs, lock) = (s["seconds"].as_f64().unwrap(), s["lock_seconds"].as_f64().unwrap());
+        assert!((0.0..=secs).contains(&lock), "{stats}");
     }
     let log = server.log();
     assert_eq!(log.matches("arena slice populated").count(), 2, "{log}");

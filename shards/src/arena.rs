@@ -477,6 +477,8 @@ pub struct Populated {
     pub core: Option<usize>,
     /// Seconds its thread took to populate (and lock) it.
     pub seconds: f64,
+    /// Of those, the seconds `mlock` took (0 when not locking).
+    pub lock_seconds: f64,
     /// The NUMA node holding its first page (None where the kernel does not say).
     pub node: Option<u32>,
     /// Whether it is locked in memory.
@@ -502,7 +504,16 @@ fn memlock_hint(bytes: u64) -> String {
 
 /// A part whose thread died (it panicked): nothing known of it.
 fn failed_part(offset: u64, bytes: u64, core: Option<usize>) -> Populated {
-    Populated { offset, bytes, core, seconds: 0.0, node: None, locked: false, lock_error: None }
+    Populated {
+        offset,
+        bytes,
+        core,
+        seconds: 0.0,
+        lock_seconds: 0.0,
+        node: None,
+        locked: false,
+        lock_error: None,
+    }
 }
 
 /// Bytes populated per step between two progress reports (a multiple of any page size but
@@ -538,6 +549,7 @@ fn populate_part(
             bytes,
             core,
             seconds: 0.0,
+            lock_seconds: 0.0,
             node: None,
             locked: lock,
             lock_error: None,
@@ -569,6 +581,7 @@ fn populate_part(
         }
         progress(n as u64);
     }
+    let locking = std::time::Instant::now();
     let (locked, lock_error) = if lock {
         // SAFETY: the range is a part of our live mapping.
         match unsafe { nix::sys::mman::mlock(at, len) } {
@@ -583,6 +596,7 @@ fn populate_part(
         bytes,
         core,
         seconds: started.elapsed().as_secs_f64(),
+        lock_seconds: if lock { locking.elapsed().as_secs_f64() } else { 0.0 },
         node: numa_node(at.as_ptr()),
         locked,
         lock_error,
