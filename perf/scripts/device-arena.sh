@@ -6,7 +6,9 @@
 #          thread memsetting the same bytes (orbitkv-perf arena); then one size
 #          (CUDA_SIZE, 16GiB; CUDA_SHARDS, "1,8"), --gpu auto (the CUDA registration too,
 #          each shard's slice registered by its own thread). MEMFD_EACH=1 adds the baseline of
-#          a memfd per shard populated at once (orbitkv-perf arena --memfd-each).
+#          a memfd per shard populated at once (orbitkv-perf arena --memfd-each); THP=1 runs
+#          the starts with shared-memory THP (shmem_enabled advise, put back after), so the
+#          arena's MADV_HUGEPAGE gets 2 MiB pages.
 #   pages: starts on hugetlb pages (2 MiB reserved here: the host is root), and 1 MiB gets
 #          against memcpy (orbitkv-perf serve --embedded) on 4 KiB, shared-memory THP and hugetlb
 #          arenas; the reservation and THP setting are put back after.
@@ -24,6 +26,10 @@ PART=${PART:-start}
 } > "$OUT/host-$PART.txt" 2>&1
 
 if [ "$PART" = start ]; then
+  if [ -n "${THP:-}" ]; then
+    old_shmem=$(sed -E 's/.*\[(.*)\].*/\1/' /sys/kernel/mm/transparent_hugepage/shmem_enabled)
+    echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled
+  fi
   for size in ${SIZES:-8GiB 16GiB 32GiB 64GiB}; do
     timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json ${MEMFD_EACH:+--memfd-each} \
       > "$OUT/arena-$size.json" 2>> "$OUT/err.txt"
@@ -32,6 +38,7 @@ if [ "$PART" = start ]; then
   timeout 200 $B/orbitkv-perf arena --sizes "${CUDA_SIZE:-16GiB}" --shards "${CUDA_SHARDS:-1,8}" --gpu auto --json \
     > "$OUT/arena-cuda.json" 2>> "$OUT/err.txt"
   echo "arena cuda exit $?" >> "$OUT/err.txt"
+  [ -n "${THP:-}" ] && echo "$old_shmem" > /sys/kernel/mm/transparent_hugepage/shmem_enabled
 fi
 
 if [ "$PART" = pages ]; then
