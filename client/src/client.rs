@@ -552,12 +552,21 @@ impl Client {
         self.conn.as_ref().map(|c| c.arena.range())
     }
 
-    /// A new descriptor of this session's arena memfd (None while disconnected): for a mapping
-    /// of its own, e.g. one registered with CUDA for the engine's own copies. Offsets in it are
-    /// those of [`Reserved::offset`] and of a lease's `hit.offset`. The next session may map
-    /// another arena (after a restart): check [`Client::session_id`] before each copy.
-    pub fn arena_fd(&self) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
-        self.conn.as_ref().map(|c| c.arena.dup_fd())
+    /// New descriptors of this session's arena memfds, in order (None while disconnected): for
+    /// a mapping of its own (`orbitkv_shards::Arena::open` maps them one after another, as
+    /// the server and this client do), e.g. one registered with CUDA for the engine's own
+    /// copies. Offsets in it are those of [`Reserved::offset`] and of a lease's `hit.offset`.
+    /// The next session may map another arena (after a restart): check
+    /// [`Client::session_id`] before each copy.
+    pub fn arena_fds(&self) -> Option<std::io::Result<Vec<std::os::fd::OwnedFd>>> {
+        self.conn.as_ref().map(|c| c.arena.dup_fds())
+    }
+
+    /// Offset and length of each of the arena's memfds in [`Client::arena_range`]'s mapping, in
+    /// order (None while disconnected): register each with CUDA on its own (one registration
+    /// per file mapping).
+    pub fn arena_files(&self) -> Option<Vec<(u64, u64)>> {
+        self.conn.as_ref().map(|c| c.arena.files())
     }
 
     /// The writable bytes of a reservation.

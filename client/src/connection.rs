@@ -162,9 +162,9 @@ fn receive_welcome(
     wrote: std::io::Result<()>,
 ) -> Result<(Welcome, Vec<OwnedFd>), Error> {
     let connect_err = |source: std::io::Error| Error::Connect { socket: socket.to_owned(), source };
-    // The welcome carries the arena memfd on its first bytes.
+    // The welcome carries the arena's memfds and the doorbell eventfd on its first bytes.
     let mut buf = vec![0u8; 4096];
-    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; orbitkv_proto::MAX_ARENA_FILES + 1]);
     let (got, fds) = {
         let mut iov = [IoSliceMut::new(&mut buf)];
         let msg = recvmsg::<()>(
@@ -211,6 +211,7 @@ struct Admitted {
     session_id: u64,
     home_shard: u32,
     arena_bytes: u64,
+    arena_files: Vec<u64>,
     iox_root: String,
     iox_prefix: String,
     service_name: String,
@@ -238,6 +239,7 @@ impl Admitted {
                 session_id,
                 home_shard,
                 arena_bytes,
+                arena_files,
                 iox_root,
                 iox_prefix,
                 service_name,
@@ -249,6 +251,7 @@ impl Admitted {
                 session_id,
                 home_shard,
                 arena_bytes,
+                arena_files,
                 iox_root,
                 iox_prefix,
                 service_name,
@@ -313,14 +316,20 @@ impl Connection {
         let wrote = write_frame(&mut &stream, &encode(&hello));
         let (welcome, fds) = receive_welcome(&stream, (socket, timeout), wrote)?;
         let admitted = Admitted::from_welcome(welcome)?;
-        let mut fds = fds.into_iter();
-        let (Some(arena_fd), Some(doorbell)) = (fds.next(), fds.next()) else {
+        // The arena's memfds, then the doorbell eventfd.
+        let mut arena_fds = fds;
+        let Some(doorbell) = arena_fds.pop().filter(|_| !arena_fds.is_empty()) else {
             return Err(Error::Protocol(
                 "welcome carried no arena and doorbell descriptors".into(),
             ));
         };
-        let arena = ArenaMap::new(arena_fd, admitted.arena_bytes, opts.prefault_arena)
-            .map_err(Error::Protocol)?;
+        let arena = ArenaMap::new(
+            arena_fds,
+            &admitted.arena_files,
+            admitted.arena_bytes,
+            opts.prefault_arena,
+        )
+        .map_err(Error::Protocol)?;
         arena.doorbell(admitted.home_shard).map_err(Error::Protocol)?;
         stream.set_read_timeout(None).map_err(connect_err)?;
         let (node, service, port) = open_port(&admitted)?;

@@ -1,4 +1,5 @@
-//! The client's shared mapping of the server's arena memfd, and the copies in and out of it
+//! The client's shared mapping of the server's arena memfds (one range, the files one after
+//! another as the server maps them), and the copies in and out of it
 //! ([`copy_chunk`], and [`SummingCopy`], which hashes what it copies). The only `unsafe` of
 //! this crate (here and in `copy`).
 
@@ -11,7 +12,7 @@ use std::ptr::NonNull;
 
 use std::sync::atomic::AtomicU32;
 
-use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
+use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
 use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 mod copy;
@@ -23,7 +24,8 @@ pub(crate) use copy::{copy_as, Stores, SummingCopy};
 pub(crate) struct ArenaMap {
     base: NonNull<c_void>,
     len: usize,
-    _fd: OwnedFd,
+    /// The memfds, in mapping order, and each one's length.
+    files: Vec<(OwnedFd, u64)>,
 }
 
 // SAFETY: the mapping is process-wide shared memory; moving its owner to another thread does
@@ -32,35 +34,63 @@ pub(crate) struct ArenaMap {
 unsafe impl Send for ArenaMap {}
 
 impl ArenaMap {
-    /// A new descriptor of the arena memfd (for a mapping of one's own).
-    pub(crate) fn dup_fd(&self) -> std::io::Result<OwnedFd> {
-        self._fd.try_clone()
+    /// New descriptors of the arena's memfds, in mapping order (for a mapping of one's own).
+    pub(crate) fn dup_fds(&self) -> std::io::Result<Vec<OwnedFd>> {
+        self.files.iter().map(|(fd, _)| fd.try_clone()).collect()
     }
 
-    /// Maps `len` bytes of `fd` (populating the page tables when `prefault`); checks the
-    /// memfd is at least that large first.
-    pub(crate) fn new(fd: OwnedFd, len: u64, prefault: bool) -> Result<Self, String> {
-        let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| format!("fstat arena: {e}"))?;
-        if (stat.st_size as u64) < len {
-            return Err(format!("arena memfd has {} bytes, server announced {len}", stat.st_size));
+    /// Offset and length of each memfd in the mapping, in order.
+    pub(crate) fn files(&self) -> Vec<(u64, u64)> {
+        let mut at = 0;
+        self.files
+            .iter()
+            .map(|&(_, bytes)| {
+                at += bytes;
+                (at - bytes, bytes)
+            })
+            .collect()
+    }
+
+    /// Maps the arena's `fds`, of the `files` lengths the server announced (in order, adding
+    /// up to `len`), one after another as one range (populating the page tables when
+    /// `prefault`); checks each memfd is at least as long as announced first.
+    pub(crate) fn new(
+        fds: Vec<OwnedFd>,
+        files: &[u64],
+        len: u64,
+        prefault: bool,
+    ) -> Result<Self, String> {
+        if fds.len() != files.len() || files.is_empty() {
+            return Err(format!(
+                "server announced {} arena memfds and sent {}",
+                files.len(),
+                fds.len()
+            ));
+        }
+        if files.iter().try_fold(0u64, |sum, &b| sum.checked_add(b)) != Some(len) {
+            return Err(format!("arena memfds of {files:?} bytes do not add up to {len}"));
+        }
+        let mut align = 4096u64;
+        for (i, (fd, &bytes)) in fds.iter().zip(files).enumerate() {
+            let stat = nix::sys::stat::fstat(fd.as_fd())
+                .map_err(|e| format!("fstat arena memfd {i}: {e}"))?;
+            if (stat.st_size as u64) < bytes || bytes == 0 || !bytes.is_multiple_of(4096) {
+                return Err(format!(
+                    "arena memfd {i} has {} bytes, server announced {bytes}",
+                    stat.st_size
+                ));
+            }
+            // A hugetlb file says its page size here; its mapping must start at a whole page.
+            let page = stat.st_blksize as u64;
+            if page.is_power_of_two() && page <= 1 << 30 && bytes.is_multiple_of(page) {
+                align = align.max(page);
+            }
         }
         let size = usize::try_from(len)
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or_else(|| format!("arena size {len} is not mappable"))?;
-        // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long, checked
-        // above; nothing existing is replaced.
-        let base = unsafe {
-            mmap(
-                None,
-                size,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                fd.as_fd(),
-                0,
-            )
-        }
-        .map_err(|e| format!("mmap arena: {e}"))?;
+        let base = map_one_after_another(&fds, files, size, align as usize)?;
         // The server's huge pages (when the host allows them for shared memory) are mapped as
         // huge pages here only if this mapping asks too, before its page tables are filled.
         // SAFETY: advice on exactly this live mapping; it changes no contents.
@@ -77,7 +107,8 @@ impl ArenaMap {
                 }
             }
         }
-        Ok(Self { base, len: size.get(), _fd: fd })
+        let files = fds.into_iter().zip(files.iter().copied()).collect();
+        Ok(Self { base, len: size.get(), files })
     }
 
     /// A chunk's range: inside the mapping and past its header (the shards' doorbell words,
@@ -178,6 +209,87 @@ impl Drop for ArenaMap {
     }
 }
 
+/// Maps `fds` (of the `files` lengths, checked against the files, adding up to `len`) shared
+/// and read-write one after another as one range starting at a multiple of `align` bytes.
+fn map_one_after_another(
+    fds: &[OwnedFd],
+    files: &[u64],
+    len: NonZeroUsize,
+    align: usize,
+) -> Result<NonNull<c_void>, String> {
+    let map_err = |e| format!("mmap arena: {e}");
+    if let [fd] = fds {
+        // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long
+        // (checked by the caller); nothing existing is replaced.
+        return unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(map_err);
+    }
+    // Reserve the range (no memory: PROT_NONE, MAP_NORESERVE), aligned, then map each file
+    // over its part of it.
+    let reserved =
+        len.checked_add(align - 4096).ok_or_else(|| format!("arena size {len} is not mappable"))?;
+    // SAFETY: a fresh anonymous mapping (addr None); nothing existing is replaced.
+    let raw = unsafe {
+        mmap_anonymous(
+            None,
+            reserved,
+            ProtFlags::PROT_NONE,
+            MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+        )
+    }
+    .map_err(map_err)?;
+    let raw_at = raw.as_ptr() as usize;
+    let at = raw_at.next_multiple_of(align);
+    let (head, tail) = (at - raw_at, raw_at + reserved.get() - (at + len.get()));
+    // SAFETY: the slack before and after the aligned range, parts of the reservation just
+    // made, which nothing uses.
+    unsafe {
+        if head > 0 {
+            let _ = munmap(raw, head);
+        }
+        if tail > 0 {
+            let _ = munmap(raw.byte_add(at - raw_at + len.get()), tail);
+        }
+    }
+    let base = NonNull::new(at as *mut c_void).ok_or("mmap arena: address 0")?;
+    let mut offset = 0usize;
+    for (fd, &bytes) in fds.iter().zip(files) {
+        let (part, addr) = (NonZeroUsize::new(bytes as usize), NonZeroUsize::new(at + offset));
+        let (Some(part), Some(addr)) = (part, addr) else {
+            unreachable!("files are not empty (checked) and the range is mapped, not at 0");
+        };
+        // SAFETY: MAP_FIXED over `[addr, addr + part)`, a part of the reservation made above
+        // (the files' lengths add up to it), which nothing else uses; the memfd is at least
+        // `part` bytes long (checked by the caller).
+        let mapped = unsafe {
+            mmap(
+                Some(addr),
+                part,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                fd.as_fd(),
+                0,
+            )
+        };
+        if let Err(e) = mapped {
+            // SAFETY: the whole aligned range is ours (reservation and files mapped so far).
+            let _ = unsafe { munmap(base, len.get()) };
+            return Err(map_err(e));
+        }
+        offset += part.get();
+    }
+    Ok(base)
+}
+
 /// Takes ownership of a descriptor that `recvmsg` just installed from `SCM_RIGHTS`.
 pub(crate) fn adopt_received_fd(raw: RawFd) -> OwnedFd {
     // SAFETY: the kernel installed `raw` into this process for this message only; nothing else
@@ -196,12 +308,63 @@ mod check_tests {
         use nix::sys::memfd::{memfd_create, MFdFlags};
         let fd = memfd_create(c"orbitkv-test", MFdFlags::MFD_CLOEXEC).unwrap();
         nix::unistd::ftruncate(&fd, 1 << 20).unwrap();
-        let m = ArenaMap::new(fd, 1 << 20, false).unwrap();
+        let m = ArenaMap::new(vec![fd], &[1 << 20], 1 << 20, false).unwrap();
         assert!(m.check(ARENA_HEADER_BYTES, 4096).is_ok());
         assert!(m.check((1 << 20) - 4096, 4096).is_ok());
         assert!(m.check(0, 4096).unwrap_err().contains("chunk area"));
         assert!(m.check(ARENA_HEADER_BYTES - 64, 4096).is_err());
         assert!(m.check((1 << 20) - 4096, 8192).is_err());
         assert!(m.check(u64::MAX, 2).is_err());
+    }
+
+    fn memfd(bytes: i64) -> OwnedFd {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let fd = memfd_create(c"orbitkv-test", MFdFlags::MFD_CLOEXEC).unwrap();
+        nix::unistd::ftruncate(&fd, bytes).unwrap();
+        fd
+    }
+
+    /// Several memfds map one after another: each file's bytes at its offset of the range.
+    #[test]
+    fn memfds_map_one_after_another() {
+        let sizes = [ARENA_HEADER_BYTES + 8192, 4096, 16384];
+        let fds: Vec<OwnedFd> = sizes.iter().map(|&b| memfd(b as i64)).collect();
+        // Mark each file's first byte through a mapping of its own.
+        for (i, fd) in fds.iter().enumerate() {
+            nix::sys::uio::pwrite(fd, &[i as u8 + 1], 0).unwrap();
+        }
+        let len = sizes.iter().sum();
+        let mut m = ArenaMap::new(fds, &sizes, len, true).unwrap();
+        assert_eq!(
+            m.files(),
+            vec![(0, sizes[0]), (sizes[0], sizes[1]), (sizes[0] + sizes[1], sizes[2])]
+        );
+        let second = sizes[0];
+        assert_eq!(m.bytes(second, 1).unwrap(), &[2]);
+        assert_eq!(m.bytes(second + sizes[1], 1).unwrap(), &[3]);
+        // A write through the range lands in its file.
+        m.bytes_mut(second + 100, 3).unwrap().copy_from_slice(b"abc");
+        let copy = m.dup_fds().unwrap();
+        let mut seen = [0u8; 3];
+        nix::sys::uio::pread(&copy[1], &mut seen, 100).unwrap();
+        assert_eq!(&seen, b"abc");
+        assert!(m.check(len - 4096, 4096).is_ok() && m.check(len - 4096, 4097).is_err());
+    }
+
+    /// What the server announced must match what it sent: else a clear error, nothing mapped.
+    #[test]
+    fn announced_memfds_must_match_the_ones_sent() {
+        let arena = ARENA_HEADER_BYTES + 8192;
+        let err = |fds: Vec<OwnedFd>, files: &[u64], len: u64| {
+            ArenaMap::new(fds, files, len, false).unwrap_err()
+        };
+        let e = err(vec![memfd(arena as i64)], &[arena, 4096], arena + 4096);
+        assert!(e.contains("announced 2 arena memfds and sent 1"), "{e}");
+        let e = err(vec![memfd(arena as i64), memfd(4096)], &[arena, 4096], arena);
+        assert!(e.contains("do not add up"), "{e}");
+        let e = err(vec![memfd(arena as i64), memfd(4096)], &[arena, 8192], arena + 8192);
+        assert!(e.contains("arena memfd 1 has 4096 bytes, server announced 8192"), "{e}");
+        let e = err(Vec::new(), &[], 0);
+        assert!(e.contains("announced 0 arena memfds"), "{e}");
     }
 }

@@ -43,17 +43,15 @@ impl std::fmt::Debug for HostRegistration {
     }
 }
 
-/// Registers the whole arena (portable: usable from every context) with device `ordinal`.
+/// Registers the whole arena (portable: usable from every context) with device `ordinal`:
+/// each of its memfds' mappings on its own.
 pub fn register_arena(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
-    register_whole(ordinal, arena)
-}
-
-fn register_whole(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
-    register_arena_parts(
-        ordinal,
-        arena,
-        &[RegisterPart { offset: 0, bytes: arena.len(), core: None }],
-    )
+    let parts: Vec<RegisterPart> = arena
+        .files()
+        .into_iter()
+        .map(|(offset, bytes)| RegisterPart { offset, bytes, core: None })
+        .collect();
+    register_arena_parts(ordinal, arena, &parts)
 }
 
 /// Registers the arena in `parts` (which must cover it, in address order, each at whole

@@ -5,8 +5,8 @@
 #          (SHARDS, "1,2,4,8"), 4 KiB pages, --gpu off (the populate step alone), against one
 #          thread memsetting the same bytes (orbitkv-perf arena); then one size
 #          (CUDA_SIZE, 16GiB; CUDA_SHARDS, "1,8"), --gpu auto (the CUDA registration too,
-#          each shard's slice registered by its own thread). MEMFD_EACH=1 adds the baseline of
-#          a memfd per shard populated at once (orbitkv-perf arena --memfd-each); THP=1 runs
+#          each shard's slice registered by its own thread). ONE_MEMFD=1 adds the baseline of
+#          the same bytes in one memfd populated at once (orbitkv-perf arena --one-memfd); THP=1 runs
 #          the starts with shared-memory THP (shmem_enabled advise, put back after), so the
 #          arena's MADV_HUGEPAGE gets 2 MiB pages.
 #   pages: starts on hugetlb pages (2 MiB reserved here: the host is root), and 1 MiB gets
@@ -31,7 +31,7 @@ if [ "$PART" = start ]; then
     echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled
   fi
   for size in ${SIZES:-8GiB 16GiB 32GiB 64GiB}; do
-    timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json ${MEMFD_EACH:+--memfd-each} \
+    timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json ${ONE_MEMFD:+--one-memfd} \
       > "$OUT/arena-$size.json" 2>> "$OUT/err.txt"
     echo "arena $size exit $?" >> "$OUT/err.txt"
   done

@@ -6,15 +6,15 @@
 //! memset rate); `vs_limit` is the populate step's seconds over it. Whether the host scales
 //! that far is measured too: as many threads as shards, on the shards' cores, each memsetting
 //! its share of the bytes of fresh memory at once (`memset_parallel_gbps`; `vs_parallel`);
-//! with `--memfd-each`, whether shared memory does: as many arenas as shards, each its own
-//! memfd, populated at once by threads on those cores (`memfd_each_gbps`; `vs_memfd_each`).
+//! with `--one-memfd`, what the server's memfd per shard gains: the same bytes in one memfd,
+//! populated at once by as many threads on those cores (`one_memfd_gbps`; `vs_one_memfd`).
 
 use std::hint::black_box;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use orbitkv_proto::format_bytes;
-use orbitkv_shards::{Arena, PageSize, PAGE_SIZE};
+use orbitkv_shards::{Arena, PageSize};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -74,12 +74,12 @@ pub(crate) struct StartRow {
     pub memset_parallel_gbps: f64,
     /// `populate_s` / (bytes / `memset_parallel_gbps`).
     pub vs_parallel: f64,
-    /// With `--memfd-each`: as many arenas as shards, each its own memfd of its share of the
-    /// bytes, each populated (and locked as the server's) by a thread on its shard's core, at
-    /// once: GB/s of all together.
-    pub memfd_each_gbps: Option<f64>,
-    /// `populate_s` / (bytes / `memfd_each_gbps`).
-    pub vs_memfd_each: Option<f64>,
+    /// With `--one-memfd`: the same bytes in one memfd (the server makes one per shard),
+    /// populated (and locked as the server's) in as many parts at once, each by a thread on a
+    /// shard's core: GB/s of all together.
+    pub one_memfd_gbps: Option<f64>,
+    /// `populate_s` / (bytes / `one_memfd_gbps`).
+    pub vs_one_memfd: Option<f64>,
     /// The slowest slice's seconds, and the fastest's.
     pub slice_s: (f64, f64),
     /// The longest `mlock` of a slice, seconds (part of its seconds; 0 when not locking).
@@ -109,12 +109,12 @@ impl crate::report::Report for ArenaReport {
             )?;
             writeln!(
                 out,
-                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  par GB/s  vs par  memfds GB/s  slices s      lock s  cuda s  total s  nodes"
+                "  shards  pages  locked  populate s  s/GiB  limit s  vs limit  par GB/s  vs par  1 memfd GB/s  slices s      lock s  cuda s  total s  nodes"
             )?;
             for r in &s.rows {
                 writeln!(
                     out,
-                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>8.2}  {:>6.2}  {:>11}  {:>5.2}-{:<5.2}  {:>6.2}  {:>6}  {:>7.2}  {:?}",
+                    "  {:>6}  {:>5}  {:>6}  {:>10.3}  {:>5.3}  {:>7.3}  {:>8.2}  {:>8.2}  {:>6.2}  {:>12}  {:>5.2}-{:<5.2}  {:>6.2}  {:>6}  {:>7.2}  {:?}",
                     r.shards,
                     r.pages,
                     r.locked,
@@ -124,7 +124,7 @@ impl crate::report::Report for ArenaReport {
                     r.vs_limit,
                     r.memset_parallel_gbps,
                     r.vs_parallel,
-                    r.memfd_each_gbps.map_or("-".into(), |g| format!("{g:.2}")),
+                    r.one_memfd_gbps.map_or("-".into(), |g| format!("{g:.2}")),
                     r.slice_s.1,
                     r.slice_s.0,
                     r.lock_s,
@@ -234,37 +234,15 @@ fn memset_parallel(bytes: u64, threads: usize, cores: &[usize]) -> f64 {
     gbps(share as u64 * threads as u64, done.saturating_duration_since(start))
 }
 
-/// `threads` arenas of `bytes / threads` each (whole 4 KiB pages), each its own memfd,
-/// created first; then each populated (and locked with `lock`) by a thread pinned to
-/// `cores[i]` where given, started together: GB/s of all, first start to last finish.
-fn memfd_each(bytes: u64, threads: usize, cores: &[usize], lock: bool) -> Result<f64, Error> {
-    let share = bytes / threads as u64 / PAGE_SIZE * PAGE_SIZE;
-    let mut arenas = (0..threads)
-        .map(|_| Arena::create_unpopulated(share, PageSize::Small))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Error::Setup(format!("--memfd-each baseline: {e}")))?;
-    let ready = std::sync::Barrier::new(threads + 1);
-    let (start, done) = std::thread::scope(|scope| {
-        let threads: Vec<_> = arenas
-            .iter_mut()
-            .enumerate()
-            .map(|(i, arena)| {
-                let (ready, core) = (&ready, cores.get(i).copied());
-                scope.spawn(move || {
-                    ready.wait();
-                    // One part, populated by a thread on the shard's core (as the server's).
-                    arena.populate(1, core.as_ref().map(std::slice::from_ref), lock, &|_| ());
-                    Instant::now()
-                })
-            })
-            .collect();
-        ready.wait();
-        let start = Instant::now();
-        let done = threads.into_iter().filter_map(|t| t.join().ok()).max();
-        (start, done.unwrap_or_else(Instant::now))
-    });
-    drop(arenas);
-    Ok(gbps(share * threads as u64, done.saturating_duration_since(start)))
+/// An arena of `bytes` in one memfd (no server), populated (and locked with `lock`) in as
+/// many parts as `cores` has entries, each by a thread on its core, at once: GB/s of all.
+fn one_memfd(bytes: u64, cores: &[usize], shards: usize, lock: bool) -> Result<f64, Error> {
+    let mut arena = Arena::create_unpopulated(bytes, PageSize::Small, 1)
+        .map_err(|e| Error::Setup(format!("--one-memfd baseline: {e}")))?;
+    let pinned = (cores.len() == shards).then_some(cores);
+    let started = Instant::now();
+    arena.populate(shards, pinned, lock, &|_| ());
+    Ok(gbps(bytes, started.elapsed()))
 }
 
 fn gbps(bytes: u64, took: Duration) -> f64 {
@@ -305,11 +283,8 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
         slices.iter().filter_map(|s| s["core"].as_u64()).map(|c| c as usize).collect();
     drop(server);
     let memset_parallel_gbps = memset_parallel(bytes, shards, &cores);
-    let memfd_each_gbps = if a.memfd_each {
-        Some(memfd_each(bytes, shards, &cores, !a.no_lock_arena)?)
-    } else {
-        None
-    };
+    let one_memfd_gbps =
+        if a.one_memfd { Some(one_memfd(bytes, &cores, shards, !a.no_lock_arena)?) } else { None };
     Ok(StartRow {
         shards,
         pages: stats["arena_pages"].as_str().unwrap_or("?").to_string(),
@@ -320,8 +295,8 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
         vs_limit: populate_s / limit_s,
         memset_parallel_gbps,
         vs_parallel: populate_s / (bytes as f64 / (memset_parallel_gbps * 1e9)),
-        memfd_each_gbps,
-        vs_memfd_each: memfd_each_gbps.map(|g| populate_s / (bytes as f64 / (g * 1e9))),
+        one_memfd_gbps,
+        vs_one_memfd: one_memfd_gbps.map(|g| populate_s / (bytes as f64 / (g * 1e9))),
         slice_s: (
             secs.iter().copied().fold(0.0, f64::max),
             secs.iter().copied().fold(f64::INFINITY, f64::min),

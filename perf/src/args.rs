@@ -86,12 +86,12 @@ pub(crate) struct ArenaArgs {
     /// Starts of each size and shard count (default: 1).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub repeat: usize,
-    /// After each start, also populate (and lock, unless --no-lock-arena) as many arenas as
-    /// shards, each its own memfd of its share of the bytes, each by a thread on its shard's
-    /// core, at once: what a memfd per shard would give against the server's one (4 KiB pages
-    /// unless the host's shared-memory THP applies).
+    /// After each start, also populate (and lock, unless --no-lock-arena) the same bytes in
+    /// one memfd, by as many threads as shards on the shards' cores, at once: what the
+    /// server's memfd per shard gains (4 KiB pages unless the host's shared-memory THP
+    /// applies).
     #[arg(long)]
-    pub memfd_each: bool,
+    pub one_memfd: bool,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -239,13 +239,13 @@ impl Series<'_, '_> {
     }
 }
 
-/// This process's own mapping of the session's arena memfd, registered with CUDA on `device`.
+/// This process's own mapping of the session's arena memfds, registered with CUDA on `device`.
 fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Error> {
-    let fd = client
-        .arena_fd()
+    let fds = client
+        .arena_fds()
         .ok_or_else(|| Error::Gpu("not connected".into()))?
-        .map_err(|e| Error::Gpu(format!("duplicating the arena memfd: {e}")))?;
-    let arena = Arena::open(fd).map_err(|e| Error::Gpu(format!("mapping the arena: {e}")))?;
+        .map_err(|e| Error::Gpu(format!("duplicating the arena memfds: {e}")))?;
+    let arena = Arena::open(fds).map_err(|e| Error::Gpu(format!("mapping the arena: {e}")))?;
     orbitkv_gpu::register_arena(device, &Arc::new(arena))
         .map(Arc::new)
         .map_err(|e| Error::Gpu(format!("registering the arena mapping: {e}")))

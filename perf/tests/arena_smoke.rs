@@ -16,7 +16,7 @@ fn arena_reports_each_start_and_its_baselines() {
         "--shards",
         "1,2",
         "--no-lock-arena",
-        "--memfd-each",
+        "--one-memfd",
         "--json",
     ]);
     let sizes = v["sizes"].as_array().unwrap_or_else(|| panic!("no sizes: {v}"));
@@ -29,7 +29,7 @@ fn arena_reports_each_start_and_its_baselines() {
         assert_eq!(num(row, &["shards"]), shards, "{v}");
         assert_eq!(row["locked"], false, "{v}");
         assert!(row["pages"].is_string(), "{v}");
-        for field in ["populate_s", "limit_s", "memset_parallel_gbps", "memfd_each_gbps", "total_s"]
+        for field in ["populate_s", "limit_s", "memset_parallel_gbps", "one_memfd_gbps", "total_s"]
         {
             assert!(num(row, &[field]) > 0.0, "{field}: {v}");
         }
@@ -39,11 +39,11 @@ fn arena_reports_each_start_and_its_baselines() {
 }
 
 #[test]
-fn arena_without_memfd_each_leaves_that_baseline_out() {
+fn arena_without_one_memfd_leaves_that_baseline_out() {
     require_server();
     let v = run_json(&["arena", "--sizes", "16MiB", "--shards", "1", "--no-lock-arena", "--json"]);
     let row = &v["sizes"][0]["rows"][0];
-    assert!(row["memfd_each_gbps"].is_null() && row["vs_memfd_each"].is_null(), "{v}");
+    assert!(row["one_memfd_gbps"].is_null() && row["vs_memfd_each"].is_null(), "{v}");
 }
 
 #[test]

@@ -159,7 +159,11 @@ fn handle(stream: UnixStream, shared: &Shared, arena: &Arena) {
         Err((code, message)) => return refuse(&stream, &shared.refused_sessions, code, message),
     };
     tracing::info!(session, pid, uid, home, name = %name, "session opened");
-    let fds = [arena.fd().as_raw_fd(), shared.doorbells.fd(home).as_raw_fd()];
+    let fds: Vec<i32> = arena
+        .fds()
+        .map(|fd| fd.as_raw_fd())
+        .chain([shared.doorbells.fd(home).as_raw_fd()])
+        .collect();
     match send_welcome(&stream, &welcome(shared, arena, (session, home), service), &fds) {
         Err(e) => tracing::warn!(session, error = %e, "sending welcome failed"),
         Ok(()) => wait_for_close(&stream, session),
@@ -271,6 +275,7 @@ fn welcome(
         home_shard: home as u32,
         shards: shared.settings.shards as u32,
         arena_bytes: arena.len(),
+        arena_files: arena.files().into_iter().map(|(_, bytes)| bytes).collect(),
         iox_root: shared.ipc.root.clone(),
         iox_prefix: shared.ipc.prefix.clone(),
         service_name: service,

@@ -176,16 +176,21 @@ const CLUSTER_JOIN_WAIT: Duration = Duration::from_secs(5);
 /// How long the shutdown waits for the member key's removal.
 const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
 
-/// The shards run on io_uring (glommio: a ring per executor and the probe of its operations,
-/// Linux 5.8 or newer). Checked before anything starts, so that a kernel without it, or a
-/// sysctl or seccomp profile refusing it, stops the start with one error naming it.
-/// The arena's memfd on the pages `--hugepages` and the host's reservation give: hugetlb pages
-/// (1 GiB first, then 2 MiB) where enough are free, else 4 KiB pages, saying why. A hugetlb
-/// arena that cannot be made (another process took the pages meanwhile) falls back too.
-fn create_arena(mode: config::HugePages, data_bytes: u64) -> Result<Arena, StartError> {
+/// The arena on the pages `--hugepages` and the host's reservation give: hugetlb pages (1 GiB
+/// first, then 2 MiB) where enough are free, else 4 KiB pages, saying why. A hugetlb arena that
+/// cannot be made (another process took the pages meanwhile) falls back too. It is made of a
+/// memfd per shard (each shard's slice its own file, so that the shards' page faults at start
+/// do not contend on one file's locks), or of one with more shards than
+/// [`orbitkv_proto::MAX_ARENA_FILES`].
+fn create_arena(
+    mode: config::HugePages,
+    data_bytes: u64,
+    shards: usize,
+) -> Result<Arena, StartError> {
     use orbitkv_shards::PageSize;
+    let files = if shards <= orbitkv_proto::MAX_ARENA_FILES { shards } else { 1 };
     let small =
-        || Arena::create_unpopulated(data_bytes, PageSize::Small).map_err(StartError::Arena);
+        || Arena::create_unpopulated(data_bytes, PageSize::Small, files).map_err(StartError::Arena);
     if mode == config::HugePages::Off {
         return small();
     }
@@ -213,7 +218,7 @@ fn create_arena(mode: config::HugePages, data_bytes: u64) -> Result<Arena, Start
         ));
         return small();
     };
-    match Arena::create_unpopulated(data_bytes, pages) {
+    match Arena::create_unpopulated(data_bytes, pages, files) {
         Ok(arena) => {
             tracing::info!(
                 pages = pages.as_str(),
@@ -265,6 +270,9 @@ fn log_population(parts: &[orbitkv_shards::Populated], seconds: f64) {
     );
 }
 
+/// The shards run on io_uring (glommio: a ring per executor and the probe of its operations,
+/// Linux 5.8 or newer). Checked before anything starts, so that a kernel without it, or a
+/// sysctl or seccomp profile refusing it, stops the start with one error naming it.
 fn check_io_uring() -> Result<(), StartError> {
     let ring = io_uring::IoUring::new(2).map_err(StartError::NoIoUring)?;
     let mut probe = io_uring::Probe::new();
@@ -279,7 +287,7 @@ fn run(settings: Settings) -> Result<(), StartError> {
     claim_socket(&socket)?;
     let (metrics_listener, cluster) = outside_links(&settings)?;
     let gpu = resolve_gpu(&settings)?;
-    let arena = create_arena(settings.config.hugepages, settings.dram_bytes)?;
+    let arena = create_arena(settings.config.hugepages, settings.dram_bytes, settings.shards)?;
     // The sockets answer from here on: not ready, and how far the start got, until it serves.
     let startup = Arc::new(Startup::new(&settings, arena.len(), started));
     let running = start_listeners((&socket, &admin), metrics_listener, &settings, &startup)

@@ -20,7 +20,7 @@ fn raw_session(server: &TestServer) -> (UnixStream, Vec<OwnedFd>) {
     let hello = Bootstrap::Hello { protocol_version: PROTOCOL_VERSION, client_name: "raw".into() };
     write_frame(&mut &s, &encode(&hello)).unwrap();
     let mut buf = vec![0u8; 4096];
-    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 4]);
     let mut iov = [IoSliceMut::new(&mut buf)];
     let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
         .unwrap();
@@ -39,17 +39,19 @@ fn raw_session(server: &TestServer) -> (UnixStream, Vec<OwnedFd>) {
 
 #[test]
 fn a_client_cannot_resize_the_arena() {
-    let server = TestServer::start(&["--shards", "1", "--dram", "8MiB"]);
+    let server = TestServer::start(&["--shards", "2", "--dram", "8MiB"]);
     let mut c = server.client("victim");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 1, 2);
     let slot = c.reserve(&keys[..1], &[5000]).unwrap().pop().unwrap().unwrap();
     let (_s, fds) = raw_session(&server);
-    assert_eq!(fds.len(), 2, "arena memfd and doorbell eventfd");
-    let shrink = nix::unistd::ftruncate(&fds[0], 16384);
-    assert_eq!(shrink, Err(nix::errno::Errno::EPERM), "the arena size is sealed");
-    let grow = nix::unistd::ftruncate(&fds[0], 1 << 40);
-    assert_eq!(grow, Err(nix::errno::Errno::EPERM));
+    assert_eq!(fds.len(), 3, "a memfd per shard and the doorbell eventfd");
+    for arena_fd in &fds[..2] {
+        let shrink = nix::unistd::ftruncate(arena_fd, 16384);
+        assert_eq!(shrink, Err(nix::errno::Errno::EPERM), "the arena size is sealed");
+        let grow = nix::unistd::ftruncate(arena_fd, 1 << 40);
+        assert_eq!(grow, Err(nix::errno::Errno::EPERM));
+    }
     c.slot_mut(&slot).unwrap().copy_from_slice(&value_for(&keys[0], 5000));
     c.commit(&[slot]).unwrap();
     assert_eq!(c.lookup(&keys).unwrap().len(), 1);

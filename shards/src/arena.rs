@@ -1,6 +1,10 @@
-//! The DRAM arena: one memfd mapped shared, split into disjoint per-shard slices.
+//! The DRAM arena: one or more memfds mapped shared, one after another, as one range split
+//! into disjoint per-shard slices.
 //!
-//! The memfd starts with a [`HEADER_BYTES`] header holding one doorbell word per shard (see
+//! The server makes a memfd per shard (each the file of that shard's slice: faults in one do
+//! not contend with the others' on a shared file's locks) and maps them contiguously; clients
+//! map the same files the same way, so an arena offset means the same byte everywhere. The
+//! range starts with a [`HEADER_BYTES`] header holding one doorbell word per shard (see
 //! `server`'s executor: a shard that sleeps deeply sets its word, and whoever queues work for
 //! it rings its eventfd). Chunk data follows the header.
 //!
@@ -18,24 +22,32 @@ use std::sync::Arc;
 
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
-use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
+use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
 
 use crate::alloc::PAGE_SIZE;
 use crate::Error;
 
 pub use orbitkv_proto::{ARENA_HEADER_BYTES as HEADER_BYTES, DOORBELL_STRIDE};
 
-/// The arena memfd and the server's shared mapping of it.
+/// The arena's memfds and this process's shared mapping of them (one range).
 ///
 /// The mapping lives until the `Arena` is dropped; every [`ArenaSlice`] holds an `Arc` to it,
 /// so no slice can outlive the memory it names.
 #[derive(Debug)]
 pub struct Arena {
-    fd: OwnedFd,
+    files: Vec<ArenaFile>,
     base: NonNull<c_void>,
     len: usize,
     locked: bool,
     pages: PageSize,
+}
+
+/// One memfd of the arena: mapped at `offset` of the range, `bytes` long.
+#[derive(Debug)]
+struct ArenaFile {
+    fd: OwnedFd,
+    offset: u64,
+    bytes: u64,
 }
 
 /// The pages backing the arena: the kernel's 4 KiB pages (with transparent huge pages where
@@ -104,27 +116,34 @@ impl Arena {
     /// arena stays pageable. (The server populates in parallel: [`Arena::create_unpopulated`]
     /// and [`Arena::populate`].)
     pub fn create(data_bytes: u64, lock: bool) -> Result<Arena, Error> {
-        let mut arena = Arena::create_unpopulated(data_bytes, PageSize::Small)?;
+        let mut arena = Arena::create_unpopulated(data_bytes, PageSize::Small, 1)?;
         arena.populate(1, None, lock, &|_| ());
         Ok(arena)
     }
 
-    /// Creates and maps the arena memfd as [`Arena::create`] does, without populating or
-    /// locking it: no page exists yet. With hugetlb `pages` the memfd is a hugetlb one (its
-    /// size rounded up to whole pages, the rest chunk data); the pages are reserved when it is
-    /// mapped, so too few free ones fail here (`mmap`), never at a first write.
-    pub fn create_unpopulated(data_bytes: u64, pages: PageSize) -> Result<Arena, Error> {
+    /// Creates and maps the arena as [`Arena::create`] does, without populating or locking
+    /// it (no page exists yet), in `files` memfds: those of [`Arena::populate`]'s parts for
+    /// `files` parts (a part shorter than a hugetlb page joins the next). With hugetlb `pages`
+    /// the memfds are hugetlb ones (the arena's size rounded up to whole pages, the rest chunk
+    /// data); the pages are reserved when they are mapped, so too few free ones fail here
+    /// (`mmap`), never at a first write.
+    pub fn create_unpopulated(
+        data_bytes: u64,
+        pages: PageSize,
+        files: usize,
+    ) -> Result<Arena, Error> {
         if data_bytes == 0 || !data_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(Error::ArenaSize {
                 bytes: data_bytes,
                 reason: "must be a positive multiple of 4 KiB",
             });
         }
+        assert!(files > 0, "an arena has at least one file");
         let bytes = data_bytes
             .checked_add(HEADER_BYTES + pages.bytes())
             .map(|_| pages.arena_bytes(data_bytes))
             .ok_or(Error::ArenaSize { bytes: data_bytes, reason: "too large" })?;
-        let len = usize::try_from(bytes)
+        usize::try_from(bytes)
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or(Error::ArenaSize { bytes, reason: "does not fit the address space" })?;
@@ -135,38 +154,36 @@ impl Arena {
                 PageSize::Huge2M => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB,
                 PageSize::Huge1G => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_1GB,
             };
-        let fd = memfd_create(c"orbitkv-arena", flags)
-            .map_err(|source| Error::Arena { op: "memfd_create", source })?;
-        nix::unistd::ftruncate(&fd, bytes as i64)
-            .map_err(|source| Error::Arena { op: "ftruncate", source })?;
-        // Clients get this fd: seal its size so that none can shrink it under the server
-        // (which would turn the server's next access into SIGBUS).
-        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
-        fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
-            .map_err(|source| Error::Arena { op: "fcntl(F_ADD_SEALS)", source })?;
-        // SAFETY: a fresh shared mapping of a memfd we just sized to `len`; no existing memory
-        // is replaced (addr is None).
-        let base = unsafe {
-            mmap(
-                None,
-                len,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                fd.as_fd(),
-                0,
-            )
-        }
-        .map_err(|source| Error::Arena { op: "mmap", source })?;
+        let files = part_ranges(bytes, files, pages.bytes())
+            .into_iter()
+            .filter(|&(_, len)| len > 0)
+            .enumerate()
+            .map(|(i, (offset, len))| {
+                let name = std::ffi::CString::new(format!("orbitkv-arena-{i}"))
+                    .expect("no NUL in the name");
+                let fd = memfd_create(name.as_c_str(), flags)
+                    .map_err(|source| Error::Arena { op: "memfd_create", source })?;
+                nix::unistd::ftruncate(&fd, len as i64)
+                    .map_err(|source| Error::Arena { op: "ftruncate", source })?;
+                // Clients get this fd: seal its size so that none can shrink it under the
+                // server (which would turn the server's next access into SIGBUS).
+                let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+                fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
+                    .map_err(|source| Error::Arena { op: "fcntl(F_ADD_SEALS)", source })?;
+                Ok(ArenaFile { fd, offset, bytes: len })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let (base, len) = map_files(&files, pages.bytes())?;
         // Huge pages when the host allows them for shared memory
         // (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise or always): a 1 MiB chunk
         // then costs no TLB misses to copy. The advice must come before the pages exist.
         if pages == PageSize::Small {
             // SAFETY: advice on exactly our live mapping; it changes no contents.
-            if let Err(e) = unsafe { madvise(base, len.get(), MmapAdvise::MADV_HUGEPAGE) } {
+            if let Err(e) = unsafe { madvise(base, len, MmapAdvise::MADV_HUGEPAGE) } {
                 tracing::debug!(error = %e, "MADV_HUGEPAGE not applied to the arena");
             }
         }
-        Ok(Arena { fd, base, len: len.get(), locked: false, pages })
+        Ok(Arena { files, base, len, locked: false, pages })
     }
 
     /// Populates the arena (a cache arena is allocated up front: first-touch faults would
@@ -187,22 +204,8 @@ impl Arena {
         progress: &(dyn Fn(u64) + Sync),
     ) -> Vec<Populated> {
         assert!(parts > 0, "shard count is validated to be non-zero");
-        let per = (self.data_len() / parts as u64) / PAGE_SIZE * PAGE_SIZE;
-        // A hugetlb page is faulted in whole: parts are split at whole pages (a slice may then
-        // share its first page with the previous part's thread; its node is that page's).
         let huge = self.pages.bytes();
-        let at_page = |x: u64| if huge > PAGE_SIZE { x / huge * huge } else { x };
-        let ranges: Vec<(u64, u64)> = (0..parts as u64)
-            .map(|i| {
-                let start = if i == 0 { 0 } else { at_page(HEADER_BYTES + i * per) };
-                let end = if i + 1 == parts as u64 {
-                    self.len as u64
-                } else {
-                    at_page(HEADER_BYTES + (i + 1) * per)
-                };
-                (start, end - start)
-            })
-            .collect();
+        let ranges = part_ranges(self.len as u64, parts, huge);
         let base = self.base.as_ptr() as usize;
         let mut done: Vec<Populated> = std::thread::scope(|scope| {
             let threads: Vec<_> = ranges
@@ -253,32 +256,33 @@ impl Arena {
         done
     }
 
-    /// Maps an arena memfd received from a server (a process of its own mapping the same
-    /// memory, e.g. to register it with CUDA): shared, read-write, the whole file. Nothing is
-    /// written, populated or locked; the server owns the contents.
-    pub fn open(fd: OwnedFd) -> Result<Arena, Error> {
-        let stat = nix::sys::stat::fstat(fd.as_fd())
-            .map_err(|source| Error::Arena { op: "fstat", source })?;
-        let bytes = stat.st_size as u64;
-        let len = usize::try_from(bytes)
-            .ok()
-            .and_then(NonZeroUsize::new)
-            .filter(|_| bytes > HEADER_BYTES && bytes.is_multiple_of(PAGE_SIZE))
-            .ok_or(Error::ArenaSize { bytes, reason: "is not an arena's size" })?;
-        // SAFETY: a new shared mapping (addr None) of the whole file, whose size was just read
-        // (arenas are sealed against resizing); no existing memory is replaced.
-        let base = unsafe {
-            mmap(
-                None,
-                len,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                fd.as_fd(),
-                0,
-            )
+    /// Maps an arena's memfds received from a server, in the order given (a process of its
+    /// own mapping the same memory, e.g. to register it with CUDA): shared, read-write, one
+    /// after another, each whole. Nothing is written, populated or locked; the server owns
+    /// the contents.
+    pub fn open(fds: Vec<OwnedFd>) -> Result<Arena, Error> {
+        let mut files = Vec::with_capacity(fds.len());
+        let (mut offset, mut align) = (0u64, PAGE_SIZE);
+        for fd in fds {
+            let stat = nix::sys::stat::fstat(fd.as_fd())
+                .map_err(|source| Error::Arena { op: "fstat", source })?;
+            let bytes = stat.st_size as u64;
+            if bytes == 0 || !bytes.is_multiple_of(PAGE_SIZE) {
+                return Err(Error::ArenaSize { bytes, reason: "is not an arena file's size" });
+            }
+            // A hugetlb file says its page size here; its mapping must start at a whole page.
+            let page = stat.st_blksize as u64;
+            if page.is_power_of_two() && page <= 1 << 30 && bytes.is_multiple_of(page) {
+                align = align.max(page);
+            }
+            files.push(ArenaFile { fd, offset, bytes });
+            offset += bytes;
         }
-        .map_err(|source| Error::Arena { op: "mmap", source })?;
-        Ok(Arena { fd, base, len: len.get(), locked: false, pages: PageSize::Small })
+        if offset <= HEADER_BYTES {
+            return Err(Error::ArenaSize { bytes: offset, reason: "is not an arena's size" });
+        }
+        let (base, len) = map_files(&files, align)?;
+        Ok(Arena { files, base, len, locked: false, pages: PageSize::Small })
     }
 
     /// The pages backing the arena (an arena opened from a server's fd says `Small`: its
@@ -287,9 +291,14 @@ impl Arena {
         self.pages
     }
 
-    /// The memfd, to pass to clients.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// The memfds, in mapping order, to pass to clients.
+    pub fn fds(&self) -> impl ExactSizeIterator<Item = BorrowedFd<'_>> {
+        self.files.iter().map(|f| f.fd.as_fd())
+    }
+
+    /// Offset and length of each memfd in the mapping, in order (they cover it end to end).
+    pub fn files(&self) -> Vec<(u64, u64)> {
+        self.files.iter().map(|f| (f.offset, f.bytes)).collect()
     }
 
     /// Start of the mapping (for registering it with a DMA engine; the mapping lives as long as
@@ -298,7 +307,7 @@ impl Arena {
         self.base.as_ptr() as *mut u8
     }
 
-    /// Size of the whole memfd in bytes (header and data).
+    /// Size of the whole arena in bytes (header and data, every file).
     pub fn len(&self) -> u64 {
         self.len as u64
     }
@@ -347,12 +356,109 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping made in `create` or `open`; every slice holds an Arc to
-        // this arena, so none is alive now.
+        // SAFETY: `base`/`len` are the range mapped in `create_unpopulated` or `open` (every
+        // file's mapping in it); every slice holds an Arc to this arena, so none is alive now.
         if let Err(e) = unsafe { munmap(self.base, self.len) } {
             tracing::error!(error = %e, "munmap of the arena failed");
         }
     }
+}
+
+/// Offset and length of each of `parts` parts of an arena of `len` bytes (header included):
+/// part i > 0 starts where slice i of [`Arena::split`] does, the first holds the header, the
+/// last the remainder. With hugetlb pages of `page` bytes, faulted in whole, parts are cut at
+/// whole pages (a part may then be empty, or begin with the previous slice's last page).
+fn part_ranges(len: u64, parts: usize, page: u64) -> Vec<(u64, u64)> {
+    let per = ((len - HEADER_BYTES) / parts as u64) / PAGE_SIZE * PAGE_SIZE;
+    let at_page = |x: u64| if page > PAGE_SIZE { x / page * page } else { x };
+    (0..parts as u64)
+        .map(|i| {
+            let start = if i == 0 { 0 } else { at_page(HEADER_BYTES + i * per) };
+            let end =
+                if i + 1 == parts as u64 { len } else { at_page(HEADER_BYTES + (i + 1) * per) };
+            (start, end - start)
+        })
+        .collect()
+}
+
+/// Maps `files` shared and read-write one after another as one range starting at a multiple
+/// of `align` bytes (a power of two, at least a page: hugetlb files map at whole pages).
+fn map_files(files: &[ArenaFile], align: u64) -> Result<(NonNull<c_void>, usize), Error> {
+    let total: u64 = files.iter().map(|f| f.bytes).sum();
+    let len = usize::try_from(total)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or(Error::ArenaSize { bytes: total, reason: "does not fit the address space" })?;
+    let mmap_err = |source| Error::Arena { op: "mmap", source };
+    if let [one] = files {
+        // SAFETY: a fresh shared mapping (addr None) of the whole file, whose size we set or
+        // read (arenas are sealed against resizing); no existing memory is replaced.
+        let base = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                one.fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(mmap_err)?;
+        return Ok((base, len.get()));
+    }
+    // Reserve the range (no memory: PROT_NONE, MAP_NORESERVE), aligned, then map each file
+    // over its part of it.
+    let slack = align.saturating_sub(PAGE_SIZE) as usize;
+    let reserved = len
+        .checked_add(slack)
+        .ok_or(Error::ArenaSize { bytes: total, reason: "does not fit the address space" })?;
+    // SAFETY: a fresh anonymous mapping (addr None); no existing memory is replaced.
+    let raw = unsafe {
+        mmap_anonymous(
+            None,
+            reserved,
+            ProtFlags::PROT_NONE,
+            MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+        )
+    }
+    .map_err(mmap_err)?;
+    let raw_at = raw.as_ptr() as usize;
+    let at = raw_at.next_multiple_of(align as usize);
+    let (head, tail) = (at - raw_at, raw_at + reserved.get() - (at + len.get()));
+    // SAFETY: the slack before and after the aligned range, parts of the reservation just
+    // made, which nothing uses.
+    unsafe {
+        if head > 0 {
+            let _ = munmap(raw, head);
+        }
+        if tail > 0 {
+            let _ = munmap(raw.byte_add(at - raw_at + len.get()), tail);
+        }
+    }
+    let base = NonNull::new(at as *mut c_void).expect("inside a mapping, not null");
+    for f in files {
+        let part = NonZeroUsize::new(f.bytes as usize).expect("files are not empty");
+        let addr = NonZeroUsize::new(at + f.offset as usize).expect("inside a mapping, not 0");
+        // SAFETY: MAP_FIXED over `[addr, addr + part)`, a part of the reservation made above
+        // (offsets and lengths cover it end to end), which nothing else uses; the file is at
+        // least `part` bytes long (its size was set or read, and sealed).
+        let mapped = unsafe {
+            mmap(
+                Some(addr),
+                part,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                f.fd.as_fd(),
+                0,
+            )
+        };
+        if let Err(source) = mapped {
+            // SAFETY: the whole aligned range is ours (reservation and files mapped so far).
+            let _ = unsafe { munmap(base, len.get()) };
+            return Err(mmap_err(source));
+        }
+    }
+    Ok((base, len.get()))
 }
 
 /// `[offset, offset + len)` of the slice of `slice_len` bytes at `start` in `arena`.
@@ -631,7 +737,7 @@ mod tests {
     #[test]
     fn parts_cover_the_mapping_as_the_slices_split_it() {
         let mut arena =
-            Arena::create_unpopulated(10 * PAGE_SIZE + 3 * PAGE_SIZE, PageSize::Small).unwrap();
+            Arena::create_unpopulated(10 * PAGE_SIZE + 3 * PAGE_SIZE, PageSize::Small, 1).unwrap();
         // A core this process may run on (its affinity may leave core 0 out).
         let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
         let core = (0..nix::sched::CpuSet::count()).find(|&c| set.is_set(c).unwrap()).unwrap();
@@ -663,10 +769,64 @@ mod tests {
     }
 
     #[test]
+    fn a_memfd_per_part_maps_as_one_range_in_every_process() {
+        // Three files for three parts (the server's memfd per shard); the mapping is one range.
+        let mut arena = Arena::create_unpopulated(12 * PAGE_SIZE, PageSize::Small, 3).unwrap();
+        let files = arena.files();
+        assert_eq!(files.len(), 3);
+        assert_eq!(arena.fds().len(), 3);
+        assert_eq!(files[0].0, 0);
+        for w in files.windows(2) {
+            assert_eq!(w[0].0 + w[0].1, w[1].0, "files cover the range end to end: {files:?}");
+        }
+        assert_eq!(files[2].0 + files[2].1, arena.len());
+        // The files are the populate parts: each part is one file.
+        let parts = arena.populate(3, None, false, &|_| ());
+        let part_ranges: Vec<(u64, u64)> = parts.iter().map(|p| (p.offset, p.bytes)).collect();
+        assert_eq!(part_ranges, files);
+        // Bytes written through the slices are those another mapping of the same files reads,
+        // across the files' boundaries.
+        let arena = Arc::new(arena);
+        let slices = arena.split(3);
+        for (i, s) in slices.iter().enumerate() {
+            s.write(0, &[i as u8 + 1; 100]);
+            s.write(s.len() - 3, b"end");
+        }
+        let fds = arena.fds().map(|fd| fd.try_clone_to_owned().unwrap()).collect();
+        let other = Arena::open(fds).unwrap();
+        assert_eq!(other.len(), arena.len());
+        assert_eq!(other.files(), arena.files());
+        for (i, s) in slices.iter().enumerate() {
+            let at = s.offset() as usize;
+            // SAFETY: inside `other`'s live mapping, which is `len` bytes long.
+            let seen = unsafe { std::slice::from_raw_parts(other.base_ptr().add(at), 100) };
+            assert_eq!(seen, &[i as u8 + 1; 100][..]);
+            let end = at + s.len() as usize - 3;
+            // SAFETY: the slice's last 3 bytes, inside `other`'s live mapping.
+            let seen = unsafe { std::slice::from_raw_parts(other.base_ptr().add(end), 3) };
+            assert_eq!(seen, b"end");
+        }
+        // The doorbell words (in the first file) are shared too.
+        arena.doorbell(2).store(7, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(other.doorbell(2).load(std::sync::atomic::Ordering::Relaxed), 7);
+    }
+
+    #[test]
+    fn files_that_are_no_arena_are_refused_on_open() {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let odd = memfd_create(c"odd", MFdFlags::MFD_CLOEXEC).unwrap();
+        nix::unistd::ftruncate(&odd, 100).unwrap();
+        assert!(matches!(Arena::open(vec![odd]), Err(Error::ArenaSize { bytes: 100, .. })));
+        let empty = memfd_create(c"empty", MFdFlags::MFD_CLOEXEC).unwrap();
+        assert!(matches!(Arena::open(vec![empty]), Err(Error::ArenaSize { bytes: 0, .. })));
+        assert!(matches!(Arena::open(Vec::new()), Err(Error::ArenaSize { bytes: 0, .. })));
+    }
+
+    #[test]
     fn a_lock_is_all_or_nothing() {
         // Locking as this process may (root: no memlock limit binds; otherwise the limit may
         // refuse it): either every part is locked and so is the arena, or none is.
-        let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE, PageSize::Small).unwrap();
+        let mut arena = Arena::create_unpopulated(64 * PAGE_SIZE, PageSize::Small, 1).unwrap();
         let parts = arena.populate(4, None, true, &|_| ());
         if arena.locked() {
             assert!(parts.iter().all(|p| p.locked));
@@ -686,7 +846,7 @@ mod tests {
         // More 2 MiB pages than the host has free: refused when the memfd is made or mapped
         // (the pages are reserved then), never at a first write.
         let free = PageSize::Huge2M.free_huge_pages();
-        match Arena::create_unpopulated((free + 1) * (2 << 20), PageSize::Huge2M) {
+        match Arena::create_unpopulated((free + 1) * (2 << 20), PageSize::Huge2M, 1) {
             Err(Error::Arena { op, .. }) => {
                 assert!(["memfd_create", "ftruncate", "mmap"].contains(&op))
             }

@@ -24,7 +24,8 @@ pub use hashing::{engine_digest, prefix_digests, PrefixHasher, PREFIX_SEED};
 pub use key::{ChunkKey, Digest};
 pub use messages::{
     Bootstrap, ChunkOutcome, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, Request, Reservation,
-    Response, SlotRef, Tier, Welcome, ARENA_HEADER_BYTES, DOORBELL_STRIDE, PROTOCOL_VERSION,
+    Response, SlotRef, Tier, Welcome, ARENA_HEADER_BYTES, DOORBELL_STRIDE, MAX_ARENA_FILES,
+    PROTOCOL_VERSION,
 };
 pub use namespace::{Dtype, NamespaceDescriptor, NamespaceError, NamespaceId};
 pub use paths::{admin_socket_path, default_socket_path, SOCKET_ENV};

@@ -7,7 +7,11 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::{ChunkKey, ErrorCode, NamespaceDescriptor};
 
 /// Version of this protocol; a client and server must agree exactly.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
+
+/// Most memfds an arena is made of (a server with more shards makes one); with the doorbell's
+/// eventfd they travel in one `SCM_RIGHTS` message.
+pub const MAX_ARENA_FILES: usize = 128;
 
 /// Bytes at the start of the arena memfd before chunk data: one doorbell word per shard.
 pub const ARENA_HEADER_BYTES: u64 = 256 * DOORBELL_STRIDE;
@@ -31,8 +35,8 @@ pub enum Bootstrap {
     },
 }
 
-/// The server's answer to [`Bootstrap::Hello`]. The arena memfd travels with it
-/// (`SCM_RIGHTS`) when the session was opened.
+/// The server's answer to [`Bootstrap::Hello`]. The arena's memfds and the home shard's
+/// doorbell eventfd travel with it (`SCM_RIGHTS`, in that order) when the session was opened.
 #[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq, Debug)]
 pub enum Welcome {
     /// The session is open.
@@ -45,8 +49,11 @@ pub enum Welcome {
         home_shard: u32,
         /// Shard count of this server run.
         shards: u32,
-        /// Size of the arena memfd in bytes.
+        /// Size of the arena in bytes (header and data, every memfd).
         arena_bytes: u64,
+        /// Bytes of each of the arena's memfds, in the order they are mapped one after another
+        /// (and sent); they add up to `arena_bytes`. Version 5.
+        arena_files: Vec<u64>,
         /// iceoryx2 root path shared by server and clients.
         iox_root: String,
         /// iceoryx2 shared-memory name prefix shared by server and clients.

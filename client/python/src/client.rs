@@ -351,12 +351,14 @@ impl NativeClient {
         Ok(out.into_iter().map(outcome_name).collect())
     }
 
-    /// This connection's mapping of the arena: (address, length, connection number), or None
-    /// while disconnected. For an engine that registers it with CUDA and copies itself.
-    fn arena(&self) -> Option<(usize, usize, u64)> {
+    /// This connection's mapping of the arena: (address, length, connection number, each
+    /// memfd's (offset, length) in it), or None while disconnected. For an engine that
+    /// registers it with CUDA (a file's mapping at a time) and copies itself.
+    #[allow(clippy::type_complexity)]
+    fn arena(&self) -> Option<(usize, usize, u64, Vec<(u64, u64)>)> {
         let c = self.lock();
         let (base, len) = c.arena_range()?;
-        Some((base as usize, len, c.connection()?))
+        Some((base as usize, len, c.connection()?, c.arena_files()?))
     }
 
     /// Registers GPU KV tensors: `layout` as (kind, num_layers, num_blocks, block_size,

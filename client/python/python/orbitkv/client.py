@@ -305,10 +305,12 @@ class Client:
         finally:
             del keep
 
-    def arena(self) -> Optional[Tuple[int, int, int]]:
-        """(address, length, connection number) of this connection's arena mapping, None
-        while disconnected: for an engine that registers it with CUDA and copies itself
-        (`orbitkv.gpu.EngineCopies`). It ends with the connection."""
+    def arena(self) -> Optional[Tuple[int, int, int, List[Tuple[int, int]]]]:
+        """(address, length, connection number, files) of this connection's arena mapping,
+        None while disconnected: for an engine that registers it with CUDA and copies itself
+        (`orbitkv.gpu.EngineCopies`). `files` are the (offset, length) of each of the arena's
+        memfds in the mapping (one per shard): register each on its own. It ends with the
+        connection."""
         return self._c.arena()
 
     # --- GPU pages (the server's DMA threads copy) ---------------------------------------

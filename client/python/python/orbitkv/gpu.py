@@ -117,14 +117,14 @@ class EngineCopies:
         self.stream = stream
         self._session: Any = None
         self._arena: Any = None
-        self._key: Any = None
+        self._keys: List[Tuple[int, int, Any]] = []
 
     def close(self) -> None:
         """Gives up this object's use of the arena's CUDA registration (the last user
         unregisters it; also done when the session changes)."""
-        if self._key is not None:
-            _host_unregister(self._key)
-        self._session, self._arena, self._key = None, None, None
+        for key in self._keys:
+            _host_unregister(key)
+        self._session, self._arena, self._keys = None, None, []
 
     def _arena_tensor(self, device: Any = None) -> Any:
         """The arena as a pinned uint8 tensor, registered again after a reconnect."""
@@ -136,16 +136,25 @@ class EngineCopies:
         if mapping is None:
             self.client.ping()  # connects, or raises Unavailable
             mapping = self.client.arena()
-        base, length, connection = mapping
+        base, length, connection, files = mapping
         if connection != self._session:
             self.close()
             dev = device if device is not None else (self.stream.device if self.stream is not None
                                                      else torch.cuda.current_device())
             owner = (id(self.client), connection)
-            _host_register(base, length, owner, dev)
+            # One registration per memfd's mapping (a chunk never spans two files).
+            keys: List[Tuple[int, int, Any]] = []
+            try:
+                for offset, n in files:
+                    _host_register(base + offset, n, owner, dev)
+                    keys.append((base + offset, n, owner))
+            except BaseException:
+                for key in keys:
+                    _host_unregister(key)
+                raise
             buf = (ctypes.c_uint8 * length).from_address(base)
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
-            self._session, self._key = connection, (base, length, owner)
+            self._session, self._keys = connection, keys
         return self._arena
 
     def _same_session(self) -> None:
