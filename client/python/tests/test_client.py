@@ -218,6 +218,18 @@ def test_golden_vectors_shared_with_rust():
     assert orbitkv.chunk_checksum(b"") == 0x2D06800538D394C2
 
 
+def test_the_arena_mapping_names_a_memfd_per_shard(client, server):
+    """`arena()` gives the mapping and each memfd's range in it (one per shard, end to end):
+    what `orbitkv.gpu.EngineCopies` registers with CUDA, a file at a time."""
+    client.ping()
+    base, length, connection, files = client.arena()
+    assert base > 0 and connection == client.connection
+    assert len(files) == 2, files  # the fixture's server has two shards
+    assert files[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(files, files[1:]))
+    assert files[-1][0] + files[-1][1] == length
+    assert server.admin("stats")["arena_bytes"] <= length
+
+
 def test_restart_reconnects_and_registers_namespaces_again(client, server):
     ns = client.register_namespace(descriptor())
     keys = chain(ns.id, 2)
