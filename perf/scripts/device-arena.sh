@@ -6,7 +6,8 @@
 #          thread memsetting the same bytes (orbitkv-perf arena); then one size
 #          (CUDA_SIZE, 16GiB; CUDA_SHARDS, "1,8"), --gpu auto (the CUDA registration too,
 #          each shard's slice registered by its own thread). ONE_MEMFD=1 adds the baseline of
-#          the same bytes in one memfd populated at once (orbitkv-perf arena --one-memfd); THP=1 runs
+#          the same bytes in one memfd populated at once (orbitkv-perf arena --one-memfd);
+#          ARENA_MEMFDS=per-shard starts the servers with a memfd per shard; THP=1 runs
 #          the starts with shared-memory THP (shmem_enabled advise, put back after), so the
 #          arena's MADV_HUGEPAGE gets 2 MiB pages.
 #   pages: starts on hugetlb pages (2 MiB reserved here: the host is root), and 1 MiB gets
@@ -32,10 +33,12 @@ if [ "$PART" = start ]; then
   fi
   for size in ${SIZES:-8GiB 16GiB 32GiB 64GiB}; do
     timeout 280 $B/orbitkv-perf arena --sizes "$size" --shards "${SHARDS:-1,2,4,8}" --json ${ONE_MEMFD:+--one-memfd} \
+      --arena-memfds "${ARENA_MEMFDS:-one}" \
       > "$OUT/arena-$size.json" 2>> "$OUT/err.txt"
     echo "arena $size exit $?" >> "$OUT/err.txt"
   done
   timeout 200 $B/orbitkv-perf arena --sizes "${CUDA_SIZE:-16GiB}" --shards "${CUDA_SHARDS:-1,8}" --gpu auto --json \
+    --arena-memfds "${ARENA_MEMFDS:-one}" \
     > "$OUT/arena-cuda.json" 2>> "$OUT/err.txt"
   echo "arena cuda exit $?" >> "$OUT/err.txt"
   [ -n "${THP:-}" ] && echo "$old_shmem" > /sys/kernel/mm/transparent_hugepage/shmem_enabled

@@ -36,6 +36,8 @@ pub(crate) struct ArenaReport {
     /// The servers' `--hugepages` and `--gpu`.
     pub hugepages: String,
     pub gpu: String,
+    /// The servers' `--arena-memfds`.
+    pub arena_memfds: String,
     /// One per size, in the order asked.
     pub sizes: Vec<SizeRows>,
 }
@@ -96,8 +98,8 @@ impl crate::report::Report for ArenaReport {
     fn write_table(&self, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(
             out,
-            "arena start: --hugepages {} --gpu {}; {} CPUs; anonymous THP {}",
-            self.hugepages, self.gpu, self.cpus, self.thp_anon
+            "arena start: --hugepages {} --gpu {} --arena-memfds {}; {} CPUs; anonymous THP {}",
+            self.hugepages, self.gpu, self.arena_memfds, self.cpus, self.thp_anon
         )?;
         for s in &self.sizes {
             writeln!(
@@ -163,6 +165,7 @@ pub(crate) fn run(a: &ArenaArgs) -> Result<ArenaReport, Error> {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         thp_anon,
         hugepages: a.hugepages.clone(),
+        arena_memfds: a.arena_memfds.clone(),
         gpu: a.gpu.clone(),
         sizes,
     })
@@ -181,6 +184,7 @@ fn check(a: &ArenaArgs) -> Result<(), Error> {
     for (flag, v, allowed) in [
         ("--hugepages", &a.hugepages, &["auto", "on", "off"][..]),
         ("--gpu", &a.gpu, &["auto", "required", "off"][..]),
+        ("--arena-memfds", &a.arena_memfds, &["one", "per-shard"][..]),
     ] {
         if !allowed.contains(&v.as_str()) {
             return Err(invalid(flag, format!("{v:?}: one of {}", allowed.join(", "))));
@@ -251,7 +255,9 @@ fn gbps(bytes: u64, took: Duration) -> f64 {
 
 /// Starts a server with a `bytes` arena on `shards` shards and reads its start back.
 fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<StartRow, Error> {
-    let extra = ["--hugepages", &a.hugepages, "--gpu", &a.gpu].map(String::from).to_vec();
+    let extra = ["--hugepages", &a.hugepages, "--gpu", &a.gpu, "--arena-memfds", &a.arena_memfds]
+        .map(String::from)
+        .to_vec();
     // A generous bound: 60 s plus 5 s per GiB.
     let ready_timeout = Duration::from_secs(60 + 5 * (bytes >> 30));
     let server = EmbeddedServer::start(embedded::Options {

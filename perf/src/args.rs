@@ -77,6 +77,9 @@ pub(crate) struct ArenaArgs {
     /// The server's `--hugepages` (default: off: 4 KiB pages).
     #[arg(long, value_name = "auto|on|off", default_value = "off")]
     pub hugepages: String,
+    /// The server's `--arena-memfds` (default: one).
+    #[arg(long, value_name = "one|per-shard", default_value = "one")]
+    pub arena_memfds: String,
     /// The server's `--gpu` (default: off; `auto` to time the arena's CUDA registration too).
     #[arg(long, value_name = "auto|required|off", default_value = "off")]
     pub gpu: String,

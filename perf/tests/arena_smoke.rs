@@ -17,6 +17,8 @@ fn arena_reports_each_start_and_its_baselines() {
         "1,2",
         "--no-lock-arena",
         "--one-memfd",
+        "--arena-memfds",
+        "per-shard",
         "--json",
     ]);
     let sizes = v["sizes"].as_array().unwrap_or_else(|| panic!("no sizes: {v}"));
@@ -54,6 +56,7 @@ fn arena_names_what_is_wrong() {
         (&["--repeat", "0"][..], "--repeat"),
         (&["--hugepages", "sometimes"][..], "--hugepages"),
         (&["--gpu", "maybe"][..], "--gpu"),
+        (&["--arena-memfds", "two"][..], "--arena-memfds"),
     ] {
         let mut a = vec!["arena"];
         a.extend_from_slice(flags);

@@ -322,6 +322,7 @@ fn stats(shared: &Shared) -> Value {
         "arena_bytes": shared.settings.dram_bytes,
         "arena_locked": shared.arena_locked,
         "arena_pages": shared.arena_pages.as_str(),
+        "arena_memfds": shared.arena_memfds,
         "startup": shared.startup.stats_json(),
         "arena_populate": {
             "seconds": shared.arena_populate_seconds,

@@ -136,6 +136,13 @@ pub struct ServerConfig {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = HugePages::Auto,
           hide_default_value = true, hide_possible_values = true)]
     pub hugepages: HugePages,
+    /// How many memfds the arena is made of: one (every shard's slice in one file), or
+    /// per-shard (each shard's slice its own file, mapped one after another as one range, so
+    /// that the shards' page faults at start do not contend on one file's locks; one with
+    /// more than 128 shards). Default: one.
+    #[arg(long, value_name = "LAYOUT", value_enum, default_value_t = ArenaMemfds::One,
+          hide_default_value = true, hide_possible_values = true)]
+    pub arena_memfds: ArenaMemfds,
     /// Pin each shard to its own core, the last of the allowed CPUs (engines pin from the
     /// first; best effort: a refusal is a warning); the flag `--no-pin` turns it off.
     /// Default: true.
@@ -303,6 +310,36 @@ pub enum HugePages {
     On,
     /// 4 KiB pages (THP advice).
     Off,
+}
+
+/// How many memfds the arena is made of (`--arena-memfds`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArenaMemfds {
+    /// One memfd for every shard's slice.
+    One,
+    /// A memfd per shard (one with more than `MAX_ARENA_FILES` shards).
+    PerShard,
+}
+
+impl ArenaMemfds {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::One => "one",
+            Self::PerShard => "per-shard",
+        }
+    }
+
+    /// The memfds of an arena of `shards` shards.
+    pub fn files(self, shards: usize) -> usize {
+        match self {
+            Self::PerShard if shards <= orbitkv_proto::MAX_ARENA_FILES => shards,
+            _ => 1,
+        }
+    }
 }
 
 impl HugePages {

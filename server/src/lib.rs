@@ -178,17 +178,14 @@ const CLUSTER_LEAVE_WAIT: Duration = Duration::from_secs(2);
 
 /// The arena on the pages `--hugepages` and the host's reservation give: hugetlb pages (1 GiB
 /// first, then 2 MiB) where enough are free, else 4 KiB pages, saying why. A hugetlb arena that
-/// cannot be made (another process took the pages meanwhile) falls back too. It is made of a
-/// memfd per shard (each shard's slice its own file, so that the shards' page faults at start
-/// do not contend on one file's locks), or of one with more shards than
-/// [`orbitkv_proto::MAX_ARENA_FILES`].
+/// cannot be made (another process took the pages meanwhile) falls back too. It is made of
+/// `files` memfds (`--arena-memfds`).
 fn create_arena(
     mode: config::HugePages,
     data_bytes: u64,
-    shards: usize,
+    files: usize,
 ) -> Result<Arena, StartError> {
     use orbitkv_shards::PageSize;
-    let files = if shards <= orbitkv_proto::MAX_ARENA_FILES { shards } else { 1 };
     let small =
         || Arena::create_unpopulated(data_bytes, PageSize::Small, files).map_err(StartError::Arena);
     if mode == config::HugePages::Off {
@@ -287,7 +284,13 @@ fn run(settings: Settings) -> Result<(), StartError> {
     claim_socket(&socket)?;
     let (metrics_listener, cluster) = outside_links(&settings)?;
     let gpu = resolve_gpu(&settings)?;
-    let arena = create_arena(settings.config.hugepages, settings.dram_bytes, settings.shards)?;
+    let files = settings.config.arena_memfds.files(settings.shards);
+    let arena = create_arena(settings.config.hugepages, settings.dram_bytes, files)?;
+    tracing::info!(
+        memfds = arena.fds().len(),
+        layout = settings.config.arena_memfds.as_str(),
+        "the arena's memfds (--arena-memfds)"
+    );
     // The sockets answer from here on: not ready, and how far the start got, until it serves.
     let startup = Arc::new(Startup::new(&settings, arena.len(), started));
     let running = start_listeners((&socket, &admin), metrics_listener, &settings, &startup)
@@ -378,6 +381,7 @@ fn start(
                 .map(|r| r.part_seconds.clone())
                 .unwrap_or_default(),
             pages: arena.pages(),
+            memfds: arena.fds().len(),
             startup: Arc::clone(startup),
         },
         ipc.clone(),

@@ -151,6 +151,8 @@ pub struct Shared {
     pub arena_register_seconds: Vec<f64>,
     /// The pages backing the arena.
     pub arena_pages: orbitkv_shards::PageSize,
+    /// The memfds the arena is made of.
+    pub arena_memfds: usize,
     /// The start's steps and their durations.
     pub startup: Arc<crate::startup::Startup>,
     /// iceoryx2 root path and shm prefix given to clients.
@@ -173,6 +175,8 @@ pub struct StartState {
     pub register_seconds: Vec<f64>,
     /// The pages backing it.
     pub pages: orbitkv_shards::PageSize,
+    /// The memfds it is made of.
+    pub memfds: usize,
     /// The start's progress and steps.
     pub startup: Arc<crate::startup::Startup>,
 }
@@ -212,6 +216,7 @@ impl Shared {
             arena_parts: arena.parts,
             arena_register_seconds: arena.register_seconds,
             arena_pages: arena.pages,
+            arena_memfds: arena.memfds,
             startup: arena.startup,
             ipc,
             service_prefix,
@@ -386,6 +391,7 @@ mod tests {
                 parts: Vec::new(),
                 register_seconds: Vec::new(),
                 pages: orbitkv_shards::PageSize::Small,
+                memfds: 1,
                 startup,
             },
             ipc,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::TestServer;
+use common::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn every_shards_slice_is_populated_and_reported() {
@@ -12,6 +12,7 @@ fn every_shards_slice_is_populated_and_reported() {
     server.client("populated").ping().unwrap();
     let stats = server.admin("stats");
     assert_eq!(stats["arena_pages"], "4KiB", "{stats}");
+    assert_eq!(stats["arena_memfds"], 1, "one memfd by default: {stats}");
     let p = &stats["arena_populate"];
     assert!(p["seconds"].as_f64().unwrap() >= 0.0, "{stats}");
     let slices = p["slices"].as_array().unwrap();
@@ -30,6 +31,43 @@ fn every_shards_slice_is_populated_and_reported() {
     let log = server.log();
     assert_eq!(log.matches("arena slice populated").count(), 2, "{log}");
     assert!(log.contains("arena populated") && log.contains("threads=2"), "{log}");
+}
+
+#[test]
+fn a_memfd_per_shard_serves_every_client_the_same_bytes() {
+    let server = TestServer::start(&[
+        "--shards",
+        "3",
+        "--dram",
+        "24MiB",
+        "--hugepages",
+        "off",
+        "--arena-memfds",
+        "per-shard",
+    ]);
+    let stats = server.admin("stats");
+    assert_eq!(stats["arena_memfds"], 3, "{stats}");
+    assert!(server.log().contains("memfds=3"), "{}", server.log());
+    // Chunks on every shard, written by one client and read back by another: an offset names
+    // the same byte in every process's mapping of the files.
+    let mut writer = server.client("writer");
+    let ns = writer.register_namespace(&namespace(16)).unwrap().id;
+    let keys: Vec<_> = (0..24).flat_map(|seed| chain(ns, seed, 1)).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 60_000)).collect();
+    let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+    let stored = writer.put(&items).unwrap();
+    assert!(stored.iter().all(|o| *o == orbitkv_client::PutOutcome::Stored), "{stored:?}");
+    let mut reader = server.client("reader");
+    reader.register_namespace(&namespace(16)).unwrap();
+    for (k, v) in keys.iter().zip(&values) {
+        let leases = reader.lookup_leased(std::slice::from_ref(k)).unwrap();
+        assert_eq!(leases.len(), 1, "{k:?} is present");
+        assert_eq!(reader.chunk(&leases[0]).unwrap(), v.as_slice());
+        reader.release(&leases).unwrap();
+    }
+    let shards = server.admin("stats")["shards"].clone();
+    let holding = shards.as_array().unwrap().iter().filter(|s| s["entries"] != 0).count();
+    assert_eq!(holding, 3, "every shard holds chunks: {shards}");
 }
 
 #[test]

@@ -39,7 +39,8 @@ fn raw_session(server: &TestServer) -> (UnixStream, Vec<OwnedFd>) {
 
 #[test]
 fn a_client_cannot_resize_the_arena() {
-    let server = TestServer::start(&["--shards", "2", "--dram", "8MiB"]);
+    let server =
+        TestServer::start(&["--shards", "2", "--dram", "8MiB", "--arena-memfds", "per-shard"]);
     let mut c = server.client("victim");
     let ns = c.register_namespace(&namespace(16)).unwrap().id;
     let keys = chain(ns, 1, 2);

@@ -1,8 +1,8 @@
 //! The DRAM arena: one or more memfds mapped shared, one after another, as one range split
 //! into disjoint per-shard slices.
 //!
-//! The server makes a memfd per shard (each the file of that shard's slice: faults in one do
-//! not contend with the others' on a shared file's locks) and maps them contiguously; clients
+//! The server makes one memfd, or one per shard (each the file of that shard's slice: faults in
+//! one do not contend with the others' on a shared file's locks), and maps them contiguously; clients
 //! map the same files the same way, so an arena offset means the same byte everywhere. The
 //! range starts with a [`HEADER_BYTES`] header holding one doorbell word per shard (see
 //! `server`'s executor: a shard that sleeps deeply sets its word, and whoever queues work for
@@ -770,7 +770,7 @@ mod tests {
 
     #[test]
     fn a_memfd_per_part_maps_as_one_range_in_every_process() {
-        // Three files for three parts (the server's memfd per shard); the mapping is one range.
+        // Three files for three parts (a server's memfd per shard); the mapping is one range.
         let mut arena = Arena::create_unpopulated(12 * PAGE_SIZE, PageSize::Small, 3).unwrap();
         let files = arena.files();
         assert_eq!(files.len(), 3);

@@ -18,7 +18,7 @@ import pytest
 import orbitkv
 from orbitkv import ChunkKey, Client, NamespaceDescriptor, Region
 
-from conftest import REPO, wait_until
+from conftest import REPO, Server, wait_until
 
 
 def descriptor(model: str = "test/model", **kw) -> NamespaceDescriptor:
@@ -218,16 +218,32 @@ def test_golden_vectors_shared_with_rust():
     assert orbitkv.chunk_checksum(b"") == 0x2D06800538D394C2
 
 
-def test_the_arena_mapping_names_a_memfd_per_shard(client, server):
-    """`arena()` gives the mapping and each memfd's range in it (one per shard, end to end):
-    what `orbitkv.gpu.EngineCopies` registers with CUDA, a file at a time."""
+def test_the_arena_mapping_names_its_memfds(client, server):
+    """`arena()` gives the mapping and each memfd's range in it (end to end): what
+    `orbitkv.gpu.EngineCopies` registers with CUDA, a file at a time. One by default; one per
+    shard with `--arena-memfds per-shard`, whose bytes every client sees alike."""
     client.ping()
     base, length, connection, files = client.arena()
     assert base > 0 and connection == client.connection
-    assert len(files) == 2, files  # the fixture's server has two shards
-    assert files[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(files, files[1:]))
-    assert files[-1][0] + files[-1][1] == length
+    assert files == [(0, length)], files
     assert server.admin("stats")["arena_bytes"] <= length
+    per_shard = Server(["--shards", "3", "--dram", "24MiB", "--arena-memfds", "per-shard"])
+    try:
+        writer, reader = Client(per_shard.socket, name="writer"), Client(per_shard.socket, name="reader")
+        writer.ping()
+        base, length, _, files = writer.arena()
+        assert len(files) == 3, files
+        assert files[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(files, files[1:]))
+        assert files[-1][0] + files[-1][1] == length
+        ns = writer.register_namespace(descriptor())
+        reader.register_namespace(descriptor())
+        keys = [k for i in range(12) for k in chain(ns.id, 1, seed=i)]
+        assert writer.put([(k, value(i)) for i, k in enumerate(keys)]) == ["stored"] * len(keys)
+        for i, k in enumerate(keys):
+            assert reader.get([k]) == [value(i)]
+        assert per_shard.admin("stats")["arena_memfds"] == 3
+    finally:
+        per_shard.stop()
 
 
 def test_restart_reconnects_and_registers_namespaces_again(client, server):

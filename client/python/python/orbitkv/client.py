@@ -309,7 +309,7 @@ class Client:
         """(address, length, connection number, files) of this connection's arena mapping,
         None while disconnected: for an engine that registers it with CUDA and copies itself
         (`orbitkv.gpu.EngineCopies`). `files` are the (offset, length) of each of the arena's
-        memfds in the mapping (one per shard): register each on its own. It ends with the
+        memfds in the mapping (one, or one per shard): register each on its own. It ends with the
         connection."""
         return self._c.arena()
 
