@@ -610,6 +610,11 @@ fn memlock_hint(bytes: u64) -> String {
 
 /// A part whose thread died (it panicked): nothing known of it.
 fn failed_part(offset: u64, bytes: u64, core: Option<usize>) -> Populated {
+    untouched_part(offset, bytes, core, false)
+}
+
+/// A part no thread touched, `locked` as said.
+fn untouched_part(offset: u64, bytes: u64, core: Option<usize>, locked: bool) -> Populated {
     Populated {
         offset,
         bytes,
@@ -617,7 +622,7 @@ fn failed_part(offset: u64, bytes: u64, core: Option<usize>) -> Populated {
         seconds: 0.0,
         lock_seconds: 0.0,
         node: None,
-        locked: false,
+        locked,
         lock_error: None,
     }
 }
@@ -650,16 +655,7 @@ fn populate_part(
     let len = bytes as usize;
     if len == 0 {
         // A part smaller than a huge page: its pages are the previous part's.
-        return Populated {
-            offset,
-            bytes,
-            core,
-            seconds: 0.0,
-            lock_seconds: 0.0,
-            node: None,
-            locked: lock,
-            lock_error: None,
-        };
+        return untouched_part(offset, bytes, core, lock);
     }
     let step = POPULATE_STEP.max(page) as usize;
     let mut touch_pages = false;
