@@ -84,7 +84,8 @@ pub(crate) struct StartRow {
     pub vs_one_memfd: Option<f64>,
     /// The slowest slice's seconds, and the fastest's.
     pub slice_s: (f64, f64),
-    /// The longest `mlock` of a slice, seconds (part of its seconds; 0 when not locking).
+    /// The longest `mlock` call of a slice, seconds (part of its seconds; 0 when not locking;
+    /// the pages are locked as they are faulted in, so their share is in the faults).
     pub lock_s: f64,
     /// The NUMA nodes the slices landed on (empty where the kernel does not say).
     pub numa_nodes: Vec<u64>,

@@ -20,6 +20,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
@@ -583,7 +584,8 @@ pub struct Populated {
     pub core: Option<usize>,
     /// Seconds its thread took to populate (and lock) it.
     pub seconds: f64,
-    /// Of those, the seconds `mlock` took (0 when not locking).
+    /// Of those, the seconds the `mlock` call took (0 when not locking; the pages are locked as
+    /// they are faulted in, so their share is in the faults).
     pub lock_seconds: f64,
     /// The NUMA node holding its first page (None where the kernel does not say).
     pub node: Option<u32>,
@@ -657,6 +659,16 @@ fn populate_part(
         // A part smaller than a huge page: its pages are the previous part's.
         return untouched_part(offset, bytes, core, lock);
     }
+    // Locked as the pages are faulted in (mlock2 with MLOCK_ONFAULT, before populating): each
+    // page goes to the unevictable list as it is made, instead of a second pass over every
+    // page after (12-14% of a 4 GiB part's time on the 2-core development VM). Kernels
+    // without mlock2 (before 4.4) lock after populating.
+    let locking = std::time::Instant::now();
+    let early = lock.then(|| lock_on_fault(at, len)).and_then(|r| match r {
+        Err(Errno::ENOSYS | Errno::EINVAL) => None,
+        decided => Some(decided),
+    });
+    let mut lock_seconds = locking.elapsed().as_secs_f64();
     let step = POPULATE_STEP.max(page) as usize;
     let mut touch_pages = false;
     for from in (0..len).step_by(step) {
@@ -683,25 +695,43 @@ fn populate_part(
         }
         progress(n as u64);
     }
-    let locking = std::time::Instant::now();
-    let (locked, lock_error) = if lock {
-        // SAFETY: the range is a part of our live mapping.
-        match unsafe { nix::sys::mman::mlock(at, len) } {
-            Ok(()) => (true, None),
-            Err(e) => (false, Some(e)),
+    let locked = match early {
+        Some(decided) => decided,
+        None if lock => {
+            let locking = std::time::Instant::now();
+            // SAFETY: the range is a part of our live mapping.
+            let locked = unsafe { nix::sys::mman::mlock(at, len) };
+            lock_seconds += locking.elapsed().as_secs_f64();
+            locked
         }
-    } else {
-        (false, None)
+        None => Ok(()),
+    };
+    let (locked, lock_error) = match locked {
+        Ok(()) => (lock, None),
+        Err(e) => (false, Some(e)),
     };
     Populated {
         offset,
         bytes,
         core,
         seconds: started.elapsed().as_secs_f64(),
-        lock_seconds: if lock { locking.elapsed().as_secs_f64() } else { 0.0 },
+        lock_seconds,
         node: numa_node(at.as_ptr()),
         locked,
         lock_error,
+    }
+}
+
+/// Locks `len` bytes at `at` in memory as their pages are faulted in (`mlock2`,
+/// `MLOCK_ONFAULT`): the memlock limit is checked for the whole range now.
+fn lock_on_fault(at: NonNull<c_void>, len: usize) -> Result<(), Errno> {
+    // SAFETY: mlock2 only changes how the kernel treats the pages of this range of our live
+    // mapping (locked when present); it reads and writes no memory.
+    let rc = unsafe { libc::mlock2(at.as_ptr(), len, libc::MLOCK_ONFAULT) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(Errno::last())
     }
 }
 
