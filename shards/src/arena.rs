@@ -668,7 +668,7 @@ fn populate_part(
         Err(Errno::ENOSYS | Errno::EINVAL) => None,
         decided => Some(decided),
     });
-    let mut lock_seconds = locking.elapsed().as_secs_f64();
+    let mut lock_seconds = if lock { locking.elapsed().as_secs_f64() } else { 0.0 };
     let step = POPULATE_STEP.max(page) as usize;
     let mut touch_pages = false;
     for from in (0..len).step_by(step) {
@@ -782,6 +782,7 @@ mod tests {
         let last = parts.last().unwrap();
         assert_eq!(last.offset + last.bytes, arena.len());
         assert!(parts.iter().all(|p| !p.locked && p.lock_error.is_none()));
+        assert!(parts.iter().all(|p| p.lock_seconds == 0.0), "nothing locked: {parts:?}");
         assert!(!arena.locked());
         // Part i (i > 0) starts where slice i does.
         let arena = Arc::new(arena);
