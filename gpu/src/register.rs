@@ -179,11 +179,6 @@ impl HostRegistration {
         self.len as u64
     }
 
-    /// The ranges registered on their own (offset, bytes), in address order.
-    pub fn parts(&self) -> &[(usize, usize)] {
-        &self.pieces
-    }
-
     /// Whether nothing is registered (never: registrations are of whole mappings).
     pub fn is_empty(&self) -> bool {
         self.len == 0

@@ -76,8 +76,8 @@ pub(crate) struct StartRow {
     pub memset_parallel_gbps: f64,
     /// `populate_s` / (bytes / `memset_parallel_gbps`).
     pub vs_parallel: f64,
-    /// With `--one-memfd`: the same bytes in one memfd (the server makes one per shard),
-    /// populated (and locked as the server's) in as many parts at once, each by a thread on a
+    /// With `--one-memfd`: the same bytes in one memfd (whatever the server's
+    /// `--arena-memfds`), populated (and locked as the server's) in as many parts at once, each by a thread on a
     /// shard's core: GB/s of all together.
     pub one_memfd_gbps: Option<f64>,
     /// `populate_s` / (bytes / `one_memfd_gbps`).
@@ -239,8 +239,9 @@ fn memset_parallel(bytes: u64, threads: usize, cores: &[usize]) -> f64 {
     gbps(share as u64 * threads as u64, done.saturating_duration_since(start))
 }
 
-/// An arena of `bytes` in one memfd (no server), populated (and locked with `lock`) in as
-/// many parts as `cores` has entries, each by a thread on its core, at once: GB/s of all.
+/// An arena of `bytes` in one memfd (no server), populated (and locked with `lock`) in
+/// `shards` parts at once, each by a thread on the matching entry of `cores` (unpinned unless
+/// every shard has one): GB/s of all.
 fn one_memfd(bytes: u64, cores: &[usize], shards: usize, lock: bool) -> Result<f64, Error> {
     let mut arena = Arena::create_unpopulated(bytes, PageSize::Small, 1)
         .map_err(|e| Error::Setup(format!("--one-memfd baseline: {e}")))?;
