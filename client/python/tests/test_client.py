@@ -199,7 +199,7 @@ def test_large_block_batches_copy_on_several_threads(server):
 
 
 def test_golden_vectors_shared_with_rust():
-    golden = json.loads((REPO / "client" / "proto" / "golden" / "hashing.json").read_text())
+    golden = json.loads((REPO / "proto" / "golden" / "hashing.json").read_text())
     assert orbitkv.PREFIX_SEED.hex() == golden["prefix_seed"]
     for case in golden["prefix"]:
         got = orbitkv.prefix_digests(case["tokens"], case["tokens_per_chunk"], bytes.fromhex(case["extra"]))
