@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use orbitkv_proto::chunk_checksum;
 use orbitkv_proto::ChunkKey;
-use orbitkv_shards::ssd::format::{Superblock, SUPERBLOCK_BYTES};
-use orbitkv_shards::ssd::log::{RecoveryReport, RegionLog, SsdEntry};
+use orbitkv_ssd::format::{Superblock, SUPERBLOCK_BYTES};
+use orbitkv_ssd::log::{RecoveryReport, RegionLog, SsdEntry};
 use serde_json::json;
 
 /// One shard file, read.

@@ -14,10 +14,10 @@
 #![deny(unsafe_code)]
 
 use orbitkv_proto::{decode, encode, Bootstrap, ChunkKey, Request, Response, Welcome};
-use orbitkv_shards::ssd::format::{
+use orbitkv_ssd::format::{
     RecordHeader, RecordKind, Superblock, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
 };
-use orbitkv_shards::ssd::log::RegionLog;
+use orbitkv_ssd::log::RegionLog;
 use prost::Message;
 
 /// Decodes the bytes as the type; when they decode, encoding and decoding again gives the
@@ -78,7 +78,7 @@ const REGIONS: u64 = 4;
 /// raw bytes. Recovery must not panic, and every record it keeps must lie inside its region.
 pub fn ssd_recovery(data: &[u8]) {
     let sb = Superblock {
-        format_version: orbitkv_shards::ssd::format::FORMAT_VERSION,
+        format_version: orbitkv_ssd::format::FORMAT_VERSION,
         shard_id: 0,
         shard_count: 1,
         region_bytes: REGION_BYTES,

@@ -3,7 +3,7 @@
 //! becomes a seed here (its input in `seeds()`), so it is checked on every run from then on.
 
 use orbitkv_proto::{encode, Bootstrap, ChunkKey, Request, SlotRef, PROTOCOL_VERSION};
-use orbitkv_shards::ssd::format::{RecordHeader, RecordKind, Superblock, FORMAT_VERSION};
+use orbitkv_ssd::format::{RecordHeader, RecordKind, Superblock, FORMAT_VERSION};
 use prost::Message;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -1,9 +1,9 @@
 //! Wire types and identities shared by every OrbitKV process.
 //!
-//! This crate has no runtime dependencies so that engines can link it: it defines the chunk
-//! identity ([`ChunkKey`], chained prefix hashing), the namespace descriptor, the bootstrap and
-//! request/response messages (rkyv, validated on receipt), error codes, and the human units used
-//! by every command line.
+//! This crate links no runtime (no executor, no CUDA) so that engines can link it: it defines
+//! the chunk identity ([`ChunkKey`], chained prefix hashing), the namespace descriptor, the
+//! bootstrap and request/response messages (rkyv, validated on receipt), error codes, latency
+//! recorders, and the human units used by every command line.
 
 #![deny(unsafe_code)]
 
@@ -12,6 +12,7 @@ mod codec;
 mod error;
 mod hashing;
 mod key;
+mod latency;
 mod messages;
 mod namespace;
 mod paths;
@@ -22,6 +23,7 @@ pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeErr
 pub use error::ErrorCode;
 pub use hashing::{engine_digest, prefix_digests, PrefixHasher, PREFIX_SEED};
 pub use key::{ChunkKey, Digest};
+pub use latency::{LatencyHistogram, LatencySummary};
 pub use messages::{
     Bootstrap, ChunkOutcome, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, Request, Reservation,
     Response, SlotRef, Tier, Welcome, ARENA_HEADER_BYTES, DOORBELL_STRIDE, MAX_ARENA_FILES,
@@ -29,4 +31,4 @@ pub use messages::{
 };
 pub use namespace::{Dtype, NamespaceDescriptor, NamespaceError, NamespaceId};
 pub use paths::{admin_socket_path, default_socket_path, SOCKET_ENV};
-pub use units::{format_bytes, parse_duration, parse_size, UnitError};
+pub use units::{format_bytes, parse_duration, parse_size, UnitError, PAGE_SIZE};

@@ -2,6 +2,10 @@
 
 use std::time::Duration;
 
+/// The arena's page and the SSD tier's block: allocations, slot offsets, SSD records and their
+/// file offsets are whole multiples of it (O_DIRECT needs the alignment).
+pub const PAGE_SIZE: u64 = 4096;
+
 /// A size or duration string that could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {what} {input:?}: {reason}")]

@@ -13,7 +13,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use orbitkv_shards::{LatencyHistogram, OpKind};
+use orbitkv_proto::LatencyHistogram;
+use orbitkv_shards::OpKind;
 
 use crate::access::Access;
 use crate::deadline::DeadlineReader;

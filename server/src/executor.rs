@@ -19,10 +19,10 @@ use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::{GlommioError, LocalExecutorBuilder, Placement, ResourceType};
 use iceoryx2::prelude::*;
 use orbitkv_proto::{ChunkKey, ChunkOutcome, ErrorCode};
-use orbitkv_shards::ssd::store::{SsdConfig, SsdStore};
 use orbitkv_shards::{
     EvictSummary, HashRange, SessionId, ShardCore, ShardOp, ShardReply, StartedTombstone,
 };
+use orbitkv_ssd::store::{SsdConfig, SsdStore};
 
 use crate::doorbell::{Doorbells, LoopStage};
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
@@ -113,7 +113,7 @@ pub enum ShardStartError {
         /// The shard.
         shard: usize,
         /// The SSD store's error.
-        source: orbitkv_shards::ssd::store::SsdError,
+        source: orbitkv_ssd::store::SsdError,
     },
 }
 

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use glommio::channels::channel_mesh::MeshBuilder;
 use orbitkv_proto::{admin_socket_path, format_bytes};
-use orbitkv_shards::ssd::store::SsdConfig;
 use orbitkv_shards::{Arena, ShardConfig, ShardCore};
+use orbitkv_ssd::store::SsdConfig;
 
 use crate::config::Settings;
 use crate::error::StartError;

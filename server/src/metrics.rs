@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use orbitkv_gpu::dma::Direction;
 use orbitkv_proto::ErrorCode;
-use orbitkv_shards::{LatencyHistogram, OpKind};
+use orbitkv_proto::LatencyHistogram;
+use orbitkv_shards::OpKind;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
@@ -508,7 +509,7 @@ impl Shards<'_> {
     }
 
     /// One value per shard with an SSD tier.
-    fn ssd(&self, f: &dyn Fn(&orbitkv_shards::ssd::store::SsdStats) -> u64) -> Vec<(Labels, u64)> {
+    fn ssd(&self, f: &dyn Fn(&orbitkv_ssd::store::SsdStats) -> u64) -> Vec<(Labels, u64)> {
         self.0.iter().filter_map(|(i, x)| Some((shard_label(*i), f(&x.stats.ssd?)))).collect()
     }
 

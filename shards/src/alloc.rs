@@ -6,9 +6,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Allocation granularity and alignment: every slot starts and ends on a 4 KiB boundary, as
+/// Allocation granularity and alignment: every slot starts and ends on a page boundary, as
 /// O_DIRECT I/O to the SSD tier needs.
-pub const PAGE_SIZE: u64 = 4096;
+pub use orbitkv_proto::PAGE_SIZE;
 
 /// A run of pages handed out by [`ExtentAllocator`]; offsets are relative to the slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -537,24 +537,6 @@ impl ArenaSlice {
         SliceReader { arena: Arc::clone(&self.arena), offset: self.offset, len: self.len }
     }
 
-    /// The arena this slice belongs to (I/O in flight holds it so the mapping outlives it).
-    pub fn arena(&self) -> Arc<Arena> {
-        Arc::clone(&self.arena)
-    }
-
-    /// Raw address of `[offset, offset + len)` of this slice, for I/O that the kernel performs
-    /// (io_uring). Checked to lie inside the slice.
-    pub fn raw_range(&self, offset: u64, len: u64) -> *mut u8 {
-        assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.len),
-            "range {offset}+{len} inside the {}-byte slice",
-            self.len
-        );
-        // wrapping_add keeps this free of unsafe: the result is only dereferenced by the
-        // kernel, and the range was checked to lie in the mapping.
-        (self.arena.base.as_ptr() as *mut u8).wrapping_add((self.offset + offset) as usize)
-    }
-
     /// Overwrites `[offset, offset + data.len())` of this slice (tests and benchmarks).
     pub fn write(&self, offset: u64, data: &[u8]) {
         assert!(
@@ -570,6 +552,29 @@ impl ArenaSlice {
                 data.len(),
             );
         }
+    }
+}
+
+// SAFETY: `raw_range` checks that the range lies in the slice, which lies in the arena's
+// mapping; the mapping lives until the last `Arc<Arena>` drops, and `keep_alive` is one.
+unsafe impl orbitkv_ssd::SlotMemory for ArenaSlice {
+    fn raw_range(&self, offset: u64, len: u64) -> *mut u8 {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "range {offset}+{len} inside the {}-byte slice",
+            self.len
+        );
+        // wrapping_add keeps this free of unsafe: the result is only dereferenced by the
+        // kernel, and the range was checked to lie in the mapping.
+        (self.arena.base.as_ptr() as *mut u8).wrapping_add((self.offset + offset) as usize)
+    }
+
+    fn bytes(&self, offset: u64, len: u64) -> &[u8] {
+        ArenaSlice::bytes(self, offset, len)
+    }
+
+    fn keep_alive(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        Arc::clone(&self.arena) as Arc<dyn std::any::Any + Send + Sync>
     }
 }
 

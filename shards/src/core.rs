@@ -9,9 +9,10 @@ use orbitkv_proto::{
 use crate::alloc::{Extent, ExtentAllocator};
 use crate::arena::ArenaSlice;
 use crate::entries::{Entries, EntryIdx, EntryState};
-use crate::metrics::{LatencyHistogram, OpKind, ShardMetrics, ShardStats};
+use crate::metrics::{OpKind, ShardMetrics, ShardStats};
 use crate::ops::{SessionId, ShardOp, ShardReply};
-use crate::ssd::format::RecordKind;
+use orbitkv_proto::LatencyHistogram;
+use orbitkv_ssd::format::RecordKind;
 
 /// Static parameters of one shard.
 #[derive(Clone, Debug, Default)]
@@ -74,8 +75,8 @@ impl Quotas {
     }
 
     /// The SSD guarantee of every namespace, for the SSD log.
-    pub(crate) fn ssd_guarantees(&self) -> crate::ssd::log::SsdGuarantees {
-        crate::ssd::log::SsdGuarantees {
+    pub(crate) fn ssd_guarantees(&self) -> orbitkv_ssd::log::SsdGuarantees {
+        orbitkv_ssd::log::SsdGuarantees {
             default: self.default.ssd_guarantee_bytes,
             by_namespace: self
                 .by_namespace
@@ -217,7 +218,7 @@ pub struct ShardCore {
     leases: u64,
     reservations: u64,
     /// The SSD tier, when configured.
-    pub(crate) ssd: Option<crate::ssd::store::SsdStore>,
+    pub(crate) ssd: Option<orbitkv_ssd::store::SsdStore>,
     /// Entries being written to SSD.
     pub(crate) demoting: u64,
     /// Arena pages of those entries, free once their writes land (`maintain` counts them).
@@ -264,7 +265,7 @@ impl ShardCore {
     /// A full scan of the shard's bookkeeping against its counters: the entries' extents are
     /// disjoint and, with the free extents, tile the slice; the allocator's used pages, the
     /// leases and reservations counted, the sessions' holdings and the index all agree with
-    /// the entries; the SSD log is consistent ([`crate::ssd::log::RegionLog::audit`]).
+    /// the entries; the SSD log is consistent ([`orbitkv_ssd::log::RegionLog::audit`]).
     pub fn audit(&self) -> Audit {
         let mut a = Audit::default();
         let mut extents: Vec<Extent> = self.alloc.free_extents().collect();

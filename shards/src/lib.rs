@@ -16,7 +16,6 @@ mod error;
 mod metrics;
 mod ops;
 mod peering;
-pub mod ssd;
 mod tiering;
 
 pub use alloc::{Extent, ExtentAllocator, PAGE_SIZE};
@@ -27,7 +26,7 @@ pub use core::{
     Audit, EvictSummary, HashRange, NamespaceQuota, ShardConfig, ShardCore, StartedTombstone,
 };
 pub use error::Error;
-pub use metrics::{LatencyHistogram, LatencySummary, OpKind, ShardMetrics, ShardStats};
+pub use metrics::{OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
 pub use peering::{InventoryChunk, InventoryDelta, InventoryDrain, PeerFetch, RemoteChunk};
 pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

@@ -15,8 +15,8 @@ use orbitkv_proto::{ChunkKey, Hit, Tier};
 use crate::core::ShardCore;
 use crate::entries::EntryState;
 use crate::ops::SessionId;
-use crate::ssd::log::PlaceError;
-use crate::ssd::store::{SsdEvent, SsdStore};
+use orbitkv_ssd::log::PlaceError;
+use orbitkv_ssd::store::{SsdEvent, SsdStore};
 
 /// Demote while less than this share of the slice is free.
 pub const FREE_TARGET_PERCENT: u64 = 10;
@@ -233,7 +233,7 @@ impl ShardCore {
             // A namespace at its SSD share: its victims are dropped, not written.
             let limit = self.quotas.of(key.namespace).ssd_limit_bytes;
             let page = crate::PAGE_SIZE;
-            let record = crate::ssd::format::RECORD_HEADER_BYTES + len.div_ceil(page) * page;
+            let record = orbitkv_ssd::format::RECORD_HEADER_BYTES + len.div_ceil(page) * page;
             let over = !on_ssd
                 && limit > 0
                 && self

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv_shards::ssd::ring::SsdRing;
 use orbitkv_shards::Arena;
+use orbitkv_ssd::ring::SsdRing;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 

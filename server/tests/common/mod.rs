@@ -74,7 +74,7 @@ impl TestServer {
             .args(["--no-lock-arena"])
             .args(args)
             // The SSD ring's descriptor (debug) goes into the log, for the failure dump.
-            .env("ORBITKV_LOG", "info,orbitkv_shards::ssd::ring=debug")
+            .env("ORBITKV_LOG", "info,orbitkv_ssd::ring=debug")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -5,8 +5,8 @@ use orbitkv_proto::{ChunkOutcome, Dtype, ErrorCode, NamespaceDescriptor, Reserva
 use super::*;
 use crate::core::{NamespaceQuota, ShardConfig};
 use crate::ops::{ShardOp, ShardReply};
-use crate::ssd::store::SsdConfig;
 use crate::Arena;
+use orbitkv_ssd::store::SsdConfig;
 
 fn core_with_ssd(dram_pages: u64, dir: &std::path::Path) -> (ShardCore, u64) {
     core_with_chunks(dram_pages, dir, 4)

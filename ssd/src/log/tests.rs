@@ -1,5 +1,5 @@
 use super::*;
-use crate::ssd::format::FORMAT_VERSION;
+use crate::format::FORMAT_VERSION;
 use proptest::prelude::*;
 
 fn sb(regions: u64, region_bytes: u64) -> Superblock {

@@ -1,7 +1,5 @@
-use std::sync::Arc;
-
 use super::*;
-use crate::arena::Arena;
+use crate::HeapSlots;
 
 fn cfg(dir: &Path, shard_count: u32) -> SsdConfig {
     SsdConfig {
@@ -25,7 +23,7 @@ fn value(i: u32, len: usize) -> Vec<u8> {
     (0..len).map(|b| (b as u32 ^ (i << 3)).wrapping_mul(31) as u8).collect()
 }
 
-fn events(store: &mut SsdStore, slice: &ArenaSlice, want: usize) -> Vec<SsdEvent> {
+fn events(store: &mut SsdStore, slice: &HeapSlots, want: usize) -> Vec<SsdEvent> {
     let mut all = Vec::new();
     while all.len() < want {
         all.extend(store.poll(slice));
@@ -34,7 +32,7 @@ fn events(store: &mut SsdStore, slice: &ArenaSlice, want: usize) -> Vec<SsdEvent
     all
 }
 
-fn demote_all(store: &mut SsdStore, slice: &ArenaSlice, n: u32, len: usize) {
+fn demote_all(store: &mut SsdStore, slice: &HeapSlots, n: u32, len: usize) {
     for i in 0..n {
         let v = value(i, len);
         let slot = i as u64 * (64 << 10);
@@ -49,8 +47,7 @@ fn demote_all(store: &mut SsdStore, slice: &ArenaSlice, n: u32, len: usize) {
 #[test]
 fn records_survive_reopening_and_come_back_exact() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(4 << 20);
     let (mut store, report) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
     assert!(report.rebuilt.is_none());
     demote_all(&mut store, &slice, 10, 40_000);
@@ -76,8 +73,7 @@ fn records_survive_reopening_and_come_back_exact() {
 #[test]
 fn a_flipped_byte_is_a_checksum_failure_never_served() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(4 << 20);
     let (mut store, _) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
     demote_all(&mut store, &slice, 3, 10_000);
     let entry = store.get(&key(1)).unwrap();
@@ -110,8 +106,7 @@ fn a_flipped_byte_is_a_checksum_failure_never_served() {
 #[test]
 fn another_shard_count_starts_afresh() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(4 << 20);
     let (mut store, _) = SsdStore::open(&cfg(dir.path(), 1)).unwrap();
     demote_all(&mut store, &slice, 4, 8000);
     drop(store);
@@ -150,8 +145,7 @@ fn injected_errors_reach_demotion_writes() {
     let mut c = cfg(dir.path(), 1);
     c.inject_errors_every = 1;
     let (mut store, _) = SsdStore::open(&c).unwrap();
-    let arena = Arc::new(Arena::create(1 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(1 << 20);
     let v = value(1, 5000);
     slice.write(0, &v);
     assert!(store.demote(key(1), 5000, chunk_checksum(&v), &slice, 0).is_ok());
@@ -169,8 +163,7 @@ fn a_failed_read_keeps_the_record() {
     let mut c = cfg(dir.path(), 1);
     c.inject_errors_every = 2; // the demotion's write passes, the first read fails
     let (mut store, _) = SsdStore::open(&c).unwrap();
-    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(4 << 20);
     demote_all(&mut store, &slice, 1, 10_000);
     assert!(store.promote(key(0), &slice, 2 << 20));
     assert_eq!(

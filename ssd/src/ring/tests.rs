@@ -5,8 +5,9 @@ use orbitkv_proto::ChunkKey;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::*;
-use crate::ssd::format::{Superblock, FORMAT_VERSION};
-use crate::ssd::log::RegionLog;
+use crate::format::{Superblock, FORMAT_VERSION};
+use crate::log::RegionLog;
+use crate::HeapSlots;
 
 fn open_direct(path: &std::path::Path, len: u64) -> File {
     let f = OpenOptions::new()
@@ -52,8 +53,7 @@ fn arena_slots_to_file_and_back() {
         region_count: 4,
     };
     let file = open_direct(&dir.path().join("shard-0.okv"), sb.file_bytes());
-    let arena = Arc::new(Arena::create(4 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(4 << 20);
     let mut ring = SsdRing::new(8).unwrap();
     let mut sblock = AlignedBlock::new();
     sblock.bytes_mut().copy_from_slice(&sb.encode());
@@ -103,8 +103,7 @@ fn arena_slots_to_file_and_back() {
 fn drop_waits_for_operations_in_flight() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = open_direct(&dir.path().join("f"), 8 << 20);
-    let arena = Arc::new(Arena::create(8 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(8 << 20);
     let mut ring = SsdRing::new(4).unwrap();
     for i in 0..4u64 {
         ring.write_record(
@@ -119,9 +118,8 @@ fn drop_waits_for_operations_in_flight() {
     }
     assert!(!ring.has_room());
     assert!(ring.write_block(&file, 0, AlignedBlock::new()).is_err(), "a full ring refuses");
-    drop(arena);
+    drop(slice); // the operations in flight keep the memory alive
     drop(ring); // must not free buffers under the kernel
-    drop(slice);
 }
 
 /// An injected delay holds the operation in the kernel; nothing blocks in the meantime and
@@ -130,8 +128,7 @@ fn drop_waits_for_operations_in_flight() {
 fn injected_delay_postpones_without_blocking() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = open_direct(&dir.path().join("f"), 1 << 20);
-    let arena = Arc::new(Arena::create(1 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(1 << 20);
     let mut ring = SsdRing::new(4).unwrap();
     ring.inject_delay(std::time::Duration::from_millis(300));
     let id = ring.write_from_slot(&file, 0, &slice, 0, 64 << 10).unwrap();
@@ -149,8 +146,7 @@ fn injected_delay_postpones_without_blocking() {
 fn injected_faults_report_eio_and_enospc_and_leave_the_file_alone() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = open_direct(&dir.path().join("f"), 1 << 20);
-    let arena = Arc::new(Arena::create(1 << 20, false).unwrap());
-    let slice = arena.split(1).pop().unwrap();
+    let slice = HeapSlots::new(1 << 20);
     slice.write(0, &value(1, 64 << 10));
     let mut ring = SsdRing::new(4).unwrap();
     let id = ring.write_from_slot(&file, 0, &slice, 0, 64 << 10).unwrap();

@@ -16,9 +16,9 @@ use super::format::{
 };
 use super::log::{PlaceError, Placement, RecoveryReport, RegionLog, SsdEntry, SsdGuarantees};
 use super::ring::{AlignedBlock, SsdRing};
-use crate::alloc::PAGE_SIZE;
-use crate::arena::ArenaSlice;
-use crate::metrics::LatencyHistogram;
+use crate::memory::SlotMemory;
+use orbitkv_proto::LatencyHistogram;
+use orbitkv_proto::PAGE_SIZE;
 
 /// Where and how big one shard's SSD store is.
 #[derive(Clone, Debug)]
@@ -379,7 +379,7 @@ impl SsdStore {
         key: ChunkKey,
         len: u64,
         checksum: u64,
-        slice: &ArenaSlice,
+        slice: &impl SlotMemory,
         slot_offset: u64,
     ) -> Result<(), PlaceError> {
         if !self.ring.has_room() {
@@ -450,7 +450,7 @@ impl SsdStore {
     /// Starts reading `key`'s record into the arena slot at `slot_offset` of `slice` (at least
     /// the record's length, page-rounded). The slot must stay reserved until
     /// [`SsdEvent::Promoted`]. Returns false when the key is not on SSD or the ring is full.
-    pub fn promote(&mut self, key: ChunkKey, slice: &ArenaSlice, slot_offset: u64) -> bool {
+    pub fn promote(&mut self, key: ChunkKey, slice: &impl SlotMemory, slot_offset: u64) -> bool {
         let Some(entry) = self.log.get(&key) else { return false };
         if !self.ring.has_room() {
             return false;
@@ -586,7 +586,7 @@ impl SsdStore {
 
     /// Collects finished operations (never blocks). Promoted bytes are checksum-verified here;
     /// a bad record is dropped and reported unverified.
-    pub fn poll(&mut self, slice: &ArenaSlice) -> Vec<SsdEvent> {
+    pub fn poll(&mut self, slice: &impl SlotMemory) -> Vec<SsdEvent> {
         let mut events = Vec::new();
         for c in self.ring.poll() {
             let Some((submitted, op)) = self.pending.remove(&c.id) else { continue };

@@ -3,13 +3,14 @@
 //! buffer of its own).
 //!
 //! Ownership: every operation in flight owns what the kernel may touch (its header block, its
-//! iovec array, an `Arc` of the arena mapping). The caller keeps the arena slot reserved or
+//! iovec array, the [`SlotMemory`]'s keep-alive: an `Arc` of the arena mapping). The caller keeps the arena slot reserved or
 //! pinned until the completion is returned. Dropping the ring waits for every operation in
 //! flight: memory handed to the kernel is never freed early.
 
 #![allow(unsafe_code)]
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::any::Any;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -17,8 +18,8 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::alloc::PAGE_SIZE;
-use crate::arena::{Arena, ArenaSlice};
+use crate::memory::SlotMemory;
+use orbitkv_proto::PAGE_SIZE;
 
 /// A 4 KiB-aligned block of whole 4 KiB pages owned by an operation (O_DIRECT needs aligned
 /// memory): a record header, or a whole record being rewritten elsewhere.
@@ -30,6 +31,9 @@ pub struct AlignedBlock {
 
 // SAFETY: an exclusively owned heap block; no aliasing exists to share across threads.
 unsafe impl Send for AlignedBlock {}
+// SAFETY: through `&self` the block is only read (`bytes`); the crate's test memory writes
+// through `as_mut_ptr` only while nothing else reads the range.
+unsafe impl Sync for AlignedBlock {}
 
 impl AlignedBlock {
     /// A zeroed 4 KiB block.
@@ -47,6 +51,12 @@ impl AlignedBlock {
         let ptr =
             std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         Self { ptr, layout }
+    }
+
+    /// The block's address, for the crate's test memory ([`crate::memory::HeapSlots`]).
+    #[cfg(test)]
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// The block's bytes.
@@ -78,7 +88,7 @@ impl Drop for AlignedBlock {
 /// What an operation in flight keeps alive (its header block is kept in `SsdRing::blocks`).
 struct InFlight {
     _iov: Box<[libc::iovec; 2]>,
-    _arena: Option<Arc<Arena>>,
+    _memory: Option<Arc<dyn Any + Send + Sync>>,
     /// The injected delay's timespec, read by the kernel when the linked timeout starts.
     _delay: Option<Box<types::Timespec>>,
 }
@@ -87,7 +97,7 @@ struct InFlight {
 const DELAY_MARK: u64 = u64::MAX;
 
 // SAFETY: the iovecs point at memory owned by the same operation (its block) or kept alive by
-// its `Arc<Arena>`; nothing about them is tied to the creating thread.
+// the memory's keep-alive; nothing about them is tied to the creating thread.
 unsafe impl Send for InFlight {}
 
 /// A finished operation.
@@ -272,7 +282,7 @@ impl SsdRing {
         file: &File,
         at: u64,
         header: AlignedBlock,
-        slice: &ArenaSlice,
+        slice: &impl SlotMemory,
         slot_offset: u64,
         slot_len: u64,
     ) -> std::io::Result<u64> {
@@ -287,8 +297,8 @@ impl SsdRing {
         // Through the injected faults, as every other operation.
         let fd = self.write_target(file);
         let entry = opcode::Writev::new(fd, iov.as_ptr(), 2).offset(at).build();
-        let id =
-            self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })?;
+        let id = self
+            .push(entry, InFlight { _iov: iov, _memory: Some(slice.keep_alive()), _delay: None })?;
         self.blocks.insert(id, header);
         Ok(id)
     }
@@ -299,7 +309,7 @@ impl SsdRing {
         &mut self,
         file: &File,
         at: u64,
-        slice: &ArenaSlice,
+        slice: &impl SlotMemory,
         slot_offset: u64,
         len: u64,
     ) -> std::io::Result<u64> {
@@ -313,7 +323,7 @@ impl SsdRing {
         &mut self,
         file: &File,
         at: u64,
-        slice: &ArenaSlice,
+        slice: &impl SlotMemory,
         slot_offset: u64,
         len: u64,
     ) -> std::io::Result<u64> {
@@ -324,7 +334,7 @@ impl SsdRing {
         &mut self,
         file: &File,
         at: u64,
-        slice: &ArenaSlice,
+        slice: &impl SlotMemory,
         slot_offset: u64,
         len: u64,
         write: bool,
@@ -343,7 +353,7 @@ impl SsdRing {
         } else {
             opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
         };
-        self.push(entry, InFlight { _iov: iov, _arena: Some(slice.arena()), _delay: None })
+        self.push(entry, InFlight { _iov: iov, _memory: Some(slice.keep_alive()), _delay: None })
     }
 
     /// Writes one 4 KiB block (a superblock) at file offset `at`.
@@ -408,7 +418,7 @@ impl SsdRing {
         } else {
             opcode::Readv::new(fd, iov.as_ptr(), 1).offset(at).build()
         };
-        let id = self.push(entry, InFlight { _iov: iov, _arena: None, _delay: None })?;
+        let id = self.push(entry, InFlight { _iov: iov, _memory: None, _delay: None })?;
         self.blocks.insert(id, block);
         Ok(id)
     }

@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use orbitkv_proto::ChunkKey;
 
 use super::format::{FormatError, RecordHeader, RecordKind, Superblock, RECORD_HEADER_BYTES};
-use crate::alloc::PAGE_SIZE;
+use orbitkv_proto::PAGE_SIZE;
 
 /// Free regions at or below which the records a namespace's SSD guarantee keeps are moved
 /// out of the oldest region ([`RegionLog::relocation_candidate`]): its reclaim is near.

@@ -15,7 +15,7 @@ use orbitkv_proto::{ChunkKey, Digest};
 // Record headers are checked with the same XXH3-64 as chunk payloads.
 use orbitkv_proto::chunk_checksum as xxh3_64;
 
-use crate::alloc::PAGE_SIZE;
+use orbitkv_proto::PAGE_SIZE;
 
 /// Bytes of the superblock at the start of the file.
 pub const SUPERBLOCK_BYTES: u64 = PAGE_SIZE;
