@@ -33,7 +33,6 @@ pub mod te_c;
 pub use engine::Engine;
 pub use membership::{Cluster, ClusterConfig, JoinError, Member, State, Status};
 pub use node::{
-    Chunk, Delta, Fetch, FetchQueue, Later, LocalNode, PeerView, PeeringConfig, PeeringError,
-    FETCHES_PER_MESSAGE,
+    FetchQueue, Later, LocalNode, PeerView, PeeringConfig, PeeringError, FETCHES_PER_MESSAGE,
 };
 pub use te_c::TeTransport;

@@ -3,49 +3,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use orbitkv_proto::{ChunkKey, Hit, SlotRef};
+use orbitkv_proto::{ChunkKey, Hit, InventoryChunk, InventoryDelta, PeerFetch, SlotRef};
 
 use crate::{Cluster, Engine};
-
-/// A chunk as inventories describe it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Chunk {
-    /// The chunk.
-    pub key: ChunkKey,
-    /// Length in bytes.
-    pub len: u64,
-    /// xxh3-64 of its bytes.
-    pub checksum: u64,
-}
-
-/// One change to a shard's DRAM inventory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Delta {
-    /// The chunk became visible.
-    Added(Chunk),
-    /// The chunk left DRAM.
-    Removed(ChunkKey),
-}
-
-/// A peer read a shard waits for: the bytes of `key` from peer `peer` into the local arena
-/// at `offset` (a reserved slot of generation `generation` on shard `shard`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fetch {
-    /// The shard waiting.
-    pub shard: usize,
-    /// The chunk.
-    pub key: ChunkKey,
-    /// The peer (as the catalog numbers it).
-    pub peer: u32,
-    /// Offset of the local slot in the arena.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// The slot's generation.
-    pub generation: u64,
-    /// When the shard queued it.
-    pub queued: std::time::Instant,
-}
 
 /// An answer of the shards that comes later (awaited on the peer thread's runtime).
 pub type Later<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -57,10 +17,10 @@ pub trait LocalNode: Send + Sync + 'static {
     /// Shard count (keys are placed by [`ChunkKey::shard`]).
     fn shards(&self) -> usize;
     /// The chunks shard `shard` holds in DRAM; restarts its change log.
-    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<Chunk>>;
+    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<InventoryChunk>>;
     /// The changes on shard `shard` since the last drain or snapshot, and whether some were
     /// lost (the log filled): then a snapshot is due.
-    fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)>;
+    fn inventory_drain(&self, shard: usize) -> Option<(Vec<InventoryDelta>, bool)>;
     /// Leases `keys` for grant holder `holder` (DRAM only): a hit or None per key. Asks every
     /// shard concerned at once without blocking the caller; the answer is awaited (a shard
     /// that does not answer within its wait gives None for its keys). What a shard leases
@@ -71,14 +31,14 @@ pub trait LocalNode: Send + Sync + 'static {
     /// Returns every lease of `holder`.
     fn release_all(&self, holder: u64);
     /// Adds to the catalog what peer `peer` holds, and removes what it no longer holds.
-    fn catalog_apply(&self, peer: u32, added: Vec<Chunk>, removed: Vec<ChunkKey>);
+    fn catalog_apply(&self, peer: u32, added: Vec<InventoryChunk>, removed: Vec<ChunkKey>);
     /// Forgets everything of peer `peer`.
     fn catalog_drop(&self, peer: u32);
     /// A peer read is over: `read` when its bytes landed (the shard checks their checksum).
-    fn fetched(&self, fetch: Fetch, read: bool);
+    fn fetched(&self, fetch: PeerFetch, read: bool);
     /// As [`LocalNode::fetched`] when the shard's queue has room now, without blocking (the
     /// peer thread's runtime calls it); false when it has not (then call `fetched`).
-    fn fetched_now(&self, fetch: Fetch, read: bool) -> bool;
+    fn fetched_now(&self, fetch: PeerFetch, read: bool) -> bool;
 }
 
 /// What peering needs besides the cluster.
@@ -172,14 +132,14 @@ pub const FETCHES_PER_MESSAGE: usize = 1024;
 /// holding at most [`FETCH_QUEUE`] reads.
 #[derive(Clone, Debug)]
 pub struct FetchQueue {
-    tx: tokio::sync::mpsc::UnboundedSender<Vec<Fetch>>,
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<PeerFetch>>,
     queued: Arc<AtomicUsize>,
 }
 
 /// The peer thread's end of a [`FetchQueue`].
 #[derive(Debug)]
 pub(crate) struct FetchReceiver {
-    rx: tokio::sync::mpsc::UnboundedReceiver<Vec<Fetch>>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Vec<PeerFetch>>,
     queued: Arc<AtomicUsize>,
 }
 
@@ -193,7 +153,7 @@ pub(crate) fn fetch_queue() -> (FetchQueue, FetchReceiver) {
 impl FetchQueue {
     /// Queues one lookup's reads; given back when they would pass the bound or the peer
     /// thread is gone.
-    pub fn try_send(&self, fetches: Vec<Fetch>) -> Result<(), Vec<Fetch>> {
+    pub fn try_send(&self, fetches: Vec<PeerFetch>) -> Result<(), Vec<PeerFetch>> {
         let n = fetches.len();
         if n == 0 {
             return Ok(());
@@ -211,14 +171,14 @@ impl FetchQueue {
 
 impl FetchReceiver {
     /// The next lookup's reads; None when every sender is gone.
-    pub(crate) async fn recv(&mut self) -> Option<Vec<Fetch>> {
+    pub(crate) async fn recv(&mut self) -> Option<Vec<PeerFetch>> {
         let got = self.rx.recv().await?;
         self.queued.fetch_sub(got.len(), Ordering::AcqRel);
         Some(got)
     }
 
     /// The next lookup's reads if some are queued.
-    pub(crate) fn try_recv(&mut self) -> Option<Vec<Fetch>> {
+    pub(crate) fn try_recv(&mut self) -> Option<Vec<PeerFetch>> {
         let got = self.rx.try_recv().ok()?;
         self.queued.fetch_sub(got.len(), Ordering::AcqRel);
         Some(got)
@@ -238,7 +198,7 @@ pub(crate) struct Sides {
 impl Cluster {
     /// Starts peering on the peer thread: registers the arena with TE, serves the peer RPC on
     /// `--peer-addr`, follows the members' inventories and performs the shards' peer reads.
-    /// The queue is where shards queue their [`Fetch`]es (bounded: a full queue is a miss).
+    /// The queue is where shards queue their [`PeerFetch`]es (bounded: a full queue is a miss).
     pub fn start_peering(self: &Arc<Self>, cfg: PeeringConfig) -> Result<FetchQueue, PeeringError> {
         let te = self.te.clone().ok_or(PeeringError::NoTransferEngine)?;
         let listener = self
@@ -283,8 +243,8 @@ impl Cluster {
 mod tests {
     use super::*;
 
-    fn reads(n: usize) -> Vec<Fetch> {
-        let f = Fetch {
+    fn reads(n: usize) -> Vec<PeerFetch> {
+        let f = PeerFetch {
             shard: 0,
             key: ChunkKey::new(1, [7; 32]),
             peer: 1,

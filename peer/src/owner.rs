@@ -21,7 +21,8 @@ use crate::rpc::{
     GrantReply, GrantRequest, Granted, InventoryRequest, InventoryUpdate, ReleaseReply,
     ReleaseRequest,
 };
-use crate::{Chunk, Cluster, Delta, Engine, PeeringConfig, State};
+use crate::{Cluster, Engine, PeeringConfig, State};
+use orbitkv_proto::{InventoryChunk, InventoryDelta};
 
 /// How often the shards' change logs are drained.
 const INVENTORY_TICK: Duration = Duration::from_millis(50);
@@ -37,7 +38,7 @@ const UPDATES_BEHIND: usize = 1024;
 /// One batch of inventory changes.
 #[derive(Debug, Default)]
 struct Update {
-    added: Vec<Chunk>,
+    added: Vec<InventoryChunk>,
     removed: Vec<ChunkKey>,
 }
 
@@ -174,11 +175,11 @@ impl Owner {
                             fresh[s] = overflowed;
                             for d in deltas {
                                 match d {
-                                    Delta::Added(c) => {
+                                    InventoryDelta::Added(c) => {
                                         view.chunks.insert(c.key, (c.len, c.checksum));
                                         update.added.push(c);
                                     }
-                                    Delta::Removed(k) => {
+                                    InventoryDelta::Removed(k) => {
                                         if view.chunks.remove(&k).is_some() {
                                             update.removed.push(k);
                                         }
@@ -291,7 +292,13 @@ impl Grants {
 
 impl View {
     /// Replaces what the view holds of shard `shard` by `snapshot`, noting the differences.
-    fn resync(&mut self, shard: usize, shards: usize, snapshot: Vec<Chunk>, update: &mut Update) {
+    fn resync(
+        &mut self,
+        shard: usize,
+        shards: usize,
+        snapshot: Vec<InventoryChunk>,
+        update: &mut Update,
+    ) {
         let mut now: HashMap<ChunkKey, (u64, u64)> =
             snapshot.into_iter().map(|c| (c.key, (c.len, c.checksum))).collect();
         self.chunks.retain(|k, v| {
@@ -302,7 +309,7 @@ impl View {
                 Some(same) if same == *v => true,
                 Some(other) => {
                     *v = other;
-                    update.added.push(Chunk { key: *k, len: other.0, checksum: other.1 });
+                    update.added.push(InventoryChunk { key: *k, len: other.0, checksum: other.1 });
                     true
                 }
                 None => {
@@ -313,12 +320,12 @@ impl View {
         });
         for (key, (len, checksum)) in now {
             self.chunks.insert(key, (len, checksum));
-            update.added.push(Chunk { key, len, checksum });
+            update.added.push(InventoryChunk { key, len, checksum });
         }
     }
 }
 
-fn chunk_msg(c: &Chunk) -> crate::rpc::Chunk {
+fn chunk_msg(c: &InventoryChunk) -> crate::rpc::Chunk {
     crate::rpc::Chunk { key: Some((&c.key).into()), len: c.len, checksum: c.checksum }
 }
 
@@ -344,7 +351,9 @@ impl Peer for Service {
                 .chunks
                 .iter()
                 .take(max)
-                .map(|(key, &(len, checksum))| chunk_msg(&Chunk { key: *key, len, checksum }))
+                .map(|(key, &(len, checksum))| {
+                    chunk_msg(&InventoryChunk { key: *key, len, checksum })
+                })
                 .collect();
             (snapshot, view.chunks.len() <= max, view.updates.subscribe())
         };

@@ -19,7 +19,8 @@ use crate::hot::{hot, Warm, HOT_FOR};
 use crate::rpc::peer_client::PeerClient;
 use crate::rpc::{GrantRequest, InventoryRequest, Key, ReleaseRequest};
 use crate::te_c::{POLL_HOT, READ_POLL_HOT};
-use crate::{Chunk, Cluster, Engine, Fetch, Member, PeeringConfig, State};
+use crate::{Cluster, Engine, Member, PeeringConfig, State};
+use orbitkv_proto::{InventoryChunk, PeerFetch};
 
 /// How often the members are compared with the subscriptions.
 const MEMBERS_TICK: Duration = Duration::from_millis(200);
@@ -55,7 +56,7 @@ const SPLIT_BYTES: u64 = 16 << 20;
 
 /// `fetches` as one group, or as two halves of about equal bytes when they reach
 /// [`SPLIT_BYTES`].
-fn halves(mut fetches: Vec<Fetch>) -> Vec<Vec<Fetch>> {
+fn halves(mut fetches: Vec<PeerFetch>) -> Vec<Vec<PeerFetch>> {
     let total: u64 = fetches.iter().map(|f| f.len).sum();
     if fetches.len() < 2 || total < SPLIT_BYTES {
         return vec![fetches];
@@ -221,7 +222,7 @@ impl Requester {
                 let Some(key) = c.key.as_ref().and_then(Key::to_chunk_key) else { continue };
                 if held.contains(&key) || held.len() < max {
                     held.insert(key);
-                    added.push(Chunk { key, len: c.len, checksum: c.checksum });
+                    added.push(InventoryChunk { key, len: c.len, checksum: c.checksum });
                 } else {
                     // Over the bound: coverage is partial from here on.
                     complete = false;
@@ -250,8 +251,8 @@ impl Requester {
 
     /// Groups `batch` by peer and starts each group's reads; fetches of peers not followed
     /// (any more) fail at once.
-    async fn dispatch(self: &Arc<Self>, links: &HashMap<String, Link>, batch: Vec<Fetch>) {
-        let mut groups: HashMap<u32, Vec<Fetch>> = HashMap::new();
+    async fn dispatch(self: &Arc<Self>, links: &HashMap<String, Link>, batch: Vec<PeerFetch>) {
+        let mut groups: HashMap<u32, Vec<PeerFetch>> = HashMap::new();
         for f in batch {
             groups.entry(f.peer).or_default().push(f);
         }
@@ -277,7 +278,7 @@ impl Requester {
         node: String,
         epoch: u64,
         channel: Channel,
-        fetches: Vec<Fetch>,
+        fetches: Vec<PeerFetch>,
     ) {
         let first = fetches.iter().map(|f| f.queued).min();
         let mut took = GroupTimes {
@@ -330,7 +331,7 @@ impl Requester {
     #[allow(clippy::type_complexity)]
     fn plan_reads(
         &self,
-        fetches: &[Fetch],
+        fetches: &[PeerFetch],
         reply: &crate::rpc::GrantReply,
     ) -> Result<(Vec<bool>, Vec<(u64, u64, u64)>, Vec<u64>), String> {
         if reply.chunks.len() != fetches.len() {
@@ -360,7 +361,7 @@ impl Requester {
         node: &str,
         epoch: u64,
         channel: Channel,
-        fetches: &[Fetch],
+        fetches: &[PeerFetch],
         took: &mut GroupTimes,
     ) -> Result<Vec<bool>, String> {
         let me = (self.cluster.cfg.node_id.clone(), self.cluster.epoch().unwrap_or(0));
@@ -408,7 +409,7 @@ impl Requester {
         // The chunks go to the shards as they land (TE says which have), so a shard checks the
         // checksums of those while the rest are on the wire.
         let with_range: Vec<usize> = (0..fetches.len()).filter(|&i| read[i]).collect();
-        let in_order: Vec<Fetch> = with_range.iter().map(|&i| fetches[i]).collect();
+        let in_order: Vec<PeerFetch> = with_range.iter().map(|&i| fetches[i]).collect();
         let reading = Instant::now();
         let (moved, handed) = self.te_read(&reply.segment, ranges, in_order, took).await;
         took.te_read += reading.elapsed();
@@ -454,7 +455,7 @@ impl Requester {
         &self,
         segment: &str,
         ranges: Vec<(u64, u64, u64)>,
-        in_order: Vec<Fetch>,
+        in_order: Vec<PeerFetch>,
         took: &mut GroupTimes,
     ) -> (Result<(), String>, usize) {
         // Tests: a read that fails (`return`) or crawls first (`sleep(ms)`).
@@ -544,7 +545,7 @@ impl Requester {
     /// Hands fetches `which` of `fetches` to their shards, read or not as `landed` says.
     async fn hand(
         &self,
-        fetches: &[Fetch],
+        fetches: &[PeerFetch],
         which: &[usize],
         landed: &[bool],
         took: &mut GroupTimes,
@@ -556,7 +557,7 @@ impl Requester {
         // Straight into the shards' queues where they have room; the rest waits for room on
         // the blocking pool.
         let n = &self.cfg.node;
-        let items: Vec<(Fetch, bool)> = which
+        let items: Vec<(PeerFetch, bool)> = which
             .iter()
             .map(|&i| (fetches[i], landed[i]))
             .filter(|&(f, r)| !n.fetched_now(f, r))
@@ -573,10 +574,10 @@ impl Requester {
 mod tests {
     use super::*;
 
-    fn fetches(lens: &[u64]) -> Vec<Fetch> {
+    fn fetches(lens: &[u64]) -> Vec<PeerFetch> {
         lens.iter()
             .enumerate()
-            .map(|(i, &len)| Fetch {
+            .map(|(i, &len)| PeerFetch {
                 shard: 0,
                 key: ChunkKey::new(1, [i as u8; 32]),
                 peer: 1,
@@ -588,7 +589,7 @@ mod tests {
             .collect()
     }
 
-    fn lens(parts: &[Vec<Fetch>]) -> Vec<Vec<u64>> {
+    fn lens(parts: &[Vec<PeerFetch>]) -> Vec<Vec<u64>> {
         parts.iter().map(|p| p.iter().map(|f| f.len).collect()).collect()
     }
 

@@ -16,6 +16,7 @@ mod latency;
 mod messages;
 mod namespace;
 mod paths;
+mod peering;
 mod units;
 
 pub use checksum::{chunk_checksum, ChunkChecksum};
@@ -31,4 +32,5 @@ pub use messages::{
 };
 pub use namespace::{Dtype, NamespaceDescriptor, NamespaceError, NamespaceId};
 pub use paths::{admin_socket_path, default_socket_path, SOCKET_ENV};
+pub use peering::{InventoryChunk, InventoryDelta, PeerFetch};
 pub use units::{format_bytes, parse_duration, parse_size, UnitError, PAGE_SIZE};

@@ -832,9 +832,8 @@ impl Exec {
         let fetches = self.core.borrow_mut().take_peer_fetches();
         // In one message (up to its bound): the peer thread takes them as one group.
         for piece in fetches.chunks(orbitkv_peer::FETCHES_PER_MESSAGE) {
-            let queued = self.shared.peer_fetches.get().is_some_and(|q| {
-                q.try_send(piece.iter().map(|&f| crate::peering::to_fetch(f)).collect()).is_ok()
-            });
+            let queued =
+                self.shared.peer_fetches.get().is_some_and(|q| q.try_send(piece.to_vec()).is_ok());
             if !queued {
                 for f in piece {
                     let _ = self.core.borrow_mut().finish_peer_fetch(f, false);

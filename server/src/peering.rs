@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
-use orbitkv_peer::{Chunk, Delta, Fetch, Later, LocalNode};
-use orbitkv_proto::{ChunkKey, Hit, SlotRef};
-use orbitkv_shards::{InventoryChunk, InventoryDelta, PeerFetch, SessionId, ShardCore};
+use orbitkv_peer::{Later, LocalNode};
+use orbitkv_proto::{ChunkKey, Hit, InventoryChunk, InventoryDelta, PeerFetch, SlotRef};
+use orbitkv_shards::{SessionId, ShardCore};
 
 use crate::shared::{ControlMsg, Shared};
 
@@ -113,34 +113,17 @@ impl Node {
     }
 }
 
-fn chunk(c: InventoryChunk) -> Chunk {
-    Chunk { key: c.key, len: c.len, checksum: c.checksum }
-}
-
-fn inventory_chunk(c: Chunk) -> InventoryChunk {
-    InventoryChunk { key: c.key, len: c.len, checksum: c.checksum }
-}
-
 impl LocalNode for Node {
     fn shards(&self) -> usize {
         self.0.shards()
     }
 
-    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<Chunk>> {
-        let got = self.ask(shard, PeerMsg::Snapshot)?;
-        Some(got.into_iter().map(chunk).collect())
+    fn inventory_snapshot(&self, shard: usize) -> Option<Vec<InventoryChunk>> {
+        self.ask(shard, PeerMsg::Snapshot)
     }
 
-    fn inventory_drain(&self, shard: usize) -> Option<(Vec<Delta>, bool)> {
-        let (deltas, overflowed) = self.ask(shard, PeerMsg::Drain)?;
-        let deltas = deltas
-            .into_iter()
-            .map(|d| match d {
-                InventoryDelta::Added(c) => Delta::Added(chunk(c)),
-                InventoryDelta::Removed(k) => Delta::Removed(k),
-            })
-            .collect();
-        Some((deltas, overflowed))
+    fn inventory_drain(&self, shard: usize) -> Option<(Vec<InventoryDelta>, bool)> {
+        self.ask(shard, PeerMsg::Drain)
     }
 
     fn grant(&self, holder: u64, keys: &[ChunkKey]) -> Later<Vec<Option<Hit>>> {
@@ -198,12 +181,12 @@ impl LocalNode for Node {
         }
     }
 
-    fn catalog_apply(&self, peer: u32, added: Vec<Chunk>, removed: Vec<ChunkKey>) {
+    fn catalog_apply(&self, peer: u32, added: Vec<InventoryChunk>, removed: Vec<ChunkKey>) {
         let n = self.0.shards();
         let mut adds: Vec<Vec<InventoryChunk>> = vec![Vec::new(); n];
         let mut removes: Vec<Vec<ChunkKey>> = vec![Vec::new(); n];
         for c in added {
-            adds[c.key.shard(n)].push(inventory_chunk(c));
+            adds[c.key.shard(n)].push(c);
         }
         for k in removed {
             removes[k.shard(n)].push(k);
@@ -221,38 +204,11 @@ impl LocalNode for Node {
         }
     }
 
-    fn fetched(&self, fetch: Fetch, read: bool) {
-        let fetch = from_fetch(fetch);
+    fn fetched(&self, fetch: PeerFetch, read: bool) {
         self.send(fetch.shard, PeerMsg::Fetched { fetch, read });
     }
 
-    fn fetched_now(&self, fetch: Fetch, read: bool) -> bool {
-        let fetch = from_fetch(fetch);
+    fn fetched_now(&self, fetch: PeerFetch, read: bool) -> bool {
         self.0.try_send_control(fetch.shard, ControlMsg::Peer(PeerMsg::Fetched { fetch, read }))
-    }
-}
-
-/// A peer read as its shard knows it.
-fn from_fetch(f: Fetch) -> PeerFetch {
-    PeerFetch {
-        shard: f.shard,
-        key: f.key,
-        peer: f.peer,
-        offset: f.offset,
-        len: f.len,
-        generation: f.generation,
-    }
-}
-
-/// A shard's peer reads, as the peer thread takes them.
-pub fn to_fetch(f: PeerFetch) -> Fetch {
-    Fetch {
-        shard: f.shard,
-        key: f.key,
-        peer: f.peer,
-        offset: f.offset,
-        len: f.len,
-        generation: f.generation,
-        queued: std::time::Instant::now(),
     }
 }

@@ -12,7 +12,8 @@ use orbitkv_proto::ChunkKey;
 
 use crate::alloc::Extent;
 use crate::ops::SessionId;
-use crate::peering::{InventoryChunk, InventoryDelta, InventoryLog};
+use crate::peering::InventoryLog;
+use orbitkv_proto::{InventoryChunk, InventoryDelta};
 
 /// Index of an entry in the slab.
 pub(crate) type EntryIdx = u32;

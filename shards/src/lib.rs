@@ -28,5 +28,5 @@ pub use core::{
 pub use error::Error;
 pub use metrics::{OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
-pub use peering::{InventoryChunk, InventoryDelta, InventoryDrain, PeerFetch, RemoteChunk};
+pub use peering::{InventoryDrain, RemoteChunk};
 pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

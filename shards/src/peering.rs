@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use orbitkv_proto::{ChunkKey, ErrorCode};
+use orbitkv_proto::{ChunkKey, ErrorCode, InventoryChunk, InventoryDelta, PeerFetch};
 
 use crate::core::ShardCore;
 use crate::entries::EntryState;
@@ -20,26 +20,6 @@ use crate::ops::SessionId;
 /// Owner of a reservation that a peer read fills (never a session id; SSD promotions use
 /// `SessionId::MAX`).
 pub(crate) const PEER_PROMOTER: SessionId = SessionId::MAX - 1;
-
-/// A chunk held in DRAM, as peers learn of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InventoryChunk {
-    /// The chunk.
-    pub key: ChunkKey,
-    /// Its length in bytes.
-    pub len: u64,
-    /// Its xxh3-64 checksum.
-    pub checksum: u64,
-}
-
-/// One change to a shard's DRAM inventory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InventoryDelta {
-    /// The chunk became visible in DRAM.
-    Added(InventoryChunk),
-    /// The chunk left DRAM.
-    Removed(ChunkKey),
-}
 
 /// What [`ShardCore::inventory_drain`] hands over.
 #[derive(Debug, Default)]
@@ -86,24 +66,6 @@ pub struct RemoteChunk {
     pub len: u64,
     /// The owner's checksum.
     pub checksum: u64,
-}
-
-/// A peer read for the peer thread to perform: the owner's bytes of `key` into this shard's
-/// reserved slot at arena offset `offset`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PeerFetch {
-    /// The shard that waits for it.
-    pub shard: usize,
-    /// The chunk.
-    pub key: ChunkKey,
-    /// The peer that holds it.
-    pub peer: u32,
-    /// Byte offset of the reserved slot in the arena memfd.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Generation of the reserved slot.
-    pub generation: u64,
 }
 
 /// The peer side of a shard: its inventory log, its slice of the catalog, and the peer
@@ -199,6 +161,7 @@ impl ShardCore {
             offset: self.slice.offset() + extent.offset(),
             len: remote.len,
             generation,
+            queued: std::time::Instant::now(),
         });
         true
     }
