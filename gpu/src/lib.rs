@@ -14,6 +14,6 @@ mod mode;
 mod register;
 
 pub use detect::{probe, DeviceInfo, Probe};
-pub use layout::{KvLayout, LayoutDesc, LayoutError, Segment};
+pub use layout::{LayoutError, LayoutGeometry, Segment};
 pub use mode::{resolve, GpuError, GpuMode};
 pub use register::{register_arena, register_arena_parts, HostRegistration, RegisterPart};

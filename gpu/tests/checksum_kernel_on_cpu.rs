@@ -199,11 +199,12 @@ fn kernels_match_chunk_checksum() {
 
 #[test]
 fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
-    use orbitkv_gpu::{KvLayout, LayoutDesc};
+    use orbitkv_gpu::LayoutGeometry;
+    use orbitkv_proto::{KvLayoutKind, KvLayoutSpec};
     let emu = emulator("blocks");
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let base = LayoutDesc {
-        layout: KvLayout::FlashAttnNhd,
+    let base = KvLayoutSpec {
+        kind: KvLayoutKind::FlashAttnNhd,
         num_layers: 3,
         num_blocks: 24,
         block_size: 4,
@@ -215,12 +216,12 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
     // after another), SGLang's 128-byte token slots.
     for l in [
         base,
-        LayoutDesc { block_size: 16, ..base },
-        LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
-        LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 96, ..base },
-        LayoutDesc { layout: KvLayout::CrossLayer, ..base },
-        LayoutDesc { layout: KvLayout::Paged, ..base },
-        LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, ..base },
+        KvLayoutSpec { block_size: 16, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::FlashAttnHnd, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::MlaPerLayer, kv_heads: 1, head_dim: 96, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::CrossLayer, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::Paged, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::SglangPerLayer, block_size: 1, ..base },
     ] {
         let tensor_bytes = l.tensor_bytes().unwrap();
         let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
@@ -260,7 +261,7 @@ fn block_form_tables_expanded_by_the_kernel_give_chunk_checksum() {
                 })
                 .collect();
             let got = run_blocks(&emu, &data, &job, chunk_len);
-            assert_eq!(got, want, "{:?}, {per_chunk} blocks per chunk", l.layout);
+            assert_eq!(got, want, "{:?}, {per_chunk} blocks per chunk", l.kind);
         }
     }
     let _ = std::fs::remove_file(emu);

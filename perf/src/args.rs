@@ -166,7 +166,7 @@ pub(crate) struct SoakClientArgs {
     pub value_sizes: Vec<u64>,
 }
 
-/// Engine KV layouts (see `orbitkv_gpu::KvLayout`).
+/// Engine KV layouts (see `orbitkv_gpu::KvLayoutKind`).
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LayoutArg {
     /// vLLM FlashAttention per layer, `[2, blocks, block_tokens, heads, dim]`.

@@ -16,7 +16,8 @@ use orbitkv_gpu::dma::{
     EngineMemory, JobShape, SaveSums, Strategy, Transfer, BATCHED_FROM, JOB_BYTES,
     SUMMED_UNFINISHED,
 };
-use orbitkv_gpu::{DeviceInfo, HostRegistration, KvLayout, LayoutDesc, Probe};
+use orbitkv_gpu::{DeviceInfo, HostRegistration, LayoutGeometry, Probe};
+use orbitkv_proto::{KvLayoutKind, KvLayoutSpec};
 use orbitkv_shards::{Arena, ArenaSlice, PAGE_SIZE};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -565,21 +566,21 @@ fn dma(e: orbitkv_gpu::dma::DmaError) -> Error {
     Error::Gpu(e.to_string())
 }
 
-fn layout_of(a: &DmaArgs) -> Result<(LayoutDesc, &'static str), Error> {
+fn layout_of(a: &DmaArgs) -> Result<(KvLayoutSpec, &'static str), Error> {
     let (layout, name) = match a.layout {
-        LayoutArg::FlashNhd => (KvLayout::FlashAttnNhd, "flash-nhd"),
-        LayoutArg::FlashHnd => (KvLayout::FlashAttnHnd, "flash-hnd"),
-        LayoutArg::CrossLayer => (KvLayout::CrossLayer, "cross-layer"),
-        LayoutArg::Mla => (KvLayout::MlaPerLayer, "mla"),
-        LayoutArg::Sglang => (KvLayout::SglangPerLayer, "sglang"),
-        LayoutArg::Paged => (KvLayout::Paged, "paged"),
+        LayoutArg::FlashNhd => (KvLayoutKind::FlashAttnNhd, "flash-nhd"),
+        LayoutArg::FlashHnd => (KvLayoutKind::FlashAttnHnd, "flash-hnd"),
+        LayoutArg::CrossLayer => (KvLayoutKind::CrossLayer, "cross-layer"),
+        LayoutArg::Mla => (KvLayoutKind::MlaPerLayer, "mla"),
+        LayoutArg::Sglang => (KvLayoutKind::SglangPerLayer, "sglang"),
+        LayoutArg::Paged => (KvLayoutKind::Paged, "paged"),
     };
     let elem_bytes = match a.dtype {
         DtypeArg::Bf16 | DtypeArg::Fp16 => 2,
         DtypeArg::Fp8 => 1,
     };
-    let desc = LayoutDesc {
-        layout,
+    let desc = KvLayoutSpec {
+        kind: layout,
         num_layers: a.layers,
         num_blocks: a.blocks,
         block_size: a.block_tokens,
@@ -1343,7 +1344,7 @@ fn check_args(a: &DmaArgs) -> Result<(), Error> {
 /// The stand-in engine (its tensors filled with seeded bytes), the arena registered with
 /// CUDA, the chunks' slots and a copy engine: everything a run measures with; and how long
 /// registering the arena took (ms).
-fn bench(a: &DmaArgs, ctx: &Arc<CudaContext>, layout: LayoutDesc) -> Result<(Bench, f64), Error> {
+fn bench(a: &DmaArgs, ctx: &Arc<CudaContext>, layout: KvLayoutSpec) -> Result<(Bench, f64), Error> {
     let memory = Arc::new(EngineMemory::allocate(ctx, layout).map_err(dma)?);
     let tensor_bytes = layout.tensor_bytes().expect("validated") as usize;
     let mut originals = Vec::with_capacity(layout.tensor_count() as usize);
@@ -1478,9 +1479,7 @@ pub(crate) fn run(a: &DmaArgs) -> Result<DmaReport, Error> {
         elem_bytes: layout.elem_bytes,
         blocks: a.blocks,
         blocks_per_chunk: a.blocks_per_chunk,
-        page_bytes: layout.block_bytes()
-            / layout.num_layers as u64
-            / if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
+        page_bytes: layout.part_len(),
         pieces,
         bytes,
         staging_bytes: a.staging,

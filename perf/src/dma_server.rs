@@ -12,7 +12,7 @@ use orbitkv_client::{
     NamespaceDescriptor,
 };
 use orbitkv_gpu::dma::{Direction, EngineMemory};
-use orbitkv_gpu::{KvLayout, LayoutDesc};
+use orbitkv_gpu::LayoutGeometry;
 use serde::Serialize;
 
 use crate::args::{DmaArgs, DtypeArg};
@@ -452,26 +452,7 @@ pub(crate) fn client_err(op: &'static str) -> impl Fn(orbitkv_client::Error) -> 
     move |e| Error::Gpu(format!("{op} through the server: {e}"))
 }
 
-fn spec(l: &LayoutDesc) -> KvLayoutSpec {
-    KvLayoutSpec {
-        kind: match l.layout {
-            KvLayout::FlashAttnNhd => KvLayoutKind::FlashAttnNhd,
-            KvLayout::FlashAttnHnd => KvLayoutKind::FlashAttnHnd,
-            KvLayout::CrossLayer => KvLayoutKind::CrossLayer,
-            KvLayout::MlaPerLayer => KvLayoutKind::MlaPerLayer,
-            KvLayout::SglangPerLayer => KvLayoutKind::SglangPerLayer,
-            KvLayout::Paged => KvLayoutKind::Paged,
-        },
-        num_layers: l.num_layers,
-        num_blocks: l.num_blocks,
-        block_size: l.block_size,
-        kv_heads: l.kv_heads,
-        head_dim: l.head_dim,
-        elem_bytes: l.elem_bytes,
-    }
-}
-
-fn expected_chunk(l: &LayoutDesc, originals: &[Vec<u8>], blocks: &[u64], out: &mut Vec<u8>) {
+fn expected_chunk(l: &KvLayoutSpec, originals: &[Vec<u8>], blocks: &[u64], out: &mut Vec<u8>) {
     out.clear();
     for &block in blocks {
         for s in l.block_segments(block) {
@@ -491,9 +472,13 @@ pub(crate) fn not_done(o: &[ChunkOutcome]) -> u64 {
 }
 
 /// The namespace of the stand-in engine's chunks.
-pub(crate) fn descriptor(a: &DmaArgs, layout: &LayoutDesc, per_chunk: u32) -> NamespaceDescriptor {
+pub(crate) fn descriptor(
+    a: &DmaArgs,
+    layout: &KvLayoutSpec,
+    per_chunk: u32,
+) -> NamespaceDescriptor {
     NamespaceDescriptor {
-        model: format!("orbitkv-perf-dma/{:?}", layout.layout),
+        model: format!("orbitkv-perf-dma/{:?}", layout.kind),
         dtype: match a.dtype {
             DtypeArg::Bf16 => Dtype::Bf16,
             DtypeArg::Fp16 => Dtype::Fp16,
@@ -502,7 +487,7 @@ pub(crate) fn descriptor(a: &DmaArgs, layout: &LayoutDesc, per_chunk: u32) -> Na
         num_layers: layout.num_layers,
         num_kv_heads: layout.kv_heads,
         head_dim: layout.head_dim,
-        kv_tensors: if layout.layout == KvLayout::MlaPerLayer { 1 } else { 2 },
+        kv_tensors: layout.kv() as u32,
         tokens_per_chunk: layout.block_size * per_chunk,
         layout_version: 1,
         tp_rank: a.tp_rank,
@@ -628,7 +613,7 @@ impl Session {
             .map(|x| GpuTensor { handle: x.handle, offset: x.offset, len: x.len })
             .collect();
         let reg = client
-            .register_gpu(e.device_uuid, spec(&layout), &tensors)
+            .register_gpu(e.device_uuid, layout, &tensors)
             .map_err(client_err("register_gpu"))?;
         Ok(Self { client, descriptor, ns: ns.id, reg })
     }

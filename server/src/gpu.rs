@@ -20,8 +20,8 @@ use orbitkv_gpu::dma::{
     ChunkHasher, CopyEngine, CopyJob, Direction, DmaError, EngineMemory, Progress, SaveSums,
     SpanTotals, Strategy, SubmitTimes, TensorExport, Transfer, BATCHED_FROM,
 };
-use orbitkv_gpu::{DeviceInfo, HostRegistration, KvLayout, LayoutDesc};
-use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec};
+use orbitkv_gpu::{DeviceInfo, HostRegistration};
+use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutSpec};
 use orbitkv_shards::SessionId;
 
 use crate::doorbell::Doorbells;
@@ -414,25 +414,6 @@ fn worker_of(device: usize, direction: Direction) -> usize {
         }
 }
 
-fn layout_desc(spec: &KvLayoutSpec) -> LayoutDesc {
-    LayoutDesc {
-        layout: match spec.kind {
-            KvLayoutKind::FlashAttnNhd => KvLayout::FlashAttnNhd,
-            KvLayoutKind::FlashAttnHnd => KvLayout::FlashAttnHnd,
-            KvLayoutKind::CrossLayer => KvLayout::CrossLayer,
-            KvLayoutKind::MlaPerLayer => KvLayout::MlaPerLayer,
-            KvLayoutKind::SglangPerLayer => KvLayout::SglangPerLayer,
-            KvLayoutKind::Paged => KvLayout::Paged,
-        },
-        num_layers: spec.num_layers,
-        num_blocks: spec.num_blocks,
-        block_size: spec.block_size,
-        kv_heads: spec.kv_heads,
-        head_dim: spec.head_dim,
-        elem_bytes: spec.elem_bytes,
-    }
-}
-
 impl GpuService {
     /// Opens a context on every device; threads start with [`GpuService::start`].
     pub fn new(
@@ -607,7 +588,7 @@ impl GpuService {
             .map(|t| TensorExport { handle: t.handle, offset: t.offset, len: t.len })
             .collect();
         // Opening IPC handles takes the driver a moment; registration is rare (engine start).
-        let memory = EngineMemory::import(&self.contexts[device], layout_desc(spec), &exports)
+        let memory = EngineMemory::import(&self.contexts[device], *spec, &exports)
             .map_err(|e| (ErrorCode::InvalidArgument, e.to_string()))?;
         self.registry.lock().expect("never poisoned").insert(session, device, Arc::new(memory))
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use orbitkv_gpu::dma::{Direction, EngineMemory};
-use orbitkv_gpu::LayoutDesc;
+use orbitkv_gpu::LayoutGeometry;
 use orbitkv_proto::{
     ChunkKey, ChunkOutcome, ErrorCode, GpuTensor, Hit, KvLayoutSpec, Reservation, Response, SlotRef,
 };
@@ -103,7 +103,7 @@ pub(crate) async fn unregister(
 
 /// Checks the block list against the keys and the registered layout: `n` blocks per key,
 /// every id in range. Returns (blocks per chunk, chunk bytes).
-fn shape(layout: &LayoutDesc, keys: usize, blocks: &[u64]) -> Result<(usize, u64), Response> {
+fn shape(layout: &KvLayoutSpec, keys: usize, blocks: &[u64]) -> Result<(usize, u64), Response> {
     let bad = |m: String| Err(Response::error(ErrorCode::InvalidArgument, m));
     if blocks.is_empty() || !blocks.len().is_multiple_of(keys) {
         return bad(format!(
@@ -543,13 +543,13 @@ impl LoadJob {
 
 #[cfg(test)]
 mod tests {
-    use orbitkv_gpu::KvLayout;
+    use orbitkv_proto::KvLayoutKind;
 
     use super::*;
 
-    fn layout() -> LayoutDesc {
-        LayoutDesc {
-            layout: KvLayout::FlashAttnNhd,
+    fn layout() -> KvLayoutSpec {
+        KvLayoutSpec {
+            kind: KvLayoutKind::FlashAttnNhd,
             num_layers: 4,
             num_blocks: 100,
             block_size: 16,
@@ -603,7 +603,7 @@ mod tests {
         assert!(refused(shape(&l, 1, &[u64::MAX])).contains("out of range"));
         // Blocks of 2^45 bytes (a valid layout), 2^19 of them per key: the chunk's length
         // would wrap to 0 (and a division by it panic the shard).
-        let big = LayoutDesc {
+        let big = KvLayoutSpec {
             num_layers: 1 << 4,
             num_blocks: 1,
             block_size: 1 << 20,

@@ -13,9 +13,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::gpu::{all_done, device, saved_wrong, setup, spec, Engine, LAYOUT};
+use common::gpu::{all_done, device, saved_wrong, setup, Engine, LAYOUT};
 use common::TestServer;
 use orbitkv_client::{ChunkKey, ChunkOutcome, Client, GpuRegistration, GpuTensor};
+use orbitkv_gpu::LayoutGeometry;
 
 #[test]
 fn saves_and_loads_are_byte_exact_and_bad_registrations_name_their_field() {
@@ -36,7 +37,7 @@ fn saves_and_loads_are_byte_exact_and_bad_registrations_name_their_field() {
         ("tensors[0].handle", &e.uuid, with_first(&|t| t.handle = [0; 64])),
     ];
     for (field, uuid, tensors) in bad {
-        match c.register_gpu(uuid, spec(), &tensors) {
+        match c.register_gpu(uuid, LAYOUT, &tensors) {
             Err(orbitkv_client::Error::Server { message, .. }) => {
                 assert!(message.contains(field), "{field}: {message}")
             }

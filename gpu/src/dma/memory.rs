@@ -10,7 +10,8 @@ use cudarc::driver::CudaContext;
 use super::ffi::{self, DeviceBuffer, IpcMapping};
 use super::plan::{chunk_pieces, BlockJob, Piece};
 use super::DmaError;
-use crate::layout::LayoutDesc;
+use crate::layout::LayoutGeometry;
+use orbitkv_proto::KvLayoutSpec;
 
 /// One engine tensor exported with CUDA IPC: the allocation's handle, where the tensor
 /// starts in that allocation, and its length.
@@ -35,9 +36,9 @@ enum Backing {
 pub struct EngineMemory {
     /// The device's ordinal (copies of this memory go through engines of that device only).
     ordinal: usize,
-    layout: LayoutDesc,
+    layout: KvLayoutSpec,
     tensors: Vec<u64>,
-    /// Device address of part `p` of block 0, per part (`LayoutDesc::part_bases`).
+    /// Device address of part `p` of block 0, per part (`KvLayoutSpec::part_bases`).
     bases: Vec<u64>,
     /// Bytes from a block's part to the next block's.
     stride: u64,
@@ -81,13 +82,13 @@ fn invalid(msg: String) -> DmaError {
 
 /// The checks of [`EngineMemory::import`] that need no device: the layout, one export per
 /// tensor, each at least a tensor long. Returns the bytes of a tensor.
-fn check_exports(layout: &LayoutDesc, exports: &[TensorExport]) -> Result<u64, DmaError> {
+fn check_exports(layout: &KvLayoutSpec, exports: &[TensorExport]) -> Result<u64, DmaError> {
     layout.validate().map_err(|e| invalid(e.to_string()))?;
     let want = layout.tensor_count() as usize;
     if exports.len() != want {
         return Err(invalid(format!(
             "tensors: the {:?} layout with {} layers has {want} tensors, {} were given",
-            layout.layout,
+            layout.kind,
             layout.num_layers,
             exports.len()
         )));
@@ -115,7 +116,7 @@ impl EngineMemory {
     /// allocation. Errors name the field.
     pub fn import(
         ctx: &Arc<CudaContext>,
-        layout: LayoutDesc,
+        layout: KvLayoutSpec,
         exports: &[TensorExport],
     ) -> Result<Self, DmaError> {
         let need = check_exports(&layout, exports)?;
@@ -141,7 +142,7 @@ impl EngineMemory {
     }
 
     /// Allocates the layout's tensors on `ctx`'s device (a stand-in engine).
-    pub fn allocate(ctx: &Arc<CudaContext>, layout: LayoutDesc) -> Result<Self, DmaError> {
+    pub fn allocate(ctx: &Arc<CudaContext>, layout: KvLayoutSpec) -> Result<Self, DmaError> {
         layout.validate().map_err(|e| invalid(e.to_string()))?;
         let bytes = layout.tensor_bytes().expect("validated") as usize;
         let bufs = (0..layout.tensor_count())
@@ -155,7 +156,7 @@ impl EngineMemory {
     /// tensors' addresses never change for it).
     fn with_parts(
         ctx: &Arc<CudaContext>,
-        layout: LayoutDesc,
+        layout: KvLayoutSpec,
         tensors: Vec<u64>,
         backing: Backing,
     ) -> Result<Self, DmaError> {
@@ -195,7 +196,7 @@ impl EngineMemory {
     }
 
     /// The layout.
-    pub fn layout(&self) -> &LayoutDesc {
+    pub fn layout(&self) -> &KvLayoutSpec {
         &self.layout
     }
 
@@ -257,11 +258,12 @@ impl EngineMemory {
 #[cfg(test)]
 mod tests {
     use super::{check_exports, check_offset, TensorExport};
-    use crate::layout::{KvLayout, LayoutDesc};
+    use crate::layout::LayoutGeometry;
+    use orbitkv_proto::{KvLayoutKind, KvLayoutSpec};
 
-    fn flash(layers: u32) -> LayoutDesc {
-        LayoutDesc {
-            layout: KvLayout::FlashAttnNhd,
+    fn flash(layers: u32) -> KvLayoutSpec {
+        KvLayoutSpec {
+            kind: KvLayoutKind::FlashAttnNhd,
             num_layers: layers,
             num_blocks: 16,
             block_size: 16,

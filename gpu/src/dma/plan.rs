@@ -2,7 +2,8 @@
 //! arena slots, and those pieces packed into staging batches. Pure arithmetic: tested without
 //! a GPU against a CPU simulation of the copies.
 
-use crate::layout::LayoutDesc;
+use crate::layout::LayoutGeometry;
+use orbitkv_proto::KvLayoutSpec;
 
 /// One contiguous run of bytes between GPU memory and host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,13 +17,13 @@ pub struct Piece {
 }
 
 /// Appends the pieces of one chunk: the blocks `blocks` of an engine whose tensors start at
-/// `tensors` (device addresses, numbered as [`LayoutDesc::tensor_count`]), packed block after
+/// `tensors` (device addresses, numbered as [`KvLayoutSpec::tensor_count`]), packed block after
 /// block, each block layer by layer (K before V), into host memory at `host`. Pieces that
 /// are contiguous on both sides are merged. Returns the chunk's length.
 ///
 /// Panics if a block id is out of range or `tensors` is short: callers validate first.
 pub fn chunk_pieces(
-    layout: &LayoutDesc,
+    layout: &KvLayoutSpec,
     tensors: &[u64],
     blocks: &[u64],
     host: u64,
@@ -251,7 +252,7 @@ fn fill_batch(
     }
 }
 
-/// A job in block form: the layout reduced to arithmetic ([`LayoutDesc::part_bases`]) and each
+/// A job in block form: the layout reduced to arithmetic ([`KvLayoutSpec::part_bases`]) and each
 /// chunk's block ids, with no piece or descriptor per part. The copy kernel finds part `p` of
 /// the block with id `b` at `bases[p] + b * stride` (the bases in device memory at `parts`),
 /// and staging holds the batch's blocks one after another, each part after part.

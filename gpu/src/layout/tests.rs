@@ -15,7 +15,7 @@ fn offset_of(shape: &[u64], index: &[u64], elem: u64) -> u64 {
 
 /// Reference: (tensor, byte offset) of every element of `block`, in chunk order (layer, K/V,
 /// then the layout's own order inside the block).
-fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
+fn reference(d: &KvLayoutSpec, block: u64) -> Vec<(u32, u64)> {
     let (l, bs, h, dim, e) = (
         d.num_layers as u64,
         d.block_size as u64,
@@ -26,10 +26,10 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
     let n = d.num_blocks;
     let mut out = Vec::new();
     for layer in 0..l {
-        let kvs = if d.layout == KvLayout::MlaPerLayer { 1 } else { 2 };
+        let kvs = if d.kind == KvLayoutKind::MlaPerLayer { 1 } else { 2 };
         for t in 0..kvs {
-            match d.layout {
-                KvLayout::FlashAttnNhd => {
+            match d.kind {
+                KvLayoutKind::FlashAttnNhd => {
                     for s in 0..bs {
                         for hh in 0..h {
                             for x in 0..dim {
@@ -41,7 +41,7 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                         }
                     }
                 }
-                KvLayout::FlashAttnHnd => {
+                KvLayoutKind::FlashAttnHnd => {
                     for hh in 0..h {
                         for s in 0..bs {
                             for x in 0..dim {
@@ -53,7 +53,7 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                         }
                     }
                 }
-                KvLayout::CrossLayer => {
+                KvLayoutKind::CrossLayer => {
                     for s in 0..bs {
                         for hh in 0..h {
                             for x in 0..dim {
@@ -69,7 +69,7 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                         }
                     }
                 }
-                KvLayout::MlaPerLayer => {
+                KvLayoutKind::MlaPerLayer => {
                     for s in 0..bs {
                         for x in 0..dim {
                             out.push((layer as u32, offset_of(&[n, bs, dim], &[block, s, x], e)));
@@ -77,7 +77,7 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                     }
                 }
                 // The page is opaque: its bytes in order, K half then V half.
-                KvLayout::Paged => {
+                KvLayoutKind::Paged => {
                     for x in 0..bs * h * dim {
                         out.push((
                             layer as u32,
@@ -85,7 +85,7 @@ fn reference(d: &LayoutDesc, block: u64) -> Vec<(u32, u64)> {
                         ));
                     }
                 }
-                KvLayout::SglangPerLayer => {
+                KvLayoutKind::SglangPerLayer => {
                     for hh in 0..h {
                         for x in 0..dim {
                             out.push((
@@ -108,14 +108,14 @@ fn expand(segs: &[Segment], elem: u64) -> Vec<(u32, u64)> {
         .collect()
 }
 
-fn desc(layout: KvLayout) -> LayoutDesc {
+fn desc(layout: KvLayoutKind) -> KvLayoutSpec {
     let (block_size, kv_heads) = match layout {
-        KvLayout::SglangPerLayer => (1, 3),
-        KvLayout::MlaPerLayer => (4, 1),
+        KvLayoutKind::SglangPerLayer => (1, 3),
+        KvLayoutKind::MlaPerLayer => (4, 1),
         _ => (4, 3),
     };
-    LayoutDesc {
-        layout,
+    KvLayoutSpec {
+        kind: layout,
         num_layers: 3,
         num_blocks: 5,
         block_size,
@@ -128,12 +128,12 @@ fn desc(layout: KvLayout) -> LayoutDesc {
 #[test]
 fn every_layout_matches_the_reference() {
     for layout in [
-        KvLayout::FlashAttnNhd,
-        KvLayout::FlashAttnHnd,
-        KvLayout::CrossLayer,
-        KvLayout::MlaPerLayer,
-        KvLayout::SglangPerLayer,
-        KvLayout::Paged,
+        KvLayoutKind::FlashAttnNhd,
+        KvLayoutKind::FlashAttnHnd,
+        KvLayoutKind::CrossLayer,
+        KvLayoutKind::MlaPerLayer,
+        KvLayoutKind::SglangPerLayer,
+        KvLayoutKind::Paged,
     ] {
         let d = desc(layout);
         d.validate().unwrap();
@@ -158,12 +158,12 @@ fn part_bases_and_stride_give_every_part() {
     // would show.
     let tensors: Vec<u64> = (0..8).map(|i| (i + 1) << 32).collect();
     for layout in [
-        KvLayout::FlashAttnNhd,
-        KvLayout::FlashAttnHnd,
-        KvLayout::CrossLayer,
-        KvLayout::MlaPerLayer,
-        KvLayout::SglangPerLayer,
-        KvLayout::Paged,
+        KvLayoutKind::FlashAttnNhd,
+        KvLayoutKind::FlashAttnHnd,
+        KvLayoutKind::CrossLayer,
+        KvLayoutKind::MlaPerLayer,
+        KvLayoutKind::SglangPerLayer,
+        KvLayoutKind::Paged,
     ] {
         let d = desc(layout);
         let (bases, stride) = d.part_bases(&tensors);
@@ -187,30 +187,30 @@ fn part_bases_and_stride_give_every_part() {
 
 #[test]
 fn cross_layer_blocks_are_one_segment() {
-    let d = desc(KvLayout::CrossLayer);
+    let d = desc(KvLayoutKind::CrossLayer);
     assert_eq!(d.block_segments(2).len(), 1);
     // FlashAttention: one segment per layer and K/V; paged: one per layer.
-    assert_eq!(desc(KvLayout::FlashAttnNhd).block_segments(2).len(), 6);
-    assert_eq!(desc(KvLayout::Paged).block_segments(2).len(), 3);
+    assert_eq!(desc(KvLayoutKind::FlashAttnNhd).block_segments(2).len(), 6);
+    assert_eq!(desc(KvLayoutKind::Paged).block_segments(2).len(), 3);
 }
 
 #[test]
 fn validation_names_the_field() {
-    let d = desc(KvLayout::FlashAttnNhd);
-    assert_eq!(LayoutDesc { head_dim: 0, ..d }.validate().unwrap_err().field, "head_dim");
-    assert_eq!(LayoutDesc { elem_bytes: 3, ..d }.validate().unwrap_err().field, "elem_bytes");
-    let s = desc(KvLayout::SglangPerLayer);
-    assert_eq!(LayoutDesc { block_size: 16, ..s }.validate().unwrap_err().field, "block_size");
-    let m = desc(KvLayout::MlaPerLayer);
-    assert_eq!(LayoutDesc { kv_heads: 8, ..m }.validate().unwrap_err().field, "kv_heads");
-    let huge = LayoutDesc { num_blocks: u64::MAX, ..d };
+    let d = desc(KvLayoutKind::FlashAttnNhd);
+    assert_eq!(KvLayoutSpec { head_dim: 0, ..d }.validate().unwrap_err().field, "head_dim");
+    assert_eq!(KvLayoutSpec { elem_bytes: 3, ..d }.validate().unwrap_err().field, "elem_bytes");
+    let s = desc(KvLayoutKind::SglangPerLayer);
+    assert_eq!(KvLayoutSpec { block_size: 16, ..s }.validate().unwrap_err().field, "block_size");
+    let m = desc(KvLayoutKind::MlaPerLayer);
+    assert_eq!(KvLayoutSpec { kv_heads: 8, ..m }.validate().unwrap_err().field, "kv_heads");
+    let huge = KvLayoutSpec { num_blocks: u64::MAX, ..d };
     assert_eq!(huge.validate().unwrap_err().field, "num_blocks");
 }
 
 #[test]
 fn oversized_shapes_are_refused_without_overflow() {
-    let base = LayoutDesc {
-        layout: KvLayout::FlashAttnNhd,
+    let base = KvLayoutSpec {
+        kind: KvLayoutKind::FlashAttnNhd,
         num_layers: 2,
         num_blocks: 8,
         block_size: 16,
@@ -218,20 +218,25 @@ fn oversized_shapes_are_refused_without_overflow() {
         head_dim: 128,
         elem_bytes: 2,
     };
-    let e = LayoutDesc { block_size: u32::MAX, kv_heads: u32::MAX, head_dim: u32::MAX, ..base }
+    let e = KvLayoutSpec { block_size: u32::MAX, kv_heads: u32::MAX, head_dim: u32::MAX, ..base }
         .validate()
         .unwrap_err();
     assert_eq!(e.field, "head_dim");
     assert!(e.reason.contains("block_size x kv_heads x head_dim"), "{}", e.reason);
     // Named where the product overflows: here at the layers, not at head_dim.
-    let e =
-        LayoutDesc { block_size: u32::MAX, kv_heads: u32::MAX, head_dim: 1, elem_bytes: 1, ..base }
-            .validate()
-            .unwrap_err();
+    let e = KvLayoutSpec {
+        block_size: u32::MAX,
+        kv_heads: u32::MAX,
+        head_dim: 1,
+        elem_bytes: 1,
+        ..base
+    }
+    .validate()
+    .unwrap_err();
     assert_eq!(e.field, "num_layers");
-    let e = LayoutDesc { num_layers: u32::MAX, ..base }.validate().unwrap_err();
+    let e = KvLayoutSpec { num_layers: u32::MAX, ..base }.validate().unwrap_err();
     assert_eq!(e.field, "num_layers");
-    let e = LayoutDesc { num_blocks: u64::MAX, ..base }.validate().unwrap_err();
+    let e = KvLayoutSpec { num_blocks: u64::MAX, ..base }.validate().unwrap_err();
     assert_eq!(e.field, "num_blocks");
     assert!(base.validate().is_ok());
 }

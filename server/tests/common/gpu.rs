@@ -10,14 +10,14 @@ use orbitkv_client::{
     NamespaceDescriptor,
 };
 use orbitkv_gpu::dma::EngineMemory;
-use orbitkv_gpu::{DeviceInfo, KvLayout, LayoutDesc, Probe};
+use orbitkv_gpu::{DeviceInfo, LayoutGeometry, Probe};
 
 use super::{chain, TestServer};
 
 /// flash-nhd, 8 layers, 2048 blocks of 16 tokens, 8 KV heads of 128 (bf16): 32 KiB pages,
 /// 16 tensors of 64 MiB; a chunk is one block (16 pages, 512 KiB).
-pub const LAYOUT: LayoutDesc = LayoutDesc {
-    layout: KvLayout::FlashAttnNhd,
+pub const LAYOUT: KvLayoutSpec = KvLayoutSpec {
+    kind: KvLayoutKind::FlashAttnNhd,
     num_layers: 8,
     num_blocks: 2048,
     block_size: 16,
@@ -65,7 +65,7 @@ impl Engine {
     }
 
     pub fn register(&self, c: &mut Client) -> GpuRegistration {
-        c.register_gpu(&self.uuid, spec(), &self.tensors).unwrap()
+        c.register_gpu(&self.uuid, LAYOUT, &self.tensors).unwrap()
     }
 
     /// The bytes chunk `block` holds: its pages, layer by layer, K before V.
@@ -115,18 +115,6 @@ pub fn seeded(seed: u64, len: usize) -> Vec<u8> {
     }
     out.truncate(len);
     out
-}
-
-pub fn spec() -> KvLayoutSpec {
-    KvLayoutSpec {
-        kind: KvLayoutKind::FlashAttnNhd,
-        num_layers: LAYOUT.num_layers,
-        num_blocks: LAYOUT.num_blocks,
-        block_size: LAYOUT.block_size,
-        kv_heads: LAYOUT.kv_heads,
-        head_dim: LAYOUT.head_dim,
-        elem_bytes: LAYOUT.elem_bytes,
-    }
 }
 
 /// A server with the GPU in use, a client of it with the layout's namespace, and `n` keys.

@@ -1,5 +1,5 @@
 use super::*;
-use crate::layout::{KvLayout, LayoutDesc};
+use orbitkv_proto::{KvLayoutKind, KvLayoutSpec};
 
 /// A flat "address space": GPU tensors and the host region side by side, so that copies
 /// described by addresses can be executed on the CPU.
@@ -14,9 +14,9 @@ impl Memory {
     }
 }
 
-fn layouts() -> Vec<LayoutDesc> {
-    let base = LayoutDesc {
-        layout: KvLayout::FlashAttnNhd,
+fn layouts() -> Vec<KvLayoutSpec> {
+    let base = KvLayoutSpec {
+        kind: KvLayoutKind::FlashAttnNhd,
         num_layers: 3,
         num_blocks: 7,
         block_size: 4,
@@ -26,17 +26,17 @@ fn layouts() -> Vec<LayoutDesc> {
     };
     vec![
         base,
-        LayoutDesc { layout: KvLayout::FlashAttnHnd, ..base },
-        LayoutDesc { layout: KvLayout::CrossLayer, ..base },
-        LayoutDesc { layout: KvLayout::MlaPerLayer, kv_heads: 1, head_dim: 24, ..base },
-        LayoutDesc { layout: KvLayout::SglangPerLayer, block_size: 1, num_blocks: 29, ..base },
-        LayoutDesc { layout: KvLayout::Paged, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::FlashAttnHnd, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::CrossLayer, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::MlaPerLayer, kv_heads: 1, head_dim: 24, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::SglangPerLayer, block_size: 1, num_blocks: 29, ..base },
+        KvLayoutSpec { kind: KvLayoutKind::Paged, ..base },
     ]
 }
 
 /// Saves blocks through staging batches, checks the host bytes against the layout's segment
 /// list, scribbles the engine, loads back, checks the engine bytes.
-fn round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, max_segments: usize) {
+fn round_trip(l: &KvLayoutSpec, blocks_per_chunk: usize, capacity: u64, max_segments: usize) {
     let tensor_bytes = l.tensor_bytes().unwrap();
     let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
     let engine_end = tensor_bytes * l.tensor_count() as u64;
@@ -82,7 +82,7 @@ fn round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, max_segmen
             }
         }
         let at = slot(i) as usize;
-        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk {i}", l.layout);
+        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk {i}", l.kind);
     }
     mem.bytes[..engine_end as usize].fill(0xee);
     for b in &batches {
@@ -93,7 +93,7 @@ fn round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, max_segmen
             mem.copy(d.src, d.dst, d.len);
         }
     }
-    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.layout);
+    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.kind);
 }
 
 #[test]
@@ -111,8 +111,8 @@ fn every_layout_round_trips_through_staging() {
 
 #[test]
 fn contiguous_pieces_merge_on_both_sides() {
-    let l = LayoutDesc {
-        layout: KvLayout::CrossLayer,
+    let l = KvLayoutSpec {
+        kind: KvLayoutKind::CrossLayer,
         num_layers: 4,
         num_blocks: 8,
         block_size: 16,
@@ -261,7 +261,7 @@ fn batches_planned_into_the_table_match_the_segment_lists() {
 
 /// The block form of [`round_trip`]: chunks planned by `next_blocks_into` and copied by the
 /// kernel's CPU model (`block_copies`) land as the layout's segments say, and load back.
-fn block_round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, table_ids: usize) {
+fn block_round_trip(l: &KvLayoutSpec, blocks_per_chunk: usize, capacity: u64, table_ids: usize) {
     let tensor_bytes = l.tensor_bytes().unwrap();
     let tensors: Vec<u64> = (0..l.tensor_count() as u64).map(|t| t * tensor_bytes).collect();
     let engine_end = tensor_bytes * l.tensor_count() as u64;
@@ -327,7 +327,7 @@ fn block_round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, tabl
             }
         }
         let at = (host_base + offset) as usize;
-        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk at {offset}", l.layout);
+        assert_eq!(&mem.bytes[at..at + want.len()], &want[..], "{:?} chunk at {offset}", l.kind);
     }
     mem.bytes[..engine_end as usize].fill(0xee);
     for (ids, b) in &batches {
@@ -339,7 +339,7 @@ fn block_round_trip(l: &LayoutDesc, blocks_per_chunk: usize, capacity: u64, tabl
         }
     }
     // Every block was loaded back (the ids cover them all).
-    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.layout);
+    assert_eq!(&mem.bytes[..engine_end as usize], &original[..], "{:?} load", l.kind);
 }
 
 #[test]
@@ -411,21 +411,21 @@ fn block_form_and_piece_form_move_every_byte_alike() {
         x % n
     };
     let kinds = [
-        KvLayout::FlashAttnNhd,
-        KvLayout::FlashAttnHnd,
-        KvLayout::CrossLayer,
-        KvLayout::MlaPerLayer,
-        KvLayout::SglangPerLayer,
-        KvLayout::Paged,
+        KvLayoutKind::FlashAttnNhd,
+        KvLayoutKind::FlashAttnHnd,
+        KvLayoutKind::CrossLayer,
+        KvLayoutKind::MlaPerLayer,
+        KvLayoutKind::SglangPerLayer,
+        KvLayoutKind::Paged,
     ];
     for round in 0..200 {
         let layout = kinds[round % kinds.len()];
-        let l = LayoutDesc {
-            layout,
+        let l = KvLayoutSpec {
+            kind: layout,
             num_layers: 1 + rand(4) as u32,
             num_blocks: 1 + rand(12),
-            block_size: if layout == KvLayout::SglangPerLayer { 1 } else { 1 + rand(3) as u32 },
-            kv_heads: if layout == KvLayout::MlaPerLayer { 1 } else { 1 + rand(3) as u32 },
+            block_size: if layout == KvLayoutKind::SglangPerLayer { 1 } else { 1 + rand(3) as u32 },
+            kv_heads: if layout == KvLayoutKind::MlaPerLayer { 1 } else { 1 + rand(3) as u32 },
             head_dim: 1 + rand(8) as u32,
             elem_bytes: [1, 2, 4][rand(3) as usize],
         };
