@@ -16,4 +16,4 @@ mod register;
 pub use detect::{probe, DeviceInfo, Probe};
 pub use layout::{LayoutError, LayoutGeometry, Segment};
 pub use mode::{resolve, GpuError, GpuMode};
-pub use register::{register_arena, register_arena_parts, HostRegistration, RegisterPart};
+pub use register::{register_host, register_host_parts, HostRegistration, RegisterPart};

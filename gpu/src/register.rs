@@ -1,5 +1,6 @@
-//! Registration of the DRAM arena with CUDA (`cuMemHostRegister`), so that copy engines can
-//! move bytes between engine GPU memory and arena slots directly.
+//! Registration of host memory (the DRAM arena, or a process's mapping of it) with CUDA
+//! (`cuMemHostRegister`), so that copy engines can move bytes between engine GPU memory and
+//! arena slots directly.
 
 #![allow(unsafe_code)]
 
@@ -7,13 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use orbitkv_shards::Arena;
+use orbitkv_proto::{HostMapping, PAGE_SIZE};
 
 use crate::GpuError;
 
-/// An arena (the server's, or a mapping of it in another process), registered with one
-/// device's context, whole or in parts (each a range registered on its own); unregistered on
-/// drop, before the arena it keeps alive can be unmapped.
+/// Host memory (the server's arena, or a mapping of it in another process), registered with
+/// one device's context, whole or in parts (each a range registered on its own); unregistered
+/// on drop, before the memory it keeps alive can be unmapped.
 pub struct HostRegistration {
     ctx: Arc<CudaContext>,
     base: usize,
@@ -21,7 +22,7 @@ pub struct HostRegistration {
     /// The registered ranges (offset from `base`, bytes), in address order, covering
     /// `0..len` together.
     pieces: Vec<(usize, usize)>,
-    _arena: Arc<Arena>,
+    _host: Arc<dyn HostMapping>,
     /// How long registering took (wall clock, all parts).
     pub elapsed: Duration,
     /// Each part's seconds, in the order of the parts asked for (one for a whole arena).
@@ -43,32 +44,35 @@ impl std::fmt::Debug for HostRegistration {
     }
 }
 
-/// Registers the whole arena (portable: usable from every context) with device `ordinal`:
-/// each of its memfds' mappings on its own.
-pub fn register_arena(ordinal: usize, arena: &Arc<Arena>) -> Result<HostRegistration, GpuError> {
-    let parts: Vec<RegisterPart> = arena
-        .files()
+/// Registers the whole of `host` (portable: usable from every context) with device
+/// `ordinal`: each of its mappings (the arena's memfds) on its own.
+pub fn register_host(
+    ordinal: usize,
+    host: Arc<dyn HostMapping>,
+) -> Result<HostRegistration, GpuError> {
+    let parts: Vec<RegisterPart> = host
+        .parts()
         .into_iter()
         .map(|(offset, bytes)| RegisterPart { offset, bytes, core: None })
         .collect();
-    register_arena_parts(ordinal, arena, &parts)
+    register_host_parts(ordinal, host, &parts)
 }
 
-/// Registers the arena in `parts` (which must cover it, in address order, each at whole
+/// Registers `host` in `parts` (which must cover it, in address order, each at whole
 /// 4 KiB pages; empty parts are skipped), each by a thread of its own at once, pinned to its
 /// part's core where given: the kernel's pinning walk and the device's mapping of each part
 /// then run beside the others, on the part's NUMA node. All or nothing: if a part fails, the
 /// parts registered are unregistered again and the error names the part.
-pub fn register_arena_parts(
+pub fn register_host_parts(
     ordinal: usize,
-    arena: &Arc<Arena>,
+    host: Arc<dyn HostMapping>,
     parts: &[RegisterPart],
 ) -> Result<HostRegistration, GpuError> {
-    check_parts(arena.len(), parts)?;
+    check_parts(host.size(), parts)?;
     let ctx = CudaContext::new(ordinal)
         .map_err(|e| GpuError::Cuda(format!("creating a context on device {ordinal}: {e}")))?;
     ctx.bind_to_thread().map_err(|e| GpuError::Cuda(format!("binding the context: {e}")))?;
-    let base = arena.base_ptr() as usize;
+    let base = host.base() as usize;
     let started = Instant::now();
     let results: Vec<Result<f64, GpuError>> = std::thread::scope(|scope| {
         let threads: Vec<_> = parts
@@ -103,7 +107,7 @@ pub fn register_arena_parts(
     if let Some(failed) = results.iter().position(Result::is_err) {
         for (part, result) in parts.iter().zip(&results) {
             if result.is_ok() && part.bytes > 0 {
-                // SAFETY: registered by this call just now, still mapped (the arena is held).
+                // SAFETY: registered by this call just now, still mapped (`host` is held).
                 let _ = unsafe { crate::dma::host_unregister(base + part.offset as usize) };
             }
         }
@@ -113,9 +117,9 @@ pub fn register_arena_parts(
     Ok(HostRegistration {
         ctx,
         base,
-        len: arena.len() as usize,
+        len: host.size() as usize,
         pieces,
-        _arena: Arc::clone(arena),
+        _host: host,
         elapsed,
         part_seconds: results.into_iter().map(|r| r.unwrap_or_default()).collect(),
     })
@@ -124,7 +128,7 @@ pub fn register_arena_parts(
 /// Parts that cover `0..len` in order, at whole 4 KiB pages; else an error naming the first
 /// part that does not.
 fn check_parts(len: u64, parts: &[RegisterPart]) -> Result<(), GpuError> {
-    let page = orbitkv_shards::PAGE_SIZE;
+    let page = PAGE_SIZE;
     let mut at = 0u64;
     for part in parts {
         if part.offset != at || part.offset % page != 0 || part.bytes % page != 0 {
@@ -164,9 +168,9 @@ fn register_part(
     ctx.bind_to_thread().map_err(|e| GpuError::Cuda(format!("binding the context: {e}")))?;
     let started = Instant::now();
     let (at, len) = (base + part.offset as usize, part.bytes as usize);
-    // SAFETY: a range of the arena's live mapping (checked to lie inside it), registered by
+    // SAFETY: a range of the host memory's live mapping (checked to lie inside it), registered by
     // nobody else; unregistered in `drop` (or on a failed sibling, by the caller) before the
-    // arena the registration holds may be unmapped.
+    // memory the registration holds may be unmapped.
     unsafe { crate::dma::host_register(at, len) }.map_err(|e| {
         GpuError::Cuda(format!("registering {len} bytes at arena offset {}: {e}", part.offset))
     })?;
@@ -201,8 +205,8 @@ impl Drop for HostRegistration {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         for &(offset, _) in &self.pieces {
-            // SAFETY: unregisters a range registered in `register_arena_parts`, still mapped:
-            // the arena it belongs to is held by this struct until after this call.
+            // SAFETY: unregisters a range registered in `register_host_parts`, still mapped:
+            // the memory it belongs to is held by this struct until after this call.
             if let Err(e) = unsafe { crate::dma::host_unregister(self.base + offset) } {
                 tracing::warn!(offset, error = %e, "unregistering a part of the arena failed");
             }
@@ -220,7 +224,7 @@ mod tests {
 
     #[test]
     fn parts_must_cover_the_arena_in_order_at_whole_pages() {
-        let page = orbitkv_shards::PAGE_SIZE;
+        let page = PAGE_SIZE;
         assert!(
             check_parts(4 * page, &[part(0, page), part(page, 0), part(page, 3 * page)]).is_ok()
         );

@@ -1366,7 +1366,8 @@ fn bench(a: &DmaArgs, ctx: &Arc<CudaContext>, layout: KvLayoutSpec) -> Result<(B
             .map_err(|e| Error::Gpu(format!("arena: {e}")))?,
     );
     let registration = Arc::new(
-        orbitkv_gpu::register_arena(a.device, &arena).map_err(|e| Error::Gpu(e.to_string()))?,
+        orbitkv_gpu::register_host(a.device, arena.clone())
+            .map_err(|e| Error::Gpu(e.to_string()))?,
     );
     let register_ms = registration.elapsed.as_secs_f64() * 1e3;
     let arena_slice = arena.split(1).pop().expect("one slice");

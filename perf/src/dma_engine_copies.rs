@@ -246,7 +246,7 @@ fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Err
         .ok_or_else(|| Error::Gpu("not connected".into()))?
         .map_err(|e| Error::Gpu(format!("duplicating the arena memfds: {e}")))?;
     let arena = Arena::open(fds).map_err(|e| Error::Gpu(format!("mapping the arena: {e}")))?;
-    orbitkv_gpu::register_arena(device, &Arc::new(arena))
+    orbitkv_gpu::register_host(device, Arc::new(arena))
         .map(Arc::new)
         .map_err(|e| Error::Gpu(format!("registering the arena mapping: {e}")))
 }

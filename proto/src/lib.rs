@@ -13,6 +13,7 @@ mod error;
 mod hashing;
 mod key;
 mod latency;
+mod mapping;
 mod messages;
 mod namespace;
 mod paths;
@@ -25,6 +26,7 @@ pub use error::ErrorCode;
 pub use hashing::{engine_digest, prefix_digests, PrefixHasher, PREFIX_SEED};
 pub use key::{ChunkKey, Digest};
 pub use latency::{LatencyHistogram, LatencySummary};
+pub use mapping::HostMapping;
 pub use messages::{
     Bootstrap, ChunkOutcome, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, Request, Reservation,
     Response, SlotRef, Tier, Welcome, ARENA_HEADER_BYTES, DOORBELL_STRIDE, MAX_ARENA_FILES,

@@ -517,7 +517,7 @@ fn register_arena(
         .iter()
         .map(|p| orbitkv_gpu::RegisterPart { offset: p.offset, bytes: p.bytes, core: p.core })
         .collect();
-    match orbitkv_gpu::register_arena_parts(first.ordinal as usize, arena, &parts) {
+    match orbitkv_gpu::register_host_parts(first.ordinal as usize, arena.clone(), &parts) {
         Ok(r) => {
             for (shard, (p, seconds)) in population.iter().zip(&r.part_seconds).enumerate() {
                 tracing::info!(

@@ -355,6 +355,22 @@ impl Arena {
     }
 }
 
+// SAFETY: the mapping lives until the arena drops (unmapped in its `Drop`), read and write,
+// and the files are mapped end to end from offset 0 (`map_files`).
+unsafe impl orbitkv_proto::HostMapping for Arena {
+    fn base(&self) -> *mut u8 {
+        self.base_ptr()
+    }
+
+    fn size(&self) -> u64 {
+        self.len()
+    }
+
+    fn parts(&self) -> Vec<(u64, u64)> {
+        self.files()
+    }
+}
+
 impl Drop for Arena {
     fn drop(&mut self) {
         // SAFETY: `base`/`len` are the range mapped in `create_unpopulated` or `open` (every
