@@ -18,7 +18,38 @@ use serde::{Deserialize, Serialize};
 
 pub use values::{ByteSize, ModelQuota, Span};
 
-use crate::gpu::ChecksumPlace;
+/// Where a GPU save's chunk checksums are computed (`--gpu-checksums`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ChecksumPlace {
+    /// On the GPU beside the copy; a job's first chunk checked again on its shard, one
+    /// chunk per 32 (`transfer::SpotChecks`). A block-form save's rows are summed by a warp
+    /// per unit of the block gather's walk, with no tables, where the layout allows (parts a
+    /// multiple of 1 KiB), by the table-driven kernel otherwise.
+    Gpu,
+    /// As `Gpu`; every chunk checked again on its shard.
+    Verify,
+    /// On the shards, from the bytes in the arena.
+    Cpu,
+    /// As `Gpu`, the rows summed by the save's gather itself where the layout allows (parts
+    /// a multiple of 1 KiB), each job's fold queued once the DMA thread sees its gathers
+    /// done (the default).
+    Fused,
+}
+
+impl ChecksumPlace {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gpu => "gpu",
+            Self::Verify => "verify",
+            Self::Cpu => "cpu",
+            Self::Fused => "fused",
+        }
+    }
+}
 
 /// A configuration that cannot be used; the message names the flag.
 #[derive(Debug, thiserror::Error)]

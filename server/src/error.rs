@@ -2,8 +2,6 @@
 
 use std::path::PathBuf;
 
-use crate::executor::ShardStartError;
-
 /// Why `orbitkv-server` could not start serving.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -91,4 +89,35 @@ impl StartError {
         let thread = thread.into();
         move |source| Self::Thread { thread, source }
     }
+}
+
+/// Why a shard could not start serving (sent from its thread to `main`).
+#[derive(Debug, thiserror::Error)]
+pub enum ShardStartError {
+    /// Its iceoryx2 node.
+    #[error("shard {shard}: {source}")]
+    Ipc {
+        /// The shard.
+        shard: usize,
+        /// What failed.
+        source: crate::ipc::IpcError,
+    },
+    /// Joining the shard-to-shard queues.
+    #[error("shard {shard}: joining the {mesh} mesh: {detail}")]
+    Mesh {
+        /// The shard.
+        shard: usize,
+        /// Which mesh (`request` or `reply`).
+        mesh: &'static str,
+        /// glommio's error.
+        detail: String,
+    },
+    /// Opening its SSD file.
+    #[error("shard {shard}: SSD tier (--ssd-dir): {source}")]
+    Ssd {
+        /// The shard.
+        shard: usize,
+        /// The SSD store's error.
+        source: orbitkv_ssd::store::SsdError,
+    },
 }

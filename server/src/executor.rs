@@ -25,6 +25,7 @@ use orbitkv_shards::{
 use orbitkv_ssd::store::{SsdConfig, SsdStore};
 
 use crate::doorbell::{Doorbells, LoopStage};
+use crate::error::ShardStartError;
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
 use crate::shared::{ControlMsg, ShardSnapshot, Shared};
 
@@ -84,37 +85,6 @@ pub struct ShardContext {
     pub idle: IdlePolicy,
     /// This shard's SSD store, when the tier is configured.
     pub ssd: Option<SsdConfig>,
-}
-
-/// Why a shard could not start serving (sent from its thread to `main`).
-#[derive(Debug, thiserror::Error)]
-pub enum ShardStartError {
-    /// Its iceoryx2 node.
-    #[error("shard {shard}: {source}")]
-    Ipc {
-        /// The shard.
-        shard: usize,
-        /// What failed.
-        source: crate::ipc::IpcError,
-    },
-    /// Joining the shard-to-shard queues.
-    #[error("shard {shard}: joining the {mesh} mesh: {detail}")]
-    Mesh {
-        /// The shard.
-        shard: usize,
-        /// Which mesh (`request` or `reply`).
-        mesh: &'static str,
-        /// glommio's error.
-        detail: String,
-    },
-    /// Opening its SSD file.
-    #[error("shard {shard}: SSD tier (--ssd-dir): {source}")]
-    Ssd {
-        /// The shard.
-        shard: usize,
-        /// The SSD store's error.
-        source: orbitkv_ssd::store::SsdError,
-    },
 }
 
 /// Starts the executor thread of one shard. Pinning is best effort: a placement that fails

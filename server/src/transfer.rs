@@ -391,7 +391,7 @@ async fn commit_summed(
     check: Check,
 ) -> (Vec<ChunkOutcome>, bool) {
     let gpu = exec.shared.gpu_service.get();
-    let all = gpu.map(|g| g.checksum_place()) == Some(crate::gpu::ChecksumPlace::Verify);
+    let all = gpu.map(|g| g.checksum_place()) == Some(crate::config::ChecksumPlace::Verify);
     let check = if all { Check::All } else { check };
     let out = commit_given(exec, session, refs, &sums, check, OnWrongChecksum::AbortRest).await;
     let wrong = ChunkOutcome::Failed(ErrorCode::ChecksumMismatch);
