@@ -342,7 +342,7 @@ fn stats(shared: &Shared) -> Value {
 }
 
 /// One answering shard's part of `stats`.
-fn shard_json(id: usize, s: &crate::shared::ShardSnapshot, shared: &Shared) -> Value {
+fn shard_json(id: usize, s: &crate::messages::ShardSnapshot, shared: &Shared) -> Value {
     let st = &s.stats;
     let errors: Map<String, Value> =
         st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();

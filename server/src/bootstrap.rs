@@ -16,8 +16,9 @@ use orbitkv_proto::{
 use orbitkv_shards::Arena;
 
 use crate::deadline::DeadlineReader;
+use crate::messages::ControlMsg;
 use crate::router::{max_request_bytes, max_response_bytes};
-use crate::shared::{ControlMsg, ServeState, SessionInfo, Shared};
+use crate::shared::{ServeState, SessionInfo, Shared};
 use crate::startup::Startup;
 
 /// How long a new connection may take to send its hello.

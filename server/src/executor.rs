@@ -27,7 +27,8 @@ use orbitkv_ssd::store::{SsdConfig, SsdStore};
 use crate::doorbell::{Doorbells, LoopStage};
 use crate::error::ShardStartError;
 use crate::ipc::{self, IpcNames, IpcService, SessionServer, SessionService};
-use crate::shared::{ControlMsg, ShardSnapshot, Shared};
+use crate::messages::{ControlMsg, ShardSnapshot};
+use crate::shared::Shared;
 
 /// A request sent over the mesh: (request id, op).
 pub type MeshRequest = (u64, ShardOp);

@@ -16,6 +16,7 @@ mod error;
 mod executor;
 mod gpu;
 mod ipc;
+mod messages;
 mod metrics;
 mod peering;
 mod placement;
@@ -42,7 +43,8 @@ use crate::config::Settings;
 use crate::error::StartError;
 use crate::executor::{IdlePolicy, ShardContext};
 use crate::ipc::IpcNames;
-use crate::shared::{ControlMsg, ServeState, Shared};
+use crate::messages::ControlMsg;
+use crate::shared::{ServeState, Shared};
 use crate::startup::{Phase, Startup};
 
 /// How often the watchdog looks for a shard executor that parked with work queued.

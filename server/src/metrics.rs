@@ -22,7 +22,8 @@ use prometheus_client::registry::Unit;
 use serde_json::{json, Value};
 
 use crate::gpu::GpuService;
-use crate::shared::{ServeState, ShardSnapshot, Shared};
+use crate::messages::ShardSnapshot;
+use crate::shared::{ServeState, Shared};
 use crate::startup::Startup;
 
 /// How long a sample waits for a shard's answer before reporting it as not answering.

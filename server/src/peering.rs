@@ -9,78 +9,15 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use orbitkv_peer::{Later, LocalNode};
 use orbitkv_proto::{ChunkKey, Hit, InventoryChunk, InventoryDelta, PeerFetch, SlotRef};
-use orbitkv_shards::{SessionId, ShardCore};
+use orbitkv_shards::SessionId;
 
-use crate::shared::{ControlMsg, Shared};
+use crate::messages::{ControlMsg, PeerMsg};
+use crate::shared::Shared;
 
 /// Session ids of grant holders: `GRANT_SESSIONS + holder` (clients' ids count up from 1).
 const GRANT_SESSIONS: SessionId = 1 << 62;
 /// How long a call waits for a shard.
 const SHARD_WAIT: Duration = Duration::from_secs(5);
-
-/// What the peer thread asks one shard (see [`ControlMsg::Peer`]).
-#[derive(Debug)]
-pub enum PeerMsg {
-    /// The DRAM inventory now (the change log restarts).
-    Snapshot(Sender<Vec<InventoryChunk>>),
-    /// The changes since the last drain, and whether some were lost.
-    Drain(Sender<(Vec<InventoryDelta>, bool)>),
-    /// Lease keys for a grant holder (answered to the peer thread's runtime).
-    Grant {
-        session: SessionId,
-        keys: Vec<ChunkKey>,
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Hit>>>,
-    },
-    /// Return leases of a grant holder.
-    Release { session: SessionId, slots: Vec<SlotRef> },
-    /// Return every lease of a grant holder.
-    ReleaseAll { session: SessionId },
-    /// Catalog changes of one peer.
-    Catalog { peer: u32, added: Vec<InventoryChunk>, removed: Vec<ChunkKey> },
-    /// Forget a peer's catalog entries.
-    Forget { peer: u32 },
-    /// A peer read is over.
-    Fetched { fetch: PeerFetch, read: bool },
-}
-
-impl PeerMsg {
-    /// Applies the message to the shard's state; the key of a peer read that ended, whose
-    /// lookups may go on.
-    pub fn apply(self, core: &mut ShardCore) -> Option<ChunkKey> {
-        match self {
-            PeerMsg::Snapshot(reply) => {
-                let _ = reply.send(core.inventory_snapshot());
-            }
-            PeerMsg::Drain(reply) => {
-                let d = core.inventory_drain();
-                let _ = reply.send((d.deltas, d.overflowed));
-            }
-            PeerMsg::Grant { session, keys, reply } => {
-                if let Err(hits) = reply.send(core.lease_for_peer(session, &keys)) {
-                    // Nobody waits for the answer any more (the peer thread gave up on this
-                    // shard): what it leased goes back at once.
-                    core.return_peer_leases(session, &keys, &hits);
-                }
-            }
-            PeerMsg::Release { session, slots } => {
-                core.apply(orbitkv_shards::ShardOp::Release { session, slots });
-            }
-            PeerMsg::ReleaseAll { session } => {
-                core.apply(orbitkv_shards::ShardOp::SessionClosed { session });
-            }
-            PeerMsg::Catalog { peer, added, removed } => core.catalog_apply(peer, &added, &removed),
-            PeerMsg::Forget { peer } => {
-                core.catalog_drop(peer);
-            }
-            PeerMsg::Fetched { fetch, read } => {
-                // A failure is counted and logged by the shard; the lookup answers a miss.
-                let _ = core.finish_peer_fetch(&fetch, read);
-                return Some(fetch.key);
-            }
-        }
-        None
-    }
-}
 
 /// The shards, for the peer thread.
 pub struct Node(pub Arc<Shared>);

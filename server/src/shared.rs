@@ -7,11 +7,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, Sender};
-use orbitkv_shards::{Audit, EvictSummary, SessionId, ShardStats};
+use orbitkv_shards::{Audit, EvictSummary, SessionId};
 
 use crate::config::Settings;
 use crate::doorbell::Doorbells;
 use crate::ipc::IpcNames;
+use crate::messages::{ControlMsg, ShardSnapshot};
 
 /// Serving state of the whole server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,71 +22,6 @@ pub enum ServeState {
     Serving = 0,
     /// Refusing new sessions and writes; reads and commits of open reservations continue.
     Draining = 1,
-}
-
-/// A control message to one shard executor (polled by its loop).
-#[derive(Debug)]
-pub enum ControlMsg {
-    /// Open the session's request service on this (home) shard.
-    OpenSession {
-        /// The session.
-        session: SessionId,
-        /// Its iceoryx2 service name.
-        service: String,
-        /// Answer: Ok once the service accepts requests.
-        reply: Sender<Result<(), crate::ipc::IpcError>>,
-    },
-    /// The session's socket closed: reclaim everything it held, on every shard.
-    CloseSession {
-        /// The session.
-        session: SessionId,
-    },
-    /// Snapshot of the shard.
-    Stats {
-        /// Where to send it.
-        reply: Sender<ShardSnapshot>,
-    },
-    /// A full scan of the shard's bookkeeping ([`orbitkv_shards::ShardCore::audit`]).
-    Audit {
-        /// Where to send it.
-        reply: Sender<Audit>,
-    },
-    /// Remove the chunks of a namespace (of every namespace with None) from every tier.
-    Evict {
-        /// The namespace id.
-        namespace: Option<u64>,
-        /// Where to send what was done.
-        reply: Sender<EvictSummary>,
-    },
-    /// Cluster peering's business with the shard (inventory, grants, catalog, peer reads).
-    Peer(crate::peering::PeerMsg),
-    /// Leave the executor loop.
-    Stop,
-}
-
-/// A shard's stats plus what only the executor knows.
-#[derive(Debug, Clone)]
-pub struct ShardSnapshot {
-    /// The shard state machine's view.
-    pub stats: ShardStats,
-    /// The core it is pinned to, if pinned.
-    pub core: Option<usize>,
-    /// Sessions homed here.
-    pub sessions: u64,
-    /// Requests whose reply was dropped because the client vanished.
-    pub dropped_replies: u64,
-    /// Requests still running when their session closed (the client went away meanwhile):
-    /// each ran to its end, owning what it used, before the session was reclaimed.
-    pub orphaned_requests: u64,
-    /// Requests rejected before execution (malformed, too large, draining, limits).
-    pub rejected_requests: u64,
-    /// Times the shard slept on its doorbell.
-    pub deep_sleeps: u64,
-    /// Doorbell sleeps ended by a ring (work arrived) rather than the timeout.
-    pub doorbell_wakeups: u64,
-    /// Naps on a timer: idle past the spin window with a task or SSD operation in flight (a
-    /// request arriving meanwhile waits for the nap's end, up to `--idle-poll-max`).
-    pub naps: u64,
 }
 
 /// What `ctl sessions` shows of one session.
