@@ -18,9 +18,9 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::{SessionId, ShardOp};
 
-use crate::executor::Exec;
+use crate::context::Exec;
+use crate::fanout::{commit_given, lookup, per_slot, reserve, Check, OnWrongChecksum};
 use crate::gpu::{off_shard, RequestPhases};
-use crate::router::{commit_given, lookup, per_slot, reserve, Check, OnWrongChecksum};
 
 fn no_gpu() -> Response {
     Response::error(
