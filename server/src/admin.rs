@@ -73,7 +73,7 @@ fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
     let reply = match parse_request(&line) {
         Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), &startup.access) {
             Ok(()) => match startup.server() {
-                Some((shared, _)) => command(&cmd, &v, shared),
+                Some((shared, _)) => command(&cmd, &v, shared, startup),
                 None => while_starting(&cmd, startup),
             },
             Err(why) => {
@@ -138,12 +138,12 @@ fn allowed(cmd: &str, (uid, gid): (u32, u32), access: &Access) -> Result<(), Str
     }
 }
 
-fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
+fn command(cmd: &str, request: &Value, shared: &Shared, startup: &Startup) -> Value {
     match cmd {
         "evict" => evict(request, shared),
         "audit" => audit(shared),
-        "health" => Sample::take(shared).health().json(),
-        "stats" => stats(shared),
+        "health" => Sample::take(shared, startup).health().json(),
+        "stats" => stats(shared, startup),
         "peers" => match shared.cluster.get() {
             Some(c) => {
                 let mut v = crate::metrics::cluster_json(&c.status());
@@ -182,7 +182,7 @@ fn command(cmd: &str, request: &Value, shared: &Shared) -> Value {
         "drain" => {
             shared.set_state(ServeState::Draining);
             tracing::info!("draining: new sessions and writes are refused");
-            json!({"ok": true, "state": Sample::take(shared).state})
+            json!({"ok": true, "state": Sample::take(shared, startup).state})
         }
         "resume" => {
             shared.set_state(ServeState::Serving);
@@ -294,8 +294,8 @@ fn evict(request: &Value, shared: &Shared) -> Value {
 /// `orbitkv-ctl stats`: the server's state and every shard's counters as one JSON object. It
 /// lists the fields of the reply in one place (the reply is the reference operators read), so
 /// it runs past the usual length.
-fn stats(shared: &Shared) -> Value {
-    let sample = Sample::take(shared);
+fn stats(shared: &Shared, startup: &Startup) -> Value {
+    let sample = Sample::take(shared, startup);
     let shards: Vec<Value> = sample
         .shards
         .iter()
@@ -324,7 +324,7 @@ fn stats(shared: &Shared) -> Value {
         "arena_locked": shared.arena_locked,
         "arena_pages": shared.arena_pages.as_str(),
         "arena_memfds": shared.arena_memfds,
-        "startup": shared.startup.stats_json(),
+        "startup": startup.stats_json(),
         "arena_populate": {
             "seconds": shared.arena_populate_seconds,
             "slices": shared.arena_parts.iter().enumerate().map(|(shard, p)| json!({

@@ -386,7 +386,6 @@ fn start(
                 .unwrap_or_default(),
             pages: arena.pages(),
             memfds: arena.fds().len(),
-            startup: Arc::clone(startup),
         },
         ipc.clone(),
         service_prefix,

@@ -105,7 +105,7 @@ impl StartRecord {
 
 impl Sample {
     /// Takes a sample (waits up to 2 s for each shard).
-    pub fn take(shared: &Shared) -> Self {
+    pub fn take(shared: &Shared, startup: &Startup) -> Self {
         let writes_admitted = shared.writes_admitted();
         let shards = shared.snapshots(SNAPSHOT_TIMEOUT);
         let state = match shared.state() {
@@ -125,7 +125,7 @@ impl Sample {
             uptime_s: shared.started.elapsed().as_secs_f64(),
             gpu: shared.gpu_service.get().cloned(),
             cluster: shared.cluster.get().map(|c| c.status()),
-            start: StartRecord::of(&shared.startup, shared.arena_parts.clone()),
+            start: StartRecord::of(startup, shared.arena_parts.clone()),
         }
     }
 

@@ -89,8 +89,6 @@ pub struct Shared {
     pub arena_pages: orbitkv_shards::PageSize,
     /// The memfds the arena is made of.
     pub arena_memfds: usize,
-    /// The start's steps and their durations.
-    pub startup: Arc<crate::startup::Startup>,
     /// iceoryx2 root path and shm prefix given to clients.
     pub ipc: IpcNames,
     /// Prefix of session service names (unique per server run).
@@ -113,8 +111,6 @@ pub struct StartState {
     pub pages: orbitkv_shards::PageSize,
     /// The memfds it is made of.
     pub memfds: usize,
-    /// The start's progress and steps.
-    pub startup: Arc<crate::startup::Startup>,
 }
 
 impl Shared {
@@ -153,7 +149,6 @@ impl Shared {
             arena_register_seconds: arena.register_seconds,
             arena_pages: arena.pages,
             arena_memfds: arena.memfds,
-            startup: arena.startup,
             ipc,
             service_prefix,
             ipc_janitor,
@@ -315,7 +310,6 @@ mod tests {
         let arena = Arc::new(orbitkv_shards::Arena::create(1 << 20, false).expect("arena"));
         let doorbells = Arc::new(Doorbells::new(arena, 0).expect("doorbells"));
         let ipc = IpcNames { root: "/tmp/orbitkv-test-root".into(), prefix: "t".into() };
-        let startup = Arc::new(crate::startup::Startup::new(&settings, 1 << 20, Instant::now()));
         let shared = Shared::new(
             settings,
             Vec::new(),
@@ -328,7 +322,6 @@ mod tests {
                 register_seconds: Vec::new(),
                 pages: orbitkv_shards::PageSize::Small,
                 memfds: 1,
-                startup,
             },
             ipc,
             "t".into(),

@@ -7,11 +7,13 @@
 //! [`SlotMemory`]: the server's shards hand it their arena slice.
 
 pub mod format;
+#[cfg(test)]
+mod heap;
 pub mod log;
 mod memory;
 pub mod ring;
 pub mod store;
 
 #[cfg(test)]
-pub(crate) use memory::HeapSlots;
+pub(crate) use heap::HeapSlots;
 pub use memory::SlotMemory;

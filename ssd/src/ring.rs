@@ -53,7 +53,7 @@ impl AlignedBlock {
         Self { ptr, layout }
     }
 
-    /// The block's address, for the crate's test memory ([`crate::memory::HeapSlots`]).
+    /// The block's address, for the crate's test memory (`HeapSlots`).
     #[cfg(test)]
     pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

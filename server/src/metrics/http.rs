@@ -120,7 +120,7 @@ async fn answer(
             r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
             r
         }
-        ("/readyz", Some(shared)) => match sampled(shared, |s| s.health().json()).await {
+        ("/readyz", Some(shared)) => match sampled(shared, &startup, |s| s.health().json()).await {
             Some(health) => {
                 let status = if health["ready"] == true {
                     StatusCode::OK
@@ -133,7 +133,7 @@ async fn answer(
                 text(StatusCode::INTERNAL_SERVER_ERROR, "no sample (see the server log)\n".into())
             }
         },
-        ("/metrics", Some(shared)) => match sampled(shared, exposition).await {
+        ("/metrics", Some(shared)) => match sampled(shared, &startup, exposition).await {
             Some(body) => {
                 let mut r = text(StatusCode::OK, body);
                 r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
@@ -153,9 +153,11 @@ async fn answer(
 /// Takes a sample off the runtime's thread (it may wait for the shards) and makes `f` of it.
 async fn sampled<T: Send + 'static>(
     shared: Arc<Shared>,
+    startup: &Arc<Startup>,
     f: impl FnOnce(Sample) -> T + Send + 'static,
 ) -> Option<T> {
-    match tokio::task::spawn_blocking(move || f(Sample::take(&shared))).await {
+    let startup = Arc::clone(startup);
+    match tokio::task::spawn_blocking(move || f(Sample::take(&shared, &startup))).await {
         Ok(v) => Some(v),
         Err(e) => {
             tracing::error!(error = %e, "taking a metrics sample failed");
