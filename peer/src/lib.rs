@@ -26,6 +26,7 @@ mod node;
 mod owner;
 mod requester;
 pub mod rpc;
+mod start;
 #[cfg(feature = "te-python")]
 pub mod te;
 pub mod te_c;

@@ -228,7 +228,7 @@ pub struct ShardCore {
     /// Counters and latency recorders of this shard.
     pub metrics: ShardMetrics,
     /// The catalog of peers' chunks and the peer reads to start (cluster mode).
-    pub(crate) peering: crate::peering::Peering,
+    pub(crate) peering: crate::inventory::Peering,
     /// Tombstone writes in flight or landed and not yet asked for: None until they land.
     tombstones: HashMap<u64, Option<bool>>,
     /// Tombstones started since the caller last took them.
@@ -277,7 +277,7 @@ impl ShardCore {
             a.entry_pages += e.extent.pages;
             a.leases += u64::from(e.leases);
             // Promoters (SSD and peer reads) reserve under ids above every session's.
-            if matches!(e.state, EntryState::Reserved { owner } if owner < crate::peering::PEER_PROMOTER)
+            if matches!(e.state, EntryState::Reserved { owner } if owner < crate::inventory::PEER_PROMOTER)
             {
                 session_reserved += 1;
             }
@@ -869,7 +869,7 @@ impl ShardCore {
                 if e.state == EntryState::Demoting
                     || e.state == (EntryState::Reserved { owner: SessionId::MAX })
                     || e.state
-                        == (EntryState::Reserved { owner: crate::peering::PEER_PROMOTER })
+                        == (EntryState::Reserved { owner: crate::inventory::PEER_PROMOTER })
                     || (e.state.visible() && e.leases > 0) =>
             {
                 return Err(ErrorCode::Busy)

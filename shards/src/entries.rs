@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use orbitkv_proto::ChunkKey;
 
 use crate::alloc::Extent;
+use crate::inventory::InventoryLog;
 use crate::ops::SessionId;
-use crate::peering::InventoryLog;
 use orbitkv_proto::{InventoryChunk, InventoryDelta};
 
 /// Index of an entry in the slab.

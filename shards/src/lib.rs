@@ -13,6 +13,7 @@ mod arena;
 mod core;
 mod entries;
 mod error;
+mod inventory;
 mod metrics;
 mod ops;
 mod peering;
@@ -26,7 +27,7 @@ pub use core::{
     Audit, EvictSummary, HashRange, NamespaceQuota, ShardConfig, ShardCore, StartedTombstone,
 };
 pub use error::Error;
+pub use inventory::{InventoryDrain, RemoteChunk};
 pub use metrics::{OpKind, ShardMetrics, ShardStats};
 pub use ops::{SessionId, ShardOp, ShardReply};
-pub use peering::{InventoryDrain, RemoteChunk};
 pub use tiering::{TieredLookup, FREE_TARGET_PERCENT};

@@ -9,72 +9,12 @@
 //!   *peer promotion*: a reserved slot the peer thread fills by reading the owner's bytes, made
 //!   ready only if their checksum is the one the owner announced.
 
-use std::collections::{HashMap, VecDeque};
-
-use orbitkv_proto::{ChunkKey, ErrorCode, InventoryChunk, InventoryDelta, PeerFetch};
+use orbitkv_proto::{ChunkKey, ErrorCode, InventoryChunk, PeerFetch};
 
 use crate::core::ShardCore;
 use crate::entries::EntryState;
+use crate::inventory::{InventoryDrain, InventoryLog, RemoteChunk, PEER_PROMOTER};
 use crate::ops::SessionId;
-
-/// Owner of a reservation that a peer read fills (never a session id; SSD promotions use
-/// `SessionId::MAX`).
-pub(crate) const PEER_PROMOTER: SessionId = SessionId::MAX - 1;
-
-/// What [`ShardCore::inventory_drain`] hands over.
-#[derive(Debug, Default)]
-pub struct InventoryDrain {
-    /// The changes since the last drain or snapshot, oldest first.
-    pub deltas: Vec<InventoryDelta>,
-    /// The log filled and changes were lost: take a snapshot.
-    pub overflowed: bool,
-}
-
-/// The bounded change log of a shard's DRAM inventory (kept only in cluster mode).
-#[derive(Debug)]
-pub(crate) struct InventoryLog {
-    deltas: VecDeque<InventoryDelta>,
-    cap: usize,
-    overflowed: bool,
-}
-
-impl InventoryLog {
-    fn new(cap: usize) -> Self {
-        Self { deltas: VecDeque::new(), cap: cap.max(1), overflowed: false }
-    }
-
-    pub(crate) fn record(&mut self, delta: InventoryDelta) {
-        if self.overflowed {
-            return;
-        }
-        if self.deltas.len() >= self.cap {
-            // Lost changes cannot be replayed: the drainer resynchronises from a snapshot.
-            self.deltas = VecDeque::new();
-            self.overflowed = true;
-            return;
-        }
-        self.deltas.push_back(delta);
-    }
-}
-
-/// A chunk a peer holds, as the catalog knows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RemoteChunk {
-    /// The peer (an index the peer thread assigns).
-    pub peer: u32,
-    /// Length in bytes.
-    pub len: u64,
-    /// The owner's checksum.
-    pub checksum: u64,
-}
-
-/// The peer side of a shard: its inventory log, its slice of the catalog, and the peer
-/// promotions waiting to be handed to the peer thread.
-#[derive(Debug, Default)]
-pub(crate) struct Peering {
-    catalog: HashMap<ChunkKey, RemoteChunk>,
-    fetches: Vec<PeerFetch>,
-}
 
 impl ShardCore {
     /// Starts keeping the DRAM inventory log (cluster mode), bounded to `cap` changes between
@@ -262,7 +202,9 @@ impl ShardCore {
 mod tests {
     use std::sync::Arc;
 
-    use orbitkv_proto::{ChunkOutcome, Dtype, NamespaceDescriptor, Reservation, SlotRef, Tier};
+    use orbitkv_proto::{
+        ChunkOutcome, Dtype, InventoryDelta, NamespaceDescriptor, Reservation, SlotRef, Tier,
+    };
 
     use super::*;
     use crate::{Arena, ShardConfig, ShardOp, ShardReply};
