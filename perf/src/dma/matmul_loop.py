@@ -1,4 +1,4 @@
-"""The matmul loop of `orbitkv-perf dma --interference` (perf/src/dma_interference.rs runs it
+"""The matmul loop of `orbitkv-perf dma --interference` (perf/src/dma/matmul_loop.rs runs it
 as `python3 -c`, embedded at build time): two 8192 x 8192 bf16 matrices on the GPU given as the
 first argument, four products per line of output (`<perf_counter seconds> <products so far>`),
 after a `ready` line. With four more arguments (page bytes, staging batch bytes, pool bytes,

@@ -17,12 +17,11 @@ use orbitkv_gpu::HostRegistration;
 use orbitkv_shards::Arena;
 use serde::Serialize;
 
-use crate::args::DmaArgs;
-use crate::dma::ratio;
-use crate::dma_server::{
-    chunk_keys, client_err, descriptor, median, not_done, saved_mismatches, tensor_mismatches,
-    Engine,
+use super::served::engine::{
+    chunk_keys, client_err, descriptor, not_done, saved_mismatches, tensor_mismatches, Engine,
 };
+use super::{median, ratio};
+use crate::args::DmaArgs;
 use crate::error::Error;
 
 /// What the engine-side series adds to the report.
