@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 mod admin;
+mod error;
 mod ssd;
 mod table;
 
@@ -15,6 +16,7 @@ use orbitkv_proto::{admin_socket_path, default_socket_path, parse_duration};
 use serde_json::Value;
 
 use crate::admin::AdminClient;
+use crate::error::CtlError;
 
 /// Operate a running orbitkv-server.
 #[derive(Parser, Debug)]
@@ -126,7 +128,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
+fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, CtlError> {
     match command {
         Command::Health { json } => Ok(health(admin, json)),
         Command::Stats { json } => {
@@ -139,7 +141,8 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Drain { timeout } => {
-            let timeout = parse_duration(&timeout).map_err(|e| format!("--timeout: {e}"))?;
+            let timeout = parse_duration(&timeout)
+                .map_err(|source| CtlError::Flag { flag: "--timeout", source })?;
             drain(admin, timeout)
         }
         Command::Resume => {
@@ -173,7 +176,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, String> {
 }
 
 /// `audit`: 0 when every shard's scan is consistent, 1 when one is not (its problems printed).
-fn audit(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
+fn audit(admin: &AdminClient, json: bool) -> Result<ExitCode, CtlError> {
     match admin.call("audit") {
         Ok(v) if json => {
             println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
@@ -196,8 +199,8 @@ fn audit(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         // The server answered, and what it found does not add up.
-        Err(e) if e.starts_with("server: ") => {
-            println!("inconsistent: {}", &e["server: ".len()..]);
+        Err(CtlError::Server(problems)) => {
+            println!("inconsistent: {problems}");
             Ok(ExitCode::from(1))
         }
         Err(e) => Err(e),
@@ -210,7 +213,7 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
         Ok(v) => v,
         Err(e) => {
             if json {
-                println!("{}", serde_json::json!({"ready": false, "reason": e}));
+                println!("{}", serde_json::json!({"ready": false, "reason": e.to_string()}));
             } else {
                 println!("not ready: {e}");
             }
@@ -254,7 +257,7 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
 
 /// `drain`: asks for a drain, then polls until the server is drained (0), resumed or still
 /// draining at `timeout` (1).
-fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, String> {
+fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, CtlError> {
     let deadline = Instant::now() + timeout;
     let mut v = admin.call("drain")?;
     loop {
@@ -283,7 +286,7 @@ fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, String> {
 }
 
 /// `peers`: exit 0 while the cluster is available, 1 otherwise.
-fn peers(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
+fn peers(admin: &AdminClient, json: bool) -> Result<ExitCode, CtlError> {
     let v = admin.call("peers")?;
     if json {
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
@@ -294,7 +297,7 @@ fn peers(admin: &AdminClient, json: bool) -> Result<ExitCode, String> {
 }
 
 /// `evict`: one namespace, or everything when `namespace` is None.
-fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<ExitCode, String> {
+fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<ExitCode, CtlError> {
     let request = match namespace {
         Some(id) => serde_json::json!({"cmd": "evict", "namespace": id}),
         None => serde_json::json!({"cmd": "evict", "all": true}),

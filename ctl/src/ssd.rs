@@ -12,6 +12,8 @@ use orbitkv_ssd::format::{Superblock, SUPERBLOCK_BYTES};
 use orbitkv_ssd::log::{RecoveryReport, RegionLog, SsdEntry};
 use serde_json::json;
 
+use crate::error::CtlError;
+
 /// One shard file, read.
 struct ShardFile {
     path: PathBuf,
@@ -21,8 +23,18 @@ struct ShardFile {
     file: File,
 }
 
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| format!("--dir {}: {e}", dir.display()))?;
+/// `path`'s failure at `step` (`"reading superblock: "`; empty for opening it).
+fn failed<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+    path: &Path,
+    step: &str,
+) -> impl FnOnce(E) -> CtlError {
+    let (path, step) = (path.to_owned(), step.to_owned());
+    move |e| CtlError::ShardFile { path, step, source: e.into() }
+}
+
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, CtlError> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|source| CtlError::Dir { dir: dir.to_owned(), source })?;
     let mut files: Vec<PathBuf> = entries
         .flatten()
         .map(|e| e.path())
@@ -34,20 +46,18 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
         .collect();
     files.sort();
     if files.is_empty() {
-        return Err(format!("--dir {}: no shard-*.okv files", dir.display()));
+        return Err(CtlError::NoShardFiles(dir.to_owned()));
     }
     Ok(files)
 }
 
-fn open(path: &Path) -> Result<ShardFile, String> {
-    let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn open(path: &Path) -> Result<ShardFile, CtlError> {
+    let file = File::open(path).map_err(failed(path, ""))?;
     let mut block = vec![0u8; SUPERBLOCK_BYTES as usize];
-    file.read_exact_at(&mut block, 0)
-        .map_err(|e| format!("{}: reading superblock: {e}", path.display()))?;
-    let superblock =
-        Superblock::decode(&block).map_err(|e| format!("{}: superblock: {e}", path.display()))?;
+    file.read_exact_at(&mut block, 0).map_err(failed(path, "reading superblock: "))?;
+    let superblock = Superblock::decode(&block).map_err(failed(path, "superblock: "))?;
     let (log, report) = RegionLog::recover(superblock, |at, buf| file.read_exact_at(buf, at))
-        .map_err(|e| format!("{}: scanning records: {e}", path.display()))?;
+        .map_err(failed(path, "scanning records: "))?;
     Ok(ShardFile { path: path.to_owned(), superblock, log, report, file })
 }
 
@@ -55,16 +65,15 @@ fn hex(key: &ChunkKey) -> String {
     key.digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn payload_ok(f: &ShardFile, e: &SsdEntry) -> Result<bool, String> {
+fn payload_ok(f: &ShardFile, e: &SsdEntry) -> Result<bool, CtlError> {
     let mut buf = vec![0u8; e.len as usize];
-    f.file.read_exact_at(&mut buf, e.payload_offset()).map_err(|err| {
-        format!("{}: reading payload at {}: {err}", f.path.display(), e.payload_offset())
-    })?;
+    let step = format!("reading payload at {}: ", e.payload_offset());
+    f.file.read_exact_at(&mut buf, e.payload_offset()).map_err(failed(&f.path, &step))?;
     Ok(chunk_checksum(&buf) == e.checksum)
 }
 
 /// `ssd check`: exit status 0 only if every header and every payload checks out.
-pub fn check(dir: &Path, json_out: bool) -> Result<bool, String> {
+pub fn check(dir: &Path, json_out: bool) -> Result<bool, CtlError> {
     let mut all_ok = true;
     let mut shards = Vec::new();
     for path in shard_files(dir)? {
@@ -112,7 +121,7 @@ pub fn check(dir: &Path, json_out: bool) -> Result<bool, String> {
 }
 
 /// `ssd dump`: one line (or JSON object) per live record.
-pub fn dump(dir: &Path, json_out: bool) -> Result<(), String> {
+pub fn dump(dir: &Path, json_out: bool) -> Result<(), CtlError> {
     for path in shard_files(dir)? {
         let f = open(&path)?;
         let mut records: Vec<(&ChunkKey, &SsdEntry)> = f.log.iter().collect();
