@@ -3,17 +3,8 @@
 use crate::detect::{probe, Probe};
 
 /// Whether the server uses CUDA.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum GpuMode {
     /// Use CUDA when a device is present; otherwise serve DRAM/SSD only.

@@ -128,17 +128,8 @@ impl std::fmt::Debug for TransferEngine {
 }
 
 /// The transports an engine moves bytes with (`--te-transport`).
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum TeTransport {
     /// TE's own choice from the host's devices (its topology discovery): its RDMA transport
