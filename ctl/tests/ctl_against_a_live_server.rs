@@ -1,34 +1,12 @@
 //! `orbitkv-ctl` against a real `orbitkv-server`: health exit status, stats table and JSON,
 //! drain with an in-flight write, resume, sessions, evict.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Output};
 
 use orbitkv_client::{Client, ClientOptions, Dtype, NamespaceDescriptor};
+use orbitkv_testkit::TestServer;
 use serde_json::Value;
-
-/// The server binary next to this test's target directory (built by `cargo test --workspace`).
-fn server_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let bin = dir.join("orbitkv-server");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build -p orbitkv-server` (or `cargo test --workspace`)",
-        bin.display()
-    );
-    bin
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn ctl(socket: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_orbitkv-ctl"))
@@ -58,7 +36,7 @@ fn health_stats_drain_resume_sessions() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("s.sock.admin"), "{out:?}");
 
-    let _server = start(&socket, "2");
+    let _server = start(dir, "2");
 
     let stats = json(&ctl(&socket, &["stats", "--json"]));
     assert_eq!(stats["state"], "serving");
@@ -137,23 +115,10 @@ fn descriptor(model: &str) -> NamespaceDescriptor {
     }
 }
 
-/// A server with `--gpu off` (nothing below depends on the machine having a GPU), healthy.
-fn start(socket: &Path, shards: &str) -> Server {
-    let server = Server(
-        Command::new(server_binary())
-            .args(["--no-lock-arena", "--gpu", "off", "--shards", shards, "--dram", "16MiB"])
-            .arg("--socket")
-            .arg(socket)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ctl(socket, &["health"]).status.success() {
-        assert!(Instant::now() < deadline, "server never became healthy");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    server
+/// A server on the socket `s.sock` of `dir` with `--gpu off` (nothing below depends on the
+/// machine having a GPU), healthy.
+fn start(dir: tempfile::TempDir, shards: &str) -> TestServer {
+    TestServer::start_at(dir, "s.sock", &["--gpu", "off", "--shards", shards, "--dram", "16MiB"])
 }
 
 /// One admin request line, sent as is; the answer.
@@ -171,7 +136,7 @@ fn admin_raw(socket: &Path, line: &str) -> Value {
 fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
     let dir = tempfile::Builder::new().prefix("okvctl").tempdir_in("/tmp").unwrap();
     let socket = dir.path().join("s.sock");
-    let _server = start(&socket, "2");
+    let _server = start(dir, "2");
     let mut c = Client::connect(ClientOptions::with_socket(&socket)).unwrap();
     let a = c.register_namespace(&descriptor("a")).unwrap().id;
     let b = c.register_namespace(&descriptor("b")).unwrap().id;

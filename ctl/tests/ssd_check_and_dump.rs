@@ -1,18 +1,11 @@
 //! `orbitkv-ctl ssd check|dump` on the files of a stopped server: a clean tier checks out, a
 //! flipped payload byte is reported and fails the check.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use orbitkv_client::{ChunkKey, Client, ClientOptions, Dtype, NamespaceDescriptor};
-
-fn server_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(Path::parent).unwrap().join("orbitkv-server");
-    assert!(bin.exists(), "{} is missing: run `cargo test --workspace`", bin.display());
-    bin
-}
+use orbitkv_testkit::server_bin;
 
 fn ctl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_orbitkv-ctl")).args(args).output().unwrap()
@@ -24,7 +17,7 @@ fn check_and_dump_a_real_tier() {
     let ssd = dir.path().join("ssd");
     std::fs::create_dir(&ssd).unwrap();
     let socket = dir.path().join("s.sock");
-    let mut server = Command::new(server_binary())
+    let mut server = Command::new(server_bin())
         .args([
             "--no-lock-arena",
             "--shards",

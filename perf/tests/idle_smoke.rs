@@ -3,12 +3,13 @@
 
 mod common;
 
-use common::{num, run, run_json, TestServer};
+use common::{num, run, run_json};
+use orbitkv_testkit::TestServer;
 
 #[test]
 fn idle_reports_the_cpu_of_a_running_server() {
     let server = TestServer::start(&["--dram", "16MiB", "--shards", "1"]);
-    let socket = server.socket();
+    let socket = server.socket_str();
     let v = run_json(&["idle", "--socket", socket, "--duration", "1s", "--json"]);
     let cpu = num(&v, &["cpu_percent"]);
     assert!(cpu.is_finite() && cpu >= 0.0, "{v}");

@@ -7,13 +7,12 @@
 //! without either.
 
 mod common;
-#[allow(dead_code)] // the harness has more than this test uses
-#[path = "../../server/tests/common/etcd.rs"]
-mod etcd;
 
-use common::{num, run, run_json, TestServer};
+use common::{num, run, run_json};
+use orbitkv_testkit::etcd::Etcd;
+use orbitkv_testkit::TestServer;
 
-fn member(etcd: &etcd::Etcd, node: &str, port: u16) -> TestServer {
+fn member(etcd: &Etcd, node: &str, port: u16) -> TestServer {
     let mut args = vec!["--shards".to_string(), "1".into(), "--dram".into(), "64MiB".into()];
     args.extend(etcd.member_args("perf", node, port));
     TestServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
@@ -26,15 +25,15 @@ fn peer_reads_are_verified_peer_hits_with_a_raw_baseline() {
         eprintln!("skipped: no Transfer Engine (build with te-python or set ORBITKV_TE_LIBRARY)");
         return;
     }
-    let etcd = etcd::Etcd::start();
+    let etcd = Etcd::start();
     let a = member(&etcd, "a", 7501);
     let b = member(&etcd, "b", 7502);
     let mut args = vec![
         "peer",
         "--owner",
-        a.socket(),
+        a.socket_str(),
         "--requester",
-        b.socket(),
+        b.socket_str(),
         "--chunk-size",
         "256KiB",
         "--chunks",
@@ -63,7 +62,7 @@ fn peer_reads_are_verified_peer_hits_with_a_raw_baseline() {
     assert_eq!(b.shard_sum("peer_reads"), 28);
 
     // A socket that is no peering member is named.
-    let mut args = vec!["peer", "--owner", a.socket(), "--requester", "/nowhere/x.sock"];
+    let mut args = vec!["peer", "--owner", a.socket_str(), "--requester", "/nowhere/x.sock"];
     args.extend(library.iter().flat_map(|l| ["--te-library", l.as_str()]));
     let out = run(&args);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -3,7 +3,8 @@
 
 mod common;
 
-use common::{num, run, run_json, TestServer};
+use common::{num, run, run_json};
+use orbitkv_testkit::TestServer;
 
 /// The workload both runs share: 128 keys of 64 KiB, well inside the server's 64 MiB.
 const WORKLOAD: [&str; 6] = ["--seed", "7", "--value-size", "64KiB", "--working-set", "8MiB"];
@@ -18,7 +19,7 @@ fn serve(socket: &str, extra: &[&str]) -> serde_json::Value {
 #[test]
 fn verify_only_finds_an_earlier_runs_values_and_puts_nothing() {
     let server = TestServer::start(&["--shards", "1", "--dram", "64MiB"]);
-    let socket = server.socket();
+    let socket = server.socket_str();
 
     let written = serve(socket, &[]);
     assert_eq!(num(&written, &["verify_failures"]), 0.0, "{written}");

@@ -3,12 +3,13 @@
 
 mod common;
 
-use common::{num, run, run_json, TestServer};
+use common::{num, run, run_json};
+use orbitkv_testkit::TestServer;
 
 #[test]
 fn wake_reports_each_pause_in_order() {
     let server = TestServer::start(&["--dram", "16MiB", "--shards", "1"]);
-    let socket = server.socket();
+    let socket = server.socket_str();
     let v = run_json(&["wake", "--socket", socket, "--gaps", "0,3ms", "--samples", "4", "--json"]);
     let rows = v["rows"].as_array().unwrap_or_else(|| panic!("no rows: {v}"));
     assert_eq!(rows.len(), 2, "{v}");

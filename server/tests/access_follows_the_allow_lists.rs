@@ -3,14 +3,12 @@
 //! change state (drain, resume, evict) for the server's uid, root and `--admin-uid`. Checked
 //! from a child process running as nobody (65534, group nogroup 65534): needs root.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 
-use common::TestServer;
 use orbitkv_client::{Client, ClientOptions};
+use orbitkv_testkit::TestServer;
 
 const CHILD_ENV: &str = "ORBITKV_TEST_ACCESS_SOCKET";
 const NOBODY: u32 = 65534;
@@ -42,7 +40,7 @@ fn attempts_as_child() {
 /// What the child printed, by line prefix (`SESSION`, `ADMIN health`, `ADMIN drain`).
 fn attempts_as_nobody(server: &TestServer) -> Option<Vec<String>> {
     let prefixes = ["SESSION", "ADMIN health", "ADMIN drain"];
-    common::run_as_nobody(server, "attempts_as_child", CHILD_ENV, &prefixes)
+    orbitkv_testkit::run_as_nobody(server, "attempts_as_child", CHILD_ENV, &prefixes)
 }
 
 fn start(extra: &[&str]) -> TestServer {

@@ -2,9 +2,7 @@
 //! core, NUMA node) in the log and `stats`; `--hugepages` on a host with too few reserved
 //! pages says so, naming the setting, and serves on 4 KiB pages.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn every_shards_slice_is_populated_and_reported() {
@@ -147,7 +145,7 @@ fn a_starting_server_says_how_far_it_got_and_tells_engines_to_wait() {
     assert_eq!((&stats["ok"], &stats["code"]), (&false.into(), &"starting".into()), "{stats}");
     assert!(stats["error"].as_str().unwrap().contains("orbitkv-ctl health"), "{stats}");
     // `ctl health` (built beside the server) says "starting: populating the arena: N%".
-    let ctl = common::server_bin().with_file_name("orbitkv-ctl");
+    let ctl = orbitkv_testkit::server_bin().with_file_name("orbitkv-ctl");
     if ctl.exists() {
         let out = std::process::Command::new(&ctl)
             .arg("--socket")

@@ -2,10 +2,8 @@
 //! serving: leases and reservations per session, sessions, chunk size, arena space, a
 //! namespace's DRAM limit (with another namespace's guarantee kept).
 
-mod common;
-
-use common::{chain, namespace, put_values, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions, ErrorCode, PutOutcome};
+use orbitkv_testkit::{chain, namespace, put_values, value_for, TestServer};
 
 #[test]
 fn per_session_lease_and_reservation_limits() {

@@ -1,10 +1,8 @@
 //! A client killed with SIGKILL while holding leases and reservations: its session, leases and
 //! reserved bytes go back to zero, and other clients are unaffected.
 
-mod common;
-
-use common::{chain, helper_process, kill9, namespace, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions};
+use orbitkv_testkit::{chain, helper_process, kill9, namespace, value_for, TestServer};
 
 const CHILD_ENV: &str = "ORBITKV_TEST_HOLDER_SOCKET";
 

@@ -1,13 +1,11 @@
 //! After a server restart the client reconnects on its next call and re-registers its
 //! namespaces; a call in flight when the server dies fails with a clear error.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{chain, namespace, reconnect, value_for, TestServer};
 use nix::sys::signal::Signal;
 use orbitkv_client::{Error, PutOutcome};
+use orbitkv_testkit::{chain, namespace, reconnect, value_for, TestServer};
 
 #[test]
 fn next_call_reconnects() {

@@ -3,14 +3,12 @@
 //! moves no epoch), a member that dies leaves within its lease TTL, and etcd going away leaves
 //! local serving alone (health says the cluster is unavailable) until it is back.
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::etcd::Etcd;
-use common::{chain, namespace, server_bin, value_for, TestServer};
 use orbitkv_client::PutOutcome;
+use orbitkv_testkit::etcd::Etcd;
+use orbitkv_testkit::{chain, namespace, server_bin, value_for, TestServer};
 use serde_json::Value;
 
 fn member(etcd: &Etcd, node: &str, port: u16) -> TestServer {

@@ -8,18 +8,16 @@
 //!
 //! Needs a Transfer Engine: a server built with `te-python` (scripts/test runs this in the
 //! Transfer Engine venv), or a TE build's C API library named by `ORBITKV_TE_LIBRARY` (then
-//! every server is started with `--te-library`; see `common::etcd`). Without either each test
-//! says it is skipped.
-
-mod common;
+//! every server is started with `--te-library`; see `orbitkv_testkit::etcd`). Without either
+//! each test says it is skipped.
 
 use std::time::{Duration, Instant};
 
-use common::etcd::Etcd;
-use common::{chain, namespace, put_values, value_for, TestServer};
 use orbitkv_peer::rpc::peer_client::PeerClient;
 use orbitkv_peer::rpc::{GrantRequest, Key, ReleaseRequest};
 use orbitkv_proto::Tier;
+use orbitkv_testkit::etcd::Etcd;
+use orbitkv_testkit::{chain, namespace, put_values, value_for, TestServer};
 use serde_json::Value;
 
 const LEN: usize = 64 << 10;
@@ -527,7 +525,7 @@ fn no_free_transfer_engine_port_stops_the_start_saying_so() {
     if let Some(lib) = &lib {
         args.extend(["--te-library", lib]);
     }
-    let out = std::process::Command::new(common::server_bin())
+    let out = std::process::Command::new(orbitkv_testkit::server_bin())
         .args(&args)
         .envs([("MC_MIN_RPC_PORT", "7481"), ("MC_MAX_RPC_PORT", "7481")])
         .output()

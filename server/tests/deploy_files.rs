@@ -4,8 +4,6 @@
 //! parsed here (no YAML crate among the dev-dependencies); docs/deploy.md says how they were
 //! checked.
 
-mod common;
-
 use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -13,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{server_bin, TestServer};
+use orbitkv_testkit::{server_bin, TestServer};
 use serde_json::Value;
 
 /// Sample names of the GPU families (server/src/metrics.rs, `gpu_families`), exported only

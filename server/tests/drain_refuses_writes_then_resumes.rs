@@ -1,10 +1,8 @@
 //! Drain: new sessions and writes are refused with `Draining`, in-flight writes complete,
 //! health is not ready, reads keep working; resume restores everything.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::{ChunkOutcome, Client, ClientOptions, ErrorCode, PutOutcome};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn drain_then_resume() {

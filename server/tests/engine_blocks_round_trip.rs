@@ -2,10 +2,8 @@
 //! loaded back into other blocks: byte-exact, prefix-wise, refusing bad block ids and
 //! reporting a chunk of another layout per key.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::{BlockLayout, ChunkOutcome, ErrorCode, PutOutcome};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 const BLOCKS: usize = 16;
 

@@ -1,9 +1,7 @@
 //! An engine that copies with its own GPU registers its mapping of the arena with CUDA: the
 //! client says where that mapping is, and every slot and leased chunk lies inside it.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn slots_and_chunks_lie_in_the_reported_mapping() {

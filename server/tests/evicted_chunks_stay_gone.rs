@@ -4,13 +4,11 @@
 //! byte-exact. An evict whose tombstone is still being written when the server is killed may
 //! go either way, but every byte served afterwards is right.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{chain, namespace, value_for, TestServer};
 use nix::sys::signal::Signal;
 use orbitkv_client::{ChunkKey, ChunkOutcome, Client, Tier};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 const LEN: usize = 16 << 10;
 

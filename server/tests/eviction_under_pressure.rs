@@ -1,10 +1,8 @@
 //! A working set four times the arena: evictions happen, no wrong byte is ever returned, and
 //! leased chunks survive the pressure.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::{ChunkOutcome, PutOutcome};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn working_set_four_times_the_arena() {

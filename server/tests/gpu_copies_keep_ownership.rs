@@ -9,14 +9,12 @@
 //! gpu_copies_keep_ownership --no-run` prints its path) with `ORBITKV_TEST_SERVER_BIN` naming a
 //! release build of the server.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::gpu::{all_done, device, saved_wrong, setup, Engine, LAYOUT};
-use common::TestServer;
 use orbitkv_client::{ChunkKey, ChunkOutcome, Client, GpuRegistration, GpuTensor};
 use orbitkv_gpu::LayoutGeometry;
+use orbitkv_testkit::gpu::{all_done, device, saved_wrong, setup, Engine, LAYOUT};
+use orbitkv_testkit::TestServer;
 
 #[test]
 fn saves_and_loads_are_byte_exact_and_bad_registrations_name_their_field() {

@@ -6,13 +6,11 @@
 //! `cargo test -p orbitkv-server --features failpoints --test gpu_faults_are_contained`, or
 //! the test binary with `ORBITKV_TEST_SERVER_BIN` naming a release build with the feature.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::gpu::{all_done, device, saved_wrong, setup_env, Engine};
-use common::{value_for, TestServer};
 use orbitkv_client::{ChunkOutcome, ErrorCode};
+use orbitkv_testkit::gpu::{all_done, device, saved_wrong, setup_env, Engine};
+use orbitkv_testkit::{value_for, TestServer};
 
 fn built_with_failpoints() -> bool {
     if !cfg!(feature = "failpoints") {
@@ -120,7 +118,7 @@ fn late_completions_keep_their_slots_until_they_land_after_the_client_is_gone() 
     assert_eq!(server.admin("stats")["sessions"], 0);
     // A new client finds whatever landed byte-exact (a dropped save completes).
     let mut c = server.client("after");
-    c.register_namespace(&common::gpu::namespace()).unwrap();
+    c.register_namespace(&orbitkv_testkit::gpu::namespace()).unwrap();
     let leases = c.lookup_leased(&keys).unwrap();
     for (i, l) in leases.iter().enumerate() {
         assert_eq!(c.chunk(l).unwrap(), e.chunk(i as u64).as_slice(), "chunk {i}");

@@ -1,9 +1,7 @@
 //! `--gpu`: without CUDA the server serves DRAM only under `auto`, refuses to start under
 //! `required` with a clear message, and never touches CUDA under `off`.
 
-mod common;
-
-use common::TestServer;
+use orbitkv_testkit::TestServer;
 
 fn cuda_present() -> bool {
     matches!(orbitkv_gpu::probe(), orbitkv_gpu::Probe::Present { .. })
@@ -79,8 +77,8 @@ fn gpu_requests_without_a_gpu_are_unavailable() {
     use orbitkv_client::{ErrorCode, GpuTensor, KvLayoutKind, KvLayoutSpec, Request, Response};
     let server = TestServer::start(&["--shards", "2", "--dram", "8MiB", "--gpu", "off"]);
     let mut c = server.client("gpu-less");
-    let ns = c.register_namespace(&common::namespace(16)).unwrap().id;
-    let keys = common::chain(ns, 3, 4);
+    let ns = c.register_namespace(&orbitkv_testkit::namespace(16)).unwrap().id;
+    let keys = orbitkv_testkit::chain(ns, 3, 4);
     let layout = KvLayoutSpec {
         kind: KvLayoutKind::FlashAttnNhd,
         num_layers: 2,
@@ -120,7 +118,7 @@ fn gpu_requests_without_a_gpu_are_unavailable() {
     }
     // Refused saves and loads give back the reservation and lease budget they were charged at
     // dispatch: many of them in a row never run into the session's bounds.
-    let many = common::chain(ns, 4, 4096);
+    let many = orbitkv_testkit::chain(ns, 4, 4096);
     let blocks: Vec<u64> = (0..4096).collect();
     for _ in 0..5 {
         let save = Request::Save {
@@ -151,7 +149,7 @@ fn gpu_requests_without_a_gpu_are_unavailable() {
     // Nothing was reserved or leased by the refused saves and loads; DRAM still works.
     let stats = server.admin("stats");
     assert_eq!(server.shard_sum("leases"), 0, "{stats}");
-    let value = common::value_for(&keys[0], 4096);
+    let value = orbitkv_testkit::value_for(&keys[0], 4096);
     c.put(&[(keys[0], &value[..])]).unwrap();
     let mut buf = vec![0u8; 4096];
     assert_eq!(c.get_into(&keys[..1], &mut [&mut buf[..]]).unwrap(), vec![4096]);

@@ -1,9 +1,7 @@
 //! An idle shard sleeps on its doorbell instead of polling, and work wakes it: a request sent
 //! to a sleeping shard (directly, or across the mesh) is served.
 
-mod common;
-
-use common::{chain, namespace, put_values, TestServer};
+use orbitkv_testkit::{chain, namespace, put_values, TestServer};
 
 #[test]
 fn sleeping_shards_are_woken_by_requests() {

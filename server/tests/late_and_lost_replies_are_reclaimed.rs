@@ -3,12 +3,10 @@
 //! granted is reclaimed once the session is gone, counted, and other sessions serve on.
 //! `cargo test -p orbitkv-server --features failpoints --test late_and_lost_replies_are_reclaimed`.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{chain, helper_process, kill9, namespace, value_for, TestServer};
 use orbitkv_client::{Client, ClientOptions};
+use orbitkv_testkit::{chain, helper_process, kill9, namespace, value_for, TestServer};
 
 const CHILD_ENV: &str = "ORBITKV_TEST_WAITER_SOCKET";
 

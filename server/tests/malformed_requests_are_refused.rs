@@ -1,15 +1,13 @@
 //! Malformed, truncated, oversized and out-of-range input on both sockets: an error reply or a
 //! closed session, never a crash; the server keeps serving.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{chain, namespace, TestServer};
 use orbitkv_client::{ChunkKey, ChunkOutcome, ErrorCode, Request, Response};
 use orbitkv_proto::{encode, SlotRef};
+use orbitkv_testkit::{chain, namespace, TestServer};
 use rand::{Rng, SeedableRng};
 
 fn error_code(r: Response) -> ErrorCode {

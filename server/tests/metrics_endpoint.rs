@@ -2,15 +2,13 @@
 //! `/readyz` follow the server's state, scrapers that misbehave hold up nobody, and a bad
 //! address stops the server at start with exit code 2 naming the flag.
 
-mod common;
-
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{chain, namespace, server_bin, value_for, TestServer};
+use orbitkv_testkit::{chain, namespace, server_bin, value_for, TestServer};
 
 /// A port free now (bound, then let go).
 fn free_port() -> u16 {

@@ -3,10 +3,8 @@
 //! uid's registration of a tenant's namespace is refused is unit-tested in `access.rs`: two
 //! uids cannot both hold sessions here, iceoryx2 0.10's shared memory being owner-only.)
 
-mod common;
-
-use common::{chain, namespace, put_values, TestServer};
 use orbitkv_client::{ErrorCode, NamespaceDescriptor};
+use orbitkv_testkit::{chain, namespace, put_values, TestServer};
 
 #[test]
 fn a_session_names_only_namespaces_it_registered() {

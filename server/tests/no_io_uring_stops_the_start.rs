@@ -2,8 +2,6 @@
 //! `kernel.io_uring_disabled`) stops the start at once with one error naming io_uring and
 //! what it needs, instead of a shard's executor panicking and the start waiting for it.
 
-mod common;
-
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -54,7 +52,7 @@ fn refuse_io_uring() -> std::io::Result<()> {
 fn a_kernel_refusing_io_uring_stops_the_start_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock");
-    let mut cmd = Command::new(common::server_bin());
+    let mut cmd = Command::new(orbitkv_testkit::server_bin());
     cmd.arg("--socket").arg(&socket).args(["--dram", "16MiB", "--shards", "1", "--no-lock-arena"]);
     // SAFETY: the closure runs in the forked child before exec and only calls prctl.
     unsafe { cmd.pre_exec(refuse_io_uring) };

@@ -3,13 +3,11 @@
 //! Slow disks and failing I/O are injected in builds with the `failpoints` feature
 //! (`cargo test --features orbitkv-server/failpoints`, as `scripts/test` runs it).
 
-mod common;
-
 use std::time::Duration;
 
-use common::{chain, namespace, value_for, TestServer};
 use nix::sys::signal::Signal;
 use orbitkv_client::{ChunkKey, Client, Tier};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 const LEN: usize = 16 << 10;
 

@@ -2,17 +2,15 @@
 //! holdings behind: sealed arena, batched calls that fail half way, concurrent handshakes,
 //! slow handshakes, slow admin clients.
 
-mod common;
-
 use std::io::{IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use common::{chain, namespace, value_for, TestServer};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use orbitkv_client::{Client, ClientOptions, ErrorCode};
 use orbitkv_proto::{encode, write_frame, Bootstrap, PROTOCOL_VERSION};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 /// Opens a session by hand and returns the descriptors the server passed.
 fn raw_session(server: &TestServer) -> (UnixStream, Vec<OwnedFd>) {

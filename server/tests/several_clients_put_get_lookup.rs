@@ -1,9 +1,7 @@
 //! Several clients put, get and look up chunks across shards; every byte matches.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::{ChunkOutcome, ErrorCode, PutOutcome, Tier};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn several_clients_share_chunks_byte_exact() {

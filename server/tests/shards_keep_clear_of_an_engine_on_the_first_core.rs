@@ -2,13 +2,11 @@
 //! threads from CPU 0 up) does not starve a Manager started at its default placement: the
 //! shards take the last allowed cores, say so at start, and every request is answered.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::PutOutcome;
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 /// The CPUs this test process may use.
 fn allowed() -> Vec<usize> {

@@ -1,11 +1,9 @@
 //! SIGTERM (and SIGINT): drain, exit 0, remove the sockets and shared-memory files.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{chain, namespace, value_for, TestServer};
 use nix::sys::signal::Signal;
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 /// Shared-memory objects of the server on this socket (prefix derived as the server does).
 fn shm_files(server: &TestServer) -> Vec<String> {

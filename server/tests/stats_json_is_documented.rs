@@ -1,11 +1,9 @@
 //! `orbitkv-ctl stats --json` is documented: every key the server answers is in
 //! docs/operations.md's reference tables, and every key there is answered.
 
-mod common;
-
 use std::collections::BTreeSet;
 
-use common::{chain, namespace, value_for, TestServer};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 /// The keys in the first column of the markdown tables of the `stats --json` section: the
 /// server-wide table, then the per-shard one.

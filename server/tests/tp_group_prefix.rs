@@ -2,10 +2,8 @@
 //! namespaces (tp_rank 0 and 1), rank 1 behind rank 0, the group prefix follows rank 1; an
 //! eviction on one rank shortens it; bad groups are refused naming what is wrong.
 
-mod common;
-
-use common::{chain, namespace, value_for, TestServer};
 use orbitkv_client::{ChunkOutcome, Error, NamespaceDescriptor};
+use orbitkv_testkit::{chain, namespace, value_for, TestServer};
 
 #[test]
 fn the_group_prefix_is_what_every_rank_has() {

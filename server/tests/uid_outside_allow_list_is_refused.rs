@@ -1,9 +1,7 @@
 //! A uid outside `--allow-uid` is refused with a clear message; an allowed one gets in.
 
-mod common;
-
-use common::TestServer;
 use orbitkv_client::{Client, ClientOptions, ErrorCode};
+use orbitkv_testkit::TestServer;
 
 const CHILD_ENV: &str = "ORBITKV_TEST_UID_SOCKET";
 const NOBODY: u32 = 65534;
@@ -20,7 +18,7 @@ fn connect_as_child() {
 }
 
 fn connect_as_nobody(server: &TestServer) -> Option<String> {
-    let lines = common::run_as_nobody(server, "connect_as_child", CHILD_ENV, &["RESULT"])?;
+    let lines = orbitkv_testkit::run_as_nobody(server, "connect_as_child", CHILD_ENV, &["RESULT"])?;
     lines.into_iter().next()
 }
 

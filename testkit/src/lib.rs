@@ -1,5 +1,11 @@
-//! Helpers for scenario tests: start the real `orbitkv-server` on a temporary socket.
-#![allow(dead_code)]
+//! The integration tests' shared helpers (server, ctl and perf use this crate as a
+//! dev-dependency only): start the real `orbitkv-server` on a temporary socket
+//! ([`TestServer`]), admin requests, namespaces and keys, helper processes; [`etcd`] for the
+//! cluster-mode tests, [`gpu`] for the CUDA ones.
+//!
+//! The server binary is the one cargo built beside the running test ([`server_bin`]): the
+//! server package's own tests have cargo build it (with the package's features, `failpoints`
+//! say); other packages' tests need it built first (`cargo test --workspace` does).
 
 pub mod etcd;
 pub mod gpu;
@@ -203,6 +209,11 @@ impl TestServer {
     pub fn socket(&self) -> &Path {
         &self.socket
     }
+
+    /// The bootstrap socket as a string, for command lines.
+    pub fn socket_str(&self) -> &str {
+        self.socket.to_str().expect("temporary paths are UTF-8")
+    }
 }
 
 impl Drop for TestServer {
@@ -365,12 +376,31 @@ pub fn run_as_nobody(
     Some(lines)
 }
 
-/// The server binary the tests start: the one cargo built for them, or the one named by
-/// `ORBITKV_TEST_SERVER_BIN` (a test binary run on another machine, e.g. a CUDA host without a
-/// Rust toolchain, with a release build of the server beside it).
+/// The server binary the tests start: the one named by `ORBITKV_TEST_SERVER_BIN` (a test binary
+/// run on another machine, e.g. a CUDA host without a Rust toolchain, with a release build of
+/// the server beside it), else the one cargo built into the running test's target directory
+/// (`<target>/<profile>/orbitkv-server`, the parent of the test's `deps/`): for the server
+/// package's own tests cargo builds it, with the features they run with (`failpoints`). It is
+/// another package's binary for ctl's and perf's tests, so `cargo test -p orbitkv-ctl` alone
+/// does not build it: fail (not skip) with the fix.
 pub fn server_bin() -> PathBuf {
-    std::env::var_os("ORBITKV_TEST_SERVER_BIN")
-        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_orbitkv-server")), PathBuf::from)
+    if let Some(bin) = std::env::var_os("ORBITKV_TEST_SERVER_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("the running test's path");
+    let mut dir = exe.parent().expect("a test binary lives in a target directory");
+    if dir.file_name().is_some_and(|name| name == "deps") {
+        dir = dir.parent().expect("deps/ lives in a target directory");
+    }
+    let bin = dir.join("orbitkv-server");
+    assert!(
+        bin.is_file(),
+        "no orbitkv-server binary at {}: these tests run the real server from their target \
+         directory. Run `cargo test --workspace`, or `cargo build -p orbitkv-server` (same \
+         profile) first, or name a server binary with ORBITKV_TEST_SERVER_BIN.",
+        bin.display()
+    );
+    bin
 }
 
 /// Runs the ignored test `helper` of this test binary as a child process with `env` (a client

@@ -12,7 +12,7 @@ use orbitkv_client::{
 use orbitkv_gpu::dma::EngineMemory;
 use orbitkv_gpu::{DeviceInfo, LayoutGeometry, Probe};
 
-use super::{chain, TestServer};
+use crate::{chain, TestServer};
 
 /// flash-nhd, 8 layers, 2048 blocks of 16 tokens, 8 KV heads of 128 (bf16): 32 KiB pages,
 /// 16 tensors of 64 MiB; a chunk is one block (16 pages, 512 KiB).
