@@ -6,19 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
-import pytest
-
 import orbitkv
-from orbitkv import ChunkKey, Client, NamespaceDescriptor, Region
-
+import pytest
 from conftest import REPO, Server, wait_until
+from orbitkv import ChunkKey, Client, NamespaceDescriptor, Region
 
 
 def descriptor(model: str = "test/model", **kw) -> NamespaceDescriptor:

@@ -9,9 +9,8 @@ import subprocess
 import tempfile
 import time
 
-import pytest
-
 import orbitkv
+import pytest
 from conftest import server_bin
 from processes import Manager, stop
 

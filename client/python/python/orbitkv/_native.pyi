@@ -110,7 +110,7 @@ RegionArg = Tuple[int, int, int, int]
 class NativeClient:
     def __init__(
         self,
-        socket: Optional[Union[str, PathLike]] = None,
+        socket: Optional[Union[str, PathLike[str]]] = None,
         name: str = "orbitkv-py",
         request_timeout: float = 10.0,
         connect: bool = True,

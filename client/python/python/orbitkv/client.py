@@ -75,7 +75,7 @@ class KvLayout:
     head_dim: int
     elem_bytes: int
 
-    def _native(self) -> tuple:
+    def _native(self) -> Tuple[Any, ...]:
         return (self.kind, self.num_layers, self.num_blocks, self.block_size, self.kv_heads,
                 self.head_dim, self.elem_bytes)
 
@@ -107,7 +107,7 @@ class Client:
 
     def __init__(
         self,
-        socket: Optional[Union[str, os.PathLike]] = None,
+        socket: Optional[Union[str, os.PathLike[str]]] = None,
         *,
         name: str = "orbitkv-py",
         request_timeout: float = 10.0,
@@ -203,9 +203,9 @@ class Client:
     def read(self, lease: Lease, out: Any = None) -> Union[bytearray, int]:
         """A leased chunk's bytes: copied into `out` (returns the length) or a new bytearray."""
         if out is None:
-            out = bytearray(lease.len)
-            self._read_into(lease, out)
-            return out
+            buf = bytearray(lease.len)
+            self._read_into(lease, buf)
+            return buf
         return self._read_into(lease, out)
 
     def _read_into(self, lease: Lease, out: Any) -> int:
@@ -276,7 +276,7 @@ class Client:
     # --- engine blocks (the engine's process copies) -------------------------------------
 
     @staticmethod
-    def _regions(regions: Sequence[Region], writable: bool) -> Tuple[list, list]:
+    def _regions(regions: Sequence[Region], writable: bool) -> Tuple[List[Any], List[Any]]:
         out, keep = [], []
         for i, r in enumerate(regions):
             addr, n, k = resolve(r.buffer, writable=writable, what=f"region {i}")

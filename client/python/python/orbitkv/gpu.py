@@ -588,10 +588,12 @@ class GpuBlockCopies:
                     self._staging = torch.empty(rows, self.cache.chunk_bytes, dtype=torch.uint8,
                                                 device=self.cache.device)
                 copy = engine.save_cache if op == "save" else engine.load_cache
-                return copy(keys, self.cache, blocks, self._staging)
+                outcomes: List[str] = copy(keys, self.cache, blocks, self._staging)
+                return outcomes
             copy = self.client.save if op == "save" else self.client.load
             try:
-                return copy(reg, keys, blocks)
+                served: List[str] = copy(reg, keys, blocks)
+                return served
             except Stale:
                 if retried:
                     raise

@@ -16,9 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import orbitkv  # noqa: E402
-from orbitkv import ChunkKey, Client, KvLayout, NamespaceDescriptor  # noqa: E402
+from orbitkv import Client, KvLayout, NamespaceDescriptor  # noqa: E402
 from orbitkv.gpu import EngineCopies, device_uuid  # noqa: E402
-
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 4, 64, 16, 8, 128
 

@@ -18,12 +18,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+import kv_views  # noqa: E402
 import orbitkv  # noqa: E402
+from conftest import Server  # noqa: E402
 from orbitkv import Client, NamespaceDescriptor  # noqa: E402
 from orbitkv.gpu import GpuBlockCopies, GpuKvCache  # noqa: E402
-
-import kv_views  # noqa: E402
-from conftest import Server  # noqa: E402
 
 L, B, BS, HEADS, DIM, LATENT = 4, 48, 16, 8, 128, 576
 

@@ -70,11 +70,10 @@ try:
 except ImportError:  # (a bare `import vllm` could find the tests' own vllm/ folder)
     _stand_in_for_vllm()
 
+import kv_views  # noqa: E402
 import orbitkv  # noqa: E402
 from orbitkv.vllm.config import ConfigError  # noqa: E402
 from orbitkv.vllm.worker import WorkerSide  # noqa: E402
-
-import kv_views  # noqa: E402
 
 L, B, BS, HEADS, DIM = 4, 32, 16, 8, 128
 

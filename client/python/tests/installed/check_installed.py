@@ -64,7 +64,9 @@ def check_isolated(checkout: str) -> None:
 def check_versions() -> None:
     for c in COMMANDS:
         out = subprocess.run([c, "--version"], capture_output=True, text=True, check=True).stdout.split()
-        assert out == [c, orbitkv.__version__], f"{c} --version says {out}; orbitkv.__version__ is {orbitkv.__version__}"
+        assert out == [c, orbitkv.__version__], (
+            f"{c} --version says {out}; orbitkv.__version__ is {orbitkv.__version__}"
+        )
     say(f"versions agree: {orbitkv.__version__}")
 
 
@@ -139,9 +141,9 @@ class Server:
     def wait_exit(self, timeout: float = 60.0) -> int:
         try:
             return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             self.proc.kill()
-            raise AssertionError(f"orbitkv-server did not exit in {timeout} s:\n{self.log()}")
+            raise AssertionError(f"orbitkv-server did not exit in {timeout} s:\n{self.log()}") from e
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

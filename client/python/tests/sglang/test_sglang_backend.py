@@ -22,13 +22,11 @@ else:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 torch = pytest.importorskip("torch")
 
+import orbitkv  # noqa: E402
+import sglang_pools  # noqa: E402
+from orbitkv.sglang import OrbitKVStorage  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-
-import orbitkv  # noqa: E402
-from orbitkv.sglang import OrbitKVStorage  # noqa: E402
-
-import sglang_pools  # noqa: E402
 
 L, H, D, P, TOKENS = 3, 2, 16, 4, 64
 LORA, ROPE = 8, 4

@@ -19,12 +19,11 @@ else:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 torch = pytest.importorskip("torch")
 
+import sglang_pools  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
-
-import sglang_pools  # noqa: E402
-from test_sglang_backend import P, TOKENS, backend, config, host_pool, indices, page_keys, same_pages  # noqa: E402
+from test_sglang_backend import TOKENS, P, backend, config, host_pool, indices, page_keys, same_pages  # noqa: E402
 
 SWA_LAYERS = 2
 

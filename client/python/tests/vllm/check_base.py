@@ -64,7 +64,9 @@ def main() -> int:
         ours_fixed = [p for p in ours_params if p not in ("kwargs", "args")]
         their_fixed = [p for p in their_params if p not in ("kwargs", "args")]
         if ours_fixed != their_fixed:
-            problems.append(f"{name}{inspect.signature(member)} differs from vLLM {version}'s {name}{inspect.signature(theirs)}")
+            problems.append(
+                f"{name}{inspect.signature(member)} differs from vLLM {version}'s {name}{inspect.signature(theirs)}"
+            )
     hma = getattr(module, "SupportsHMA", None)
     if hma is not None:
         # The hybrid KV cache manager stays on only for a connector of the base's SupportsHMA.

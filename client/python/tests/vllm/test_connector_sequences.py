@@ -138,7 +138,8 @@ def test_preemption_abort_during_load_and_finish_during_save(server):
     assert s.get_num_new_matched_tokens(w, 0) == (0, False)
     s.update_state_after_alloc(w, Blocks([20, 21, 22]), 0)
     s.block_ids_of = lambda rid: ([20, 21, 22],)
-    _, saves, _, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": 2 * BS + 5}, preempted_req_ids=set()))
+    step = types.SimpleNamespace(num_scheduled_tokens={"w": 2 * BS + 5}, preempted_req_ids=set())
+    _, saves, _, _ = s.build_step(step)
     assert saves["w"] == [(0, [orbitkv.chunk_digest(h) for h in w.block_hashes[:2]], [20, 21])]
     w.num_computed_tokens = 2 * BS + 5
     _, saves, _, _ = s.build_step(types.SimpleNamespace(num_scheduled_tokens={"w": BS}, preempted_req_ids={"x"}))

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("vllm") if not os.environ.get("ORBITKV_REQUIRE_VLLM") else __import__("vllm")
 torch = pytest.importorskip("torch")
 
+from orbitkv.vllm.config import ConfigError, groups, namespace, namespaces, role, sync_loads  # noqa: E402
+from test_connector_sequences import vllm_config  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -24,9 +26,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
-
-from orbitkv.vllm.config import ConfigError, groups, namespace, namespaces, role, sync_loads  # noqa: E402
-from test_connector_sequences import vllm_config  # noqa: E402
 
 BS = 32  # test_connector_sequences' block size
 

@@ -10,6 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+import kv_views  # noqa: E402
+import orbitkv  # noqa: E402
+from orbitkv.gpu import GpuKvCache  # noqa: E402
+from orbitkv.vllm.config import ConfigError, page_order  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheTensor,
@@ -18,12 +22,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-
-import orbitkv  # noqa: E402
-from orbitkv.gpu import GpuKvCache  # noqa: E402
-from orbitkv.vllm.config import ConfigError, page_order  # noqa: E402
-
-import kv_views  # noqa: E402
 
 L, B, BS, HEADS, DIM, LATENT = 3, 6, 4, 2, 8, 12
 

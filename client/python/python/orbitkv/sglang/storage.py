@@ -34,14 +34,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 try:  # SGLang's hybrid pool API (0.5.23): its pool transfers and their hit policies
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransferResult
 except ImportError:  # an SGLang without it never calls the *_v2 methods
-    PoolHitPolicy = PoolTransferResult = None  # type: ignore[assignment,misc]
+    PoolHitPolicy = PoolTransferResult = None  # type: ignore[assignment,misc,unused-ignore]
 
 from .. import ChunkKey, Client, NamespaceDescriptor, OrbitKVError, Region, ServerError, chunk_digest
 from .._dtypes import okv_dtype
@@ -132,7 +132,7 @@ class OrbitKVStorage(HiCacheStorage):
         self.ns_id: Optional[int] = None
         #: Every host pool by SGLang's pool name: the main one (`kv`) and a hybrid model's others.
         self.pools: Dict[str, _Pool] = {}
-        self._policies_logged: set = set()
+        self._policies_logged: Set[Any] = set()
         self._lock = threading.Lock()
         #: key (a KV page's, or (pool name, key) of another pool's) -> (lease, when taken,
         #: connection): leases batch_exists took, until read.

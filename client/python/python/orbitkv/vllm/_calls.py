@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, overload
 
 
 class Calls:
@@ -26,7 +26,19 @@ class Calls:
         self._lock = threading.Lock()
         self._queued = 0
 
-    def submit(self, fn: Callable[..., Any], *args: Any, bounded: bool = True) -> Optional["concurrent.futures.Future[Any]"]:
+    @overload
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, bounded: Literal[False]
+    ) -> "concurrent.futures.Future[Any]": ...
+
+    @overload
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, bounded: bool = True
+    ) -> Optional["concurrent.futures.Future[Any]"]: ...
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, bounded: bool = True
+    ) -> Optional["concurrent.futures.Future[Any]"]:
         """Runs `fn(*args)` on the thread; None when `bounded` and `bound` calls are already
         waiting (releases pass `bounded=False`: a lease must go back)."""
         with self._lock:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from vllm.logger import init_logger
 
@@ -47,10 +47,12 @@ class _HostCopies:
         self.regions = regions
 
     def save(self, keys: List[ChunkKey], blocks: List[int]) -> List[str]:
-        return self.client.save_blocks(self.regions, keys, blocks)
+        outcomes: List[str] = self.client.save_blocks(self.regions, keys, blocks)
+        return outcomes
 
     def load(self, keys: List[ChunkKey], blocks: List[int]) -> List[str]:
-        return self.client.load_blocks(self.regions, keys, blocks)
+        outcomes: List[str] = self.client.load_blocks(self.regions, keys, blocks)
+        return outcomes
 
 
 class WorkerSide:
@@ -164,7 +166,7 @@ class WorkerSide:
 
     # ---- the step's calls (forward thread)
 
-    def start_loads(self, loads: Dict[str, List[Part]], fence: List[int] = ()) -> None:
+    def start_loads(self, loads: Dict[str, List[Part]], fence: Sequence[int] = ()) -> None:
         """Before the step's forward pass: its loads, after any save still reading a block of
         a sliding window that this step writes (vLLM gave it out again, or a load fills it)."""
         if self._fenced:
@@ -367,7 +369,7 @@ class WorkerSide:
     def _save(self, parts: List[Part]) -> None:
         t0 = time.perf_counter()
         stored = nbytes = blocks_n = 0
-        refused: collections.Counter = collections.Counter()
+        refused: "collections.Counter[str]" = collections.Counter()
         for group, blocks, out in self._each_group("save", parts):
             if out is None:
                 return  # the Manager is away: the other groups' saves would fail alike
