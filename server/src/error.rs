@@ -100,7 +100,7 @@ pub enum ShardStartError {
         /// The shard.
         shard: usize,
         /// What failed.
-        source: crate::ipc::IpcError,
+        source: crate::shard::ipc::IpcError,
     },
     /// Joining the shard-to-shard queues.
     #[error("shard {shard}: joining the {mesh} mesh: {detail}")]

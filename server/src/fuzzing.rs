@@ -7,12 +7,12 @@
 /// which serde_json does not parse back bit for bit.
 pub fn admin_request(data: &[u8]) {
     let Ok(line) = std::str::from_utf8(data) else { return };
-    let Ok((cmd, v)) = crate::admin::parse_request(line) else { return };
-    let target = crate::admin::evict_target(&v);
+    let Ok((cmd, v)) = crate::control::admin::parse_request(line) else { return };
+    let target = crate::control::admin::evict_target(&v);
     let (again, w) =
-        crate::admin::parse_request(&v.to_string()).expect("a parsed request re-parses");
+        crate::control::admin::parse_request(&v.to_string()).expect("a parsed request re-parses");
     assert_eq!(again, cmd);
-    assert_eq!(crate::admin::evict_target(&w), target);
+    assert_eq!(crate::control::admin::evict_target(&w), target);
 }
 
 /// A config file's text, as `--config` reads it: TOML into the options, then validated (a

@@ -25,7 +25,7 @@ use orbitkv_proto::{ErrorCode, GpuTensor, KvLayoutSpec};
 use orbitkv_shards::SessionId;
 
 use crate::config::ChecksumPlace;
-use crate::doorbell::Doorbells;
+use crate::shard::doorbell::Doorbells;
 
 mod registry;
 mod worker;

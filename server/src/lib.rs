@@ -6,26 +6,15 @@
 // The stats reply is one json! object of many keys.
 #![recursion_limit = "256"]
 
-mod access;
-mod admin;
-mod bootstrap;
 mod config;
-mod context;
+mod control;
 mod deadline;
-mod doorbell;
 mod error;
-mod executor;
-mod fanout;
 mod gpu;
-mod ipc;
-mod messages;
 mod metrics;
-mod peering;
 mod placement;
-mod router;
-mod shared;
-mod startup;
-mod transfer;
+mod requests;
+mod shard;
 
 pub mod fuzzing;
 
@@ -42,12 +31,14 @@ use orbitkv_shards::{Arena, ShardConfig, ShardCore};
 use orbitkv_ssd::store::SsdConfig;
 
 use crate::config::Settings;
+use crate::control::shared::{ServeState, Shared};
+use crate::control::startup::{Phase, Startup};
+use crate::control::{admin, bootstrap, peering, shared};
 use crate::error::StartError;
-use crate::executor::{IdlePolicy, ShardContext};
-use crate::ipc::IpcNames;
-use crate::messages::ControlMsg;
-use crate::shared::{ServeState, Shared};
-use crate::startup::{Phase, Startup};
+use crate::shard::executor::{IdlePolicy, ShardContext};
+use crate::shard::ipc::IpcNames;
+use crate::shard::messages::ControlMsg;
+use crate::shard::{doorbell, executor, ipc};
 
 /// How often the watchdog looks for a shard executor that parked with work queued.
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(10);

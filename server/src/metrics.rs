@@ -21,10 +21,10 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
 use serde_json::{json, Value};
 
+use crate::control::shared::{ServeState, Shared};
+use crate::control::startup::Startup;
 use crate::gpu::GpuService;
-use crate::messages::ShardSnapshot;
-use crate::shared::{ServeState, Shared};
-use crate::startup::Startup;
+use crate::shard::messages::ShardSnapshot;
 
 /// How long a sample waits for a shard's answer before reporting it as not answering.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);

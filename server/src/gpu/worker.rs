@@ -11,7 +11,7 @@ use crossbeam_queue::ArrayQueue;
 use orbitkv_gpu::dma::{Direction, Progress};
 
 use super::{GpuCounters, GpuDone, GpuJob, GpuResult, JobError};
-use crate::doorbell::Doorbells;
+use crate::shard::doorbell::Doorbells;
 
 /// What a DMA thread drives: the copy engines and checksum kernels of its direction on every
 /// device (`super::CudaDevice`), or a fake in tests.

@@ -21,8 +21,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::Semaphore;
 
 use super::{exposition, starting_exposition, Sample};
-use crate::shared::Shared;
-use crate::startup::Startup;
+use crate::control::shared::Shared;
+use crate::control::startup::Startup;
 
 /// Connections served at once.
 const MAX_CONNECTIONS: usize = 32;

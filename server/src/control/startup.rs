@@ -12,9 +12,9 @@ use orbitkv_proto::format_bytes;
 use orbitkv_shards::Arena;
 use serde_json::{json, Value};
 
-use crate::access::Access;
 use crate::config::Settings;
-use crate::shared::Shared;
+use crate::control::access::Access;
+use crate::control::shared::Shared;
 
 /// What a starting server is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,8 +19,8 @@ use orbitkv_shards::{
     EvictSummary, HashRange, SessionId, ShardCore, ShardOp, ShardReply, StartedTombstone,
 };
 
-use crate::ipc::{IpcService, SessionServer, SessionService};
-use crate::shared::Shared;
+use crate::control::shared::Shared;
+use crate::shard::ipc::{IpcService, SessionServer, SessionService};
 
 /// A request sent over the mesh: (request id, op).
 pub type MeshRequest = (u64, ShardOp);
@@ -397,7 +397,7 @@ impl Exec {
     }
 
     /// Sends a response for `req`, counting it as dropped when the client is gone.
-    pub(crate) fn respond(&self, req: crate::ipc::ActiveRequest, bytes: &[u8]) {
+    pub(crate) fn respond(&self, req: crate::shard::ipc::ActiveRequest, bytes: &[u8]) {
         let sent = req
             .loan_slice_uninit(bytes.len())
             .map_err(|e| format!("{e:?}"))

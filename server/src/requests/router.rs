@@ -9,12 +9,12 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::{OpKind, SessionId, ShardOp, ShardReply};
 
-use crate::context::{Exec, SessionCounters};
-use crate::fanout::{
+use crate::control::shared::ServeState;
+use crate::requests::fanout::{
     commit_given, lookup, outcomes, per_slot, reserve, scatter, Check, OnWrongChecksum, FAILED,
 };
-use crate::ipc::ActiveRequest;
-use crate::shared::ServeState;
+use crate::shard::context::{Exec, SessionCounters};
+use crate::shard::ipc::ActiveRequest;
 
 /// Fixed part of the request size bound, on top of 64 bytes per key.
 const REQUEST_OVERHEAD: usize = 4096;
@@ -136,7 +136,7 @@ async fn late_or_lost_reply(exec: &Exec) -> bool {
     lost
 }
 
-/// Takes namespace `d` for the session's uid ([`crate::access::NamespaceOwners::claim`]).
+/// Takes namespace `d` for the session's uid ([`crate::control::access::NamespaceOwners::claim`]).
 fn claim_namespace(
     exec: &Exec,
     session: SessionId,
@@ -374,23 +374,37 @@ async fn execute(
             Response::Outcomes { outcomes: o }
         }
         Request::RegisterGpu { device_uuid, layout, tensors } => {
-            crate::transfer::register(exec, session, device_uuid, layout, tensors).await
+            crate::requests::transfer::register(exec, session, device_uuid, layout, tensors).await
         }
         Request::UnregisterGpu { registration, generation } => {
-            crate::transfer::unregister(exec, session, registration, generation).await
+            crate::requests::transfer::unregister(exec, session, registration, generation).await
         }
         Request::Save { registration, generation, keys, blocks } => {
             let n = keys.len() as i64;
-            let r =
-                crate::transfer::save(exec, session, registration, generation, keys, blocks).await;
+            let r = crate::requests::transfer::save(
+                exec,
+                session,
+                registration,
+                generation,
+                keys,
+                blocks,
+            )
+            .await;
             // Every reservation charged at dispatch is committed or aborted by now.
             counters.add_reservations(-n);
             r
         }
         Request::Load { registration, generation, keys, blocks } => {
             let n = keys.len() as i64;
-            let r =
-                crate::transfer::load(exec, session, registration, generation, keys, blocks).await;
+            let r = crate::requests::transfer::load(
+                exec,
+                session,
+                registration,
+                generation,
+                keys,
+                blocks,
+            )
+            .await;
             // Every lease charged at dispatch is released by now.
             counters.add_leases(-n);
             r

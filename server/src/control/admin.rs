@@ -16,11 +16,11 @@ use serde_json::{json, Map, Value};
 use orbitkv_proto::LatencyHistogram;
 use orbitkv_shards::OpKind;
 
-use crate::access::Access;
+use crate::control::access::Access;
+use crate::control::shared::{ServeState, Shared};
+use crate::control::startup::Startup;
 use crate::deadline::DeadlineReader;
 use crate::metrics::Sample;
-use crate::shared::{ServeState, Shared};
-use crate::startup::Startup;
 
 const MAX_LINE: u64 = 4096;
 
@@ -342,7 +342,7 @@ fn stats(shared: &Shared, startup: &Startup) -> Value {
 }
 
 /// One answering shard's part of `stats`.
-fn shard_json(id: usize, s: &crate::messages::ShardSnapshot, shared: &Shared) -> Value {
+fn shard_json(id: usize, s: &crate::shard::messages::ShardSnapshot, shared: &Shared) -> Value {
     let st = &s.stats;
     let errors: Map<String, Value> =
         st.errors.iter().map(|(c, n)| (c.as_str().to_string(), json!(n))).collect();

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use orbitkv_proto::{ChunkKey, ChunkOutcome, ErrorCode, Hit, Reservation, SlotRef};
 use orbitkv_shards::{SessionId, ShardOp, ShardReply};
 
-use crate::context::Exec;
+use crate::shard::context::Exec;
 
 /// Looks `keys` up on their shards (leasing the hits when `lease`); one result per key, in
 /// key order (hits past a miss included).

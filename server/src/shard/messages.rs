@@ -16,7 +16,7 @@ pub enum ControlMsg {
         /// Its iceoryx2 service name.
         service: String,
         /// Answer: Ok once the service accepts requests.
-        reply: Sender<Result<(), crate::ipc::IpcError>>,
+        reply: Sender<Result<(), crate::shard::ipc::IpcError>>,
     },
     /// The session's socket closed: reclaim everything it held, on every shard.
     CloseSession {

@@ -18,9 +18,9 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::{SessionId, ShardOp};
 
-use crate::context::Exec;
-use crate::fanout::{commit_given, lookup, per_slot, reserve, Check, OnWrongChecksum};
 use crate::gpu::{off_shard, RequestPhases};
+use crate::requests::fanout::{commit_given, lookup, per_slot, reserve, Check, OnWrongChecksum};
+use crate::shard::context::Exec;
 
 fn no_gpu() -> Response {
     Response::error(

@@ -15,11 +15,11 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::Arena;
 
+use crate::control::shared::{ServeState, SessionInfo, Shared};
+use crate::control::startup::Startup;
 use crate::deadline::DeadlineReader;
-use crate::messages::ControlMsg;
-use crate::router::{max_request_bytes, max_response_bytes};
-use crate::shared::{ServeState, SessionInfo, Shared};
-use crate::startup::Startup;
+use crate::requests::router::{max_request_bytes, max_response_bytes};
+use crate::shard::messages::ControlMsg;
 
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -199,7 +199,7 @@ fn read_hello(stream: &UnixStream, pid: i32) -> Result<String, Refusal> {
 }
 
 /// Whether `uid` (of effective group `gid`) may open a session now: the allow lists
-/// ([`crate::access::Access`]), while the server is not draining.
+/// ([`crate::control::access::Access`]), while the server is not draining.
 fn admit(shared: &Shared, uid: u32, gid: u32) -> Result<(), Refusal> {
     shared.access.may_connect(uid, gid).map_err(|why| (ErrorCode::PermissionDenied, why))?;
     if shared.state() == ServeState::Draining {

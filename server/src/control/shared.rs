@@ -10,9 +10,9 @@ use crossbeam_channel::{bounded, Sender};
 use orbitkv_shards::{Audit, EvictSummary, SessionId};
 
 use crate::config::Settings;
-use crate::doorbell::Doorbells;
-use crate::ipc::IpcNames;
-use crate::messages::{ControlMsg, ShardSnapshot};
+use crate::shard::doorbell::Doorbells;
+use crate::shard::ipc::IpcNames;
+use crate::shard::messages::{ControlMsg, ShardSnapshot};
 
 /// Serving state of the whole server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,9 +60,9 @@ pub struct Shared {
     /// GPU save/load, when a GPU is in use (set once at start).
     pub gpu_service: OnceLock<Arc<crate::gpu::GpuService>>,
     /// Who may open sessions and run admin commands.
-    pub access: crate::access::Access,
+    pub access: crate::control::access::Access,
     /// The uid that owns each namespace registered in this run (shared models aside).
-    pub namespace_owners: crate::access::NamespaceOwners,
+    pub namespace_owners: crate::control::access::NamespaceOwners,
     /// Cluster membership, in cluster mode (`--etcd`).
     pub cluster: OnceLock<Arc<orbitkv_peer::Cluster>>,
     /// Where shards queue their peer reads, once peering runs.
@@ -94,7 +94,7 @@ pub struct Shared {
     /// Prefix of session service names (unique per server run).
     pub service_prefix: String,
     /// Cleans up after dead clients off the shards' threads.
-    pub ipc_janitor: crate::ipc::Janitor,
+    pub ipc_janitor: crate::shard::ipc::Janitor,
 }
 
 /// What the start made, for `Shared::new`: the arena and the record of the steps.
@@ -124,10 +124,13 @@ impl Shared {
         ipc: IpcNames,
         service_prefix: String,
     ) -> std::io::Result<Arc<Self>> {
-        let ipc_janitor = crate::ipc::Janitor::spawn(ipc.clone())?;
+        let ipc_janitor = crate::shard::ipc::Janitor::spawn(ipc.clone())?;
         Ok(Arc::new(Self {
-            access: crate::access::Access::new(&settings.config, nix::unistd::getuid().as_raw()),
-            namespace_owners: crate::access::NamespaceOwners::new(
+            access: crate::control::access::Access::new(
+                &settings.config,
+                nix::unistd::getuid().as_raw(),
+            ),
+            namespace_owners: crate::control::access::NamespaceOwners::new(
                 settings.config.shared_model.clone(),
             ),
             settings,

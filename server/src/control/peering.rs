@@ -11,8 +11,8 @@ use orbitkv_peer::{Later, LocalNode};
 use orbitkv_proto::{ChunkKey, Hit, InventoryChunk, InventoryDelta, PeerFetch, SlotRef};
 use orbitkv_shards::SessionId;
 
-use crate::messages::{ControlMsg, PeerMsg};
-use crate::shared::Shared;
+use crate::control::shared::Shared;
+use crate::shard::messages::{ControlMsg, PeerMsg};
 
 /// Session ids of grant holders: `GRANT_SESSIONS + holder` (clients' ids count up from 1).
 const GRANT_SESSIONS: SessionId = 1 << 62;

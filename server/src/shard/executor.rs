@@ -20,12 +20,12 @@ use iceoryx2::prelude::*;
 use orbitkv_shards::{SessionId, ShardCore, ShardOp, ShardReply};
 use orbitkv_ssd::store::{SsdConfig, SsdStore};
 
-use crate::context::{Exec, MeshReply, MeshRequest, SessionCounters, SessionState};
-use crate::doorbell::{Doorbells, LoopStage};
+use crate::control::shared::Shared;
 use crate::error::ShardStartError;
-use crate::ipc::{self, IpcNames, IpcService};
-use crate::messages::{ControlMsg, ShardSnapshot};
-use crate::shared::Shared;
+use crate::shard::context::{Exec, MeshReply, MeshRequest, SessionCounters, SessionState};
+use crate::shard::doorbell::{Doorbells, LoopStage};
+use crate::shard::ipc::{self, IpcNames, IpcService};
+use crate::shard::messages::{ControlMsg, ShardSnapshot};
 
 /// How long an executor with a core of its own polls glommio's reactor before parking.
 const SPIN_BEFORE_PARK: Duration = Duration::from_micros(100);
@@ -386,7 +386,7 @@ async fn serve(exec: &Rc<Exec>, control: &Receiver<ControlMsg>, spin_window: Dur
 }
 
 /// A task that never ends: each poll leaves its waker where the watchdog thread finds it
-/// (see [`crate::doorbell::watch`]). Waking it from that thread is what gets a stalled
+/// (see [`crate::shard::doorbell::watch`]). Waking it from that thread is what gets a stalled
 /// executor out of its park.
 struct NudgeTarget {
     doorbells: Arc<Doorbells>,
@@ -605,8 +605,8 @@ impl Exec {
         self: &Rc<Self>,
         session: SessionId,
         state: &Rc<SessionState>,
-        req: crate::ipc::ActiveRequest,
+        req: crate::shard::ipc::ActiveRequest,
     ) {
-        crate::router::dispatch(self, session, SessionCounters(Rc::clone(state)), req);
+        crate::requests::router::dispatch(self, session, SessionCounters(Rc::clone(state)), req);
     }
 }
