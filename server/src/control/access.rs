@@ -7,6 +7,56 @@
 
 use crate::config::ServerConfig;
 
+/// Why a uid may not do something; the message names the flags that would allow it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    /// A session (or a reading admin command) by a uid and group not on the lists.
+    #[error(
+        "uid {uid} (gid {gid}) is not allowed to connect (allowed: the server's uid {own_uid}, \
+         root, --allow-uid {allow_uid:?}, --allow-gid {allow_gid:?})"
+    )]
+    Connect {
+        /// The caller's uid.
+        uid: u32,
+        /// Its effective group.
+        gid: u32,
+        /// The server's uid.
+        own_uid: u32,
+        /// `--allow-uid`.
+        allow_uid: Vec<u32>,
+        /// `--allow-gid`.
+        allow_gid: Vec<u32>,
+    },
+    /// An admin command that changes state, by a uid not allowed to.
+    #[error(
+        "uid {uid} may not {what}: admin commands that change state are for the server's uid \
+         {own_uid}, root and --admin-uid {admin_uid:?}"
+    )]
+    Change {
+        /// The caller's uid.
+        uid: u32,
+        /// The command.
+        what: String,
+        /// The server's uid.
+        own_uid: u32,
+        /// `--admin-uid`.
+        admin_uid: Vec<u32>,
+    },
+    /// A namespace another uid registered first.
+    #[error(
+        "namespace {id:#018x} (model {model:?}) belongs to uid {owner}: tenants do not share \
+         namespaces unless the model is declared shared (--shared-model)"
+    )]
+    Namespace {
+        /// The namespace.
+        id: u64,
+        /// Its model.
+        model: String,
+        /// The uid that owns it.
+        owner: u32,
+    },
+}
+
 /// The allow lists, as configured.
 #[derive(Clone, Debug)]
 pub struct Access {
@@ -29,7 +79,7 @@ impl Access {
 
     /// Whether a process of `uid` and effective group `gid` may open a session (and read the
     /// admin answers); why not, naming the flags, if it may not.
-    pub fn may_connect(&self, uid: u32, gid: u32) -> Result<(), String> {
+    pub fn may_connect(&self, uid: u32, gid: u32) -> Result<(), Denied> {
         if uid == self.own_uid
             || uid == 0
             || self.allow_uid.contains(&uid)
@@ -37,23 +87,26 @@ impl Access {
         {
             return Ok(());
         }
-        Err(format!(
-            "uid {uid} (gid {gid}) is not allowed to connect (allowed: the server's uid {}, root, \
-             --allow-uid {:?}, --allow-gid {:?})",
-            self.own_uid, self.allow_uid, self.allow_gid
-        ))
+        Err(Denied::Connect {
+            uid,
+            gid,
+            own_uid: self.own_uid,
+            allow_uid: self.allow_uid.clone(),
+            allow_gid: self.allow_gid.clone(),
+        })
     }
 
     /// Whether `uid` may run an admin command that changes state (`what`); why not if not.
-    pub fn may_change(&self, uid: u32, what: &str) -> Result<(), String> {
+    pub fn may_change(&self, uid: u32, what: &str) -> Result<(), Denied> {
         if uid == self.own_uid || uid == 0 || self.admin_uid.contains(&uid) {
             return Ok(());
         }
-        Err(format!(
-            "uid {uid} may not {what}: admin commands that change state are for the server's uid \
-             {}, root and --admin-uid {:?}",
-            self.own_uid, self.admin_uid
-        ))
+        Err(Denied::Change {
+            uid,
+            what: what.to_owned(),
+            own_uid: self.own_uid,
+            admin_uid: self.admin_uid.clone(),
+        })
     }
 }
 
@@ -74,17 +127,14 @@ impl NamespaceOwners {
     /// Takes namespace `id` (of model `model`) for `uid`: true when this call made `uid` its
     /// owner (to undo with [`NamespaceOwners::release`] if the registration then fails);
     /// why not, naming the flag, when another uid owns it.
-    pub fn claim(&self, id: u64, model: &str, uid: u32) -> Result<bool, String> {
+    pub fn claim(&self, id: u64, model: &str, uid: u32) -> Result<bool, Denied> {
         if self.shared_models.iter().any(|m| m == model) {
             return Ok(false);
         }
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         match owners.get(&id) {
             Some(&owner) if owner == uid => Ok(false),
-            Some(&owner) => Err(format!(
-                "namespace {id:#018x} (model {model:?}) belongs to uid {owner}: tenants do not \
-                 share namespaces unless the model is declared shared (--shared-model)"
-            )),
+            Some(&owner) => Err(Denied::Namespace { id, model: model.to_owned(), owner }),
             None => {
                 owners.insert(id, uid);
                 Ok(true)
@@ -110,7 +160,7 @@ mod tests {
         let owners = NamespaceOwners::new(vec!["shared-m".into()]);
         assert_eq!(owners.claim(1, "private", 1000), Ok(true));
         assert_eq!(owners.claim(1, "private", 1000), Ok(false), "the owner again");
-        let why = owners.claim(1, "private", 2000).unwrap_err();
+        let why = owners.claim(1, "private", 2000).unwrap_err().to_string();
         assert!(why.contains("belongs to uid 1000") && why.contains("--shared-model"), "{why}");
         for uid in [1000, 2000, 0] {
             assert_eq!(owners.claim(2, "shared-m", uid), Ok(false), "shared: everyone's");
@@ -139,7 +189,7 @@ mod tests {
         for (uid, gid) in [(500, 9), (0, 9), (1000, 9), (7, 2000)] {
             assert!(a.may_connect(uid, gid).is_ok(), "{uid}/{gid}");
         }
-        let why = a.may_connect(7, 9).unwrap_err();
+        let why = a.may_connect(7, 9).unwrap_err().to_string();
         assert!(why.contains("uid 7 (gid 9)") && why.contains("--allow-gid [2000]"), "{why}");
     }
 
@@ -150,7 +200,7 @@ mod tests {
             assert!(a.may_change(uid, "drain").is_ok(), "{uid}");
         }
         // Allowed a session is not allowed to change state.
-        let why = a.may_change(1000, "drain").unwrap_err();
+        let why = a.may_change(1000, "drain").unwrap_err().to_string();
         assert!(
             why.contains("uid 1000 may not drain") && why.contains("--admin-uid [1001]"),
             "{why}"

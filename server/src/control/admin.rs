@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 use orbitkv_proto::LatencyHistogram;
 use orbitkv_shards::OpKind;
 
-use crate::control::access::Access;
+use crate::control::access::{Access, Denied};
 use crate::control::shared::{ServeState, Shared};
 use crate::control::startup::Startup;
 use crate::deadline::DeadlineReader;
@@ -78,7 +78,7 @@ fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
             },
             Err(why) => {
                 tracing::warn!(uid = creds.uid(), pid = creds.pid(), cmd, "admin command refused");
-                json!({"ok": false, "error": why, "code": "permission_denied"})
+                json!({"ok": false, "error": why.to_string(), "code": "permission_denied"})
             }
         },
         Err(why) => json!({"ok": false, "error": why}),
@@ -131,7 +131,7 @@ pub(crate) fn evict_target(request: &Value) -> Result<Option<u64>, &'static str>
 
 /// Whether the connection's `(uid, gid)` may run `cmd`: commands that change state need an
 /// admin uid, the others a uid or group allowed sessions.
-fn allowed(cmd: &str, (uid, gid): (u32, u32), access: &Access) -> Result<(), String> {
+fn allowed(cmd: &str, (uid, gid): (u32, u32), access: &Access) -> Result<(), Denied> {
     match cmd {
         "drain" | "resume" | "evict" => access.may_change(uid, cmd),
         _ => access.may_connect(uid, gid),

@@ -96,7 +96,7 @@ fn tell_to_wait(stream: UnixStream, startup: &Startup) {
         startup
             .access
             .may_connect(creds.uid(), creds.gid())
-            .map_err(|why| (ErrorCode::PermissionDenied, why))
+            .map_err(|why| (ErrorCode::PermissionDenied, why.to_string()))
     });
     if let Err((code, message)) = checked {
         return refuse(&stream, refusals(startup), code, message);
@@ -201,7 +201,10 @@ fn read_hello(stream: &UnixStream, pid: i32) -> Result<String, Refusal> {
 /// Whether `uid` (of effective group `gid`) may open a session now: the allow lists
 /// ([`crate::control::access::Access`]), while the server is not draining.
 fn admit(shared: &Shared, uid: u32, gid: u32) -> Result<(), Refusal> {
-    shared.access.may_connect(uid, gid).map_err(|why| (ErrorCode::PermissionDenied, why))?;
+    shared
+        .access
+        .may_connect(uid, gid)
+        .map_err(|why| (ErrorCode::PermissionDenied, why.to_string()))?;
     if shared.state() == ServeState::Draining {
         return Err((ErrorCode::Draining, "server is draining: no new sessions".into()));
     }

@@ -9,6 +9,7 @@ use orbitkv_proto::{
 };
 use orbitkv_shards::{OpKind, SessionId, ShardOp, ShardReply};
 
+use crate::control::access::Denied;
 use crate::control::shared::ServeState;
 use crate::requests::fanout::{
     commit_given, lookup, outcomes, per_slot, reserve, scatter, Check, OnWrongChecksum, FAILED,
@@ -141,7 +142,7 @@ fn claim_namespace(
     exec: &Exec,
     session: SessionId,
     d: &orbitkv_proto::NamespaceDescriptor,
-) -> Result<bool, String> {
+) -> Result<bool, Denied> {
     let uid = exec
         .shared
         .sessions
@@ -278,7 +279,7 @@ async fn execute(
             let id = descriptor.id();
             let claimed = match claim_namespace(exec, session, &descriptor) {
                 Ok(claimed) => claimed,
-                Err(message) => return Response::error(ErrorCode::PermissionDenied, message),
+                Err(why) => return Response::error(ErrorCode::PermissionDenied, why.to_string()),
             };
             let mut max = 0;
             for shard in 0..exec.shards {
