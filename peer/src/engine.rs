@@ -7,6 +7,18 @@ use std::sync::Arc;
 
 use crate::te_c;
 
+/// A Transfer Engine call's failure, from whichever route the engine takes.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Through the C API.
+    #[error(transparent)]
+    C(#[from] te_c::TeCError),
+    /// Through the wheel's Python API.
+    #[cfg(feature = "te-python")]
+    #[error(transparent)]
+    Python(#[from] crate::te::TeError),
+}
+
 /// The host's RDMA devices as the kernel lists them (`/sys/class/infiniband`), which TE's
 /// topology discovery looks among.
 fn rdma_devices() -> Vec<String> {
@@ -88,11 +100,11 @@ impl Engine {
 
     /// Registers `len` bytes at `addr` for peers to read and as the local side of reads; the
     /// memory must stay mapped while the engine lives.
-    pub fn register(&self, addr: u64, len: u64) -> Result<(), String> {
+    pub fn register(&self, addr: u64, len: u64) -> Result<(), EngineError> {
         match self {
-            Engine::C(e) => e.register(addr, len).map_err(|e| e.to_string()),
+            Engine::C(e) => Ok(e.register(addr, len)?),
             #[cfg(feature = "te-python")]
-            Engine::Python(e) => e.register(addr, len).map_err(|e| e.to_string()),
+            Engine::Python(e) => Ok(e.register(addr, len)?),
         }
     }
 
@@ -109,11 +121,11 @@ impl Engine {
 
     /// Reads `(local, remote, len)` ranges of `peer` in as few calls as the engine takes,
     /// waiting for all.
-    pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), String> {
+    pub fn read_many(&self, peer: &str, ranges: &[(u64, u64, u64)]) -> Result<(), EngineError> {
         match self {
-            Engine::C(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
+            Engine::C(e) => Ok(e.read_many(peer, ranges)?),
             #[cfg(feature = "te-python")]
-            Engine::Python(e) => e.read_many(peer, ranges).map_err(|e| e.to_string()),
+            Engine::Python(e) => Ok(e.read_many(peer, ranges)?),
         }
     }
 }

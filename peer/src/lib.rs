@@ -31,7 +31,7 @@ mod start;
 pub mod te;
 pub mod te_c;
 
-pub use engine::Engine;
+pub use engine::{Engine, EngineError};
 pub use membership::{Cluster, ClusterConfig, JoinError, Member, State, Status};
 pub use node::{
     FetchQueue, Later, LocalNode, PeerView, PeeringConfig, PeeringError, FETCHES_PER_MESSAGE,

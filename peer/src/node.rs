@@ -81,7 +81,7 @@ pub enum PeeringError {
     NoTransferEngine,
     /// Registering the arena with TE failed.
     #[error("registering the arena with the Transfer Engine: {0}")]
-    Register(String),
+    Register(crate::engine::EngineError),
     /// Already started.
     #[error("peering already started")]
     AlreadyStarted,

@@ -18,7 +18,7 @@ impl Cluster {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or(PeeringError::AlreadyStarted)?;
-        te.register(cfg.arena.0, cfg.arena.1).map_err(|e| PeeringError::Register(e.to_string()))?;
+        te.register(cfg.arena.0, cfg.arena.1).map_err(PeeringError::Register)?;
         let (tx, rx) = fetch_queue();
         let cfg = Arc::new(cfg);
         let window =
