@@ -97,6 +97,22 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.expect("local node calls do not panic")
 }
 
+/// Why a peer's inventory stream ended.
+#[derive(Debug, thiserror::Error)]
+enum StreamBroken {
+    /// The RPC failed (its status message).
+    #[error("{}", .0.message())]
+    Rpc(tonic::Status),
+    /// The owner answered for another of its lives.
+    #[error("the owner is at epoch {owner}, not {followed}")]
+    Epoch {
+        /// The owner's epoch in its answer.
+        owner: u64,
+        /// The epoch followed.
+        followed: u64,
+    },
+}
+
 impl Requester {
     pub(crate) fn new(sides: crate::node::Sides) -> Arc<Self> {
         let crate::node::Sides { cluster, cfg, te, warm } = sides;
@@ -184,7 +200,7 @@ impl Requester {
             });
             let why = match self.follow_once(&m, index, channel.clone()).await {
                 Ok(()) => "ended by the owner".to_owned(),
-                Err(e) => e,
+                Err(e) => e.to_string(),
             };
             tracing::warn!(peer = %m.node_id, why = %why, "peer inventory stream broken; subscribing again");
             let n = Arc::clone(&self.cfg.node);
@@ -198,7 +214,12 @@ impl Requester {
         }
     }
 
-    async fn follow_once(&self, m: &Member, index: u32, channel: Channel) -> Result<(), String> {
+    async fn follow_once(
+        &self,
+        m: &Member,
+        index: u32,
+        channel: Channel,
+    ) -> Result<(), StreamBroken> {
         let max = self.cfg.catalog_max_per_peer;
         let request = InventoryRequest {
             requester: self.cluster.cfg.node_id.clone(),
@@ -208,14 +229,14 @@ impl Requester {
         let mut stream = PeerClient::new(channel)
             .inventory(request)
             .await
-            .map_err(|s| s.message().to_owned())?
+            .map_err(StreamBroken::Rpc)?
             .into_inner();
         self.cluster.update_peer(&m.node_id, |v| v.stream = "snapshot".into());
         let mut held: HashSet<ChunkKey> = HashSet::new();
         let mut complete = true;
-        while let Some(u) = stream.message().await.map_err(|s| s.message().to_owned())? {
+        while let Some(u) = stream.message().await.map_err(StreamBroken::Rpc)? {
             if u.owner_epoch != m.epoch {
-                return Err(format!("the owner is at epoch {}, not {}", u.owner_epoch, m.epoch));
+                return Err(StreamBroken::Epoch { owner: u.owner_epoch, followed: m.epoch });
             }
             let mut added = Vec::with_capacity(u.added.len());
             for c in &u.added {
