@@ -186,7 +186,7 @@ fn admin_request() {
     .iter()
     .map(|s| s.as_bytes().to_vec())
     .collect();
-    run(orbitkv_server::fuzzing::admin_request, &seeds);
+    run(orbitkv_fuzz::admin_request, &seeds);
 }
 
 #[test]

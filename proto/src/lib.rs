@@ -7,6 +7,7 @@
 
 #![deny(unsafe_code)]
 
+mod admin;
 mod checksum;
 mod codec;
 mod error;
@@ -20,6 +21,7 @@ mod paths;
 mod peering;
 mod units;
 
+pub use admin::{evict_target, parse_admin_request, AdminRequestError, EvictTargetError};
 pub use checksum::{chunk_checksum, ChunkChecksum};
 pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeError, MAX_FRAME};
 pub use error::ErrorCode;

@@ -13,7 +13,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use orbitkv_proto::LatencyHistogram;
+use orbitkv_proto::{evict_target, parse_admin_request, LatencyHistogram};
 use orbitkv_shards::OpKind;
 
 use crate::control::access::{Access, Denied};
@@ -70,7 +70,7 @@ fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
         .read_line(&mut line)?;
-    let reply = match parse_request(&line) {
+    let reply = match parse_admin_request(&line) {
         Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), &startup.access) {
             Ok(()) => match startup.server() {
                 Some((shared, _)) => command(&cmd, &v, shared, startup),
@@ -81,7 +81,7 @@ fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
                 json!({"ok": false, "error": why.to_string(), "code": "permission_denied"})
             }
         },
-        Err(why) => json!({"ok": false, "error": why}),
+        Err(why) => json!({"ok": false, "error": why.to_string()}),
     };
     let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
     out.push(b'\n');
@@ -101,31 +101,6 @@ fn while_starting(cmd: &str, startup: &Startup) -> Value {
             ),
             "starting": startup.progress_json(),
         }),
-    }
-}
-
-/// One request line: a JSON object with a `"cmd"` string; the command and the whole object,
-/// or why not (the answer's error).
-pub(crate) fn parse_request(line: &str) -> Result<(String, Value), String> {
-    let v = serde_json::from_str::<Value>(line).map_err(|e| format!("request is not JSON: {e}"))?;
-    match v.get("cmd").and_then(Value::as_str) {
-        Some(cmd) => Ok((cmd.to_owned(), v)),
-        None => Err("request has no \"cmd\" string".to_owned()),
-    }
-}
-
-/// What an `evict` request names: a namespace, or every chunk (None); or why it names
-/// neither (the answer's error).
-pub(crate) fn evict_target(request: &Value) -> Result<Option<u64>, &'static str> {
-    match (request.get("namespace"), request.get("all")) {
-        (Some(n), None) => n
-            .as_u64()
-            .map(Some)
-            .ok_or("evict: \"namespace\" must be a namespace id (an unsigned 64-bit integer)"),
-        (None, Some(Value::Bool(true))) => Ok(None),
-        (None, Some(_)) => Err("evict: \"all\" must be true"),
-        (Some(_), Some(_)) => Err("evict: give \"namespace\" or \"all\", not both"),
-        (None, None) => Err("evict: give \"namespace\": ID or \"all\": true"),
     }
 }
 
@@ -256,7 +231,7 @@ const EVICT_TIMEOUT: Duration = Duration::from_secs(8);
 fn evict(request: &Value, shared: &Shared) -> Value {
     let namespace = match evict_target(request) {
         Ok(n) => n,
-        Err(why) => return json!({"ok": false, "error": why}),
+        Err(why) => return json!({"ok": false, "error": why.to_string()}),
     };
     let answers = shared.evict(namespace, EVICT_TIMEOUT);
     let (mut removed, mut busy, mut not_durable) = (0, 0, 0);
