@@ -3,9 +3,9 @@
 //! buffer of its own).
 //!
 //! Ownership: every operation in flight owns what the kernel may touch (its header block, its
-//! iovec array, the [`SlotMemory`]'s keep-alive: an `Arc` of the arena mapping). The caller keeps the arena slot reserved or
-//! pinned until the completion is returned. Dropping the ring waits for every operation in
-//! flight: memory handed to the kernel is never freed early.
+//! iovec array, the [`SlotMemory`]'s keep-alive: an `Arc` of the arena mapping). The caller
+//! keeps the arena slot reserved or pinned until the completion is returned. Dropping the ring
+//! waits for every operation in flight: memory handed to the kernel is never freed early.
 
 #![allow(unsafe_code)]
 
@@ -32,7 +32,9 @@ pub struct AlignedBlock {
 // SAFETY: an exclusively owned heap block; no aliasing exists to share across threads.
 unsafe impl Send for AlignedBlock {}
 // SAFETY: through `&self` the block is only read (`bytes`); the crate's test memory writes
-// through `as_mut_ptr` only while nothing else reads the range.
+// through `as_mut_ptr` only while nothing else reads the range. Only the tests share a block
+// between threads (their memory's keep-alive), so only they have this.
+#[cfg(test)]
 unsafe impl Sync for AlignedBlock {}
 
 impl AlignedBlock {
