@@ -1,6 +1,6 @@
 //! `NativeClient`: one session with the local `orbitkv-server`, the `orbitkv-client` library's
 //! `Client` behind a lock. Every call that can block releases the GIL. Buffers arrive as
-//! (address, length) pairs resolved by the Python layer (see `raw`).
+//! Python objects with the buffer protocol, held exported for the whole call (see `raw`).
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -9,7 +9,7 @@ use orbitkv_client as okv;
 use pyo3::prelude::*;
 
 use crate::errors::{invalid, to_py};
-use crate::raw::RawBuf;
+use crate::raw::{Access, Held};
 use crate::types::{
     layout_kind, outcome_name, put_outcome_name, ChunkKey, GpuRegistration, Hit, Lease,
     NamespaceDescriptor, Reserved, Transfer,
@@ -31,23 +31,27 @@ fn keys(ks: &[ChunkKey]) -> Vec<okv::ChunkKey> {
     ks.iter().map(|k| k.0).collect()
 }
 
-fn bufs(pairs: &[(usize, usize)]) -> PyResult<Vec<RawBuf>> {
-    pairs.iter().map(|&(a, l)| RawBuf::new(a, l)).collect()
-}
-
 /// One of the client's GPU calls: save, load, start_save, start_load.
 type GpuCall<T> =
     fn(&mut okv::Client, &okv::GpuRegistration, &[okv::ChunkKey], &[u64]) -> Result<T, okv::Error>;
 
-/// A region of blocks: (address, length, block bytes, block stride).
-type RegionArg = (usize, usize, usize, usize);
+/// A region of blocks: (buffer, block bytes, block stride).
+type RegionArg<'py> = (Bound<'py, PyAny>, usize, usize);
 
-fn regions(rs: &[RegionArg]) -> PyResult<Vec<(RawBuf, okv::BlockLayout)>> {
-    rs.iter()
-        .map(|&(a, l, block_bytes, block_stride)| {
-            Ok((RawBuf::new(a, l)?, okv::BlockLayout { block_bytes, block_stride }))
-        })
-        .collect()
+/// How an error names region `i`.
+fn region_name(i: usize) -> String {
+    format!("region {i}")
+}
+
+/// The regions' buffers, held for `access`, and their block layouts.
+fn regions(rs: &[RegionArg<'_>], access: Access) -> PyResult<(Vec<Held>, Vec<okv::BlockLayout>)> {
+    let mut held = Vec::with_capacity(rs.len());
+    let mut layouts = Vec::with_capacity(rs.len());
+    for (i, (buf, block_bytes, block_stride)) in rs.iter().enumerate() {
+        held.push(Held::get(buf, access, &region_name(i))?);
+        layouts.push(okv::BlockLayout { block_bytes: *block_bytes, block_stride: *block_stride });
+    }
+    Ok((held, layouts))
 }
 
 impl NativeClient {
@@ -203,19 +207,13 @@ impl NativeClient {
         self.run(py, |c| c.flush())
     }
 
-    /// Copies a leased chunk into the buffer at `addr` (at least the chunk's length);
+    /// Copies a leased chunk into `out` (a writable buffer of at least the chunk's length);
     /// returns the length.
-    fn read_lease(
-        &self,
-        py: Python<'_>,
-        lease: &Lease,
-        addr: usize,
-        len: usize,
-    ) -> PyResult<usize> {
-        let (lease, buf) = (lease.0, RawBuf::new(addr, len)?);
+    fn read_lease(&self, py: Python<'_>, lease: &Lease, out: Bound<'_, PyAny>) -> PyResult<usize> {
+        let (lease, mut held) = (lease.0, Held::get(&out, Access::Write, "out")?);
+        let dst = held.bytes_mut();
         self.run(py, move |c| {
             let bytes = c.chunk(&lease)?;
-            let dst = buf.bytes_mut();
             if dst.len() < bytes.len() {
                 return Err(okv::Error::BufferTooSmall {
                     needed: bytes.len() as u64,
@@ -231,30 +229,29 @@ impl NativeClient {
         &self,
         py: Python<'_>,
         ks: Vec<ChunkKey>,
-        buffers: Vec<(usize, usize)>,
+        buffers: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<usize>> {
-        let (ks, bs) = (keys(&ks), bufs(&buffers)?);
-        self.run(py, move |c| {
-            let mut views: Vec<&mut [u8]> = bs.iter().map(RawBuf::bytes_mut).collect();
-            c.get_into(&ks, &mut views)
-        })
+        let name = |i| format!("buffers[{i}]");
+        let ks = keys(&ks);
+        let mut held = Held::get_all(&buffers, Access::Write, name)?;
+        let mut views = Held::views_mut(&mut held, name)?;
+        self.run(py, move |c| c.get_into(&ks, &mut views))
     }
 
     fn put(
         &self,
         py: Python<'_>,
         ks: Vec<ChunkKey>,
-        buffers: Vec<(usize, usize)>,
+        buffers: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<&'static str>> {
         if ks.len() != buffers.len() {
             return Err(invalid(format!("{} keys but {} values", ks.len(), buffers.len())));
         }
-        let (ks, bs) = (keys(&ks), bufs(&buffers)?);
-        let out = self.run(py, move |c| {
-            let items: Vec<(okv::ChunkKey, &[u8])> =
-                ks.iter().copied().zip(bs.iter().map(RawBuf::bytes)).collect();
-            c.put(&items)
-        })?;
+        let ks = keys(&ks);
+        let held = Held::get_all(&buffers, Access::Read, |i| format!("value {i}"))?;
+        let items: Vec<(okv::ChunkKey, &[u8])> =
+            ks.iter().copied().zip(held.iter().map(Held::bytes)).collect();
+        let out = self.run(py, move |c| c.put(&items))?;
         Ok(out.into_iter().map(put_outcome_name).collect())
     }
 
@@ -275,17 +272,17 @@ impl NativeClient {
             .collect()
     }
 
-    /// Writes `len` bytes from `addr` into a reservation at `offset`.
-    #[pyo3(signature = (reserved, addr, len, offset = 0))]
+    /// Writes the bytes of `data` (a buffer) into a reservation at `offset`.
+    #[pyo3(signature = (reserved, data, offset = 0))]
     fn write_reserved(
         &self,
         py: Python<'_>,
         reserved: &Reserved,
-        addr: usize,
-        len: usize,
+        data: Bound<'_, PyAny>,
         offset: u64,
     ) -> PyResult<()> {
-        let (r, src) = (reserved.0, RawBuf::new(addr, len)?);
+        let (r, held) = (reserved.0, Held::get(&data, Access::Read, "data")?);
+        let (src, len) = (held.bytes(), held.len());
         self.run(py, move |c| {
             let slot = c.slot_mut(&r)?;
             let end = offset
@@ -297,7 +294,7 @@ impl NativeClient {
                         slot.len()
                     ))
                 })?;
-            okv::copy_chunk(&mut slot[offset as usize..end as usize], src.bytes());
+            okv::copy_chunk(&mut slot[offset as usize..end as usize], src);
             Ok(())
         })
     }
@@ -321,16 +318,14 @@ impl NativeClient {
     fn save_blocks(
         &self,
         py: Python<'_>,
-        regs: Vec<RegionArg>,
+        regs: Vec<RegionArg<'_>>,
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Vec<&'static str>> {
-        let (rs, ks) = (regions(&regs)?, keys(&ks));
-        let out = self.run(py, move |c| {
-            let views: Vec<(&[u8], okv::BlockLayout)> =
-                rs.iter().map(|(b, l)| (b.bytes(), *l)).collect();
-            c.save_blocks(&views, &ks, &blocks)
-        })?;
+        let ((held, layouts), ks) = (regions(&regs, Access::Read)?, keys(&ks));
+        let views: Vec<(&[u8], okv::BlockLayout)> =
+            held.iter().map(Held::bytes).zip(layouts).collect();
+        let out = self.run(py, move |c| c.save_blocks(&views, &ks, &blocks))?;
         Ok(out.into_iter().map(put_outcome_name).collect())
     }
 
@@ -338,16 +333,14 @@ impl NativeClient {
     fn load_blocks(
         &self,
         py: Python<'_>,
-        regs: Vec<RegionArg>,
+        regs: Vec<RegionArg<'_>>,
         ks: Vec<ChunkKey>,
         blocks: Vec<u64>,
     ) -> PyResult<Vec<&'static str>> {
-        let (rs, ks) = (regions(&regs)?, keys(&ks));
-        let out = self.run(py, move |c| {
-            let mut views: Vec<(&mut [u8], okv::BlockLayout)> =
-                rs.iter().map(|(b, l)| (b.bytes_mut(), *l)).collect();
-            c.load_blocks(&mut views, &ks, &blocks)
-        })?;
+        let ((mut held, layouts), ks) = (regions(&regs, Access::Write)?, keys(&ks));
+        let mut views: Vec<(&mut [u8], okv::BlockLayout)> =
+            Held::views_mut(&mut held, region_name)?.into_iter().zip(layouts).collect();
+        let out = self.run(py, move |c| c.load_blocks(&mut views, &ks, &blocks))?;
         Ok(out.into_iter().map(outcome_name).collect())
     }
 

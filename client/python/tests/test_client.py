@@ -124,6 +124,41 @@ def test_typed_errors_carry_kind_and_code(client, server):
                (orbitkv.Unavailable, orbitkv.Stale, orbitkv.ServerError, orbitkv.ProtocolError))
 
 
+def test_the_native_layer_holds_buffers_and_takes_no_addresses(client, server):
+    """`orbitkv._native` called directly: an integer is not memory, and one call's writable
+    buffers may not overlap; each refusal names the argument and the server goes on."""
+    ns = client.register_namespace(descriptor())
+    keys = chain(ns.id, 2)
+    assert client.put([(k, value(i)) for i, k in enumerate(keys)]) == ["stored", "stored"]
+    native = client._c
+    with pytest.raises(orbitkv.InvalidArgument, match=r"buffers\[0\] of type int has no buffer protocol"):
+        native.get_into(keys[:1], [0x7F0000000000])
+    with pytest.raises(orbitkv.InvalidArgument, match="region 0 of type int has no buffer protocol"):
+        native.load_blocks([(0x7F0000000000, 4096, 4096)], keys[:1], [0])
+    slot = client.reserve(chain(ns.id, 3)[2:], [4096])[0]
+    with pytest.raises(orbitkv.InvalidArgument, match="data of type int"):
+        native.write_reserved(slot, 4096)
+    assert client.abort([slot]) == ["done"]
+    lease = client.lookup_leased(keys[:1])[0]
+    with pytest.raises(orbitkv.InvalidArgument, match="out is read-only"):
+        native.read_lease(lease, b"\0" * 4096)
+    assert client.release([lease]) == ["done"]
+    # Two writable views of one bytearray in one call would be aliased writes: refused.
+    buf = bytearray(8192)
+    with pytest.raises(orbitkv.InvalidArgument, match=r"buffers\[0\] and buffers\[1\] overlap"):
+        native.get_into(keys, [memoryview(buf)[:4096], memoryview(buf)[2048:6144]])
+    with pytest.raises(orbitkv.InvalidArgument, match="region 0 and region 1 overlap"):
+        native.load_blocks([(buf, 4096, 4096), (buf, 4096, 4096)], keys[:1], [0])
+    assert bytes(buf) == bytes(8192)
+    # Its disjoint halves are two buffers.
+    assert native.get_into(keys, [memoryview(buf)[:4096], memoryview(buf)[4096:]]) == [4096, 4096]
+    assert bytes(buf) == value(0) + value(1)
+    # The bytearray is exported only during a call: afterwards it resizes again.
+    buf.extend(b"x")
+    client.flush()
+    assert server.shard_sum("leases") == 0 and server.shard_sum("reservations") == 0
+
+
 def test_reserve_write_commit_and_abort(client, server):
     ns = client.register_namespace(descriptor())
     keys = chain(ns.id, 3)

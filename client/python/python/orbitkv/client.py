@@ -7,7 +7,7 @@ import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from ._buffers import resolve
+from ._buffers import buffer
 from ._native import (
     ChunkKey,
     GpuRegistration,
@@ -209,11 +209,7 @@ class Client:
         return self._read_into(lease, out)
 
     def _read_into(self, lease: Lease, out: Any) -> int:
-        addr, n, keep = resolve(out, writable=True, what="out")
-        try:
-            return self._c.read_lease(lease, addr, n)
-        finally:
-            del keep
+        return self._c.read_lease(lease, buffer(out, "out"))
 
     # --- put / get -----------------------------------------------------------------------
 
@@ -222,8 +218,7 @@ class Client:
         each chunk's length. Leased during the copy, released (deferred) after."""
         if len(buffers) < len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        resolved = [resolve(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
-        return self._c.get_into(list(keys), [(a, n) for a, n, _ in resolved])
+        return self._c.get_into(list(keys), [buffer(b, f"buffers[{i}]") for i, b in enumerate(buffers)])
 
     def get(self, keys: Sequence[ChunkKey]) -> List[bytearray]:
         """The longest present prefix of `keys`, copied into new bytearrays."""
@@ -243,11 +238,11 @@ class Client:
         """Stores (key, value) pairs: reserve, copy each value into its slot, commit. An
         outcome per item: `stored`, `already_present`, or the error code's name."""
         keys: List[ChunkKey] = []
-        resolved = []
+        values = []
         for i, (k, v) in enumerate(items):
             keys.append(k)
-            resolved.append(resolve(v, writable=False, what=f"value {i}"))
-        return self._c.put(keys, [(a, n) for a, n, _ in resolved])
+            values.append(buffer(v, f"value {i}"))
+        return self._c.put(keys, values)
 
     def reserve(self, keys: Sequence[ChunkKey], lens: Sequence[int]) -> List[Union[Reserved, str]]:
         """Reserves slots: a `Reserved` per key, or the name of why not."""
@@ -255,11 +250,7 @@ class Client:
 
     def write(self, reserved: Reserved, data: Any, offset: int = 0) -> None:
         """Copies `data` into a reservation at `offset`."""
-        addr, n, keep = resolve(data, writable=False, what="data")
-        try:
-            self._c.write_reserved(reserved, addr, n, offset)
-        finally:
-            del keep
+        self._c.write_reserved(reserved, buffer(data, "data"), offset)
 
     def commit(self, reserved: Sequence[Reserved]) -> List[str]:
         """Makes written reservations visible; an outcome per slot."""
@@ -276,34 +267,24 @@ class Client:
     # --- engine blocks (the engine's process copies) -------------------------------------
 
     @staticmethod
-    def _regions(regions: Sequence[Region], writable: bool) -> Tuple[List[Any], List[Any]]:
-        out, keep = [], []
-        for i, r in enumerate(regions):
-            addr, n, k = resolve(r.buffer, writable=writable, what=f"region {i}")
-            keep.append(k)
-            out.append((addr, n, r.block_bytes, r.block_stride or r.block_bytes))
-        return out, keep
+    def _regions(regions: Sequence[Region]) -> List[Tuple[Any, int, int]]:
+        return [
+            (buffer(r.buffer, f"region {i}"), r.block_bytes, r.block_stride or r.block_bytes)
+            for i, r in enumerate(regions)
+        ]
 
     def save_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
                     blocks: Sequence[int]) -> List[str]:
         """Saves engine blocks as chunks (chunk i = blocks[i*n:(i+1)*n], n = len(blocks) //
         len(keys)), gathered straight into their slots. An outcome per key."""
-        regs, keep = self._regions(regions, writable=False)
-        try:
-            return self._c.save_blocks(regs, list(keys), list(blocks))
-        finally:
-            del keep
+        return self._c.save_blocks(self._regions(regions), list(keys), list(blocks))
 
     def load_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
                     blocks: Sequence[int]) -> List[str]:
         """Loads the longest present prefix of `keys` into engine blocks: `done` per chunk
         loaded, `not_found` after the first missing one, `invalid_argument` for a chunk of
         another length than its blocks (nothing after it is loaded)."""
-        regs, keep = self._regions(regions, writable=True)
-        try:
-            return self._c.load_blocks(regs, list(keys), list(blocks))
-        finally:
-            del keep
+        return self._c.load_blocks(self._regions(regions), list(keys), list(blocks))
 
     def arena(self) -> Optional[Tuple[int, int, int, List[Tuple[int, int]]]]:
         """(address, length, connection number, files) of this connection's arena mapping,
