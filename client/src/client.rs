@@ -10,6 +10,7 @@ use orbitkv_proto::{
 
 use crate::backoff::Reconnect;
 use crate::connection::Connection;
+use crate::mapping::HostArena;
 use crate::Error;
 
 /// How to reach the server.
@@ -567,6 +568,18 @@ impl Client {
     /// per file mapping).
     pub fn arena_files(&self) -> Option<Vec<(u64, u64)>> {
         self.conn.as_ref().map(|c| c.arena.files())
+    }
+
+    /// A mapping of this session's arena of one's own ([`HostArena`]), for an engine that
+    /// registers it with CUDA and copies between its GPU memory and the slots itself: unlike
+    /// [`Client::arena_range`]'s, it stays mapped when the session ends. Connects first when
+    /// disconnected.
+    pub fn map_arena(&mut self) -> Result<HostArena, Error> {
+        self.ensure_connected()?;
+        let epoch = self.epoch;
+        let conn = self.conn.as_ref().expect("ensure_connected leaves a connection");
+        HostArena::new(&conn.arena, epoch)
+            .map_err(|e| Error::Ipc(format!("mapping the arena again: {e}")))
     }
 
     /// The writable bytes of a reservation.

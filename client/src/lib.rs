@@ -28,9 +28,9 @@ pub use error::Error;
 pub use gpu::{GpuRegistration, Transfer};
 pub use group::GroupPrefix;
 pub use host::BlockLayout;
-pub use mapping::copy_chunk;
+pub use mapping::{copy_chunk, HostArena};
 pub use orbitkv_proto::{
     chunk_checksum, engine_digest, prefix_digests, ChunkKey, ChunkOutcome, Digest, Dtype,
-    ErrorCode, GpuTensor, Hit, KvLayoutKind, KvLayoutSpec, NamespaceDescriptor, PrefixHasher,
-    Request, Response, Tier, PREFIX_SEED,
+    ErrorCode, GpuTensor, Hit, HostMapping, KvLayoutKind, KvLayoutSpec, NamespaceDescriptor,
+    PrefixHasher, Request, Response, Tier, PREFIX_SEED,
 };

@@ -13,7 +13,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 
 use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise, ProtFlags};
-use orbitkv_proto::{ARENA_HEADER_BYTES, DOORBELL_STRIDE};
+use orbitkv_proto::{HostMapping, ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 mod copy;
 pub use copy::copy_chunk;
@@ -198,6 +198,76 @@ impl ArenaMap {
                 unsafe { std::slice::from_raw_parts_mut(base.add(offset as usize), len as usize) }
             })
             .collect())
+    }
+}
+
+/// A mapping of one session's arena of its own: the same memfds mapped again, without
+/// populating its page tables (a CUDA registration does that), and unmapped only when this is
+/// dropped, whatever becomes of the session. Memory registered with CUDA, or viewed by a
+/// tensor, through it never goes away under them. Offsets in it are the session's
+/// ([`crate::Reserved::offset`], a lease's `hit.offset`); once the session ends, the server
+/// may hand its slots out again, so a copy through it must check the session first
+/// ([`crate::Client::connection`] against [`HostArena::connection`]).
+#[derive(Debug)]
+pub struct HostArena {
+    map: ArenaMap,
+    connection: u64,
+}
+
+// SAFETY: the mapping is process-wide shared memory that `HostArena` never changes through
+// `&self` (it hands out only its address; who may touch which bytes is governed by leases
+// and reservations), so sharing references between threads is as sound as sending it.
+unsafe impl Sync for HostArena {}
+
+impl HostArena {
+    /// Maps `session`'s arena again (new descriptors of its memfds).
+    pub(crate) fn new(session: &ArenaMap, connection: u64) -> Result<Self, String> {
+        let fds = session.dup_fds().map_err(|e| format!("duplicating the arena's memfds: {e}"))?;
+        let files: Vec<u64> = session.files().iter().map(|&(_, bytes)| bytes).collect();
+        let map = ArenaMap::new(fds, &files, session.len as u64, false)?;
+        Ok(Self { map, connection })
+    }
+
+    /// The first byte of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.range().0
+    }
+
+    /// Bytes mapped (the whole arena).
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Never: an arena has at least its header.
+    pub fn is_empty(&self) -> bool {
+        self.map.len == 0
+    }
+
+    /// The connection (see [`crate::Client::connection`]) whose arena this maps.
+    pub fn connection(&self) -> u64 {
+        self.connection
+    }
+
+    /// The bytes of a chunk at `offset` (a lease's `hit.offset`), stable while the lease is
+    /// held; an error when the range is not in the arena's chunk area.
+    pub fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], crate::Error> {
+        self.map.bytes(offset, len).map_err(crate::Error::InvalidArgument)
+    }
+}
+
+// SAFETY: `base` and `size` are exactly this mapping, which stays mapped for as long as the
+// `HostArena` lives; `parts` are its memfds' mappings, in address order, covering it.
+unsafe impl HostMapping for HostArena {
+    fn base(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+
+    fn size(&self) -> u64 {
+        self.map.len as u64
+    }
+
+    fn parts(&self) -> Vec<(u64, u64)> {
+        self.map.files()
     }
 }
 

@@ -69,6 +69,10 @@ pub fn register_host_parts(
     parts: &[RegisterPart],
 ) -> Result<HostRegistration, GpuError> {
     check_parts(host.size(), parts)?;
+    // Any cudarc call before this check panics where libcuda is missing.
+    if !crate::dma::driver_library_present() {
+        return Err(GpuError::Cuda("libcuda (the NVIDIA driver library) is not installed".into()));
+    }
     let ctx = CudaContext::new(ordinal)
         .map_err(|e| GpuError::Cuda(format!("creating a context on device {ordinal}: {e}")))?;
     ctx.bind_to_thread().map_err(|e| GpuError::Cuda(format!("binding the context: {e}")))?;

@@ -23,7 +23,6 @@ usage: sglang-backend-bench.py --server-bin target/release/orbitkv-server [--thr
 """
 
 import argparse
-import ctypes
 import hashlib
 import json
 import os
@@ -100,10 +99,9 @@ def arena_copy_gbps(client, nbytes, reps=5):
     Manager's mapped arena: the memory the backend copies to and from, without the backend.
     Run while no page is stored (each thread count's pages are evicted after it), so nothing
     live is there."""
-    client.ping()
-    base, length, _ = client.arena()
-    buf = (ctypes.c_uint8 * nbytes).from_address(base + length - nbytes - (2 << 20))
-    arena = np.frombuffer(buf, dtype=np.uint8)
+    whole = np.frombuffer(client.host_arena(), dtype=np.uint8)
+    top = len(whole) - nbytes - (2 << 20)
+    arena = whole[top:top + nbytes]
     pool = torch.ones(nbytes, dtype=torch.uint8).numpy()
     return {"to_arena": copy_gbps(arena, pool, reps), "from_arena": copy_gbps(pool, arena, reps)}
 

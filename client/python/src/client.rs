@@ -8,6 +8,7 @@ use std::time::Duration;
 use orbitkv_client as okv;
 use pyo3::prelude::*;
 
+use crate::arena::ArenaMapping;
 use crate::errors::{invalid, to_py};
 use crate::raw::{Access, Held};
 use crate::types::{
@@ -344,14 +345,25 @@ impl NativeClient {
         Ok(out.into_iter().map(outcome_name).collect())
     }
 
-    /// This connection's mapping of the arena: (address, length, connection number, each
-    /// memfd's (offset, length) in it), or None while disconnected. For an engine that
-    /// registers it with CUDA (a file's mapping at a time) and copies itself.
+    /// This connection's arena: (length, connection number, each memfd's (offset, length)
+    /// in it), or None while disconnected.
     #[allow(clippy::type_complexity)]
-    fn arena(&self) -> Option<(usize, usize, u64, Vec<(u64, u64)>)> {
+    fn arena(&self) -> Option<(usize, u64, Vec<(u64, u64)>)> {
         let c = self.lock();
-        let (base, len) = c.arena_range()?;
-        Some((base as usize, len, c.connection()?, c.arena_files()?))
+        let (_, len) = c.arena_range()?;
+        Some((len, c.connection()?, c.arena_files()?))
+    }
+
+    /// The arena mapped anew by this process; connects first when disconnected.
+    fn host_arena(&self, py: Python<'_>) -> PyResult<ArenaMapping> {
+        Ok(ArenaMapping::host(self.run(py, |c| c.map_arena())?))
+    }
+
+    /// The arena mapped anew and registered with CUDA device `device` (the process's
+    /// numbering, as torch's), for an engine's own copies; connects first when disconnected.
+    fn cuda_arena(&self, py: Python<'_>, device: usize) -> PyResult<ArenaMapping> {
+        let arena = self.run(py, |c| c.map_arena())?;
+        ArenaMapping::cuda(py, arena, device)
     }
 
     /// Registers GPU KV tensors: `layout` as (kind, num_layers, num_blocks, block_size,

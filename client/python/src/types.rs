@@ -295,6 +295,13 @@ pub(crate) fn outcome_name(o: okv::ChunkOutcome) -> &'static str {
     }
 }
 
+/// Every name [`outcome_name`] and [`put_outcome_name`] can give (the package's `Outcome`).
+pub(crate) fn outcome_names() -> Vec<&'static str> {
+    let mut names = vec!["done", "stored"];
+    names.extend(okv::ErrorCode::ALL.iter().map(|c| c.as_str()));
+    names
+}
+
 /// The name of a put outcome: `stored`, `already_present` or the error code's name.
 pub(crate) fn put_outcome_name(o: okv::PutOutcome) -> &'static str {
     match o {

@@ -73,6 +73,18 @@ def test_put_get_round_trips_every_buffer_kind(client, server):
     assert server.shard_sum("leases") == 0
 
 
+def test_outcomes_are_one_enum_shared_with_the_native_module(client):
+    assert sorted(o.value for o in orbitkv.Outcome) == sorted(orbitkv._native.OUTCOMES)
+    ns = client.register_namespace(descriptor())
+    key = chain(ns.id, 1)
+    out = client.put([(key[0], value(0))]) + client.put([(key[0], value(0))])
+    assert out == [orbitkv.Outcome.STORED, orbitkv.Outcome.ALREADY_PRESENT] == ["stored", "already_present"]
+    assert all(isinstance(o, orbitkv.Outcome) and o.ok for o in out)
+    assert client.reserve(key, [4096]) == [orbitkv.Outcome.ALREADY_PRESENT]
+    (miss,) = client.evict(chain(ns.id, 2)[1:])
+    assert miss is orbitkv.Outcome.NOT_FOUND and not miss.ok and f"{miss}" == "not_found"
+
+
 def test_leases_pin_until_released_and_lookup_is_a_prefix(client, server):
     ns = client.register_namespace(descriptor())
     keys = chain(ns.id, 4)
@@ -251,19 +263,21 @@ def test_golden_vectors_shared_with_rust():
 
 
 def test_the_arena_mapping_names_its_memfds(client, server):
-    """`arena()` gives the mapping and each memfd's range in it (end to end): what
-    `orbitkv.gpu.EngineCopies` registers with CUDA, a file at a time. One by default; one per
-    shard with `--arena-memfds per-shard`, whose bytes every client sees alike."""
+    """`arena()` gives the arena's length and each memfd's range in it (end to end): what
+    `Client.cuda_arena` registers with CUDA, a file at a time. One by default; one per shard
+    with `--arena-memfds per-shard`, whose bytes every client sees alike. No addresses."""
     client.ping()
-    base, length, connection, files = client.arena()
-    assert base > 0 and connection == client.connection
-    assert files == [(0, length)], files
-    assert server.admin("stats")["arena_bytes"] <= length
+    info = client.arena()
+    assert info is not None and info.connection == client.connection
+    assert info.files == [(0, info.length)], info
+    assert server.admin("stats")["arena_bytes"] <= info.length
     per_shard = Server(["--shards", "3", "--dram", "24MiB", "--arena-memfds", "per-shard"])
     try:
         writer, reader = Client(per_shard.socket, name="writer"), Client(per_shard.socket, name="reader")
         writer.ping()
-        base, length, _, files = writer.arena()
+        info = writer.arena()
+        assert info is not None
+        length, files = info.length, info.files
         assert len(files) == 3, files
         assert files[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(files, files[1:]))
         assert files[-1][0] + files[-1][1] == length
@@ -276,6 +290,40 @@ def test_the_arena_mapping_names_its_memfds(client, server):
         assert per_shard.admin("stats")["arena_memfds"] == 3
     finally:
         per_shard.stop()
+
+
+def test_host_arena_lends_the_arena_bytes(client, server):
+    """A mapping of the arena of the process's own, lent as a buffer: leased chunks read there
+    as they were put; it stays mapped while an array made from it lives."""
+    ns = client.register_namespace(descriptor())
+    keys = chain(ns.id, 3)
+    assert client.put([(k, value(i)) for i, k in enumerate(keys)]) == ["stored"] * 3
+    view = client.host_arena()
+    info = client.arena()
+    assert info is not None and view.connection == info.connection and view.device is None
+    assert len(view) == info.length and not memoryview(view).readonly
+    arena = np.frombuffer(view, dtype=np.uint8)
+    del view
+    leases = client.lookup_leased(keys)
+    for i, lease in enumerate(leases):
+        assert arena[lease.offset:lease.offset + lease.len].tobytes() == value(i)
+    assert client.release(leases) == ["done"] * 3
+
+
+def test_cuda_arena_without_cuda_is_a_clear_error(client, server):
+    """Where libcuda or the device is missing, registering the arena names why; the session
+    goes on serving. (On a CUDA host, tests/gpu registers it and copies through it.)"""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("libcuda is installed here: tests/gpu covers the registration")
+    except OSError:
+        pass
+    with pytest.raises(orbitkv.InvalidArgument, match="registering the arena with CUDA device 0: .*libcuda"):
+        client.cuda_arena(0)
+    ns = client.register_namespace(descriptor())
+    assert client.put([(chain(ns.id, 1)[0], value(0))]) == ["stored"]
 
 
 def test_restart_reconnects_and_registers_namespaces_again(client, server):

@@ -34,10 +34,12 @@ from ._native import (
     chunk_digest,
     prefix_digests,
 )
-from .client import Client, GroupPrefix, KvLayout, Namespace, Region, default_socket_path
+from .client import ArenaInfo, Client, GroupPrefix, KvLayout, Namespace, Region, default_socket_path
+from .outcome import Outcome
 
 __all__ = [
     "PREFIX_SEED",
+    "ArenaInfo",
     "ChunkKey",
     "Client",
     "Disconnected",
@@ -50,6 +52,7 @@ __all__ = [
     "Namespace",
     "NamespaceDescriptor",
     "OrbitKVError",
+    "Outcome",
     "ProtocolError",
     "Region",
     "Reserved",

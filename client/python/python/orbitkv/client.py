@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
 from ._buffers import buffer
 from ._native import (
+    ArenaMapping,
     ChunkKey,
     GpuRegistration,
     Hit,
@@ -18,6 +19,7 @@ from ._native import (
     Reserved,
     Transfer,
 )
+from .outcome import Outcome, maybe_outcomes, outcomes, slots
 
 
 def default_socket_path() -> str:
@@ -46,6 +48,16 @@ class GroupPrefix:
 
     chunks: int
     per_rank: List[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaInfo:
+    """A connection's arena: `length` bytes, `connection` (see `Client.connection`), and each
+    of its memfds as (offset, length): one, or one per shard (`--arena-memfds per-shard`)."""
+
+    length: int
+    connection: int
+    files: List[Tuple[int, int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +143,8 @@ class Client:
             client_checksums,
             start_wait,
         )
+        #: The arena registered with CUDA, per device (`cuda_arena`).
+        self._cuda_arenas: Dict[int, ArenaMapping] = {}
 
     # --- session -------------------------------------------------------------------------
 
@@ -188,9 +202,9 @@ class Client:
         chunks, per_rank = self._c.lookup_group([list(r) for r in ranks])
         return GroupPrefix(chunks, per_rank)
 
-    def release(self, leases: Sequence[Lease]) -> List[str]:
+    def release(self, leases: Sequence[Lease]) -> List[Outcome]:
         """Releases leases; an outcome per lease (`done`, or why not)."""
-        return self._c.release(list(leases))
+        return outcomes(self._c.release(list(leases)))
 
     def release_deferred(self, leases: Sequence[Lease]) -> None:
         """Releases without waiting for the answer (collected by a later call)."""
@@ -234,7 +248,7 @@ class Client:
             if leases:
                 self.release_deferred(leases)
 
-    def put(self, items: PutItems) -> List[str]:
+    def put(self, items: PutItems) -> List[Outcome]:
         """Stores (key, value) pairs: reserve, copy each value into its slot, commit. An
         outcome per item: `stored`, `already_present`, or the error code's name."""
         keys: List[ChunkKey] = []
@@ -242,27 +256,27 @@ class Client:
         for i, (k, v) in enumerate(items):
             keys.append(k)
             values.append(buffer(v, f"value {i}"))
-        return self._c.put(keys, values)
+        return outcomes(self._c.put(keys, values))
 
-    def reserve(self, keys: Sequence[ChunkKey], lens: Sequence[int]) -> List[Union[Reserved, str]]:
+    def reserve(self, keys: Sequence[ChunkKey], lens: Sequence[int]) -> List[Union[Reserved, Outcome]]:
         """Reserves slots: a `Reserved` per key, or the name of why not."""
-        return self._c.reserve(list(keys), list(lens))
+        return slots(self._c.reserve(list(keys), list(lens)))
 
     def write(self, reserved: Reserved, data: Any, offset: int = 0) -> None:
         """Copies `data` into a reservation at `offset`."""
         self._c.write_reserved(reserved, buffer(data, "data"), offset)
 
-    def commit(self, reserved: Sequence[Reserved]) -> List[str]:
+    def commit(self, reserved: Sequence[Reserved]) -> List[Outcome]:
         """Makes written reservations visible; an outcome per slot."""
-        return self._c.commit(list(reserved))
+        return outcomes(self._c.commit(list(reserved)))
 
-    def abort(self, reserved: Sequence[Reserved]) -> List[str]:
+    def abort(self, reserved: Sequence[Reserved]) -> List[Outcome]:
         """Gives reservations back unwritten."""
-        return self._c.abort(list(reserved))
+        return outcomes(self._c.abort(list(reserved)))
 
-    def evict(self, keys: Sequence[ChunkKey]) -> List[str]:
+    def evict(self, keys: Sequence[ChunkKey]) -> List[Outcome]:
         """Removes chunks nobody leases; an outcome per key."""
-        return self._c.evict(list(keys))
+        return outcomes(self._c.evict(list(keys)))
 
     # --- engine blocks (the engine's process copies) -------------------------------------
 
@@ -274,25 +288,45 @@ class Client:
         ]
 
     def save_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
-                    blocks: Sequence[int]) -> List[str]:
+                    blocks: Sequence[int]) -> List[Outcome]:
         """Saves engine blocks as chunks (chunk i = blocks[i*n:(i+1)*n], n = len(blocks) //
         len(keys)), gathered straight into their slots. An outcome per key."""
-        return self._c.save_blocks(self._regions(regions), list(keys), list(blocks))
+        return outcomes(self._c.save_blocks(self._regions(regions), list(keys), list(blocks)))
 
     def load_blocks(self, regions: Sequence[Region], keys: Sequence[ChunkKey],
-                    blocks: Sequence[int]) -> List[str]:
+                    blocks: Sequence[int]) -> List[Outcome]:
         """Loads the longest present prefix of `keys` into engine blocks: `done` per chunk
         loaded, `not_found` after the first missing one, `invalid_argument` for a chunk of
         another length than its blocks (nothing after it is loaded)."""
-        return self._c.load_blocks(self._regions(regions), list(keys), list(blocks))
+        return outcomes(self._c.load_blocks(self._regions(regions), list(keys), list(blocks)))
 
-    def arena(self) -> Optional[Tuple[int, int, int, List[Tuple[int, int]]]]:
-        """(address, length, connection number, files) of this connection's arena mapping,
-        None while disconnected: for an engine that registers it with CUDA and copies itself
-        (`orbitkv.gpu.EngineCopies`). `files` are the (offset, length) of each of the arena's
-        memfds in the mapping (one, or one per shard): register each on its own. It ends with the
-        connection."""
-        return self._c.arena()
+    def arena(self) -> Optional[ArenaInfo]:
+        """This connection's arena (its length, the connection number and each memfd's
+        (offset, length) in it: one, or one per shard), None while disconnected."""
+        info = self._c.arena()
+        return None if info is None else ArenaInfo(*info)
+
+    def host_arena(self) -> ArenaMapping:
+        """The arena mapped by this process, as a writable buffer (`numpy.frombuffer`) that
+        stays mapped for as long as it or an array made from it lives: the memory chunks are
+        copied to and from. Reading a chunk there is safe only while it is leased; writing,
+        only into this connection's reservations (check `connection`)."""
+        return self._c.host_arena()
+
+    def cuda_arena(self, device: int) -> ArenaMapping:
+        """The arena mapped by this process and registered with CUDA device `device` (torch's
+        numbering), for an engine that copies between its GPU memory and the slots itself
+        (`orbitkv.gpu.EngineCopies`): a buffer (`torch.frombuffer(arena, dtype=torch.uint8)`)
+        that stays mapped and registered for as long as it or a tensor made from it lives.
+        One per device and connection, shared by this client's users; registering takes
+        about 50 ms per GiB of arena. After a reconnect the next call registers the new
+        connection's arena; the old one's slots are not to be used (check `connection`)."""
+        held = self._cuda_arenas.get(device)
+        if held is None or held.connection != self._c.connection:
+            self._cuda_arenas.pop(device, None)
+            held = self._c.cuda_arena(device)
+            self._cuda_arenas[device] = held
+        return held
 
     # --- GPU pages (the server's DMA threads copy) ---------------------------------------
 
@@ -308,13 +342,13 @@ class Client:
     def unregister_gpu(self, reg: GpuRegistration) -> None:
         self._c.unregister_gpu(reg)
 
-    def save(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[str]:
+    def save(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[Outcome]:
         """Engine blocks -> new chunks, copied by the server. An outcome per key."""
-        return self._c.save(reg, list(keys), list(blocks))
+        return outcomes(self._c.save(reg, list(keys), list(blocks)))
 
-    def load(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[str]:
+    def load(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> List[Outcome]:
         """Chunks -> engine blocks (longest present prefix), copied by the server."""
-        return self._c.load(reg, list(keys), list(blocks))
+        return outcomes(self._c.load(reg, list(keys), list(blocks)))
 
     def start_save(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> Transfer:
         return self._c.start_save(reg, list(keys), list(blocks))
@@ -322,8 +356,8 @@ class Client:
     def start_load(self, reg: GpuRegistration, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> Transfer:
         return self._c.start_load(reg, list(keys), list(blocks))
 
-    def poll_transfer(self, t: Transfer) -> Optional[List[str]]:
-        return self._c.poll_transfer(t)
+    def poll_transfer(self, t: Transfer) -> Optional[List[Outcome]]:
+        return maybe_outcomes(self._c.poll_transfer(t))
 
-    def wait_transfer(self, t: Transfer) -> List[str]:
-        return self._c.wait_transfer(t)
+    def wait_transfer(self, t: Transfer) -> List[Outcome]:
+        return outcomes(self._c.wait_transfer(t))
