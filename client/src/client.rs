@@ -365,7 +365,7 @@ impl Client {
     pub fn chunk(&self, lease: &Lease) -> Result<&[u8], Error> {
         let conn =
             self.conn.as_ref().filter(|_| lease.epoch == self.live_epoch()).ok_or(Error::Stale)?;
-        conn.arena.bytes(lease.hit.offset, lease.hit.len).map_err(Error::Protocol)
+        conn.arena.bytes(lease.hit.offset, lease.hit.len).map_err(Error::from)
     }
 
     /// Releases leases; the outcome per lease is `Done` or why not.
@@ -586,7 +586,7 @@ impl Client {
     pub fn slot_mut(&mut self, r: &Reserved) -> Result<&mut [u8], Error> {
         let epoch = self.live_epoch();
         let conn = self.conn.as_mut().filter(|_| r.epoch == epoch).ok_or(Error::Stale)?;
-        conn.arena.bytes_mut(r.offset, r.len).map_err(Error::Protocol)
+        conn.arena.bytes_mut(r.offset, r.len).map_err(Error::from)
     }
 
     /// The reservations' references and the epoch of their session (`Stale` if they are of
@@ -742,7 +742,7 @@ impl Client {
         }
         let ranges: Vec<(u64, u64)> = slots.iter().map(|s| (s.offset, s.len)).collect();
         match self.conn.as_mut() {
-            Some(conn) => conn.arena.bytes_mut_many(&ranges).map_err(Error::Protocol),
+            Some(conn) => conn.arena.bytes_mut_many(&ranges).map_err(Error::from),
             None if slots.is_empty() => Ok(Vec::new()),
             None => Err(Error::Stale),
         }

@@ -329,8 +329,8 @@ impl Connection {
             admitted.arena_bytes,
             opts.prefault_arena,
         )
-        .map_err(Error::Protocol)?;
-        arena.doorbell(admitted.home_shard).map_err(Error::Protocol)?;
+        .map_err(Error::from)?;
+        arena.doorbell(admitted.home_shard).map_err(Error::from)?;
         stream.set_read_timeout(None).map_err(connect_err)?;
         let (node, service, port) = open_port(&admitted)?;
         Ok(Self {
@@ -584,7 +584,7 @@ impl Connection {
         // Wake the home shard if it sleeps (see orbitkv_proto::DOORBELL_STRIDE): publish, fence,
         // then read its doorbell word.
         fence(Ordering::SeqCst);
-        let asleep = self.arena.doorbell(self.home_shard).map_err(Error::Protocol)?;
+        let asleep = self.arena.doorbell(self.home_shard).map_err(Error::from)?;
         if asleep.load(Ordering::SeqCst) != 0 {
             let _ = nix::unistd::write(&self.doorbell, &1u64.to_ne_bytes());
         }

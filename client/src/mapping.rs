@@ -16,8 +16,10 @@ use nix::sys::mman::{madvise, mmap, mmap_anonymous, munmap, MapFlags, MmapAdvise
 use orbitkv_proto::{HostMapping, ARENA_HEADER_BYTES, DOORBELL_STRIDE};
 
 mod copy;
+mod error;
 pub use copy::copy_chunk;
 pub(crate) use copy::{copy_as, Stores, SummingCopy};
+pub(crate) use error::MappingError;
 
 /// A read-write shared mapping of the whole arena, unmapped on drop.
 #[derive(Debug)]
@@ -59,26 +61,23 @@ impl ArenaMap {
         files: &[u64],
         len: u64,
         prefault: bool,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, MappingError> {
         if fds.len() != files.len() || files.is_empty() {
-            return Err(format!(
-                "server announced {} arena memfds and sent {}",
-                files.len(),
-                fds.len()
-            ));
+            return Err(MappingError::Announced { announced: files.len(), sent: fds.len() });
         }
         if files.iter().try_fold(0u64, |sum, &b| sum.checked_add(b)) != Some(len) {
-            return Err(format!("arena memfds of {files:?} bytes do not add up to {len}"));
+            return Err(MappingError::FilesDoNotAddUp { files: files.to_vec(), len });
         }
         let mut align = 4096u64;
         for (i, (fd, &bytes)) in fds.iter().zip(files).enumerate() {
             let stat = nix::sys::stat::fstat(fd.as_fd())
-                .map_err(|e| format!("fstat arena memfd {i}: {e}"))?;
+                .map_err(|source| MappingError::Fstat { index: i, source })?;
             if (stat.st_size as u64) < bytes || bytes == 0 || !bytes.is_multiple_of(4096) {
-                return Err(format!(
-                    "arena memfd {i} has {} bytes, server announced {bytes}",
-                    stat.st_size
-                ));
+                return Err(MappingError::FileSize {
+                    index: i,
+                    size: stat.st_size,
+                    announced: bytes,
+                });
             }
             // A hugetlb file says its page size here; its mapping must start at a whole page.
             let page = stat.st_blksize as u64;
@@ -89,7 +88,7 @@ impl ArenaMap {
         let size = usize::try_from(len)
             .ok()
             .and_then(NonZeroUsize::new)
-            .ok_or_else(|| format!("arena size {len} is not mappable"))?;
+            .ok_or(MappingError::NotMappable { len })?;
         let base = map_one_after_another(&fds, files, size, align as usize)?;
         // The server's huge pages (when the host allows them for shared memory) are mapped as
         // huge pages here only if this mapping asks too, before its page tables are filled.
@@ -113,21 +112,23 @@ impl ArenaMap {
 
     /// A chunk's range: inside the mapping and past its header (the shards' doorbell words,
     /// which no chunk may overlap).
-    fn check(&self, offset: u64, len: u64) -> Result<(), String> {
+    fn check(&self, offset: u64, len: u64) -> Result<(), MappingError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 && offset >= ARENA_HEADER_BYTES => Ok(()),
-            _ => Err(format!(
-                "range {offset}+{len} outside the {}-byte arena's chunk area (from {ARENA_HEADER_BYTES})",
-                self.len
-            )),
+            _ => Err(MappingError::OutsideChunkArea {
+                offset,
+                len,
+                arena: self.len,
+                header: ARENA_HEADER_BYTES,
+            }),
         }
     }
 
     /// The doorbell word of `shard` in the arena header (see `orbitkv_proto::DOORBELL_STRIDE`).
-    pub(crate) fn doorbell(&self, shard: u32) -> Result<&AtomicU32, String> {
+    pub(crate) fn doorbell(&self, shard: u32) -> Result<&AtomicU32, MappingError> {
         let offset = shard as u64 * DOORBELL_STRIDE;
         if offset + 4 > ARENA_HEADER_BYTES.min(self.len as u64) {
-            return Err(format!("shard {shard} has no doorbell word in the arena header"));
+            return Err(MappingError::NoDoorbell { shard });
         }
         // SAFETY: inside the header of the live mapping (checked), 64-byte aligned (page-aligned
         // mapping, 64-byte stride), and only ever accessed atomically by every process.
@@ -145,7 +146,7 @@ impl ArenaMap {
     ///
     /// The server guarantees a leased slot is neither reused nor written until released; the
     /// bytes are stable for as long as the caller keeps the lease.
-    pub(crate) fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], String> {
+    pub(crate) fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], MappingError> {
         self.check(offset, len)?;
         // SAFETY: the range lies inside the live mapping (checked), which lives as long as
         // `&self`; by the lease protocol nobody writes it while leased.
@@ -158,7 +159,7 @@ impl ArenaMap {
     }
 
     /// The bytes of a reserved slot, for the owner of the reservation to write.
-    pub(crate) fn bytes_mut(&mut self, offset: u64, len: u64) -> Result<&mut [u8], String> {
+    pub(crate) fn bytes_mut(&mut self, offset: u64, len: u64) -> Result<&mut [u8], MappingError> {
         self.check(offset, len)?;
         // SAFETY: inside the live mapping (checked); the server hands a reserved slot to
         // exactly one session and `&mut self` excludes other views through this mapping.
@@ -175,7 +176,7 @@ impl ArenaMap {
     pub(crate) fn bytes_mut_many(
         &mut self,
         ranges: &[(u64, u64)],
-    ) -> Result<Vec<&mut [u8]>, String> {
+    ) -> Result<Vec<&mut [u8]>, MappingError> {
         let mut order: Vec<usize> = (0..ranges.len()).collect();
         order.sort_unstable_by_key(|&i| ranges[i].0);
         let mut end = 0u64;
@@ -183,7 +184,7 @@ impl ArenaMap {
             let (offset, len) = ranges[i];
             self.check(offset, len)?;
             if offset < end {
-                return Err(format!("slot at {offset} overlaps another slot (up to {end})"));
+                return Err(MappingError::Overlap { offset, end });
             }
             end = offset + len;
         }
@@ -221,8 +222,8 @@ unsafe impl Sync for HostArena {}
 
 impl HostArena {
     /// Maps `session`'s arena again (new descriptors of its memfds).
-    pub(crate) fn new(session: &ArenaMap, connection: u64) -> Result<Self, String> {
-        let fds = session.dup_fds().map_err(|e| format!("duplicating the arena's memfds: {e}"))?;
+    pub(crate) fn new(session: &ArenaMap, connection: u64) -> Result<Self, MappingError> {
+        let fds = session.dup_fds().map_err(MappingError::Dup)?;
         let files: Vec<u64> = session.files().iter().map(|&(_, bytes)| bytes).collect();
         let map = ArenaMap::new(fds, &files, session.len as u64, false)?;
         Ok(Self { map, connection })
@@ -251,7 +252,7 @@ impl HostArena {
     /// The bytes of a chunk at `offset` (a lease's `hit.offset`), stable while the lease is
     /// held; an error when the range is not in the arena's chunk area.
     pub fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], crate::Error> {
-        self.map.bytes(offset, len).map_err(crate::Error::InvalidArgument)
+        self.map.bytes(offset, len).map_err(|e| crate::Error::InvalidArgument(e.to_string()))
     }
 }
 
@@ -286,8 +287,8 @@ fn map_one_after_another(
     files: &[u64],
     len: NonZeroUsize,
     align: usize,
-) -> Result<NonNull<c_void>, String> {
-    let map_err = |e| format!("mmap arena: {e}");
+) -> Result<NonNull<c_void>, MappingError> {
+    let map_err = MappingError::Mmap;
     if let [fd] = fds {
         // SAFETY: a new shared mapping (addr None) of a memfd at least `len` bytes long
         // (checked by the caller); nothing existing is replaced.
@@ -306,7 +307,7 @@ fn map_one_after_another(
     // Reserve the range (no memory: PROT_NONE, MAP_NORESERVE), aligned, then map each file
     // over its part of it.
     let reserved =
-        len.checked_add(align - 4096).ok_or_else(|| format!("arena size {len} is not mappable"))?;
+        len.checked_add(align - 4096).ok_or(MappingError::NotMappable { len: len.get() as u64 })?;
     // SAFETY: a fresh anonymous mapping (addr None); nothing existing is replaced.
     let raw = unsafe {
         mmap_anonymous(
@@ -330,7 +331,7 @@ fn map_one_after_another(
             let _ = munmap(raw.byte_add(at - raw_at + len.get()), tail);
         }
     }
-    let base = NonNull::new(at as *mut c_void).ok_or("mmap arena: address 0")?;
+    let base = NonNull::new(at as *mut c_void).ok_or(MappingError::AtZero)?;
     let mut offset = 0usize;
     for (fd, &bytes) in fds.iter().zip(files) {
         let (part, addr) = (NonZeroUsize::new(bytes as usize), NonZeroUsize::new(at + offset));
@@ -381,7 +382,9 @@ mod check_tests {
         let m = ArenaMap::new(vec![fd], &[1 << 20], 1 << 20, false).unwrap();
         assert!(m.check(ARENA_HEADER_BYTES, 4096).is_ok());
         assert!(m.check((1 << 20) - 4096, 4096).is_ok());
-        assert!(m.check(0, 4096).unwrap_err().contains("chunk area"));
+        let e = m.check(0, 4096).unwrap_err();
+        assert!(matches!(e, MappingError::OutsideChunkArea { offset: 0, len: 4096, .. }), "{e}");
+        assert!(e.to_string().contains("chunk area"), "{e}");
         assert!(m.check(ARENA_HEADER_BYTES - 64, 4096).is_err());
         assert!(m.check((1 << 20) - 4096, 8192).is_err());
         assert!(m.check(u64::MAX, 2).is_err());
@@ -429,12 +432,20 @@ mod check_tests {
             ArenaMap::new(fds, files, len, false).unwrap_err()
         };
         let e = err(vec![memfd(arena as i64)], &[arena, 4096], arena + 4096);
-        assert!(e.contains("announced 2 arena memfds and sent 1"), "{e}");
+        assert!(matches!(e, MappingError::Announced { announced: 2, sent: 1 }), "{e}");
+        assert!(e.to_string().contains("announced 2 arena memfds and sent 1"), "{e}");
         let e = err(vec![memfd(arena as i64), memfd(4096)], &[arena, 4096], arena);
-        assert!(e.contains("do not add up"), "{e}");
+        assert!(e.to_string().contains("do not add up"), "{e}");
         let e = err(vec![memfd(arena as i64), memfd(4096)], &[arena, 8192], arena + 8192);
-        assert!(e.contains("arena memfd 1 has 4096 bytes, server announced 8192"), "{e}");
+        assert!(
+            matches!(e, MappingError::FileSize { index: 1, size: 4096, announced: 8192 }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("arena memfd 1 has 4096 bytes, server announced 8192"),
+            "{e}"
+        );
         let e = err(Vec::new(), &[], 0);
-        assert!(e.contains("announced 0 arena memfds"), "{e}");
+        assert!(e.to_string().contains("announced 0 arena memfds"), "{e}");
     }
 }
