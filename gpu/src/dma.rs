@@ -24,45 +24,9 @@ pub use transfer::{CopyJob, Progress, SaveSums, Transfer};
 /// 0.92-0.95 of the ceiling batched against 0.96-0.98 staged, at 2 KiB 0.07 against 0.88).
 pub const BATCHED_FROM: u64 = 1 << 20;
 
-/// Bytes of chunks in one DMA job by default: the server splits saves and loads into jobs of
-/// at most this many bytes (whole chunks, at least one; `--gpu-job` sets it), so that a
-/// save's first commits overlap its later copies.
-pub const JOB_BYTES: u64 = 64 << 20;
+pub use orbitkv_config::JOB_BYTES;
 
-/// How pieces cross the bus.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Gather/scatter kernel into a GPU staging buffer, contiguous DMA.
-    Staged,
-    /// `cuMemcpyBatchAsync` per piece (copy engines only).
-    Batched,
-    /// Staged for small pieces, batched for large ones; a save whose gather sums its rows
-    /// (the fused checksums) staged whatever its pieces' length.
-    Auto,
-}
-
-impl Strategy {
-    /// The name `parse` reads.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Staged => "staged",
-            Self::Batched => "batched",
-            Self::Auto => "auto",
-        }
-    }
-
-    /// Parses `staged`, `batched` or `auto`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "staged" => Some(Self::Staged),
-            "batched" => Some(Self::Batched),
-            "auto" => Some(Self::Auto),
-            _ => None,
-        }
-    }
-}
+pub use orbitkv_config::Strategy;
 
 /// Where a submitting thread's time went inside [`CopyEngine::submit`] or
 /// [`ChunkHasher::submit`], summed since the last `take_times`: the rest of a submission's
@@ -119,20 +83,4 @@ pub enum DmaError {
     /// A request that cannot be carried out as given.
     #[error("invalid DMA request: {0}")]
     Invalid(String),
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Strategy;
-
-    #[test]
-    fn strategy_names_round_trip() {
-        for s in [Strategy::Auto, Strategy::Staged, Strategy::Batched] {
-            assert_eq!(Strategy::parse(s.as_str()), Some(s));
-            #[cfg(feature = "clap")]
-            assert_eq!(<Strategy as clap::ValueEnum>::from_str(s.as_str(), false), Ok(s));
-        }
-        assert_eq!(Strategy::parse("fast"), None);
-        assert_eq!(Strategy::parse("direct"), None, "an experiment that lost");
-    }
 }

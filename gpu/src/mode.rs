@@ -2,40 +2,7 @@
 
 use crate::detect::{probe, Probe};
 
-/// Whether the server uses CUDA.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-#[serde(rename_all = "kebab-case")]
-pub enum GpuMode {
-    /// Use CUDA when a device is present; otherwise serve DRAM/SSD only.
-    #[default]
-    Auto,
-    /// Never touch CUDA.
-    Off,
-    /// Refuse to start without a usable CUDA device.
-    Required,
-}
-
-impl GpuMode {
-    /// Parses `auto`, `off` or `required`.
-    pub fn parse(s: &str) -> Option<GpuMode> {
-        match s {
-            "auto" => Some(GpuMode::Auto),
-            "off" => Some(GpuMode::Off),
-            "required" => Some(GpuMode::Required),
-            _ => None,
-        }
-    }
-
-    /// The flag value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GpuMode::Auto => "auto",
-            GpuMode::Off => "off",
-            GpuMode::Required => "required",
-        }
-    }
-}
+pub use orbitkv_config::GpuMode;
 
 /// Why the GPU side cannot start.
 #[derive(Debug, thiserror::Error)]

@@ -19,37 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::etcd::{self, Etcd, EtcdError};
 use serde::{Deserialize, Serialize};
 
-/// What a Manager needs to join a cluster.
-#[derive(Clone, Debug)]
-pub struct ClusterConfig {
-    /// etcd endpoints (`http://host:port`).
-    pub etcd: Vec<String>,
-    /// The cluster's name (the key prefix).
-    pub cluster: String,
-    /// This node's id, unique in the cluster.
-    pub node_id: String,
-    /// Where peers reach this node.
-    pub peer_addr: SocketAddr,
-    /// Its shard count.
-    pub shards: usize,
-    /// The member key's lease TTL.
-    pub lease_ttl: Duration,
-    /// A Transfer Engine build's shared library to use through its C API; none: the wheel's
-    /// engine in builds with `te-python`, else no peering.
-    pub te_library: Option<std::path::PathBuf>,
-    /// The transports of the engine of `te_library`.
-    pub te_transport: crate::TeTransport,
-    /// Cores for the peer thread, its blocking pool and the Transfer Engine's threads (the
-    /// server gives the allowed cores after its pinned shards'); empty: wherever the process
-    /// may run.
-    pub cpus: Vec<usize>,
-}
-
-impl ClusterConfig {
-    pub(crate) fn prefix(&self) -> String {
-        format!("/orbitkv/{}/", self.cluster)
-    }
-}
+pub use orbitkv_config::ClusterConfig;
 
 /// One member of the cluster, as its key in etcd says.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -267,11 +237,11 @@ impl Cluster {
 }
 
 fn member_key(cfg: &ClusterConfig) -> String {
-    format!("{}members/{}", cfg.prefix(), cfg.node_id)
+    format!("{}members/{}", cfg.key_prefix(), cfg.node_id)
 }
 
 fn epoch_key(cfg: &ClusterConfig) -> String {
-    format!("{}epochs/{}", cfg.prefix(), cfg.node_id)
+    format!("{}epochs/{}", cfg.key_prefix(), cfg.node_id)
 }
 
 /// How long one etcd call may take before the cluster counts as unavailable.
@@ -526,7 +496,7 @@ async fn claim(
 
 /// The cluster's members, by node id.
 async fn read_members(client: &mut Etcd, cfg: &ClusterConfig) -> Result<Vec<Member>, Outcome> {
-    let members_prefix = format!("{}members/", cfg.prefix());
+    let members_prefix = format!("{}members/", cfg.key_prefix());
     let got = tokio::time::timeout(CALL_TIMEOUT, client.get_prefix(&members_prefix))
         .await
         .map_err(|_| unavailable("member read", "timed out"))?

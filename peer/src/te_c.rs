@@ -127,28 +127,7 @@ impl std::fmt::Debug for TransferEngine {
     }
 }
 
-/// The transports an engine moves bytes with (`--te-transport`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-#[serde(rename_all = "kebab-case")]
-pub enum TeTransport {
-    /// TE's own choice from the host's devices (its topology discovery): its RDMA transport
-    /// over the RDMA devices it finds, TCP on a host without any.
-    #[default]
-    Auto,
-    /// TCP only, whatever devices the host has.
-    Tcp,
-}
-
-impl TeTransport {
-    /// The flag value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TeTransport::Auto => "auto",
-            TeTransport::Tcp => "tcp",
-        }
-    }
-}
+pub use orbitkv_config::TeTransport;
 
 impl TransferEngine {
     /// Starts an engine reachable at `host` (its RPC port chosen by TE) moving bytes with

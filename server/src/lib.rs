@@ -6,7 +6,7 @@
 // The stats reply is one json! object of many keys.
 #![recursion_limit = "256"]
 
-mod config;
+pub use orbitkv_config as config;
 mod control;
 mod deadline;
 mod error;

@@ -301,15 +301,13 @@ unsafe fn copy_runs(
 
 impl CopyEngine {
     /// Fewest and most parts of the staging buffer.
-    pub const DEPTHS: std::ops::RangeInclusive<usize> = 2..=8;
+    pub const DEPTHS: std::ops::RangeInclusive<usize> = orbitkv_config::STAGING_DEPTHS;
 
     /// The parts a staging of `staging_bytes` is cut into when none is asked for: as many as
     /// it holds jobs of `job_bytes` (up to eight, at least two), so that a part holds a whole
     /// job rather than leaving half of itself unused behind one.
     pub fn default_depth(staging_bytes: u64, job_bytes: u64) -> usize {
-        usize::try_from(staging_bytes / job_bytes.max(1))
-            .unwrap_or(usize::MAX)
-            .clamp(*Self::DEPTHS.start(), *Self::DEPTHS.end())
+        orbitkv_config::default_staging_depth(staging_bytes, job_bytes)
     }
 
     /// An engine on `ctx` with `staging_bytes` of GPU staging in `depth` equal parts (see

@@ -2,6 +2,8 @@
 //! command line (clap) and the TOML file (serde, kebab-case keys). Flags override the file;
 //! [`ServerConfig::validate`] checks ranges and combinations and names the flag at fault.
 
+mod cluster;
+mod modes;
 mod values;
 
 use std::path::PathBuf;
@@ -9,13 +11,12 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches, Parser};
-use orbitkv_gpu::dma::Strategy;
-use orbitkv_gpu::GpuMode;
-use orbitkv_peer::TeTransport;
 use orbitkv_proto::default_socket_path;
 use orbitkv_shards::NamespaceQuota;
 use serde::{Deserialize, Serialize};
 
+pub use cluster::ClusterConfig;
+pub use modes::{default_staging_depth, GpuMode, Strategy, TeTransport, JOB_BYTES, STAGING_DEPTHS};
 pub use values::{ByteSize, ModelQuota, Span};
 
 /// Where a GPU save's chunk checksums are computed (`--gpu-checksums`).
@@ -451,7 +452,7 @@ pub enum CommandLineError {
 }
 
 /// A config file's TOML `text` alone (no flag given), as `--config` reads it, validated.
-pub(crate) fn from_file_text(text: &str) -> Result<Settings, String> {
+pub fn from_file_text(text: &str) -> Result<Settings, String> {
     let matches =
         Args::command().try_get_matches_from(["orbitkv-server"]).map_err(|e| e.to_string())?;
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
@@ -508,7 +509,7 @@ pub struct Settings {
     /// The SSD tier, when configured.
     pub ssd: Option<SsdSettings>,
     /// Cluster mode, when configured.
-    pub cluster: Option<orbitkv_peer::ClusterConfig>,
+    pub cluster: Option<ClusterConfig>,
     /// The sockets' group (`--socket-group`), resolved.
     pub socket_gid: Option<u32>,
     /// GPU staging bytes per DMA thread and device.
@@ -766,10 +767,7 @@ impl ServerConfig {
     }
 
     /// Cluster mode's settings, with `--etcd`; the cluster flags without it are an error.
-    fn validate_cluster(
-        &self,
-        shards: usize,
-    ) -> Result<Option<orbitkv_peer::ClusterConfig>, ConfigError> {
+    fn validate_cluster(&self, shards: usize) -> Result<Option<ClusterConfig>, ConfigError> {
         let name_ok = |s: &str| {
             !s.is_empty()
                 && s.len() <= 64
@@ -841,7 +839,7 @@ impl ServerConfig {
                 "cluster mode (--etcd) needs the address peers reach this node at",
             ));
         };
-        Ok(Some(orbitkv_peer::ClusterConfig {
+        Ok(Some(ClusterConfig {
             etcd: self.etcd.clone(),
             cluster: self.cluster.clone(),
             node_id,
@@ -913,7 +911,7 @@ impl ServerConfig {
         if !(1 << 20..=4 << 30).contains(&gpu_job_bytes) {
             return Err(invalid("--gpu-job", "must be between 1MiB and 4GiB"));
         }
-        let depths = orbitkv_gpu::dma::CopyEngine::DEPTHS;
+        let depths = STAGING_DEPTHS;
         let gpu_staging_depth = match self.gpu_staging_depth {
             Some(d) if !depths.contains(&d) => {
                 return Err(invalid(
@@ -922,7 +920,7 @@ impl ServerConfig {
                 ))
             }
             Some(d) => d,
-            None => orbitkv_gpu::dma::CopyEngine::default_depth(gpu_staging_bytes, gpu_job_bytes),
+            None => default_staging_depth(gpu_staging_bytes, gpu_job_bytes),
         };
         for (flag, v, max) in [
             ("--gpu-queue-depth", self.gpu_queue_depth, 4096),

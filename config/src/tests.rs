@@ -27,7 +27,7 @@ fn defaults_validate() {
         (d.gpu, d.gpu_copy, d.gpu_checksums),
         (GpuMode::Auto, Strategy::Auto, ChecksumPlace::Fused)
     );
-    assert_eq!(d.gpu_job.bytes(), orbitkv_gpu::dma::JOB_BYTES);
+    assert_eq!(d.gpu_job.bytes(), JOB_BYTES);
 }
 
 /// Every option's doc comment ends with its default, and that text is the default clap
@@ -220,7 +220,7 @@ fn the_printed_config_reads_back_as_the_same_config() {
 
 #[test]
 fn the_shipped_config_file_states_the_defaults() {
-    let c: ServerConfig = toml::from_str(include_str!("../../../deploy/orbitkv.toml"))
+    let c: ServerConfig = toml::from_str(include_str!("../../deploy/orbitkv.toml"))
         .expect("deploy/orbitkv.toml: a key the server no longer knows?");
     c.validate().expect("deploy/orbitkv.toml validates");
     // Everything but the arena's size and the metrics listener (a host's choices) is the
@@ -230,7 +230,7 @@ fn the_shipped_config_file_states_the_defaults() {
 }
 
 /// The reference of every option, read by the tests below.
-const REFERENCE: &str = include_str!("../../../docs/configuration.md");
+const REFERENCE: &str = include_str!("../../docs/configuration.md");
 
 /// Whether `text` names `word` on its own: not as the start of a longer flag or key (`--ssd`
 /// in `--ssd-dir`).
