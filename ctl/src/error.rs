@@ -5,33 +5,9 @@ use std::path::PathBuf;
 /// An `orbitkv-ctl` failure (exit status 2).
 #[derive(Debug, thiserror::Error)]
 pub enum CtlError {
-    /// The admin socket could not be connected to (no server, or another socket).
-    #[error("cannot reach orbitkv-server admin socket {}: {source}", path.display())]
-    Unreachable {
-        /// The admin socket.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// Reading or writing the admin socket failed (or timed out).
-    #[error("admin socket {}: {source}", path.display())]
-    Io {
-        /// The admin socket.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The server's answer was not JSON.
-    #[error("admin socket {} answered non-JSON: {source}", path.display())]
-    NotJson {
-        /// The admin socket.
-        path: PathBuf,
-        /// The parser's error.
-        source: serde_json::Error,
-    },
-    /// The server answered `"ok": false`.
-    #[error("server: {0}")]
-    Server(String),
+    /// The admin socket gave no usable answer, or the server refused the request.
+    #[error(transparent)]
+    Admin(#[from] orbitkv_proto::admin::AdminError),
     /// A flag's value did not parse.
     #[error("{flag}: {source}")]
     Flag {

@@ -2,7 +2,6 @@
 
 #![deny(unsafe_code)]
 
-mod admin;
 mod error;
 mod ssd;
 mod table;
@@ -12,10 +11,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use orbitkv_proto::admin::{
+    AdminClient, AdminError, AdminRequest, AuditReply, EvictReply, EvictTarget, HealthReply,
+    PeersReply, ServerState, SessionsReply,
+};
 use orbitkv_proto::{admin_socket_path, default_socket_path, parse_duration};
-use serde_json::Value;
 
-use crate::admin::AdminClient;
 use crate::error::CtlError;
 
 /// Operate a running orbitkv-server.
@@ -132,7 +133,8 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, CtlError> {
     match command {
         Command::Health { json } => Ok(health(admin, json)),
         Command::Stats { json } => {
-            let v = admin.call("stats")?;
+            // The whole answer: the table reads many more keys than programs do.
+            let v = admin.request(&AdminRequest::Stats)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
             } else {
@@ -146,8 +148,7 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, CtlError> {
             drain(admin, timeout)
         }
         Command::Resume => {
-            let v = admin.call("resume")?;
-            println!("{}", v["state"].as_str().unwrap_or("serving"));
+            println!("{}", admin.resume()?.state);
             Ok(ExitCode::SUCCESS)
         }
         Command::Ssd { command: SsdCommand::Check { dir, json } } => {
@@ -161,14 +162,15 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, CtlError> {
         Command::Peers { json } => peers(admin, json),
         Command::Audit { json } => audit(admin, json),
         Command::Sessions { json } => {
-            let v = admin.call("sessions")?;
+            let request = AdminRequest::Sessions;
+            let v = admin.request(&request)?;
             if json {
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&v["sessions"]).expect("JSON values serialize")
                 );
             } else {
-                print!("{}", table::sessions(&v));
+                print!("{}", table::sessions(&admin.read::<SessionsReply>(&request, &v)?));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -177,40 +179,47 @@ fn run(admin: &AdminClient, command: Command) -> Result<ExitCode, CtlError> {
 
 /// `audit`: 0 when every shard's scan is consistent, 1 when one is not (its problems printed).
 fn audit(admin: &AdminClient, json: bool) -> Result<ExitCode, CtlError> {
-    match admin.call("audit") {
+    let request = AdminRequest::Audit;
+    match admin.request(&request) {
         Ok(v) if json => {
             println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
             Ok(ExitCode::SUCCESS)
         }
         Ok(v) => {
-            let shards = v["shards"].as_array().cloned().unwrap_or_default();
-            let sum = |f: &str| shards.iter().filter_map(|s| s[f].as_u64()).sum::<u64>();
+            let audit: AuditReply = admin.read(&request, &v)?;
+            let scans: Vec<_> = audit.shards.iter().filter_map(|s| s.answer.as_ref()).collect();
+            let sum = |f: fn(&orbitkv_proto::admin::ShardAudit) -> u64| {
+                scans.iter().map(|s| f(s)).sum::<u64>()
+            };
             println!(
                 "consistent: {} shards, {} entries, {} leases ({} lookup pins), {} reservations, \
                  {} SSD records, {} sessions",
-                shards.len(),
-                sum("entries"),
-                sum("leases"),
-                sum("pins"),
-                sum("reservations"),
-                sum("ssd_records"),
-                u64_of(&v, "sessions")
+                audit.shards.len(),
+                sum(|s| s.entries),
+                sum(|s| s.leases),
+                sum(|s| s.pins),
+                sum(|s| s.reservations),
+                sum(|s| s.ssd_records),
+                audit.sessions
             );
             Ok(ExitCode::SUCCESS)
         }
         // The server answered, and what it found does not add up.
-        Err(CtlError::Server(problems)) => {
-            println!("inconsistent: {problems}");
+        Err(AdminError::Refused { error, .. }) => {
+            println!("inconsistent: {error}");
             Ok(ExitCode::from(1))
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     }
 }
 
 /// `health`: 0 when ready, 1 when not (or the server does not answer).
 fn health(admin: &AdminClient, json: bool) -> ExitCode {
-    let v = match admin.call("health") {
-        Ok(v) => v,
+    let request = AdminRequest::Health;
+    let answer =
+        admin.request(&request).and_then(|v| Ok((admin.read::<HealthReply>(&request, &v)?, v)));
+    let (h, v) = match answer {
+        Ok(answer) => answer,
         Err(e) => {
             if json {
                 println!("{}", serde_json::json!({"ready": false, "reason": e.to_string()}));
@@ -220,35 +229,25 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let ready = v["ready"] == true;
     if json {
         println!("{v}");
-    } else if ready {
-        let degraded: Vec<&str> = v["degraded"]
-            .as_array()
-            .map(|d| d.iter().filter_map(|x| x.as_str()).collect())
-            .unwrap_or_default();
-        if degraded.is_empty() {
-            println!("ready: {}", v["state"].as_str().unwrap_or("serving"));
+    } else if h.ready {
+        if h.degraded.is_empty() {
+            println!("ready: {}", h.state);
         } else {
-            println!("ready (degraded: {})", degraded.join("; "));
+            println!("ready (degraded: {})", h.degraded.join("; "));
         }
         // Cluster mode: reported apart; local work does not depend on it.
-        let c = &v["cluster"];
-        if c.is_object() && c["available"] != true {
-            println!(
-                "cluster {}: {}",
-                c["state"].as_str().unwrap_or("?"),
-                c["reason"].as_str().unwrap_or("")
-            );
+        if let Some(c) = h.cluster.as_ref().filter(|c| !c.available) {
+            println!("cluster {}: {}", c.state, c.reason);
         }
-    } else if v["state"] == "starting" {
+    } else if h.state == ServerState::Starting {
         // e.g. "starting: populating the arena: 42% (3.4GiB of 8GiB in 2.1 s)"
-        println!("starting: {}", v["reason"].as_str().unwrap_or("unknown"));
+        println!("starting: {}", h.reason);
     } else {
-        println!("not ready: {}", v["reason"].as_str().unwrap_or("unknown"));
+        println!("not ready: {}", h.reason);
     }
-    if ready {
+    if h.ready {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -259,54 +258,52 @@ fn health(admin: &AdminClient, json: bool) -> ExitCode {
 /// draining at `timeout` (1).
 fn drain(admin: &AdminClient, timeout: Duration) -> Result<ExitCode, CtlError> {
     let deadline = Instant::now() + timeout;
-    let mut v = admin.call("drain")?;
+    let mut state = admin.drain()?.state;
+    // Uncommitted reservations, as the last `stats` said.
+    let mut reservations = 0;
     loop {
-        let state = v["state"].as_str().unwrap_or("").to_string();
-        if state == "drained" {
+        if state == ServerState::Drained {
             println!("drained");
             return Ok(ExitCode::SUCCESS);
         }
-        if state == "serving" {
+        if state == ServerState::Serving {
             println!("not drained: the server was resumed");
             return Ok(ExitCode::from(1));
         }
         if Instant::now() >= deadline {
-            let reservations: u64 = v["shards"]
-                .as_array()
-                .map(|s| s.iter().filter_map(|s| s["reservations"].as_u64()).sum())
-                .unwrap_or(0);
             println!(
                 "not drained after {timeout:?}: {reservations} uncommitted reservations remain"
             );
             return Ok(ExitCode::from(1));
         }
         std::thread::sleep(Duration::from_millis(50));
-        v = admin.call("stats")?;
+        let stats = admin.stats()?;
+        state = stats.state;
+        reservations = stats.sum(|s| s.reservations);
     }
 }
 
 /// `peers`: exit 0 while the cluster is available, 1 otherwise.
 fn peers(admin: &AdminClient, json: bool) -> Result<ExitCode, CtlError> {
-    let v = admin.call("peers")?;
+    let request = AdminRequest::Peers;
+    let v = admin.request(&request)?;
+    let peers: PeersReply = admin.read(&request, &v)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
     } else {
-        print!("{}", table::peers(&v));
+        print!("{}", table::peers(&peers));
     }
-    Ok(if v["available"] == true { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if peers.cluster.available { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 /// `evict`: one namespace, or everything when `namespace` is None.
 fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<ExitCode, CtlError> {
-    let request = match namespace {
-        Some(id) => serde_json::json!({"cmd": "evict", "namespace": id}),
-        None => serde_json::json!({"cmd": "evict", "all": true}),
-    };
+    let request = AdminRequest::Evict(namespace.map_or(EvictTarget::All, EvictTarget::Namespace));
     let v = admin.request(&request)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON values serialize"));
     } else {
-        let (removed, busy) = (u64_of(&v, "removed"), u64_of(&v, "busy"));
+        let EvictReply { removed, busy, not_durable, .. } = admin.read(&request, &v)?;
         print!("removed {removed} chunks");
         if busy > 0 {
             print!(
@@ -314,7 +311,6 @@ fn evict(admin: &AdminClient, namespace: Option<u64>, json: bool) -> Result<Exit
                  they are released"
             );
         }
-        let not_durable = u64_of(&v, "not_durable");
         if not_durable > 0 {
             print!(
                 "; the SSD tier could not record the deletion of {not_durable}: they may come \
@@ -333,9 +329,4 @@ fn namespace_id(s: &str) -> Result<u64, String> {
         None => s.parse(),
     };
     parsed.map_err(|e| format!("{s:?} is not a namespace id (decimal, or hex after 0x): {e}"))
-}
-
-/// Reads a u64 field, 0 when absent.
-fn u64_of(v: &Value, field: &str) -> u64 {
-    v[field].as_u64().unwrap_or(0)
 }

@@ -1,11 +1,15 @@
-//! Human tables for `stats` and `sessions`.
+//! Human tables for `stats`, `peers` and `sessions`.
 
 use std::fmt::Write;
 
+use orbitkv_proto::admin::{PeersReply, SessionsReply};
 use orbitkv_proto::format_bytes;
 use serde_json::Value;
 
-use crate::u64_of;
+/// Reads a u64 field of `stats`, 0 when absent.
+fn u64_of(v: &Value, field: &str) -> u64 {
+    v[field].as_u64().unwrap_or(0)
+}
 
 /// The `stats` table: a header line, then one row per shard and a total row.
 pub fn stats(v: &Value) -> String {
@@ -214,20 +218,18 @@ fn row(first: String, core: String, n: &[u64; COLS]) -> Vec<String> {
 
 /// The `peers` table: this node's membership, then one row per member with what peering
 /// knows of it (its inventory stream, catalog entries and coverage, grants each way, reads).
-pub fn peers(v: &Value) -> String {
+pub fn peers(v: &PeersReply) -> String {
+    let c = &v.cluster;
     let mut out = String::new();
     let _ = writeln!(
         out,
         "cluster {}  node {}  epoch {}  {}{}{}",
-        v["cluster"].as_str().unwrap_or("?"),
-        v["node_id"].as_str().unwrap_or("?"),
-        v["epoch"].as_u64().map_or("-".into(), |e| e.to_string()),
-        v["state"].as_str().unwrap_or("?"),
-        match v["reason"].as_str() {
-            Some(r) if !r.is_empty() => format!(": {r}"),
-            _ => String::new(),
-        },
-        if v["peering"] == false { "  (peering off: membership only)" } else { "" }
+        c.cluster,
+        c.node_id,
+        c.epoch.map_or("-".into(), |e| e.to_string()),
+        c.state,
+        if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) },
+        if v.peering { "" } else { "  (peering off: membership only)" }
     );
     let mut rows = vec![[
         "node",
@@ -245,29 +247,27 @@ pub fn peers(v: &Value) -> String {
     .iter()
     .map(|s| s.to_string())
     .collect::<Vec<_>>()];
-    let me = v["node_id"].as_str().unwrap_or("");
-    for m in v["members"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
-        let node = m["node_id"].as_str().unwrap_or("?");
+    for m in &c.members {
         let mut row = vec![
-            node.to_string(),
-            u64_of(m, "epoch").to_string(),
-            m["peer_addr"].as_str().unwrap_or("?").to_string(),
-            u64_of(m, "shards").to_string(),
-            u64_of(m, "pid").to_string(),
+            m.node_id.clone(),
+            m.epoch.to_string(),
+            m.peer_addr.clone(),
+            m.shards.to_string(),
+            m.pid.to_string(),
         ];
-        let p = &v["peers"][node];
-        if node == me || p.is_null() {
-            row.extend(["-"; 6].iter().map(|s| s.to_string()));
-        } else {
-            let entries = u64_of(p, "catalog_entries").to_string();
-            row.extend([
-                p["stream"].as_str().unwrap_or("?").to_string(),
-                if p["complete"] == true { entries } else { format!("{entries} (partial)") },
-                u64_of(p, "grants_held").to_string(),
-                u64_of(p, "grants_given").to_string(),
-                format_bytes(u64_of(p, "bytes_read")),
-                u64_of(p, "read_failures").to_string(),
-            ]);
+        match v.peers.get(&m.node_id).filter(|_| m.node_id != c.node_id) {
+            None => row.extend(["-"; 6].iter().map(|s| s.to_string())),
+            Some(p) => {
+                let entries = p.catalog_entries.to_string();
+                row.extend([
+                    p.stream.clone(),
+                    if p.complete { entries } else { format!("{entries} (partial)") },
+                    p.grants_held.to_string(),
+                    p.grants_given.to_string(),
+                    format_bytes(p.bytes_read),
+                    p.read_failures.to_string(),
+                ]);
+            }
         }
         rows.push(row);
     }
@@ -276,18 +276,18 @@ pub fn peers(v: &Value) -> String {
 }
 
 /// The `sessions` table.
-pub fn sessions(v: &Value) -> String {
+pub fn sessions(v: &SessionsReply) -> String {
     let mut rows = vec![["id", "pid", "uid", "shard", "name"]
         .iter()
         .map(|s| s.to_string())
         .collect::<Vec<_>>()];
-    for s in v["sessions"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+    for s in &v.sessions {
         rows.push(vec![
-            u64_of(s, "id").to_string(),
-            s["pid"].to_string(),
-            u64_of(s, "uid").to_string(),
-            u64_of(s, "home_shard").to_string(),
-            s["name"].as_str().unwrap_or("").to_string(),
+            s.id.to_string(),
+            s.pid.to_string(),
+            s.uid.to_string(),
+            s.home_shard.to_string(),
+            s.name.clone(),
         ]);
     }
     let mut out = String::new();
@@ -355,6 +355,28 @@ mod tests {
         assert_eq!(header.last(), Some(&"promoted"), "{t}");
     }
 
+    /// A `peers` reply of `fields` (a peering node, joining, nothing else, where they say
+    /// nothing; the members' and peers' other fields zero).
+    fn peers_reply(fields: &Value) -> PeersReply {
+        let mut v = serde_json::json!({"ok": true, "available": false, "state": "joining",
+            "reason": "", "since_s": 0.0, "cluster": "", "node_id": "", "epoch": null,
+            "members": [], "peering": true, "peers": {}});
+        for (k, x) in fields.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        for m in v["members"].as_array_mut().unwrap() {
+            m["te_segment"] = serde_json::json!("");
+            m["started_unix_s"] = serde_json::json!(0);
+        }
+        for p in v["peers"].as_object_mut().unwrap().values_mut() {
+            for k in ["group_reads", "queue_us_mean", "grant_us_mean", "te_read_us_mean"] {
+                p[k] = serde_json::json!(0);
+            }
+            p["handoff_us_mean"] = serde_json::json!(0);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
     #[test]
     fn peers_table_has_the_membership_line_and_a_row_per_member() {
         let v = serde_json::json!({
@@ -365,7 +387,7 @@ mod tests {
                 {"node_id": "b", "epoch": 7, "peer_addr": "10.0.0.2:7000", "shards": 8, "pid": 22}
             ]
         });
-        let t = peers(&v);
+        let t = peers(&peers_reply(&v));
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0], "cluster prod  node a  epoch 3  unavailable: etcd lease grant: timed out",
@@ -381,18 +403,23 @@ mod tests {
             "epoch": 7, "stream": "live", "complete": false, "catalog_entries": 3,
             "grants_held": 1, "grants_given": 2, "chunks_read": 8, "bytes_read": 524288,
             "read_failures": 4}});
-        let t = peers(&v);
+        let t = peers(&peers_reply(&v));
         let lines: Vec<&str> = t.lines().collect();
         let a: Vec<&str> = lines[2].split_whitespace().collect();
         assert_eq!(a[5..], ["-"; 6], "{t}");
         let b: Vec<&str> = lines[3].split_whitespace().collect();
         assert_eq!(b[5..], ["live", "3", "(partial)", "1", "2", "512.0", "KiB", "4"], "{t}");
         v["peering"] = serde_json::json!(false);
-        assert!(peers(&v).lines().next().unwrap().ends_with("(peering off: membership only)"));
+        assert!(peers(&peers_reply(&v))
+            .lines()
+            .next()
+            .unwrap()
+            .ends_with("(peering off: membership only)"));
         // Joined, before the first epoch: no reason, epoch shown as -.
-        let joining =
-            peers(&serde_json::json!({"cluster": "c", "node_id": "n", "state": "joining",
-                                                "reason": "", "epoch": null, "members": []}));
+        let joining = peers(&peers_reply(
+            &serde_json::json!({"cluster": "c", "node_id": "n", "state": "joining",
+                                                "reason": "", "epoch": null, "members": []}),
+        ));
         assert!(joining.starts_with("cluster c  node n  epoch -  joining\n"), "{joining}");
     }
 

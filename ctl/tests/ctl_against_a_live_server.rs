@@ -121,22 +121,11 @@ fn start(dir: tempfile::TempDir, shards: &str) -> TestServer {
     TestServer::start_at(dir, "s.sock", &["--gpu", "off", "--shards", shards, "--dram", "16MiB"])
 }
 
-/// One admin request line, sent as is; the answer.
-fn admin_raw(socket: &Path, line: &str) -> Value {
-    use std::io::{BufRead, BufReader, Write};
-    let mut s =
-        std::os::unix::net::UnixStream::connect(orbitkv_proto::admin_socket_path(socket)).unwrap();
-    s.write_all(format!("{line}\n").as_bytes()).unwrap();
-    let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer).unwrap();
-    serde_json::from_str(&answer).unwrap()
-}
-
 #[test]
 fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
     let dir = tempfile::Builder::new().prefix("okvctl").tempdir_in("/tmp").unwrap();
     let socket = dir.path().join("s.sock");
-    let _server = start(dir, "2");
+    let server = start(dir, "2");
     let mut c = Client::connect(ClientOptions::with_socket(&socket)).unwrap();
     let a = c.register_namespace(&descriptor("a")).unwrap().id;
     let b = c.register_namespace(&descriptor("b")).unwrap().id;
@@ -189,7 +178,7 @@ fn evict_removes_one_namespace_or_all_and_keeps_what_is_leased() {
         (r#"{"cmd":"evict","all":false}"#, "\"all\" must be true"),
         (r#"{"cmd":"evict","all":true,"namespace":1}"#, "not both"),
     ] {
-        let v = admin_raw(&socket, line);
+        let v = server.try_admin_request(&serde_json::from_str(line).unwrap()).unwrap();
         assert_eq!(v["ok"], false, "{line}: {v}");
         assert!(v["error"].as_str().unwrap().contains(says), "{line}: {v}");
     }

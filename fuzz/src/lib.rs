@@ -10,7 +10,7 @@
 //! | [`ssd_blocks`] | one 4 KiB block of an SSD file | `Superblock::decode`, `RecordHeader::decode` |
 //! | [`ssd_recovery`] | a whole SSD file, as records of arbitrary fields (sealed, so recovery reads them) and raw bytes | `RegionLog::recover` |
 //! | [`peer_messages`] | a peer control RPC message | prost decode of each message type, `Key::to_chunk_key` |
-//! | [`admin_request`] | a line on the admin socket | `orbitkv_proto::parse_admin_request`, `evict_target` |
+//! | [`admin_request`] | a line on the admin socket | `orbitkv_proto::admin::AdminRequestLine::parse`, `request` |
 
 #![deny(unsafe_code)]
 
@@ -171,16 +171,16 @@ pub fn peer_messages(data: &[u8]) {
     let _ = InventoryRequest::decode(data);
 }
 
-/// A line on the admin socket: parsed as the server parses it, an `evict`'s target read, and
-/// a request that parses says the same (its command, and an evict's target) once serialized
-/// and parsed again. Only what the server acts on is compared: other members may be floats,
-/// which serde_json does not parse back bit for bit.
+/// A line on the admin socket: parsed as the server parses it (its command, then the request,
+/// an `evict`'s target included), and a request that parses says the same once serialized and
+/// parsed again. Only what the server acts on is compared (the request it reads): other
+/// members may be floats, which serde_json does not parse back bit for bit.
 pub fn admin_request(data: &[u8]) {
+    use orbitkv_proto::admin::{AdminRequest, AdminRequestLine};
     let Ok(line) = std::str::from_utf8(data) else { return };
-    let Ok((cmd, v)) = orbitkv_proto::parse_admin_request(line) else { return };
-    let target = orbitkv_proto::evict_target(&v);
-    let (again, w) =
-        orbitkv_proto::parse_admin_request(&v.to_string()).expect("a parsed request re-parses");
-    assert_eq!(again, cmd);
-    assert_eq!(orbitkv_proto::evict_target(&w), target);
+    let Ok(parsed) = AdminRequestLine::parse(line) else { return };
+    let Ok(request) = parsed.request() else { return };
+    assert_eq!(request.cmd(), parsed.cmd(), "a request is the command its line names");
+    let again = serde_json::to_string(&request).expect("admin requests serialize");
+    assert_eq!(AdminRequest::parse(&again).expect("a parsed request re-parses"), request);
 }

@@ -13,6 +13,7 @@ use std::hint::black_box;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use orbitkv_proto::admin::AdminRequest;
 use orbitkv_proto::format_bytes;
 use orbitkv_shards::{Arena, PageSize};
 use serde::Serialize;
@@ -270,10 +271,13 @@ fn start(a: &ArenaArgs, bytes: u64, shards: usize, memset_gbps: f64) -> Result<S
         extra,
         ready_timeout: Some(ready_timeout),
     })?;
-    let stats = admin::request(server.socket(), "stats")?;
-    let missing = |what: &str| Error::Admin {
-        path: admin::path(server.socket()),
-        reason: format!("stats has no {what}: {stats}"),
+    let admin = admin::client(server.socket());
+    let stats = admin.request(&AdminRequest::Stats)?;
+    let missing = |what: &str| {
+        Error::Setup(format!(
+            "admin socket {}: stats has no {what}: {stats}",
+            admin.path().display()
+        ))
     };
     let steps = &stats["startup"]["steps_s"];
     let populate_s = steps["populate_arena"].as_f64().ok_or_else(|| missing("populate step"))?;

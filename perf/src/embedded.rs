@@ -125,9 +125,9 @@ impl EmbeddedServer {
     fn wait_ready(&mut self, timeout: Duration) -> Result<(), Error> {
         let deadline = Instant::now() + timeout;
         loop {
-            let last = match admin::request(&self.socket, "health") {
-                Ok(v) if v.get("ready") == Some(&serde_json::Value::Bool(true)) => return Ok(()),
-                Ok(v) => v.to_string(),
+            let last = match admin::client(&self.socket).health() {
+                Ok(h) if h.ready => return Ok(()),
+                Ok(h) => serde_json::to_string(&h).expect("health replies serialize to JSON"),
                 Err(e) => e.to_string(),
             };
             if let Some(child) = self.child.as_mut() {

@@ -25,13 +25,8 @@ pub(crate) enum Error {
         source: std::io::Error,
     },
     /// The server's admin socket did not answer usefully.
-    #[error("admin socket {}: {reason}", path.display())]
-    Admin {
-        /// The admin socket.
-        path: PathBuf,
-        /// What went wrong.
-        reason: String,
-    },
+    #[error(transparent)]
+    Admin(#[from] orbitkv_proto::admin::AdminError),
     /// CUDA is missing or a CUDA call failed.
     #[error("{0}")]
     Gpu(String),

@@ -188,23 +188,22 @@ fn connect(socket: &Path, name: &str, client: usize) -> Result<Client, Error> {
 
 /// The node id of the Manager at `socket`, checking that it peers.
 fn node_of(socket: &Path, flag: &'static str) -> Result<(String, String), Error> {
-    let v = admin::request(socket, "peers")
+    let v = admin::client(socket)
+        .peers()
         .map_err(|e| invalid(flag, format!("not a cluster member: {e}")))?;
-    if v["peering"] != true {
+    if !v.peering {
         return Err(invalid(
             flag,
             "its Manager is in a cluster but does not peer (no Transfer Engine)",
         ));
     }
-    let node = v["node_id"].as_str().unwrap_or_default().to_owned();
-    let cluster = v["cluster"].as_str().unwrap_or_default().to_owned();
-    Ok((node, cluster))
+    Ok((v.cluster.node_id, v.cluster.cluster))
 }
 
 /// Catalog entries of `owner` on the requester at `socket`.
 fn catalog_of(socket: &Path, owner: &str) -> Result<u64, Error> {
-    let v = admin::request(socket, "peers")?;
-    Ok(v["peers"][owner]["catalog_entries"].as_u64().unwrap_or(0))
+    let v = admin::client(socket).peers()?;
+    Ok(v.peers.get(owner).map_or(0, |p| p.catalog_entries))
 }
 
 /// Puts this run's chunks on the owner (keys of this run only: none is on the requester yet)

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use orbitkv_client::{ChunkKey, Client, ClientOptions, ErrorCode};
+use orbitkv_proto::admin::EvictTarget;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use crate::admin;
 use crate::args::{SoakArgs, SoakClientArgs};
@@ -256,11 +256,6 @@ fn rss_bytes(pid: u64) -> u64 {
         .map_or(0, |kb| kb << 10)
 }
 
-/// The server-wide sum of a per-shard stats field.
-fn shard_sum(stats: &serde_json::Value, field: &str) -> u64 {
-    stats["shards"].as_array().map_or(0, |s| s.iter().filter_map(|x| x[field].as_u64()).sum())
-}
-
 /// Runs the soak; see the module docs.
 pub(crate) fn run(a: &SoakArgs) -> Result<SoakReport, Error> {
     for (bad, flag, what) in [
@@ -298,10 +293,9 @@ pub(crate) fn run(a: &SoakArgs) -> Result<SoakReport, Error> {
         .map_err(|source| Error::Client { client: 0, source })?
         .id;
     drop(registrar);
-    let stats = admin::request(&socket, "stats")?;
-    let pid = stats["pid"].as_u64().unwrap_or(0);
-    let capacity =
-        stats["arena_bytes"].as_u64().unwrap_or(0) + shard_sum(&stats, "ssd_capacity_bytes");
+    let stats = admin::client(&socket).stats()?;
+    let pid = u64::from(stats.pid);
+    let capacity = stats.arena_bytes + stats.sum(|s| s.ssd_capacity_bytes);
     let working_set: u64 = (0..a.keys).map(|i| size_of(&a.value_sizes, i)).sum();
 
     let mut rng = SmallRng::seed_from_u64(a.seed);
@@ -386,23 +380,22 @@ fn admin_action(
     rng: &mut SmallRng,
     report: &mut SoakReport,
 ) -> Result<(), Error> {
+    let admin = admin::client(socket);
     match rng.gen_range(0..3) {
         0 => {
-            admin::request_json(socket, &json!({"cmd": "evict", "namespace": ns}))?;
+            admin.evict(EvictTarget::Namespace(ns))?;
             report.admin_evicts += 1;
         }
         1 => {
-            admin::request(socket, "drain")?;
+            admin.drain()?;
             std::thread::sleep(Duration::from_millis(200));
-            admin::request(socket, "resume")?;
+            admin.resume()?;
             report.drains += 1;
         }
         _ => {
-            let v = admin::request_json(socket, &json!({"cmd": "audit"}))?;
+            let v = admin.audit()?;
             report.audits += 1;
-            if let Some(p) = v["problems"].as_array() {
-                report.audit_problems.extend(p.iter().filter_map(|x| x.as_str().map(String::from)));
-            }
+            report.audit_problems.extend(v.problems);
         }
     }
     Ok(())
@@ -411,33 +404,28 @@ fn admin_action(
 /// Waits until the killed clients' sessions are closed, then takes the final counts and audit.
 fn settle(socket: &Path, report: &mut SoakReport) -> Result<(), Error> {
     let deadline = Instant::now() + SETTLE;
+    let admin = admin::client(socket);
     loop {
-        let stats = admin::request(socket, "stats")?;
-        let sessions = stats["sessions"].as_u64().unwrap_or(u64::MAX);
-        if sessions == 0 || Instant::now() > deadline {
-            report.final_sessions = sessions;
-            report.final_leases = shard_sum(&stats, "leases");
-            report.final_reservations = shard_sum(&stats, "reservations");
-            report.server_evictions = shard_sum(&stats, "evictions");
-            report.server_demotions = shard_sum(&stats, "demotions");
-            report.server_ssd_hits = shard_sum(&stats, "ssd_hits");
-            report.server_ssd_reclaimed = shard_sum(&stats, "ssd_reclaimed");
-            report.server_tombstones = shard_sum(&stats, "ssd_tombstones");
+        let stats = admin.stats()?;
+        if stats.sessions == 0 || Instant::now() > deadline {
+            report.final_sessions = stats.sessions;
+            report.final_leases = stats.sum(|s| s.leases);
+            report.final_reservations = stats.sum(|s| s.reservations);
+            report.server_evictions = stats.sum(|s| s.evictions);
+            report.server_demotions = stats.sum(|s| s.demotions);
+            report.server_ssd_hits = stats.sum(|s| s.ssd_hits);
+            report.server_ssd_reclaimed = stats.sum(|s| s.ssd_reclaimed);
+            report.server_tombstones = stats.sum(|s| s.ssd_tombstones);
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let v = admin::request_json(socket, &json!({"cmd": "audit"}))?;
-    report.final_problems = v["problems"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|x| x.as_str().map(String::from))
-        .collect();
-    let shards = v["shards"].as_array().cloned().unwrap_or_default();
-    report.final_pins = shards.iter().filter_map(|s| s["pins"].as_u64()).sum();
-    let audited_leases: u64 = shards.iter().filter_map(|s| s["leases"].as_u64()).sum();
-    let audited_reserved: u64 = shards.iter().filter_map(|s| s["reservations"].as_u64()).sum();
+    let v = admin.audit()?;
+    report.final_problems = v.problems;
+    let scans: Vec<_> = v.shards.iter().filter_map(|s| s.answer.as_ref()).collect();
+    report.final_pins = scans.iter().map(|s| s.pins).sum();
+    let audited_leases: u64 = scans.iter().map(|s| s.leases).sum();
+    let audited_reserved: u64 = scans.iter().map(|s| s.reservations).sum();
     report.final_leases = report.final_leases.max(audited_leases);
     report.final_reservations = report.final_reservations.max(audited_reserved);
     Ok(())

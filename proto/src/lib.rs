@@ -3,11 +3,12 @@
 //! This crate links no runtime (no executor, no CUDA) so that engines can link it: it defines
 //! the chunk identity ([`ChunkKey`], chained prefix hashing), the namespace descriptor, the
 //! bootstrap and request/response messages (rkyv, validated on receipt), error codes, latency
-//! recorders, and the human units used by every command line.
+//! recorders, the human units used by every command line, and the admin socket's requests,
+//! replies and client ([`admin`]).
 
 #![deny(unsafe_code)]
 
-mod admin;
+pub mod admin;
 mod checksum;
 mod codec;
 mod error;
@@ -21,7 +22,6 @@ mod paths;
 mod peering;
 mod units;
 
-pub use admin::{evict_target, parse_admin_request, AdminRequestError, EvictTargetError};
 pub use checksum::{chunk_checksum, ChunkChecksum};
 pub use codec::{decode, encode, frame_header, read_frame, write_frame, DecodeError, MAX_FRAME};
 pub use error::ErrorCode;

@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use orbitkv_gpu::dma::Direction;
+use orbitkv_proto::admin::{ClusterMember, ClusterState, ClusterStatus, HealthReply, ServerState};
 use orbitkv_proto::ErrorCode;
 use orbitkv_proto::LatencyHistogram;
 use orbitkv_shards::OpKind;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
-use serde_json::{json, Value};
 
 use crate::control::shared::{ServeState, Shared};
 use crate::control::startup::Startup;
@@ -61,8 +61,8 @@ const REFUSALS: [ErrorCode; 3] = [ErrorCode::Busy, ErrorCode::LeaseLimit, ErrorC
 /// Everything the server reports, taken at one moment.
 #[derive(Debug)]
 pub(crate) struct Sample {
-    /// `serving`, `draining` or `drained` (no admitted write left, no reservation anywhere).
-    pub state: &'static str,
+    /// Serving, draining or drained (no admitted write left, no reservation anywhere).
+    pub state: ServerState,
     /// Writes admitted and not yet answered, counted just before the snapshots.
     pub writes_admitted: u64,
     /// Each shard's snapshot; None for a shard that did not answer in time.
@@ -109,11 +109,11 @@ impl Sample {
         let writes_admitted = shared.writes_admitted();
         let shards = shared.snapshots(SNAPSHOT_TIMEOUT);
         let state = match shared.state() {
-            ServeState::Serving => "serving",
+            ServeState::Serving => ServerState::Serving,
             ServeState::Draining if writes_admitted == 0 && shared.writes_settled(&shards) => {
-                "drained"
+                ServerState::Drained
             }
-            ServeState::Draining => "draining",
+            ServeState::Draining => ServerState::Draining,
         };
         let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
         Self {
@@ -149,10 +149,11 @@ impl Sample {
         merged
     }
 
-    /// Readiness and degradation.
-    pub fn health(&self) -> Health {
+    /// Readiness and degradation: the admin socket's `health` reply (`orbitkv-ctl health
+    /// --json`), also `/readyz`'s body.
+    pub fn health(&self) -> HealthReply {
         let all_answer = self.shards.iter().all(Option::is_some);
-        let ready = all_answer && self.state == "serving";
+        let ready = all_answer && self.state == ServerState::Serving;
         let reason = if !all_answer {
             "a shard is not answering"
         } else if !ready {
@@ -184,56 +185,50 @@ impl Sample {
                 ));
             }
         }
-        let cluster = self.cluster.as_ref().map(cluster_json);
-        Health { ready, state: self.state, reason, degraded, cluster }
-    }
-}
-
-/// Whether the server accepts engine work, and what is impaired.
-pub(crate) struct Health {
-    /// Accepting engine work: serving (not draining) and every shard answering.
-    pub ready: bool,
-    pub state: &'static str,
-    /// Why (not) ready, in words.
-    pub reason: &'static str,
-    /// Serving, but impaired: one line per problem.
-    pub degraded: Vec<String>,
-    /// Cluster mode: membership, reported apart from local readiness.
-    pub cluster: Option<Value>,
-}
-
-impl Health {
-    /// The admin socket's `health` reply (`orbitkv-ctl health --json`), also `/readyz`'s body.
-    pub fn json(&self) -> Value {
-        let mut v = json!({"ok": true, "ready": self.ready, "state": self.state,
-                           "reason": self.reason, "degraded": self.degraded});
-        if let Some(c) = &self.cluster {
-            v["cluster"] = c.clone();
+        HealthReply {
+            ok: true,
+            ready,
+            state: self.state,
+            reason: reason.to_string(),
+            degraded,
+            cluster: self.cluster.as_ref().map(cluster_status),
+            starting: None,
         }
-        v
     }
 }
 
-/// Cluster membership as `health` and `peers` show it: `available` (joined), the state's
-/// name and reason, this node's id and epoch, and the members.
-pub(crate) fn cluster_json(s: &orbitkv_peer::Status) -> Value {
+/// Cluster membership as `health` and `peers` show it: `available` (joined), the state and
+/// why, this node's id and epoch, and the members.
+pub(crate) fn cluster_status(s: &orbitkv_peer::Status) -> ClusterStatus {
     use orbitkv_peer::State;
     let (state, reason) = match &s.state {
-        State::Joining => ("joining", String::new()),
-        State::Joined => ("joined", String::new()),
-        State::Unavailable(why) => ("unavailable", why.clone()),
-        State::Conflict(why) => ("conflict", format!("node id held by {why}")),
+        State::Joining => (ClusterState::Joining, String::new()),
+        State::Joined => (ClusterState::Joined, String::new()),
+        State::Unavailable(why) => (ClusterState::Unavailable, why.clone()),
+        State::Conflict(why) => (ClusterState::Conflict, format!("node id held by {why}")),
     };
-    json!({
-        "available": s.state == State::Joined,
-        "state": state,
-        "reason": reason,
-        "since_s": s.since.elapsed().as_secs_f64(),
-        "cluster": s.cluster,
-        "node_id": s.node_id,
-        "epoch": s.epoch,
-        "members": s.members,
-    })
+    ClusterStatus {
+        available: s.state == State::Joined,
+        state,
+        reason,
+        since_s: s.since.elapsed().as_secs_f64(),
+        cluster: s.cluster.clone(),
+        node_id: s.node_id.clone(),
+        epoch: s.epoch,
+        members: s
+            .members
+            .iter()
+            .map(|m| ClusterMember {
+                node_id: m.node_id.clone(),
+                peer_addr: m.peer_addr.clone(),
+                te_segment: m.te_segment.clone(),
+                shards: m.shards,
+                epoch: m.epoch,
+                pid: m.pid,
+                started_unix_s: m.started_unix_s,
+            })
+            .collect(),
+    }
 }
 
 /// The Prometheus text exposition (OpenMetrics 1.0) of `sample`.
@@ -418,7 +413,7 @@ fn server_families(out: &mut Families<'_, '_>, s: &Sample) -> std::fmt::Result {
             "1 while draining or drained (new sessions and writes refused).",
             None,
         ),
-        one(flag(s.state != "serving")),
+        one(flag(s.state != ServerState::Serving)),
     )?;
     out.gauge(
         (

@@ -10,14 +10,18 @@
 pub mod etcd;
 pub mod gpu;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use orbitkv_client::{ChunkKey, Client, ClientOptions, Dtype, NamespaceDescriptor};
+use orbitkv_proto::admin::{AdminClient, AdminError};
 use serde_json::Value;
+
+/// How long an admin request of a test waits (the server's own bounds are 8 s at most; the
+/// rest is room for a loaded machine).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct TestServer {
     pub child: Option<Child>,
@@ -113,19 +117,26 @@ impl TestServer {
         orbitkv_proto::admin_socket_path(&self.socket)
     }
 
+    /// The admin client of this server.
+    pub fn admin_client(&self) -> AdminClient {
+        AdminClient::new(self.admin_path()).with_timeout(ADMIN_TIMEOUT)
+    }
+
+    /// `{"cmd": cmd}` on the admin socket; the answer as it came (`"ok"` true or not).
     pub fn try_admin(&self, cmd: &str) -> std::io::Result<Value> {
         self.try_admin_request(&serde_json::json!({ "cmd": cmd }))
     }
 
-    /// One admin request with arguments (`{"cmd": ..., ...}`).
+    /// One admin request with arguments (`{"cmd": ..., ...}`, any JSON); the answer as it
+    /// came (`"ok"` true or not).
     pub fn try_admin_request(&self, request: &Value) -> std::io::Result<Value> {
-        let mut s = UnixStream::connect(self.admin_path())?;
-        s.write_all(format!("{request}\n").as_bytes())?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line)?;
-        serde_json::from_str(&line).map_err(|e| std::io::Error::other(e.to_string()))
+        self.admin_client().send(request).map_err(|e| match e {
+            AdminError::Unreachable { source, .. } | AdminError::Io { source, .. } => source,
+            other => std::io::Error::other(other),
+        })
     }
 
+    /// [`TestServer::try_admin`], which must get an answer.
     pub fn admin(&self, cmd: &str) -> Value {
         self.try_admin(cmd).unwrap()
     }

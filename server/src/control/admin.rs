@@ -1,8 +1,7 @@
 //! The admin socket (`<socket>.admin`): one JSON request line, one JSON response line.
 //!
-//! Commands: `{"cmd":"health"}`, `{"cmd":"stats"}`, `{"cmd":"drain"}`, `{"cmd":"resume"}`,
-//! `{"cmd":"sessions"}`, `{"cmd":"peers"}`, `{"cmd":"audit"}`, `{"cmd":"evict","namespace":ID}`
-//! or `{"cmd":"evict","all":true}`.
+//! The requests and replies are `orbitkv_proto::admin`'s (docs/operations.md says what they
+//! mean); `stats` is assembled here from the metrics sample as one JSON object.
 //! Unknown or malformed input gets `{"ok":false,"error":...}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -11,9 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use orbitkv_proto::{evict_target, parse_admin_request, LatencyHistogram};
+use orbitkv_proto::admin::{
+    AdminRequest, AdminRequestLine, AuditReply, ErrorReply, EvictReply, EvictTarget, PeerLink,
+    PeersReply, RefusalCode, ServerState, SessionInfo, SessionsReply, ShardAnswer, ShardAudit,
+    ShardEvict, StateReply,
+};
+use orbitkv_proto::LatencyHistogram;
 use orbitkv_shards::OpKind;
 
 use crate::control::access::{Access, Denied};
@@ -70,36 +75,48 @@ fn handle(stream: UnixStream, startup: &Startup) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new(DeadlineReader::new(&stream, REQUEST_DEADLINE).take(MAX_LINE))
         .read_line(&mut line)?;
-    let reply = match parse_admin_request(&line) {
-        Ok((cmd, v)) => match allowed(&cmd, (creds.uid(), creds.gid()), &startup.access) {
-            Ok(()) => match startup.server() {
-                Some((shared, _)) => command(&cmd, &v, shared, startup),
-                None => while_starting(&cmd, startup),
+    // Who may run the command, and whether it can run while starting, is decided on its name
+    // before the rest of the request is read.
+    let reply = match AdminRequestLine::parse(&line) {
+        Ok(request) => match allowed(request.cmd(), (creds.uid(), creds.gid()), &startup.access) {
+            Ok(()) => match (startup.server(), request.request()) {
+                (None, request) => while_starting(request.ok(), startup),
+                (Some((shared, _)), Ok(request)) => command(request, shared, startup),
+                (Some(_), Err(why)) => reply(&ErrorReply::new(why.to_string())),
             },
             Err(why) => {
+                let cmd = request.cmd();
                 tracing::warn!(uid = creds.uid(), pid = creds.pid(), cmd, "admin command refused");
-                json!({"ok": false, "error": why.to_string(), "code": "permission_denied"})
+                reply(&ErrorReply::with_code(why.to_string(), RefusalCode::PermissionDenied))
             }
         },
-        Err(why) => json!({"ok": false, "error": why.to_string()}),
+        Err(why) => reply(&ErrorReply::new(why.to_string())),
     };
+    // Through a JSON value, whose members are sorted: the answer's bytes do not depend on the
+    // order of a type's fields.
     let mut out = serde_json::to_vec(&reply).expect("JSON values always serialize");
     out.push(b'\n');
     (&stream).write_all(&out)
 }
 
+/// A reply as the JSON value that goes on the wire.
+fn reply(reply: &impl Serialize) -> Value {
+    serde_json::to_value(reply).expect("admin replies serialize to JSON")
+}
+
 /// A command while the server starts: `health` says how far it got; the others wait for it.
-fn while_starting(cmd: &str, startup: &Startup) -> Value {
-    match cmd {
-        "health" => startup.health_json(),
-        _ => json!({
-            "ok": false,
-            "code": "starting",
-            "error": format!(
-                "the server is starting ({}): try again once `orbitkv-ctl health` says ready",
-                startup.message()
-            ),
-            "starting": startup.progress_json(),
+fn while_starting(request: Option<AdminRequest>, startup: &Startup) -> Value {
+    match request {
+        Some(AdminRequest::Health) => reply(&startup.health()),
+        _ => reply(&ErrorReply {
+            starting: Some(startup.progress()),
+            ..ErrorReply::with_code(
+                format!(
+                    "the server is starting ({}): try again once `orbitkv-ctl health` says ready",
+                    startup.message()
+                ),
+                RefusalCode::Starting,
+            )
         }),
     }
 }
@@ -113,76 +130,69 @@ fn allowed(cmd: &str, (uid, gid): (u32, u32), access: &Access) -> Result<(), Den
     }
 }
 
-fn command(cmd: &str, request: &Value, shared: &Shared, startup: &Startup) -> Value {
-    match cmd {
-        "evict" => evict(request, shared),
-        "audit" => audit(shared),
-        "health" => Sample::take(shared, startup).health().json(),
-        "stats" => stats(shared, startup),
-        "peers" => match shared.cluster.get() {
-            Some(c) => {
-                let mut v = crate::metrics::cluster_json(&c.status());
-                v["ok"] = json!(true);
-                v["peering"] = json!(shared.peer_fetches.get().is_some());
-                let peers: serde_json::Map<String, Value> = c
-                    .peers()
-                    .into_iter()
-                    .map(|(node, p)| {
-                        let view = json!({
-                            "epoch": p.epoch,
-                            "stream": p.stream,
-                            "complete": p.complete,
-                            "catalog_entries": p.catalog_entries,
-                            "grants_held": p.grants_held,
-                            "grants_given": p.grants_given,
-                            "chunks_read": p.chunks_read,
-                            "bytes_read": p.bytes_read,
-                            "read_failures": p.read_failures,
-                            "group_reads": p.groups,
-                            "queue_us_mean": mean_us(p.queue_ns, p.groups),
-                            "grant_us_mean": mean_us(p.grant_ns, p.groups),
-                            "te_read_us_mean": mean_us(p.te_read_ns, p.groups),
-                            "handoff_us_mean": mean_us(p.handoff_ns, p.groups),
-                        });
-                        (node, view)
-                    })
-                    .collect();
-                v["peers"] = Value::Object(peers);
-                v
-            }
+fn command(request: AdminRequest, shared: &Shared, startup: &Startup) -> Value {
+    match request {
+        AdminRequest::Evict(target) => reply(&evict(target, shared)),
+        AdminRequest::Audit => reply(&audit(shared)),
+        AdminRequest::Health => reply(&Sample::take(shared, startup).health()),
+        AdminRequest::Stats => stats(shared, startup),
+        AdminRequest::Peers => match shared.cluster.get() {
+            Some(c) => reply(&PeersReply {
+                ok: true,
+                cluster: crate::metrics::cluster_status(&c.status()),
+                peering: shared.peer_fetches.get().is_some(),
+                peers: c.peers().into_iter().map(|(node, p)| (node, peer_link(&p))).collect(),
+            }),
             None => {
-                json!({"ok": false, "error": "standalone: this server is not in a cluster (no --etcd)"})
+                reply(&ErrorReply::new("standalone: this server is not in a cluster (no --etcd)"))
             }
         },
-        "drain" => {
+        AdminRequest::Drain => {
             shared.set_state(ServeState::Draining);
             tracing::info!("draining: new sessions and writes are refused");
-            json!({"ok": true, "state": Sample::take(shared, startup).state})
+            reply(&StateReply { ok: true, state: Sample::take(shared, startup).state })
         }
-        "resume" => {
+        AdminRequest::Resume => {
             shared.set_state(ServeState::Serving);
             tracing::info!("resumed serving");
-            json!({"ok": true, "state": "serving"})
+            reply(&StateReply { ok: true, state: ServerState::Serving })
         }
-        "sessions" => {
+        AdminRequest::Sessions => {
             let sessions = shared.sessions.lock().expect("session table lock is never poisoned");
-            let list: Vec<Value> = sessions
+            let sessions = sessions
                 .values()
-                .map(|s| {
-                    json!({
-                        "id": s.id,
-                        "pid": s.pid,
-                        "uid": s.uid,
-                        "name": s.name,
-                        "home_shard": s.home_shard,
-                        "closing": s.closing,
-                        "opened_unix_s": s.opened.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-                    })
+                .map(|s| SessionInfo {
+                    id: s.id,
+                    pid: s.pid,
+                    uid: s.uid,
+                    name: s.name.clone(),
+                    home_shard: s.home_shard,
+                    closing: s.closing,
+                    opened_unix_s: s.opened.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
                 })
                 .collect();
-            json!({"ok": true, "sessions": list})
+            reply(&SessionsReply { ok: true, sessions })
         }
-        other => json!({"ok": false, "error": format!("unknown command {other:?}")}),
+    }
+}
+
+/// What this node knows of one peer, for `peers`.
+fn peer_link(p: &orbitkv_peer::PeerView) -> PeerLink {
+    PeerLink {
+        epoch: p.epoch,
+        stream: p.stream.clone(),
+        complete: p.complete,
+        catalog_entries: p.catalog_entries,
+        grants_held: p.grants_held,
+        grants_given: p.grants_given,
+        chunks_read: p.chunks_read,
+        bytes_read: p.bytes_read,
+        read_failures: p.read_failures,
+        group_reads: p.groups,
+        queue_us_mean: mean_us(p.queue_ns, p.groups),
+        grant_us_mean: mean_us(p.grant_ns, p.groups),
+        te_read_us_mean: mean_us(p.te_read_ns, p.groups),
+        handoff_us_mean: mean_us(p.handoff_ns, p.groups),
     }
 }
 
@@ -192,35 +202,40 @@ const AUDIT_TIMEOUT: Duration = Duration::from_secs(8);
 /// `audit`: every shard's full scan of its bookkeeping (entries, arena pages, leases,
 /// reservations, the SSD log) against its counters, and the server's session table; `ok` is
 /// false when any shard found an inconsistency or did not answer. Read-only.
-fn audit(shared: &Shared) -> Value {
+fn audit(shared: &Shared) -> AuditReply {
     let sessions = shared.sessions.lock().expect("session table lock is never poisoned").len();
     let mut problems = Vec::new();
-    let shards: Vec<Value> = shared
+    let shards: Vec<ShardAnswer<ShardAudit>> = shared
         .audits(AUDIT_TIMEOUT)
         .into_iter()
         .enumerate()
         .map(|(id, a)| match a {
             Some(a) => {
                 problems.extend(a.problems.iter().map(|p| format!("shard {id}: {p}")));
-                json!({"id": id, "entries": a.entries, "entry_pages": a.entry_pages,
-                       "leases": a.leases, "pins": a.pins, "reservations": a.reservations,
-                       "ssd_records": a.ssd_records, "problems": a.problems})
+                let answer = ShardAudit {
+                    entries: a.entries,
+                    entry_pages: a.entry_pages,
+                    leases: a.leases,
+                    pins: a.pins,
+                    reservations: a.reservations,
+                    ssd_records: a.ssd_records,
+                    problems: a.problems,
+                };
+                ShardAnswer { id, answer: Some(answer) }
             }
             None => {
                 problems.push(format!(
                     "shard {id} did not answer within {} s",
                     AUDIT_TIMEOUT.as_secs()
                 ));
-                json!({"id": id, "answering": false})
+                ShardAnswer { id, answer: None }
             }
         })
         .collect();
-    let mut reply = json!({"ok": problems.is_empty(), "sessions": sessions, "problems": problems, "shards": shards});
-    if let Some(first) = problems.first() {
-        reply["error"] =
-            json!(format!("audit: {} inconsistencies; the first: {first}", problems.len()));
-    }
-    reply
+    let error = problems
+        .first()
+        .map(|first| format!("audit: {} inconsistencies; the first: {first}", problems.len()));
+    AuditReply { ok: problems.is_empty(), sessions, problems, shards, error }
 }
 
 /// How long `evict` waits for every shard's pass over its keys.
@@ -228,15 +243,12 @@ const EVICT_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// `evict`: removes a namespace's chunks (`"namespace": ID`) or every chunk (`"all": true`)
 /// from every tier of every shard. Leased chunks, and chunks a tier is moving, stay (`busy`).
-fn evict(request: &Value, shared: &Shared) -> Value {
-    let namespace = match evict_target(request) {
-        Ok(n) => n,
-        Err(why) => return json!({"ok": false, "error": why.to_string()}),
-    };
+fn evict(target: EvictTarget, shared: &Shared) -> EvictReply {
+    let namespace = target.namespace();
     let answers = shared.evict(namespace, EVICT_TIMEOUT);
     let (mut removed, mut busy, mut not_durable) = (0, 0, 0);
     let mut silent = Vec::new();
-    let shards: Vec<Value> = answers
+    let shards: Vec<ShardAnswer<ShardEvict>> = answers
         .iter()
         .enumerate()
         .map(|(id, a)| match a {
@@ -244,26 +256,26 @@ fn evict(request: &Value, shared: &Shared) -> Value {
                 removed += s.removed;
                 busy += s.busy;
                 not_durable += s.not_durable;
-                json!({"id": id, "removed": s.removed, "busy": s.busy, "not_durable": s.not_durable})
+                let answer =
+                    ShardEvict { removed: s.removed, busy: s.busy, not_durable: s.not_durable };
+                ShardAnswer { id, answer: Some(answer) }
             }
             None => {
                 silent.push(id.to_string());
-                json!({"id": id, "answering": false})
+                ShardAnswer { id, answer: None }
             }
         })
         .collect();
     tracing::info!(namespace = ?namespace, removed, busy, not_durable, "evict from the admin socket");
-    let mut reply = json!({"ok": silent.is_empty(), "namespace": namespace, "removed": removed,
-                           "busy": busy, "not_durable": not_durable, "shards": shards});
-    if !silent.is_empty() {
-        reply["error"] = json!(format!(
+    let error = (!silent.is_empty()).then(|| {
+        format!(
             "evict: shard(s) {} did not answer within {} s (they may still evict); the others \
              removed {removed} chunks",
             silent.join(", "),
             EVICT_TIMEOUT.as_secs()
-        ));
-    }
-    reply
+        )
+    });
+    EvictReply { ok: silent.is_empty(), namespace, removed, busy, not_durable, shards, error }
 }
 
 /// `orbitkv-ctl stats`: the server's state and every shard's counters as one JSON object. It

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use orbitkv_proto::admin::{HealthReply, ServerState, StartingProgress};
 use orbitkv_proto::format_bytes;
 use orbitkv_shards::Arena;
 use serde_json::{json, Value};
@@ -191,27 +192,28 @@ impl Startup {
 
     /// The `health` answer (and `/readyz`'s body) while starting: not ready, state
     /// `starting`, the reason in words and the progress as numbers.
-    pub fn health_json(&self) -> Value {
-        json!({
-            "ok": true,
-            "ready": false,
-            "state": "starting",
-            "reason": self.message(),
-            "degraded": [],
-            "starting": self.progress_json(),
-        })
+    pub fn health(&self) -> HealthReply {
+        HealthReply {
+            ok: true,
+            ready: false,
+            state: ServerState::Starting,
+            reason: self.message(),
+            degraded: Vec::new(),
+            cluster: None,
+            starting: Some(self.progress()),
+        }
     }
 
     /// The progress as numbers: phase, percent, bytes populated of the arena's, seconds.
-    pub fn progress_json(&self) -> Value {
-        json!({
-            "phase": self.phase().as_str(),
-            "percent": self.percent(),
-            "populated_bytes": self.populated.load(Ordering::Relaxed).min(self.arena_bytes),
-            "arena_bytes": self.arena_bytes,
-            "seconds": self.began.elapsed().as_secs_f64(),
-            "told_to_wait": self.told_to_wait.load(Ordering::Relaxed),
-        })
+    pub fn progress(&self) -> StartingProgress {
+        StartingProgress {
+            phase: self.phase().as_str().to_string(),
+            percent: self.percent(),
+            populated_bytes: self.populated.load(Ordering::Relaxed).min(self.arena_bytes),
+            arena_bytes: self.arena_bytes,
+            seconds: self.began.elapsed().as_secs_f64(),
+            told_to_wait: self.told_to_wait.load(Ordering::Relaxed),
+        }
     }
 
     /// The start's steps for `stats`: each step's seconds, the total, hellos told to wait.

@@ -114,20 +114,17 @@ async fn answer(
     Ok(match (request.uri().path(), server) {
         ("/healthz", _) => text(StatusCode::OK, "ok\n".into()),
         // Starting: not ready, and how far along; the exposition says the same in numbers.
-        ("/readyz", None) => json(StatusCode::SERVICE_UNAVAILABLE, startup.health_json()),
+        ("/readyz", None) => json(StatusCode::SERVICE_UNAVAILABLE, &startup.health()),
         ("/metrics", None) => {
             let mut r = text(StatusCode::OK, starting_exposition(&startup));
             r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
             r
         }
-        ("/readyz", Some(shared)) => match sampled(shared, &startup, |s| s.health().json()).await {
+        ("/readyz", Some(shared)) => match sampled(shared, &startup, |s| s.health()).await {
             Some(health) => {
-                let status = if health["ready"] == true {
-                    StatusCode::OK
-                } else {
-                    StatusCode::SERVICE_UNAVAILABLE
-                };
-                json(status, health)
+                let status =
+                    if health.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                json(status, &health)
             }
             None => {
                 text(StatusCode::INTERNAL_SERVER_ERROR, "no sample (see the server log)\n".into())
@@ -166,7 +163,9 @@ async fn sampled<T: Send + 'static>(
     }
 }
 
-fn json(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+/// `body` as JSON (through a JSON value, whose members are sorted, as the admin socket's).
+fn json(status: StatusCode, body: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    let body = serde_json::to_value(body).expect("health replies serialize to JSON");
     let mut r = text(status, format!("{body}\n"));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r

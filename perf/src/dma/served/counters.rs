@@ -34,7 +34,9 @@ pub(super) struct Counters {
 
 impl Counters {
     pub(super) fn read(socket: &std::path::Path, direction: &str) -> Self {
-        let Ok(stats) = crate::admin::request(socket, "stats") else { return Self::default() };
+        let stats =
+            crate::admin::client(socket).request(&orbitkv_proto::admin::AdminRequest::Stats);
+        let Ok(stats) = stats else { return Self::default() };
         let g = &stats["gpu_transfers"];
         let f = |name: &str| g[format!("{direction}_{name}")].as_f64();
         let t = |name: &str| g["timeline"][direction][name].as_f64();
