@@ -1,4 +1,4 @@
-//! `cargo fuzz run config_file`: a config file's text, as the server decodes it (`orbitkv_server::fuzzing::config_file`).
+//! `cargo fuzz run config_file`: a config file's text, as the server decodes it (`orbitkv_fuzz::config_file`).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| orbitkv_server::fuzzing::config_file(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| orbitkv_fuzz::config_file(data));

@@ -11,6 +11,7 @@
 //! | [`ssd_recovery`] | a whole SSD file, as records of arbitrary fields (sealed, so recovery reads them) and raw bytes | `RegionLog::recover` |
 //! | [`peer_messages`] | a peer control RPC message | prost decode of each message type, `Key::to_chunk_key` |
 //! | [`admin_request`] | a line on the admin socket | `orbitkv_proto::admin::AdminRequestLine::parse`, `request` |
+//! | [`config_file`] | a `--config` file's text | `orbitkv_config::from_file_text` (TOML, then `validate`) |
 
 #![deny(unsafe_code)]
 
@@ -183,4 +184,15 @@ pub fn admin_request(data: &[u8]) {
     assert_eq!(request.cmd(), parsed.cmd(), "a request is the command its line names");
     let again = serde_json::to_string(&request).expect("admin requests serialize");
     assert_eq!(AdminRequest::parse(&again).expect("a parsed request re-parses"), request);
+}
+
+/// A config file's text, as `--config` reads it: TOML into the options, then validated (a
+/// config that validates prints, with `--print-config`, as TOML that reads back the same).
+pub fn config_file(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    if let Ok(settings) = orbitkv_config::from_file_text(text) {
+        let printed = toml::to_string(&settings.config).expect("a configuration prints");
+        let back = orbitkv_config::from_file_text(&printed).expect("what printed reads back");
+        assert_eq!(back.config, settings.config, "{printed}");
+    }
 }

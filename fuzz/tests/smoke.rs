@@ -201,5 +201,5 @@ fn config_file() {
     .iter()
     .map(|s| s.as_bytes().to_vec())
     .collect();
-    run(orbitkv_server::fuzzing::config_file, &seeds);
+    run(orbitkv_fuzz::config_file, &seeds);
 }
