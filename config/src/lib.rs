@@ -168,11 +168,11 @@ pub struct ServerConfig {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = HugePages::Auto,
           hide_default_value = true, hide_possible_values = true)]
     pub hugepages: HugePages,
-    /// How many memfds the arena is made of: one (every shard's slice in one file), or
-    /// per-shard (each shard's slice its own file, mapped one after another as one range, so
-    /// that the shards' page faults at start do not contend on one file's locks; one with
-    /// more than 128 shards). Default: one.
-    #[arg(long, value_name = "LAYOUT", value_enum, default_value_t = ArenaMemfds::One,
+    /// How many memfds the arena is made of: per-shard (each shard's slice its own file,
+    /// mapped one after another as one range, so that the shards' page faults at start do not
+    /// contend on one file's locks; one with more than 128 shards), or one (every shard's
+    /// slice in one file). Default: per-shard.
+    #[arg(long, value_name = "LAYOUT", value_enum, default_value_t = ArenaMemfds::PerShard,
           hide_default_value = true, hide_possible_values = true)]
     pub arena_memfds: ArenaMemfds,
     /// Pin each shard to its own core, the last of the allowed CPUs (engines pin from the

@@ -10,7 +10,7 @@ fn every_shards_slice_is_populated_and_reported() {
     server.client("populated").ping().unwrap();
     let stats = server.admin("stats");
     assert_eq!(stats["arena_pages"], "4KiB", "{stats}");
-    assert_eq!(stats["arena_memfds"], 1, "one memfd by default: {stats}");
+    assert_eq!(stats["arena_memfds"], 2, "a memfd per shard by default: {stats}");
     let p = &stats["arena_populate"];
     assert!(p["seconds"].as_f64().unwrap() >= 0.0, "{stats}");
     let slices = p["slices"].as_array().unwrap();
@@ -29,6 +29,35 @@ fn every_shards_slice_is_populated_and_reported() {
     let log = server.log();
     assert_eq!(log.matches("arena slice populated").count(), 2, "{log}");
     assert!(log.contains("arena populated") && log.contains("threads=2"), "{log}");
+}
+
+#[test]
+fn one_memfd_when_asked() {
+    let server = TestServer::start(&[
+        "--shards",
+        "3",
+        "--dram",
+        "24MiB",
+        "--hugepages",
+        "off",
+        "--arena-memfds",
+        "one",
+    ]);
+    let mut c = server.client("one-file");
+    assert_eq!(c.arena_files().expect("connected").len(), 1);
+    let ns = c.register_namespace(&namespace(16)).unwrap().id;
+    let keys = chain(ns, 7, 6);
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 60_000)).collect();
+    let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
+    let stored = c.put(&items).unwrap();
+    assert!(stored.iter().all(|o| *o == orbitkv_client::PutOutcome::Stored), "{stored:?}");
+    let leases = c.lookup_leased(&keys).unwrap();
+    for (l, v) in leases.iter().zip(&values) {
+        assert_eq!(c.chunk(l).unwrap(), &v[..]);
+    }
+    c.release(&leases).unwrap();
+    assert_eq!(server.admin("stats")["arena_memfds"], 1);
+    assert!(server.log().contains("memfds=1"), "{}", server.log());
 }
 
 #[test]

@@ -264,14 +264,22 @@ def test_golden_vectors_shared_with_rust():
 
 def test_the_arena_mapping_names_its_memfds(client, server):
     """`arena()` gives the arena's length and each memfd's range in it (end to end): what
-    `Client.cuda_arena` registers with CUDA, a file at a time. One by default; one per shard
-    with `--arena-memfds per-shard`, whose bytes every client sees alike. No addresses."""
+    `Client.cuda_arena` registers with CUDA, a file at a time. One per shard by default, whose
+    bytes every client sees alike; one with `--arena-memfds one`. No addresses."""
     client.ping()
     info = client.arena()
     assert info is not None and info.connection == client.connection
-    assert info.files == [(0, info.length)], info
+    assert len(info.files) == server.admin("stats")["arena_memfds"], info
     assert server.admin("stats")["arena_bytes"] <= info.length
-    per_shard = Server(["--shards", "3", "--dram", "24MiB", "--arena-memfds", "per-shard"])
+    one = Server(["--shards", "3", "--dram", "24MiB", "--arena-memfds", "one"])
+    try:
+        c = Client(one.socket, name="one-file")
+        c.ping()
+        info = c.arena()
+        assert info is not None and info.files == [(0, info.length)], info
+    finally:
+        one.stop()
+    per_shard = Server(["--shards", "3", "--dram", "24MiB"])
     try:
         writer, reader = Client(per_shard.socket, name="writer"), Client(per_shard.socket, name="reader")
         writer.ping()
