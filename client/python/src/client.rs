@@ -12,7 +12,7 @@ use crate::arena::ArenaMapping;
 use crate::errors::{invalid, to_py};
 use crate::raw::{Access, Held};
 use crate::types::{
-    layout_kind, outcome_name, put_outcome_name, ChunkKey, GpuRegistration, Hit, Lease,
+    outcome_name, put_outcome_name, ChunkKey, GpuRegistration, Hit, KvLayout, Lease,
     NamespaceDescriptor, Reserved, Transfer,
 };
 
@@ -366,25 +366,16 @@ impl NativeClient {
         ArenaMapping::cuda(py, arena, device)
     }
 
-    /// Registers GPU KV tensors: `layout` as (kind, num_layers, num_blocks, block_size,
-    /// kv_heads, head_dim, elem_bytes), `tensors` as (64-byte IPC handle, offset, length).
+    /// Registers GPU KV tensors of `layout`, `tensors` as (64-byte IPC handle, offset,
+    /// length).
     fn register_gpu(
         &self,
         py: Python<'_>,
         device_uuid: String,
-        layout: (String, u32, u64, u32, u32, u32, u32),
+        layout: &KvLayout,
         tensors: Vec<(Vec<u8>, u64, u64)>,
     ) -> PyResult<GpuRegistration> {
-        let (kind, num_layers, num_blocks, block_size, kv_heads, head_dim, elem_bytes) = layout;
-        let spec = okv::KvLayoutSpec {
-            kind: layout_kind(&kind)?,
-            num_layers,
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-            elem_bytes,
-        };
+        let spec = layout.0;
         let ts = tensors
             .into_iter()
             .enumerate()

@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::Reserved>()?;
     m.add_class::<types::GpuRegistration>()?;
     m.add_class::<types::Transfer>()?;
+    m.add_class::<types::KvLayout>()?;
     m.add_class::<arena::ArenaMapping>()?;
     m.add_function(wrap_pyfunction!(hashing::prefix_digests, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::chunk_digest, m)?)?;

@@ -311,18 +311,102 @@ pub(crate) fn put_outcome_name(o: okv::PutOutcome) -> &'static str {
     }
 }
 
-/// The GPU KV layout kinds by name.
-pub(crate) fn layout_kind(name: &str) -> PyResult<okv::KvLayoutKind> {
-    Ok(match name {
-        "flash_nhd" => okv::KvLayoutKind::FlashAttnNhd,
-        "flash_hnd" => okv::KvLayoutKind::FlashAttnHnd,
-        "cross_layer" => okv::KvLayoutKind::CrossLayer,
-        "mla" => okv::KvLayoutKind::MlaPerLayer,
-        "sglang" => okv::KvLayoutKind::SglangPerLayer,
-        "paged" => okv::KvLayoutKind::Paged,
-        other => {
-            const KINDS: &str = "paged, flash_nhd, flash_hnd, cross_layer, mla, sglang";
-            return Err(invalid(format!("layout kind {other:?}: one of {KINDS}")));
-        }
+/// The GPU KV layout kinds by name (the Python `KvLayout`'s `kind`).
+const LAYOUT_KINDS: [(&str, okv::KvLayoutKind); 6] = [
+    ("paged", okv::KvLayoutKind::Paged),
+    ("flash_nhd", okv::KvLayoutKind::FlashAttnNhd),
+    ("flash_hnd", okv::KvLayoutKind::FlashAttnHnd),
+    ("cross_layer", okv::KvLayoutKind::CrossLayer),
+    ("mla", okv::KvLayoutKind::MlaPerLayer),
+    ("sglang", okv::KvLayoutKind::SglangPerLayer),
+];
+
+/// A layout kind by its name.
+fn layout_kind(name: &str) -> PyResult<okv::KvLayoutKind> {
+    LAYOUT_KINDS.iter().find(|(n, _)| *n == name).map(|&(_, k)| k).ok_or_else(|| {
+        const KINDS: &str = "paged, flash_nhd, flash_hnd, cross_layer, mla, sglang";
+        invalid(format!("layout kind {name:?}: one of {KINDS}"))
     })
+}
+
+/// The shape of an engine rank's KV cache on one GPU: `orbitkv_proto::KvLayoutSpec` itself
+/// (see docs/operations.md). `kind`: paged (vLLM >= 0.32, per layer), flash_nhd, flash_hnd,
+/// cross_layer, mla or sglang.
+#[pyclass(module = "orbitkv._native", frozen, eq, from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KvLayout(pub(crate) okv::KvLayoutSpec);
+
+#[pymethods]
+impl KvLayout {
+    #[new]
+    fn new(
+        kind: &str,
+        num_layers: u32,
+        num_blocks: u64,
+        block_size: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        elem_bytes: u32,
+    ) -> PyResult<Self> {
+        let kind = layout_kind(kind)?;
+        Ok(Self(okv::KvLayoutSpec {
+            kind,
+            num_layers,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            elem_bytes,
+        }))
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        LAYOUT_KINDS.iter().find(|(_, k)| *k == self.0.kind).map_or("?", |&(n, _)| n)
+    }
+
+    #[getter]
+    fn num_layers(&self) -> u32 {
+        self.0.num_layers
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u64 {
+        self.0.num_blocks
+    }
+
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.0.block_size
+    }
+
+    #[getter]
+    fn kv_heads(&self) -> u32 {
+        self.0.kv_heads
+    }
+
+    #[getter]
+    fn head_dim(&self) -> u32 {
+        self.0.head_dim
+    }
+
+    #[getter]
+    fn elem_bytes(&self) -> u32 {
+        self.0.elem_bytes
+    }
+
+    fn __repr__(&self) -> String {
+        let l = &self.0;
+        format!(
+            "KvLayout(kind={:?}, num_layers={}, num_blocks={}, block_size={}, kv_heads={}, \
+             head_dim={}, elem_bytes={})",
+            self.kind(),
+            l.num_layers,
+            l.num_blocks,
+            l.block_size,
+            l.kv_heads,
+            l.head_dim,
+            l.elem_bytes
+        )
+    }
 }

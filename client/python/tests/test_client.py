@@ -242,6 +242,20 @@ def test_large_block_batches_copy_on_several_threads(server):
     assert server.shard_sum("leases") == 0
 
 
+def test_kv_layout_is_the_wire_type():
+    """`KvLayout` is the native module's (proto's `KvLayoutSpec`): no Python copy to drift."""
+    layout = orbitkv.KvLayout("paged", 32, 4096, 16, 8, 128, 2)
+    assert layout is not None and type(layout).__module__ == "orbitkv._native"
+    assert (layout.kind, layout.num_layers, layout.num_blocks, layout.block_size) == ("paged", 32, 4096, 16)
+    assert (layout.kv_heads, layout.head_dim, layout.elem_bytes) == (8, 128, 2)
+    assert layout == orbitkv.KvLayout("paged", 32, 4096, 16, 8, 128, 2) != orbitkv.KvLayout("mla", 32, 4096, 16, 1, 576, 2)
+    assert repr(layout).startswith("KvLayout(kind=\"paged\", num_layers=32")
+    with pytest.raises(orbitkv.InvalidArgument, match="layout kind \"nope\": one of paged, flash_nhd"):
+        orbitkv.KvLayout("nope", 32, 4096, 16, 8, 128, 2)
+    with pytest.raises(OverflowError):
+        orbitkv.KvLayout("paged", -1, 4096, 16, 8, 128, 2)
+
+
 def test_golden_vectors_shared_with_rust():
     golden = json.loads((REPO / "proto" / "golden" / "hashing.json").read_text())
     assert orbitkv.PREFIX_SEED.hex() == golden["prefix_seed"]

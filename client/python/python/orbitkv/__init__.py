@@ -20,6 +20,7 @@ from ._native import (
     GpuRegistration,
     Hit,
     InvalidArgument,
+    KvLayout,
     Lease,
     NamespaceDescriptor,
     OrbitKVError,
@@ -34,7 +35,7 @@ from ._native import (
     chunk_digest,
     prefix_digests,
 )
-from .client import ArenaInfo, Client, GroupPrefix, KvLayout, Namespace, Region, default_socket_path
+from .client import ArenaInfo, Client, GroupPrefix, Namespace, Region, default_socket_path
 from .outcome import Outcome
 
 __all__ = [

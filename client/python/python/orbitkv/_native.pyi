@@ -97,6 +97,35 @@ class Reserved:
     def offset(self) -> int: ...
     def __len__(self) -> int: ...
 
+class KvLayout:
+    """The shape of an engine rank's KV cache on one GPU (`orbitkv_proto::KvLayoutSpec`).
+    kind: paged, flash_nhd, flash_hnd, cross_layer, mla or sglang."""
+
+    def __init__(
+        self,
+        kind: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        elem_bytes: int,
+    ) -> None: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def elem_bytes(self) -> int: ...
+
 class GpuRegistration:
     @property
     def id(self) -> int: ...
@@ -165,7 +194,7 @@ class NativeClient:
     def register_gpu(
         self,
         device_uuid: str,
-        layout: Tuple[str, int, int, int, int, int, int],
+        layout: KvLayout,
         tensors: Sequence[Tuple[bytes, int, int]],
     ) -> GpuRegistration: ...
     def unregister_gpu(self, reg: GpuRegistration) -> None: ...

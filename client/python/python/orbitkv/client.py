@@ -14,6 +14,7 @@ from ._native import (
     GpuRegistration,
     Hit,
     InvalidArgument,
+    KvLayout,
     Lease,
     NamespaceDescriptor,
     Reserved,
@@ -70,26 +71,6 @@ class Region:
     buffer: Any
     block_bytes: int
     block_stride: int = 0  # 0: block_bytes (back to back)
-
-
-@dataclasses.dataclass(frozen=True)
-class KvLayout:
-    """The shape of an engine rank's KV cache on one GPU (see docs/operations.md).
-
-    kind: paged (vLLM >= 0.32, per layer), flash_nhd, flash_hnd, cross_layer, mla or sglang.
-    """
-
-    kind: str
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    kv_heads: int
-    head_dim: int
-    elem_bytes: int
-
-    def _native(self) -> Tuple[Any, ...]:
-        return (self.kind, self.num_layers, self.num_blocks, self.block_size, self.kv_heads,
-                self.head_dim, self.elem_bytes)
 
 
 PutItems = Iterable[Tuple[ChunkKey, Any]]
@@ -337,7 +318,7 @@ class Client:
         from .gpu import ipc_triple
 
         triples = [t if isinstance(t, tuple) else ipc_triple(t) for t in tensors]
-        return self._c.register_gpu(device_uuid, layout._native(), triples)
+        return self._c.register_gpu(device_uuid, layout, triples)
 
     def unregister_gpu(self, reg: GpuRegistration) -> None:
         self._c.unregister_gpu(reg)

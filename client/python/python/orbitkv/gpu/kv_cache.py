@@ -106,7 +106,7 @@ class GpuKvCache:
         return u
 
     def layout(self) -> Any:
-        from ..client import KvLayout
+        from .._native import KvLayout
 
         return KvLayout(self.kind, *self.layout_args)
 
