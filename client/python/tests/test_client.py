@@ -248,7 +248,8 @@ def test_kv_layout_is_the_wire_type():
     assert layout is not None and type(layout).__module__ == "orbitkv._native"
     assert (layout.kind, layout.num_layers, layout.num_blocks, layout.block_size) == ("paged", 32, 4096, 16)
     assert (layout.kv_heads, layout.head_dim, layout.elem_bytes) == (8, 128, 2)
-    assert layout == orbitkv.KvLayout("paged", 32, 4096, 16, 8, 128, 2) != orbitkv.KvLayout("mla", 32, 4096, 16, 1, 576, 2)
+    assert layout == orbitkv.KvLayout("paged", 32, 4096, 16, 8, 128, 2)
+    assert layout != orbitkv.KvLayout("mla", 32, 4096, 16, 1, 576, 2)
     assert repr(layout).startswith("KvLayout(kind=\"paged\", num_layers=32")
     with pytest.raises(orbitkv.InvalidArgument, match="layout kind \"nope\": one of paged, flash_nhd"):
         orbitkv.KvLayout("nope", 32, 4096, 16, 8, 128, 2)

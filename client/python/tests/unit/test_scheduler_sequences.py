@@ -7,7 +7,6 @@ up, every lease released exactly once, nothing left pending."""
 
 from __future__ import annotations
 
-import logging
 import os
 import types
 
@@ -19,7 +18,7 @@ torch = pytest.importorskip("torch")
 import fake_native  # noqa: E402
 import vllm_parts as vp  # noqa: E402
 from orbitkv.vllm import OrbitKVConnectorMetadata  # noqa: E402
-from vllm_parts import BS  # noqa: E402
+from vllm_parts import BS, connectors, log  # noqa: E402, F401 (fixtures, passed by name)
 
 SCHEDULER = "vllm-scheduler"
 
@@ -27,23 +26,6 @@ SCHEDULER = "vllm-scheduler"
 @pytest.fixture
 def manager(monkeypatch):
     return fake_native.install(monkeypatch)
-
-
-@pytest.fixture
-def connectors(manager):
-    made = vp.Connectors(manager)
-    yield made
-    made.shutdown_all()
-    manager.assert_quiet()
-
-
-@pytest.fixture
-def log():
-    records = vp.Records()
-    logger = logging.getLogger("vllm.orbitkv")
-    logger.addHandler(records)
-    yield records
-    logger.removeHandler(records)
 
 
 def stats(conn):

@@ -8,7 +8,6 @@ vLLM (finished sending and receiving, blocks that failed to load, stats) and wha
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
@@ -19,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import fake_native  # noqa: E402
 import vllm_parts as vp  # noqa: E402
-from vllm_parts import CHUNK, Steps  # noqa: E402
+from vllm_parts import CHUNK, Steps, connectors, log  # noqa: E402, F401 (fixtures, passed by name)
 
 WORKER = "vllm-worker-0"
 
@@ -28,23 +27,6 @@ WORKER = "vllm-worker-0"
 def manager(monkeypatch):
     monkeypatch.setattr("orbitkv.vllm.worker._tp_rank", lambda: 0)
     return fake_native.install(monkeypatch)
-
-
-@pytest.fixture
-def connectors(manager):
-    made = vp.Connectors(manager)
-    yield made
-    made.shutdown_all()
-    manager.assert_quiet()
-
-
-@pytest.fixture
-def log():
-    records = vp.Records()
-    logger = logging.getLogger("vllm.orbitkv")
-    logger.addHandler(records)
-    yield records
-    logger.removeHandler(records)
 
 
 def block_bytes(kv, b: int) -> bytes:

@@ -12,6 +12,7 @@ import time
 import types
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import pytest
 import torch
 from fake_native import FakeManager
 from orbitkv import ChunkKey, chunk_digest
@@ -223,3 +224,23 @@ class Records(logging.Handler):
 
     def messages(self, containing: str) -> List[str]:
         return [r.getMessage() for r in self.records if containing in r.getMessage()]
+
+
+@pytest.fixture
+def connectors(manager):
+    """The connectors a test makes (`Connectors`), shut down after it, and the fake Manager
+    then checked quiet: no lease held or released twice, no reservation open, no call held."""
+    made = Connectors(manager)
+    yield made
+    made.shutdown_all()
+    manager.assert_quiet()
+
+
+@pytest.fixture
+def log():
+    """The connector's log records during the test."""
+    records = Records()
+    logger = logging.getLogger("vllm.orbitkv")
+    logger.addHandler(records)
+    yield records
+    logger.removeHandler(records)
