@@ -423,7 +423,7 @@ where
     let text = std::fs::read_to_string(path)
         .map_err(|source| ConfigError::Read { path: path.clone(), source })?;
     let config = merge(&text, &args.server, &matches)
-        .map_err(|message| ConfigError::Parse { path: path.clone(), message })?;
+        .map_err(|e| ConfigError::Parse { path: path.clone(), message: e.to_string() })?;
     Ok((config, args.print_config))
 }
 
@@ -451,20 +451,40 @@ pub enum CommandLineError {
     File(#[from] ConfigError),
 }
 
+/// Why a config file's text gives no settings.
+#[derive(Debug, thiserror::Error)]
+pub enum FileTextError {
+    /// Not TOML, or not the options' keys and values.
+    #[error(transparent)]
+    Toml(#[from] toml::de::Error),
+    /// The flags given could not be put in place of the file's values.
+    #[error(transparent)]
+    Flags(#[from] toml::ser::Error),
+    /// The command line's defaults could not be read (clap).
+    #[error(transparent)]
+    CommandLine(#[from] clap::Error),
+    /// Options that do not validate; the message names the flag.
+    #[error(transparent)]
+    Invalid(#[from] ConfigError),
+}
+
 /// A config file's TOML `text` alone (no flag given), as `--config` reads it, validated.
-pub fn from_file_text(text: &str) -> Result<Settings, String> {
-    let matches =
-        Args::command().try_get_matches_from(["orbitkv-server"]).map_err(|e| e.to_string())?;
-    let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+pub fn from_file_text(text: &str) -> Result<Settings, FileTextError> {
+    let matches = Args::command().try_get_matches_from(["orbitkv-server"])?;
+    let args = Args::from_arg_matches(&matches)?;
     let config = merge(text, &args.server, &matches)?;
-    config.validate().map_err(|e| e.to_string())
+    Ok(config.validate()?)
 }
 
 /// The file's TOML `text` with the options `matches` got from the command line taken from
 /// `flags` instead.
-fn merge(text: &str, flags: &ServerConfig, matches: &ArgMatches) -> Result<ServerConfig, String> {
-    let mut file: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
-    let given = toml::Table::try_from(flags).map_err(|e| e.to_string())?;
+fn merge(
+    text: &str,
+    flags: &ServerConfig,
+    matches: &ArgMatches,
+) -> Result<ServerConfig, FileTextError> {
+    let mut file: toml::Table = toml::from_str(text)?;
+    let given = toml::Table::try_from(flags)?;
     for id in matches.ids() {
         if matches.value_source(id.as_str()) != Some(ValueSource::CommandLine) {
             continue;
@@ -480,7 +500,7 @@ fn merge(text: &str, flags: &ServerConfig, matches: &ArgMatches) -> Result<Serve
             }
         }
     }
-    ServerConfig::deserialize(file).map_err(|e| e.to_string())
+    Ok(ServerConfig::deserialize(file)?)
 }
 
 /// A validated configuration, with the values the server derives from it.

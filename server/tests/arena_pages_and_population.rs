@@ -31,8 +31,9 @@ fn every_shards_slice_is_populated_and_reported() {
     assert!(log.contains("arena populated") && log.contains("threads=2"), "{log}");
 }
 
-#[test]
-fn one_memfd_when_asked() {
+/// Chunks on every shard, written by one client and read back by another: an offset names
+/// the same byte in every process's mapping of the arena's `memfds` files (`layout`).
+fn every_client_sees_the_same_bytes(layout: &str, memfds: u64) {
     let server = TestServer::start(&[
         "--shards",
         "3",
@@ -41,43 +42,13 @@ fn one_memfd_when_asked() {
         "--hugepages",
         "off",
         "--arena-memfds",
-        "one",
-    ]);
-    let mut c = server.client("one-file");
-    assert_eq!(c.arena_files().expect("connected").len(), 1);
-    let ns = c.register_namespace(&namespace(16)).unwrap().id;
-    let keys = chain(ns, 7, 6);
-    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 60_000)).collect();
-    let items: Vec<_> = keys.iter().zip(&values).map(|(k, v)| (*k, v.as_slice())).collect();
-    let stored = c.put(&items).unwrap();
-    assert!(stored.iter().all(|o| *o == orbitkv_client::PutOutcome::Stored), "{stored:?}");
-    let leases = c.lookup_leased(&keys).unwrap();
-    for (l, v) in leases.iter().zip(&values) {
-        assert_eq!(c.chunk(l).unwrap(), &v[..]);
-    }
-    c.release(&leases).unwrap();
-    assert_eq!(server.admin("stats")["arena_memfds"], 1);
-    assert!(server.log().contains("memfds=1"), "{}", server.log());
-}
-
-#[test]
-fn a_memfd_per_shard_serves_every_client_the_same_bytes() {
-    let server = TestServer::start(&[
-        "--shards",
-        "3",
-        "--dram",
-        "24MiB",
-        "--hugepages",
-        "off",
-        "--arena-memfds",
-        "per-shard",
+        layout,
     ]);
     let stats = server.admin("stats");
-    assert_eq!(stats["arena_memfds"], 3, "{stats}");
-    assert!(server.log().contains("memfds=3"), "{}", server.log());
-    // Chunks on every shard, written by one client and read back by another: an offset names
-    // the same byte in every process's mapping of the files.
+    assert_eq!(stats["arena_memfds"], memfds, "{stats}");
+    assert!(server.log().contains(&format!("memfds={memfds}")), "{}", server.log());
     let mut writer = server.client("writer");
+    assert_eq!(writer.arena_files().expect("connected").len() as u64, memfds);
     let ns = writer.register_namespace(&namespace(16)).unwrap().id;
     let keys: Vec<_> = (0..24).flat_map(|seed| chain(ns, seed, 1)).collect();
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 60_000)).collect();
@@ -95,6 +66,16 @@ fn a_memfd_per_shard_serves_every_client_the_same_bytes() {
     let shards = server.admin("stats")["shards"].clone();
     let holding = shards.as_array().unwrap().iter().filter(|s| s["entries"] != 0).count();
     assert_eq!(holding, 3, "every shard holds chunks: {shards}");
+}
+
+#[test]
+fn a_memfd_per_shard_serves_every_client_the_same_bytes() {
+    every_client_sees_the_same_bytes("per-shard", 3);
+}
+
+#[test]
+fn one_memfd_when_asked() {
+    every_client_sees_the_same_bytes("one", 1);
 }
 
 #[test]
