@@ -17,23 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::etcd::{self, Etcd, EtcdError};
-use serde::{Deserialize, Serialize};
 
 pub use orbitkv_config::ClusterConfig;
 
-/// One member of the cluster, as its key in etcd says.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Member {
-    pub node_id: String,
-    pub peer_addr: String,
-    /// The name of its Transfer Engine segment.
-    pub te_segment: String,
-    pub shards: usize,
-    pub epoch: u64,
-    pub pid: u32,
-    /// When the member started, Unix seconds.
-    pub started_unix_s: u64,
-}
+/// One member of the cluster, as its key in etcd says (the admin socket's `peers` lists the
+/// same type).
+pub use orbitkv_proto::admin::ClusterMember as Member;
 
 /// Where membership stands.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use orbitkv_gpu::dma::Direction;
-use orbitkv_proto::admin::{ClusterMember, ClusterState, ClusterStatus, HealthReply, ServerState};
+use orbitkv_proto::admin::{ClusterState, ClusterStatus, HealthReply, ServerState};
 use orbitkv_proto::ErrorCode;
 use orbitkv_proto::LatencyHistogram;
 use orbitkv_shards::OpKind;
@@ -215,19 +215,7 @@ pub(crate) fn cluster_status(s: &orbitkv_peer::Status) -> ClusterStatus {
         cluster: s.cluster.clone(),
         node_id: s.node_id.clone(),
         epoch: s.epoch,
-        members: s
-            .members
-            .iter()
-            .map(|m| ClusterMember {
-                node_id: m.node_id.clone(),
-                peer_addr: m.peer_addr.clone(),
-                te_segment: m.te_segment.clone(),
-                shards: m.shards,
-                epoch: m.epoch,
-                pid: m.pid,
-                started_unix_s: m.started_unix_s,
-            })
-            .collect(),
+        members: s.members.clone(),
     }
 }
 

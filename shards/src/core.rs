@@ -173,24 +173,9 @@ pub struct EvictSummary {
     pub not_durable: u64,
 }
 
-/// What [`ShardCore::audit`] found: the counts a full scan gives, and every inconsistency.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Audit {
-    /// Entries in the slab (any state).
-    pub entries: u64,
-    /// Arena pages the entries hold.
-    pub entry_pages: u64,
-    /// Leases the entries carry.
-    pub leases: u64,
-    /// Of those, pins of lookups waiting for a tier (not sessions' leases).
-    pub pins: u64,
-    /// Entries reserved by sessions.
-    pub reservations: u64,
-    /// Records in the SSD index.
-    pub ssd_records: u64,
-    /// What does not add up (empty when the shard is consistent).
-    pub problems: Vec<String>,
-}
+/// What [`ShardCore::audit`] found: the counts a full scan gives, and every inconsistency (the
+/// admin socket's `audit` answers it as it is).
+pub use orbitkv_proto::admin::ShardAudit as Audit;
 
 /// A tombstone write an eviction started: until it lands, the deletion of what it covers is
 /// not durable.

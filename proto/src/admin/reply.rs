@@ -169,7 +169,8 @@ pub struct ClusterStatus {
     pub members: Vec<ClusterMember>,
 }
 
-/// One member of the cluster.
+/// One member of the cluster: its member key's JSON in etcd, as the admin socket's `peers`
+/// shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterMember {
     /// Its node id (`--node-id`).
@@ -370,7 +371,7 @@ pub struct AuditReply {
 }
 
 /// One shard's `audit`: the counts its full scan gives, and every inconsistency.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardAudit {
     /// Entries in its index (any state).
     pub entries: u64,

@@ -212,16 +212,7 @@ fn audit(shared: &Shared) -> AuditReply {
         .map(|(id, a)| match a {
             Some(a) => {
                 problems.extend(a.problems.iter().map(|p| format!("shard {id}: {p}")));
-                let answer = ShardAudit {
-                    entries: a.entries,
-                    entry_pages: a.entry_pages,
-                    leases: a.leases,
-                    pins: a.pins,
-                    reservations: a.reservations,
-                    ssd_records: a.ssd_records,
-                    problems: a.problems,
-                };
-                ShardAnswer { id, answer: Some(answer) }
+                ShardAnswer { id, answer: Some(a) }
             }
             None => {
                 problems.push(format!(
