@@ -58,17 +58,14 @@ class Manager:
             return f.read().decode(errors="replace")[-n:]
 
     def admin(self, cmd: str) -> Dict[str, Any]:
-        with pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM) as s:
-            s.settimeout(10)
-            s.connect(self.socket + ".admin")
-            s.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
-            buf = b""
-            while not buf.endswith(b"\n"):
-                part = s.recv(1 << 16)
-                if not part:
-                    break
-                buf += part
-        return json.loads(buf)
+        """The server's answer to `{"cmd": cmd}` on its admin socket, whatever its `ok` says
+        (through the package's admin client); ConnectionError while no server answers there."""
+        import orbitkv
+
+        try:
+            return orbitkv.admin(cmd, socket=self.socket)
+        except (orbitkv.Unavailable, orbitkv.Disconnected) as e:
+            raise ConnectionError(str(e)) from e
 
     def shard_sum(self, field: str) -> int:
         return sum(int(s.get(field) or 0) for s in self.admin("stats")["shards"])

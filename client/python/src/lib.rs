@@ -1,6 +1,7 @@
 //! `orbitkv._native`: the `orbitkv-client` library for Python. The `orbitkv` package wraps it
 //! (buffer handling, engine integrations); use that, not this module directly.
 
+mod admin;
 mod arena;
 mod client;
 mod errors;
@@ -33,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::chunk_digest, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::chunk_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(admin::admin_request, m)?)?;
     m.add("OUTCOMES", pyo3::types::PyTuple::new(m.py(), types::outcome_names())?)?;
     m.add("PREFIX_SEED", pyo3::types::PyBytes::new(m.py(), &orbitkv_client::PREFIX_SEED))?;
     // The workspace's version: the same as `orbitkv-server --version` of this release.

@@ -242,6 +242,19 @@ def test_large_block_batches_copy_on_several_threads(server):
     assert server.shard_sum("leases") == 0
 
 
+def test_admin_requests_go_through_the_one_admin_client(server, tmp_path):
+    """`orbitkv.admin`: the admin socket through the Rust `AdminClient` (as `orbitkv-ctl`)."""
+    health = orbitkv.admin("health", socket=server.socket)
+    assert health["ok"] is True and health["state"] == "serving", health
+    refused = orbitkv.admin({"cmd": "nope"}, socket=server.socket)
+    assert refused["ok"] is False and refused["error"] == 'unknown command "nope"', refused
+    with pytest.raises(orbitkv.Unavailable, match="cannot connect"):
+        orbitkv.admin("health", socket=tmp_path / "none.sock")
+    with pytest.raises(orbitkv.InvalidArgument, match="JSON object"):
+        orbitkv._native.admin_request("[1, 2]", os.fspath(server.socket))
+    assert orbitkv.admin("stats", socket=server.socket)["ok"] is True
+
+
 def test_kv_layout_is_the_wire_type():
     """`KvLayout` is the native module's (proto's `KvLayoutSpec`): no Python copy to drift."""
     layout = orbitkv.KvLayout("paged", 32, 4096, 16, 8, 128, 2)

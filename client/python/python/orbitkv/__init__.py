@@ -35,7 +35,7 @@ from ._native import (
     chunk_digest,
     prefix_digests,
 )
-from .client import ArenaInfo, Client, GroupPrefix, Namespace, Region, default_socket_path
+from .client import ArenaInfo, Client, GroupPrefix, Namespace, Region, admin, default_socket_path
 from .outcome import Outcome
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "Timeout",
     "Transfer",
     "Unavailable",
+    "admin",
     "chunk_checksum",
     "chunk_digest",
     "default_socket_path",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -21,6 +22,21 @@ from ._native import (
     Transfer,
 )
 from .outcome import Outcome, maybe_outcomes, outcomes, slots
+
+
+def admin(request: Union[str, Dict[str, Any]], socket: Optional[Union[str, "os.PathLike[str]"]] = None,
+          timeout: float = 10.0) -> Dict[str, Any]:
+    """One request on the admin socket (`<socket>.admin`) of the server at `socket` (default:
+    the client's): a command name (`"stats"`) or a request object (`{"cmd": "evict", "all":
+    True}`); the answer as it came, whatever its `"ok"` says (docs/operations.md). The same
+    client as `orbitkv-ctl`'s. `Unavailable` when no server answers there, `Disconnected` when
+    the connection fails or times out."""
+    req = {"cmd": request} if isinstance(request, str) else request
+    answer = json.loads(_native.admin_request(json.dumps(req), None if socket is None else os.fspath(socket),
+                                              timeout))
+    if not isinstance(answer, dict):
+        raise _native.ProtocolError(f"the admin socket answered {answer!r}, not an object")
+    return answer
 
 
 def default_socket_path() -> str:
