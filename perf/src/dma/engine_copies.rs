@@ -14,7 +14,6 @@ use orbitkv_gpu::dma::{
     ChunkHasher, CopyEngine, CopyJob, Direction, SaveSums, Strategy, Transfer, JOB_BYTES,
 };
 use orbitkv_gpu::HostRegistration;
-use orbitkv_shards::Arena;
 use serde::Serialize;
 
 use super::served::engine::{
@@ -68,7 +67,7 @@ pub(crate) fn run(
         .map_err(client_err("register namespace"))?;
     let keys = chunk_keys(ns.id, a.seed, e.chunks.len());
     let bytes = e.chunk_len * keys.len() as u64;
-    let host = register(a.device, &client)?;
+    let host = register(a.device, &mut client)?;
     let register_ms = host.elapsed.as_secs_f64() * 1e3;
     // Start from the engine's own bytes (the earlier series may have left others).
     for (i, t) in e.originals.iter().enumerate() {
@@ -238,13 +237,10 @@ impl Series<'_, '_> {
     }
 }
 
-/// This process's own mapping of the session's arena memfds, registered with CUDA on `device`.
-fn register(device: usize, client: &Client) -> Result<Arc<HostRegistration>, Error> {
-    let fds = client
-        .arena_fds()
-        .ok_or_else(|| Error::Gpu("not connected".into()))?
-        .map_err(|e| Error::Gpu(format!("duplicating the arena memfds: {e}")))?;
-    let arena = Arena::open(fds).map_err(|e| Error::Gpu(format!("mapping the arena: {e}")))?;
+/// This process's own mapping of the session's arena (`Client::map_arena`), registered with
+/// CUDA on `device`.
+fn register(device: usize, client: &mut Client) -> Result<Arc<HostRegistration>, Error> {
+    let arena = client.map_arena().map_err(client_err("map the arena"))?;
     orbitkv_gpu::register_host(device, Arc::new(arena))
         .map(Arc::new)
         .map_err(|e| Error::Gpu(format!("registering the arena mapping: {e}")))
