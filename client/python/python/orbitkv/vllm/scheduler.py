@@ -51,9 +51,6 @@ class _Request:
     #: Its load failed (reported per request with several KV cache groups, else as invalid
     #: blocks of its load): vLLM recomputes it, and it is not looked up again.
     load_failed: bool = False
-    #: The engine blocks its last load writes, until that load's outcome is in: an invalid
-    #: block among them means the load failed.
-    load_blocks: Set[int] = dataclasses.field(default_factory=set)
 
     def extend_digests(self, n: int) -> None:
         """Our digests of the request's first `n` block hashes (its hashes grow as it runs)."""
@@ -88,8 +85,9 @@ class SchedulerSide:
         self._ns_ids: Optional[List[List[int]]] = None
         self.reqs: Dict[str, _Request] = {}
         self.pending_loads: Work = {}
-        #: Requests whose load's outcome is not in yet (their `load_blocks`).
-        self._awaiting_outcome: Set[str] = set()
+        #: Requests whose load's outcome is not in yet, with the engine blocks it writes: an
+        #: invalid block among them means the load failed.
+        self._load_blocks: Dict[str, Set[int]] = {}
         #: Block ids of a request, per group (bound by the connector to vLLM's KV cache manager).
         self.block_ids_of: Optional[Callable[[str], Sequence[Sequence[int]]]] = None
         # The session opens now, off the scheduler's loop, so that the first lookups find it.
@@ -284,8 +282,7 @@ class SchedulerSide:
                 parts.append((g.index, [st.digests[b] for b in idx], [ids[b] for b in idx]))
                 loaded.update((g.index, b) for b in idx)
         self.pending_loads[rid] = parts
-        st.load_blocks = {b for _, _, ids in parts for b in ids}
-        self._awaiting_outcome.add(rid)
+        self._load_blocks[rid] = {b for _, _, ids in parts for b in ids}
         self._release([h for h in st.leases if (h[1], h[2]) not in loaded])
         st.leases = [h for h in st.leases if (h[1], h[2]) in loaded]
         st.loading = True
@@ -357,23 +354,17 @@ class SchedulerSide:
         # first; if that is the request's first block it asks the connector again, and the
         # same hit must not come back (it would fail the same way, again and again).
         invalid = getattr(output, "invalid_block_ids", None)
-        for rid in list(self._awaiting_outcome):
-            st = self.reqs.get(rid)
-            if st is None:
-                self._awaiting_outcome.discard(rid)
-                continue
-            if invalid and st.load_blocks & invalid:
-                st.load_failed = True
+        if invalid:
+            for rid, blocks in self._load_blocks.items():
+                st = self.reqs.get(rid)
+                if st is not None and not blocks.isdisjoint(invalid):
+                    st.load_failed = True
         for rid in output.finished_recving or ():
             self._release(self._load_ended(rid))
         # A load's outcome is in once it is no longer running (async: finished above; sync:
         # it ran in the step this output reports).
-        for rid in list(self._awaiting_outcome):
-            st = self.reqs.get(rid)
-            if st is None or not st.loading:
-                if st is not None:
-                    st.load_blocks = set()
-                self._awaiting_outcome.discard(rid)
+        for rid in [r for r in self._load_blocks if r not in self.reqs or not self.reqs[r].loading]:
+            del self._load_blocks[rid]
         for rid in output.finished_sending or ():
             st = self.reqs.get(rid)
             if st is not None and st.finished and not st.loading:
